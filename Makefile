@@ -1,0 +1,42 @@
+# One command per job. `make demo` and `make test` create the virtual environment on first use.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# torch is pinned here (not in pyproject) so CPU-only machines get the CPU build from a local/CPU index;
+# GPU users get the CUDA build of the same version from PyPI.
+TORCH  ?= torch==2.13.0
+PLAYS  := examples/data/shakespeare
+
+.PHONY: venv demo test test-all docs clean
+venv: $(BIN)/.installed
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e ".[test]"
+	touch $@
+
+# Tokenizer -> packed data -> tiny Llama pretraining on CPU -> sample generation. Scratch lives in demo/.
+demo: venv
+	rm -rf demo
+	$(BIN)/fitlm data tokenizer $(PLAYS)/*.txt --vocab-size 2048 --out demo/tokenizer.json
+	$(BIN)/fitlm data pack $(PLAYS)/hamlet_gut.txt $(PLAYS)/macbeth_gut.txt $(PLAYS)/tempest_gut.txt \
+		$(PLAYS)/romeo_and_juliet_gut.txt --tokenizer demo/tokenizer.json --out demo/data/train
+	$(BIN)/fitlm data pack $(PLAYS)/lear_gut.txt --tokenizer demo/tokenizer.json --out demo/data/valid
+	$(BIN)/fitlm train configs/tiny.yaml
+	$(BIN)/fitlm generate demo/run --prompt "KING LEAR." --max-new-tokens 80 --temperature 0.8 --top-p 0.9
+
+# The test command CI runs: fast unit, multi-process, end-to-end and parity tests (slow ones excluded).
+test: venv
+	$(BIN)/python -m pytest -q
+
+# Everything, including tests marked slow.
+test-all: venv
+	$(BIN)/python -m pytest -q --runslow
+
+# Regenerate the README's config reference from the schema's field docstrings.
+docs: venv
+	$(BIN)/python -m fitlm.docs README.md
+
+clean:
+	rm -rf $(VENV) demo runs .pytest_cache

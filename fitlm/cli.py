@@ -1,0 +1,212 @@
+"""`fitlm` command line: parses arguments and dispatches to the library; no logic of its own.
+
+Errors that a user can fix (bad config, data or paths) print one paragraph naming the key or file
+and the fix, and exit with status 2. Anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+EXIT_USER_ERROR = 2
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="YAML config file (see `fitlm config docs` for every key)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set train.lr=1e-4 (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fitlm", description="Pretrain and fine-tune LLMs on the hardware you have.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Start with `make demo`, or: fitlm data tokenizer ... ; fitlm data pack ... ; fitlm train CONFIG")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("train", help="train a model from a YAML config",
+                       description="Train (pretrain or fine-tune) from one YAML config. Writes metrics.jsonl, "
+                                   "config.yaml and the final model/ under train.output_dir.")
+    _add_config_args(p)
+    p.add_argument("--nproc", type=int, default=None,
+                   help="processes to launch on this node (default: the layout's data×tensor×pipeline product)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="validate the config, data and tokenizer, print the run's shape, and exit without training")
+    p.add_argument("--overwrite", action="store_true",
+                   help="delete a previous run in train.output_dir instead of refusing to touch it")
+    p.add_argument("--json", action="store_true", help="print one JSON summary object on stdout at the end")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("generate", help="generate text from a trained or imported model",
+                       description="Generate a continuation of --prompt with a KV cache. MODEL is a fitlm model "
+                                   "directory, a training output directory, or a Hugging Face directory.")
+    p.add_argument("model", help="model directory (fitlm model dir, training output dir, or HF dir)")
+    p.add_argument("--prompt", required=True, help="text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); >0 samples")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass when temperature > 0 (default 1.0)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--json", action="store_true", help='print {"text": ..., "token_ids": [...]} on stdout')
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("data", help="prepare data: tokenizer, pack, inspect")
+    dsub = p.add_subparsers(dest="data_command", required=True, metavar="STEP")
+    q = dsub.add_parser("tokenizer", help="train a byte-level BPE tokenizer (writes tokenizer.json)")
+    q.add_argument("inputs", nargs="+", help="text files or directories")
+    q.add_argument("--vocab-size", type=int, required=True, help="vocabulary size including special tokens")
+    q.add_argument("--out", required=True, help="output tokenizer.json path")
+    q.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
+    q.set_defaults(func=cmd_data_tokenizer)
+    q = dsub.add_parser("pack", help="tokenize a corpus into a packed token directory")
+    q.add_argument("inputs", nargs="+", help="text (.txt, .jsonl) files or directories")
+    q.add_argument("--tokenizer", required=True, help="tokenizer.json (or a directory holding one)")
+    q.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
+    q.add_argument("--split", choices=["blank-lines", "file"], default="blank-lines",
+                   help="how .txt files are cut into documents (default blank-lines)")
+    q.add_argument("--overwrite", action="store_true", help="replace an existing packed directory")
+    q.add_argument("--json", action="store_true", help="print the manifest as JSON on stdout")
+    q.set_defaults(func=cmd_data_pack)
+    q = dsub.add_parser("inspect", help="summarise a packed directory")
+    q.add_argument("path", help="packed directory")
+    q.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    q.set_defaults(func=cmd_data_inspect)
+
+    p = sub.add_parser("config", help="config helpers: show a resolved config, print the reference")
+    csub = p.add_subparsers(dest="config_command", required=True, metavar="ACTION")
+    q = csub.add_parser("show", help="validate a config and print it with every default filled in")
+    _add_config_args(q)
+    q.set_defaults(func=cmd_config_show)
+    q = csub.add_parser("docs", help="print the config reference (markdown) from the schema")
+    q.set_defaults(func=cmd_config_docs)
+    return parser
+
+
+def _emit_json(obj: dict) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from fitlm.config import ConfigError, load_config
+    from fitlm.train.trainer import Trainer
+
+    cfg = load_config(args.config, args.overrides)
+    if args.nproc is not None and args.nproc != cfg.parallel.world_size:
+        raise ConfigError([f"--nproc {args.nproc} does not match the layout: parallel.data_parallel × tensor_parallel "
+                           f"× pipeline_parallel = {cfg.parallel.world_size}; change one of them"], args.config)
+    if args.dry_run:
+        from fitlm.train.dry_run import dry_run
+        summary = dry_run(cfg)
+        _emit_json(summary) if args.json else _print_table("dry run: everything checks out", summary)
+        return 0
+    result = Trainer(cfg, overwrite=args.overwrite).fit()
+    summary = {"output_dir": str(result.output_dir), "model_dir": str(result.model_dir), "steps": result.steps,
+               "first_loss": result.first_loss, "last_loss": result.last_loss, "eval_loss": result.eval_loss}
+    if args.json:
+        _emit_json(summary)
+    else:
+        _print_table("training finished", summary)
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from fitlm.infer.generate import generate_text
+
+    stream = None if args.json else (lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
+    if stream:
+        sys.stdout.write(args.prompt)
+    out = generate_text(args.model, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                        top_p=args.top_p, seed=args.seed, stream=stream)
+    if args.json:
+        _emit_json(out)
+    else:
+        sys.stdout.write("\n")
+    return 0
+
+
+def cmd_data_tokenizer(args: argparse.Namespace) -> int:
+    from fitlm.data.pack import expand_inputs
+    from fitlm.data.tokenizer import Tokenizer, train_tokenizer
+
+    path = train_tokenizer(expand_inputs([Path(p) for p in args.inputs]), args.vocab_size, Path(args.out),
+                           show_progress=not args.json)
+    tok = Tokenizer.from_file(path)
+    summary = {"path": str(path), "vocab_size": tok.vocab_size, "bos_id": tok.bos_id, "eos_id": tok.eos_id,
+               "pad_id": tok.pad_id, "sha256": tok.sha256}
+    _emit_json(summary) if args.json else _print_table("tokenizer written", summary)
+    return 0
+
+
+def cmd_data_pack(args: argparse.Namespace) -> int:
+    from fitlm.data.pack import pack_corpus
+
+    manifest = pack_corpus([Path(p) for p in args.inputs], Path(args.tokenizer), Path(args.out), split=args.split,
+                           show_progress=not args.json, overwrite=args.overwrite)
+    if args.json:
+        _emit_json(manifest)
+    else:
+        _print_table(f"packed into {args.out}", {k: v for k, v in manifest.items() if not isinstance(v, (list, dict))})
+    return 0
+
+
+def cmd_data_inspect(args: argparse.Namespace) -> int:
+    from fitlm.data.inspect import inspect_packed
+
+    report = inspect_packed(Path(args.path))
+    if args.json:
+        _emit_json(report)
+    else:
+        _print_table(f"packed data {args.path}", {k: v for k, v in report.items() if not isinstance(v, (list, dict))})
+        sys.stderr.write("length histogram (tokens per document):\n")
+        for row in report["length_histogram"]:
+            sys.stderr.write(f"  {row['min']:>7}-{row['max']:<7} {row['count']:>6}\n")
+    return 0
+
+
+def cmd_config_show(args: argparse.Namespace) -> int:
+    from fitlm.config import load_config
+
+    sys.stdout.write(load_config(args.config, args.overrides).to_yaml())
+    return 0
+
+
+def cmd_config_docs(args: argparse.Namespace) -> int:
+    from fitlm.config import config_reference_markdown
+
+    sys.stdout.write(config_reference_markdown())
+    return 0
+
+
+def _print_table(title: str, rows: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, show_header=False)
+    for k, v in rows.items():
+        table.add_row(str(k), f"{v:.4f}" if isinstance(v, float) else str(v))
+    Console(stderr=True).print(table)
+
+
+def _is_user_error(exc: BaseException) -> bool:
+    # fitlm's own error classes (ConfigError, DataError, ...) describe a fixable input problem.
+    return isinstance(exc, ValueError) and type(exc).__module__.startswith("fitlm")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted\n")
+        return 130
+    except Exception as exc:  # noqa: BLE001 - user errors get a paragraph, bugs keep their traceback
+        if not _is_user_error(exc):
+            raise
+        sys.stderr.write(f"fitlm {args.command}: error: {exc}\n")
+        return EXIT_USER_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

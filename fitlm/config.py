@@ -1,0 +1,392 @@
+"""Typed run configuration: YAML in, validated `Config` out, every error reported at once.
+
+Each field's docstring is its user-facing help: `fitlm config docs` renders the README's config
+reference from them, so the reference can never drift from the schema.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+
+class ConfigError(ValueError):
+    """One or more problems with a configuration; `str()` lists them all, one per line."""
+
+    def __init__(self, problems: list[str], source: str | None = None):
+        self.problems = problems
+        self.source = source
+        where = f" in {source}" if source else ""
+        lines = "\n".join(f"  - {p}" for p in problems)
+        super().__init__(f"{len(problems)} problem(s) with the configuration{where}:\n{lines}")
+
+
+class _Section(BaseModel):
+    # Attribute docstrings become field descriptions; unknown keys are errors, never ignored.
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class LoraConfig(_Section):
+    r: int = 8
+    """LoRA rank: the inner dimension of the low-rank update B·A."""
+    alpha: float = 16.0
+    """LoRA scaling numerator; the update is scaled by alpha / r."""
+    dropout: float = 0.0
+    """Dropout applied to the LoRA branch input."""
+    target_modules: list[str] = ["q_proj", "v_proj"]
+    """Module names that get adapters (e.g. q_proj, v_proj), or ["all-linear"]."""
+
+
+class ModelConfig(_Section):
+    arch: str = "llama"
+    """Registered architecture name (`llama`, `gpt2`)."""
+    hidden_size: int = 256
+    """Width of the residual stream."""
+    num_layers: int = 4
+    """Number of transformer blocks."""
+    num_heads: int = 4
+    """Attention heads; must divide hidden_size."""
+    num_kv_heads: int | None = None
+    """Key/value heads for grouped-query attention; must divide num_heads. null = num_heads (plain MHA)."""
+    intermediate_size: int | None = None
+    """MLP inner width. null = the family default (llama: 8/3·hidden rounded up to 256; gpt2: 4·hidden)."""
+    vocab_size: int = 32000
+    """Embedding rows; must be at least the tokenizer's vocabulary size."""
+    max_seq_len: int = 2048
+    """Longest sequence the model supports (RoPE table / learned position embeddings)."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency (llama)."""
+    tie_embeddings: bool = False
+    """Share the input embedding matrix with the output projection."""
+    norm_eps: float = 1e-5
+    """Epsilon of RMSNorm (llama) or LayerNorm (gpt2)."""
+    init_std: float = 0.02
+    """Standard deviation of the normal weight initialisation."""
+    init_from: str | None = None
+    """Start from these weights: a fitlm model directory or a Hugging Face safetensors directory."""
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def ffn_size(self) -> int:
+        if self.intermediate_size:
+            return self.intermediate_size
+        if self.arch == "gpt2":
+            return 4 * self.hidden_size
+        return 256 * ((int(8 * self.hidden_size / 3) + 255) // 256)
+
+
+class DataConfig(_Section):
+    train: str = "data/train"
+    """Directory of packed training tokens (written by `fitlm data pack`)."""
+    valid: str | None = None
+    """Directory of packed validation tokens, or null for no evaluation."""
+    seq_length: int = 2048
+    """Tokens per training sample; must not exceed model.max_seq_len."""
+    format: Literal["pretrain", "chat"] = "pretrain"
+    """`pretrain`: plain text stream. `chat`: conversations with loss on assistant turns only."""
+    tokenizer: str | None = None
+    """tokenizer.json to use; null = the one stored beside the packed training data."""
+
+
+class ParallelConfig(_Section):
+    data_parallel: int = 1
+    """Data-parallel replicas (each reads a disjoint slice of every global batch)."""
+    zero_stage: int = 0
+    """0 = replicate everything; 1 = shard optimizer states; 2 = + gradients; 3 = + parameters."""
+    tensor_parallel: int = 1
+    """Tensor (model) parallel degree; must divide num_heads and num_kv_heads."""
+    sequence_parallel: bool = False
+    """Shard norms/dropout activations along the sequence across the tensor-parallel group."""
+    pipeline_parallel: int = 1
+    """Pipeline stages; layers are split between them."""
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
+    """Pipeline schedule."""
+    micro_batch_num: int = 1
+    """Pipeline chunks each micro batch is split into; at least pipeline_parallel."""
+
+    @property
+    def world_size(self) -> int:
+        return self.data_parallel * self.tensor_parallel * self.pipeline_parallel
+
+
+class MemoryConfig(_Section):
+    mixed_precision: Literal["O0", "O1", "O2", "O3"] = "O0"
+    """O0 fp32; O1 fp32 params + autocast; O2 half compute, fp32 master/grads/optimizer; O3 all half."""
+    half_dtype: Literal["bf16", "fp16"] = "bf16"
+    """Half-precision type for O1-O3. fp16 uses loss scaling; bf16 does not need it."""
+    loss_scale: Literal["dynamic"] | float = "dynamic"
+    """fp16 loss scale: `dynamic`, or a fixed number."""
+    recompute: Literal["none", "full", "selective"] = "none"
+    """Activation recompute: `full` recomputes each block in backward, `selective` only cheap parts."""
+    cpu_offload: bool = False
+    """Keep parameters, gradients and optimizer states in host memory between uses."""
+    compile: bool = False
+    """Wrap each block with torch.compile (eager is the default, easier to debug)."""
+
+
+class FinetuneConfig(_Section):
+    method: Literal["full", "lora", "freeze"] = "full"
+    """`full` trains everything; `lora` trains adapters only; `freeze` freezes the bottom layers."""
+    lora: LoraConfig = LoraConfig()
+    """LoRA settings (used when method is `lora`)."""
+    freeze_layers: float = 0.0
+    """Fraction of the bottom layers frozen when method is `freeze` (0.0-1.0)."""
+
+
+class TrainConfig(_Section):
+    micro_batch_size: int = 8
+    """Sequences per forward/backward on each data-parallel rank."""
+    gradient_accumulation_steps: int = 1
+    """Micro batches accumulated per optimizer step."""
+    max_steps: int = 1000
+    """Optimizer steps to train."""
+    lr: float = 3e-4
+    """Peak learning rate (after warmup)."""
+    min_lr: float = 3e-5
+    """Learning rate at the end of the schedule."""
+    warmup_steps: int = 100
+    """Linear warmup steps from 0 to lr."""
+    lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    """Decay from lr to min_lr after warmup."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay (not applied to norms, biases and embeddings)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    seed: int = 1234
+    """Seed for initialisation and data order; runs with equal seeds are identical."""
+    log_interval: int = 10
+    """Write a metrics.jsonl line every this many steps."""
+    eval_interval: int = 100
+    """Evaluate on data.valid every this many steps (and at the end); 0 disables."""
+    eval_steps: int = 10
+    """Batches per evaluation."""
+    output_dir: str = "runs/default"
+    """Where metrics.jsonl, checkpoints/ and the final model/ go."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Compute device; `auto` takes CUDA when present."""
+    peak_tflops: float | None = None
+    """Device peak TFLOP/s for MFU; null = the known peak of the GPU, or a quick GEMM measurement on CPU."""
+    progress: bool = True
+    """Show a live progress bar."""
+
+
+class CheckpointConfig(_Section):
+    interval: int = 0
+    """Save a resumable checkpoint every this many steps; 0 = only the final model."""
+    keep_last: int = 3
+    """Checkpoints kept on disk."""
+    resume: Literal["auto", "never"] = "auto"
+    """`auto` continues from the latest complete checkpoint in output_dir."""
+
+
+class Config(_Section):
+    model: ModelConfig = ModelConfig()
+    """The network."""
+    data: DataConfig = DataConfig()
+    """Where tokens come from."""
+    parallel: ParallelConfig = ParallelConfig()
+    """How work is split across devices."""
+    memory: MemoryConfig = MemoryConfig()
+    """Precision, recompute, offload, compile."""
+    finetune: FinetuneConfig = FinetuneConfig()
+    """What is trained."""
+    train: TrainConfig = TrainConfig()
+    """Optimisation and logging."""
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    """Saving and resuming."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML mapping, turning parse errors into a ConfigError that names the file and line."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError([f"config file {path} does not exist: pass the path of a YAML file"], str(path))
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e)
+        raise ConfigError([f"malformed YAML{where}: {problem}; fix the syntax there"], str(path)) from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError([f"the top level must be a mapping of sections (model:, data:, ...), got {type(data).__name__}"], str(path))
+    return data
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`a.b.c=value` -> (["a","b","c"], value parsed as YAML, so 1e-4, true, [x, y] work)."""
+    if "=" not in item:
+        raise ConfigError([f"--set {item!r} needs the form key.path=value, e.g. --set train.lr=1e-4"])
+    key, raw = item.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    # YAML 1.1 reads 1e-4 as a string; numbers written that way are meant as numbers.
+    if isinstance(value, str):
+        try:
+            value = float(value) if any(c in value for c in ".eE") else int(value)
+        except ValueError:
+            pass
+    return [k for k in key.strip().split(".") if k], value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for item in overrides:
+        keys, value = parse_override(item)
+        node = data
+        for k in keys[:-1]:
+            if not isinstance(node.get(k), dict):
+                node[k] = {}
+            node = node[k]
+        node[keys[-1]] = value
+    return data
+
+
+def _closest(name: str, choices: list[str]) -> str | None:
+    hit = difflib.get_close_matches(name, choices, n=1, cutoff=0.5)
+    return hit[0] if hit else None
+
+
+def _schema_errors(err: ValidationError) -> list[str]:
+    out = []
+    for e in err.errors():
+        loc = [str(x) for x in e["loc"]]
+        key = ".".join(loc)
+        if e["type"] == "extra_forbidden":
+            model: type[BaseModel] = Config
+            for part in loc[:-1]:
+                ann = model.model_fields.get(part)
+                if ann is None or not (isinstance(ann.annotation, type) and issubclass(ann.annotation, BaseModel)):
+                    break
+                model = ann.annotation
+            valid = list(model.model_fields)
+            guess = _closest(loc[-1], valid)
+            hint = f"did you mean {'.'.join(loc[:-1] + [guess])}?" if guess else f"valid keys here: {', '.join(valid)}"
+            out.append(f"{key}: unknown key; {hint}")
+        else:
+            got = e.get("input")
+            got_s = json.dumps(got) if isinstance(got, (int, float, str, bool, type(None))) else type(got).__name__
+            out.append(f"{key}: {e['msg']} (got {got_s}); set it in the YAML or with --set {key}=...")
+    return out
+
+
+def semantic_errors(cfg: Config) -> list[str]:
+    """Cross-field rules that no single field can check. Each message names the key and the fix."""
+    m, d, p, t = cfg.model, cfg.data, cfg.parallel, cfg.train
+    errs: list[str] = []
+    positive = {
+        "model.hidden_size": m.hidden_size, "model.num_layers": m.num_layers, "model.num_heads": m.num_heads,
+        "model.vocab_size": m.vocab_size, "model.max_seq_len": m.max_seq_len, "data.seq_length": d.seq_length,
+        "train.micro_batch_size": t.micro_batch_size, "train.gradient_accumulation_steps": t.gradient_accumulation_steps,
+        "train.max_steps": t.max_steps, "train.log_interval": t.log_interval, "parallel.data_parallel": p.data_parallel,
+        "parallel.tensor_parallel": p.tensor_parallel, "parallel.pipeline_parallel": p.pipeline_parallel,
+        "parallel.micro_batch_num": p.micro_batch_num, "checkpoint.keep_last": cfg.checkpoint.keep_last,
+    }
+    for key, v in positive.items():
+        if v < 1:
+            errs.append(f"{key}: must be at least 1 (got {v})")
+    nonneg = {"train.warmup_steps": t.warmup_steps, "train.eval_interval": t.eval_interval, "train.grad_clip": t.grad_clip,
+              "train.weight_decay": t.weight_decay, "train.eval_steps": t.eval_steps, "checkpoint.interval": cfg.checkpoint.interval}
+    for key, v in nonneg.items():
+        if v < 0:
+            errs.append(f"{key}: must not be negative (got {v})")
+    if m.num_kv_heads is not None and m.num_kv_heads < 1:
+        errs.append(f"model.num_kv_heads: must be at least 1 or null (got {m.num_kv_heads})")
+    if m.num_heads >= 1 and m.hidden_size % m.num_heads:
+        errs.append(f"model.hidden_size: {m.hidden_size} is not divisible by model.num_heads={m.num_heads}; "
+                    f"pick a hidden_size that is a multiple of num_heads (e.g. {m.num_heads * max(1, round(m.hidden_size / m.num_heads))})")
+    elif m.num_heads >= 1 and m.head_dim % 2 and m.arch == "llama":
+        errs.append(f"model.hidden_size/num_heads = {m.head_dim} is odd; RoPE needs an even head dimension")
+    if m.num_kv_heads and m.num_heads >= 1 and m.num_kv_heads >= 1 and m.num_heads % m.num_kv_heads:
+        divisors = [k for k in range(1, m.num_heads + 1) if m.num_heads % k == 0]
+        errs.append(f"model.num_kv_heads: {m.num_heads} heads cannot be grouped into {m.num_kv_heads} kv heads; "
+                    f"num_kv_heads must divide num_heads (valid: {divisors})")
+    if m.arch == "gpt2" and m.num_kv_heads not in (None, m.num_heads):
+        errs.append("model.num_kv_heads: gpt2 has no grouped-query attention; leave num_kv_heads null")
+    if d.seq_length > m.max_seq_len:
+        errs.append(f"data.seq_length: {d.seq_length} exceeds model.max_seq_len={m.max_seq_len}; "
+                    f"lower data.seq_length or raise model.max_seq_len")
+    if not 0.0 <= cfg.finetune.freeze_layers <= 1.0:
+        errs.append(f"finetune.freeze_layers: must be a fraction between 0 and 1 (got {cfg.finetune.freeze_layers})")
+    if t.min_lr > t.lr:
+        errs.append(f"train.min_lr: {t.min_lr} is above train.lr={t.lr}; the schedule decays from lr down to min_lr")
+    if p.zero_stage not in (0, 1, 2, 3):
+        errs.append(f"parallel.zero_stage: must be 0, 1, 2 or 3 (got {p.zero_stage})")
+    return errs
+
+
+def validate_dict(data: dict[str, Any], source: str | None = None) -> Config:
+    """Validate a raw mapping; raises ConfigError listing every problem found."""
+    try:
+        cfg = Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_schema_errors(e), source) from None
+    errs = semantic_errors(cfg)
+    if errs:
+        raise ConfigError(errs, source)
+    return cfg
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Load `path` (YAML), apply `--set` overrides, validate. Raises ConfigError with all problems."""
+    data = load_yaml(path) if path is not None else {}
+    apply_overrides(data, list(overrides or []))
+    return validate_dict(data, str(path) if path is not None else None)
+
+
+# --------------------------------------------------------------------------- reference docs
+
+
+def config_reference_markdown() -> str:
+    """The README's config reference, rendered from the field docstrings."""
+
+    def fmt(v: Any) -> str:
+        if isinstance(v, BaseModel):
+            return ""
+        return "`" + json.dumps(v) + "`" if not isinstance(v, str) else f"`{v}`"
+
+    lines = ["| key | default | meaning |", "| --- | --- | --- |"]
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, field in model.model_fields.items():
+            ann = field.annotation
+            key = f"{prefix}{name}"
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                walk(ann, key + ".")
+                continue
+            default = field.get_default(call_default_factory=True)
+            desc = (field.description or "").replace("|", "\\|").replace("\n", " ")
+            lines.append(f"| `{key}` | {fmt(default)} | {desc} |")
+
+    walk(Config, "")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,48 @@
+"""Text in, text out: load a model directory and its tokenizer, generate, decode (with streaming)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from fitlm.data.tokenizer import Tokenizer
+from fitlm.infer.generate import generate
+from fitlm.models.io import load_model_dir
+
+
+class ModelDirError(ValueError):
+    pass
+
+
+class StreamDecoder:
+    """Turns a growing token list into text pieces; holds back an incomplete UTF-8 character.
+
+    Byte-level BPE can split one character over several tokens, so decoding token by token would
+    print replacement characters; decoding the whole tail and emitting the new suffix does not.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, emit: Callable[[str], None]):
+        self.tokenizer, self.emit = tokenizer, emit
+        self.ids: list[int] = []
+        self.sent = ""
+
+    def __call__(self, token_id: int) -> None:
+        self.ids.append(token_id)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return
+        self.emit(text[len(self.sent):])
+        self.sent = text
+
+
+def generate_text(model_path: str, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0,
+                  top_p: float = 1.0, seed: int | None = 0, stream: Callable[[str], None] | None = None) -> dict:
+    loaded = load_model_dir(model_path)
+    if loaded.tokenizer_path is None:
+        raise ModelDirError(f"{model_path}: no tokenizer.json beside the weights; copy the tokenizer the model was "
+                            "trained with into that directory")
+    tok = Tokenizer.from_file(loaded.tokenizer_path)
+    prompt_ids = tok.encode(prompt, add_bos=True)
+    decoder = StreamDecoder(tok, stream) if stream else None
+    new_ids = generate(loaded.model, prompt_ids, max_new_tokens, temperature=temperature, top_p=top_p,
+                       eos_id=tok.eos_id, seed=seed, stream=decoder)
+    return {"prompt": prompt, "text": tok.decode(new_ids), "token_ids": new_ids}

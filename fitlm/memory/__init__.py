@@ -1,0 +1,1 @@
+"""Memory options applied around an unmodified model: precision, activation recompute."""

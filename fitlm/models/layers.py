@@ -1,0 +1,154 @@
+"""Pieces shared by the model families: RMSNorm, rotary embeddings, causal attention, KV cache.
+
+Shape letters: B batch, T new tokens in this call, S keys visible (cached + new), H query heads,
+K key/value heads, D head dim, C model width.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm with a learned scale; statistics in fp32 whatever the input dtype."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        # fp32 statistics: half-precision squares overflow (fp16) or lose the small terms (bf16).
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        # Cast back before scaling so half-precision runs round exactly where Hugging Face does.
+        return self.weight * xf.to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed RoPE cos/sin tables for positions [0, max_seq_len), in the rotate-half layout."""
+
+    cos_cached: torch.Tensor
+    sin_cached: torch.Tensor
+
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float = 10000.0):
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"RoPE needs an even head dimension, got {head_dim}")
+        self.head_dim, self.max_seq_len, self.theta = head_dim, max_seq_len, theta
+        # Not persistent: derived from the config, so checkpoints stay free of them and HF-compatible.
+        self.register_buffer("cos_cached", torch.empty(0), persistent=False)
+        self.register_buffer("sin_cached", torch.empty(0), persistent=False)
+        self.reset(None)
+
+    def reset(self, device: torch.device | str | None) -> None:
+        """(Re)compute the tables, e.g. after building on the meta device."""
+        if device is None:
+            device = self.cos_cached.device
+        # fp32 throughout, element-wise position*frequency, to reproduce Hugging Face's tables exactly.
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim))
+        pos = torch.arange(self.max_seq_len, dtype=torch.float32, device=device)
+        freqs = pos[:, None] * inv_freq[None, :]  # [max_seq_len, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_seq_len, D]
+        self.cos_cached = emb.cos()
+        self.sin_cached = emb.sin()
+
+    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """position_ids [B,T] -> (cos, sin), each [B,T,D] fp32."""
+        return self.cos_cached[position_ids], self.sin_cached[position_ids]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B,heads,T,D]; cos/sin [B,T,D] (broadcast over heads)."""
+    cos = cos.unsqueeze(1).to(x.dtype)  # [B,1,T,D]
+    sin = sin.unsqueeze(1).to(x.dtype)
+    return x * cos + rotate_half(x) * sin
+
+
+class KVCache:
+    """Per-layer keys and values, preallocated for `max_len` positions.
+
+    Every layer writes its new keys at the same offset `length`; the model calls `advance(T)` once all
+    layers have run, so the offset means "tokens already processed" throughout one forward.
+    """
+
+    def __init__(self, num_layers: int, batch_size: int, max_len: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        self.max_len = max_len
+        self.length = 0
+        # One tensor per layer (not one stacked tensor) so layers may live on different devices.
+        shape = (batch_size, kv_heads, max_len, head_dim)  # [B,K,max_len,D]
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @property
+    def batch_size(self) -> int:
+        return self.k[0].shape[0] if self.k else 0
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k/v [B,K,T,D] after the cached ones; return all keys/values so far, [B,K,S,D]."""
+        end = self.length + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"KV cache is full: {self.length} cached + {k.shape[2]} new tokens exceed its "
+                             f"{self.max_len} positions; allocate a longer cache")
+        self.k[layer_idx][:, :, self.length:end] = k
+        self.v[layer_idx][:, :, self.length:end] = v
+        return self.k[layer_idx][:, :, :end], self.v[layer_idx][:, :, :end]
+
+    def advance(self, n: int) -> None:
+        self.length += n
+
+    def reset(self) -> None:
+        """Forget the cached tokens (the buffers are reused, not cleared: they are overwritten)."""
+        self.length = 0
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int = 0) -> torch.Tensor:
+    """Scaled dot-product attention where query i (absolute position q_start+i) sees keys 0..q_start+i.
+
+    q [B,H,T,D]; k, v [B,K,S,D] with S = q_start + T and K dividing H (grouped-query attention:
+    query head h reads key/value head h // (H/K)). Returns [B,H,T,D].
+    """
+    t, s = q.shape[2], k.shape[2]
+    gqa = q.shape[1] != k.shape[1]
+    if t == s:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if t == 1:
+        # A single new token may see every cached key: no mask, which keeps the fast kernels.
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+    # Several new tokens after a cached prefix: is_causal would align the mask top-left, so build it.
+    rows = torch.arange(q_start, q_start + t, device=q.device)[:, None]  # [T,1]
+    cols = torch.arange(s, device=q.device)[None, :]  # [1,S]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=cols <= rows, enable_gqa=gqa)
+
+
+def default_position_ids(batch: int, t: int, start: int, device: torch.device) -> torch.Tensor:
+    """[B,T] absolute positions start..start+T-1."""
+    return torch.arange(start, start + t, device=device).unsqueeze(0).expand(batch, t)
+
+
+def check_inputs(input_ids: torch.Tensor, kv_cache: KVCache | None, max_seq_len: int) -> int:
+    """Validate [B,T] ids against the cache and the model's length; return the offset of the new tokens."""
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, seq] token ids, got shape {tuple(input_ids.shape)}")
+    start = kv_cache.length if kv_cache is not None else 0
+    if start + input_ids.shape[1] > max_seq_len:
+        raise ValueError(f"sequence of {start + input_ids.shape[1]} tokens exceeds model.max_seq_len={max_seq_len}; "
+                         f"shorten the input or use a model with a larger max_seq_len")
+    if kv_cache is not None and kv_cache.batch_size != input_ids.shape[0]:
+        raise ValueError(f"KV cache holds batch {kv_cache.batch_size} but input_ids has batch {input_ids.shape[0]}")
+    return start

@@ -1,0 +1,1 @@
+"""Training: the loop (trainer), optimiser and schedule, loss, metrics."""

@@ -1,0 +1,49 @@
+"""AdamW with decay/no-decay parameter groups, and the learning-rate schedule as a pure function of the step."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from fitlm.config import TrainConfig
+from fitlm.train.metrics import is_embedding
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Matrices decay; norms, biases and embedding tables do not (decaying them only hurts)."""
+    decay, no_decay = [], []
+    seen: set[int] = set()
+    for name, p in model.named_parameters():
+        if not p.requires_grad or id(p) in seen:  # tied weights appear twice
+            continue
+        seen.add(id(p))
+        (decay if p.ndim >= 2 and not is_embedding(name) else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    groups = [g for g in param_groups(model, cfg.weight_decay) if g["params"]]
+    # foreach is the fast path on CPU and CUDA; fused exists only for some device/dtype pairs.
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate for optimizer step `step` (0-based): linear warmup, then decay to min_lr at max_steps."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    span = max(1, cfg.max_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    if cfg.lr_schedule == "linear":
+        frac = 1.0 - progress
+    else:
+        frac = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cfg.min_lr + (cfg.lr - cfg.min_lr) * frac
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr

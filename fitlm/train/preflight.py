@@ -1,0 +1,96 @@
+"""Checks that run before any model, process group or file is made, so a bad run fails in a second.
+
+Each check returns problems as strings naming the key and the fix; the trainer raises them all at once.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fitlm.config import Config, ConfigError
+
+RUN_CONFIG = "config.yaml"  # the resolved config a run writes into its output_dir first
+
+
+def unsupported_options(cfg: Config) -> list[str]:
+    """Options the schema accepts (they are part of the config contract) but this build cannot run yet."""
+    out = []
+    if cfg.parallel.world_size > 1 or cfg.parallel.zero_stage:
+        p = cfg.parallel
+        out.append(f"parallel: data_parallel={p.data_parallel} × tensor_parallel={p.tensor_parallel} × "
+                   f"pipeline_parallel={p.pipeline_parallel} (zero_stage={p.zero_stage}) needs multi-process "
+                   "training, which this build does not have yet; set all three to 1 and zero_stage to 0")
+    if cfg.memory.mixed_precision in ("O2", "O3"):
+        out.append(f"memory.mixed_precision: {cfg.memory.mixed_precision} is not available yet; use O0 (fp32) or O1 (autocast)")
+    if cfg.memory.mixed_precision != "O0" and cfg.memory.half_dtype == "fp16":
+        out.append("memory.half_dtype: fp16 needs loss scaling, which is not available yet; use bf16")
+    if cfg.memory.recompute == "selective":
+        out.append("memory.recompute: selective is not available yet; use none or full")
+    if cfg.memory.cpu_offload:
+        out.append("memory.cpu_offload: not available yet; set it to false")
+    if cfg.memory.compile:
+        out.append("memory.compile: not available yet; set it to false")
+    if cfg.finetune.method != "full":
+        out.append(f"finetune.method: {cfg.finetune.method} is not available yet; use full")
+    if cfg.data.format != "pretrain":
+        out.append("data.format: chat is not available yet; use pretrain")
+    if cfg.checkpoint.interval:
+        out.append("checkpoint.interval: periodic resumable checkpoints are not available yet; set it to 0 "
+                   "(the final model is always saved to output_dir/model)")
+    return out
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    fa, fb = _flatten(a), _flatten(b)
+    return [f"{k}: {fa.get(k)!r} -> {fb.get(k)!r}" for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k)]
+
+
+def output_dir_problem(cfg: Config, overwrite: bool = False) -> str | None:
+    """Why train.output_dir cannot take this run, or None. Two runs never share a directory."""
+    out = Path(cfg.train.output_dir)
+    key = "train.output_dir"
+    if out.exists() and not out.is_dir():
+        return f"{key}: {out} is a file; point it at a directory"
+    if not (out.is_dir() and any(out.iterdir())):
+        return None
+    previous = out / RUN_CONFIG
+    if not previous.is_file():  # not ours: even --overwrite must not delete it
+        return (f"{key}: {out} is not empty and holds no fitlm run ({RUN_CONFIG} missing); "
+                "choose a new or empty directory, so nothing there is overwritten")
+    if overwrite:
+        return None
+    diffs = config_differences(yaml.safe_load(previous.read_text()) or {}, cfg.to_dict())
+    if diffs:
+        return (f"{key}: {out} holds a different run; its config differs in {'; '.join(diffs)}. "
+                "Choose another train.output_dir, or pass --overwrite to delete that run and start again")
+    return (f"{key}: {out} already holds a run of this config; choose another train.output_dir, "
+            "or pass --overwrite to delete it and start again")
+
+
+def prepare_output_dir(cfg: Config, overwrite: bool = False) -> Path:
+    """Create train.output_dir for this run (clearing it only under --overwrite) and write the resolved config."""
+    problem = output_dir_problem(cfg, overwrite)
+    if problem:
+        raise ConfigError([problem])
+    out = Path(cfg.train.output_dir)
+    if overwrite and (out / RUN_CONFIG).is_file():
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / (RUN_CONFIG + ".tmp")
+    tmp.write_text(cfg.to_yaml())
+    tmp.replace(out / RUN_CONFIG)
+    return out

@@ -1,0 +1,186 @@
+"""The training loop. It wires components together; the components do the work.
+
+Order of assembly: validate (preflight) -> data -> model (built or loaded) -> apply_* wrappers
+(recompute) -> optimiser -> loop -> final model directory.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from fitlm.config import Config, ConfigError
+from fitlm.data.dataset import PackedDataset, SequenceLoader, check_compat
+from fitlm.data.tokenizer import Tokenizer
+from fitlm.memory.precision import autocast, compute_dtype
+from fitlm.memory.recompute import apply_recompute
+from fitlm.models.io import load_model_dir, save_model_dir
+from fitlm.registry import build_model
+from fitlm.train import preflight
+from fitlm.train.loss import count_targets, cross_entropy_sum
+from fitlm.train.metrics import MetricsLog, device_peak_flops, flops_per_token, peak_memory_bytes
+from fitlm.train.optim import build_optimizer, lr_at, set_lr
+from fitlm.train.progress import TrainProgress
+
+
+@dataclass
+class TrainResult:
+    output_dir: Path
+    model_dir: Path
+    steps: int
+    first_loss: float
+    last_loss: float
+    eval_loss: float | None
+    history: list[dict] = field(default_factory=list)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(["train.device: cuda was asked for but no CUDA device is visible; use cpu or auto"])
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def open_data(cfg: Config) -> tuple[PackedDataset, PackedDataset | None, Tokenizer]:
+    """Open train/valid data and the tokenizer, and check they agree with each other and the model."""
+    train = PackedDataset(cfg.data.train)
+    valid = PackedDataset(cfg.data.valid) if cfg.data.valid else None
+    tok = Tokenizer.from_file(cfg.data.tokenizer or train.tokenizer_path)
+    for name, ds in (("data.train", train), ("data.valid", valid)):
+        if ds is None:
+            continue
+        if ds.tokenizer_sha256 != tok.sha256:
+            raise ConfigError([f"{name}: {ds.path} was packed with another tokenizer than {tok.path}; "
+                               "re-pack it with this tokenizer or point data.tokenizer at the one it was packed with"])
+        check_compat(ds, cfg.model.vocab_size)
+    return train, valid, tok
+
+
+def build_or_load_model(cfg: Config, device: torch.device) -> nn.Module:
+    torch.manual_seed(cfg.train.seed)
+    if not cfg.model.init_from:
+        return build_model(cfg.model).to(device)
+    loaded = load_model_dir(cfg.model.init_from, device=str(device))
+    want = cfg.model.model_dump(exclude={"init_from"})
+    have = loaded.config.model.model_dump(exclude={"init_from"})
+    diffs = [f"{k}: config {want[k]!r} vs weights {have[k]!r}" for k in want if want[k] != have[k]]
+    if diffs:
+        raise ConfigError([f"model.init_from: {cfg.model.init_from} does not match the model section "
+                           f"({'; '.join(diffs)}); make the model section match the weights"])
+    return loaded.model.train()
+
+
+class Trainer:
+    def __init__(self, cfg: Config, overwrite: bool = False, console=None):
+        problems = preflight.unsupported_options(cfg)
+        if problems:
+            raise ConfigError(problems)
+        self.cfg = cfg
+        self.device = resolve_device(cfg.train.device)
+        self.train_data, self.valid_data, self.tokenizer = open_data(cfg)
+        t = cfg.train
+        # Everything that can fail on bad input runs before the output directory is touched.
+        self.loader = SequenceLoader(self.train_data, cfg.data.seq_length, t.micro_batch_size, seed=t.seed)
+        self.model = build_or_load_model(cfg, self.device)
+        self.output_dir = preflight.prepare_output_dir(cfg, overwrite=overwrite)
+        apply_recompute(self.model, cfg.memory.recompute)
+        self.optimizer = build_optimizer(self.model, t)
+        self.console = console
+        self.tokens_per_step = t.micro_batch_size * cfg.data.seq_length * t.gradient_accumulation_steps
+        self.flops_per_token = flops_per_token(self.model, cfg.model, cfg.data.seq_length)
+        self.peak_flops = device_peak_flops(self.device, compute_dtype(cfg.memory), t.peak_tflops)
+
+    def forward_backward(self, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """Accumulate gradients over micro batches; returns the step's loss.
+
+        The loss is the token-weighted mean over the whole accumulated batch: every micro batch's
+        summed loss is divided by the target count of all of them, not averaged per micro batch.
+        """
+        n_targets = max(1, sum(count_targets(b["labels"]) for b in batches))
+        total = torch.zeros((), device=self.device)
+        for batch in batches:
+            input_ids = batch["input_ids"].to(self.device, non_blocking=True)  # [B, T]
+            labels = batch["labels"].to(self.device, non_blocking=True)  # [B, T]
+            with autocast(self.cfg.memory, self.device):
+                logits = self.model(input_ids)  # [B, T, V]
+            loss_sum = cross_entropy_sum(logits, labels)
+            (loss_sum / n_targets).backward()
+            total += loss_sum.detach()
+        return total / n_targets
+
+    def optimizer_step(self) -> torch.Tensor:
+        """Clip, step, clear; returns the pre-clip global gradient norm."""
+        clip = self.cfg.train.grad_clip or math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        if self.valid_data is None:
+            return None
+        t, seq = self.cfg.train, self.cfg.data.seq_length
+        loader = SequenceLoader(self.valid_data, seq, t.micro_batch_size, seed=t.seed, shuffle=False)
+        steps = max(1, min(t.eval_steps, loader.windows_per_epoch // t.micro_batch_size))
+        self.model.eval()
+        loss_sum, targets = 0.0, 0
+        for _, batch in zip(range(steps), loader):
+            labels = batch["labels"].to(self.device)
+            with autocast(self.cfg.memory, self.device):
+                logits = self.model(batch["input_ids"].to(self.device))
+            loss_sum += float(cross_entropy_sum(logits, labels))
+            targets += count_targets(labels)
+        self.model.train()
+        return loss_sum / max(targets, 1)
+
+    def fit(self) -> TrainResult:
+        cfg, t = self.cfg, self.cfg.train
+        log = MetricsLog(self.output_dir / "metrics.jsonl")
+        batches = iter(self.loader)
+        history: list[dict] = []
+        eval_loss = None
+        self.model.train()
+        progress = TrainProgress(t.max_steps, enabled=t.progress, console=self.console)
+        window_start, window_tokens = time.perf_counter(), 0
+        try:
+            with progress:
+                for step in range(1, t.max_steps + 1):
+                    set_lr(self.optimizer, lr_at(step - 1, t))
+                    micro = [next(batches) for _ in range(t.gradient_accumulation_steps)]
+                    loss = self.forward_backward(micro)
+                    grad_norm = self.optimizer_step()
+                    window_tokens += self.tokens_per_step
+                    if step % t.log_interval == 0 or step == t.max_steps or step == 1:
+                        # .item() syncs with the device: only on log steps, so the loop never waits otherwise.
+                        elapsed = time.perf_counter() - window_start
+                        tps = window_tokens / elapsed
+                        record = {
+                            "step": step, "loss": round(loss.item(), 6), "lr": lr_at(step - 1, t),
+                            "grad_norm": round(grad_norm.item(), 6), "tokens_per_s": round(tps, 1),
+                            "mfu": round(tps * self.flops_per_token / self.peak_flops, 4),
+                            "peak_bytes": peak_memory_bytes(self.device), "tokens": step * self.tokens_per_step,
+                        }
+                        log.write(record)
+                        history.append(record)
+                        progress.update(step, loss=record["loss"], tokens_per_s=tps)
+                        window_start, window_tokens = time.perf_counter(), 0
+                    else:
+                        progress.update(step)
+                    if t.eval_interval and (step % t.eval_interval == 0 or step == t.max_steps):
+                        eval_loss = self.evaluate()
+                        if eval_loss is not None:
+                            log.write({"step": step, "eval_loss": round(eval_loss, 6)})
+                            progress.update(step, eval_loss=eval_loss)
+                            window_start = time.perf_counter()  # evaluation time is not training time
+        finally:
+            log.close()
+        model_dir = save_model_dir(self.model, cfg, self.output_dir / "model", tokenizer_path=self.tokenizer.path)
+        return TrainResult(self.output_dir, model_dir, t.max_steps, history[0]["loss"], history[-1]["loss"],
+                           eval_loss, history)

@@ -1,0 +1,36 @@
+"""Shared fixtures: a real tokenizer and real packed data, built once per session from the shipped corpus."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PLAYS = ROOT / "examples" / "data" / "shakespeare"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--runslow", action="store_true", default=False, help="also run tests marked slow")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--runslow"):
+        return
+    skip = pytest.mark.skip(reason="slow: run with --runslow (make test-all)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_corpus(tmp_path_factory) -> dict[str, Path]:
+    """Tokenizer (vocab 512) trained on two plays; train = macbeth, valid = tempest."""
+    from fitlm.data.pack import pack_corpus
+    from fitlm.data.tokenizer import train_tokenizer
+
+    root = tmp_path_factory.mktemp("corpus")
+    tok = train_tokenizer([PLAYS / "macbeth_gut.txt", PLAYS / "tempest_gut.txt"], 512, root / "tokenizer.json")
+    pack_corpus([PLAYS / "macbeth_gut.txt"], tok, root / "train", show_progress=False)
+    pack_corpus([PLAYS / "tempest_gut.txt"], tok, root / "valid", show_progress=False)
+    return {"tokenizer": tok, "train": root / "train", "valid": root / "valid", "root": root}

@@ -1,0 +1,90 @@
+"""Config schema: loading, overrides, and that every mistake is reported at once with key and fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fitlm.config import Config, ConfigError, apply_overrides, load_config, validate_dict
+from fitlm.docs import render
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_shipped_configs_validate():
+    for path in sorted((ROOT / "configs").glob("*.yaml")):
+        assert isinstance(load_config(path), Config), path
+
+
+def test_overrides_are_typed_and_nested(tmp_path):
+    cfg = load_config(write(tmp_path, "train: {lr: 0.1}\n"),
+                      ["train.lr=1e-4", "model.tie_embeddings=true", "data.valid=null", "finetune.lora.r=4",
+                       "finetune.lora.target_modules=[q_proj, k_proj]"])
+    assert cfg.train.lr == pytest.approx(1e-4)
+    assert cfg.model.tie_embeddings is True and cfg.data.valid is None
+    assert cfg.finetune.lora.r == 4 and cfg.finetune.lora.target_modules == ["q_proj", "k_proj"]
+
+
+def test_override_without_equals_is_refused():
+    with pytest.raises(ConfigError, match="key.path=value"):
+        apply_overrides({}, ["train.lr"])
+
+
+def test_malformed_yaml_names_file_and_line(tmp_path):
+    p = write(tmp_path, "model:\n  hidden_size: 64\n  num_heads: [4\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    assert "malformed YAML" in str(e.value) and "line" in str(e.value) and str(p) in str(e.value)
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config("/nonexistent/fitlm.yaml")
+
+
+def test_unknown_keys_get_the_closest_valid_name():
+    with pytest.raises(ConfigError) as e:
+        validate_dict({"model": {"hiden_size": 64}, "trian": {}, "memory": {"recompte": "full"}})
+    msg = str(e.value)
+    assert "model.hiden_size: unknown key; did you mean model.hidden_size?" in msg
+    assert "trian: unknown key; did you mean train?" in msg
+    assert "did you mean memory.recompute?" in msg
+
+
+def test_wrong_type_and_bad_choice_name_the_key():
+    with pytest.raises(ConfigError) as e:
+        validate_dict({"model": {"num_layers": "many"}, "memory": {"mixed_precision": "O7"}})
+    msg = str(e.value)
+    assert "model.num_layers" in msg and '"many"' in msg
+    assert "memory.mixed_precision" in msg and "O7" in msg
+    assert len(e.value.problems) == 2
+
+
+def test_cross_field_errors_are_all_reported_at_once():
+    with pytest.raises(ConfigError) as e:
+        validate_dict({"model": {"hidden_size": 100, "num_heads": 6, "num_kv_heads": 4, "max_seq_len": 128},
+                       "data": {"seq_length": 256}, "train": {"lr": 1e-4, "min_lr": 1e-3}})
+    problems = e.value.problems
+    assert len(problems) == 4, problems
+    joined = "\n".join(problems)
+    assert "model.hidden_size: 100 is not divisible by model.num_heads=6" in joined
+    assert "model.num_kv_heads" in joined and "valid: [1, 2, 3, 6]" in joined
+    assert "data.seq_length: 256 exceeds model.max_seq_len=128" in joined
+    assert "train.min_lr" in joined
+
+
+def test_non_power_of_two_gqa_is_valid():
+    cfg = validate_dict({"model": {"hidden_size": 384, "num_heads": 6, "num_kv_heads": 3}})
+    assert cfg.model.kv_heads == 3 and cfg.model.head_dim == 64
+
+
+def test_readme_config_reference_is_current():
+    readme = (ROOT / "README.md").read_text()
+    assert render(readme) == readme, "README config reference is stale: run `make docs`"
