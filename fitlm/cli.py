@@ -15,7 +15,7 @@ EXIT_USER_ERROR = 2
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", help="YAML config file (see `fitlm config docs` for every key)")
+    p.add_argument("config", metavar="CONFIG", help="YAML config file (see `fitlm config docs` for every key)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set train.lr=1e-4 (repeatable)")
 
@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     q = dsub.add_parser("tokenizer", help="train a byte-level BPE tokenizer (writes tokenizer.json)")
     q.add_argument("inputs", nargs="+", help="text files or directories")
     q.add_argument("--vocab-size", type=int, required=True, help="vocabulary size including special tokens")
-    q.add_argument("--out", required=True, help="output tokenizer.json path")
+    q.add_argument("--out", required=True, help="output tokenizer.json path (or a directory to hold it)")
+    q.add_argument("--overwrite", action="store_true", help="replace an existing tokenizer.json")
     q.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
     q.set_defaults(func=cmd_data_tokenizer)
     q = dsub.add_parser("pack", help="tokenize a corpus into a packed token directory")
@@ -112,7 +113,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from fitlm.infer.generate import generate_text
+    from fitlm.infer.text import generate_text
 
     stream = None if args.json else (lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
     if stream:
@@ -131,7 +132,7 @@ def cmd_data_tokenizer(args: argparse.Namespace) -> int:
     from fitlm.data.tokenizer import Tokenizer, train_tokenizer
 
     path = train_tokenizer(expand_inputs([Path(p) for p in args.inputs]), args.vocab_size, Path(args.out),
-                           show_progress=not args.json)
+                           show_progress=not args.json, overwrite=args.overwrite)
     tok = Tokenizer.from_file(path)
     summary = {"path": str(path), "vocab_size": tok.vocab_size, "bos_id": tok.bos_id, "eos_id": tok.eos_id,
                "pad_id": tok.pad_id, "sha256": tok.sha256}

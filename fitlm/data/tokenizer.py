@@ -91,8 +91,9 @@ def train_tokenizer(
 
     def texts() -> Iterable[str]:
         for doc in iter_documents(paths):
-            seen["docs"] += 1
-            yield doc.text
+            if doc.text:  # empty documents only carry progress information
+                seen["docs"] += 1
+                yield doc.text
 
     tok.train_from_iterator(texts(), trainer=trainer)
     if seen["docs"] == 0:

@@ -69,12 +69,13 @@ def _llama_config(hf: Mapping[str, Any], source: str) -> ModelConfig:
     if hf.get("rope_scaling") or rope_type != "default":
         problems.append(f"RoPE scaling ({hf.get('rope_scaling') or rope_type!r}); only plain RoPE is implemented")
     _refuse(problems, source)
-    return ModelConfig(
+    kv = hf.get("num_key_value_heads")
+    return _normalized(ModelConfig(
         arch="llama", hidden_size=hidden, num_layers=int(hf["num_hidden_layers"]), num_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads"), intermediate_size=int(hf["intermediate_size"]),
+        num_kv_heads=None if kv in (None, heads) else int(kv), intermediate_size=int(hf["intermediate_size"]),
         vocab_size=int(hf["vocab_size"]), max_seq_len=int(hf.get("max_position_embeddings", 2048)),
         rope_theta=_rope_theta(hf), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), init_std=float(hf.get("initializer_range", 0.02)))
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), init_std=float(hf.get("initializer_range", 0.02))))
 
 
 def _gpt2_config(hf: Mapping[str, Any], source: str) -> ModelConfig:
@@ -87,12 +88,18 @@ def _gpt2_config(hf: Mapping[str, Any], source: str) -> ModelConfig:
     if hf.get("add_cross_attention"):
         problems.append("cross-attention")
     _refuse(problems, source)
-    return ModelConfig(
+    return _normalized(ModelConfig(
         arch="gpt2", hidden_size=int(hf["n_embd"]), num_layers=int(hf["n_layer"]), num_heads=int(hf["n_head"]),
         intermediate_size=hf.get("n_inner"), vocab_size=int(hf["vocab_size"]),
         max_seq_len=int(hf.get("n_positions") or hf.get("n_ctx") or 1024),
         tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
-        norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)), init_std=float(hf.get("initializer_range", 0.02)))
+        norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)), init_std=float(hf.get("initializer_range", 0.02))))
+
+
+def _normalized(cfg: ModelConfig) -> ModelConfig:
+    """Spell family defaults as null, as a hand-written config would, so configs compare equal."""
+    default = cfg.model_copy(update={"intermediate_size": None})
+    return default if cfg.intermediate_size == default.ffn_size else cfg
 
 
 def config_to_hf(cfg: ModelConfig, dtype: str = "float32", bos_token_id: int | None = None,
@@ -225,6 +232,9 @@ _TO_HF: dict[str, Callable[[StateDict, ModelConfig], StateDict]] = {"llama": _ll
 _FROM_HF: dict[str, Callable[[StateDict, ModelConfig, str], StateDict]] = {"llama": _llama_from_hf, "gpt2": _gpt2_from_hf}
 
 
+_WRAPPER_PARTS = re.compile(r"(?<![^.])(_orig_mod|_checkpoint_wrapped_module|_fsdp_wrapped_module)\.")
+
+
 def _model_cfg(cfg: Any) -> ModelConfig:
     return cfg.model if hasattr(cfg, "model") and isinstance(cfg.model, ModelConfig) else cfg
 
@@ -233,6 +243,8 @@ def to_hf_state_dict(model_or_sd: nn.Module | Mapping[str, torch.Tensor], cfg: M
     """fitlm weights (a model or its state_dict) -> Hugging Face names and layouts (tied head dropped)."""
     cfg = _model_cfg(cfg)
     sd = dict(model_or_sd.state_dict() if isinstance(model_or_sd, nn.Module) else model_or_sd)
+    # Wrappers applied from outside (torch.compile, checkpoint_wrapper) insert a level into the names.
+    sd = {_WRAPPER_PARTS.sub("", k): v for k, v in sd.items()}
     if cfg.arch not in _TO_HF:
         raise HFFormatError(f"model.arch={cfg.arch!r} has no Hugging Face adapter; supported: {', '.join(_TO_HF)}")
     return _TO_HF[cfg.arch](sd, cfg)

@@ -85,3 +85,12 @@ def test_help_texts_read_well():
     gen = fitlm("generate", "--help").stdout
     for phrase in ("--prompt", "--max-new-tokens", "--temperature", "--top-p", "--json", "greedy"):
         assert phrase in gen, phrase
+
+
+def test_data_inspect_json(tiny_corpus):
+    proc = fitlm("data", "inspect", tiny_corpus["train"], "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["num_tokens"] > 10_000 and report["num_docs"] > 10
+    assert sum(row["count"] for row in report["length_histogram"]) == report["num_docs"]
+    assert report["sample_token_ids"][0] == 0 and "MACBETH" in report["sample_text"].upper()

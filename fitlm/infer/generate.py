@@ -1,0 +1,77 @@
+"""Autoregressive generation with a KV cache: greedy or temperature + top-p (nucleus) sampling.
+
+The prompt is run once through the model, filling the cache; every later step feeds only the newest
+token. The returned tokens include the EOS token when generation stops on it (as Hugging Face does);
+callers that print text decode with special tokens skipped.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Collection
+
+import torch
+import torch.nn as nn
+
+
+def _max_seq_len(model: nn.Module) -> int:
+    cfg = getattr(model, "config", None)
+    if cfg is None or not hasattr(cfg, "max_seq_len"):
+        raise TypeError("generate() needs a fitlm model (one with .config.max_seq_len and .new_kv_cache())")
+    return int(cfg.max_seq_len)
+
+
+def sample_next(logits: torch.Tensor, temperature: float, top_p: float,
+                generator: torch.Generator | None) -> int:
+    """Pick a token from last-position logits [V]: argmax when temperature == 0, else nucleus sampling."""
+    if temperature == 0.0:
+        return int(torch.argmax(logits))
+    # Sample on the CPU in fp32: seeded results then do not depend on the device or its kernels.
+    probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)  # [V]
+    if top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)  # [V]
+        # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it is < top_p.
+        keep = (torch.cumsum(sorted_p, dim=0) - sorted_p) < top_p
+        keep[0] = True
+        sorted_p = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def generate(model: nn.Module, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
+             top_p: float = 1.0, eos_id: int | Collection[int] | None = None, seed: int | None = None,
+             stream: Callable[[int], None] | None = None) -> list[int]:
+    """Continue `prompt_ids`; return only the new tokens (ending with EOS if it was produced).
+
+    max_new_tokens is lowered so prompt + new tokens fit model.config.max_seq_len. `seed` makes
+    sampling reproducible (it does not touch the global RNG); `stream` is called with each new token
+    as soon as it is chosen.
+    """
+    if temperature < 0 or not 0.0 < top_p <= 1.0:
+        raise ValueError(f"temperature must be >= 0 (got {temperature}) and top_p in (0, 1] (got {top_p})")
+    if not prompt_ids:
+        raise ValueError("the prompt is empty: generation needs at least one token (e.g. the BOS token)")
+    limit = _max_seq_len(model)
+    if len(prompt_ids) > limit:
+        raise ValueError(f"the prompt has {len(prompt_ids)} tokens but the model handles at most {limit} "
+                         f"(model.max_seq_len); shorten the prompt")
+    max_new_tokens = min(max_new_tokens, limit - len(prompt_ids))
+    if max_new_tokens <= 0:
+        return []
+    eos = {eos_id} if isinstance(eos_id, int) else set(eos_id or ())
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    device = next(model.parameters()).device
+    out: list[int] = []
+    with torch.inference_mode():
+        cache = model.new_kv_cache(1, len(prompt_ids) + max_new_tokens)
+        ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # [1,T]
+        for _ in range(max_new_tokens):
+            h = model.hidden_states(ids, kv_cache=cache)[:, -1]  # [1,C]; only the last position is needed
+            logits = model.output_layer(h)[0]  # [V]
+            token = sample_next(logits, temperature, top_p, generator)
+            out.append(token)
+            if stream is not None:
+                stream(token)
+            if token in eos:
+                break
+            ids = torch.tensor([[token]], dtype=torch.long, device=device)  # [1,1]
+    return out

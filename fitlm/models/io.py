@@ -1,0 +1,204 @@
+"""The fitlm model directory: what `fitlm train` leaves in `model/` and every MODEL argument accepts.
+
+Layout:
+
+    config.yaml        the full resolved fitlm Config (load with fitlm.config.load_config)
+    model.safetensors  weights under Hugging Face names (tied head stored once); large models are
+                       sharded as model-0000i-of-0000n.safetensors + model.safetensors.index.json
+    tokenizer.json     optional, with its companions (tokenizer_config.json, chat_template.jinja, ...)
+    fitlm.json         {"format_version": 1, "fitlm_version": ..., "torch_version": ...}; written last,
+                       so its presence marks a complete directory
+
+Directories are written to a hidden sibling and renamed into place, so a crash never leaves a
+half-written model directory under the requested name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from fitlm.config import Config, DataConfig, ModelConfig, load_config, validate_dict
+from fitlm.models.hf import HFFormatError, load_hf_dir, model_from_hf_state_dict, read_safetensors_dir, \
+    to_hf_state_dict, write_safetensors
+
+FORMAT_VERSION = 1
+MARKER = "fitlm.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
+
+
+class ModelDirError(ValueError):
+    """A path that is not a loadable model, or a directory that must not be overwritten."""
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module  # in eval mode
+    config: Config
+    tokenizer_path: Path | None  # tokenizer.json beside the weights, if any
+    source: str  # "fitlm" or "hf": which kind of directory it came from
+    path: Path  # the directory the weights were read from
+
+
+def _fitlm_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("fitlm")
+    except Exception:  # not installed as a distribution (e.g. run from a source tree)
+        return "unknown"
+
+
+def default_config(model_cfg: ModelConfig) -> Config:
+    """A default Config around a bare ModelConfig, kept valid (data.seq_length <= max_seq_len)."""
+    return Config(model=model_cfg, data=DataConfig(seq_length=min(DataConfig().seq_length, model_cfg.max_seq_len)))
+
+
+def is_fitlm_model_dir(path: str | Path) -> bool:
+    return (Path(path) / MARKER).is_file()
+
+
+def _has_hf_weights(path: Path) -> bool:
+    return (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file()
+
+
+def resolve_model_path(path: str | Path) -> tuple[str, Path]:
+    """Classify a MODEL argument: ("fitlm", dir), ("hf", dir) or ("gguf", file). Raises ModelDirError."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ModelDirError(f"{p} does not exist; pass a fitlm model directory, a training output directory, "
+                            f"a Hugging Face directory or a GGUF file")
+    if p.is_file():
+        if p.suffix == ".gguf":
+            return "gguf", p
+        if p.name in (MARKER, "config.yaml", "config.json", "model.safetensors"):
+            p = p.parent  # a file inside a model directory stands for the directory
+        else:
+            raise ModelDirError(f"{p} is a file but not a GGUF model; pass the directory that holds the model")
+    if is_fitlm_model_dir(p):
+        return "fitlm", p
+    if is_fitlm_model_dir(p / "model"):
+        return "fitlm", p / "model"  # a training output directory
+    if (p / "config.json").is_file():
+        if _has_hf_weights(p):
+            return "hf", p
+        read_safetensors_dir(p)  # raises the precise error (pickles refused, or no weights)
+    if (p / "checkpoints").is_dir():
+        raise ModelDirError(f"{p} is a training output without model/ (the run did not finish); turn a checkpoint "
+                            f"into a model directory with `fitlm ckpt merge`, then pass that")
+    raise ModelDirError(
+        f"{p} is not a model. Looked for {p / MARKER} (fitlm model directory), {p / 'model' / MARKER} "
+        f"(training output), and {p / 'config.json'} with model.safetensors (Hugging Face directory)")
+
+
+def _check_writable_target(out_dir: Path) -> None:
+    if out_dir.is_file():
+        raise ModelDirError(f"{out_dir} is a file; pass a directory path for the model")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not is_fitlm_model_dir(out_dir):
+        raise ModelDirError(f"{out_dir} exists, is not empty and is not a fitlm model directory; refusing to "
+                            f"replace it. Choose another --out path or empty it yourself")
+
+
+def _tokenizer_files(tokenizer_path: str | Path) -> dict[str, Path]:
+    """Destination name -> source file for a tokenizer.json (plus companions beside it) or a directory."""
+    src = Path(tokenizer_path)
+    if src.is_file():
+        files = {"tokenizer.json": src}
+        files.update({n: src.parent / n for n in TOKENIZER_FILES[1:] if (src.parent / n).is_file()})
+        return files
+    if src.is_dir():
+        files = {n: src / n for n in TOKENIZER_FILES if (src / n).is_file()}
+        if files:
+            return files
+    raise ModelDirError(f"tokenizer {src} not found: pass a tokenizer.json file or a directory containing one")
+
+
+def _fsync_tree(path: Path) -> None:
+    # The rename is only crash-safe if the data it publishes has reached the disk first.
+    for f in path.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    if hasattr(os, "O_DIRECTORY"):
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def save_model_dir(model: nn.Module, cfg: Config | ModelConfig, out_dir: str | Path,
+                   tokenizer_path: str | Path | None = None) -> Path:
+    """Write a fitlm model directory atomically; an existing fitlm model directory is replaced."""
+    if isinstance(cfg, ModelConfig):
+        cfg = default_config(cfg)
+    # Refuse now what load_config would refuse later: never write a directory that cannot be loaded.
+    validate_dict(cfg.to_dict(), "the config passed to save_model_dir")
+    out_dir = Path(out_dir).expanduser().absolute()
+    _check_writable_target(out_dir)
+    tok = _tokenizer_files(tokenizer_path) if tokenizer_path is not None else {}
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    old: Path | None = None
+    try:
+        write_safetensors(to_hf_state_dict(model, cfg.model), tmp)
+        (tmp / "config.yaml").write_text(cfg.to_yaml())
+        for name, src in tok.items():
+            shutil.copyfile(src, tmp / name)
+        info = {"format_version": FORMAT_VERSION, "fitlm_version": _fitlm_version(),
+                "torch_version": torch.__version__}
+        (tmp / MARKER).write_text(json.dumps(info, indent=2) + "\n")
+        _fsync_tree(tmp)
+        if out_dir.exists():
+            old = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}"
+            os.rename(out_dir, old)
+        os.rename(tmp, out_dir)
+    except BaseException:
+        if old is not None and not out_dir.exists():
+            os.rename(old, out_dir)  # the swap failed half-way: put the previous model back
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return out_dir
+
+
+def _load_fitlm_dir(d: Path, device: str | torch.device, dtype: torch.dtype | None) -> LoadedModel:
+    try:
+        info = json.loads((d / MARKER).read_text())
+    except ValueError as e:
+        raise ModelDirError(f"{d / MARKER}: not valid JSON ({e}); the directory is damaged, save it again") from None
+    version = info.get("format_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise ModelDirError(f"{d / MARKER}: format_version {version!r} is not readable by this fitlm "
+                            f"(reads up to {FORMAT_VERSION}); upgrade fitlm")
+    cfg = load_config(d / "config.yaml")
+    model = model_from_hf_state_dict(read_safetensors_dir(d, device), cfg.model, str(d), device, dtype)
+    tok = d / "tokenizer.json"
+    return LoadedModel(model.eval(), cfg, tok if tok.is_file() else None, "fitlm", d)
+
+
+def load_model_dir(path: str | Path, device: str | torch.device = "cpu",
+                   dtype: torch.dtype | None = torch.float32) -> LoadedModel:
+    """Load a fitlm model directory, a training output (its model/), or a Hugging Face directory."""
+    kind, d = resolve_model_path(path)
+    if kind == "gguf":
+        raise ModelDirError(f"{d} is a GGUF file; convert it first with `fitlm import {d} --out DIR` and pass DIR")
+    if kind == "fitlm":
+        return _load_fitlm_dir(d, device, dtype)
+    model, mcfg = load_hf_dir(d, device, dtype)
+    cfg = default_config(mcfg)
+    tok = d / "tokenizer.json"
+    return LoadedModel(model.eval(), cfg, tok if tok.is_file() else None, "hf", d)
+
+
+__all__ = ["LoadedModel", "ModelDirError", "HFFormatError", "default_config", "is_fitlm_model_dir", "resolve_model_path",
+           "save_model_dir", "load_model_dir"]
