@@ -28,6 +28,7 @@ from typing import Literal
 
 import numpy as np
 
+from fitlm import __version__
 from fitlm.data.errors import DataError
 from fitlm.data.tokenizer import TOKENIZER_FILE, Tokenizer
 
@@ -212,12 +213,6 @@ def _check_out_dir(out_dir: Path, files: list[Path], overwrite: bool) -> None:
                             "write the packed data somewhere else")
 
 
-def _fitlm_version() -> str:
-    try:
-        from importlib.metadata import version
-        return version("fitlm")
-    except Exception:
-        return "unknown"
 
 
 class _Progress:
@@ -331,7 +326,7 @@ def pack_corpus(
             "replaced_chars_total": sum(stats.replaced.values()),
             "replaced_chars": stats.replaced,
             "checksums": checksums,
-            "created_by": f"fitlm {_fitlm_version()}",
+            "created_by": f"fitlm {__version__}",
         }
         (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
         _commit(tmp, out_dir)

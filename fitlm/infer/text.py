@@ -6,11 +6,7 @@ from typing import Callable
 
 from fitlm.data.tokenizer import Tokenizer
 from fitlm.infer.generate import generate
-from fitlm.models.io import load_model_dir
-
-
-class ModelDirError(ValueError):
-    pass
+from fitlm.models.io import ModelDirError, load_model_dir
 
 
 class StreamDecoder:

@@ -126,6 +126,7 @@ class GPT2LMHeadModel(nn.Module):
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
         """normal(0, init_std) for linear and embedding weights, zero biases, LayerNorm = identity."""
+        self.tie_weights()  # `to_empty()` after meta-device construction unties them
         std = self.config.init_std
         for module in self.modules():
             if isinstance(module, nn.Embedding):

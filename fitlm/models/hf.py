@@ -149,21 +149,40 @@ def _no_leftovers(src: StateDict, source: str) -> None:
                             f"that the config matches the weights")
 
 
-def _llama_to_hf(sd: StateDict, cfg: ModelConfig) -> StateDict:
-    out = dict(sd)
-    if cfg.tie_embeddings:
-        out.pop("lm_head.weight", None)  # HF stores a tied head once, under the embedding
+_LLAMA_LAYER = [*(f"self_attn.{n}_proj.weight" for n in "qkvo"),
+                *(f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")),
+                "input_layernorm.weight", "post_attention_layernorm.weight"]
+
+
+def _llama_body_keys(cfg: ModelConfig) -> list[str]:
+    """Every llama weight name except lm_head (the names are the same on both sides)."""
+    layers = [f"model.layers.{i}.{n}" for i in range(cfg.num_layers) for n in _LLAMA_LAYER]
+    return ["model.embed_tokens.weight", *layers, "model.norm.weight"]
+
+
+def _llama_to_hf(sd: StateDict, cfg: ModelConfig, source: str = "state dict") -> StateDict:
+    src = dict(sd)
+    out = {k: _take(src, k, source) for k in _llama_body_keys(cfg)}
+    head = src.pop("lm_head.weight", None)
+    if not cfg.tie_embeddings:  # HF stores a tied head once, under the embedding
+        out["lm_head.weight"] = head if head is not None else _take(src, "lm_head.weight", source)
+    _no_leftovers(src, source)
     return out
 
 
 def _llama_from_hf(sd: StateDict, cfg: ModelConfig, source: str) -> StateDict:
     # Old checkpoints saved the RoPE frequencies; they are derived from the config here.
-    out = {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq")}
+    src = {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq")}
+    out = {k: _take(src, k, source) for k in _llama_body_keys(cfg)}
+    head = src.pop("lm_head.weight", None)
     if cfg.tie_embeddings:
-        out["lm_head.weight"] = _take(dict(out), "model.embed_tokens.weight", source)  # same tensor, both names
-    elif "lm_head.weight" not in out:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]  # same tensor under both names
+    elif head is None:
         raise HFFormatError(f"{source}: 'lm_head.weight' is missing but tie_word_embeddings is false; "
                             f"set tie_word_embeddings: true in config.json if the head is tied")
+    else:
+        out["lm_head.weight"] = head
+    _no_leftovers(src, source)
     return out
 
 
@@ -175,7 +194,8 @@ _GPT2_LAYER = {
     "mlp.up_proj.weight": ("mlp.c_fc.weight", True), "mlp.up_proj.bias": ("mlp.c_fc.bias", False),
     "mlp.down_proj.weight": ("mlp.c_proj.weight", True), "mlp.down_proj.bias": ("mlp.c_proj.bias", False),
 }
-_GPT2_TOP = {"model.embed_tokens.weight": "transformer.wte.weight", "model.embed_positions.weight": "transformer.wpe.weight",
+_GPT2_TOP = {"model.embed_tokens.weight": "transformer.wte.weight",
+             "model.embed_positions.weight": "transformer.wpe.weight",
              "model.norm.weight": "transformer.ln_f.weight", "model.norm.bias": "transformer.ln_f.bias"}
 _GPT2_BUFFER = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)$")
 
@@ -222,14 +242,15 @@ def _gpt2_from_hf(sd: StateDict, cfg: ModelConfig, source: str) -> StateDict:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     else:
         if head is None:
-            raise HFFormatError(f"{source}: 'lm_head.weight' is missing but tie_word_embeddings is false")
+            raise HFFormatError(f"{source}: 'lm_head.weight' is missing but tie_word_embeddings is false; "
+                                f"set tie_word_embeddings: true in config.json if the head is tied")
         out["lm_head.weight"] = head
     _no_leftovers(src, source)
     return out
 
 
-_TO_HF: dict[str, Callable[[StateDict, ModelConfig], StateDict]] = {"llama": _llama_to_hf, "gpt2": _gpt2_to_hf}
-_FROM_HF: dict[str, Callable[[StateDict, ModelConfig, str], StateDict]] = {"llama": _llama_from_hf, "gpt2": _gpt2_from_hf}
+_TO_HF: dict[str, Callable[..., StateDict]] = {"llama": _llama_to_hf, "gpt2": _gpt2_to_hf}
+_FROM_HF: dict[str, Callable[..., StateDict]] = {"llama": _llama_from_hf, "gpt2": _gpt2_from_hf}
 
 
 _WRAPPER_PARTS = re.compile(r"(?<![^.])(_orig_mod|_checkpoint_wrapped_module|_fsdp_wrapped_module)\.")
@@ -308,7 +329,8 @@ def read_hf_config(path: str | Path) -> ModelConfig:
 
 
 def model_from_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], cfg: ModelConfig, source: str,
-                             device: str | torch.device = "cpu", dtype: torch.dtype | None = torch.float32) -> nn.Module:
+                             device: str | torch.device = "cpu",
+                             dtype: torch.dtype | None = torch.float32) -> nn.Module:
     """Build the registered model for `cfg` directly from HF-named weights, without a random init pass."""
     from fitlm.registry import build_model
 

@@ -25,8 +25,9 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from fitlm import __version__
 from fitlm.config import Config, DataConfig, ModelConfig, load_config, validate_dict
-from fitlm.models.hf import HFFormatError, load_hf_dir, model_from_hf_state_dict, read_safetensors_dir, \
+from fitlm.models.hf import HFFormatError, read_hf_config, load_hf_dir, model_from_hf_state_dict, read_safetensors_dir, \
     to_hf_state_dict, write_safetensors
 
 FORMAT_VERSION = 1
@@ -48,13 +49,6 @@ class LoadedModel:
     path: Path  # the directory the weights were read from
 
 
-def _fitlm_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("fitlm")
-    except Exception:  # not installed as a distribution (e.g. run from a source tree)
-        return "unknown"
 
 
 def default_config(model_cfg: ModelConfig) -> Config:
@@ -153,7 +147,7 @@ def save_model_dir(model: nn.Module, cfg: Config | ModelConfig, out_dir: str | P
         (tmp / "config.yaml").write_text(cfg.to_yaml())
         for name, src in tok.items():
             shutil.copyfile(src, tmp / name)
-        info = {"format_version": FORMAT_VERSION, "fitlm_version": _fitlm_version(),
+        info = {"format_version": FORMAT_VERSION, "fitlm_version": __version__,
                 "torch_version": torch.__version__}
         (tmp / MARKER).write_text(json.dumps(info, indent=2) + "\n")
         _fsync_tree(tmp)
@@ -176,7 +170,7 @@ def _load_fitlm_dir(d: Path, device: str | torch.device, dtype: torch.dtype | No
         info = json.loads((d / MARKER).read_text())
     except ValueError as e:
         raise ModelDirError(f"{d / MARKER}: not valid JSON ({e}); the directory is damaged, save it again") from None
-    version = info.get("format_version")
+    version = info.get("format_version") if isinstance(info, dict) else None
     if not isinstance(version, int) or version > FORMAT_VERSION:
         raise ModelDirError(f"{d / MARKER}: format_version {version!r} is not readable by this fitlm "
                             f"(reads up to {FORMAT_VERSION}); upgrade fitlm")
@@ -184,6 +178,14 @@ def _load_fitlm_dir(d: Path, device: str | torch.device, dtype: torch.dtype | No
     model = model_from_hf_state_dict(read_safetensors_dir(d, device), cfg.model, str(d), device, dtype)
     tok = d / "tokenizer.json"
     return LoadedModel(model.eval(), cfg, tok if tok.is_file() else None, "fitlm", d)
+
+
+def read_model_config(path: str | Path) -> ModelConfig:
+    """The model section behind a MODEL path, without reading any weights."""
+    kind, d = resolve_model_path(path)
+    if kind == "gguf":
+        raise ModelDirError(f"{d} is a GGUF file; convert it first with `fitlm import {d} --out DIR` and pass DIR")
+    return load_config(d / "config.yaml").model if kind == "fitlm" else read_hf_config(d)
 
 
 def load_model_dir(path: str | Path, device: str | torch.device = "cpu",
@@ -200,5 +202,5 @@ def load_model_dir(path: str | Path, device: str | torch.device = "cpu",
     return LoadedModel(model.eval(), cfg, tok if tok.is_file() else None, "hf", d)
 
 
-__all__ = ["LoadedModel", "ModelDirError", "HFFormatError", "default_config", "is_fitlm_model_dir", "resolve_model_path",
-           "save_model_dir", "load_model_dir"]
+__all__ = ["LoadedModel", "ModelDirError", "HFFormatError", "default_config", "is_fitlm_model_dir",
+           "resolve_model_path", "read_model_config", "save_model_dir", "load_model_dir"]

@@ -55,7 +55,8 @@ class RotaryEmbedding(nn.Module):
         if device is None:
             device = self.cos_cached.device
         # fp32 throughout, element-wise position*frequency, to reproduce Hugging Face's tables exactly.
-        inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim))
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim
+        inv_freq = 1.0 / (self.theta ** exponents)  # [D/2]
         pos = torch.arange(self.max_seq_len, dtype=torch.float32, device=device)
         freqs = pos[:, None] * inv_freq[None, :]  # [max_seq_len, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_seq_len, D]

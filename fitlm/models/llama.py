@@ -120,9 +120,10 @@ class LlamaForCausalLM(nn.Module):
     def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
         """normal(0, init_std) for linear and embedding weights, ones for norms; deterministic under a seed.
 
-        Also recomputes the rotary tables, so a model built on the meta device and moved with
-        `to_empty(device=...)` becomes usable by calling this (pass buffer_device).
+        Also re-ties the head and recomputes the rotary tables, so a model built on the meta device and
+        moved with `to_empty(device=...)` becomes usable by calling this (pass buffer_device).
         """
+        self.tie_weights()  # `to_empty()` after meta-device construction unties them
         std = self.config.init_std
         for module in self.modules():
             if isinstance(module, nn.Embedding):

@@ -11,7 +11,7 @@ from fitlm.data.dataset import SequenceLoader
 from fitlm.registry import build_model
 from fitlm.train import preflight
 from fitlm.train.metrics import flops_per_token
-from fitlm.train.trainer import open_data
+from fitlm.train.trainer import open_data, resolve_init_from
 
 
 def dry_run(cfg: Config) -> dict:
@@ -21,6 +21,7 @@ def dry_run(cfg: Config) -> dict:
         problems.append(problem)
     if problems:
         raise ConfigError(problems)
+    cfg = resolve_init_from(cfg)
     train, valid, tok = open_data(cfg)
     t = cfg.train
     loader = SequenceLoader(train, cfg.data.seq_length, t.micro_batch_size, seed=t.seed)

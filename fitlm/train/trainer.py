@@ -14,12 +14,12 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from fitlm.config import Config, ConfigError
+from fitlm.config import Config, ConfigError, validate_dict
 from fitlm.data.dataset import PackedDataset, SequenceLoader, check_compat
 from fitlm.data.tokenizer import Tokenizer
 from fitlm.memory.precision import autocast, compute_dtype
 from fitlm.memory.recompute import apply_recompute
-from fitlm.models.io import load_model_dir, save_model_dir
+from fitlm.models.io import load_model_dir, read_model_config, save_model_dir
 from fitlm.registry import build_model
 from fitlm.train import preflight
 from fitlm.train.loss import count_targets, cross_entropy_sum
@@ -62,18 +62,38 @@ def open_data(cfg: Config) -> tuple[PackedDataset, PackedDataset | None, Tokeniz
     return train, valid, tok
 
 
+# Fields that describe the network's shape; init_std only matters for random init.
+SHAPE_FIELDS = ("arch", "hidden_size", "num_layers", "num_heads", "kv_heads", "ffn_size", "vocab_size",
+                "max_seq_len", "rope_theta", "tie_embeddings", "norm_eps")
+
+
+def resolve_init_from(cfg: Config) -> Config:
+    """With model.init_from, the weights define the network: unset model keys are taken from them,
+    keys the user did set must agree with them (compared after resolving family defaults)."""
+    m = cfg.model
+    if not m.init_from:
+        return cfg
+    source = read_model_config(m.init_from)
+    explicit = m.model_fields_set - {"init_from", "init_std"}
+    aliases = {"num_kv_heads": "kv_heads", "intermediate_size": "ffn_size"}
+    diffs = []
+    for key in sorted(explicit):
+        attr = aliases.get(key, key)
+        if attr in SHAPE_FIELDS and getattr(m, attr) != getattr(source, attr):
+            diffs.append(f"model.{key}: config {getattr(m, attr)!r} vs weights {getattr(source, attr)!r}")
+    if diffs:
+        raise ConfigError([f"model.init_from: {m.init_from} does not match the model section ({'; '.join(diffs)}); "
+                           "remove those keys to take them from the weights, or make them match"])
+    merged = source.model_copy(update={"init_from": m.init_from, "init_std": m.init_std})
+    # Re-validate: rules such as data.seq_length <= model.max_seq_len now see the real model.
+    return validate_dict(cfg.model_copy(update={"model": merged}).to_dict(), f"model.init_from={m.init_from}")
+
+
 def build_or_load_model(cfg: Config, device: torch.device) -> nn.Module:
     torch.manual_seed(cfg.train.seed)
     if not cfg.model.init_from:
         return build_model(cfg.model).to(device)
-    loaded = load_model_dir(cfg.model.init_from, device=str(device))
-    want = cfg.model.model_dump(exclude={"init_from"})
-    have = loaded.config.model.model_dump(exclude={"init_from"})
-    diffs = [f"{k}: config {want[k]!r} vs weights {have[k]!r}" for k in want if want[k] != have[k]]
-    if diffs:
-        raise ConfigError([f"model.init_from: {cfg.model.init_from} does not match the model section "
-                           f"({'; '.join(diffs)}); make the model section match the weights"])
-    return loaded.model.train()
+    return load_model_dir(cfg.model.init_from, device=str(device)).model.train()
 
 
 class Trainer:
@@ -81,6 +101,7 @@ class Trainer:
         problems = preflight.unsupported_options(cfg)
         if problems:
             raise ConfigError(problems)
+        cfg = resolve_init_from(cfg)
         self.cfg = cfg
         self.device = resolve_device(cfg.train.device)
         self.train_data, self.valid_data, self.tokenizer = open_data(cfg)

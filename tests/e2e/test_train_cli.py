@@ -94,3 +94,16 @@ def test_data_inspect_json(tiny_corpus):
     assert report["num_tokens"] > 10_000 and report["num_docs"] > 10
     assert sum(row["count"] for row in report["length_histogram"]) == report["num_docs"]
     assert report["sample_token_ids"][0] == 0 and "MACBETH" in report["sample_text"].upper()
+
+
+def test_init_from_a_trained_model_continues_from_its_weights(tiny_run, tiny_corpus, tmp_path):
+    cfg = tiny_config(tiny_corpus, tmp_path / "cont", train={"max_steps": 2, "warmup_steps": 0, "lr": 1e-4, "min_lr": 1e-5})
+    cfg["model"] = {"init_from": str(tiny_run["out"] / "model")}  # every shape key comes from the weights
+    proc = fitlm("train", write_config(tmp_path / "cont.yaml", cfg), "--json")
+    assert proc.returncode == 0, proc.stderr
+    first = read_metrics(tmp_path / "cont")[0]["loss"]
+    trained = [r["loss"] for r in read_metrics(tiny_run["out"]) if "loss" in r]
+    assert first < trained[0] - 0.8, (first, trained[0])  # starts where training got to, not from scratch
+    cfg["model"]["hidden_size"] = 128
+    bad = fitlm("train", write_config(tmp_path / "bad.yaml", cfg), "--overwrite")
+    assert bad.returncode == 2 and "model.hidden_size: config 128 vs weights 64" in bad.stderr

@@ -58,7 +58,8 @@ def hf_gpt2(name: str, attn: str) -> GPT2LMHeadModel:
     return model
 
 
-CASES = [("llama", n, a) for n in LLAMA for a in ("sdpa", "eager")] + [("gpt2", n, a) for n in GPT2 for a in ("sdpa", "eager")]
+ATTN = ("sdpa", "eager")
+CASES = [("llama", n, a) for n in LLAMA for a in ATTN] + [("gpt2", n, a) for n in GPT2 for a in ATTN]
 
 
 def make_hf(family: str, name: str, attn: str):

@@ -144,6 +144,20 @@ def test_init_is_deterministic_under_seed(arch):
     assert abs(w.std().item() - 0.05) < 0.005 and abs(w.mean().item()) < 0.005
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_meta_device_build_then_init_weights(arch):
+    cfg = tiny(arch, tie_embeddings=True)
+    with torch.device("meta"):
+        model = build_model(cfg)
+    model.to_empty(device="cpu")
+    model.init_weights(buffer_device="cpu")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    reference = build_model(cfg)
+    for name, buf in reference.named_buffers():
+        torch.testing.assert_close(dict(model.named_buffers())[name], buf, rtol=0, atol=0)
+    assert torch.isfinite(model(ids())).all()
+
+
 # --------------------------------------------------------------------------- KV cache
 
 
@@ -210,8 +224,8 @@ def test_gpt2_adapter_layout_and_roundtrip():
 def test_adapters_see_through_compile_and_checkpoint_wrappers():
     cfg = tiny("llama")
     sd = make(cfg).state_dict()
-    wrapped = {k.replace("layers.0.", "layers.0._orig_mod.").replace("layers.1.", "layers.1._checkpoint_wrapped_module."): v
-               for k, v in sd.items()}
+    wrapped = {k.replace("layers.0.", "layers.0._orig_mod.")
+                .replace("layers.1.", "layers.1._checkpoint_wrapped_module."): v for k, v in sd.items()}
     assert wrapped != sd and to_hf_state_dict(wrapped, cfg).keys() == sd.keys()
 
 
@@ -220,14 +234,20 @@ def test_config_from_hf_spells_family_defaults_as_null():
         assert config_from_hf(config_to_hf(cfg)) == cfg.model_copy(update={"num_kv_heads": None})
 
 
-def test_adapter_refuses_leftover_and_missing_weights():
-    cfg = tiny("gpt2")
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_adapter_refuses_leftover_and_missing_weights(arch):
+    cfg = tiny(arch)
+    with pytest.raises(HFFormatError, match="merge adapters"):
+        to_hf_state_dict({**make(cfg).state_dict(), "model.layers.0.self_attn.q_proj.lora_A": torch.zeros(1)}, cfg)
     hf = to_hf_state_dict(make(cfg), cfg)
     with pytest.raises(HFFormatError, match="unexpected weights"):
         from_hf_state_dict({**hf, "transformer.h.0.attn.lora_A": torch.zeros(1)}, cfg)
-    del hf["transformer.h.1.ln_2.bias"]
-    with pytest.raises(HFFormatError, match="transformer.h.1.ln_2.bias"):
+    missing = "transformer.h.1.ln_2.bias" if arch == "gpt2" else "model.layers.1.mlp.up_proj.weight"
+    del hf[missing]
+    with pytest.raises(HFFormatError, match=missing):
         from_hf_state_dict(hf, cfg)
+    with pytest.raises(HFFormatError, match="lm_head.weight' is missing"):
+        from_hf_state_dict({k: v for k, v in to_hf_state_dict(make(cfg), cfg).items() if k != "lm_head.weight"}, cfg)
 
 
 @pytest.mark.parametrize("arch,tied", [("llama", False), ("llama", True), ("gpt2", True), ("gpt2", False)])
@@ -315,7 +335,8 @@ def test_training_output_and_hf_dirs_resolve(tmp_path):
     (tmp_path / "hf" / "tokenizer.json").write_text("{}")
     loaded = load_model_dir(tmp_path / "hf")
     assert loaded.source == "hf" and loaded.config.model.hidden_size == 64
-    assert loaded.config.data.seq_length <= cfg.max_seq_len and loaded.tokenizer_path == tmp_path / "hf" / "tokenizer.json"
+    assert loaded.config.data.seq_length <= cfg.max_seq_len
+    assert loaded.tokenizer_path == tmp_path / "hf" / "tokenizer.json"
     torch.testing.assert_close(loaded.model(ids()), model(ids()), rtol=0, atol=0)
 
 
