@@ -153,3 +153,36 @@ def check_inputs(input_ids: torch.Tensor, kv_cache: KVCache | None, max_seq_len:
     if kv_cache is not None and kv_cache.batch_size != input_ids.shape[0]:
         raise ValueError(f"KV cache holds batch {kv_cache.batch_size} but input_ids has batch {input_ids.shape[0]}")
     return start
+
+
+class SelfAttention(nn.Module):
+    """Multi-head / grouped-query self-attention with q/k/v/o projections (HF names) and a KV cache.
+
+    Rotary positions are applied when `cos`/`sin` are given (llama); learned-position families pass none.
+    """
+
+    def __init__(self, cfg, layer_idx: int, bias: bool):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = cfg.head_dim
+        c, h, k = cfg.hidden_size, cfg.num_heads, cfg.kv_heads
+        self.q_proj = nn.Linear(c, h * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(c, k * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(c, k * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(h * self.head_dim, c, bias=bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
+                kv_cache: "KVCache | None" = None) -> torch.Tensor:
+        b, t, _ = x.shape  # x [B,T,C]
+        # Head counts come from the (possibly tensor-parallel-sharded) weights, hence -1, not cfg.
+        q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # [B,H,T,D]
+        k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # [B,K,T,D]
+        v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # [B,K,T,D]
+        if cos is not None:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        start = 0
+        if kv_cache is not None:
+            start = kv_cache.length
+            k, v = kv_cache.update(self.layer_idx, k, v)  # [B,K,S,D]
+        out = causal_attention(q, k, v, start)  # [B,H,T,D]
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))  # [B,T,C]

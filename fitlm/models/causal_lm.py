@@ -1,0 +1,78 @@
+"""The part every family shares: a body (`self.model`) plus an output projection (`self.lm_head`).
+
+A family class calls `setup_causal_lm(self, cfg, body)` in its `__init__` and gets forward,
+hidden_states, weight tying, initialisation and KV-cache construction from `CausalLMMixin`. The
+body maps `(input_ids [B,T], position_ids, kv_cache) -> final-norm hidden states [B,T,C]`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from fitlm.config import ModelConfig
+from fitlm.models.layers import KVCache
+
+
+class CausalLMMixin:
+    config: ModelConfig
+    model: nn.Module
+    lm_head: nn.Linear
+
+    def setup_causal_lm(self, cfg: ModelConfig, body: nn.Module) -> None:
+        self.config = cfg
+        self.model = body
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.init_weights()
+
+    def tie_weights(self) -> None:
+        """With tie_embeddings, lm_head.weight is the embedding Parameter itself (one tensor, one grad)."""
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
+        """normal(0, init_std) for linear and embedding weights, zero biases, norms reset; seeded = deterministic.
+
+        Also re-ties the head and recomputes derived buffers, so a model built on the meta device and
+        moved with `to_empty(device=...)` becomes usable by calling this (pass buffer_device).
+        """
+        self.tie_weights()  # `to_empty()` after meta-device construction unties them
+        std = self.config.init_std
+        for module in self.modules():
+            if isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, 0.0, std)
+            elif isinstance(module, nn.Linear):
+                if not (module is self.lm_head and self.config.tie_embeddings):
+                    nn.init.normal_(module.weight, 0.0, std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif module is not self and hasattr(module, "reset_parameters") and not list(module.children()):
+                module.reset_parameters()  # norms: ones (and zero bias for LayerNorm)
+        self.init_buffers(buffer_device)
+
+    def reset_parameters(self, buffer_device: torch.device | str | None = None) -> None:
+        self.init_weights(buffer_device)
+
+    def init_buffers(self, device: torch.device | str | None = None) -> None:
+        """Recompute non-persistent buffers; families with derived tables (RoPE) override this."""
+
+    @property
+    def output_layer(self) -> nn.Linear:
+        return self.lm_head
+
+    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                      kv_cache: KVCache | None = None) -> torch.Tensor:
+        """input_ids [B,T] -> final-norm hidden states [B,T,C] (what lm_head consumes)."""
+        return self.model(input_ids, position_ids, kv_cache)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                kv_cache: KVCache | None = None) -> torch.Tensor:
+        """input_ids [B,T] -> logits [B,T,V]."""
+        return self.lm_head(self.hidden_states(input_ids, position_ids, kv_cache))
+
+    def new_kv_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
+        """An empty cache sized for this model, on its device and in its dtype."""
+        w = self.model.embed_tokens.weight
+        return KVCache(self.config.num_layers, batch_size, max_len or self.config.max_seq_len,
+                       self.config.kv_heads, self.config.head_dim, w.dtype, w.device)
