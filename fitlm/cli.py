@@ -27,11 +27,16 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Start with `make demo`, or: fitlm data tokenizer ... ; fitlm data pack ... ; fitlm train CONFIG")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("train", help="train a model from a YAML config",
-                       description="Train (pretrain or fine-tune) from one YAML config. Writes metrics.jsonl, "
-                                   "config.yaml and the final model/ under train.output_dir.")
+    p = sub.add_parser("train", help="train a model from a YAML config", formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Train (pretrain or fine-tune) from one YAML config. Writes config.yaml, "
+                                   "metrics.jsonl and, at the end, the model/ directory under train.output_dir.\n"
+                                   "Every problem with the config, data or tokenizer is reported before anything is written.",
+                       epilog="examples:\n"
+                              "  fitlm train configs/tiny.yaml --dry-run\n"
+                              "  fitlm train configs/tiny.yaml --set train.lr=1e-3 --set train.max_steps=100\n"
+                              "  fitlm config docs    # every config key, its default and meaning")
     _add_config_args(p)
-    p.add_argument("--nproc", type=int, default=None,
+    p.add_argument("--nproc", type=int, default=None, metavar="N",
                    help="processes to launch on this node (default: the layout's data×tensor×pipeline product)")
     p.add_argument("--dry-run", action="store_true",
                    help="validate the config, data and tokenizer, print the run's shape, and exit without training")
@@ -41,15 +46,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("generate", help="generate text from a trained or imported model",
-                       description="Generate a continuation of --prompt with a KV cache. MODEL is a fitlm model "
-                                   "directory, a training output directory, or a Hugging Face directory.")
-    p.add_argument("model", help="model directory (fitlm model dir, training output dir, or HF dir)")
-    p.add_argument("--prompt", required=True, help="text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); >0 samples")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass when temperature > 0 (default 1.0)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    p.add_argument("--json", action="store_true", help='print {"text": ..., "token_ids": [...]} on stdout')
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Continue --prompt with a KV cache, streaming the text; stops at EOS or after "
+                                   "--max-new-tokens.\nMODEL is a fitlm model directory, a training output "
+                                   "directory (its model/ is used), or a Hugging Face directory.",
+                       epilog="examples:\n"
+                              "  fitlm generate demo/run --prompt 'KING LEAR.'                      # greedy\n"
+                              "  fitlm generate demo/run --prompt 'KING LEAR.' --temperature 0.8 --top-p 0.9\n"
+                              "  fitlm generate demo/run --prompt 'KING LEAR.' --json               # for scripts")
+    p.add_argument("model", metavar="MODEL", help="fitlm model dir, training output dir, or Hugging Face dir")
+    p.add_argument("--prompt", required=True, metavar="TEXT", help="text to continue (a BOS token is put before it)")
+    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate at most (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="0 = greedy decoding (default); above 0 samples, higher is more random")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="sample only from the smallest token set whose probability reaches P (default 1.0 = all)")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="sampling seed, for reproducible samples (default 0)")
+    p.add_argument("--json", action="store_true", help='print one JSON object {"prompt", "text", "token_ids"} on stdout instead of streaming')
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("data", help="prepare data: tokenizer, pack, inspect")
