@@ -8,18 +8,14 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 
-def transformer_blocks(model: nn.Module) -> nn.ModuleList:
-    """The repeated blocks of any registered family (HF layout: model.layers or transformer.h)."""
-    for path in ("model.layers", "transformer.h", "layers"):
-        node = model
-        try:
-            for part in path.split("."):
-                node = getattr(node, part)
-        except AttributeError:
-            continue
-        if isinstance(node, nn.ModuleList):
-            return node
-    raise TypeError(f"{type(model).__name__} has no ModuleList of blocks at model.layers or transformer.h")
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of any registered family (`model.layers`, a ModuleDict or ModuleList), in order."""
+    container = getattr(getattr(model, "model", model), "layers", None)
+    if isinstance(container, nn.ModuleDict):
+        return list(container.values())
+    if isinstance(container, nn.ModuleList):
+        return list(container)
+    raise TypeError(f"{type(model).__name__} has no model.layers of blocks")
 
 
 def apply_recompute(model: nn.Module, mode: str) -> nn.Module:

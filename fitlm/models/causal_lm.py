@@ -27,7 +27,7 @@ class CausalLMMixin:
 
     def tie_weights(self) -> None:
         """With tie_embeddings, lm_head.weight is the embedding Parameter itself (one tensor, one grad)."""
-        if self.config.tie_embeddings:
+        if self.config.tie_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @torch.no_grad()
@@ -68,8 +68,9 @@ class CausalLMMixin:
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 kv_cache: KVCache | None = None) -> torch.Tensor:
-        """input_ids [B,T] -> logits [B,T,V]."""
-        return self.lm_head(self.hidden_states(input_ids, position_ids, kv_cache))
+        """input_ids [B,T] -> logits [B,T,V] (hidden states [B,T,C] on a pipeline stage without the head)."""
+        h = self.hidden_states(input_ids, position_ids, kv_cache)
+        return self.lm_head(h) if self.lm_head is not None else h
 
     def new_kv_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
         """An empty cache sized for this model, on its device and in its dtype."""

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from fitlm.config import ModelConfig
 from fitlm.models.causal_lm import CausalLMMixin
-from fitlm.models.layers import KVCache, SelfAttention, check_inputs, default_position_ids
+from fitlm.models.layers import KVCache, SelfAttention, check_inputs, default_position_ids, make_blocks
 from fitlm.registry import register_model
 
 
@@ -64,21 +64,24 @@ class GPT2Model(nn.Module):
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_positions = nn.Embedding(cfg.max_seq_len, cfg.hidden_size)
-        self.layers = nn.ModuleList(GPT2Block(cfg, i) for i in range(cfg.num_layers))
+        self.layers = make_blocks(GPT2Block, cfg)
         self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 kv_cache: KVCache | None = None) -> torch.Tensor:
         start = check_inputs(input_ids, kv_cache, self.config.max_seq_len)
-        b, t = input_ids.shape
+        b, t = input_ids.shape[:2]
         if position_ids is None:
             position_ids = default_position_ids(b, t, start, input_ids.device)  # [B,T]
-        h = self.embed_tokens(input_ids) + self.embed_positions(position_ids)  # [B,T,C]
-        for layer in self.layers:
+        if self.embed_tokens is not None:
+            h = self.embed_tokens(input_ids) + self.embed_positions(position_ids)  # [B,T,C]
+        else:  # a later pipeline stage: hidden states [B,T,C] come in
+            h = input_ids
+        for layer in self.layers.values():
             h = layer(h, kv_cache)
         if kv_cache is not None:
             kv_cache.advance(t)
-        return self.norm(h)  # [B,T,C]
+        return self.norm(h) if self.norm is not None else h  # [B,T,C]
 
 
 @register_model("gpt2")

@@ -143,8 +143,9 @@ def default_position_ids(batch: int, t: int, start: int, device: torch.device) -
 
 
 def check_inputs(input_ids: torch.Tensor, kv_cache: KVCache | None, max_seq_len: int) -> int:
-    """Validate [B,T] ids against the cache and the model's length; return the offset of the new tokens."""
-    if input_ids.dim() != 2:
+    """Validate [B,T] ids (or [B,T,C] hidden states entering a later pipeline stage) against the cache and
+    the model's length; return the offset of the new tokens."""
+    if input_ids.dim() not in (2, 3):
         raise ValueError(f"input_ids must be [batch, seq] token ids, got shape {tuple(input_ids.shape)}")
     start = kv_cache.length if kv_cache is not None else 0
     if start + input_ids.shape[1] > max_seq_len:
@@ -153,6 +154,12 @@ def check_inputs(input_ids: torch.Tensor, kv_cache: KVCache | None, max_seq_len:
     if kv_cache is not None and kv_cache.batch_size != input_ids.shape[0]:
         raise ValueError(f"KV cache holds batch {kv_cache.batch_size} but input_ids has batch {input_ids.shape[0]}")
     return start
+
+
+def make_blocks(block_cls, cfg) -> nn.ModuleDict:
+    """Blocks keyed "0".."L-1": a ModuleDict, so a pipeline stage can drop the blocks it does not own
+    while the others keep their names (model.layers.7... stays model.layers.7...)."""
+    return nn.ModuleDict({str(i): block_cls(cfg, i) for i in range(cfg.num_layers)})
 
 
 class SelfAttention(nn.Module):

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from fitlm.config import ModelConfig
 from fitlm.models.causal_lm import CausalLMMixin
-from fitlm.models.layers import KVCache, RMSNorm, RotaryEmbedding, SelfAttention, check_inputs, default_position_ids
+from fitlm.models.layers import KVCache, RMSNorm, RotaryEmbedding, SelfAttention, check_inputs, default_position_ids, \
+    make_blocks
 from fitlm.registry import register_model
 
 
@@ -53,23 +54,24 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = make_blocks(LlamaDecoderLayer, cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 kv_cache: KVCache | None = None) -> torch.Tensor:
         start = check_inputs(input_ids, kv_cache, self.config.max_seq_len)
-        b, t = input_ids.shape
+        b, t = input_ids.shape[:2]
         if position_ids is None:
             position_ids = default_position_ids(b, t, start, input_ids.device)  # [B,T]
         cos, sin = self.rotary_emb(position_ids)  # [B,T,D] each
-        h = self.embed_tokens(input_ids)  # [B,T,C]
-        for layer in self.layers:
+        # A pipeline stage without the embedding receives hidden states [B,T,C] instead of ids.
+        h = self.embed_tokens(input_ids) if self.embed_tokens is not None else input_ids  # [B,T,C]
+        for layer in self.layers.values():
             h = layer(h, cos, sin, kv_cache)
         if kv_cache is not None:
             kv_cache.advance(t)
-        return self.norm(h)  # [B,T,C]
+        return self.norm(h) if self.norm is not None else h  # [B,T,C]
 
 
 @register_model("llama")
