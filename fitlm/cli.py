@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -102,20 +103,26 @@ def _emit_json(obj: dict) -> None:
     sys.stdout.write(json.dumps(obj) + "\n")
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    from fitlm.config import ConfigError, load_config
+def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
+    from fitlm.config import load_config
+    from fitlm.parallel.launch import launch_local
+    from fitlm.parallel.mesh import env_world_size, launched_by_torchrun
+    from fitlm.train.dry_run import dry_run
     from fitlm.train.trainer import Trainer
 
     cfg = load_config(args.config, args.overrides)
-    if args.nproc is not None and args.nproc != cfg.parallel.world_size:
-        raise ConfigError([f"--nproc {args.nproc} does not match the layout: parallel.data_parallel × tensor_parallel "
-                           f"× pipeline_parallel = {cfg.parallel.world_size}; change one of them"], args.config)
-    if args.dry_run:
-        from fitlm.train.dry_run import dry_run
-        summary = dry_run(cfg)
-        _emit_json(summary) if args.json else _print_table("dry run: everything checks out", summary)
-        return 0
+    joined = launched_by_torchrun()
+    world = env_world_size() if joined else (args.nproc or cfg.parallel.world_size)
+    if args.dry_run or (world > 1 and not joined):
+        # Every check a run makes, once, here: workers would otherwise each print the same error.
+        summary = dry_run(cfg, world, overwrite=args.overwrite)
+        if args.dry_run:
+            _emit_json(summary) if args.json else _print_table("dry run: everything checks out", summary)
+            return 0
+        return launch_local(world, argv)
     result = Trainer(cfg, overwrite=args.overwrite).fit()
+    if not result.is_main:
+        return 0
     summary = {"output_dir": str(result.output_dir), "model_dir": str(result.model_dir), "steps": result.steps,
                "first_loss": result.first_loss, "last_loss": result.last_loss, "eval_loss": result.eval_loss}
     if args.json:
@@ -209,16 +216,19 @@ def _is_user_error(exc: BaseException) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        return args.func(args, argv) if args.func is cmd_train else args.func(args)
     except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")
         return 130
     except Exception as exc:  # noqa: BLE001 - user errors get a paragraph, bugs keep their traceback
         if not _is_user_error(exc):
             raise
-        sys.stderr.write(f"fitlm {args.command}: error: {exc}\n")
+        rank = os.environ.get("RANK", "0")
+        prefix = "" if rank == "0" else f"[rank {rank}] "
+        sys.stderr.write(f"{prefix}fitlm {args.command}: error: {exc}\n")
         return EXIT_USER_ERROR
 
 

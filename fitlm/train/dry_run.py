@@ -8,30 +8,35 @@ import torch
 
 from fitlm.config import Config, ConfigError
 from fitlm.data.dataset import SequenceLoader
+from fitlm.parallel.layout import layout_problems
 from fitlm.registry import build_model
 from fitlm.train import preflight
 from fitlm.train.metrics import flops_per_token
 from fitlm.train.trainer import open_data, resolve_init_from
 
 
-def dry_run(cfg: Config) -> dict:
-    problems = preflight.unsupported_options(cfg)
-    problem = preflight.output_dir_problem(cfg)
+def dry_run(cfg: Config, world_size: int | None = None, overwrite: bool = False) -> dict:
+    """Raises ConfigError/DataError with every problem a run would hit; returns the run's shape."""
+    world_size = world_size or cfg.parallel.world_size
+    cfg = resolve_init_from(cfg)
+    problems = preflight.unsupported_options(cfg) + layout_problems(cfg, world_size)
+    problem = preflight.output_dir_problem(cfg, overwrite)
     if problem:
         problems.append(problem)
     if problems:
         raise ConfigError(problems)
-    cfg = resolve_init_from(cfg)
     train, valid, tok = open_data(cfg)
     t = cfg.train
-    loader = SequenceLoader(train, cfg.data.seq_length, t.micro_batch_size, seed=t.seed)
+    loader = SequenceLoader(train, cfg.data.seq_length, t.micro_batch_size, seed=t.seed, world_size=cfg.parallel.data_parallel)
     with torch.device("meta"):  # count parameters without allocating them
         model = build_model(cfg.model)
     params = sum(p.numel() for p in model.parameters())
     tokens_per_step = t.micro_batch_size * t.gradient_accumulation_steps * cfg.data.seq_length * cfg.parallel.data_parallel
     out = Path(t.output_dir)
     return {
-        "model": cfg.model.arch, "params": params, "train_tokens": train.num_tokens,
+        "model": cfg.model.arch, "params": params, "processes": world_size,
+        "layout": f"dp{cfg.parallel.data_parallel}×tp{cfg.parallel.tensor_parallel}×pp{cfg.parallel.pipeline_parallel}"
+                  f" zero{cfg.parallel.zero_stage}", "train_tokens": train.num_tokens,
         "valid_tokens": valid.num_tokens if valid else 0, "tokenizer": str(tok.path), "vocab_size": tok.vocab_size,
         "global_batch_sequences": t.micro_batch_size * t.gradient_accumulation_steps * cfg.parallel.data_parallel,
         "tokens_per_step": tokens_per_step, "total_tokens": tokens_per_step * t.max_steps,

@@ -5,17 +5,21 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from fitlm.config import TrainConfig
 from fitlm.train.metrics import is_embedding
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+def param_groups(modules: nn.Module | list[nn.Module], weight_decay: float) -> list[dict]:
     """Matrices decay; norms, biases and embedding tables do not (decaying them only hurts)."""
     decay, no_decay = [], []
     seen: set[int] = set()
-    for name, p in model.named_parameters():
+    modules = modules if isinstance(modules, list) else [modules]
+    named = [(n, p) for m in modules for n, p in m.named_parameters()]
+    for name, p in named:
         if not p.requires_grad or id(p) in seen:  # tied weights appear twice
             continue
         seen.add(id(p))
@@ -23,10 +27,18 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    groups = [g for g in param_groups(model, cfg.weight_decay) if g["params"]]
+def build_optimizer(modules: nn.Module | list[nn.Module], cfg: TrainConfig,
+                    zero1_group: "dist.ProcessGroup | None" = None) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters of `modules` (a model, or this rank's pipeline stages).
+
+    With `zero1_group` (ZeRO-1) each rank of that group keeps the optimizer states of its share only.
+    """
+    groups = [g for g in param_groups(modules, cfg.weight_decay) if g["params"]]
+    kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    if zero1_group is not None:
+        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=zero1_group, **kwargs)
     # foreach is the fast path on CPU and CUDA; fused exists only for some device/dtype pairs.
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)
+    return torch.optim.AdamW(groups, foreach=True, **kwargs)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

@@ -19,11 +19,6 @@ RUN_CONFIG = "config.yaml"  # the resolved config a run writes into its output_d
 def unsupported_options(cfg: Config) -> list[str]:
     """Options the schema accepts (they are part of the config contract) but this build cannot run yet."""
     out = []
-    if cfg.parallel.world_size > 1 or cfg.parallel.zero_stage:
-        p = cfg.parallel
-        out.append(f"parallel: data_parallel={p.data_parallel} × tensor_parallel={p.tensor_parallel} × "
-                   f"pipeline_parallel={p.pipeline_parallel} (zero_stage={p.zero_stage}) needs multi-process "
-                   "training, which this build does not have yet; set all three to 1 and zero_stage to 0")
     if cfg.memory.mixed_precision in ("O2", "O3"):
         out.append(f"memory.mixed_precision: {cfg.memory.mixed_precision} is not available yet; use O0 (fp32) or O1 (autocast)")
     if cfg.memory.mixed_precision != "O0" and cfg.memory.half_dtype == "fp16":

@@ -1,12 +1,13 @@
 """The training loop. It wires components together; the components do the work.
 
-Order of assembly: validate (preflight) -> data -> model (built or loaded) -> apply_* wrappers
-(recompute) -> optimiser -> loop -> final model directory.
+Order of assembly: validate (preflight, layout) -> process group and mesh -> data (this rank's
+slice) -> model (built or loaded, identical on every rank) -> output directory -> parallelize
+(pipeline split, tensor parallel, recompute, data parallel / ZeRO) -> optimiser -> loop -> final
+model directory (gathered to rank 0).
 """
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,8 +19,10 @@ from fitlm.config import Config, ConfigError, validate_dict
 from fitlm.data.dataset import PackedDataset, SequenceLoader, check_compat
 from fitlm.data.tokenizer import Tokenizer
 from fitlm.memory.precision import autocast, compute_dtype
-from fitlm.memory.recompute import apply_recompute
 from fitlm.models.io import load_model_dir, read_model_config, save_model_dir
+from fitlm.parallel.apply import parallelize
+from fitlm.parallel.layout import layout_problems
+from fitlm.parallel.mesh import env_world_size, init_parallel, shutdown
 from fitlm.registry import build_model
 from fitlm.train import preflight
 from fitlm.train.loss import count_targets, cross_entropy_sum
@@ -37,6 +40,7 @@ class TrainResult:
     last_loss: float
     eval_loss: float | None
     history: list[dict] = field(default_factory=list)
+    is_main: bool = True  # False on the ranks of a multi-process run that do not report
 
 
 def resolve_device(name: str) -> torch.device:
@@ -98,47 +102,71 @@ def build_or_load_model(cfg: Config, device: torch.device) -> nn.Module:
 
 class Trainer:
     def __init__(self, cfg: Config, overwrite: bool = False, console=None):
-        problems = preflight.unsupported_options(cfg)
+        problems = preflight.unsupported_options(cfg) + layout_problems(cfg, env_world_size())
         if problems:
             raise ConfigError(problems)
         cfg = resolve_init_from(cfg)
-        self.cfg = cfg
-        self.device = resolve_device(cfg.train.device)
+        self.cfg, t = cfg, cfg.train
+        self.ctx = init_parallel(cfg.parallel, resolve_device(t.device).type)
+        self.device = self.ctx.device
         self.train_data, self.valid_data, self.tokenizer = open_data(cfg)
-        t = cfg.train
         # Everything that can fail on bad input runs before the output directory is touched.
-        self.loader = SequenceLoader(self.train_data, cfg.data.seq_length, t.micro_batch_size, seed=t.seed)
-        self.model = build_or_load_model(cfg, self.device)
-        self.output_dir = preflight.prepare_output_dir(cfg, overwrite=overwrite)
-        apply_recompute(self.model, cfg.memory.recompute)
-        self.optimizer = build_optimizer(self.model, t)
+        self.loader = self._loader(self.train_data, shuffle=True)
+        model = build_or_load_model(cfg, self.device)  # same seed on every rank: identical replicas
+        self.flops_per_token = flops_per_token(model, cfg.model, cfg.data.seq_length)
+        problem = preflight.output_dir_problem(cfg, overwrite)  # checked on every rank, so all stop together
+        if problem:
+            raise ConfigError([problem])
+        self.ctx.barrier()  # every rank has looked before rank 0 writes
+        if self.ctx.is_main:
+            preflight.prepare_output_dir(cfg, overwrite=overwrite)
+        self.ctx.barrier()
+        self.output_dir = Path(t.output_dir)
+        self.pm = parallelize(model, cfg, self.ctx)
+        zero1 = self.ctx.group("dp") if cfg.parallel.zero_stage == 1 and self.ctx.dp > 1 else None
+        self.optimizer = build_optimizer(self.pm.modules, t, zero1_group=zero1)
         self.console = console
-        self.tokens_per_step = t.micro_batch_size * cfg.data.seq_length * t.gradient_accumulation_steps
-        self.flops_per_token = flops_per_token(self.model, cfg.model, cfg.data.seq_length)
+        self.tokens_per_step = t.micro_batch_size * cfg.data.seq_length * t.gradient_accumulation_steps * self.ctx.dp
         self.peak_flops = device_peak_flops(self.device, compute_dtype(cfg.memory), t.peak_tflops)
+
+    def _loader(self, data: PackedDataset, shuffle: bool) -> SequenceLoader:
+        # Each data-parallel rank reads its own disjoint windows; tensor/pipeline ranks of a replica share them.
+        t = self.cfg.train
+        return SequenceLoader(data, self.cfg.data.seq_length, t.micro_batch_size, seed=t.seed,
+                              rank=self.ctx.dp_rank, world_size=self.ctx.dp, shuffle=shuffle)
 
     def forward_backward(self, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """Accumulate gradients over micro batches; returns the step's loss.
 
-        The loss is the token-weighted mean over the whole accumulated batch: every micro batch's
-        summed loss is divided by the target count of all of them, not averaged per micro batch.
+        The loss is the token-weighted mean over the whole global batch: each micro batch's summed
+        loss is divided by the target count of all micro batches on all data-parallel ranks, not
+        averaged per micro batch. Data-parallel engines average gradients over ranks, so each rank's
+        loss is multiplied by the data-parallel degree to make that average a sum.
         """
-        n_targets = max(1, sum(count_targets(b["labels"]) for b in batches))
+        n_targets = self.ctx.all_reduce_sum(
+            torch.tensor(float(sum(count_targets(b["labels"]) for b in batches)), device=self.device), "dp")
+        n_targets = max(1.0, n_targets.item())
+        scale = self.ctx.dp / n_targets
         total = torch.zeros((), device=self.device)
-        for batch in batches:
+        for i, batch in enumerate(batches):
+            self.pm.gradient_sync(enabled=i == len(batches) - 1)
             input_ids = batch["input_ids"].to(self.device, non_blocking=True)  # [B, T]
             labels = batch["labels"].to(self.device, non_blocking=True)  # [B, T]
             with autocast(self.cfg.memory, self.device):
-                logits = self.model(input_ids)  # [B, T, V]
-            loss_sum = cross_entropy_sum(logits, labels)
-            (loss_sum / n_targets).backward()
+                if self.pm.pipeline is not None:
+                    loss_sum = self.pm.pipeline.step(input_ids, labels, scale)
+                else:
+                    with self.pm.loss_context():
+                        logits = self.pm.model(input_ids)  # [B, T, V] (vocab-sharded under tensor parallel)
+                        loss_sum = cross_entropy_sum(logits, labels)
+                        (loss_sum * scale).backward()
             total += loss_sum.detach()
-        return total / n_targets
+        self.pm.finish_backward()
+        return self.ctx.all_reduce_sum(total, "dp") / n_targets
 
     def optimizer_step(self) -> torch.Tensor:
         """Clip, step, clear; returns the pre-clip global gradient norm."""
-        clip = self.cfg.train.grad_clip or math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        grad_norm = self.pm.clip_grad_norm(self.cfg.train.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
@@ -147,28 +175,34 @@ class Trainer:
     def evaluate(self) -> float | None:
         if self.valid_data is None:
             return None
-        t, seq = self.cfg.train, self.cfg.data.seq_length
-        loader = SequenceLoader(self.valid_data, seq, t.micro_batch_size, seed=t.seed, shuffle=False)
-        steps = max(1, min(t.eval_steps, loader.windows_per_epoch // t.micro_batch_size))
-        self.model.eval()
-        loss_sum, targets = 0.0, 0
+        t = self.cfg.train
+        loader = self._loader(self.valid_data, shuffle=False)
+        steps = max(1, min(t.eval_steps, loader.batches_per_epoch))
+        for m in self.pm.modules:
+            m.eval()
+        sums = torch.zeros(2, device=self.device)  # [summed loss, targets]
         for _, batch in zip(range(steps), loader):
             labels = batch["labels"].to(self.device)
+            input_ids = batch["input_ids"].to(self.device)
             with autocast(self.cfg.memory, self.device):
-                logits = self.model(batch["input_ids"].to(self.device))
-            loss_sum += float(cross_entropy_sum(logits, labels))
-            targets += count_targets(labels)
-        self.model.train()
-        return loss_sum / max(targets, 1)
+                if self.pm.pipeline is not None:
+                    loss_sum = self.pm.pipeline.eval_step(input_ids, labels)
+                else:
+                    with self.pm.loss_context():
+                        loss_sum = cross_entropy_sum(self.pm.model(input_ids), labels)
+            sums += torch.stack([loss_sum.float().detach().reshape(()), torch.tensor(float(count_targets(labels)))])
+        for m in self.pm.modules:
+            m.train()
+        sums = self.ctx.all_reduce_sum(sums, "dp")
+        return (sums[0] / sums[1].clamp(min=1)).item()
 
     def fit(self) -> TrainResult:
-        cfg, t = self.cfg, self.cfg.train
-        log = MetricsLog(self.output_dir / "metrics.jsonl")
+        t, main = self.cfg.train, self.ctx.is_main
+        log = MetricsLog(self.output_dir / "metrics.jsonl") if main else None
         batches = iter(self.loader)
         history: list[dict] = []
         eval_loss = None
-        self.model.train()
-        progress = TrainProgress(t.max_steps, enabled=t.progress, console=self.console)
+        progress = TrainProgress(t.max_steps, enabled=t.progress and main, console=self.console)
         window_start, window_tokens = time.perf_counter(), 0
         try:
             with progress:
@@ -182,13 +216,15 @@ class Trainer:
                         # .item() syncs with the device: only on log steps, so the loop never waits otherwise.
                         elapsed = time.perf_counter() - window_start
                         tps = window_tokens / elapsed
+                        peak = self.ctx.all_reduce_max(torch.tensor(peak_memory_bytes(self.device)))
                         record = {
                             "step": step, "loss": round(loss.item(), 6), "lr": lr_at(step - 1, t),
-                            "grad_norm": round(grad_norm.item(), 6), "tokens_per_s": round(tps, 1),
-                            "mfu": round(tps * self.flops_per_token / self.peak_flops, 4),
-                            "peak_bytes": peak_memory_bytes(self.device), "tokens": step * self.tokens_per_step,
+                            "grad_norm": round(float(grad_norm), 6), "tokens_per_s": round(tps, 1),
+                            "mfu": round(tps * self.flops_per_token / (self.peak_flops * self.ctx.world_size), 4),
+                            "peak_bytes": int(peak), "tokens": step * self.tokens_per_step,
                         }
-                        log.write(record)
+                        if log:
+                            log.write(record)
                         history.append(record)
                         progress.update(step, loss=record["loss"], tokens_per_s=tps)
                         window_start, window_tokens = time.perf_counter(), 0
@@ -197,11 +233,28 @@ class Trainer:
                     if t.eval_interval and (step % t.eval_interval == 0 or step == t.max_steps):
                         eval_loss = self.evaluate()
                         if eval_loss is not None:
-                            log.write({"step": step, "eval_loss": round(eval_loss, 6)})
+                            if log:
+                                log.write({"step": step, "eval_loss": round(eval_loss, 6)})
                             progress.update(step, eval_loss=eval_loss)
                             window_start = time.perf_counter()  # evaluation time is not training time
         finally:
-            log.close()
-        model_dir = save_model_dir(self.model, cfg, self.output_dir / "model", tokenizer_path=self.tokenizer.path)
+            if log:
+                log.close()
+        model_dir = self.save_final_model()
+        shutdown(self.ctx)
         return TrainResult(self.output_dir, model_dir, t.max_steps, history[0]["loss"], history[-1]["loss"],
-                           eval_loss, history)
+                           eval_loss, history, is_main=main)
+
+    def save_final_model(self) -> Path:
+        """Gather the full weights (collective) and write output_dir/model on rank 0."""
+        full = self.pm.full_state_dict()
+        model_dir = self.output_dir / "model"
+        if self.ctx.is_main:
+            with torch.device("meta"):
+                plain = build_model(self.cfg.model)
+            plain.load_state_dict(full, assign=True)
+            plain.init_buffers("cpu")
+            plain.tie_weights()
+            save_model_dir(plain, self.cfg, model_dir, tokenizer_path=self.tokenizer.path)
+        self.ctx.barrier()
+        return model_dir

@@ -36,22 +36,22 @@ def test_accumulation_is_the_token_weighted_mean_of_the_whole_batch(tiny_corpus,
     batch["labels"][0, :50] = -100
     batch["labels"][1, :30] = -100
     halves = [{k: v[:2] for k, v in batch.items()}, {k: v[2:] for k, v in batch.items()}]
-    initial = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    initial = {k: v.clone() for k, v in trainer.pm.model.state_dict().items()}
 
     loss_whole = trainer.forward_backward([batch])
-    g_whole = grads(trainer.model)
-    trainer.model.zero_grad(set_to_none=True)
+    g_whole = grads(trainer.pm.model)
+    trainer.pm.model.zero_grad(set_to_none=True)
     loss_accum = trainer.forward_backward(halves)
-    g_accum = grads(trainer.model)
+    g_accum = grads(trainer.pm.model)
 
     assert loss_accum.item() == pytest.approx(loss_whole.item(), rel=1e-6)
     for name in g_whole:
         torch.testing.assert_close(g_accum[name], g_whole[name], rtol=1e-5, atol=1e-7)
     # and it differs from the mean of means, so the test can tell the two apart
-    trainer.model.zero_grad(set_to_none=True)
+    trainer.pm.model.zero_grad(set_to_none=True)
     per_micro = [trainer.forward_backward([h]).item() for h in halves]
     assert abs(sum(per_micro) / 2 - loss_whole.item()) > 1e-4
-    assert all(torch.equal(v, trainer.model.state_dict()[k]) for k, v in initial.items())
+    assert all(torch.equal(v, trainer.pm.model.state_dict()[k]) for k, v in initial.items())
 
 
 def test_full_recompute_gives_the_same_loss_and_gradients(tiny_corpus, tmp_path):
@@ -60,11 +60,11 @@ def test_full_recompute_gives_the_same_loss_and_gradients(tiny_corpus, tmp_path)
     batch = next(iter(plain.loader))
     la, lb = plain.forward_backward([batch]), recomputed.forward_backward([batch])
     assert la.item() == pytest.approx(lb.item(), rel=1e-6)
-    ga, gb = grads(plain.model), grads(recomputed.model)
+    ga, gb = grads(plain.pm.model), grads(recomputed.pm.model)
     assert ga.keys() == gb.keys()
     for name in ga:
         torch.testing.assert_close(ga[name], gb[name], rtol=1e-5, atol=1e-7)
-    assert set(plain.model.state_dict()) == set(recomputed.model.state_dict())  # names untouched
+    assert set(plain.pm.model.state_dict()) == set(recomputed.pm.model.state_dict())  # names untouched
 
 
 def test_o1_autocast_trains_close_to_fp32(tiny_corpus, tmp_path):
@@ -73,7 +73,7 @@ def test_o1_autocast_trains_close_to_fp32(tiny_corpus, tmp_path):
     batch = next(iter(fp32.loader))
     l32, l16 = fp32.forward_backward([batch]).item(), o1.forward_backward([batch]).item()
     assert l16 == pytest.approx(l32, rel=2e-2)
-    assert all(p.dtype == torch.float32 for p in o1.model.parameters())
+    assert all(p.dtype == torch.float32 for p in o1.pm.model.parameters())
 
 
 def test_unsupported_options_are_refused_together(tiny_corpus, tmp_path):
@@ -83,4 +83,5 @@ def test_unsupported_options_are_refused_together(tiny_corpus, tmp_path):
         make_trainer(tiny_corpus, tmp_path, memory={"compile": True, "mixed_precision": "O2"},
                      parallel={"data_parallel": 2})
     assert len(e.value.problems) == 3
+    assert "but 1 processes run" in e.value.problems[-1] and "dp1×tp1×pp1" in e.value.problems[-1]
     assert not (tmp_path / "out").exists()

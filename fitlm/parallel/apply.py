@@ -1,0 +1,96 @@
+"""Turn one plain model into what this rank runs, in the documented order:
+
+    pipeline split -> tensor parallel -> activation recompute -> data parallel / ZeRO (FSDP2 or DDP)
+
+The model code never changes; each step is a small `apply_*` function from its own module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
+
+from fitlm.config import Config
+from fitlm.memory.recompute import apply_recompute
+from fitlm.parallel.data_parallel import apply_data_parallel, set_gradient_sync, sync_gradients, unwrap
+from fitlm.parallel.mesh import ParallelContext
+
+
+@dataclass
+class ParallelModel:
+    """This rank's share of the model and how to run it."""
+
+    ctx: ParallelContext
+    modules: list[nn.Module]  # what this rank holds and optimises: the whole model, or its pipeline stages
+    pipeline: Any | None = None  # fitlm.parallel.pipeline.Pipeline when pipeline_parallel > 1
+    loss_context: Any = field(default=contextlib.nullcontext)  # tensor parallel: loss on vocab-sharded logits
+
+    @property
+    def model(self) -> nn.Module:
+        """The single module of a non-pipelined layout (what forward runs)."""
+        assert self.pipeline is None and len(self.modules) == 1
+        return self.modules[0]
+
+    def gradient_sync(self, enabled: bool) -> None:
+        set_gradient_sync(self.modules, enabled)
+
+    def finish_backward(self) -> None:
+        sync_gradients(self.modules, self.ctx)
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Global gradient norm over every rank's share (tensor, pipeline and ZeRO shards), then clip."""
+        params = [p for m in self.modules for p in m.parameters() if p.grad is not None]
+        if self.pipeline is not None:
+            return self.pipeline.clip_grad_norm(params, max_norm)
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The unsharded, HF-named state dict on global rank 0 (None elsewhere). Collective: call on all ranks."""
+        if self.pipeline is not None:
+            return self.pipeline.gather_full_state_dict(self._stage_state_dicts())
+        sd = self._stage_state_dicts()[0]
+        return sd if self.ctx.is_main else None
+
+    def _stage_state_dicts(self) -> list[dict[str, torch.Tensor]]:
+        out = []
+        for module in self.modules:
+            module = unwrap(module)
+            if self.ctx.distributed and any(isinstance(p, DTensor) for p in module.parameters()):
+                opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+                out.append(get_model_state_dict(module, options=opts))
+            else:
+                out.append({k: v.detach().cpu() for k, v in module.state_dict().items()})
+        return out
+
+
+def parallelize(model: nn.Module, cfg: Config, ctx: ParallelContext) -> ParallelModel:
+    p = cfg.parallel
+    pipeline = None
+    if p.pipeline_parallel > 1:
+        from fitlm.parallel.pipeline import Pipeline
+
+        pipeline = Pipeline(model, cfg, ctx)
+        stages = pipeline.stage_modules
+    else:
+        stages = [model]
+    loss_context = contextlib.nullcontext
+    parts = []
+    for stage in stages:
+        if p.tensor_parallel > 1:
+            from fitlm.parallel.tensor_parallel import apply_tensor_parallel, loss_context as tp_loss_context
+
+            stage = apply_tensor_parallel(stage, ctx.submesh("tp"), sequence_parallel=p.sequence_parallel)
+            loss_context = lambda stage=stage: tp_loss_context(stage)  # noqa: E731
+        apply_recompute(stage, cfg.memory.recompute)
+        parts.append(apply_data_parallel(stage, ctx, p.zero_stage))
+    if pipeline is not None:
+        pipeline.build_schedule(parts)
+    return ParallelModel(ctx, parts, pipeline, loss_context)

@@ -1,0 +1,68 @@
+"""Data parallel and ZeRO stages 0-3 applied to an unmodified model (see layout.ZERO_STAGES).
+
+Every engine here *averages* gradients over the data-parallel ranks, so the trainer scales each
+rank's loss by the data-parallel degree to get the gradient of the global token-weighted mean.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from fitlm.memory.recompute import transformer_blocks
+from fitlm.parallel.mesh import ParallelContext
+
+_MANUAL_SYNC = "_fitlm_dp_all_reduce"  # set on modules whose gradients the trainer all-reduces itself
+
+
+def apply_data_parallel(model: nn.Module, ctx: ParallelContext, zero_stage: int) -> nn.Module:
+    """Wrap for data parallel over the mesh's "dp" dimension. Apply after tensor parallel and recompute.
+
+    ZeRO 2/3 shard each block, then the root (embeddings, final norm, head), with FSDP2. ZeRO 0/1 use
+    DDP where it applies (no tensor or pipeline parallel); beside those, whose parameters DDP cannot
+    take, gradients are all-reduced by `sync_gradients` after backward instead.
+    """
+    if ctx.dp == 1:
+        return model
+    dp_mesh = ctx.submesh("dp")
+    if zero_stage >= 2:
+        reshard = zero_stage == 3  # ZeRO-3 frees gathered parameters after forward; ZeRO-2 keeps them for backward
+        for block in transformer_blocks(model):
+            fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard)
+        return model
+    if ctx.tp == 1 and ctx.pp == 1:
+        return DistributedDataParallel(model, process_group=ctx.group("dp"))
+    setattr(model, _MANUAL_SYNC, True)
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def sync_gradients(modules: list[nn.Module], ctx: ParallelContext) -> None:
+    """Average gradients over "dp" for modules that no engine syncs (tensor/pipeline parallel with ZeRO 0)."""
+    group = ctx.group("dp")
+    for module in modules:
+        if not getattr(module, _MANUAL_SYNC, False):
+            continue
+        for p in module.parameters():
+            if p.grad is None:
+                continue
+            # A DTensor gradient (tensor parallel) is averaged shard by shard: dp replicas hold equal shards.
+            local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
+            local.div_(ctx.dp)
+
+
+def set_gradient_sync(modules: list[nn.Module], enabled: bool):
+    """Skip the gradient all-reduce / reduce-scatter on all but the last accumulation micro batch."""
+    for module in modules:
+        if isinstance(module, FSDPModule):
+            module.set_requires_gradient_sync(enabled)
+        elif isinstance(module, DistributedDataParallel):
+            module.require_backward_grad_sync = enabled

@@ -1,0 +1,414 @@
+"""Pipeline parallel on `torch.distributed.pipelining`: carve stages out of a full model, schedule them.
+
+Per optimizer step (see `pipeline_step`): each pp rank runs the schedule over the same micro batch, split
+into `micro_batch_num` chunks; the last stage computes `cross_entropy_sum(chunk) / total_targets` where
+`total_targets` counts the targets of the whole step, and the schedule does not rescale gradients, so
+the accumulated gradient is exactly the single-process token-weighted mean's.
+
+Stage ids: rank r holds stage r (gpipe, 1f1b) or stages r and r + pp (interleaved_1f1b, v = 2), which is
+the placement torch's schedules assume (stage i lives on pp rank i % pp).
+
+Tied embeddings (`model.tie_embeddings`) across pp ranks: the first stage keeps `embed_tokens.weight`,
+the last stage a copy as `lm_head.weight`. `sync_tied_grads` adds the two gradients together (what a
+single shared Parameter would get); both copies start equal and receive equal updates, provided the
+optimizer treats them alike (`pipeline_param_groups`). The copy is counted once in `clip_grad_norm_pp`.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.tensor import DTensor
+
+from fitlm.train.loss import cross_entropy_sum
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+VIRTUAL_STAGES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2}
+TIED_COPY = "_fitlm_pp_tied_copy"  # attribute set on the last stage's copy of a tied embedding
+
+
+# --------------------------------------------------------------------------- splitting
+
+
+def split_layers(num_layers: int, num_stages: int, layers_per_stage: list[int] | None = None) -> list[range]:
+    """Block indices of each stage. Balanced: earlier stages get the extra block when L % S != 0.
+
+    The embedding (first stage) and the head + loss (last stage) are not counted as layers; to move
+    work off the last stage (a large vocabulary makes the logits the biggest tensor), pass
+    `layers_per_stage` explicitly, e.g. [5, 5, 5, 3]. Every stage must own at least one block.
+    """
+    if num_stages < 1:
+        raise ValueError(f"need at least one pipeline stage, got {num_stages}")
+    if layers_per_stage is None:
+        if num_layers < num_stages:
+            raise ValueError(f"{num_stages} pipeline stages need at least {num_stages} layers "
+                             f"(model.num_layers={num_layers}); lower parallel.pipeline_parallel")
+        base, extra = divmod(num_layers, num_stages)
+        layers_per_stage = [base + (1 if s < extra else 0) for s in range(num_stages)]
+    counts = list(layers_per_stage)
+    if len(counts) != num_stages or sum(counts) != num_layers or min(counts) < 1:
+        raise ValueError(f"layers_per_stage={counts} must list {num_stages} positive counts summing to "
+                         f"model.num_layers={num_layers}")
+    starts = [sum(counts[:s]) for s in range(num_stages)]
+    return [range(a, a + n) for a, n in zip(starts, counts)]
+
+
+def stage_ids(pp_rank: int, pp_size: int, schedule: str) -> list[int]:
+    """The stage ids this pp rank holds: [rank] or [rank, rank + pp, ...] for interleaved schedules."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"parallel.pipeline_schedule: unknown schedule {schedule!r}; use one of {sorted(SCHEDULES)}")
+    return [pp_rank + k * pp_size for k in range(VIRTUAL_STAGES[schedule])]
+
+
+def build_stage_modules(model: nn.Module, pp_rank: int, pp_size: int, schedule: str,
+                        layers_per_stage: list[int] | None = None) -> list[tuple[int, nn.Module]]:
+    """This rank's stage modules as (stage_id, module), stage ids ascending.
+
+    Non-destructive: each stage is a deep copy of only the parts it owns (the others are mapped to
+    None in the copy memo, so they are never copied); `model` is left intact. Unowned blocks are
+    deleted from `model.layers` (the owned ones keep their names, so state_dict keys stay HF's);
+    embed_tokens/embed_positions live on the first stage, norm and lm_head on the last.
+    """
+    ids = stage_ids(pp_rank, pp_size, schedule)
+    num_stages = pp_size * len(ids)
+    body = model.model
+    num_layers = len(body.layers)
+    if layers_per_stage is None and num_layers < num_stages:
+        raise ValueError(f"parallel.pipeline_schedule={schedule} with pipeline_parallel={pp_size} makes {num_stages} "
+                         f"stages but model.num_layers={num_layers}; every stage needs a block")
+    ranges = split_layers(num_layers, num_stages, layers_per_stage)
+    out = []
+    for sid in ids:
+        first, last = sid == 0, sid == num_stages - 1
+        drop = [blk for i, blk in body.layers.items() if int(i) not in ranges[sid]]
+        if not first:
+            drop += [body.embed_tokens, getattr(body, "embed_positions", None)]
+        if not last:
+            drop += [body.norm, model.lm_head]
+        memo = {id(m): None for m in drop if m is not None}
+        stage = copy.deepcopy(model, memo)
+        for i in [i for i, blk in stage.model.layers.items() if blk is None]:
+            del stage.model.layers[i]
+        out.append((sid, stage))
+    tag_tied_copies(out)
+    return out
+
+
+def tag_tied_copies(stage_modules: list[tuple[int, nn.Module]]) -> None:
+    """Mark a last stage's head that copies a tied embedding (held by the first stage).
+
+    build_stage_modules does this; call it again after anything that replaces Parameters
+    (FSDP2's fully_shard does), or clip_grad_norm_pp will count that copy twice.
+    """
+    for _, mod in stage_modules:
+        if getattr(mod.config, "tie_embeddings", False) and mod.lm_head is not None and mod.model.embed_tokens is None:
+            setattr(mod.lm_head.weight, TIED_COPY, True)
+
+
+# --------------------------------------------------------------------------- schedule
+
+
+def token_mean_loss(logits: torch.Tensor, labels: torch.Tensor, total_targets: int | torch.Tensor) -> torch.Tensor:
+    """One chunk's share of the step's token-weighted mean: summed CE / targets of the whole step."""
+    return cross_entropy_sum(logits, labels) / total_targets
+
+
+@dataclass
+class PipelineSchedule:
+    """A torch schedule plus what `pipeline_step` needs to feed it and report its loss."""
+    schedule: object
+    stages: list[PipelineStage]
+    group: dist.ProcessGroup
+    n_microbatches: int
+    device: torch.device
+
+    @property
+    def has_first(self) -> bool:
+        return any(s.is_first for s in self.stages)
+
+    @property
+    def has_last(self) -> bool:
+        return any(s.is_last for s in self.stages)
+
+
+def _as_group(pp_group) -> dist.ProcessGroup:
+    # A 1-D DeviceMesh (e.g. mesh["pp"]) or a ProcessGroup.
+    return pp_group.get_group() if hasattr(pp_group, "get_group") else pp_group
+
+
+def build_schedule(stages: list[tuple[int, nn.Module]], pp_group, n_microbatches: int,
+                   loss_fn: Callable | None = None, schedule_name: str = "1f1b",
+                   device: torch.device | str = "cpu") -> PipelineSchedule:
+    """PipelineStage objects for this rank's (stage_id, module) pairs and the named schedule.
+
+    `loss_fn(logits, labels, total_targets)` defaults to `token_mean_loss`; `scale_grads=False`
+    because that loss already divides by the whole step's targets (torch's default would divide the
+    gradients by n_microbatches once more).
+    """
+    group = _as_group(pp_group)
+    pp_size = dist.get_world_size(group)
+    num_stages = pp_size * VIRTUAL_STAGES[schedule_name]
+    problem = _micro_batch_problem(pp_size, n_microbatches, schedule_name)
+    if problem:
+        raise ValueError(problem)
+    expected = stage_ids(dist.get_rank(group), pp_size, schedule_name)
+    if [sid for sid, _ in stages] != expected:
+        raise ValueError(f"this rank must hold stages {expected} for {schedule_name}, got {[sid for sid, _ in stages]}; "
+                         "build them with build_stage_modules(..., schedule=the same name)")
+    device = torch.device(device)
+    pstages = [PipelineStage(mod, sid, num_stages, device, group=group) for sid, mod in stages]
+    loss_fn = loss_fn or token_mean_loss
+    cls = SCHEDULES[schedule_name]
+    if VIRTUAL_STAGES[schedule_name] == 1:
+        sched = cls(pstages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    else:
+        sched = cls(pstages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    return PipelineSchedule(sched, pstages, group, n_microbatches, device)
+
+
+def pipeline_step(pp: PipelineSchedule, input_ids: torch.Tensor, labels: torch.Tensor,
+                  total_targets: int | torch.Tensor) -> torch.Tensor:
+    """Forward + backward of one micro batch [B,T] through the pipeline; gradients accumulate into .grad.
+
+    Call it on every pp rank with the same batch. Returns this batch's contribution to the step's
+    loss (sum of the chunks' token_mean_loss), all-reduced so every pp rank holds it. Nothing is
+    zeroed: several calls before one optimizer step accumulate, like loss.backward() does.
+    """
+    if input_ids.shape[0] % pp.n_microbatches:
+        raise ValueError(f"a micro batch of {input_ids.shape[0]} sequences cannot be split into "
+                         f"parallel.micro_batch_num={pp.n_microbatches} equal chunks; make train.micro_batch_size "
+                         f"a multiple of {pp.n_microbatches}")
+    args = (input_ids.to(pp.device),) if pp.has_first else ()
+    target = labels.to(pp.device) if pp.has_last else None
+    losses: list[torch.Tensor] | None = [] if pp.has_last else None
+    pp.schedule.step(*args, target=target, losses=losses, return_outputs=False,
+                     loss_kwargs={"total_targets": total_targets})
+    loss = torch.stack(losses).detach().sum().float() if losses else torch.zeros((), device=pp.device)
+    dist.all_reduce(loss, group=pp.group)  # only the last stage has a non-zero loss
+    return loss
+
+
+@torch.no_grad()
+def pipeline_eval(pp: PipelineSchedule, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Forward only: the batch's token-summed CE (divide by count_targets yourself), on every pp rank."""
+    if input_ids.shape[0] % pp.n_microbatches:
+        raise ValueError(f"an eval batch of {input_ids.shape[0]} sequences cannot be split into "
+                         f"parallel.micro_batch_num={pp.n_microbatches} equal chunks")
+    args = (input_ids.to(pp.device),) if pp.has_first else ()
+    losses: list[torch.Tensor] | None = [] if pp.has_last else None
+    # eval() forwards extra keywords to step(), whose loss_kwargs reach the loss: divide by 1 = keep sums.
+    pp.schedule.eval(*args, target=labels.to(pp.device) if pp.has_last else None, losses=losses,
+                     loss_kwargs={"total_targets": 1})
+    loss = torch.stack(losses).sum().float() if losses else torch.zeros((), device=pp.device)
+    dist.all_reduce(loss, group=pp.group)
+    return loss
+
+
+# --------------------------------------------------------------------------- optimizer helpers
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def sync_tied_grads(stage_modules: list[tuple[int, nn.Module]], pp_group) -> None:
+    """With tied embeddings split across pp ranks, give both copies the sum of their gradients.
+
+    Call after the step's backward passes, before clipping. Only pp ranks 0 and pp-1 communicate
+    (point to point); other ranks return at once. A no-op without tying.
+    """
+    group = _as_group(pp_group)
+    pp_size = dist.get_world_size(group)
+    for sid, mod in stage_modules:
+        cfg = getattr(mod, "config", None)
+        if pp_size == 1 or not getattr(cfg, "tie_embeddings", False):
+            return
+        if sid == 0 and mod.model.embed_tokens is not None:
+            param, peer = mod.model.embed_tokens.weight, pp_size - 1
+        elif mod.lm_head is not None and mod.model.embed_tokens is None:
+            param, peer = mod.lm_head.weight, 0
+        else:
+            continue
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        mine = _local(param.grad)
+        theirs = torch.empty_like(mine)
+        ops = [dist.P2POp(dist.isend, mine.contiguous(), group=group, group_peer=peer),
+               dist.P2POp(dist.irecv, theirs, group=group, group_peer=peer)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        mine.add_(theirs)
+
+
+def pipeline_param_groups(stage_modules: list[tuple[int, nn.Module]], weight_decay: float) -> list[dict]:
+    """`fitlm.train.optim.param_groups` over all stages of this rank, with a tied head copy treated
+    like the embedding it copies (no decay), as the unsplit model treats the shared Parameter."""
+    from fitlm.train.optim import param_groups
+
+    decay, no_decay = [], []
+    for _, mod in stage_modules:
+        d, nd = param_groups(mod, weight_decay)
+        decay += [p for p in d["params"] if not getattr(p, TIED_COPY, False)]
+        no_decay += nd["params"] + [p for p in d["params"] if getattr(p, TIED_COPY, False)]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Sum of squares of `grads`; DTensor grads are reduced over their own mesh (tp/dp shards)."""
+    total = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
+    buckets: dict[object, list[torch.Tensor]] = {}
+    for g in grads:  # one norm per kind: foreach kernels cannot mix plain tensors and meshes
+        buckets.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    for gs in buckets.values():
+        n = torch.nn.utils.get_total_norm(gs, 2.0)
+        if isinstance(n, DTensor):
+            n = n.full_tensor()
+        total = total + n.float().to(total.device) ** 2
+    return total
+
+
+def clip_grad_norm_pp(parameters: Iterable[torch.Tensor], max_norm: float, pp_group) -> torch.Tensor:
+    """Clip by the gradient norm over all pipeline stages; returns that (pre-clip) norm on every rank.
+
+    Sum of squares per rank, all-reduced over the pp group. A tied head copy (see sync_tied_grads) is
+    clipped but not counted: the unsplit model holds that Parameter once.
+    """
+    group = _as_group(pp_group)
+    params = [p for p in parameters if p.grad is not None]
+    counted = [p.grad for p in params if not getattr(p, TIED_COPY, False)]
+    sq = _squared_norm(counted)
+    # A rank without gradients (a frozen stage) still joins the all-reduce, on the backend's device.
+    device = params[0].grad.device if params else (
+        torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else sq.device)
+    sq = sq.to(device)
+    dist.all_reduce(sq, group=group)
+    total = sq.sqrt()
+    if params and max_norm and max_norm != float("inf"):
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+# --------------------------------------------------------------------------- state dict
+
+
+@torch.no_grad()
+def gather_full_state_dict(stage_modules: list[tuple[int, nn.Module]], pp_group,
+                           state_dicts: list[dict] | None = None, gather: bool = True) -> dict[str, torch.Tensor] | None:
+    """The unsplit model's state_dict (same keys, same order, CPU tensors) on pp rank 0; None elsewhere.
+
+    DTensor entries (tp/FSDP) are materialised with full_tensor(), a collective over their mesh, so
+    every rank of the stage must call this; `state_dicts` (one per stage, already full) skips that.
+    `gather=False` materialises only (for replicas whose pp group need not gather). Goes through
+    gather_object: fine for a final export; use torch.distributed.checkpoint for resumable checkpoints.
+    """
+    group = _as_group(pp_group)
+    if state_dicts is None:
+        state_dicts = [{k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in mod.state_dict().items()}
+                       for _, mod in stage_modules]
+    local = [(sid, {k: v.detach().cpu() for k, v in sd.items()}) for (sid, _), sd in zip(stage_modules, state_dicts)]
+    if not gather:
+        return None
+    gathered: list | None = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
+    dist.gather_object(local, gathered, group=group, group_dst=0)
+    if gathered is None:
+        return None
+    # Stage order = module order of the unsplit model (embeddings, layers 0..L-1, norm, head).
+    parts = sorted((pair for rank_parts in gathered for pair in rank_parts), key=lambda p: p[0])
+    full: dict[str, torch.Tensor] = {}
+    for _, sd in parts:
+        full.update(sd)
+    return full
+
+
+# --------------------------------------------------------------------------- trainer-facing bundle
+
+
+class Pipeline:
+    """What `fitlm.parallel.apply` and the trainer hold: split now, schedule once the stage modules
+    are wrapped (tensor parallel, recompute, data parallel), then step / eval / clip / gather.
+
+    `ctx` needs: group("pp"), pp, pp_rank, dp_rank, tp_rank, device, is_main (a ParallelContext).
+    """
+
+    def __init__(self, model: nn.Module, cfg, ctx):
+        p = cfg.parallel
+        self.ctx, self.group = ctx, ctx.group("pp")
+        self.schedule_name, self.n_microbatches = p.pipeline_schedule, p.micro_batch_num
+        self.stages = build_stage_modules(model, ctx.pp_rank, ctx.pp, self.schedule_name)
+        self.stage_modules = [m for _, m in self.stages]
+        self.schedule: PipelineSchedule | None = None
+
+    def build_schedule(self, parts: list[nn.Module]) -> None:
+        """`parts`: the wrapped stage modules, in `stage_modules` order."""
+        self.stages = [(sid, part) for (sid, _), part in zip(self.stages, parts)]
+        tag_tied_copies(self._bare())  # FSDP2 replaced the Parameters
+        self.schedule = build_schedule(self.stages, self.group, self.n_microbatches, None, self.schedule_name,
+                                       self.ctx.device)
+
+    def _bare(self) -> list[tuple[int, nn.Module]]:
+        return [(sid, getattr(m, "module", m) if isinstance(m, nn.parallel.DistributedDataParallel) else m)
+                for sid, m in self.stages]
+
+    def step(self, input_ids: torch.Tensor, labels: torch.Tensor, scale: float) -> torch.Tensor:
+        """Backward of (summed CE × scale) for one micro batch; returns the summed CE on every pp rank."""
+        return pipeline_step(self.schedule, input_ids, labels, 1.0 / scale) / scale
+
+    def eval_step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return pipeline_eval(self.schedule, input_ids, labels)
+
+    def clip_grad_norm(self, params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """Once per optimizer step, after all backward passes: tied-copy sync, then the global clip."""
+        sync_tied_grads(self._bare(), self.group)
+        return clip_grad_norm_pp(params, max_norm if max_norm > 0 else float("inf"), self.group)
+
+    def gather_full_state_dict(self, state_dicts: list[dict] | None = None) -> dict[str, torch.Tensor] | None:
+        """The full HF-named state dict on global rank 0 (None elsewhere). Collective: call on all ranks."""
+        # Only the pp group of the first dp/tp replica (the one holding global rank 0) needs to gather.
+        gather = self.ctx.dp_rank == 0 and self.ctx.tp_rank == 0
+        full = gather_full_state_dict(self._bare(), self.group, state_dicts, gather=gather)
+        return full if self.ctx.is_main else None
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _micro_batch_problem(pp: int, m: int, sched: str) -> str | None:
+    # One chunk per pp rank at least (1F1B's warm-up fills every rank); interleaved_1f1b runs
+    # rounds of pp chunks through its 2·pp virtual stages, so m may be below 2·pp.
+    if m < pp:
+        return (f"parallel.micro_batch_num: {m} is below parallel.pipeline_parallel={pp}; each micro batch must be "
+                f"split into at least one chunk per stage: set parallel.micro_batch_num >= {pp} "
+                f"(more chunks also shrink the pipeline bubble)")
+    rounds = max(1, m // pp)
+    if sched == "interleaved_1f1b" and m % rounds:
+        return (f"parallel.micro_batch_num: interleaved_1f1b cuts the {m} chunks into {rounds} equal rounds, which "
+                f"{m} does not allow; use a multiple of parallel.pipeline_parallel={pp}")
+    return None
+
+
+def pipeline_problems(model_cfg, parallel_cfg, micro_batch_size: int | None = None) -> list[str]:
+    """Layout problems a pipeline run would hit, each naming the key and the fix ([] when fine)."""
+    pp, m, sched = parallel_cfg.pipeline_parallel, parallel_cfg.micro_batch_num, parallel_cfg.pipeline_schedule
+    L = model_cfg.num_layers
+    if pp <= 1:
+        return []
+    errs = []
+    if pp > L:
+        errs.append(f"parallel.pipeline_parallel: {pp} stages but model.num_layers={L}; every stage needs at least "
+                    f"one block: set parallel.pipeline_parallel <= {L}")
+    elif sched == "interleaved_1f1b" and L < 2 * pp:
+        errs.append(f"parallel.pipeline_schedule: interleaved_1f1b puts 2 virtual stages on each of {pp} ranks, which "
+                    f"needs model.num_layers >= {2 * pp} (got {L}); use 1f1b or gpipe, or lower parallel.pipeline_parallel")
+    problem = _micro_batch_problem(pp, m, sched)
+    if problem:
+        errs.append(problem)
+    if micro_batch_size is not None and micro_batch_size % m:
+        errs.append(f"train.micro_batch_size: {micro_batch_size} sequences cannot be split into parallel.micro_batch_num="
+                    f"{m} equal pipeline chunks; make train.micro_batch_size a multiple of {m}")
+    return errs

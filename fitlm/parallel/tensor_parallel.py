@@ -1,0 +1,226 @@
+"""Tensor parallel (Megatron-style) and sequence parallel, applied from outside with DTensor.
+
+Every block is split the Megatron way: q/k/v and gate/up are column-parallel (each rank owns whole
+heads / a slice of the MLP width, so attention and the activation run locally), o/down are
+row-parallel (one all-reduce, or a reduce-scatter under sequence parallel, per sub-block). The token
+embedding is vocab-parallel (rows sharded) and the head is column-parallel over the vocabulary; with
+`loss_parallel` its logits stay sharded (`Shard(-1)`) and cross-entropy runs on the shards inside
+`loss_context(model)`, so the [B, T, V] logits are never gathered.
+
+Sequence parallel keeps the residual stream sharded on the sequence dim between sub-blocks: norms
+(and gpt2's position embedding) work on [B, T/tp, C]; attention and MLP all-gather their input to the
+full sequence. Without it the residual stream is replicated and the norms run redundantly.
+
+Every parameter becomes a DTensor (replicated ones too), so `clip_grad_norm_`, optimizers and FSDP2
+see one kind of tensor. Order in the trainer: `apply_tensor_parallel` first, then recompute, compile,
+then FSDP on the "dp" mesh dim. Training only: the model's KV cache is sized for all heads, so
+generation with a TP model is not supported (gather a full state dict and load it in one process).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, \
+    loss_parallel as _torch_loss_parallel, parallelize_module
+from torch.distributed.tensor.parallel.style import ParallelStyle
+from torch.distributed.tensor.placement_types import Placement
+
+from fitlm.config import ModelConfig
+
+# Set on the model by apply_tensor_parallel; read by loss_context and tests.
+TP_ATTR = "_fitlm_tensor_parallel"
+
+
+class ReplicateParallel(ParallelStyle):
+    """Parameters replicated over the mesh (as DTensors); the input is read as `input_layout` and the
+    output redistributed to `output_layout`, then returned as a local tensor.
+
+    Used for the norms without sequence parallel and for gpt2's position embedding: their gradients
+    are then DTensors like every other one, and their placement bookkeeping is done by DTensor.
+    """
+
+    def __init__(self, input_layout: Placement, output_layout: Placement):
+        self.input_layout, self.output_layout = input_layout, output_layout
+
+    def _input_fn(self, mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        x = inputs[0]
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, (self.input_layout,), run_check=False)
+        return (x, *inputs[1:])
+
+    def _output_fn(self, mod: nn.Module, out: DTensor, mesh: DeviceMesh) -> torch.Tensor:
+        if out.placements != (self.output_layout,):
+            out = out.redistribute(placements=(self.output_layout,))
+        return out.to_local()
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        # partition_fn=None: every parameter becomes a Replicate DTensor (broadcast from rank 0).
+        return distribute_module(module, device_mesh, None, self._input_fn, self._output_fn)
+
+
+class FullSequenceInput(ParallelStyle):
+    """Like PrepareModuleInput for the first positional argument only: the activation, read as
+    `layout`, is made Replicate (an all-gather over the sequence under sequence parallel).
+
+    The other arguments (rotary cos/sin, the KV cache, as positional or keyword) pass untouched,
+    whatever their number, which differs between families. The activation stays a DTensor so the
+    gradients of q/k/v (gate/up) add up as partial sums and are all-reduced once, not per projection.
+    """
+
+    def __init__(self, layout: Placement):
+        self.layout = layout
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def hook(_mod: nn.Module, args: tuple) -> tuple:
+            x = args[0]
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, device_mesh, (self.layout,), run_check=False)
+            if x.placements != (Replicate(),):
+                x = x.redistribute(placements=(Replicate(),))
+            return (x, *args[1:])
+
+        module.register_forward_pre_hook(hook)
+        return module
+
+
+def _norm_style(sequence_parallel: bool) -> ParallelStyle:
+    # SP: the norm runs on its sequence shard and its output stays a Shard(1) DTensor for the next input hook.
+    return SequenceParallel() if sequence_parallel else ReplicateParallel(Replicate(), Replicate())
+
+
+def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False,
+                         loss_parallel: bool = True) -> dict[str, ParallelStyle]:
+    """The plan for any registered family (llama, gpt2), keyed by fully qualified module name.
+
+    Modules a pipeline stage dropped (set to None) are left out.
+    """
+    body = model.model
+    act = Shard(1) if sequence_parallel else Replicate()  # residual stream layout between sub-blocks
+    plan: dict[str, ParallelStyle] = {}
+    if getattr(body, "embed_tokens", None) is not None:
+        # Each rank looks up its vocab rows, zeros elsewhere; the partial sums are all-reduced (or
+        # reduce-scattered onto sequence shards).
+        plan["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=act)
+    if getattr(body, "embed_positions", None) is not None:
+        # Small table: replicated; under SP each rank keeps its slice of the sequence (no communication).
+        plan["model.embed_positions"] = ReplicateParallel(Replicate(), act)
+    for name, block in body.layers.items():
+        p = f"model.layers.{name}."
+        plan[p + "input_layernorm"] = _norm_style(sequence_parallel)
+        plan[p + "post_attention_layernorm"] = _norm_style(sequence_parallel)
+        plan[p + "self_attn"] = FullSequenceInput(act)
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            plan[p + "self_attn." + proj] = ColwiseParallel()
+        plan[p + "self_attn.o_proj"] = RowwiseParallel(output_layouts=act)
+        plan[p + "mlp"] = FullSequenceInput(act)
+        for proj in ("gate_proj", "up_proj"):
+            if isinstance(getattr(block.mlp, proj, None), nn.Linear):
+                plan[p + "mlp." + proj] = ColwiseParallel()
+        plan[p + "mlp.down_proj"] = RowwiseParallel(output_layouts=act)
+    if getattr(body, "norm", None) is not None:
+        plan["model.norm"] = _norm_style(sequence_parallel)
+    if getattr(model, "lm_head", None) is not None:
+        plan["lm_head"] = ColwiseParallel(input_layouts=act, output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                          use_local_output=not loss_parallel)
+    return plan
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False,
+                          loss_parallel: bool = True) -> nn.Module:
+    """Shard `model` in place over the 1-D `tp_mesh` (e.g. `mesh["tp"]`); returns it.
+
+    Every rank must hold the same weights beforehand (same seed, or the same checkpoint): sharded
+    weights are scattered from and replicated ones broadcast from the mesh's first rank, but the
+    SequenceParallel norms take each rank's own copy. With `loss_parallel` the model returns logits
+    as a DTensor sharded on the vocabulary; compute the loss inside `loss_context(model)`.
+    """
+    if tp_mesh.ndim != 1:
+        raise ValueError(f"apply_tensor_parallel needs a 1-D mesh (e.g. mesh['tp']), got {tp_mesh.ndim}-D")
+    cfg = getattr(model, "config", None)
+    if isinstance(cfg, ModelConfig):
+        problems = tensor_parallel_problems(cfg, tp_mesh.size())
+        if problems:
+            raise ValueError("; ".join(problems))
+    tied = _is_tied(model)
+    parallelize_module(model, tp_mesh, tensor_parallel_plan(model, sequence_parallel, loss_parallel))
+    if tied:
+        # parallelize_module gave each module its own new Parameter; both are Shard(0) of the same
+        # [V, C] matrix, so sharing one again makes their gradients accumulate into one tensor.
+        model.lm_head.weight = model.model.embed_tokens.weight
+    setattr(model, TP_ATTR, {"mesh": tp_mesh, "sequence_parallel": sequence_parallel, "loss_parallel": loss_parallel})
+    return model
+
+
+def _is_tied(model: nn.Module) -> bool:
+    head, embed = getattr(model, "lm_head", None), getattr(model.model, "embed_tokens", None)
+    return head is not None and embed is not None and head.weight is embed.weight
+
+
+@contextlib.contextmanager
+def _loss_parallel_ctx():
+    # torch's loss_parallel() skips its cleanup when the body raises; always switch it off again.
+    ctx = _torch_loss_parallel()
+    ctx.__enter__()
+    try:
+        yield
+    finally:
+        ctx.__exit__(None, None, None)
+
+
+def loss_context(model: nn.Module) -> contextlib.AbstractContextManager[Any]:
+    """The context both the loss and its `.backward()` must run in: `loss_parallel()` when `model`
+    was tensor-parallelised with vocab-sharded logits, else a no-op."""
+    info = getattr(model, TP_ATTR, None) or getattr(getattr(model, "module", None), TP_ATTR, None)
+    if info and info["loss_parallel"] and getattr(model, "lm_head", None) is not None:
+        return _loss_parallel_ctx()
+    return contextlib.nullcontext()
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def tensor_parallel_problems(model_cfg: ModelConfig, tp: int, *, sequence_parallel: bool = False,
+                             seq_length: int | None = None) -> list[str]:
+    """Why `tp` cannot shard this model evenly (empty list: it can). Each message names the key,
+    the arithmetic and the tensor_parallel values that work for the whole model."""
+    if tp < 1:
+        return [f"parallel.tensor_parallel: must be at least 1, got {tp}"]
+    if tp == 1:
+        return []
+    sizes = {"model.num_heads": model_cfg.num_heads, "model.num_kv_heads": model_cfg.kv_heads,
+             "model.intermediate_size": model_cfg.ffn_size, "model.vocab_size": model_cfg.vocab_size}
+    if sequence_parallel and seq_length:
+        sizes["data.seq_length"] = seq_length  # sequence shards must be equal for DTensor.from_local
+    valid = [d for d in _divisors(sizes["model.num_heads"]) if all(v % d == 0 for v in sizes.values())]
+    out = []
+    for key, value in sizes.items():
+        if value % tp:
+            out.append(f"parallel.tensor_parallel: {tp} does not divide {key}={value} ({value} % {tp} = {value % tp}); "
+                       f"tensor_parallel values that divide every sharded size of this model: {valid}")
+    return out
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Plain full tensors for every parameter and persistent buffer (collective: call on every rank).
+
+    Tied weights appear under both names, as in the unsharded model's state_dict.
+    """
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
+
+
+def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_` that also accepts DTensor gradients; returns the total norm
+    as a plain tensor, equal on every rank (a collective when any gradient is a DTensor)."""
+    params = [p for p in parameters if p.grad is not None]
+    total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()  # a Partial norm becomes the global one
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total

@@ -1,0 +1,56 @@
+"""Every parallel layout trains the same model: `fitlm train` launches torchrun itself (gloo, CPU), and
+the losses and final weights equal the single-process run on the same data, seed and global batch."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.e2e.helpers import fitlm, read_metrics, tiny_config, write_config
+
+STEPS = 4
+# Single process: micro batch 4 × accumulation 2 = 8 sequences per step.
+REFERENCE = {"micro_batch_size": 4, "gradient_accumulation_steps": 2}
+
+
+def run(tiny_corpus, root, name, parallel: dict, train: dict, *extra: str):
+    train = {"max_steps": STEPS, "eval_interval": STEPS, **train}
+    cfg = tiny_config(tiny_corpus, root / name, train=train, parallel=parallel, model={"tie_embeddings": False})
+    proc = fitlm("train", write_config(root / f"{name}.yaml", cfg), "--json", *extra)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    losses = [r["loss"] for r in read_metrics(root / name) if "loss" in r]
+    weights = load_file(str(root / name / "model" / "model.safetensors"))
+    return {"losses": losses, "weights": weights, "eval_loss": summary["eval_loss"],
+            "grad_norms": [r["grad_norm"] for r in read_metrics(root / name) if "loss" in r]}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_corpus, tmp_path_factory):
+    return run(tiny_corpus, tmp_path_factory.mktemp("ref"), "single", {}, REFERENCE)
+
+
+def assert_same_training(result, reference):
+    assert result["losses"] == pytest.approx(reference["losses"], rel=2e-5, abs=1e-5)
+    assert result["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-4, abs=1e-5)
+    assert result["eval_loss"] == pytest.approx(reference["eval_loss"], rel=2e-5)
+    assert result["weights"].keys() == reference["weights"].keys()
+    for name, tensor in reference["weights"].items():
+        torch.testing.assert_close(result["weights"][name], tensor, rtol=1e-4, atol=1e-4, msg=name)  # Adam amplifies fp32 reduction-order noise
+
+
+# (name, parallel block, train block): the global batch stays 8 sequences per step in every layout.
+DP_LAYOUTS = [
+    ("dp2-zero0-ddp", {"data_parallel": 2, "zero_stage": 0}, {"micro_batch_size": 2, "gradient_accumulation_steps": 2}),
+    ("dp2-zero1", {"data_parallel": 2, "zero_stage": 1}, {"micro_batch_size": 2, "gradient_accumulation_steps": 2}),
+    ("dp2-zero2", {"data_parallel": 2, "zero_stage": 2}, {"micro_batch_size": 4, "gradient_accumulation_steps": 1}),
+    ("dp2-zero3", {"data_parallel": 2, "zero_stage": 3}, {"micro_batch_size": 2, "gradient_accumulation_steps": 2}),
+]
+
+
+@pytest.mark.parametrize("name,parallel,train", DP_LAYOUTS, ids=[x[0] for x in DP_LAYOUTS])
+def test_data_parallel_layouts_equal_single_process(tiny_corpus, tmp_path, reference, name, parallel, train):
+    assert_same_training(run(tiny_corpus, tmp_path, name, parallel, train), reference)

@@ -1,0 +1,266 @@
+"""Pipeline parallel on CPU/gloo: every schedule reproduces the single-process run (loss, grad norm, weights).
+
+Each world is spawned once per module (spawning costs seconds); its workers run all cases and write
+their numbers to JSON, and the parametrized tests below judge them one case at a time.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from fitlm.config import ModelConfig, ParallelConfig
+from fitlm.parallel.pipeline import build_schedule, build_stage_modules, clip_grad_norm_pp, gather_full_state_dict, \
+    pipeline_eval, pipeline_param_groups, pipeline_problems, pipeline_step, split_layers, sync_tied_grads, \
+    tag_tied_copies
+from fitlm.registry import build_model
+from fitlm.train.loss import count_targets, cross_entropy_sum
+from fitlm.train.optim import param_groups
+
+STEPS, LR, WD, CLIP = 3, 1e-3, 0.1, 1.0
+MODELS = {
+    "llama": dict(arch="llama", hidden_size=64, num_heads=4, num_kv_heads=2, num_layers=4, vocab_size=128,
+                  max_seq_len=32),
+    # gpt2 with a tied head: the first and last stage each hold a copy and must stay equal.
+    "gpt2": dict(arch="gpt2", hidden_size=64, num_heads=4, num_layers=4, vocab_size=128, max_seq_len=32,
+                 tie_embeddings=True),
+}
+# (case id, arch, pp, schedule, micro_batch_num, accumulation micro batches per optimizer step, dp)
+CASES_2 = [(f"{a}-{s}-m{m}", a, 2, s, m, 1, 1) for a in MODELS for s in ("gpipe", "1f1b", "interleaved_1f1b")
+           for m in (2, 4)] + [("llama-1f1b-m2-accum2", "llama", 2, "1f1b", 2, 2, 1)]
+CASES_4 = [("gpt2-1f1b-m4-pp4", "gpt2", 4, "1f1b", 4, 1, 1), ("llama-gpipe-m4-pp4", "llama", 4, "gpipe", 4, 1, 1),
+           # pp2 x dp2, FSDP2 on each stage: DTensor grads in the clip, sync and state-dict gather
+           ("gpt2-interleaved_1f1b-m2-dp2-fsdp", "gpt2", 2, "interleaved_1f1b", 2, 1, 2)]
+
+
+def batch(rows: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fixed [rows,16] batch whose -100s fall unevenly, so a per-chunk mean would differ from the token mean."""
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, 128, (rows, 16), generator=g)
+    labels = torch.randint(0, 128, (rows, 16), generator=g)
+    labels[0, :11] = -100
+    labels[2, 4:] = -100
+    return ids, labels
+
+
+def make_model(arch: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return build_model(ModelConfig(**MODELS[arch]))
+
+
+def adamw(groups) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.95), eps=1e-8)
+
+
+def reference(arch: str, rows: int) -> dict:
+    """The single-process loop: token-weighted mean over the whole batch, global clip, AdamW."""
+    model = make_model(arch)
+    opt = adamw(param_groups(model, WD))
+    ids, labels = batch(rows)
+    losses, norms = [], []
+    for _ in range(STEPS):
+        loss = cross_entropy_sum(model(ids), labels) / count_targets(labels)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    with torch.no_grad():
+        final = float(cross_entropy_sum(model(ids), labels))
+    return {"loss": losses, "norm": norms, "eval": final, "state": model.state_dict()}
+
+
+def run_case(rank: int, arch: str, pp: int, schedule: str, m: int, accum: int, dp: int) -> dict:
+    group, dp_rank = dist.group.WORLD, 0
+    if dp > 1:
+        mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
+        group, rank, dp_rank = mesh["pp"], mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    stages = build_stage_modules(make_model(arch), rank, pp, schedule)
+    if dp > 1:
+        for _, mod in stages:
+            for block in mod.model.layers.values():
+                fully_shard(block, mesh=mesh["dp"], reshard_after_forward=False)
+            fully_shard(mod, mesh=mesh["dp"], reshard_after_forward=False)
+        tag_tied_copies(stages)  # fully_shard replaced the Parameters
+    sched = build_schedule(stages, group, m, schedule_name=schedule)
+    opt = adamw(pipeline_param_groups(stages, WD))
+    params = [p for _, mod in stages for p in mod.parameters()]
+    ids, labels = batch(4 * dp)
+    total = count_targets(labels)  # the whole step's targets over all dp ranks, known before the step
+    ids, labels = ids.chunk(dp)[dp_rank], labels.chunk(dp)[dp_rank]  # this dp rank's rows
+    losses, norms = [], []
+    for _ in range(STEPS):
+        # FSDP averages gradients over dp (gloo has no PREMUL_SUM for divide factor 1): pre-scale by dp.
+        loss = sum(pipeline_step(sched, i, lab, total / dp) for i, lab in zip(ids.chunk(accum), labels.chunk(accum)))
+        if dp > 1:
+            dist.all_reduce(loss, group=mesh["dp"].get_group())
+            loss = loss / dp  # each rank returned dp x its share
+        sync_tied_grads(stages, group)
+        norms.append(float(clip_grad_norm_pp(params, CLIP, group)))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+    out = {"loss": losses, "norm": norms, "blocks": [sorted(mod.model.layers.keys(), key=int) for _, mod in stages]}
+    out["eval"] = float(pipeline_eval(sched, ids, labels))  # forward only, after the updates
+    if dp > 1:
+        dist.all_reduce(t := torch.tensor(out["eval"]), group=mesh["dp"].get_group())
+        out["eval"] = float(t)
+    full = gather_full_state_dict(stages, group)
+    if full is not None:
+        ref = reference(arch, 4 * dp)
+        out["ref_loss"], out["ref_norm"], out["ref_eval"] = ref["loss"], ref["norm"], ref["eval"]
+        out["keys_match"] = list(full) == list(ref["state"])
+        out["max_diff"] = max(float((full[k] - v).abs().max()) for k, v in ref["state"].items() if k in full)
+    return out
+
+
+def worker(rank: int, world: int, port: int, cases: list, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # 2 cores, 2+ processes
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    try:
+        results = {cid: run_case(rank, *rest) for cid, *rest in cases}
+        try:  # fewer chunks than pipeline ranks is refused, naming the key
+            build_schedule(build_stage_modules(make_model("llama"), rank, world, "1f1b"), dist.group.WORLD, world - 1)
+            results["too_few_chunks"] = "no error"
+        except ValueError as e:
+            results["too_few_chunks"] = str(e)
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_world(world: int, cases: list, out_dir, timeout: float = 150.0) -> list[dict]:
+    # A forkserver that has imported this module once forks the workers: a fresh interpreter per rank would
+    # spend most of the test importing torch again (seconds of CPU each, on 2 cores).
+    mp.get_context("forkserver").set_forkserver_preload([__name__])
+    ctx = mp.start_processes(worker, args=(world, free_port(), cases, str(out_dir)), nprocs=world, join=False,
+                             start_method="forkserver")
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=1.0):  # raises if a worker failed
+        if time.monotonic() > deadline:
+            for p in ctx.processes:  # a deadlocked pipeline must fail the test, not hang it
+                if p.is_alive():
+                    p.kill()
+            raise TimeoutError(f"pipeline world of {world} did not finish in {timeout:.0f}s")
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    return run_world(2, CASES_2, tmp_path_factory.mktemp("pp2"))
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory):
+    return run_world(4, CASES_4, tmp_path_factory.mktemp("pp4"))
+
+
+def check(results: list[dict], cid: str) -> None:
+    r0, dp = results[0][cid], next(c[-1] for c in CASES_2 + CASES_4 if c[0] == cid)
+    for r in results:  # every pp rank logs the same loss and norm
+        assert r[cid]["loss"] == pytest.approx(r0["ref_loss"], rel=1e-5), cid
+        assert r[cid]["norm"] == pytest.approx(r0["ref_norm"], rel=1e-5), cid
+        assert r[cid]["eval"] == pytest.approx(r0["ref_eval"], rel=1e-5), cid
+    assert r0["keys_match"], "gathered state dict keys differ from the unsplit model's"
+    assert r0["max_diff"] < 1e-5, r0["max_diff"]
+    # Each block lives on exactly one stage (of each dp replica).
+    blocks = sorted(int(b) for r in results for stage in r[cid]["blocks"] for b in stage)
+    assert blocks == sorted(list(range(4)) * dp)
+
+
+@pytest.mark.parametrize("cid", [c[0] for c in CASES_2])
+def test_pp2_matches_single_process(world2, cid):
+    check(world2, cid)
+
+
+@pytest.mark.parametrize("cid", [c[0] for c in CASES_4])
+def test_pp4_matches_single_process(world4, cid):
+    check(world4, cid)
+
+
+def test_interleaved_places_two_stages_per_rank(world2):
+    assert world2[0]["llama-interleaved_1f1b-m2"]["blocks"] == [["0"], ["2"]]
+    assert world2[1]["llama-interleaved_1f1b-m2"]["blocks"] == [["1"], ["3"]]
+
+
+def test_too_few_micro_batches_refused(world2, world4):
+    for res in (world2, world4):
+        assert "parallel.micro_batch_num" in res[0]["too_few_chunks"]
+
+
+# --------------------------------------------------------------------------- single process
+
+
+def test_split_layers_balanced_and_explicit():
+    assert split_layers(10, 4) == [range(0, 3), range(3, 6), range(6, 8), range(8, 10)]
+    assert split_layers(4, 4) == [range(i, i + 1) for i in range(4)]
+    assert split_layers(7, 1) == [range(0, 7)]
+    assert split_layers(6, 2, [1, 5]) == [range(0, 1), range(1, 6)]
+
+
+@pytest.mark.parametrize("args", [(3, 4, None), (6, 2, [2, 3]), (6, 2, [6, 0]), (6, 3, [3, 3]), (4, 0, None)])
+def test_split_layers_rejects(args):
+    with pytest.raises(ValueError, match="stage"):
+        split_layers(*args)
+
+
+def test_stage_modules_own_their_parts():
+    model = make_model("gpt2")
+    (s0, first), = build_stage_modules(model, 0, 2, "1f1b")
+    (s1, last), = build_stage_modules(model, 1, 2, "1f1b")
+    assert (s0, s1) == (0, 1) and len(model.model.layers) == 4  # the full model is left intact
+    assert first.model.embed_tokens is not None and first.model.embed_positions is not None
+    assert first.lm_head is None and first.model.norm is None and list(first.model.layers) == ["0", "1"]
+    assert last.model.embed_tokens is None and last.lm_head is not None and list(last.model.layers) == ["2", "3"]
+    assert set(first.state_dict()) | set(last.state_dict()) == set(model.state_dict())
+    # The last stage's tied head copy is treated like the embedding: no weight decay, as in the unsplit model.
+    decay, no_decay = pipeline_param_groups([(1, last)], 0.1)
+    assert any(p is last.lm_head.weight for p in no_decay["params"])
+    assert not any(p is last.lm_head.weight for p in decay["params"])
+    hidden = first(torch.zeros(2, 5, dtype=torch.long))  # [B,T,C] hidden states in, logits out
+    assert hidden.shape == (2, 5, 64) and last(hidden).shape == (2, 5, 128)
+
+
+def test_interleaved_needs_enough_layers():
+    with pytest.raises(ValueError, match="model.num_layers"):
+        build_stage_modules(make_model("llama"), 0, 4, "interleaved_1f1b")
+
+
+@pytest.mark.parametrize("model_kw, par_kw, mbs, key", [
+    ({"num_layers": 2}, {"pipeline_parallel": 4, "micro_batch_num": 4}, None, "parallel.pipeline_parallel"),
+    ({}, {"pipeline_parallel": 2, "micro_batch_num": 1}, None, "parallel.micro_batch_num"),
+    ({"num_layers": 3}, {"pipeline_parallel": 2, "micro_batch_num": 2, "pipeline_schedule": "interleaved_1f1b"}, None,
+     "parallel.pipeline_schedule"),
+    ({}, {"pipeline_parallel": 2, "micro_batch_num": 5, "pipeline_schedule": "interleaved_1f1b"}, 10,
+     "parallel.micro_batch_num"),
+    ({}, {"pipeline_parallel": 2, "micro_batch_num": 4}, 6, "train.micro_batch_size"),
+])
+def test_pipeline_problems(model_kw, par_kw, mbs, key):
+    problems = pipeline_problems(ModelConfig(**model_kw), ParallelConfig(**par_kw), mbs)
+    assert len(problems) == 1 and problems[0].startswith(key), problems
+
+
+def test_pipeline_problems_accepts_good_layouts():
+    assert pipeline_problems(ModelConfig(num_layers=4), ParallelConfig(pipeline_parallel=2, micro_batch_num=2), 8) == []
+    assert pipeline_problems(ModelConfig(num_layers=4), ParallelConfig(
+        pipeline_parallel=2, micro_batch_num=2, pipeline_schedule="interleaved_1f1b"), 4) == []
+    assert pipeline_problems(ModelConfig(num_layers=1), ParallelConfig(micro_batch_num=3), 8) == []  # pp = 1
