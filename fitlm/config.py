@@ -177,7 +177,7 @@ class TrainConfig(_Section):
     eval_interval: int = 100
     """Evaluate on data.valid every this many steps (and at the end); 0 disables."""
     eval_steps: int = 10
-    """Batches per evaluation."""
+    """Global batches (micro_batch_size × data_parallel × gradient_accumulation_steps sequences each) per evaluation."""
     output_dir: str = "runs/default"
     """Where metrics.jsonl, checkpoints/ and the final model/ go."""
     device: Literal["auto", "cpu", "cuda"] = "auto"

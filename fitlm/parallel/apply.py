@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from fitlm.config import Config
@@ -40,6 +41,13 @@ class ParallelModel:
 
     def gradient_sync(self, enabled: bool) -> None:
         set_gradient_sync(self.modules, enabled)
+
+    def after_eval(self) -> None:
+        """A forward without backward leaves ZeRO-2 parameters gathered; free them (FSDP2 reshard)."""
+        for module in self.modules:
+            for sub in module.modules():
+                if isinstance(sub, FSDPModule):
+                    sub.reshard()
 
     def finish_backward(self) -> None:
         sync_gradients(self.modules, self.ctx)

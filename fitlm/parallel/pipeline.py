@@ -12,6 +12,9 @@ Tied embeddings (`model.tie_embeddings`) across pp ranks: the first stage keeps 
 the last stage a copy as `lm_head.weight`. `sync_tied_grads` adds the two gradients together (what a
 single shared Parameter would get); both copies start equal and receive equal updates, provided the
 optimizer treats them alike (`pipeline_param_groups`). The copy is counted once in `clip_grad_norm_pp`.
+
+The functions are the building blocks; `Pipeline` bundles them the way fitlm.parallel.apply and the
+trainer use them.
 """
 
 from __future__ import annotations
@@ -71,9 +74,10 @@ def build_stage_modules(model: nn.Module, pp_rank: int, pp_size: int, schedule: 
     """This rank's stage modules as (stage_id, module), stage ids ascending.
 
     Non-destructive: each stage is a deep copy of only the parts it owns (the others are mapped to
-    None in the copy memo, so they are never copied); `model` is left intact. Unowned blocks are
-    deleted from `model.layers` (the owned ones keep their names, so state_dict keys stay HF's);
-    embed_tokens/embed_positions live on the first stage, norm and lm_head on the last.
+    None in the copy memo, so they are never copied); `model` is left intact. A stage's
+    `model.layers` keeps only its blocks, under their original keys, so state_dict names stay HF's;
+    embed_tokens/embed_positions live on the first stage, norm and lm_head on the last (None elsewhere).
+    Apply tensor parallel, recompute, compile and data parallel to the stages afterwards.
     """
     ids = stage_ids(pp_rank, pp_size, schedule)
     num_stages = pp_size * len(ids)
@@ -153,13 +157,14 @@ def build_schedule(stages: list[tuple[int, nn.Module]], pp_group, n_microbatches
     """
     group = _as_group(pp_group)
     pp_size = dist.get_world_size(group)
-    num_stages = pp_size * VIRTUAL_STAGES[schedule_name]
+    expected = stage_ids(dist.get_rank(group), pp_size, schedule_name)
+    num_stages = pp_size * len(expected)
     problem = _micro_batch_problem(pp_size, n_microbatches, schedule_name)
     if problem:
         raise ValueError(problem)
-    expected = stage_ids(dist.get_rank(group), pp_size, schedule_name)
     if [sid for sid, _ in stages] != expected:
-        raise ValueError(f"this rank must hold stages {expected} for {schedule_name}, got {[sid for sid, _ in stages]}; "
+        got = [sid for sid, _ in stages]
+        raise ValueError(f"this rank must hold stages {expected} for {schedule_name}, got {got}; "
                          "build them with build_stage_modules(..., schedule=the same name)")
     device = torch.device(device)
     pstages = [PipelineStage(mod, sid, num_stages, device, group=group) for sid, mod in stages]
@@ -213,10 +218,6 @@ def pipeline_eval(pp: PipelineSchedule, input_ids: torch.Tensor, labels: torch.T
 # --------------------------------------------------------------------------- optimizer helpers
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
 def sync_tied_grads(stage_modules: list[tuple[int, nn.Module]], pp_group) -> None:
     """With tied embeddings split across pp ranks, give both copies the sum of their gradients.
 
@@ -226,8 +227,7 @@ def sync_tied_grads(stage_modules: list[tuple[int, nn.Module]], pp_group) -> Non
     group = _as_group(pp_group)
     pp_size = dist.get_world_size(group)
     for sid, mod in stage_modules:
-        cfg = getattr(mod, "config", None)
-        if pp_size == 1 or not getattr(cfg, "tie_embeddings", False):
+        if pp_size == 1 or not getattr(mod.config, "tie_embeddings", False):
             return
         if sid == 0 and mod.model.embed_tokens is not None:
             param, peer = mod.model.embed_tokens.weight, pp_size - 1
@@ -237,7 +237,7 @@ def sync_tied_grads(stage_modules: list[tuple[int, nn.Module]], pp_group) -> Non
             continue
         if param.grad is None:
             param.grad = torch.zeros_like(param)
-        mine = _local(param.grad)
+        mine = param.grad._local_tensor if isinstance(param.grad, DTensor) else param.grad  # dp/tp shards match
         theirs = torch.empty_like(mine)
         ops = [dist.P2POp(dist.isend, mine.contiguous(), group=group, group_peer=peer),
                dist.P2POp(dist.irecv, theirs, group=group, group_peer=peer)]
@@ -298,8 +298,8 @@ def clip_grad_norm_pp(parameters: Iterable[torch.Tensor], max_norm: float, pp_gr
 
 
 @torch.no_grad()
-def gather_full_state_dict(stage_modules: list[tuple[int, nn.Module]], pp_group,
-                           state_dicts: list[dict] | None = None, gather: bool = True) -> dict[str, torch.Tensor] | None:
+def gather_full_state_dict(stage_modules: list[tuple[int, nn.Module]], pp_group, state_dicts: list[dict] | None = None,
+                           gather: bool = True) -> dict[str, torch.Tensor] | None:
     """The unsplit model's state_dict (same keys, same order, CPU tensors) on pp rank 0; None elsewhere.
 
     DTensor entries (tp/FSDP) are materialised with full_tensor(), a collective over their mesh, so
@@ -404,11 +404,12 @@ def pipeline_problems(model_cfg, parallel_cfg, micro_batch_size: int | None = No
                     f"one block: set parallel.pipeline_parallel <= {L}")
     elif sched == "interleaved_1f1b" and L < 2 * pp:
         errs.append(f"parallel.pipeline_schedule: interleaved_1f1b puts 2 virtual stages on each of {pp} ranks, which "
-                    f"needs model.num_layers >= {2 * pp} (got {L}); use 1f1b or gpipe, or lower parallel.pipeline_parallel")
+                    f"needs model.num_layers >= {2 * pp} (got {L}); use 1f1b or gpipe, or lower "
+                    "parallel.pipeline_parallel")
     problem = _micro_batch_problem(pp, m, sched)
     if problem:
         errs.append(problem)
     if micro_batch_size is not None and micro_batch_size % m:
-        errs.append(f"train.micro_batch_size: {micro_batch_size} sequences cannot be split into parallel.micro_batch_num="
-                    f"{m} equal pipeline chunks; make train.micro_batch_size a multiple of {m}")
+        errs.append(f"train.micro_batch_size: {micro_batch_size} sequences cannot be split into "
+                    f"parallel.micro_batch_num={m} equal pipeline chunks; make train.micro_batch_size a multiple of {m}")
     return errs

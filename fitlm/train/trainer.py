@@ -177,7 +177,8 @@ class Trainer:
             return None
         t = self.cfg.train
         loader = self._loader(self.valid_data, shuffle=False)
-        steps = max(1, min(t.eval_steps, loader.batches_per_epoch))
+        # eval_steps counts global batches, so every layout with the same global batch sees the same sequences.
+        steps = max(1, min(t.eval_steps * t.gradient_accumulation_steps, loader.batches_per_epoch))
         for m in self.pm.modules:
             m.eval()
         sums = torch.zeros(2, device=self.device)  # [summed loss, targets]
@@ -191,6 +192,7 @@ class Trainer:
                     with self.pm.loss_context():
                         loss_sum = cross_entropy_sum(self.pm.model(input_ids), labels)
             sums += torch.stack([loss_sum.float().detach().reshape(()), torch.tensor(float(count_targets(labels)))])
+        self.pm.after_eval()
         for m in self.pm.modules:
             m.train()
         sums = self.ctx.all_reduce_sum(sums, "dp")

@@ -54,3 +54,27 @@ DP_LAYOUTS = [
 @pytest.mark.parametrize("name,parallel,train", DP_LAYOUTS, ids=[x[0] for x in DP_LAYOUTS])
 def test_data_parallel_layouts_equal_single_process(tiny_corpus, tmp_path, reference, name, parallel, train):
     assert_same_training(run(tiny_corpus, tmp_path, name, parallel, train), reference)
+
+
+def test_two_node_rendezvous_on_localhost(tiny_corpus, tmp_path, reference):
+    """Two torchrun "nodes" (one process each) meet through a c10d rendezvous, as on a real cluster."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    train = {"max_steps": STEPS, "eval_interval": STEPS, "micro_batch_size": 2, "gradient_accumulation_steps": 2}
+    cfg = tiny_config(tiny_corpus, tmp_path / "nodes", train=train, parallel={"data_parallel": 2},
+                      model={"tie_embeddings": False})
+    path = write_config(tmp_path / "nodes.yaml", cfg)
+    nodes = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={rank}", "--nproc-per-node=1",
+         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=fitlm-test",
+         "-m", "fitlm.cli", "train", str(path)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    outputs = [node.communicate(timeout=300) for node in nodes]
+    assert all(node.returncode == 0 for node in nodes), outputs
+    losses = [r["loss"] for r in read_metrics(tmp_path / "nodes") if "loss" in r]
+    assert losses == pytest.approx(reference["losses"], rel=2e-5, abs=1e-5)

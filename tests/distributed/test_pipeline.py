@@ -11,6 +11,7 @@ import json
 import os
 import socket
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,9 +22,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from fitlm.config import ModelConfig, ParallelConfig
-from fitlm.parallel.pipeline import build_schedule, build_stage_modules, clip_grad_norm_pp, gather_full_state_dict, \
-    pipeline_eval, pipeline_param_groups, pipeline_problems, pipeline_step, split_layers, sync_tied_grads, \
-    tag_tied_copies
+from fitlm.parallel.pipeline import (Pipeline, build_schedule, build_stage_modules, clip_grad_norm_pp,
+                                    gather_full_state_dict, pipeline_eval, pipeline_param_groups, pipeline_problems,
+                                    pipeline_step, split_layers, sync_tied_grads, tag_tied_copies)
 from fitlm.registry import build_model
 from fitlm.train.loss import count_targets, cross_entropy_sum
 from fitlm.train.optim import param_groups
@@ -38,7 +39,9 @@ MODELS = {
 }
 # (case id, arch, pp, schedule, micro_batch_num, accumulation micro batches per optimizer step, dp)
 CASES_2 = [(f"{a}-{s}-m{m}", a, 2, s, m, 1, 1) for a in MODELS for s in ("gpipe", "1f1b", "interleaved_1f1b")
-           for m in (2, 4)] + [("llama-1f1b-m2-accum2", "llama", 2, "1f1b", 2, 2, 1)]
+           for m in (2, 4)] + [("llama-1f1b-m2-accum2", "llama", 2, "1f1b", 2, 2, 1),
+                               # the same through the Pipeline class that fitlm.parallel.apply and the trainer use
+                               ("gpt2-interleaved_1f1b-m2-class", "gpt2", 2, "interleaved_1f1b", 2, 2, 1)]
 CASES_4 = [("gpt2-1f1b-m4-pp4", "gpt2", 4, "1f1b", 4, 1, 1), ("llama-gpipe-m4-pp4", "llama", 4, "gpipe", 4, 1, 1),
            # pp2 x dp2, FSDP2 on each stage: DTensor grads in the clip, sync and state-dict gather
            ("gpt2-interleaved_1f1b-m2-dp2-fsdp", "gpt2", 2, "interleaved_1f1b", 2, 1, 2)]
@@ -81,11 +84,13 @@ def reference(arch: str, rows: int) -> dict:
     return {"loss": losses, "norm": norms, "eval": final, "state": model.state_dict()}
 
 
-def run_case(rank: int, arch: str, pp: int, schedule: str, m: int, accum: int, dp: int) -> dict:
+def run_case(cid: str, rank: int, arch: str, pp: int, schedule: str, m: int, accum: int, dp: int) -> dict:
     group, dp_rank = dist.group.WORLD, 0
     if dp > 1:
         mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
         group, rank, dp_rank = mesh["pp"], mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    if cid.endswith("-class"):
+        return run_pipeline_class(rank, arch, pp, schedule, m, accum)
     stages = build_stage_modules(make_model(arch), rank, pp, schedule)
     if dp > 1:
         for _, mod in stages:
@@ -116,13 +121,39 @@ def run_case(rank: int, arch: str, pp: int, schedule: str, m: int, accum: int, d
     if dp > 1:
         dist.all_reduce(t := torch.tensor(out["eval"]), group=mesh["dp"].get_group())
         out["eval"] = float(t)
-    full = gather_full_state_dict(stages, group)
+    return compare(out, gather_full_state_dict(stages, group), arch, 4 * dp)
+
+
+def compare(out: dict, full: dict | None, arch: str, rows: int) -> dict:
     if full is not None:
-        ref = reference(arch, 4 * dp)
+        ref = reference(arch, rows)
         out["ref_loss"], out["ref_norm"], out["ref_eval"] = ref["loss"], ref["norm"], ref["eval"]
         out["keys_match"] = list(full) == list(ref["state"])
         out["max_diff"] = max(float((full[k] - v).abs().max()) for k, v in ref["state"].items() if k in full)
     return out
+
+
+def run_pipeline_class(rank: int, arch: str, pp: int, schedule: str, m: int, accum: int) -> dict:
+    """The trainer's calls, in its order (see fitlm/train/trainer.py)."""
+    ctx = SimpleNamespace(group=lambda dim: dist.group.WORLD, pp=pp, pp_rank=rank, dp_rank=0, tp_rank=0,
+                          device=torch.device("cpu"), is_main=rank == 0)
+    cfg = SimpleNamespace(parallel=ParallelConfig(pipeline_parallel=pp, pipeline_schedule=schedule, micro_batch_num=m))
+    pipe = Pipeline(make_model(arch), cfg, ctx)
+    pipe.build_schedule(pipe.stage_modules)
+    opt = adamw(pipeline_param_groups(pipe.stages, WD))
+    ids, labels = batch()
+    n_targets = count_targets(labels)
+    losses, norms = [], []
+    for _ in range(STEPS):
+        loss_sum = sum(pipe.step(i, lab, 1.0 / n_targets) for i, lab in zip(ids.chunk(accum), labels.chunk(accum)))
+        params = [p for mod in pipe.stage_modules for p in mod.parameters() if p.grad is not None]
+        norms.append(float(pipe.clip_grad_norm(params, CLIP)))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss_sum) / n_targets)
+    out = {"loss": losses, "norm": norms, "eval": float(pipe.eval_step(ids, labels)),
+           "blocks": [sorted(mod.model.layers.keys(), key=int) for mod in pipe.stage_modules]}
+    return compare(out, pipe.gather_full_state_dict(), arch, 4)
 
 
 def worker(rank: int, world: int, port: int, cases: list, out_dir: str) -> None:
@@ -130,7 +161,7 @@ def worker(rank: int, world: int, port: int, cases: list, out_dir: str) -> None:
     torch.set_num_threads(1)  # 2 cores, 2+ processes
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
-        results = {cid: run_case(rank, *rest) for cid, *rest in cases}
+        results = {cid: run_case(cid, rank, *rest) for cid, *rest in cases}
         try:  # fewer chunks than pipeline ranks is refused, naming the key
             build_schedule(build_stage_modules(make_model("llama"), rank, world, "1f1b"), dist.group.WORLD, world - 1)
             results["too_few_chunks"] = "no error"
