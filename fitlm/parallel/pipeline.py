@@ -303,14 +303,16 @@ def gather_full_state_dict(stage_modules: list[tuple[int, nn.Module]], pp_group,
     """The unsplit model's state_dict (same keys, same order, CPU tensors) on pp rank 0; None elsewhere.
 
     DTensor entries (tp/FSDP) are materialised with full_tensor(), a collective over their mesh, so
-    every rank of the stage must call this; `state_dicts` (one per stage, already full) skips that.
+    every rank of the stage must call this; `state_dicts` (one per stage, already full; None entries
+    are materialised here) skips that.
     `gather=False` materialises only (for replicas whose pp group need not gather). Goes through
     gather_object: fine for a final export; use torch.distributed.checkpoint for resumable checkpoints.
     """
     group = _as_group(pp_group)
-    if state_dicts is None:
-        state_dicts = [{k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in mod.state_dict().items()}
-                       for _, mod in stage_modules]
+    state_dicts = state_dicts or [None] * len(stage_modules)
+    state_dicts = [sd if sd is not None else {k: v.full_tensor() if isinstance(v, DTensor) else v
+                                              for k, v in mod.state_dict().items()}
+                   for (_, mod), sd in zip(stage_modules, state_dicts)]
     local = [(sid, {k: v.detach().cpu() for k, v in sd.items()}) for (sid, _), sd in zip(stage_modules, state_dicts)]
     if not gather:
         return None
@@ -371,6 +373,9 @@ class Pipeline:
         """The full HF-named state dict on global rank 0 (None elsewhere). Collective: call on all ranks."""
         # Only the pp group of the first dp/tp replica (the one holding global rank 0) needs to gather.
         gather = self.ctx.dp_rank == 0 and self.ctx.tp_rank == 0
+        # An empty dict is rebuilt here: get_model_state_dict(full_state_dict=True, cpu_offload=True)
+        # returns {} on every rank but global rank 0, i.e. on every later stage.
+        state_dicts = [sd or None for sd in state_dicts] if state_dicts else None
         full = gather_full_state_dict(self._bare(), self.group, state_dicts, gather=gather)
         return full if self.ctx.is_main else None
 

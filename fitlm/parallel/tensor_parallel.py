@@ -153,8 +153,24 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
         # parallelize_module gave each module its own new Parameter; both are Shard(0) of the same
         # [V, C] matrix, so sharing one again makes their gradients accumulate into one tensor.
         model.lm_head.weight = model.model.embed_tokens.weight
+    for p in model.parameters():
+        if isinstance(p, DTensor) and p.requires_grad:
+            p.register_post_accumulate_grad_hook(_grad_like_param)
     setattr(model, TP_ATTR, {"mesh": tp_mesh, "sequence_parallel": sequence_parallel, "loss_parallel": loss_parallel})
     return model
+
+
+def _grad_like_param(p: DTensor) -> None:
+    """Give the gradient its parameter's placement, as FSDP2 also does for the parameters it owns.
+
+    DTensor leaves two kinds of mismatch: the vocab-parallel embedding's gradient comes back
+    Replicate (a full [V, C] on every rank; slicing it to Shard(0) costs no communication and frees
+    it), and the sequence-parallel norms' gradients come back Partial (one small all-reduce). Left
+    alone, optimizers, clipping and data-parallel gradient sync would each redo that work per use.
+    """
+    g = p.grad
+    if isinstance(g, DTensor) and g.placements != p.placements:
+        p.grad = g.redistribute(placements=p.placements)
 
 
 def _is_tied(model: nn.Module) -> bool:

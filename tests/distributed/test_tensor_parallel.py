@@ -32,8 +32,13 @@ CASES = {
     # tp=4 on 4 ranks: 8 query heads, 4 kv heads (2 per kv group), 2 heads per rank.
     "llama_tp4": dict(arch="llama", num_heads=8, num_kv_heads=4, intermediate_size=128, tie_embeddings=True),
 }
-RUNS = [(case, sp) for case in CASES if case != "llama_tp4" for sp in (False, True)]
-RUNS4 = [("llama_tp4", True)]
+# (case, sequence_parallel, loss_parallel)
+RUNS = [(case, sp, True) for case in CASES if case != "llama_tp4" for sp in (False, True)] + [("llama_tied", True, False)]
+RUNS4 = [("llama_tp4", True, True)]
+
+
+def run_id(case: str, sp: bool, lp: bool) -> str:
+    return f"{case}-sp{int(sp)}" + ("" if lp else "-gathered_logits")
 
 
 def model_cfg(case: str) -> ModelConfig:
@@ -69,7 +74,9 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t.clone()
+    # A copy: clipping later scales the gradients in place, and full_tensor() of a Replicate DTensor
+    # is its local tensor itself.
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).clone()
 
 
 def train(model: torch.nn.Module, ctx_fn) -> dict:
@@ -102,7 +109,7 @@ def train(model: torch.nn.Module, ctx_fn) -> dict:
     return out
 
 
-def run_case(case: str, sp: bool, mesh) -> dict:
+def run_case(case: str, sp: bool, lp: bool, mesh) -> dict:
     import contextlib
 
     from fitlm.parallel.tensor_parallel import apply_tensor_parallel, full_state_dict, loss_context
@@ -111,19 +118,19 @@ def run_case(case: str, sp: bool, mesh) -> dict:
 
     ref = build(case)
     ref_out = train(ref, lambda m: contextlib.nullcontext())
-    model = apply_tensor_parallel(build(case), mesh, sequence_parallel=sp)
+    model = apply_tensor_parallel(build(case), mesh, sequence_parallel=sp, loss_parallel=lp)
     res: dict = {"ref": ref_out}
     if model.config.tie_embeddings:
         res["tied_same"] = model.lm_head.weight is model.model.embed_tokens.weight
-    try:  # the loss outside loss_context is refused with a message that says what to do
-        cross_entropy_sum(model(batch()[0]), batch()[1])
-        res["misuse"] = "no error"
-    except RuntimeError as e:
-        res["misuse"] = str(e)
+    if lp:
+        try:  # the loss outside loss_context is refused with a message that says what to do
+            cross_entropy_sum(model(batch()[0]), batch()[1])
+            res["misuse"] = "no error"
+        except RuntimeError as e:
+            res["misuse"] = str(e)
     res["tp"] = tp_out = train(model, loss_context)
     ref_g, tp_g = ref_out.pop("grads"), tp_out.pop("grads")
-    res["grad_diff"] = {k: (tp_g[k] - g).abs().max().item() / max(g.abs().max().item(), 1e-6)
-                        for k, g in ref_g.items()}
+    res["grad_diff"] = {k: [(tp_g[k] - g).abs().max().item(), g.abs().max().item()] for k, g in ref_g.items()}
     res["all_dtensor"] = all(type(p).__name__ == "DTensor" for p in model.parameters())
     full, want = full_state_dict(model), ref.state_dict()
     res["keys_equal"] = sorted(full) == sorted(want)
@@ -139,11 +146,11 @@ def worker(rank: int, world: int, runs: list, port: int, out_path: str) -> None:
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))["tp"]
     results = {}
-    for case, sp in runs:
+    for run in runs:
         try:
-            results[f"{case}-sp{int(sp)}"] = run_case(case, sp, mesh)
+            results[run_id(*run)] = run_case(*run, mesh)
         except Exception:  # recorded, so the other cases still run and the test shows the traceback
-            results[f"{case}-sp{int(sp)}"] = {"error": traceback.format_exc()}
+            results[run_id(*run)] = {"error": traceback.format_exc()}
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)
@@ -161,22 +168,26 @@ def results(tmp_path_factory) -> dict:
     return {**spawn(WORLD, RUNS, out / "tp2.json"), **spawn(4, RUNS4, out / "tp4.json")}
 
 
-@pytest.mark.parametrize("case,sp", RUNS + RUNS4, ids=[f"{c}-sp{int(s)}" for c, s in RUNS + RUNS4])
-def test_tp_matches_single_process(results, case, sp):
-    res = results[f"{case}-sp{int(sp)}"]
+@pytest.mark.parametrize("case,sp,lp", RUNS + RUNS4, ids=[run_id(*r) for r in RUNS + RUNS4])
+def test_tp_matches_single_process(results, case, sp, lp):
+    res = results[run_id(case, sp, lp)]
     assert "error" not in res, res.get("error")
     ref, tp = res["ref"], res["tp"]
-    # The logits stayed sharded on the vocabulary: the full [B, T, V] was never gathered.
-    assert all("Shard(dim=2)" in p for p in tp["sharded_logits"]), tp["sharded_logits"]
+    # With loss_parallel the logits stay sharded on the vocabulary: the full [B, T, V] is never gathered.
+    assert tp["sharded_logits"] == ["(Shard(dim=2),)" if lp else "plain"] * STEPS, tp["sharded_logits"]
     assert tp["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-6)
     assert tp["norm"] == pytest.approx(ref["norm"], rel=1e-5, abs=1e-6)
     assert tp["norm_helper"] == pytest.approx(ref["norm"], rel=1e-5, abs=1e-6)
     # torch's clip_grad_norm_ returns a replicated DTensor (already reduced over the shards: .item() is
     # the global norm); fitlm's clip_grad_norm_ (norm_helper) returns a plain tensor.
     assert tp["norm_type"] == "(Replicate(),)", tp["norm_type"]
-    bad = {k: d for k, d in res["grad_diff"].items() if not d <= 1e-5}  # relative to the largest entry
+    # First-step gradients, before Adam amplifies rounding: |diff| <= 1e-8 + 1e-4 * max|grad|. (The
+    # fp32 reference itself is off by up to 2e-5 relative from fp64 on gpt2's tiny q gradients, and
+    # k biases have exactly zero gradient, so a purely relative bound would test rounding noise.)
+    bad = {k: d for k, (d, scale) in res["grad_diff"].items() if not d <= 1e-8 + 1e-4 * scale}
     assert not bad, bad
-    assert "inside fitlm.parallel.tensor_parallel.loss_context(model)" in res["misuse"], res["misuse"]
+    if lp:
+        assert "inside fitlm.parallel.tensor_parallel.loss_context(model)" in res["misuse"], res["misuse"]
     assert ref["loss"][-1] < ref["loss"][0]  # it trained, so the weights did move
     assert res["all_dtensor"] and res["keys_equal"]
     bad = {k: d for k, d in res["weight_diff"].items() if not d <= 1e-5}
