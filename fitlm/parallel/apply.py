@@ -63,7 +63,7 @@ class ParallelModel:
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The unsharded, HF-named state dict on global rank 0 (None elsewhere). Collective: call on all ranks."""
         if self.pipeline is not None:
-            return self.pipeline.gather_full_state_dict(self._stage_state_dicts())
+            return self.pipeline.gather_full_state_dict()
         sd = self._stage_state_dicts()[0]
         return sd if self.ctx.is_main else None
 

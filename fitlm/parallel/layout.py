@@ -54,26 +54,9 @@ def tp_problems(m: ModelConfig, tp: int) -> list[str]:
 
 
 def pp_problems(cfg: Config) -> list[str]:
-    p, m, t = cfg.parallel, cfg.model, cfg.train
-    if p.pipeline_parallel <= 1:
-        return []
-    out = []
-    stages = p.pipeline_parallel * (2 if p.pipeline_schedule == "interleaved_1f1b" else 1)
-    if stages > m.num_layers:
-        what = f"{p.pipeline_parallel} ranks × 2 virtual stages" if stages != p.pipeline_parallel else f"{stages} stages"
-        out.append(f"parallel.pipeline_parallel: {what} but model.num_layers={m.num_layers}; every stage needs "
-                   "at least one layer: lower pipeline_parallel or use pipeline_schedule 1f1b")
-    if p.micro_batch_num < p.pipeline_parallel:
-        out.append(f"parallel.micro_batch_num: {p.micro_batch_num} < pipeline_parallel={p.pipeline_parallel}; "
-                   f"a pipeline needs at least one micro-batch per stage: set micro_batch_num >= {p.pipeline_parallel}")
-    if t.micro_batch_size % p.micro_batch_num:
-        out.append(f"train.micro_batch_size: {t.micro_batch_size} sequences cannot be split into "
-                   f"parallel.micro_batch_num={p.micro_batch_num} equal pipeline chunks; make micro_batch_size a "
-                   f"multiple of micro_batch_num")
-    if m.tie_embeddings:
-        out.append("model.tie_embeddings: tied input/output embeddings live on the first and last pipeline stage; "
-                   "set tie_embeddings: false to train with pipeline_parallel > 1")
-    return out
+    from fitlm.parallel.pipeline import pipeline_problems  # rules live beside the code they protect
+
+    return pipeline_problems(cfg.model, cfg.parallel, cfg.train.micro_batch_size)
 
 
 def composition_problems(cfg: Config) -> list[str]:

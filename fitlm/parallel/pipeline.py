@@ -298,22 +298,18 @@ def clip_grad_norm_pp(parameters: Iterable[torch.Tensor], max_norm: float, pp_gr
 
 
 @torch.no_grad()
-def gather_full_state_dict(stage_modules: list[tuple[int, nn.Module]], pp_group, state_dicts: list[dict] | None = None,
+def gather_full_state_dict(stage_modules: list[tuple[int, nn.Module]], pp_group,
                            gather: bool = True) -> dict[str, torch.Tensor] | None:
     """The unsplit model's state_dict (same keys, same order, CPU tensors) on pp rank 0; None elsewhere.
 
     DTensor entries (tp/FSDP) are materialised with full_tensor(), a collective over their mesh, so
-    every rank of the stage must call this; `state_dicts` (one per stage, already full; None entries
-    are materialised here) skips that.
+    every rank of the stage must call this.
     `gather=False` materialises only (for replicas whose pp group need not gather). Goes through
     gather_object: fine for a final export; use torch.distributed.checkpoint for resumable checkpoints.
     """
     group = _as_group(pp_group)
-    state_dicts = state_dicts or [None] * len(stage_modules)
-    state_dicts = [sd if sd is not None else {k: v.full_tensor() if isinstance(v, DTensor) else v
-                                              for k, v in mod.state_dict().items()}
-                   for (_, mod), sd in zip(stage_modules, state_dicts)]
-    local = [(sid, {k: v.detach().cpu() for k, v in sd.items()}) for (sid, _), sd in zip(stage_modules, state_dicts)]
+    local = [(sid, {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+                    for k, v in mod.state_dict().items()}) for sid, mod in stage_modules]
     if not gather:
         return None
     gathered: list | None = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
@@ -370,13 +366,15 @@ class Pipeline:
         return clip_grad_norm_pp(params, max_norm if max_norm > 0 else float("inf"), self.group)
 
     def gather_full_state_dict(self, state_dicts: list[dict] | None = None) -> dict[str, torch.Tensor] | None:
-        """The full HF-named state dict on global rank 0 (None elsewhere). Collective: call on all ranks."""
+        """The full HF-named state dict on global rank 0 (None elsewhere). Collective: call on all ranks.
+
+        `state_dicts` is ignored: the stages are materialised here, the same way on every rank. (Dicts from
+        get_model_state_dict(full_state_dict=True, cpu_offload=True) are empty on all ranks but global
+        rank 0, so every later stage's weights would be lost.)
+        """
         # Only the pp group of the first dp/tp replica (the one holding global rank 0) needs to gather.
         gather = self.ctx.dp_rank == 0 and self.ctx.tp_rank == 0
-        # An empty dict is rebuilt here: get_model_state_dict(full_state_dict=True, cpu_offload=True)
-        # returns {} on every rank but global rank 0, i.e. on every later stage.
-        state_dicts = [sd or None for sd in state_dicts] if state_dicts else None
-        full = gather_full_state_dict(self._bare(), self.group, state_dicts, gather=gather)
+        full = gather_full_state_dict(self._bare(), self.group, gather=gather)
         return full if self.ctx.is_main else None
 
 

@@ -20,14 +20,15 @@ generation with a TP model is not supported (gather a full state dict and load i
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, \
-    loss_parallel as _torch_loss_parallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleOutput, RowwiseParallel, \
+    SequenceParallel, loss_parallel as _torch_loss_parallel, parallelize_module
 from torch.distributed.tensor.parallel.style import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 
@@ -64,26 +65,26 @@ class ReplicateParallel(ParallelStyle):
         return distribute_module(module, device_mesh, None, self._input_fn, self._output_fn)
 
 
-class FullSequenceInput(ParallelStyle):
-    """Like PrepareModuleInput for the first positional argument only: the activation, read as
-    `layout`, is made Replicate (an all-gather over the sequence under sequence parallel).
+class FirstArgLayout(ParallelStyle):
+    """PrepareModuleInput for the first positional argument only: the activation, read as `src`,
+    is redistributed to `dst` (Shard(1) -> Replicate is the sequence all-gather of SP).
 
-    The other arguments (rotary cos/sin, the KV cache, as positional or keyword) pass untouched,
-    whatever their number, which differs between families. The activation stays a DTensor so the
-    gradients of q/k/v (gate/up) add up as partial sums and are all-reduced once, not per projection.
+    The other arguments (rotary cos/sin, the KV cache, positional or keyword) pass untouched,
+    whatever their number, which differs between families. By default the activation stays a
+    DTensor, so the gradients of q/k/v (gate/up) add up as partial sums and are reduced once.
     """
 
-    def __init__(self, layout: Placement):
-        self.layout = layout
+    def __init__(self, src: Placement, dst: Placement, to_local: bool = False):
+        self.src, self.dst, self.to_local = src, dst, to_local
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def hook(_mod: nn.Module, args: tuple) -> tuple:
             x = args[0]
             if not isinstance(x, DTensor):
-                x = DTensor.from_local(x, device_mesh, (self.layout,), run_check=False)
-            if x.placements != (Replicate(),):
-                x = x.redistribute(placements=(Replicate(),))
-            return (x, *args[1:])
+                x = DTensor.from_local(x, device_mesh, (self.src,), run_check=False)
+            if x.placements != (self.dst,):
+                x = x.redistribute(placements=(self.dst,))
+            return (x.to_local() if self.to_local else x, *args[1:])
 
         module.register_forward_pre_hook(hook)
         return module
@@ -114,11 +115,11 @@ def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False,
         p = f"model.layers.{name}."
         plan[p + "input_layernorm"] = _norm_style(sequence_parallel)
         plan[p + "post_attention_layernorm"] = _norm_style(sequence_parallel)
-        plan[p + "self_attn"] = FullSequenceInput(act)
+        plan[p + "self_attn"] = FirstArgLayout(act, Replicate())
         for proj in ("q_proj", "k_proj", "v_proj"):
             plan[p + "self_attn." + proj] = ColwiseParallel()
         plan[p + "self_attn.o_proj"] = RowwiseParallel(output_layouts=act)
-        plan[p + "mlp"] = FullSequenceInput(act)
+        plan[p + "mlp"] = FirstArgLayout(act, Replicate())
         for proj in ("gate_proj", "up_proj"):
             if isinstance(getattr(block.mlp, proj, None), nn.Linear):
                 plan[p + "mlp." + proj] = ColwiseParallel()
@@ -149,6 +150,15 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
             raise ValueError("; ".join(problems))
     tied = _is_tied(model)
     parallelize_module(model, tp_mesh, tensor_parallel_plan(model, sequence_parallel, loss_parallel))
+    blocks = list(model.model.layers.values())
+    if sequence_parallel and blocks:
+        # A pipeline stage exchanges full-sequence hidden states [B, T, C], so the stage's blocks see
+        # the same sequence length as the rotary table: slice on entry, gather on exit.
+        if getattr(model.model, "embed_tokens", None) is None:
+            parallelize_module(blocks[0], tp_mesh, FirstArgLayout(Replicate(), Shard(1), to_local=True))
+        if getattr(model.model, "norm", None) is None:
+            parallelize_module(blocks[-1], tp_mesh, PrepareModuleOutput(
+                output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True))
     if tied:
         # parallelize_module gave each module its own new Parameter; both are Shard(0) of the same
         # [V, C] matrix, so sharing one again makes their gradients accumulate into one tensor.
@@ -156,6 +166,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     for p in model.parameters():
         if isinstance(p, DTensor) and p.requires_grad:
             p.register_post_accumulate_grad_hook(_grad_like_param)
+    if sequence_parallel:
+        model.register_forward_pre_hook(partial(_check_seq_len, tp_mesh.size()), with_kwargs=True)
     setattr(model, TP_ATTR, {"mesh": tp_mesh, "sequence_parallel": sequence_parallel, "loss_parallel": loss_parallel})
     return model
 
@@ -171,6 +183,14 @@ def _grad_like_param(p: DTensor) -> None:
     g = p.grad
     if isinstance(g, DTensor) and g.placements != p.placements:
         p.grad = g.redistribute(placements=p.placements)
+
+
+def _check_seq_len(tp: int, _mod: nn.Module, args: tuple, kwargs: dict) -> None:
+    # Uneven sequence shards would fail deep inside (or hang a collective); say what to change instead.
+    x = args[0] if args else kwargs.get("input_ids")
+    if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[1] % tp:
+        raise ValueError(f"parallel.sequence_parallel: the sequence length {x.shape[1]} is not divisible by "
+                         f"tensor_parallel={tp}; use a data.seq_length that is a multiple of {tp}")
 
 
 def _is_tied(model: nn.Module) -> bool:
@@ -192,8 +212,9 @@ def _loss_parallel_ctx():
 def loss_context(model: nn.Module) -> contextlib.AbstractContextManager[Any]:
     """The context both the loss and its `.backward()` must run in: `loss_parallel()` when `model`
     was tensor-parallelised with vocab-sharded logits, else a no-op."""
-    info = getattr(model, TP_ATTR, None) or getattr(getattr(model, "module", None), TP_ATTR, None)
-    if info and info["loss_parallel"] and getattr(model, "lm_head", None) is not None:
+    inner = model if hasattr(model, TP_ATTR) else getattr(model, "module", model)  # DDP-style wrappers
+    info = getattr(inner, TP_ATTR, None)
+    if info and info["loss_parallel"] and getattr(inner, "lm_head", None) is not None:
         return _loss_parallel_ctx()
     return contextlib.nullcontext()
 
@@ -226,17 +247,30 @@ def tensor_parallel_problems(model_cfg: ModelConfig, tp: int, *, sequence_parall
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Plain full tensors for every parameter and persistent buffer (collective: call on every rank).
 
-    Tied weights appear under both names, as in the unsharded model's state_dict.
+    Same keys as the unsharded model's state_dict (tied weights under both names). Replicated
+    entries may share storage with the live parameters: clone before modifying them.
     """
     return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
 
 
 def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """`torch.nn.utils.clip_grad_norm_` that also accepts DTensor gradients; returns the total norm
-    as a plain tensor, equal on every rank (a collective when any gradient is a DTensor)."""
+    """`torch.nn.utils.clip_grad_norm_` for any mix of DTensor (of any mesh) and plain gradients.
+
+    torch's own works when every gradient is a DTensor on one mesh (it returns a Replicate DTensor);
+    this one also takes plain tensors beside them (e.g. adapters added after parallelising) and
+    returns a plain tensor, equal on every rank. Collective when any gradient is a DTensor.
+    """
     params = [p for p in parameters if p.grad is not None]
-    total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()  # a Partial norm becomes the global one
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for p in params:  # norms of DTensors on different meshes (or none) cannot be stacked together
+        groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    norms = []
+    for group in groups.values():
+        n = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type)
+        norms.append(n.full_tensor() if isinstance(n, DTensor) else n)  # Partial norms become global here
+    if not norms:
+        return torch.tensor(0.0)
+    total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
+    for group in groups.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total

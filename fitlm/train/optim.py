@@ -23,7 +23,9 @@ def param_groups(modules: nn.Module | list[nn.Module], weight_decay: float) -> l
         if not p.requires_grad or id(p) in seen:  # tied weights appear twice
             continue
         seen.add(id(p))
-        (decay if p.ndim >= 2 and not is_embedding(name) else no_decay).append(p)
+        # A pipeline's last-stage copy of a tied embedding is an embedding too (no decay).
+        tied_copy = getattr(p, "_fitlm_pp_tied_copy", False)
+        (decay if p.ndim >= 2 and not is_embedding(name) and not tied_copy else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 

@@ -51,6 +51,26 @@ DP_LAYOUTS = [
 ]
 
 
+REPLICA = {"micro_batch_size": 4, "gradient_accumulation_steps": 2}  # one replica: the reference's batch
+HALF = {"micro_batch_size": 2, "gradient_accumulation_steps": 2}  # two replicas
+MODEL_LAYOUTS = [
+    ("pp2-1f1b", {"pipeline_parallel": 2, "micro_batch_num": 2}, REPLICA),
+    ("pp2-gpipe-m4", {"pipeline_parallel": 2, "pipeline_schedule": "gpipe", "micro_batch_num": 4}, REPLICA),
+    ("tp2", {"tensor_parallel": 2}, REPLICA),
+    ("tp2-sp", {"tensor_parallel": 2, "sequence_parallel": True}, REPLICA),
+    ("dp2-tp2", {"data_parallel": 2, "tensor_parallel": 2}, HALF),
+    ("dp2-zero3-tp2", {"data_parallel": 2, "zero_stage": 3, "tensor_parallel": 2}, HALF),
+    ("tp2-pp2", {"tensor_parallel": 2, "pipeline_parallel": 2, "micro_batch_num": 2}, REPLICA),
+    ("dp2-zero2-pp2", {"data_parallel": 2, "zero_stage": 2, "pipeline_parallel": 2, "micro_batch_num": 2}, HALF),
+]
+
+
+@pytest.mark.parametrize("name,parallel,train", MODEL_LAYOUTS, ids=[x[0] for x in MODEL_LAYOUTS])
+def test_model_parallel_and_hybrid_layouts_equal_single_process(tiny_corpus, tmp_path, reference, name, parallel,
+                                                                 train):
+    assert_same_training(run(tiny_corpus, tmp_path, name, parallel, train), reference)
+
+
 @pytest.mark.parametrize("name,parallel,train", DP_LAYOUTS, ids=[x[0] for x in DP_LAYOUTS])
 def test_data_parallel_layouts_equal_single_process(tiny_corpus, tmp_path, reference, name, parallel, train):
     assert_same_training(run(tiny_corpus, tmp_path, name, parallel, train), reference)

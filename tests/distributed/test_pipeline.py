@@ -40,7 +40,7 @@ MODELS = {
 # (case id, arch, pp, schedule, micro_batch_num, accumulation micro batches per optimizer step, dp)
 CASES_2 = [(f"{a}-{s}-m{m}", a, 2, s, m, 1, 1) for a in MODELS for s in ("gpipe", "1f1b", "interleaved_1f1b")
            for m in (2, 4)] + [("llama-1f1b-m2-accum2", "llama", 2, "1f1b", 2, 2, 1),
-                               # the same through the Pipeline class that fitlm.parallel.apply and the trainer use
+                               # through the Pipeline class that fitlm.parallel.apply and the trainer use
                                ("gpt2-interleaved_1f1b-m2-class", "gpt2", 2, "interleaved_1f1b", 2, 2, 1)]
 CASES_4 = [("gpt2-1f1b-m4-pp4", "gpt2", 4, "1f1b", 4, 1, 1), ("llama-gpipe-m4-pp4", "llama", 4, "gpipe", 4, 1, 1),
            # pp2 x dp2, FSDP2 on each stage: DTensor grads in the clip, sync and state-dict gather

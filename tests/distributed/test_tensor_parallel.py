@@ -35,6 +35,7 @@ CASES = {
 # (case, sequence_parallel, loss_parallel)
 RUNS = [(case, sp, True) for case in CASES if case != "llama_tp4" for sp in (False, True)] + [("llama_tied", True, False)]
 RUNS4 = [("llama_tp4", True, True)]
+STAGES = [("llama", True, True), ("gpt2_untied", True, False)]  # split in two pipeline stages
 
 
 def run_id(case: str, sp: bool, lp: bool) -> str:
@@ -99,6 +100,9 @@ def train(model: torch.nn.Module, ctx_fn) -> dict:
         out["loss"].append(loss.item())
         if step == 0:
             out["grads"] = {k: full(p.grad) for k, p in model.named_parameters()}
+            extra = torch.nn.Parameter(torch.zeros(3))  # a plain parameter beside the DTensors
+            extra.grad = torch.full((3,), 2.0)
+            out["norm_mixed"] = float(clip_grad_norm_([*model.parameters(), extra], float("inf")))
         out["norm_helper"].append(float(clip_grad_norm_(model.parameters(), float("inf"))))  # measures only
         # What the trainer calls; 0.5 is below the norms, so clipping acts on the update.
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
@@ -128,6 +132,12 @@ def run_case(case: str, sp: bool, lp: bool, mesh) -> dict:
             res["misuse"] = "no error"
         except RuntimeError as e:
             res["misuse"] = str(e)
+    if sp:
+        try:  # uneven sequence shards are refused up front, on every rank alike (no hung collective)
+            model(batch()[0][:, :15])
+            res["uneven"] = "no error"
+        except ValueError as e:
+            res["uneven"] = str(e)
     res["tp"] = tp_out = train(model, loss_context)
     ref_g, tp_g = ref_out.pop("grads"), tp_out.pop("grads")
     res["grad_diff"] = {k: [(tp_g[k] - g).abs().max().item(), g.abs().max().item()] for k, g in ref_g.items()}
@@ -138,7 +148,36 @@ def run_case(case: str, sp: bool, lp: bool, mesh) -> dict:
     return res
 
 
-def worker(rank: int, world: int, runs: list, port: int, out_path: str) -> None:
+def run_stages(case: str, sp: bool, lp: bool, mesh) -> dict:
+    """Two pipeline stages (layer 0 | layer 1, norm, head) on the same tp group, joined by hand."""
+    from fitlm.parallel.tensor_parallel import apply_tensor_parallel, loss_context
+    from fitlm.train.loss import count_targets, cross_entropy_sum
+
+    ids, labels = batch()
+    ref = build(case)
+    ref_loss = cross_entropy_sum(ref(ids), labels) / count_targets(labels)
+    ref_loss.backward()
+    first, last = build(case), build(case)
+    del first.model.layers["1"]
+    first.model.norm = first.lm_head = None
+    del last.model.layers["0"]
+    last.model.embed_tokens = last.model.embed_positions = None  # (llama has no embed_positions)
+    for stage in (first, last):
+        apply_tensor_parallel(stage, mesh, sequence_parallel=sp, loss_parallel=lp)
+    h = first(ids)  # [B, T, C]: what the pipeline sends
+    h_in = h.detach().requires_grad_()
+    with loss_context(last):
+        loss = cross_entropy_sum(last(h_in), labels) / count_targets(labels)
+        loss.backward()
+    h.backward(h_in.grad)
+    want = dict(ref.named_parameters())
+    got = {k: full(p.grad) for stage in (first, last) for k, p in stage.named_parameters()}
+    return {"sent_shape": list(h.shape), "loss": [loss.item(), ref_loss.item()], "keys_equal": sorted(got) == sorted(want),
+            "grad_diff": {k: [(g - want[k].grad).abs().max().item(), want[k].grad.abs().max().item()]
+                          for k, g in got.items()}}
+
+
+def worker(rank: int, world: int, jobs: list, port: int, out_path: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # several ranks share 2 cores
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
@@ -146,26 +185,28 @@ def worker(rank: int, world: int, runs: list, port: int, out_path: str) -> None:
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))["tp"]
     results = {}
-    for run in runs:
+    for key, fn, run in jobs:
         try:
-            results[run_id(*run)] = run_case(*run, mesh)
+            results[key] = globals()[fn](*run, mesh)
         except Exception:  # recorded, so the other cases still run and the test shows the traceback
-            results[run_id(*run)] = {"error": traceback.format_exc()}
+            results[key] = {"error": traceback.format_exc()}
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)
     dist.destroy_process_group()
 
 
-def spawn(world: int, runs: list, out) -> dict:
-    mp.spawn(worker, args=(world, runs, free_port(), str(out)), nprocs=world, join=True)
+def spawn(world: int, jobs: list, out) -> dict:
+    mp.spawn(worker, args=(world, jobs, free_port(), str(out)), nprocs=world, join=True)
     return json.loads(out.read_text())
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("tp")
-    return {**spawn(WORLD, RUNS, out / "tp2.json"), **spawn(4, RUNS4, out / "tp4.json")}
+    jobs2 = [(run_id(*r), "run_case", r) for r in RUNS] + [("stages-" + run_id(*r), "run_stages", r) for r in STAGES]
+    jobs4 = [(run_id(*r), "run_case", r) for r in RUNS4]
+    return {**spawn(WORLD, jobs2, out / "tp2.json"), **spawn(4, jobs4, out / "tp4.json")}
 
 
 @pytest.mark.parametrize("case,sp,lp", RUNS + RUNS4, ids=[run_id(*r) for r in RUNS + RUNS4])
@@ -178,6 +219,7 @@ def test_tp_matches_single_process(results, case, sp, lp):
     assert tp["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-6)
     assert tp["norm"] == pytest.approx(ref["norm"], rel=1e-5, abs=1e-6)
     assert tp["norm_helper"] == pytest.approx(ref["norm"], rel=1e-5, abs=1e-6)
+    assert tp["norm_mixed"] == pytest.approx((ref["norm"][0] ** 2 + 12) ** 0.5, rel=1e-5)
     # torch's clip_grad_norm_ returns a replicated DTensor (already reduced over the shards: .item() is
     # the global norm); fitlm's clip_grad_norm_ (norm_helper) returns a plain tensor.
     assert tp["norm_type"] == "(Replicate(),)", tp["norm_type"]
@@ -188,12 +230,26 @@ def test_tp_matches_single_process(results, case, sp, lp):
     assert not bad, bad
     if lp:
         assert "inside fitlm.parallel.tensor_parallel.loss_context(model)" in res["misuse"], res["misuse"]
+    if sp:
+        assert "sequence length 15 is not divisible by tensor_parallel=" in res["uneven"], res["uneven"]
     assert ref["loss"][-1] < ref["loss"][0]  # it trained, so the weights did move
     assert res["all_dtensor"] and res["keys_equal"]
     bad = {k: d for k, d in res["weight_diff"].items() if not d <= 1e-5}
     assert not bad, bad
     if model_cfg(case).tie_embeddings:
         assert res["tied_same"]
+
+
+@pytest.mark.parametrize("case,sp,lp", STAGES, ids=[run_id(*r) for r in STAGES])
+def test_pipeline_stages_exchange_full_sequence(results, case, sp, lp):
+    """Under SP a stage still sends and receives [B, T, C], so the rotary table and pipeline shapes hold."""
+    res = results["stages-" + run_id(case, sp, lp)]
+    assert "error" not in res, res.get("error")
+    assert res["sent_shape"] == [2, 16, 64]
+    assert res["loss"][0] == pytest.approx(res["loss"][1], rel=1e-5)
+    assert res["keys_equal"]
+    bad = {k: d for k, (d, scale) in res["grad_diff"].items() if not d <= 1e-8 + 1e-4 * scale}
+    assert not bad, bad
 
 
 def test_problems_name_key_arithmetic_and_valid_values():
