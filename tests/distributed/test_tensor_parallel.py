@@ -33,7 +33,8 @@ CASES = {
     "llama_tp4": dict(arch="llama", num_heads=8, num_kv_heads=4, intermediate_size=128, tie_embeddings=True),
 }
 # (case, sequence_parallel, loss_parallel)
-RUNS = [(case, sp, True) for case in CASES if case != "llama_tp4" for sp in (False, True)] + [("llama_tied", True, False)]
+RUNS = [("llama", False, True), ("llama", True, True), ("llama_tied", True, True), ("llama_tied", True, False),
+        ("gpt2", False, True), ("gpt2", True, True), ("gpt2_untied", True, True)]
 RUNS4 = [("llama_tp4", True, True)]
 STAGES = [("llama", True, True), ("gpt2_untied", True, False)]  # split in two pipeline stages
 
