@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fitlm.config import Config, ModelConfig
+from fitlm.config import Config
 
 # What each ZeRO stage keeps per data-parallel rank, in the one place the planner reads it from.
 # Fractions of the full size: 1 = a full replica on every rank, "1/dp" = sharded over data parallel.
@@ -39,18 +39,11 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def tp_problems(m: ModelConfig, tp: int) -> list[str]:
-    """Tensor parallel shards heads, kv heads, the MLP width and the vocabulary evenly."""
-    if tp <= 1:
-        return []
-    out = []
-    for key, value in (("model.num_heads", m.num_heads), ("model.num_kv_heads", m.kv_heads),
-                       ("model.intermediate_size", m.ffn_size), ("model.vocab_size", m.vocab_size)):
-        if value % tp:
-            valid = [d for d in _divisors(value) if d <= 64]
-            out.append(f"parallel.tensor_parallel: {tp} does not divide {key}={value} ({value} % {tp} = {value % tp}); "
-                       f"use a tensor_parallel among {valid} or change {key}")
-    return out
+def tp_problems(cfg: Config, tp: int) -> list[str]:
+    from fitlm.parallel.tensor_parallel import tensor_parallel_problems  # rules live beside the code they protect
+
+    return tensor_parallel_problems(cfg.model, tp, sequence_parallel=cfg.parallel.sequence_parallel and tp > 1,
+                                    seq_length=cfg.data.seq_length)
 
 
 def pp_problems(cfg: Config) -> list[str]:
@@ -84,7 +77,7 @@ def valid_layouts(cfg: Config, world_size: int) -> list[Layout]:
             trial = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={
                 "data_parallel": dp, "tensor_parallel": tp, "pipeline_parallel": pp,
                 "micro_batch_num": max(cfg.parallel.micro_batch_num, pp)})})
-            if not tp_problems(cfg.model, tp) and not pp_problems(trial):
+            if not tp_problems(cfg, tp) and not pp_problems(trial):
                 out.append(Layout(dp, tp, pp))
     return out
 
@@ -98,7 +91,7 @@ def layout_problems(cfg: Config, world_size: int) -> list[str]:
         out.append(f"parallel: data_parallel × tensor_parallel × pipeline_parallel = {p.data_parallel} × "
                    f"{p.tensor_parallel} × {p.pipeline_parallel} = {p.world_size}, but {world_size} processes run; "
                    f"valid layouts for {world_size}: {layouts}")
-    out += tp_problems(cfg.model, p.tensor_parallel)
+    out += tp_problems(cfg, p.tensor_parallel)
     out += pp_problems(cfg)
     out += composition_problems(cfg)
     return out

@@ -11,10 +11,13 @@ Sequence parallel keeps the residual stream sharded on the sequence dim between 
 (and gpt2's position embedding) work on [B, T/tp, C]; attention and MLP all-gather their input to the
 full sequence. Without it the residual stream is replicated and the norms run redundantly.
 
-Every parameter becomes a DTensor (replicated ones too), so `clip_grad_norm_`, optimizers and FSDP2
-see one kind of tensor. Order in the trainer: `apply_tensor_parallel` first, then recompute, compile,
-then FSDP on the "dp" mesh dim. Training only: the model's KV cache is sized for all heads, so
-generation with a TP model is not supported (gather a full state dict and load it in one process).
+Every parameter becomes a DTensor (replicated ones too) and every gradient is given its parameter's
+placement, so clipping, optimizers and FSDP2 see one kind of tensor. A pipeline stage (modules set to
+None, blocks deleted) is parallelised the same way and still sends and receives [B, T, C].
+
+Order in the trainer: `apply_tensor_parallel` first, then recompute, compile, then FSDP on the "dp"
+mesh dim. Training only: the model's KV cache is sized for all heads, so generation with a TP model
+is not supported (gather a full state dict and load it in one process).
 """
 
 from __future__ import annotations

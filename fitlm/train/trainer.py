@@ -152,14 +152,14 @@ class Trainer:
             self.pm.gradient_sync(enabled=i == len(batches) - 1)
             input_ids = batch["input_ids"].to(self.device, non_blocking=True)  # [B, T]
             labels = batch["labels"].to(self.device, non_blocking=True)  # [B, T]
-            with autocast(self.cfg.memory, self.device):
+            # loss_context: under tensor parallel the loss (and its backward) runs on vocab-sharded logits.
+            with autocast(self.cfg.memory, self.device), self.pm.loss_context():
                 if self.pm.pipeline is not None:
-                    loss_sum = self.pm.pipeline.step(input_ids, labels, scale)
+                    loss_sum = self.pm.pipeline.step(input_ids, labels, scale)  # forward + backward of all stages
                 else:
-                    with self.pm.loss_context():
-                        logits = self.pm.model(input_ids)  # [B, T, V] (vocab-sharded under tensor parallel)
-                        loss_sum = cross_entropy_sum(logits, labels)
-                        (loss_sum * scale).backward()
+                    logits = self.pm.model(input_ids)  # [B, T, V]
+                    loss_sum = cross_entropy_sum(logits, labels)
+                    (loss_sum * scale).backward()
             total += loss_sum.detach()
         self.pm.finish_backward()
         return self.ctx.all_reduce_sum(total, "dp") / n_targets
@@ -185,12 +185,11 @@ class Trainer:
         for _, batch in zip(range(steps), loader):
             labels = batch["labels"].to(self.device)
             input_ids = batch["input_ids"].to(self.device)
-            with autocast(self.cfg.memory, self.device):
+            with autocast(self.cfg.memory, self.device), self.pm.loss_context():
                 if self.pm.pipeline is not None:
                     loss_sum = self.pm.pipeline.eval_step(input_ids, labels)
                 else:
-                    with self.pm.loss_context():
-                        loss_sum = cross_entropy_sum(self.pm.model(input_ids), labels)
+                    loss_sum = cross_entropy_sum(self.pm.model(input_ids), labels)
             sums += torch.stack([loss_sum.float().detach().reshape(()), torch.tensor(float(count_targets(labels)))])
         self.pm.after_eval()
         for m in self.pm.modules:

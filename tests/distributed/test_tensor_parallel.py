@@ -1,7 +1,7 @@
-"""Tensor (+ sequence) parallel on 2 gloo ranks against the same model trained in one process.
+"""Tensor (+ sequence) parallel on 2 (and 4) gloo ranks against the same model trained in one process.
 
-One spawn runs every case (process start-up dominates the cost); rank 0 writes what it measured
-and the tests below compare it with the single-process reference it also computed.
+One spawn per world size runs every case (process start-up dominates the cost); each rank also
+computes the single-process reference, rank 0 writes what it measured, and the tests compare.
 """
 
 from __future__ import annotations
@@ -118,7 +118,6 @@ def run_case(case: str, sp: bool, lp: bool, mesh) -> dict:
     import contextlib
 
     from fitlm.parallel.tensor_parallel import apply_tensor_parallel, full_state_dict, loss_context
-
     from fitlm.train.loss import cross_entropy_sum
 
     ref = build(case)
@@ -143,10 +142,21 @@ def run_case(case: str, sp: bool, lp: bool, mesh) -> dict:
     ref_g, tp_g = ref_out.pop("grads"), tp_out.pop("grads")
     res["grad_diff"] = {k: [(tp_g[k] - g).abs().max().item(), g.abs().max().item()] for k, g in ref_g.items()}
     res["all_dtensor"] = all(type(p).__name__ == "DTensor" for p in model.parameters())
-    full, want = full_state_dict(model), ref.state_dict()
-    res["keys_equal"] = sorted(full) == sorted(want)
-    res["weight_diff"] = {k: (full[k] - want[k]).abs().max().item() for k in want if k in full}
+    got, want = full_state_dict(model), ref.state_dict()
+    res["keys_equal"] = sorted(got) == sorted(want)
+    res["weight_diff"] = {k: (got[k] - want[k]).abs().max().item() for k in want if k in got}
     return res
+
+
+def run_refusal(case: str, sp: bool, lp: bool, mesh) -> dict:
+    """A tp that does not divide the kv heads is refused before anything is sharded."""
+    from fitlm.parallel.tensor_parallel import apply_tensor_parallel
+
+    try:
+        apply_tensor_parallel(build(case), mesh, sequence_parallel=sp, loss_parallel=lp)
+        return {"message": "no error"}
+    except ValueError as e:
+        return {"message": str(e)}
 
 
 def run_stages(case: str, sp: bool, lp: bool, mesh) -> dict:
@@ -173,9 +183,9 @@ def run_stages(case: str, sp: bool, lp: bool, mesh) -> dict:
     h.backward(h_in.grad)
     want = dict(ref.named_parameters())
     got = {k: full(p.grad) for stage in (first, last) for k, p in stage.named_parameters()}
-    return {"sent_shape": list(h.shape), "loss": [loss.item(), ref_loss.item()], "keys_equal": sorted(got) == sorted(want),
-            "grad_diff": {k: [(g - want[k].grad).abs().max().item(), want[k].grad.abs().max().item()]
-                          for k, g in got.items()}}
+    diff = {k: [(g - want[k].grad).abs().max().item(), want[k].grad.abs().max().item()] for k, g in got.items()}
+    return {"sent_shape": list(h.shape), "loss": [loss.item(), ref_loss.item()],
+            "keys_equal": sorted(got) == sorted(want), "grad_diff": diff}
 
 
 def worker(rank: int, world: int, jobs: list, port: int, out_path: str) -> None:
@@ -206,7 +216,7 @@ def spawn(world: int, jobs: list, out) -> dict:
 def results(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("tp")
     jobs2 = [(run_id(*r), "run_case", r) for r in RUNS] + [("stages-" + run_id(*r), "run_stages", r) for r in STAGES]
-    jobs4 = [(run_id(*r), "run_case", r) for r in RUNS4]
+    jobs4 = [(run_id(*r), "run_case", r) for r in RUNS4] + [("refusal", "run_refusal", ("llama", False, True))]
     return {**spawn(WORLD, jobs2, out / "tp2.json"), **spawn(4, jobs4, out / "tp4.json")}
 
 
@@ -251,6 +261,11 @@ def test_pipeline_stages_exchange_full_sequence(results, case, sp, lp):
     assert res["keys_equal"]
     bad = {k: d for k, (d, scale) in res["grad_diff"].items() if not d <= 1e-8 + 1e-4 * scale}
     assert not bad, bad
+
+
+def test_tp_that_does_not_divide_is_refused(results):
+    msg = results["refusal"]["message"]
+    assert msg.startswith("parallel.tensor_parallel: 4 does not divide model.num_kv_heads=2 (2 % 4 = 2)"), msg
 
 
 def test_problems_name_key_arithmetic_and_valid_values():
