@@ -26,7 +26,8 @@ def test_world_size_mismatch_shows_the_arithmetic_and_valid_layouts():
 
 def test_tensor_parallel_must_divide_kv_heads():
     (msg,) = problems({"tensor_parallel": 2}, 2)
-    assert "tensor_parallel: 2 does not divide model.num_kv_heads=3" in msg and "[1, 3]" in msg
+    assert "tensor_parallel: 2 does not divide model.num_kv_heads=3 (3 % 2 = 1)" in msg
+    assert msg.endswith("divide every sharded size of this model: [1]")  # tp3 fails on the 512 vocabulary
 
 
 def test_pipeline_longer_than_the_model_and_too_few_micro_batches():
