@@ -115,6 +115,8 @@ class ParallelConfig(_Section):
     """Pipeline schedule."""
     micro_batch_num: int = 1
     """Pipeline chunks each micro batch is split into; at least pipeline_parallel."""
+    pipeline_layers: list[int] | None = None
+    """Blocks per pipeline stage, e.g. [5, 5, 5, 3] (one entry per virtual stage under interleaved_1f1b); null = balanced."""
 
     @property
     def world_size(self) -> int:

@@ -338,7 +338,7 @@ class Pipeline:
         p = cfg.parallel
         self.ctx, self.group = ctx, ctx.group("pp")
         self.schedule_name, self.n_microbatches = p.pipeline_schedule, p.micro_batch_num
-        self.stages = build_stage_modules(model, ctx.pp_rank, ctx.pp, self.schedule_name)
+        self.stages = build_stage_modules(model, ctx.pp_rank, ctx.pp, self.schedule_name, p.pipeline_layers)
         self.stage_modules = [m for _, m in self.stages]
         self.schedule: PipelineSchedule | None = None
 
@@ -409,6 +409,13 @@ def pipeline_problems(model_cfg, parallel_cfg, micro_batch_size: int | None = No
         errs.append(f"parallel.pipeline_schedule: interleaved_1f1b puts 2 virtual stages on each of {pp} ranks, which "
                     f"needs model.num_layers >= {2 * pp} (got {L}); use 1f1b or gpipe, or lower "
                     "parallel.pipeline_parallel")
+    layers = getattr(parallel_cfg, "pipeline_layers", None)
+    if layers is not None:
+        stages = len(stage_ids(0, pp, sched)) * pp
+        try:
+            split_layers(L, stages, layers)
+        except ValueError as e:
+            errs.append(f"parallel.pipeline_layers: {e}")
     problem = _micro_batch_problem(pp, m, sched)
     if problem:
         errs.append(problem)

@@ -108,7 +108,7 @@ def test_output_dir_with_foreign_files_is_left_alone(capsys, tmp_path, cfg):
 
 def test_nproc_that_contradicts_the_layout(capsys, tmp_path, cfg):
     err = train_fails(capsys, tmp_path, cfg, "= 1, but 2 processes run", extra=["--nproc", "2"])
-    assert "valid layouts for 2: dp2×tp1×pp1, dp1×tp2×pp1" in err
+    assert "valid layouts for 2: dp2×tp1×pp1, dp1×tp1×pp2, dp1×tp2×pp1" in err
 
 
 def test_empty_corpus_is_refused_by_tokenizer_and_pack(capsys, tmp_path, tiny_corpus):

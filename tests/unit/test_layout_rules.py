@@ -64,3 +64,9 @@ def test_every_zero_stage_documents_what_it_stores():
     assert set(ZERO_STAGES) == {0, 1, 2, 3}
     assert ZERO_STAGES[0]["optimizer"] == "1" and ZERO_STAGES[1]["optimizer"] == "1/dp"
     assert ZERO_STAGES[2]["grads"] == "1/dp" and ZERO_STAGES[3]["params"] == "1/dp"
+
+
+def test_explicit_pipeline_layers_must_cover_the_model():
+    out = problems({"pipeline_parallel": 2, "micro_batch_num": 2, "pipeline_layers": [2, 1]}, 2)
+    assert any(m.startswith("parallel.pipeline_layers: ") and "[2, 1]" in m for m in out)
+    assert problems({"pipeline_parallel": 2, "micro_batch_num": 2, "pipeline_layers": [1, 1]}, 2) == []
