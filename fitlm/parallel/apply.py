@@ -64,19 +64,13 @@ class ParallelModel:
         """The unsharded, HF-named state dict on global rank 0 (None elsewhere). Collective: call on all ranks."""
         if self.pipeline is not None:
             return self.pipeline.gather_full_state_dict()
-        sd = self._stage_state_dicts()[0]
+        module = unwrap(self.model)
+        if self.ctx.distributed and any(isinstance(p, DTensor) for p in module.parameters()):
+            # Tensor parallel / FSDP shards: gathered; with cpu_offload only rank 0 keeps the result.
+            sd = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        else:
+            sd = {k: v.detach().cpu() for k, v in module.state_dict().items()}
         return sd if self.ctx.is_main else None
-
-    def _stage_state_dicts(self) -> list[dict[str, torch.Tensor]]:
-        out = []
-        for module in self.modules:
-            module = unwrap(module)
-            if self.ctx.distributed and any(isinstance(p, DTensor) for p in module.parameters()):
-                opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-                out.append(get_model_state_dict(module, options=opts))
-            else:
-                out.append({k: v.detach().cpu() for k, v in module.state_dict().items()})
-        return out
 
 
 def parallelize(model: nn.Module, cfg: Config, ctx: ParallelContext) -> ParallelModel:

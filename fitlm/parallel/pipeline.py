@@ -365,12 +365,12 @@ class Pipeline:
         sync_tied_grads(self._bare(), self.group)
         return clip_grad_norm_pp(params, max_norm if max_norm > 0 else float("inf"), self.group)
 
-    def gather_full_state_dict(self, state_dicts: list[dict] | None = None) -> dict[str, torch.Tensor] | None:
+    def gather_full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The full HF-named state dict on global rank 0 (None elsewhere). Collective: call on all ranks.
 
-        `state_dicts` is ignored: the stages are materialised here, the same way on every rank. (Dicts from
+        The stages are materialised here, the same way on every rank: dicts from
         get_model_state_dict(full_state_dict=True, cpu_offload=True) are empty on all ranks but global
-        rank 0, so every later stage's weights would be lost.)
+        rank 0, so every later stage's weights would be lost.
         """
         # Only the pp group of the first dp/tp replica (the one holding global rank 0) needs to gather.
         gather = self.ctx.dp_rank == 0 and self.ctx.tp_rank == 0
