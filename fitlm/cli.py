@@ -7,12 +7,14 @@ and the fix, and exit with status 2. Anything else is a bug and keeps its traceb
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
-from pathlib import Path
 
 EXIT_USER_ERROR = 2
+# Modules with `add_commands(subparsers)`: one per command group, owned by the package it drives.
+COMMAND_MODULES = ("fitlm.data.cli", "fitlm.checkpoint.cli")
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -66,28 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help='print one JSON object {"prompt", "text", "token_ids"} on stdout instead of streaming')
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("data", help="prepare data: tokenizer, pack, inspect")
-    dsub = p.add_subparsers(dest="data_command", required=True, metavar="STEP")
-    q = dsub.add_parser("tokenizer", help="train a byte-level BPE tokenizer (writes tokenizer.json)")
-    q.add_argument("inputs", nargs="+", help="text files or directories")
-    q.add_argument("--vocab-size", type=int, required=True, help="vocabulary size including special tokens")
-    q.add_argument("--out", required=True, help="output tokenizer.json path (or a directory to hold it)")
-    q.add_argument("--overwrite", action="store_true", help="replace an existing tokenizer.json")
-    q.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
-    q.set_defaults(func=cmd_data_tokenizer)
-    q = dsub.add_parser("pack", help="tokenize a corpus into a packed token directory")
-    q.add_argument("inputs", nargs="+", help="text (.txt, .jsonl) files or directories")
-    q.add_argument("--tokenizer", required=True, help="tokenizer.json (or a directory holding one)")
-    q.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
-    q.add_argument("--split", choices=["blank-lines", "file"], default="blank-lines",
-                   help="how .txt files are cut into documents (default blank-lines)")
-    q.add_argument("--overwrite", action="store_true", help="replace an existing packed directory")
-    q.add_argument("--json", action="store_true", help="print the manifest as JSON on stdout")
-    q.set_defaults(func=cmd_data_pack)
-    q = dsub.add_parser("inspect", help="summarise a packed directory")
-    q.add_argument("path", help="packed directory")
-    q.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    q.set_defaults(func=cmd_data_inspect)
+    for module in COMMAND_MODULES:  # command groups that live beside the code they drive
+        importlib.import_module(module).add_commands(sub)
 
     p = sub.add_parser("config", help="config helpers: show a resolved config, print the reference")
     csub = p.add_subparsers(dest="config_command", required=True, metavar="ACTION")
@@ -99,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _emit_json(obj: dict) -> None:
+def emit_json(obj: dict) -> None:
     sys.stdout.write(json.dumps(obj) + "\n")
 
 
@@ -117,7 +99,7 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
         # Every check a run makes, once, here: workers would otherwise each print the same error.
         summary = dry_run(cfg, world, overwrite=args.overwrite)
         if args.dry_run:
-            _emit_json(summary) if args.json else _print_table("dry run: everything checks out", summary)
+            emit_json(summary) if args.json else print_table("dry run: everything checks out", summary)
             return 0
         return launch_local(world, argv)
     result = Trainer(cfg, overwrite=args.overwrite).fit()
@@ -126,9 +108,9 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     summary = {"output_dir": str(result.output_dir), "model_dir": str(result.model_dir), "steps": result.steps,
                "first_loss": result.first_loss, "last_loss": result.last_loss, "eval_loss": result.eval_loss}
     if args.json:
-        _emit_json(summary)
+        emit_json(summary)
     else:
-        _print_table("training finished", summary)
+        print_table("training finished", summary)
     return 0
 
 
@@ -141,48 +123,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     out = generate_text(args.model, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                         top_p=args.top_p, seed=args.seed, stream=stream)
     if args.json:
-        _emit_json(out)
+        emit_json(out)
     else:
         sys.stdout.write("\n")
-    return 0
-
-
-def cmd_data_tokenizer(args: argparse.Namespace) -> int:
-    from fitlm.data.pack import expand_inputs
-    from fitlm.data.tokenizer import Tokenizer, train_tokenizer
-
-    path = train_tokenizer(expand_inputs([Path(p) for p in args.inputs]), args.vocab_size, Path(args.out),
-                           show_progress=not args.json, overwrite=args.overwrite)
-    tok = Tokenizer.from_file(path)
-    summary = {"path": str(path), "vocab_size": tok.vocab_size, "bos_id": tok.bos_id, "eos_id": tok.eos_id,
-               "pad_id": tok.pad_id, "sha256": tok.sha256}
-    _emit_json(summary) if args.json else _print_table("tokenizer written", summary)
-    return 0
-
-
-def cmd_data_pack(args: argparse.Namespace) -> int:
-    from fitlm.data.pack import pack_corpus
-
-    manifest = pack_corpus([Path(p) for p in args.inputs], Path(args.tokenizer), Path(args.out), split=args.split,
-                           show_progress=not args.json, overwrite=args.overwrite)
-    if args.json:
-        _emit_json(manifest)
-    else:
-        _print_table(f"packed into {args.out}", {k: v for k, v in manifest.items() if not isinstance(v, (list, dict))})
-    return 0
-
-
-def cmd_data_inspect(args: argparse.Namespace) -> int:
-    from fitlm.data.inspect import inspect_packed
-
-    report = inspect_packed(Path(args.path))
-    if args.json:
-        _emit_json(report)
-    else:
-        _print_table(f"packed data {args.path}", {k: v for k, v in report.items() if not isinstance(v, (list, dict))})
-        sys.stderr.write("length histogram (tokens per document):\n")
-        for row in report["length_histogram"]:
-            sys.stderr.write(f"  {row['min']:>7}-{row['max']:<7} {row['count']:>6}\n")
     return 0
 
 
@@ -200,7 +143,7 @@ def cmd_config_docs(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_table(title: str, rows: dict) -> None:
+def print_table(title: str, rows: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 

@@ -1,0 +1,1 @@
+"""Resumable distributed checkpoints (torch.distributed.checkpoint), inspection and merging."""
