@@ -98,6 +98,14 @@ class DataConfig(_Section):
     """`pretrain`: plain text stream. `chat`: conversations with loss on assistant turns only."""
     tokenizer: str | None = None
     """tokenizer.json to use; null = the one stored beside the packed training data."""
+    document_mask: bool = True
+    """Keep packed documents apart: block-causal attention and positions restarting per document. Labels never cross a document boundary either way."""
+    max_length: int | None = None
+    """Hard cap on tokens kept per document (the rest is dropped); null = no cap."""
+    num_workers: int = 1
+    """Loader threads assembling batches in the background (used when prefetch > 0)."""
+    prefetch: int = 2
+    """Batches prepared ahead of the training step; 0 = assemble each batch when asked."""
 
 
 class ParallelConfig(_Section):
@@ -123,19 +131,36 @@ class ParallelConfig(_Section):
         return self.data_parallel * self.tensor_parallel * self.pipeline_parallel
 
 
+class LossScalingConfig(_Section):
+    initial_scale: float = 65536.0
+    """Loss scale of the first step (dynamic scaling), a power of two."""
+    growth_factor: float = 2.0
+    """Multiply the scale by this after growth_interval steps without overflow."""
+    backoff_factor: float = 0.5
+    """Multiply the scale by this when a step overflows (that step is skipped)."""
+    growth_interval: int = 1000
+    """Overflow-free steps before the scale grows."""
+
+
 class MemoryConfig(_Section):
     mixed_precision: Literal["O0", "O1", "O2", "O3"] = "O0"
     """O0 fp32; O1 fp32 params + autocast; O2 half compute, fp32 master/grads/optimizer; O3 all half."""
     half_dtype: Literal["bf16", "fp16"] = "bf16"
     """Half-precision type for O1-O3. fp16 uses loss scaling; bf16 does not need it."""
     loss_scale: Literal["dynamic"] | float = "dynamic"
-    """fp16 loss scale: `dynamic`, or a fixed number."""
+    """fp16 loss scale: `dynamic` (grows and backs off, see loss_scaling), or a fixed number (static)."""
+    loss_scaling: LossScalingConfig = LossScalingConfig()
+    """Dynamic loss-scaling schedule (fp16 only)."""
     recompute: Literal["none", "full", "selective"] = "none"
-    """Activation recompute: `full` recomputes each block in backward, `selective` only cheap parts."""
+    """Activation recompute: `full` recomputes whole blocks in backward; `selective` saves matmul and attention outputs and recomputes the cheap element-wise ops (norms, activations, RoPE)."""
+    recompute_every_n_layers: int = 1
+    """Recompute every n-th block only (1 = every block); trades memory for less recompute time."""
     cpu_offload: bool = False
-    """Keep parameters, gradients and optimizer states in host memory between uses."""
+    """Keep optimizer states (and with ZeRO-2/3 parameters and gradients too) in host memory; the optimizer steps on the CPU."""
     compile: bool = False
     """Wrap each block with torch.compile (eager is the default, easier to debug)."""
+    loss_chunk_size: int = 0
+    """Tokens per chunk of the fused output-layer + cross-entropy, so the [tokens, vocab] logits never exist whole; 0 = plain."""
 
 
 class FinetuneConfig(_Section):
@@ -180,6 +205,10 @@ class TrainConfig(_Section):
     """Evaluate on data.valid every this many steps (and at the end); 0 disables."""
     eval_steps: int = 10
     """Global batches (micro_batch_size × data_parallel × gradient_accumulation_steps sequences each) per evaluation."""
+    lr_scaling: Literal["none", "sqrt"] = "none"
+    """`sqrt`: multiply lr and min_lr by sqrt(global batch / lr_reference_batch) and warmup_steps by the same factor."""
+    lr_reference_batch: int | None = None
+    """Global batch (sequences) that lr and warmup_steps were tuned for; null = micro_batch_size × data_parallel (no accumulation)."""
     output_dir: str = "runs/default"
     """Where metrics.jsonl, checkpoints/ and the final model/ go."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -194,9 +223,11 @@ class CheckpointConfig(_Section):
     interval: int = 0
     """Save a resumable checkpoint every this many steps; 0 = only the final model."""
     keep_last: int = 3
-    """Checkpoints kept on disk."""
-    resume: Literal["auto", "never"] = "auto"
-    """`auto` continues from the latest complete checkpoint in output_dir."""
+    """Complete checkpoints kept on disk; older ones are deleted after each new one is complete."""
+    resume: str = "auto"
+    """`auto` continues from the latest complete checkpoint in output_dir (a fresh run when there is none); `never` refuses a used output_dir; a checkpoint directory path starts from that checkpoint (any layout) when output_dir has none of its own."""
+    async_save: bool = False
+    """Write checkpoints in a background thread (torch.distributed.checkpoint.async_save): the loop only waits for the copy to host memory; see bench/checkpoint.py for the measured step-time overhead."""
 
 
 class Config(_Section):
@@ -342,8 +373,37 @@ def semantic_errors(cfg: Config) -> list[str]:
         errs.append(f"finetune.freeze_layers: must be a fraction between 0 and 1 (got {cfg.finetune.freeze_layers})")
     if t.min_lr > t.lr:
         errs.append(f"train.min_lr: {t.min_lr} is above train.lr={t.lr}; the schedule decays from lr down to min_lr")
+    errs += memory_errors(cfg)
     if p.zero_stage not in (0, 1, 2, 3):
         errs.append(f"parallel.zero_stage: must be 0, 1, 2 or 3 (got {p.zero_stage})")
+    return errs
+
+
+def memory_errors(cfg: Config) -> list[str]:
+    """Rules of the memory section and the learning-rate scaling that depends on the batch."""
+    mem, p, t = cfg.memory, cfg.parallel, cfg.train
+    errs = []
+    if mem.recompute_every_n_layers < 1:
+        errs.append(f"memory.recompute_every_n_layers: must be at least 1 (got {mem.recompute_every_n_layers})")
+    if mem.loss_chunk_size < 0:
+        errs.append(f"memory.loss_chunk_size: must be 0 (off) or a positive token count (got {mem.loss_chunk_size})")
+    if mem.loss_chunk_size and p.tensor_parallel > 1:
+        errs.append("memory.loss_chunk_size: tensor parallel already computes the loss on vocab-sharded logits; "
+                    "set loss_chunk_size to 0 with tensor_parallel > 1")
+    if mem.loss_chunk_size and p.pipeline_parallel > 1:
+        errs.append("memory.loss_chunk_size: not supported with pipeline_parallel > 1 (the last stage computes "
+                    "the loss from its logits); set it to 0, or use data parallel / ZeRO")
+    if mem.cpu_offload and (p.tensor_parallel > 1 or p.pipeline_parallel > 1):
+        errs.append("memory.cpu_offload: works with data parallel and ZeRO 0-3, not with tensor or pipeline "
+                    "parallel; set it to false or use data_parallel with zero_stage 3")
+    if not isinstance(mem.loss_scale, str) and mem.loss_scale <= 0:
+        errs.append(f"memory.loss_scale: a static scale must be positive (got {mem.loss_scale}); or use dynamic")
+    ls = mem.loss_scaling
+    if ls.initial_scale <= 0 or ls.growth_factor < 1 or not 0 < ls.backoff_factor < 1 or ls.growth_interval < 1:
+        errs.append("memory.loss_scaling: needs initial_scale > 0, growth_factor >= 1, 0 < backoff_factor < 1 "
+                    f"and growth_interval >= 1 (got {ls.model_dump()})")
+    if t.lr_reference_batch is not None and t.lr_reference_batch < 1:
+        errs.append(f"train.lr_reference_batch: must be at least 1 sequence or null (got {t.lr_reference_batch})")
     return errs
 
 

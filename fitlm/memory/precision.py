@@ -1,27 +1,99 @@
-"""Precision levels (memory.mixed_precision).
+"""Precision levels (memory.mixed_precision), applied around an unmodified model.
 
-O0: fp32 everything. O1: fp32 parameters, gradients and optimizer states; matmuls under autocast in
-half_dtype. O2/O3 (half parameters with or without fp32 masters) and fp16 loss scaling arrive with
-the memory-optimisations work; until then they are refused by `fitlm.train.preflight`.
+    O0  fp32 parameters, gradients, optimizer states and compute.
+    O1  fp32 parameters, gradients and optimizer states; matmuls under autocast in half_dtype
+        (element-wise ops stay fp32, so activations are a mix).
+    O2  fp32 parameters (the master copy), gradients and optimizer states; every op computes in
+        half_dtype: each module casts its own parameters to half as it runs, so activations are half
+        and the backward of the cast delivers fp32 gradients to the fp32 parameters. Under ZeRO-2/3
+        the same is FSDP2's MixedPrecisionPolicy (half all-gathered parameters, fp32 reduce-scatter).
+    O3  everything half: parameters, gradients, optimizer states and compute.
+
+Losses are always reduced in fp32 (fitlm.train.loss). fp16 needs loss scaling (fitlm.memory.loss_scale).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
+import torch.nn as nn
 
 from fitlm.config import MemoryConfig
 
 HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def half_dtype(cfg: MemoryConfig) -> torch.dtype:
+    return HALF_DTYPES[cfg.half_dtype]
+
+
 def compute_dtype(cfg: MemoryConfig) -> torch.dtype:
     """The dtype matmuls run in, which is the dtype MFU is measured against."""
-    return torch.float32 if cfg.mixed_precision == "O0" else HALF_DTYPES[cfg.half_dtype]
+    return torch.float32 if cfg.mixed_precision == "O0" else half_dtype(cfg)
+
+
+def param_dtype(cfg: MemoryConfig) -> torch.dtype:
+    """The dtype parameters (and so gradients and optimizer states) are stored in."""
+    return half_dtype(cfg) if cfg.mixed_precision == "O3" else torch.float32
+
+
+def uses_loss_scaling(cfg: MemoryConfig) -> bool:
+    return cfg.mixed_precision != "O0" and cfg.half_dtype == "fp16"
 
 
 def autocast(cfg: MemoryConfig, device: torch.device) -> contextlib.AbstractContextManager:
-    if cfg.mixed_precision == "O0":
+    """O1's autocast region; the other levels compute in their parameters' (or cast parameters') dtype."""
+    if cfg.mixed_precision != "O1":
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=HALF_DTYPES[cfg.half_dtype])
+    return torch.autocast(device_type=device.type, dtype=half_dtype(cfg))
+
+
+def fsdp_mixed_precision(cfg: MemoryConfig):
+    """FSDP2's policy for this level: O2 gathers half parameters and reduces gradients in fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if cfg.mixed_precision == "O2":
+        return MixedPrecisionPolicy(param_dtype=half_dtype(cfg), reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def apply_precision(model: nn.Module, cfg: MemoryConfig, sharded: bool) -> nn.Module:
+    """Set up the level's storage and compute dtypes. Apply after tensor parallel, before recompute
+    (so a recomputed block casts again rather than keeping half copies alive) and before data parallel.
+
+    `sharded`: ZeRO-2/3 will wrap the model with FSDP2, whose policy does O2's casting instead.
+    """
+    if cfg.mixed_precision == "O3":
+        return model.to(half_dtype(cfg))
+    if cfg.mixed_precision == "O2" and not sharded:
+        dtype = half_dtype(cfg)
+        for module in model.modules():
+            if any(True for _ in module.parameters(recurse=False)):
+                _cast_own_parameters(module, dtype)
+    return model
+
+
+def _cast_own_parameters(module: nn.Module, dtype: torch.dtype) -> None:
+    """Run `module.forward` with its own parameters replaced by half casts of them.
+
+    The cast is part of the autograd graph, so the fp32 parameter receives an fp32 gradient and the
+    optimizer, DDP, tensor parallel and checkpoints all keep seeing the one fp32 parameter. Only the
+    module's direct parameters are cast, each right before it is used, so at most one half copy of
+    a weight exists beyond what backward saves anyway.
+    """
+    inner = module.forward
+    names = [name for name, _ in module.named_parameters(recurse=False)]
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        originals = {name: module._parameters[name] for name in names}
+        try:
+            for name, p in originals.items():
+                module._parameters[name] = p.to(dtype)
+            return inner(*args, **kwargs)
+        finally:
+            module._parameters.update(originals)
+
+    module.forward = forward

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import functools
 
+import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
@@ -18,24 +19,51 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     raise TypeError(f"{type(model).__name__} has no model.layers of blocks")
 
 
-def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
-    """`full`: keep only each block's input and recompute the block during backward.
+# Outputs worth keeping under selective recompute: matmuls and attention cost O(n·d²) or O(n²·d) to
+# redo, while what lies between them (norms, SwiGLU, RoPE, residual adds, casts) is cheap element-wise
+# work whose activations are the bulk of a block's saved memory.
+_SAVE_OPS = {
+    torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+}
 
+
+def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_contexts():
+    return create_selective_checkpoint_contexts(_save_matmuls)
+
+
+def apply_recompute(model: nn.Module, mode: str, every_n_layers: int = 1) -> nn.Module:
+    """Recompute activations of every `every_n_layers`-th block in backward instead of keeping them.
+
+    `full`: keep only the block's input and rerun the whole block. `selective`: keep matmul and
+    attention outputs, rerun the element-wise ops between them (torch's selective checkpoint policy).
     The block's bound forward is wrapped in place (instead of wrapping the module) so parameter
     names, and with them checkpoints and HF conversion, stay exactly as they were.
     """
     if mode == "none":
         return model
-    if mode != "full":
-        raise ValueError(f"memory.recompute={mode!r} is not available yet; use none or full")
-    for block in transformer_blocks(model):
+    if mode not in ("full", "selective"):
+        raise ValueError(f"memory.recompute={mode!r}: use none, full or selective")
+    extra = {"context_fn": _selective_contexts} if mode == "selective" else {}
+    for i, block in enumerate(transformer_blocks(model)):
+        # Global block index (pipeline stages keep their global names), so every layout recomputes the same blocks.
+        index = int(getattr(block, "layer_idx", i))
+        if index % every_n_layers:
+            continue
         inner = block.forward
 
         @functools.wraps(inner)
         def recomputed(*args, _inner=inner, **kwargs):
             if kwargs.get("kv_cache") is not None:  # generation: nothing to save memory for
                 return _inner(*args, **kwargs)
-            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+            return checkpoint(_inner, *args, use_reentrant=False, **extra, **kwargs)
 
         block.forward = recomputed
     return model

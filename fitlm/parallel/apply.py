@@ -1,6 +1,7 @@
 """Turn one plain model into what this rank runs, in the documented order:
 
-    pipeline split -> tensor parallel -> activation recompute -> data parallel / ZeRO (FSDP2 or DDP)
+    pipeline split -> tensor parallel -> precision -> activation recompute -> compile
+        -> chunked loss -> data parallel / ZeRO (FSDP2 or DDP, with the precision and offload policies)
 
 The model code never changes; each step is a small `apply_*` function from its own module.
 """
@@ -19,6 +20,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from fitlm.config import Config
+from fitlm.memory.chunked_loss import apply_chunked_loss
+from fitlm.memory.compile import apply_compile
+from fitlm.memory.precision import apply_precision
 from fitlm.memory.recompute import apply_recompute
 from fitlm.parallel.data_parallel import apply_data_parallel, set_gradient_sync, sync_gradients, unwrap
 from fitlm.parallel.mesh import ParallelContext
@@ -91,8 +95,12 @@ def parallelize(model: nn.Module, cfg: Config, ctx: ParallelContext) -> Parallel
 
             stage = apply_tensor_parallel(stage, ctx.submesh("tp"), sequence_parallel=p.sequence_parallel)
             loss_context = lambda stage=stage: tp_loss_context(stage)  # noqa: E731
-        apply_recompute(stage, cfg.memory.recompute)
-        parts.append(apply_data_parallel(stage, ctx, p.zero_stage))
+        sharded = p.zero_stage >= 2 and ctx.dp > 1  # FSDP2 will own casting (O2) and offload
+        stage = apply_precision(stage, cfg.memory, sharded=sharded)
+        apply_recompute(stage, cfg.memory.recompute, cfg.memory.recompute_every_n_layers)
+        apply_compile(stage, cfg.memory.compile)
+        apply_chunked_loss(stage, cfg.memory.loss_chunk_size)
+        parts.append(apply_data_parallel(stage, ctx, p.zero_stage, cfg.memory))
     if pipeline is not None:
         pipeline.build_schedule(parts)
     return ParallelModel(ctx, parts, pipeline, loss_context)

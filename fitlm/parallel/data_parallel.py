@@ -12,27 +12,36 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from fitlm.config import MemoryConfig
+from fitlm.memory.offload import fsdp_offload_policy
+from fitlm.memory.precision import fsdp_mixed_precision
 from fitlm.memory.recompute import transformer_blocks
 from fitlm.parallel.mesh import ParallelContext
 
 _MANUAL_SYNC = "_fitlm_dp_all_reduce"  # set on modules whose gradients the trainer all-reduces itself
 
 
-def apply_data_parallel(model: nn.Module, ctx: ParallelContext, zero_stage: int) -> nn.Module:
+def apply_data_parallel(model: nn.Module, ctx: ParallelContext, zero_stage: int,
+                        memory: MemoryConfig | None = None) -> nn.Module:
     """Wrap for data parallel over the mesh's "dp" dimension. Apply after tensor parallel and recompute.
 
     ZeRO 2/3 shard each block, then the root (embeddings, final norm, head), with FSDP2. ZeRO 0/1 use
     DDP where it applies (no tensor or pipeline parallel); beside those, whose parameters DDP cannot
-    take, gradients are all-reduced by `sync_gradients` after backward instead.
+    take, gradients are all-reduced by `sync_gradients` after backward instead. `memory` gives FSDP2
+    its mixed-precision policy (O2: half all-gather, fp32 reduce) and CPU offload policy.
     """
     if ctx.dp == 1:
         return model
     dp_mesh = ctx.submesh("dp")
     if zero_stage >= 2:
-        reshard = zero_stage == 3  # ZeRO-3 frees gathered parameters after forward; ZeRO-2 keeps them for backward
+        memory = memory or MemoryConfig()
+        policies = dict(mesh=dp_mesh, mp_policy=fsdp_mixed_precision(memory),
+                        offload_policy=fsdp_offload_policy(memory.cpu_offload, ctx.device),
+                        # ZeRO-3 frees gathered parameters after forward; ZeRO-2 keeps them for backward.
+                        reshard_after_forward=zero_stage == 3)
         for block in transformer_blocks(model):
-            fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
-        fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard)
+            fully_shard(block, **policies)
+        fully_shard(model, **policies)
         return model
     if ctx.tp == 1 and ctx.pp == 1:
         return DistributedDataParallel(model, process_group=ctx.group("dp"))

@@ -10,6 +10,7 @@ import torch.nn as nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from fitlm.config import TrainConfig
+from fitlm.memory.offload import HostAdamW
 from fitlm.train.metrics import is_embedding
 
 
@@ -30,17 +31,49 @@ def param_groups(modules: nn.Module | list[nn.Module], weight_decay: float) -> l
 
 
 def build_optimizer(modules: nn.Module | list[nn.Module], cfg: TrainConfig,
-                    zero1_group: "dist.ProcessGroup | None" = None) -> torch.optim.Optimizer:
+                    zero1_group: "dist.ProcessGroup | None" = None, host_states: bool = False) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters of `modules` (a model, or this rank's pipeline stages).
 
-    With `zero1_group` (ZeRO-1) each rank of that group keeps the optimizer states of its share only.
+    Frozen parameters (requires_grad False) get no optimizer state at all. With `zero1_group`
+    (ZeRO-1) each rank of that group keeps the optimizer states of its share only. `host_states`
+    (memory.cpu_offload without FSDP) keeps states and an fp32 master copy in host memory.
     """
     groups = [g for g in param_groups(modules, cfg.weight_decay) if g["params"]]
+    if not groups:
+        raise ValueError("no trainable parameters: every parameter has requires_grad=False")
     kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    optimizer_class = HostAdamW if host_states else torch.optim.AdamW
     if zero1_group is not None:
-        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=zero1_group, **kwargs)
+        return ZeroRedundancyOptimizer(groups, optimizer_class=optimizer_class, process_group=zero1_group, **kwargs)
+    if host_states:
+        return HostAdamW(groups, **kwargs)
     # foreach is the fast path on CPU and CUDA; fused exists only for some device/dtype pairs.
     return torch.optim.AdamW(groups, foreach=True, **kwargs)
+
+
+def scale_for_batch(cfg: TrainConfig, data_parallel: int) -> tuple[TrainConfig, str | None]:
+    """Apply train.lr_scaling, and explain what accumulation does to the learning rate.
+
+    Returns the schedule to train with and a note for the user (None when there is nothing to say).
+    The heuristic: the gradient noise falls with the batch, so a batch k times larger takes about
+    sqrt(k) times the learning rate, with warmup stretched by the same factor to stay stable.
+    """
+    batch = cfg.micro_batch_size * data_parallel * cfg.gradient_accumulation_steps
+    reference = cfg.lr_reference_batch or cfg.micro_batch_size * data_parallel
+    if batch == reference:
+        return cfg, None
+    factor = math.sqrt(batch / reference)
+    scaled = cfg.model_copy(update={"lr": cfg.lr * factor, "min_lr": cfg.min_lr * factor,
+                                    "warmup_steps": round(cfg.warmup_steps * factor)})
+    what = (f"global batch {batch} sequences (micro_batch_size {cfg.micro_batch_size} × data_parallel "
+            f"{data_parallel} × gradient_accumulation_steps {cfg.gradient_accumulation_steps}) is {batch / reference:g}× "
+            f"the reference batch {reference}")
+    if cfg.lr_scaling == "sqrt":
+        return scaled, (f"{what}: train.lr_scaling=sqrt sets lr {cfg.lr:g} -> {scaled.lr:.4g}, min_lr -> "
+                        f"{scaled.min_lr:.4g}, warmup_steps {cfg.warmup_steps} -> {scaled.warmup_steps}")
+    return cfg, (f"{what}; lr {cfg.lr:g} is used unchanged. If lr was tuned for the reference batch, the "
+                 f"sqrt rule suggests lr {scaled.lr:.4g} and warmup_steps {scaled.warmup_steps}: set "
+                 "train.lr_scaling=sqrt to apply it (train.lr_reference_batch names the tuned batch)")
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

@@ -11,6 +11,8 @@ from typing import Any
 
 import yaml
 
+from fitlm.checkpoint.compat import resume_conflicts
+from fitlm.checkpoint.store import checkpoints_root, list_checkpoints
 from fitlm.config import Config, ConfigError
 
 RUN_CONFIG = "config.yaml"  # the resolved config a run writes into its output_dir first
@@ -19,23 +21,10 @@ RUN_CONFIG = "config.yaml"  # the resolved config a run writes into its output_d
 def unsupported_options(cfg: Config) -> list[str]:
     """Options the schema accepts (they are part of the config contract) but this build cannot run yet."""
     out = []
-    if cfg.memory.mixed_precision in ("O2", "O3"):
-        out.append(f"memory.mixed_precision: {cfg.memory.mixed_precision} is not available yet; use O0 (fp32) or O1 (autocast)")
-    if cfg.memory.mixed_precision != "O0" and cfg.memory.half_dtype == "fp16":
-        out.append("memory.half_dtype: fp16 needs loss scaling, which is not available yet; use bf16")
-    if cfg.memory.recompute == "selective":
-        out.append("memory.recompute: selective is not available yet; use none or full")
-    if cfg.memory.cpu_offload:
-        out.append("memory.cpu_offload: not available yet; set it to false")
-    if cfg.memory.compile:
-        out.append("memory.compile: not available yet; set it to false")
     if cfg.finetune.method != "full":
         out.append(f"finetune.method: {cfg.finetune.method} is not available yet; use full")
     if cfg.data.format != "pretrain":
         out.append("data.format: chat is not available yet; use pretrain")
-    if cfg.checkpoint.interval:
-        out.append("checkpoint.interval: periodic resumable checkpoints are not available yet; set it to 0 "
-                   "(the final model is always saved to output_dir/model)")
     return out
 
 
@@ -55,9 +44,15 @@ def config_differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
 
 
 def output_dir_problem(cfg: Config, overwrite: bool = False) -> str | None:
-    """Why train.output_dir cannot take this run, or None. Two runs never share a directory."""
+    """Why train.output_dir cannot take this run, or None. Two runs never share a directory; a run with
+    `checkpoint.resume` other than `never` continues its own unfinished run there (fitlm.checkpoint.compat
+    says which config changes keep it the same run)."""
     out = Path(cfg.train.output_dir)
     key = "train.output_dir"
+    mode = cfg.checkpoint.resume
+    if mode not in ("auto", "never") and not Path(mode).is_dir():
+        return (f"checkpoint.resume: {mode!r} is neither `auto`, `never` nor an existing checkpoint directory; "
+                "pass a checkpoints/step_N directory (or a run directory holding checkpoints/)")
     if out.exists() and not out.is_dir():
         return f"{key}: {out} is a file; point it at a directory"
     if not (out.is_dir() and any(out.iterdir())):
@@ -68,7 +63,19 @@ def output_dir_problem(cfg: Config, overwrite: bool = False) -> str | None:
                 "choose a new or empty directory, so nothing there is overwritten")
     if overwrite:
         return None
-    diffs = config_differences(yaml.safe_load(previous.read_text()) or {}, cfg.to_dict())
+    saved = yaml.safe_load(previous.read_text()) or {}
+    if cfg.checkpoint.resume != "never":
+        # checkpoint.resume: continue an unfinished run (or extend a finished one with more max_steps).
+        conflicts = resume_conflicts(saved, cfg.to_dict())
+        if conflicts:
+            return (f"{key}: {out} holds a run that checkpoint.resume={cfg.checkpoint.resume} cannot continue: its config "
+                    f"differs in {'; '.join(conflicts)}. Only optimizer, schedule, logging, memory, checkpoint and "
+                    "layout keys may change on resume; use that run's values, choose another train.output_dir, or "
+                    "pass --overwrite to delete that run and start again")
+        done = list_checkpoints(checkpoints_root(out))
+        if not (out / "model").is_dir() or (done and done[-1][0] < cfg.train.max_steps):
+            return None
+    diffs = config_differences(saved, cfg.to_dict())
     if diffs:
         return (f"{key}: {out} holds a different run; its config differs in {'; '.join(diffs)}. "
                 "Choose another train.output_dir, or pass --overwrite to delete that run and start again")

@@ -8,6 +8,7 @@ model directory (gathered to rank 0).
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,9 +16,11 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from fitlm.checkpoint.checkpointer import Checkpointer
 from fitlm.config import Config, ConfigError, validate_dict
 from fitlm.data.dataset import PackedDataset, SequenceLoader, check_compat
 from fitlm.data.tokenizer import Tokenizer
+from fitlm.memory.loss_scale import LossScaler
 from fitlm.memory.precision import autocast, compute_dtype
 from fitlm.models.io import load_model_dir, read_model_config, save_model_dir
 from fitlm.parallel.apply import parallelize
@@ -27,7 +30,7 @@ from fitlm.registry import build_model
 from fitlm.train import preflight
 from fitlm.train.loss import count_targets, cross_entropy_sum
 from fitlm.train.metrics import MetricsLog, device_peak_flops, flops_per_token, peak_memory_bytes
-from fitlm.train.optim import build_optimizer, lr_at, set_lr
+from fitlm.train.optim import build_optimizer, lr_at, scale_for_batch, set_lr
 from fitlm.train.progress import TrainProgress
 
 
@@ -124,10 +127,19 @@ class Trainer:
         self.output_dir = Path(t.output_dir)
         self.pm = parallelize(model, cfg, self.ctx)
         zero1 = self.ctx.group("dp") if cfg.parallel.zero_stage == 1 and self.ctx.dp > 1 else None
-        self.optimizer = build_optimizer(self.pm.modules, t, zero1_group=zero1)
+        sharded = cfg.parallel.zero_stage >= 2 and self.ctx.dp > 1  # FSDP2 offloads states itself
+        self.optimizer = build_optimizer(self.pm.modules, t, zero1_group=zero1,
+                                         host_states=cfg.memory.cpu_offload and not sharded)
+        self.scaler = LossScaler(cfg.memory, self.device)
+        # The schedule actually followed: train.lr_scaling may rescale lr/min_lr/warmup for the batch.
+        self.schedule, batch_note = scale_for_batch(t, self.ctx.dp)
         self.console = console
+        if batch_note and self.ctx.is_main:
+            print(f"fitlm: note: {batch_note}", file=sys.stderr)
         self.tokens_per_step = t.micro_batch_size * cfg.data.seq_length * t.gradient_accumulation_steps * self.ctx.dp
         self.peak_flops = device_peak_flops(self.device, compute_dtype(cfg.memory), t.peak_tflops)
+        # Resumable checkpoints (fitlm.checkpoint): stale temporary saves are removed here; fit resumes and saves.
+        self.checkpointer = Checkpointer(cfg, self.ctx, self.output_dir, self.tokenizer.sha256, self.tokenizer.path)
 
     def _loader(self, data: PackedDataset, shuffle: bool) -> SequenceLoader:
         # Each data-parallel rank reads its own disjoint windows; tensor/pipeline ranks of a replica share them.
@@ -146,7 +158,7 @@ class Trainer:
         n_targets = self.ctx.all_reduce_sum(
             torch.tensor(float(sum(count_targets(b["labels"]) for b in batches)), device=self.device), "dp")
         n_targets = max(1.0, n_targets.item())
-        scale = self.ctx.dp / n_targets
+        scale = self.ctx.dp / n_targets * self.scaler.scale  # loss scale: 1 unless fp16
         total = torch.zeros((), device=self.device)
         for i, batch in enumerate(batches):
             self.pm.gradient_sync(enabled=i == len(batches) - 1)
@@ -157,19 +169,31 @@ class Trainer:
                 if self.pm.pipeline is not None:
                     loss_sum = self.pm.pipeline.step(input_ids, labels, scale)  # forward + backward of all stages
                 else:
-                    logits = self.pm.model(input_ids)  # [B, T, V]
-                    loss_sum = cross_entropy_sum(logits, labels)
+                    loss_sum = self.loss_sum(input_ids, labels)
                     (loss_sum * scale).backward()
             total += loss_sum.detach()
         self.pm.finish_backward()
         return self.ctx.all_reduce_sum(total, "dp") / n_targets
 
-    def optimizer_step(self) -> torch.Tensor:
-        """Clip, step, clear; returns the pre-clip global gradient norm."""
-        grad_norm = self.pm.clip_grad_norm(self.cfg.train.grad_clip)
-        self.optimizer.step()
+    def loss_sum(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Summed token loss of one micro batch through the (non-pipelined) model."""
+        if self.cfg.memory.loss_chunk_size:
+            return self.pm.model(input_ids, labels=labels)  # chunked head + loss inside forward, no full logits
+        return cross_entropy_sum(self.pm.model(input_ids), labels)  # logits [B, T, V]
+
+    def optimizer_step(self) -> tuple[torch.Tensor, bool]:
+        """Unscale (fp16), clip, step, clear; returns the pre-clip global gradient norm and whether the
+        step was skipped because a gradient overflowed (every rank decides the same)."""
+        params = [p for m in self.pm.modules for p in m.parameters() if p.grad is not None]
+        overflow = self.scaler.unscale_and_check(params, self.ctx.all_reduce_max)
+        if overflow:
+            grad_norm = torch.tensor(float("inf"))
+        else:
+            grad_norm = self.pm.clip_grad_norm(self.cfg.train.grad_clip)
+            self.optimizer.step()
+        self.scaler.update(overflow)
         self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm
+        return grad_norm, overflow
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -189,7 +213,7 @@ class Trainer:
                 if self.pm.pipeline is not None:
                     loss_sum = self.pm.pipeline.eval_step(input_ids, labels)
                 else:
-                    loss_sum = cross_entropy_sum(self.pm.model(input_ids), labels)
+                    loss_sum = self.loss_sum(input_ids, labels)
             sums += torch.stack([loss_sum.float().detach().reshape(()), torch.tensor(float(count_targets(labels)))])
         self.pm.after_eval()
         for m in self.pm.modules:
@@ -199,6 +223,7 @@ class Trainer:
 
     def fit(self) -> TrainResult:
         t, main = self.cfg.train, self.ctx.is_main
+        start = self.checkpointer.resume(self.pm, self.optimizer, self.stateful())  # 0 without a checkpoint
         log = MetricsLog(self.output_dir / "metrics.jsonl") if main else None
         batches = iter(self.loader)
         history: list[dict] = []
@@ -207,23 +232,25 @@ class Trainer:
         window_start, window_tokens = time.perf_counter(), 0
         try:
             with progress:
-                for step in range(1, t.max_steps + 1):
-                    set_lr(self.optimizer, lr_at(step - 1, t))
+                for step in range(start + 1, t.max_steps + 1):
+                    set_lr(self.optimizer, lr_at(step - 1, self.schedule))
                     micro = [next(batches) for _ in range(t.gradient_accumulation_steps)]
                     loss = self.forward_backward(micro)
-                    grad_norm = self.optimizer_step()
+                    grad_norm, skipped = self.optimizer_step()
                     window_tokens += self.tokens_per_step
-                    if step % t.log_interval == 0 or step == t.max_steps or step == 1:
+                    if step % t.log_interval == 0 or step == t.max_steps or step == 1 or skipped:
                         # .item() syncs with the device: only on log steps, so the loop never waits otherwise.
                         elapsed = time.perf_counter() - window_start
                         tps = window_tokens / elapsed
                         peak = self.ctx.all_reduce_max(torch.tensor(peak_memory_bytes(self.device)))
                         record = {
-                            "step": step, "loss": round(loss.item(), 6), "lr": lr_at(step - 1, t),
+                            "step": step, "loss": round(loss.item(), 6), "lr": lr_at(step - 1, self.schedule),
                             "grad_norm": round(float(grad_norm), 6), "tokens_per_s": round(tps, 1),
                             "mfu": round(tps * self.flops_per_token / (self.peak_flops * self.ctx.world_size), 4),
                             "peak_bytes": int(peak), "tokens": step * self.tokens_per_step,
                         }
+                        if self.scaler.enabled:
+                            record.update(loss_scale=self.scaler.scale, skipped=skipped, skipped_steps=self.scaler.skipped_steps)
                         if log:
                             log.write(record)
                         history.append(record)
@@ -238,13 +265,19 @@ class Trainer:
                                 log.write({"step": step, "eval_loss": round(eval_loss, 6)})
                             progress.update(step, eval_loss=eval_loss)
                             window_start = time.perf_counter()  # evaluation time is not training time
+                    self.checkpointer.after_step(step, self.pm, self.optimizer, self.stateful())
         finally:
             if log:
                 log.close()
+        self.checkpointer.finish()
         model_dir = self.save_final_model()
         shutdown(self.ctx)
-        return TrainResult(self.output_dir, model_dir, t.max_steps, history[0]["loss"], history[-1]["loss"],
-                           eval_loss, history, is_main=main)
+        first, last = (history[0]["loss"], history[-1]["loss"]) if history else (float("nan"), float("nan"))
+        return TrainResult(self.output_dir, model_dir, t.max_steps, first, last, eval_loss, history, is_main=main)
+
+    def stateful(self) -> dict:
+        """Objects besides model and optimizer whose state a checkpoint keeps (state_dict/load_state_dict)."""
+        return {"loader": self.loader, "scaler": self.scaler}
 
     def save_final_model(self) -> Path:
         """Gather the full weights (collective) and write output_dir/model on rank 0."""

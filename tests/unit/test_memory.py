@@ -1,0 +1,224 @@
+"""Memory options: each trains, and matches its reference (fitlm.memory, fitlm.train.loss)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fitlm.config import TrainConfig, validate_dict
+from fitlm.memory.offload import HostAdamW
+from fitlm.memory.tracking import peak_live_bytes
+from fitlm.train.loss import chunked_cross_entropy_sum, cross_entropy_sum
+from fitlm.train.optim import build_optimizer, scale_for_batch
+from fitlm.train.trainer import Trainer
+from tests.e2e.helpers import read_metrics, tiny_config
+
+
+def make_trainer(tiny_corpus, path, **sections) -> Trainer:
+    return Trainer(validate_dict(tiny_config(tiny_corpus, path / "out", **sections)))
+
+
+def grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def losses(trainer: Trainer) -> list[float]:
+    return [r["loss"] for r in trainer.fit().history]
+
+
+SHORT = {"max_steps": 4, "eval_interval": 0}
+
+
+@pytest.fixture(scope="module")
+def fp32_losses(tiny_corpus, tmp_path_factory):
+    return losses(make_trainer(tiny_corpus, tmp_path_factory.mktemp("fp32"), train=SHORT))
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_precision_levels_train_close_to_fp32(tiny_corpus, tmp_path, fp32_losses, level):
+    trainer = make_trainer(tiny_corpus, tmp_path, train=SHORT, memory={"mixed_precision": level})
+    model = trainer.pm.model
+    stored = torch.bfloat16 if level == "O3" else torch.float32
+    assert {p.dtype for p in model.parameters()} == {stored}
+    # O2/O3 compute every op in half: the blocks' outputs (the saved activations) are bf16; O1 mixes.
+    seen = []
+    model.model.layers["0"].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    got = losses(trainer)
+    assert got == pytest.approx(fp32_losses, rel=2e-3)
+    assert got != fp32_losses  # it really computed in half
+    assert seen[0] == (torch.float32 if level == "O1" else torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {stored}  # the master copy stays fp32 under O2
+
+
+def test_o2_gives_fp32_gradients_to_fp32_parameters(tiny_corpus, tmp_path):
+    trainer = make_trainer(tiny_corpus, tmp_path, memory={"mixed_precision": "O2"})
+    trainer.forward_backward([next(iter(trainer.loader))])
+    g = grads(trainer.pm.model)
+    assert g and all(t.dtype == torch.float32 for t in g.values())
+    assert set(trainer.pm.model.state_dict()) == set(make_trainer(tiny_corpus, tmp_path / "b").pm.model.state_dict())
+
+
+def test_fp16_overflow_skips_exactly_that_step_and_recovers(tiny_corpus, tmp_path):
+    trainer = make_trainer(tiny_corpus, tmp_path, train={"max_steps": 6, "eval_interval": 0},
+                           memory={"mixed_precision": "O2", "half_dtype": "fp16",
+                                   "loss_scaling": {"initial_scale": 1024.0, "growth_interval": 2}})
+    model = trainer.pm.model
+    real_forward_backward, calls, snapshots = trainer.forward_backward, [], {}
+
+    def forward_backward(batches):
+        loss = real_forward_backward(batches)
+        calls.append(1)
+        snapshots[len(calls)] = {k: v.clone() for k, v in model.state_dict().items()}  # weights before this step
+        if len(calls) == 3:  # an overflow in one gradient element of step 3
+            next(p for p in model.parameters() if p.grad is not None).grad.view(-1)[0] = float("inf")
+        return loss
+
+    trainer.forward_backward = forward_backward
+    history = trainer.fit().history
+    after = {k: v.clone() for k, v in model.state_dict().items()}
+    metrics = [r for r in read_metrics(tmp_path / "out") if "loss" in r]
+    assert [r["skipped"] for r in metrics] == [False, False, True, False, False, False]
+    # dynamic schedule: 1024, grows after 2 clean steps, halves on the overflow, grows again after 2
+    assert [r["loss_scale"] for r in metrics] == [1024.0, 2048.0, 1024.0, 1024.0, 2048.0, 2048.0]
+    assert metrics[2]["grad_norm"] == float("inf") and metrics[-1]["skipped_steps"] == 1
+    # step 3 changed nothing, the neighbouring steps did
+    assert all(torch.equal(snapshots[3][k], snapshots[4][k]) for k in after)
+    assert not all(torch.equal(snapshots[2][k], snapshots[3][k]) for k in after)
+    assert not all(torch.equal(snapshots[4][k], after[k]) for k in after)
+    assert history[-1]["loss"] < history[0]["loss"]
+
+
+def test_static_loss_scale_stays_fixed_and_still_skips(tiny_corpus, tmp_path):
+    from fitlm.memory.loss_scale import LossScaler
+    from fitlm.config import MemoryConfig
+
+    scaler = LossScaler(MemoryConfig(mixed_precision="O1", half_dtype="fp16", loss_scale=128.0), torch.device("cpu"))
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.tensor([128.0, 256.0, float("nan")])
+    assert scaler.unscale_and_check([p], lambda t: t) is True
+    scaler.update(True)
+    assert scaler.scale == 128.0 and scaler.skipped_steps == 1
+    p.grad = torch.tensor([128.0, 256.0, 384.0])
+    assert scaler.unscale_and_check([p], lambda t: t) is False
+    assert torch.equal(p.grad, torch.tensor([1.0, 2.0, 3.0]))
+    bf16 = LossScaler(MemoryConfig(mixed_precision="O2", half_dtype="bf16"), torch.device("cpu"))
+    assert not bf16.enabled and bf16.scale == 1.0
+
+
+def peak_of(trainer, batch) -> int:
+    def step():
+        trainer.forward_backward([batch])
+        trainer.optimizer_step()
+    return peak_live_bytes(step, trainer.pm.modules, trainer.optimizer)["total"]
+
+
+@pytest.mark.parametrize("memory", [{"recompute": "selective"}, {"recompute": "full", "recompute_every_n_layers": 2}])
+def test_recompute_modes_give_equal_gradients_and_lower_the_peak(tiny_corpus, tmp_path, memory):
+    plain = make_trainer(tiny_corpus, tmp_path / "a")
+    other = make_trainer(tiny_corpus, tmp_path / "b", memory=memory)
+    batch = next(iter(plain.loader))
+    assert other.forward_backward([batch]).item() == pytest.approx(plain.forward_backward([batch]).item(), rel=1e-6)
+    ga, gb = grads(plain.pm.model), grads(other.pm.model)
+    for name in ga:
+        torch.testing.assert_close(gb[name], ga[name], rtol=1e-5, atol=1e-7)
+    full = make_trainer(tiny_corpus, tmp_path / "c", memory={"recompute": "full"})
+    assert peak_of(full, batch) < peak_of(other, batch) < peak_of(plain, batch)
+
+
+class LargestTensor(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_chunked_loss_equals_plain_without_whole_logits(tiny_corpus, tmp_path):
+    plain = make_trainer(tiny_corpus, tmp_path / "a")
+    chunked = make_trainer(tiny_corpus, tmp_path / "b", memory={"loss_chunk_size": 32})
+    batch = next(iter(plain.loader))
+    batch["labels"][0, :10] = -100
+    la = plain.forward_backward([batch])
+    with LargestTensor() as seen:
+        lb = chunked.forward_backward([batch])
+    assert lb.item() == pytest.approx(la.item(), rel=1e-6)
+    ga, gb = grads(plain.pm.model), grads(chunked.pm.model)
+    assert ga.keys() == gb.keys()
+    for name in ga:
+        torch.testing.assert_close(gb[name], ga[name], rtol=1e-5, atol=1e-6)
+    vocab, tokens = 512, batch["input_ids"].numel()
+    assert seen.largest < tokens * vocab  # never a whole [tokens, vocab] logits tensor
+    assert seen.largest >= 32 * vocab  # but one chunk's
+
+
+def test_chunked_cross_entropy_matches_in_bf16_and_without_grad():
+    torch.manual_seed(0)
+    h = torch.randn(3, 20, 16, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(40, 16, requires_grad=True)
+    y = torch.randint(0, 40, (3, 20))
+    ref = cross_entropy_sum(h @ w.to(torch.bfloat16).t(), y)
+    ref.backward()
+    gh, gw = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    out = chunked_cross_entropy_sum(h, w, y, 7)
+    out.backward()
+    assert out.item() == pytest.approx(ref.item(), rel=1e-3)
+    assert h.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.float32
+    torch.testing.assert_close(h.grad.float(), gh.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(w.grad, gw, rtol=2e-2, atol=2e-2)
+    with torch.no_grad():
+        assert chunked_cross_entropy_sum(h, w, y, 7).item() == out.item()
+
+
+def test_compile_matches_eager(tiny_corpus, tmp_path, fp32_losses):
+    compiled = make_trainer(tiny_corpus, tmp_path, train=SHORT, memory={"compile": True})
+    assert set(compiled.pm.model.state_dict()) == set(make_trainer(tiny_corpus, tmp_path / "b").pm.model.state_dict())
+    assert losses(compiled) == pytest.approx(fp32_losses, rel=1e-5)
+
+
+def test_cpu_offload_equals_the_device_optimizer(tiny_corpus, tmp_path, fp32_losses):
+    trainer = make_trainer(tiny_corpus, tmp_path, train=SHORT, memory={"cpu_offload": True})
+    assert isinstance(trainer.optimizer, HostAdamW)
+    assert losses(trainer) == fp32_losses  # same AdamW arithmetic, only where it runs differs
+    states = [v for s in trainer.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    assert states and all(v.device.type == "cpu" for v in states)
+    # its state dict is keyed like torch's AdamW and loads back (checkpoints need that)
+    sd = trainer.optimizer.state_dict()
+    fresh = HostAdamW(trainer.optimizer.param_groups)
+    fresh.load_state_dict(sd)
+    assert fresh.state_dict()["state"].keys() == sd["state"].keys()
+
+
+def test_frozen_parameters_hold_no_grads_and_no_optimizer_state(tiny_corpus, tmp_path):
+    trainer = make_trainer(tiny_corpus, tmp_path)
+    model = trainer.pm.model
+    frozen = [p for n, p in model.named_parameters() if n.startswith("model.layers.0.")]
+    for p in frozen:
+        p.requires_grad_(False)
+    trainer.optimizer = build_optimizer([model], trainer.cfg.train)
+    before = [p.clone() for p in frozen]
+    trainer.forward_backward([next(iter(trainer.loader))])
+    trainer.optimizer_step()
+    assert all(p.grad is None for p in frozen)
+    assert not any(id(p) in {id(q) for q in trainer.optimizer.state} for p in frozen)
+    assert all(torch.equal(a, b) for a, b in zip(before, frozen))
+    assert len(trainer.optimizer.state) == sum(1 for p in model.parameters() if p.requires_grad)
+
+
+def test_accumulation_note_and_sqrt_lr_scaling():
+    cfg = TrainConfig(micro_batch_size=4, gradient_accumulation_steps=4, lr=1e-3, min_lr=1e-4, warmup_steps=100)
+    same, note = scale_for_batch(cfg, data_parallel=2)
+    assert same is cfg
+    assert "global batch 32 sequences" in note and "4× the reference batch 8" in note
+    assert "lr 0.002" in note and "train.lr_scaling=sqrt" in note
+    scaled, note = scale_for_batch(cfg.model_copy(update={"lr_scaling": "sqrt"}), data_parallel=2)
+    assert scaled.lr == pytest.approx(2e-3) and scaled.min_lr == pytest.approx(2e-4) and scaled.warmup_steps == 200
+    tuned = cfg.model_copy(update={"lr_scaling": "sqrt", "lr_reference_batch": 32})
+    assert scale_for_batch(tuned, data_parallel=2) == (tuned, None)
+    assert scale_for_batch(TrainConfig(micro_batch_size=4), data_parallel=1)[1] is None
