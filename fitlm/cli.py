@@ -12,6 +12,8 @@ import json
 import os
 import sys
 
+from fitlm.checkpoint.errors import TrainingInterrupted
+
 EXIT_USER_ERROR = 2
 # Modules with `add_commands(subparsers)`: one per command group, owned by the package it drives.
 COMMAND_MODULES = ("fitlm.data.cli", "fitlm.checkpoint.cli")
@@ -45,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="validate the config, data and tokenizer, print the run's shape, and exit without training")
     p.add_argument("--overwrite", action="store_true",
                    help="delete a previous run in train.output_dir instead of refusing to touch it")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="restart all processes up to N times when one dies (torchrun --max-restarts); each restart "
+                        "resumes from the latest checkpoint (set checkpoint.interval)")
     p.add_argument("--json", action="store_true", help="print one JSON summary object on stdout at the end")
     p.set_defaults(func=cmd_train)
 
@@ -87,7 +92,7 @@ def emit_json(obj: dict) -> None:
 
 def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     from fitlm.config import load_config
-    from fitlm.parallel.launch import launch_local
+    from fitlm.parallel.launch import launch_local, restart_count
     from fitlm.parallel.mesh import env_world_size, launched_by_torchrun
     from fitlm.train.dry_run import dry_run
     from fitlm.train.trainer import Trainer
@@ -95,14 +100,15 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     cfg = load_config(args.config, args.overrides)
     joined = launched_by_torchrun()
     world = env_world_size() if joined else (args.nproc or cfg.parallel.world_size)
-    if args.dry_run or (world > 1 and not joined):
+    if args.dry_run or ((world > 1 or args.max_restarts > 0) and not joined):
         # Every check a run makes, once, here: workers would otherwise each print the same error.
         summary = dry_run(cfg, world, overwrite=args.overwrite)
         if args.dry_run:
             emit_json(summary) if args.json else print_table("dry run: everything checks out", summary)
             return 0
-        return launch_local(world, argv)
-    result = Trainer(cfg, overwrite=args.overwrite).fit()
+        return launch_local(world, argv, args.max_restarts)
+    # A restarted attempt continues the run it belongs to: --overwrite applied to the first attempt only.
+    result = Trainer(cfg, overwrite=args.overwrite and restart_count() == 0).fit()
     if not result.is_main:
         return 0
     summary = {"output_dir": str(result.output_dir), "model_dir": str(result.model_dir), "steps": result.steps,
@@ -166,6 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")
         return 130
+    except TrainingInterrupted as exc:  # SIGTERM: a checkpoint was saved; exit as a terminated process would
+        if os.environ.get("RANK", "0") == "0":
+            sys.stderr.write(f"fitlm {args.command}: {exc}\n")
+        return 143
     except Exception as exc:  # noqa: BLE001 - user errors get a paragraph, bugs keep their traceback
         if not _is_user_error(exc):
             raise

@@ -1,13 +1,19 @@
-"""Data pipeline: train a tokenizer, pack text into token files, read them back as training batches.
+"""Data pipeline: clean text, train or import a tokenizer, pack documents into shards, read them back as batches.
 
-    train_tokenizer(files, vocab_size, out_path)        -> tokenizer.json      (tokenizer.py)
-    pack_corpus(inputs, tokenizer_path, out_dir)        -> packed directory    (pack.py, format documented there)
-    SequenceLoader(PackedDataset(out_dir), seq_length, micro_batch_size, seed)  -> batches  (dataset.py)
+    clean_corpus(inputs, out_dir, CleanOptions(...))     -> cleaned .jsonl + report   (clean.py, dedup.py)
+    train_tokenizer(files, vocab_size, out_path)         -> tokenizer.json            (tokenizer.py)
+    pack_corpus(inputs, tokenizer_path, out_dir, ...)    -> packed directory          (pack.py; format.py documents it)
+    merge_packed(parts, out_dir)                         -> one packed directory      (merge.py)
+    SequenceLoader(PackedDataset(out_dir), seq_length, micro_batch_size, seed)  -> batches  (dataset.py, loader.py)
+    ChatEncoder(tokenizer, template)                     -> ids + assistant loss mask (chat.py)
 """
 
-from fitlm.data.dataset import IGNORE_INDEX, PackedDataset, SequenceLoader, check_compat, window_order
+from fitlm.data.dataset import IGNORE_INDEX, PackedDataset, check_compat
 from fitlm.data.errors import DataError
-from fitlm.data.pack import FORMAT, FORMAT_VERSION, expand_inputs, iter_documents, pack_corpus
+from fitlm.data.format import FORMAT, FORMAT_VERSION
+from fitlm.data.loader import SequenceLoader, window_order
+from fitlm.data.pack import pack_corpus
+from fitlm.data.sources import expand_inputs, iter_documents
 from fitlm.data.tokenizer import SPECIAL_TOKENS, Tokenizer, min_vocab_size, train_tokenizer
 
 __all__ = [

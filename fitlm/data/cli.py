@@ -10,37 +10,117 @@ from fitlm.cli import emit_json, print_table
 
 
 def add_commands(sub) -> None:
-    p = sub.add_parser("data", help="prepare data: tokenizer, pack, inspect")
+    p = sub.add_parser("data", help="prepare data: clean, tokenizer, pack, merge, inspect")
     dsub = p.add_subparsers(dest="data_command", required=True, metavar="STEP")
-    q = dsub.add_parser("tokenizer", help="train a byte-level BPE tokenizer (writes tokenizer.json)")
-    q.add_argument("inputs", nargs="+", help="text files or directories")
-    q.add_argument("--vocab-size", type=int, required=True, help="vocabulary size including special tokens")
+
+    q = dsub.add_parser("clean", help="normalise, filter and deduplicate text into cleaned .jsonl")
+    q.add_argument("inputs", nargs="+", help=".txt/.jsonl/.parquet files or directories")
+    q.add_argument("--out", required=True, help="output directory (clean-00000.jsonl ... + report.json)")
+    q.add_argument("--split", choices=["blank-lines", "file"], default="blank-lines",
+                   help="how .txt files are cut into documents (default blank-lines)")
+    q.add_argument("--min-doc-chars", type=int, default=2000, help="blank-line blocks are joined up to this size")
+    q.add_argument("--normalize", default="NFKC", help="Unicode normal form: NFKC (default), NFC or none")
+    q.add_argument("--min-chars", type=int, default=50, help="drop documents shorter than this")
+    q.add_argument("--max-garbled", type=float, default=0.01, help="max share of U+FFFD/private-use/unassigned chars")
+    q.add_argument("--max-symbols", type=float, default=0.3, help="max share of punctuation and symbols")
+    q.add_argument("--min-letters", type=float, default=0.4, help="min share of letters or digits (any script)")
+    q.add_argument("--max-dup-lines", type=float, default=0.3, help="max share of characters in repeated lines")
+    q.add_argument("--min-compress", type=float, default=0.2, help="min zlib ratio (lower = repetitive)")
+    q.add_argument("--drop-code", action="store_true", help="drop documents that are mostly source code")
+    q.add_argument("--drop-boilerplate", action="store_true", help="remove boilerplate lines (cookies, log in, ...)")
+    q.add_argument("--no-exact-dedup", action="store_true", help="keep exact duplicates")
+    q.add_argument("--no-near-dedup", action="store_true", help="keep near duplicates")
+    q.add_argument("--jaccard", type=float, default=0.8, help="near-duplicate threshold on character 5-gram sets")
+    q.add_argument("--num-perm", type=int, default=128, help="MinHash permutations")
+    q.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    q.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
+    q.set_defaults(func=cmd_data_clean)
+
+    q = dsub.add_parser("tokenizer", help="train a byte-level BPE (or import a tokenizer.json / SentencePiece .model)")
+    q.add_argument("inputs", nargs="+", help="text files or directories; or one tokenizer.json / .model to import")
+    q.add_argument("--vocab-size", type=int, help="vocabulary size including special tokens (training)")
     q.add_argument("--out", required=True, help="output tokenizer.json path (or a directory to hold it)")
+    for k in ("bos", "eos", "pad"):
+        q.add_argument(f"--{k}", help=f"name of an existing token to use as {k.upper()} (import)")
     q.add_argument("--overwrite", action="store_true", help="replace an existing tokenizer.json")
     q.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
     q.set_defaults(func=cmd_data_tokenizer)
-    q = dsub.add_parser("pack", help="tokenize a corpus into a packed token directory")
-    q.add_argument("inputs", nargs="+", help="text (.txt, .jsonl) files or directories")
+
+    q = dsub.add_parser("pack", help="tokenize a corpus into a packed, sharded token directory")
+    q.add_argument("inputs", nargs="+", help="text (.txt, .jsonl, .parquet) or chat (.jsonl) files or directories")
     q.add_argument("--tokenizer", required=True, help="tokenizer.json (or a directory holding one)")
     q.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
+    q.add_argument("--format", choices=["text", "chat"], default="text", help="text documents or chat conversations")
+    q.add_argument("--template", help="chat template: chatml, inst (= llama2 [INST]), plain, a tokenizer_config.json "
+                                      "or a .jinja file (default: the tokenizer's chat_template, else chatml)")
+    q.add_argument("--max-length", type=int, help="chat: longest conversation in tokens (e.g. data.seq_length + 1)")
+    q.add_argument("--overlong", choices=["truncate", "drop"], default="truncate",
+                   help="chat: what to do with a conversation over --max-length (default truncate)")
     q.add_argument("--split", choices=["blank-lines", "file"], default="blank-lines",
                    help="how .txt files are cut into documents (default blank-lines)")
+    q.add_argument("--workers", type=int, default=1, help="tokenizer processes (default 1)")
+    q.add_argument("--shard-tokens", type=int, default=1 << 28, help="tokens per shard file (default 2^28)")
+    q.add_argument("--shard-index", type=int, help="pack only every num-shards-th input file, from this index")
+    q.add_argument("--num-shards", type=int, help="number of parts the inputs are split into (one per machine)")
     q.add_argument("--overwrite", action="store_true", help="replace an existing packed directory")
     q.add_argument("--json", action="store_true", help="print the manifest as JSON on stdout")
     q.set_defaults(func=cmd_data_pack)
-    q = dsub.add_parser("inspect", help="summarise a packed directory")
+
+    q = dsub.add_parser("merge", help="join packed directories (e.g. the parts of a split pack) into one")
+    q.add_argument("inputs", nargs="+", help="packed directories")
+    q.add_argument("--out", required=True, help="output directory")
+    q.add_argument("--no-verify", action="store_true", help="skip re-checking the parts' checksums")
+    q.add_argument("--overwrite", action="store_true", help="replace an existing directory")
+    q.add_argument("--json", action="store_true", help="print the manifest as JSON on stdout")
+    q.set_defaults(func=cmd_data_merge)
+
+    q = dsub.add_parser("inspect", help="summarise a packed directory and decode a sample")
     q.add_argument("path", help="packed directory")
+    q.add_argument("--doc", type=int, default=0, help="document to decode (default 0)")
+    q.add_argument("--tokens", type=int, default=64, help="tokens of it to decode (default 64)")
+    q.add_argument("--verify", action="store_true", help="recompute every checksum (reads all the data)")
     q.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     q.set_defaults(func=cmd_data_inspect)
 
 
+def cmd_data_clean(args: argparse.Namespace) -> int:
+    from fitlm.data.clean import CleanOptions, clean_corpus
+
+    opts = CleanOptions(normalize=args.normalize, min_chars=args.min_chars, max_garbled=args.max_garbled,
+                        max_symbols=args.max_symbols, min_letters=args.min_letters, max_dup_lines=args.max_dup_lines,
+                        min_compress=args.min_compress, drop_code=args.drop_code,
+                        drop_boilerplate=args.drop_boilerplate, exact_dedup=not args.no_exact_dedup,
+                        near_dedup=not args.no_near_dedup, jaccard=args.jaccard, num_perm=args.num_perm)
+    report = clean_corpus(args.inputs, args.out, opts, split=args.split, min_doc_chars=args.min_doc_chars,
+                          show_progress=not args.json, overwrite=args.overwrite)
+    if args.json:
+        emit_json(report)
+    else:
+        rows = {k: report[k] for k in ("documents_in", "documents_out", "replaced_invalid_utf8",
+                                        "control_chars_removed", "documents_normalized")}
+        rows.update({f"dropped: {k}": v for k, v in report["dropped"].items()})
+        print_table(f"cleaned into {args.out}", rows)
+    return 0
+
 
 def cmd_data_tokenizer(args: argparse.Namespace) -> int:
-    from fitlm.data.pack import expand_inputs
+    from fitlm.data.errors import DataError
+    from fitlm.data.sources import expand_inputs
     from fitlm.data.tokenizer import Tokenizer, train_tokenizer
+    from fitlm.data.tokenizer_import import import_tokenizer, is_tokenizer_file
 
-    path = train_tokenizer(expand_inputs([Path(p) for p in args.inputs]), args.vocab_size, Path(args.out),
-                           show_progress=not args.json, overwrite=args.overwrite)
+    inputs = [Path(p) for p in args.inputs]
+    if len(inputs) == 1 and is_tokenizer_file(inputs[0]):
+        if not inputs[0].exists():
+            raise DataError(f"tokenizer {inputs[0]} does not exist; pass an existing tokenizer.json or .model file")
+        path = import_tokenizer(inputs[0], Path(args.out), overwrite=args.overwrite, bos=args.bos, eos=args.eos,
+                                pad=args.pad)
+    else:
+        if args.vocab_size is None:
+            raise DataError("--vocab-size is required to train a tokenizer (e.g. --vocab-size 32000); to import one, "
+                            "pass a single tokenizer.json or SentencePiece .model")
+        path = train_tokenizer(expand_inputs(inputs), args.vocab_size, Path(args.out),
+                               show_progress=not args.json, overwrite=args.overwrite)
     tok = Tokenizer.from_file(path)
     summary = {"path": str(path), "vocab_size": tok.vocab_size, "bos_id": tok.bos_id, "eos_id": tok.eos_id,
                "pad_id": tok.pad_id, "sha256": tok.sha256}
@@ -52,25 +132,46 @@ def cmd_data_pack(args: argparse.Namespace) -> int:
     from fitlm.data.pack import pack_corpus
 
     manifest = pack_corpus([Path(p) for p in args.inputs], Path(args.tokenizer), Path(args.out), split=args.split,
-                           show_progress=not args.json, overwrite=args.overwrite)
+                           show_progress=not args.json, overwrite=args.overwrite, data_format=args.format,
+                           template=args.template, workers=args.workers, shard_tokens=args.shard_tokens,
+                           shard_index=args.shard_index, num_shards=args.num_shards, max_length=args.max_length,
+                           overlong=args.overlong)
+    _print_manifest(args, manifest, f"packed into {args.out}")
+    return 0
+
+
+def cmd_data_merge(args: argparse.Namespace) -> int:
+    from fitlm.data.merge import merge_packed
+
+    manifest = merge_packed(args.inputs, args.out, overwrite=args.overwrite, verify=not args.no_verify)
+    _print_manifest(args, manifest, f"merged into {args.out}")
+    return 0
+
+
+def _print_manifest(args: argparse.Namespace, manifest: dict, title: str) -> None:
     if args.json:
         emit_json(manifest)
-    else:
-        print_table(f"packed into {args.out}", {k: v for k, v in manifest.items() if not isinstance(v, (list, dict))})
-    return 0
+        return
+    rows = {k: v for k, v in manifest.items() if not isinstance(v, (list, dict)) and v is not None}
+    rows["shards"] = len(manifest["shards"])
+    rows.update({f"chat: {k}": v for k, v in (manifest.get("chat") or {}).items()})
+    print_table(title, rows)
 
 
 def cmd_data_inspect(args: argparse.Namespace) -> int:
     from fitlm.data.inspect import inspect_packed
 
-    report = inspect_packed(Path(args.path))
+    report = inspect_packed(Path(args.path), sample_tokens=args.tokens, sample_doc=args.doc, verify=args.verify)
     if args.json:
         emit_json(report)
     else:
-        print_table(f"packed data {args.path}", {k: v for k, v in report.items() if not isinstance(v, (list, dict))})
+        print_table(f"packed data {args.path}", {k: v for k, v in report.items()
+                                                 if not isinstance(v, (list, dict)) and not k.startswith("sample")})
         sys.stderr.write("length histogram (tokens per document):\n")
         for row in report["length_histogram"]:
             sys.stderr.write(f"  {row['min']:>7}-{row['max']:<7} {row['count']:>6}\n")
+        sys.stderr.write(f"document {report['sample_doc']}, first {len(report['sample_token_ids'])} tokens:\n")
+        sys.stderr.write(report["sample_text"] + "\n")
+        if "sample_trained_text" in report:
+            sys.stderr.write("trained (assistant) tokens of it:\n" + report["sample_trained_text"] + "\n")
     return 0
-
-

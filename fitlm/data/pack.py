@@ -1,232 +1,215 @@
-"""Packer: raw text (.txt / .jsonl) -> a versioned directory of token ids that `PackedDataset` memory-maps.
+"""Packer: text (.txt / .jsonl / .parquet) or chat (.jsonl `messages`) -> a sharded packed directory.
 
-On-disk format, version 1 (everything a reader needs is in manifest.json):
-
-    tokens.bin        flat token stream, `dtype` (uint16 when the vocabulary fits, else uint32),
-                      each document stored as BOS doc EOS, documents back to back
-    doc_offsets.npy   int64[num_docs + 1]: start of each document in tokens.bin, then the end
-    tokenizer.json    byte-for-byte copy of the tokenizer used (+ tokenizer_config.json if it had one)
-    manifest.json     {"format": "fitlm-packed", "format_version": 1, dtype, num_tokens, num_docs,
-                       vocab_size, tokenizer_sha256, bos_id, eos_id, pad_id, sources, checksums, ...}
-
-The directory appears atomically: it is written under a temporary sibling name and renamed at the end.
+The format is documented in `fitlm.data.format`. Each document is stored as BOS doc EOS (chat: the
+rendered conversation, with a loss mask beside it). Documents never span shards; a shard closes once it
+holds `shard_tokens` tokens. Tokenization runs in `workers` processes, in order, so the output is the
+same for any worker count. `shard_index`/`num_shards` pack every n-th input file (one machine's part);
+`fitlm data merge` joins the parts. The directory appears atomically (temporary sibling, then rename).
 """
 
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
+import multiprocessing as mp
 import os
 import shutil
 import uuid
-from array import array
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any
 
 import numpy as np
 
 from fitlm import __version__
 from fitlm.data.errors import DataError
+from fitlm.data.format import (FORMAT, FORMAT_VERSION, MANIFEST_FILE, OFFSETS_FILE, TOKENS_FILE, sha256_file,
+                               shard_files, token_dtype)
+from fitlm.data.sources import (DEFAULT_MIN_DOC_CHARS, JSONL_SUFFIXES, Document, ReadStats, Split, expand_inputs,
+                                iter_documents, iter_jsonl_records)
 from fitlm.data.tokenizer import TOKENIZER_FILE, Tokenizer
 
-FORMAT = "fitlm-packed"
-FORMAT_VERSION = 1
-TOKENS_FILE = "tokens.bin"
-OFFSETS_FILE = "doc_offsets.npy"
-MANIFEST_FILE = "manifest.json"
-
-TEXT_SUFFIXES = (".txt",)
-JSONL_SUFFIXES = (".jsonl",)
-DEFAULT_MIN_DOC_CHARS = 2000
-Split = Literal["blank-lines", "file"]
-
-# Encode this much text per encode_batch call: large enough to use tokenizers' threads, small enough
-# that one batch's ids never dominate memory.
+DEFAULT_SHARD_TOKENS = 1 << 28  # 256 Mi tokens: 512 MiB of uint16 per shard
+OVERLONG = ("truncate", "drop")
+# Encode this much text per batch: large enough to amortise process hand-off, small enough that one
+# batch's ids never dominate memory.
 _BATCH_DOCS = 512
 _BATCH_CHARS = 1 << 20
 
 
-# --------------------------------------------------------------------------- reading text
+# --------------------------------------------------------------------------- encoding (in worker processes)
+
+_STATE: dict[str, Any] = {}
 
 
-def expand_inputs(inputs: Sequence[Path | str]) -> list[Path]:
-    """Files named directly, plus every .txt/.jsonl file under named directories (sorted, no duplicates)."""
-    files: list[Path] = []
-    for item in inputs:
-        p = Path(item)
-        if p.is_dir():
-            found = sorted(
-                f for f in p.rglob("*")
-                if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES + JSONL_SUFFIXES
-                and not any(part.startswith(".") for part in f.relative_to(p).parts)
-            )
-            if not found:
-                raise DataError(f"input directory {p} holds no .txt or .jsonl files; put the corpus there "
-                                "or name the files directly")
-            files.extend(found)
-        elif p.is_file():
-            files.append(p)
-        else:
-            raise DataError(f"input {p} does not exist; pass existing .txt/.jsonl files or directories")
-    seen: set[Path] = set()
-    unique = []
-    for f in files:
-        key = f.resolve()
-        if key not in seen:
-            seen.add(key)
-            unique.append(f)
-    return unique
+def _init_encoder(tokenizer_path: str, names: dict[str, str], template: tuple[str, str] | None,
+                  single_thread: bool = False) -> None:
+    if single_thread:  # a pool worker: one thread each, so N workers use N cores without oversubscription
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    tok = Tokenizer.from_file(tokenizer_path, **names)
+    _STATE.clear()  # inline packing reuses this process: never keep a previous pack's template
+    _STATE["tok"] = tok
+    if template is not None:
+        from fitlm.data.chat import ChatEncoder
+        _STATE["chat"] = ChatEncoder(tok, template[1], template[0])
 
 
-@dataclass
-class Document:
-    text: str
-    source: int  # index into the list of files
-    nbytes: int  # raw bytes consumed since the previous document (drives the progress bar)
+def _encode_batch(batch: list[Any], max_length: int | None, overlong: str) -> dict[str, Any]:
+    """Encode one batch; returns flat ids, per-document lengths, flat mask (chat) and counts."""
+    tok: Tokenizer = _STATE["tok"]
+    counts = {"no_assistant": 0, "truncated": 0, "dropped_overlong": 0}
+    if "chat" not in _STATE:
+        seqs = tok.encode_batch(batch, add_bos=True, add_eos=True)
+        masks = None
+    else:
+        seqs, masks = [], []
+        for messages in batch:
+            if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
+                counts["no_assistant"] += 1
+                continue
+            ids, mask = _STATE["chat"].encode(messages)
+            if max_length is not None and len(ids) > max_length:
+                if overlong == "drop" or not any(mask[:max_length]):
+                    counts["dropped_overlong"] += 1
+                    continue
+                ids, mask = ids[:max_length], mask[:max_length]
+                counts["truncated"] += 1
+            seqs.append(ids)
+            masks.append(mask)
+    lengths = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
+    flat = np.fromiter((i for s in seqs for i in s), dtype=np.int64, count=int(lengths.sum()))
+    out = {"ids": flat, "lengths": lengths, "counts": counts}
+    if masks is not None:
+        out["mask"] = np.fromiter((x for m in masks for x in m), dtype=np.uint8, count=int(lengths.sum()))
+    return out
 
 
-@dataclass
-class ReadStats:
-    """What reading found besides text: undecodable bytes that were replaced with U+FFFD, per file."""
-
-    replaced: dict[str, int] = field(default_factory=dict)
-
-    def add_replaced(self, path: Path, n: int) -> None:
-        if n > 0:
-            self.replaced[str(path)] = self.replaced.get(str(path), 0) + n
+# --------------------------------------------------------------------------- reading items
 
 
-def _iter_lines(path: Path, stats: ReadStats) -> Iterator[tuple[str, int]]:
-    """(line, raw byte length) pairs. Bad UTF-8 is replaced and counted, never fatal."""
-    with open(path, "rb") as f:
-        for i, raw in enumerate(f):
-            data = raw[3:] if i == 0 and raw.startswith(b"\xef\xbb\xbf") else raw  # drop a UTF-8 BOM
-            try:
-                line = data.decode("utf-8")
-            except UnicodeDecodeError:
-                line = data.decode("utf-8", errors="replace")
-                # Each invalid sequence becomes one U+FFFD; genuine U+FFFD characters (EF BF BD) are not errors.
-                stats.add_replaced(path, line.count("\ufffd") - data.count(b"\xef\xbf\xbd"))
-            if line.endswith("\r\n"):
-                line = line[:-2] + "\n"
-            yield line, len(raw)
+def _iter_chat(files: Sequence[Path], stats: ReadStats) -> Iterator[tuple[Any, int]]:
+    """(validated messages or None, raw bytes) per line of chat .jsonl files."""
+    from fitlm.data.chat import check_messages
+
+    for path in files:
+        if path.suffix.lower() not in JSONL_SUFFIXES:
+            raise DataError(f"{path}: chat data must be .jsonl with one {{\"messages\": [...]}} object per line")
+        for record, n, lineno in iter_jsonl_records(path, stats, what='"messages" list'):
+            if record is None:
+                yield None, n
+                continue
+            if not isinstance(record, dict) or "messages" not in record:
+                raise DataError(f'{path}:{lineno}: no "messages" field; each line of chat data must be '
+                                '{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", ...}]}')
+            yield check_messages(record["messages"], f"{path}:{lineno}"), n
 
 
-def _split_text(lines: Iterator[tuple[str, int]], min_chars: float) -> Iterator[tuple[str, int]]:
-    """Group blank-line separated blocks into documents of at least `min_chars` non-blank characters.
-
-    A document ends at the first blank line after it has reached `min_chars`; blank lines inside it are
-    kept, leading blank lines and trailing whitespace are dropped. min_chars=inf gives one document.
-    """
-    doc: list[str] = []
-    size = 0
-    nbytes = 0
-    for line, n in lines:
-        nbytes += n
-        if line.strip():
-            doc.append(line)
-            size += len(line)
-        elif size >= min_chars:
-            yield "".join(doc).rstrip(), nbytes
-            doc, size, nbytes = [], 0, 0
-        elif doc:
-            doc.append(line)
-    if size:
-        yield "".join(doc).rstrip(), nbytes
-    elif nbytes:
-        yield "", nbytes  # only whitespace left: report the bytes, the caller skips the empty text
-
-
-def _iter_jsonl(path: Path, stats: ReadStats) -> Iterator[tuple[str, int]]:
-    """One document per JSON line, taken from its "text" field."""
-    for lineno, (line, n) in enumerate(_iter_lines(path, stats), start=1):
-        if not line.strip():
-            yield "", n
+def _batches(items: Iterator[tuple[Any, int]], advance: Callable[[int], None]) -> Iterator[list[Any]]:
+    batch: list[Any] = []
+    chars = 0
+    for item, nbytes in items:
+        advance(nbytes)
+        if not item:
             continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg}); each line of a .jsonl file must be one "
-                            'JSON object with a "text" field') from None
-        text = record.get("text") if isinstance(record, dict) else None
-        if not isinstance(text, str):
-            raise DataError(f'{path}:{lineno}: no string "text" field; each line of a .jsonl file must be '
-                            'a JSON object like {"text": "..."}')
-        yield text, n
+        batch.append(item)
+        chars += len(item) if isinstance(item, str) else sum(len(m["content"]) for m in item)
+        if len(batch) >= _BATCH_DOCS or chars >= _BATCH_CHARS:
+            yield batch
+            batch, chars = [], 0
+    if batch:
+        yield batch
 
 
-def iter_documents(files: Sequence[Path], split: Split = "blank-lines", min_doc_chars: int = DEFAULT_MIN_DOC_CHARS,
-                   stats: ReadStats | None = None) -> Iterator[Document]:
-    """Stream the documents of `files` in order, skipping empty ones.
-
-    .jsonl: one document per line. Text files: `split="file"` makes each file one document;
-    `split="blank-lines"` groups blank-line separated blocks until a document has `min_doc_chars`.
-    """
-    if split not in ("blank-lines", "file"):
-        raise DataError(f"--split {split!r} is not known; use 'blank-lines' (default) or 'file'")
-    stats = stats if stats is not None else ReadStats()
-    for index, path in enumerate(files):
-        if path.suffix.lower() in JSONL_SUFFIXES:
-            pieces = _iter_jsonl(path, stats)
-        else:
-            min_chars = float("inf") if split == "file" else max(0, min_doc_chars)
-            pieces = _split_text(_iter_lines(path, stats), min_chars)
-        pending = 0
-        for text, nbytes in pieces:
-            pending += nbytes
-            if text.strip():
-                yield Document(text, index, pending)
-                pending = 0
-        if pending:
-            yield Document("", index, pending)  # lets progress reach 100%; empty docs are never packed
+def _encoded(batches: Iterator[list[Any]], workers: int, init_args: tuple, max_length: int | None,
+             overlong: str) -> Iterator[dict[str, Any]]:
+    """Encoded batches in input order; at most 2 × workers batches in flight (bounded memory)."""
+    if workers <= 1:
+        _init_encoder(*init_args)
+        for b in batches:
+            yield _encode_batch(b, max_length, overlong)
+        return
+    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    with ctx.Pool(workers, initializer=_init_encoder, initargs=(*init_args, True)) as pool:
+        pending: deque = deque()
+        for b in batches:
+            pending.append(pool.apply_async(_encode_batch, (b, max_length, overlong)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
 
 
 # --------------------------------------------------------------------------- writing
 
 
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+class ShardWriter:
+    """Appends documents to shard files, closing a shard once it holds `shard_tokens` tokens."""
 
+    def __init__(self, root: Path, dtype: np.dtype, chat: bool, shard_tokens: int, first_index: int = 0):
+        self.root, self.dtype, self.chat, self.shard_tokens = root, dtype, chat, shard_tokens
+        self.index = first_index
+        self.entries: list[dict[str, Any]] = []
+        self._open = False
 
-def token_dtype(vocab_size: int) -> np.dtype:
-    """uint16 when every id (0 .. vocab_size-1) fits, else uint32."""
-    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+    def _start(self) -> None:
+        self.files = shard_files(self.index, self.chat)
+        self._tok_f = open(self.root / self.files["tokens"], "wb")
+        self._mask_f = open(self.root / self.files["mask"], "wb") if self.chat else None
+        self._hash = {"tokens": hashlib.sha256(), "mask": hashlib.sha256()}
+        self._offsets = [0]
+        self._open = True
 
+    def add(self, ids: np.ndarray, lengths: np.ndarray, mask: np.ndarray | None) -> None:
+        """Write documents (flat ids split by lengths) to the current shard, rolling over between documents."""
+        at = 0
+        for n in lengths.tolist():
+            if not self._open:
+                self._start()
+            data = ids[at:at + n].astype(self.dtype).tobytes()
+            self._tok_f.write(data)
+            self._hash["tokens"].update(data)
+            if self.chat:
+                m = mask[at:at + n].tobytes()
+                self._mask_f.write(m)
+                self._hash["mask"].update(m)
+            self._offsets.append(self._offsets[-1] + n)
+            at += n
+            if self._offsets[-1] >= self.shard_tokens:
+                self._close()
 
-def _check_out_dir(out_dir: Path, files: list[Path], overwrite: bool) -> None:
-    if out_dir.exists() and not out_dir.is_dir():
-        raise DataError(f"output {out_dir} exists and is not a directory; choose a directory path for --out")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
-        raise DataError(f"output directory {out_dir} is not empty; choose a new or empty directory, "
-                        "or pass --overwrite to replace its contents")
-    root = out_dir.resolve()
-    for f in files:
-        if root in f.resolve().parents:
-            raise DataError(f"input {f} lies inside the output directory {out_dir}; "
-                            "write the packed data somewhere else")
+    def _close(self) -> None:
+        self._tok_f.close()
+        if self._mask_f:
+            self._mask_f.close()
+        np.save(self.root / self.files["offsets"], np.asarray(self._offsets, dtype=np.int64))
+        checks = {self.files["tokens"]: self._hash["tokens"].hexdigest(),
+                  self.files["offsets"]: sha256_file(self.root / self.files["offsets"])}
+        if self.chat:
+            checks[self.files["mask"]] = self._hash["mask"].hexdigest()
+        self.entries.append({"name": self.files["tokens"].split(".")[0], "num_tokens": self._offsets[-1],
+                             "num_docs": len(self._offsets) - 1, "files": dict(self.files), "checksums": checks})
+        self.index += 1
+        self._open = False
 
-
+    def finish(self) -> list[dict[str, Any]]:
+        if self._open:
+            self._close()
+        return self.entries
 
 
 class _Progress:
     """A rich progress bar over input bytes, on stderr (stdout is reserved for --json output)."""
 
-    def __init__(self, enabled: bool, total: int):
+    def __init__(self, enabled: bool, total: int, label: str = "packing"):
         self._bar = None
         if enabled:
             from rich.console import Console
             from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
                                        TransferSpeedColumn)
-            self._bar = Progress(TextColumn("packing"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+            self._bar = Progress(TextColumn(label), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                                  TimeRemainingColumn(), console=Console(stderr=True), transient=True)
-            self._task = self._bar.add_task("packing", total=total)
+            self._task = self._bar.add_task(label, total=total)
 
     def __enter__(self) -> Callable[[int], None]:
         if self._bar is None:
@@ -239,6 +222,52 @@ class _Progress:
             self._bar.__exit__(*exc)
 
 
+def check_out_dir(out_dir: Path, files: Sequence[Path], overwrite: bool) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise DataError(f"output {out_dir} exists and is not a directory; choose a directory path for --out")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
+        raise DataError(f"output directory {out_dir} is not empty; choose a new or empty directory, "
+                        "or pass --overwrite to replace its contents")
+    root = out_dir.resolve()
+    for f in files:
+        if root == f.resolve() or root in f.resolve().parents:
+            raise DataError(f"input {f} lies inside the output directory {out_dir}; "
+                            "write the packed data somewhere else")
+
+
+def atomic_dir(out_dir: Path, write: Callable[[Path], dict]) -> dict:
+    """Run `write(tmp)` in a temporary sibling of `out_dir`, then move it into place; on any failure
+    nothing is left behind (not even parent directories this call created)."""
+    created = [p for p in [out_dir.parent, *out_dir.parent.parents] if not p.exists()]
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".{out_dir.name}.packing-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        result = write(tmp)
+        if not out_dir.exists():
+            os.rename(tmp, out_dir)
+        else:  # an existing (empty or overwritten) directory is swapped out first
+            old = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}"
+            os.rename(out_dir, old)
+            os.rename(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        return result
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        for p in created:  # innermost first
+            try:
+                p.rmdir()
+            except OSError:
+                break
+        raise
+
+
+def base_manifest(tok: Tokenizer, dtype: np.dtype, data_format: str) -> dict[str, Any]:
+    return {"format": FORMAT, "format_version": FORMAT_VERSION, "data_format": data_format, "dtype": dtype.name,
+            "vocab_size": tok.vocab_size, "tokenizer_sha256": tok.sha256, "bos_id": tok.bos_id,
+            "eos_id": tok.eos_id, "pad_id": tok.pad_id, "special_tokens": tok.special_tokens}
+
+
 def pack_corpus(
     inputs: Sequence[Path | str],
     tokenizer_path: Path | str,
@@ -247,111 +276,99 @@ def pack_corpus(
     show_progress: bool = True,
     overwrite: bool = False,
     min_doc_chars: int = DEFAULT_MIN_DOC_CHARS,
+    data_format: str = "text",
+    template: str | None = None,
+    workers: int = 1,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    shard_index: int | None = None,
+    num_shards: int | None = None,
+    max_length: int | None = None,
+    overlong: str = "truncate",
 ) -> dict:
-    """Tokenize `inputs` into a packed-data directory at `out_dir`; return its manifest.
+    """Tokenize `inputs` into a packed directory at `out_dir`; return its manifest.
 
-    Text is streamed and encoded in batches; only one batch of ids is in memory at a time. Nothing is
-    written to `out_dir` unless packing succeeds.
+    data_format "chat": .jsonl conversations rendered with `template` (see fitlm.data.chat), loss mask on
+    assistant tokens; samples without an assistant turn are skipped and counted; conversations longer than
+    `max_length` tokens are truncated or dropped (`overlong`) and counted.
     """
     if split not in ("blank-lines", "file"):
         raise DataError(f"--split {split!r} is not known; use 'blank-lines' (default) or 'file'")
+    if data_format not in ("text", "chat"):
+        raise DataError(f"--format {data_format!r} is not known; use text or chat")
+    if overlong not in OVERLONG:
+        raise DataError(f"--overlong {overlong!r} is not known; use truncate or drop")
+    if workers < 1 or shard_tokens < 1 or (max_length is not None and max_length < 2):
+        raise DataError("--workers and --shard-tokens must be at least 1 and --max-length at least 2")
     if not inputs:
-        raise DataError("no inputs to pack: pass one or more .txt/.jsonl files or directories")
+        raise DataError("no inputs to pack: pass one or more .txt/.jsonl/.parquet files or directories")
     files = expand_inputs(inputs)
+    part = None
+    if shard_index is not None or num_shards is not None:
+        if shard_index is None or num_shards is None or not 0 <= shard_index < num_shards:
+            raise DataError(f"--shard-index {shard_index} --num-shards {num_shards}: give both, with "
+                            "0 <= shard-index < num-shards")
+        part = {"index": shard_index, "count": num_shards, "inputs_total": len(files)}
+        files = files[shard_index::num_shards]
+        if not files:
+            raise DataError(f"part {shard_index} of {num_shards} gets no input file ({part['inputs_total']} inputs); "
+                            "use fewer --num-shards than input files")
     out_dir = Path(out_dir)
-    _check_out_dir(out_dir, files, overwrite)
+    check_out_dir(out_dir, files, overwrite)
     tok = Tokenizer.from_file(tokenizer_path)
     dtype = token_dtype(tok.vocab_size)
+    chat = data_format == "chat"
+    tmpl = None
+    if chat:
+        from fitlm.data.chat import ChatEncoder, resolve_template
+        tmpl = resolve_template(template, tok.path)
+        ChatEncoder(tok, tmpl[1], tmpl[0])  # compile errors surface here, before any worker starts
 
-    created = [p for p in [out_dir.parent, *out_dir.parent.parents] if not p.exists()]
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}.packing-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    def write(tmp: Path) -> dict:
         stats = ReadStats()
-        offsets = array("q", [0])
-        tokens_hash = hashlib.sha256()
-        with open(tmp / TOKENS_FILE, "wb") as out, _Progress(show_progress, sum(f.stat().st_size for f in files)) as advance:
-
-            def flush(batch: list[str]) -> None:
-                ids = tok.encode_batch(batch, add_bos=True, add_eos=True)
-                for seq in ids:
-                    offsets.append(offsets[-1] + len(seq))
-                count = sum(len(seq) for seq in ids)
-                data = np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype, count=count).tobytes()
-                out.write(data)
-                tokens_hash.update(data)
-
-            batch: list[str] = []
-            chars = 0
-            for doc in iter_documents(files, split, min_doc_chars, stats):
-                advance(doc.nbytes)
-                if not doc.text:
-                    continue
-                batch.append(doc.text)
-                chars += len(doc.text)
-                if len(batch) >= _BATCH_DOCS or chars >= _BATCH_CHARS:
-                    flush(batch)
-                    batch, chars = [], 0
-            if batch:
-                flush(batch)
-
-        num_docs = len(offsets) - 1
+        counts = {"no_assistant": 0, "truncated": 0, "dropped_overlong": 0, "conversations": 0}
+        writer = ShardWriter(tmp, dtype, chat, shard_tokens)
+        with _Progress(show_progress, sum(f.stat().st_size for f in files)) as advance:
+            if chat:
+                def items() -> Iterator[tuple[Any, int]]:
+                    for m, n in _iter_chat(files, stats):
+                        counts["conversations"] += m is not None
+                        yield m, n
+                source = items()
+            else:
+                source = ((d.text, d.nbytes) for d in iter_documents(files, split, min_doc_chars, stats))
+            init = (str(tok.path), tok.special_tokens, tmpl)
+            for enc in _encoded(_batches(source, advance), workers, init, max_length, overlong):
+                for k, v in enc["counts"].items():
+                    counts[k] += v
+                writer.add(enc["ids"], enc["lengths"], enc.get("mask"))
+        shards = writer.finish()
+        num_docs = sum(s["num_docs"] for s in shards)
         if num_docs == 0:
             names = ", ".join(str(f) for f in files)
-            raise DataError(f"empty corpus: {names} contain(s) no text (only whitespace or nothing); "
-                            "pass files that hold the text to pack")
-        offs = np.frombuffer(offsets, dtype=np.int64)
-        np.save(tmp / OFFSETS_FILE, offs)
+            what = "no conversation with an assistant turn" if chat else "no text (only whitespace or nothing)"
+            raise DataError(f"empty corpus: {names} contain(s) {what}; pass files that hold the data to pack")
         copied = tok.copy_to(tmp)
-        lengths = np.diff(offs)
-        checksums = {TOKENS_FILE: tokens_hash.hexdigest(), OFFSETS_FILE: sha256_file(tmp / OFFSETS_FILE)}
-        checksums.update({p.name: sha256_file(p) for p in copied})
+        lengths = np.concatenate([np.diff(np.load(tmp / s["files"]["offsets"])) for s in shards])
         manifest = {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "dtype": dtype.name,
-            "num_tokens": int(offs[-1]),
-            "num_docs": num_docs,
-            "vocab_size": tok.vocab_size,
-            "tokenizer_sha256": tok.sha256,
-            "bos_id": tok.bos_id,
-            "eos_id": tok.eos_id,
-            "pad_id": tok.pad_id,
-            "special_tokens": tok.special_tokens,
-            "sources": [str(f) for f in files],
-            "split": split,
-            "min_doc_chars": min_doc_chars if split == "blank-lines" else None,
+            **base_manifest(tok, dtype, data_format),
+            "num_tokens": int(lengths.sum()), "num_docs": num_docs, "shards": shards,
+            "sources": [str(f) for f in files], "part": part,
+            "split": split if not chat else None,
+            "min_doc_chars": min_doc_chars if split == "blank-lines" and not chat else None,
+            "chat_template": tmpl[0] if tmpl else None,
+            "chat": ({**counts, "max_length": max_length, "overlong": overlong} if chat else None),
             "doc_tokens": {"min": int(lengths.min()), "max": int(lengths.max()), "mean": float(lengths.mean())},
             "replaced_chars_total": sum(stats.replaced.values()),
             "replaced_chars": stats.replaced,
-            "checksums": checksums,
+            "checksums": {p.name: sha256_file(p) for p in copied},
             "created_by": f"fitlm {__version__}",
         }
         (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-        _commit(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        for p in created:  # undo parent directories this call made, innermost first
-            try:
-                p.rmdir()
-            except OSError:
-                break
-        raise
-    return manifest
+        return manifest
+
+    return atomic_dir(out_dir, write)
 
 
-def _commit(tmp: Path, out_dir: Path) -> None:
-    """Move the finished directory into place; an existing (empty or overwritten) one is swapped out first."""
-    if not out_dir.exists():
-        os.rename(tmp, out_dir)
-        return
-    old = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}"
-    os.rename(out_dir, old)
-    os.rename(tmp, out_dir)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-__all__ = ["FORMAT", "FORMAT_VERSION", "TOKENS_FILE", "OFFSETS_FILE", "MANIFEST_FILE", "TOKENIZER_FILE",
-           "DEFAULT_MIN_DOC_CHARS", "Document", "ReadStats", "expand_inputs", "iter_documents", "pack_corpus",
-           "sha256_file", "token_dtype"]
+__all__ = ["DEFAULT_MIN_DOC_CHARS", "DEFAULT_SHARD_TOKENS", "Document", "FORMAT", "FORMAT_VERSION", "MANIFEST_FILE",
+           "OFFSETS_FILE", "ReadStats", "ShardWriter", "TOKENIZER_FILE", "TOKENS_FILE", "atomic_dir", "base_manifest",
+           "check_out_dir", "expand_inputs", "iter_documents", "pack_corpus", "sha256_file", "token_dtype"]

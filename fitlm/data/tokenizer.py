@@ -58,7 +58,7 @@ def train_tokenizer(
     encodes without an unknown token. Files are streamed document by document, never read whole.
     """
     # Imported here because pack.py imports this module; the text readers live with the packer.
-    from fitlm.data.pack import expand_inputs, iter_documents
+    from fitlm.data.sources import expand_inputs, iter_documents
 
     if not files:
         raise DataError("no input files to train the tokenizer on: pass one or more .txt/.jsonl files or directories")

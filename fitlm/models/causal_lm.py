@@ -2,7 +2,7 @@
 
 A family class calls `setup_causal_lm(self, cfg, body)` in its `__init__` and gets forward,
 hidden_states, weight tying, initialisation and KV-cache construction from `CausalLMMixin`. The
-body maps `(input_ids [B,T], position_ids, kv_cache) -> final-norm hidden states [B,T,C]`.
+body maps `(input_ids [B,T], position_ids, kv_cache, document_ids=None) -> final-norm hidden states [B,T,C]`.
 """
 
 from __future__ import annotations
@@ -62,14 +62,22 @@ class CausalLMMixin:
         return self.lm_head
 
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                      kv_cache: KVCache | None = None) -> torch.Tensor:
-        """input_ids [B,T] -> final-norm hidden states [B,T,C] (what lm_head consumes)."""
-        return self.model(input_ids, position_ids, kv_cache)
+                      kv_cache: KVCache | None = None, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [B,T] -> final-norm hidden states [B,T,C] (what lm_head consumes).
+
+        document_ids [B,T] (ints, equal within one packed document of a row) makes attention
+        block-causal: no token attends across a document boundary. position_ids then default to
+        restarting at 0 per document. Without document_ids attention is plain causal (is_causal SDPA).
+        """
+        if document_ids is None:  # keep the call exactly as before for hooks/wrappers that read args
+            return self.model(input_ids, position_ids, kv_cache)
+        return self.model(input_ids, position_ids, kv_cache, document_ids=document_ids)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                kv_cache: KVCache | None = None) -> torch.Tensor:
-        """input_ids [B,T] -> logits [B,T,V] (hidden states [B,T,C] on a pipeline stage without the head)."""
-        h = self.hidden_states(input_ids, position_ids, kv_cache)
+                kv_cache: KVCache | None = None, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [B,T] -> logits [B,T,V] (hidden states [B,T,C] on a pipeline stage without the head).
+        document_ids: see `hidden_states`."""
+        h = self.hidden_states(input_ids, position_ids, kv_cache, document_ids=document_ids)
         return self.lm_head(h) if self.lm_head is not None else h
 
     def new_kv_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from fitlm.config import ModelConfig
 from fitlm.models.causal_lm import CausalLMMixin
-from fitlm.models.layers import KVCache, SelfAttention, check_inputs, default_position_ids, make_blocks
+from fitlm.models.layers import KVCache, SelfAttention, attention_inputs, check_inputs, make_blocks
 from fitlm.registry import register_model
 
 
@@ -50,9 +50,10 @@ class GPT2Block(nn.Module):
         self.post_attention_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.mlp = GPT2MLP(cfg)
 
-    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
-        """x [B,T,C] -> [B,T,C]."""
-        x = x + self.self_attn(self.input_layernorm(x), kv_cache=kv_cache)
+    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B,T,C] -> [B,T,C]; attn_mask bool [B,1,T,T] or None (causal)."""
+        x = x + self.self_attn(self.input_layernorm(x), kv_cache=kv_cache, attn_mask=attn_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -68,17 +69,16 @@ class GPT2Model(nn.Module):
         self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                kv_cache: KVCache | None = None) -> torch.Tensor:
+                kv_cache: KVCache | None = None, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         start = check_inputs(input_ids, kv_cache, self.config.max_seq_len)
-        b, t = input_ids.shape[:2]
-        if position_ids is None:
-            position_ids = default_position_ids(b, t, start, input_ids.device)  # [B,T]
+        t = input_ids.shape[1]
+        position_ids, mask = attention_inputs(input_ids, position_ids, document_ids, start)  # [B,T], [B,1,T,T]|None
         if self.embed_tokens is not None:
             h = self.embed_tokens(input_ids) + self.embed_positions(position_ids)  # [B,T,C]
         else:  # a later pipeline stage: hidden states [B,T,C] come in
             h = input_ids
         for layer in self.layers.values():
-            h = layer(h, kv_cache)
+            h = layer(h, kv_cache, mask)
         if kv_cache is not None:
             kv_cache.advance(t)
         return self.norm(h) if self.norm is not None else h  # [B,T,C]

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from fitlm.config import ModelConfig
 from fitlm.models.causal_lm import CausalLMMixin
-from fitlm.models.layers import KVCache, RMSNorm, RotaryEmbedding, SelfAttention, check_inputs, default_position_ids, \
+from fitlm.models.layers import KVCache, RMSNorm, RotaryEmbedding, SelfAttention, attention_inputs, check_inputs, \
     make_blocks
 from fitlm.registry import register_model
 
@@ -41,9 +41,9 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: KVCache | None = None) -> torch.Tensor:
-        """x [B,T,C]; cos/sin [B,T,D] from the model's rotary table."""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache)
+                kv_cache: KVCache | None = None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B,T,C]; cos/sin [B,T,D] from the model's rotary table; attn_mask bool [B,1,T,T] or None (causal)."""
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attn_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -59,16 +59,15 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                kv_cache: KVCache | None = None) -> torch.Tensor:
+                kv_cache: KVCache | None = None, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         start = check_inputs(input_ids, kv_cache, self.config.max_seq_len)
-        b, t = input_ids.shape[:2]
-        if position_ids is None:
-            position_ids = default_position_ids(b, t, start, input_ids.device)  # [B,T]
+        t = input_ids.shape[1]
+        position_ids, mask = attention_inputs(input_ids, position_ids, document_ids, start)  # [B,T], [B,1,T,T]|None
         cos, sin = self.rotary_emb(position_ids)  # [B,T,D] each
         # A pipeline stage without the embedding receives hidden states [B,T,C] instead of ids.
         h = self.embed_tokens(input_ids) if self.embed_tokens is not None else input_ids  # [B,T,C]
         for layer in self.layers.values():
-            h = layer(h, cos, sin, kv_cache)
+            h = layer(h, cos, sin, kv_cache, mask)
         if kv_cache is not None:
             kv_cache.advance(t)
         return self.norm(h) if self.norm is not None else h  # [B,T,C]

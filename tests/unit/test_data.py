@@ -196,12 +196,13 @@ def test_bad_tokenizer_paths(tmp_path):
 
 def test_pack_layout_is_consistent(packed, tok, corpus):
     m = json.loads((packed / "manifest.json").read_text())
-    assert m["format"] == "fitlm-packed" and m["format_version"] == FORMAT_VERSION == 1
-    assert m["dtype"] == "uint16" and m["vocab_size"] == tok.vocab_size
+    assert m["format"] == "fitlm-packed" and m["format_version"] == FORMAT_VERSION == 2
+    assert m["dtype"] == "uint16" and m["vocab_size"] == tok.vocab_size and m["data_format"] == "text"
     assert (m["bos_id"], m["eos_id"], m["pad_id"]) == (0, 1, 2)
     assert m["tokenizer_sha256"] == tok.sha256 and m["sources"] == [str(f) for f in corpus]
-    tokens = np.fromfile(packed / "tokens.bin", dtype=np.uint16)
-    offsets = np.load(packed / "doc_offsets.npy")
+    assert [s["name"] for s in m["shards"]] == ["shard-00000"]
+    tokens = np.fromfile(packed / "shard-00000.tokens.bin", dtype=np.uint16)
+    offsets = np.load(packed / "shard-00000.offsets.npy")
     assert offsets.dtype == np.int64 and len(offsets) == m["num_docs"] + 1
     assert offsets[0] == 0 and offsets[-1] == m["num_tokens"] == len(tokens)
     assert m["num_docs"] > 3 * len(corpus)  # blank-line splitting made several documents per file
@@ -263,7 +264,7 @@ def test_pack_refuses_non_empty_out_dir(tmp_path, tok_path, corpus):
     empty = tmp_path / "empty"
     empty.mkdir()
     pack_corpus(corpus, tok_path, empty, show_progress=False)  # an existing empty dir is fine
-    assert (empty / "tokens.bin").is_file()
+    assert (empty / "shard-00000.tokens.bin").is_file()
 
 
 def test_pack_input_errors(tmp_path, tok_path, corpus):
@@ -322,12 +323,12 @@ def test_not_packed_dir_is_a_clear_error(tmp_path, packed):
         PackedDataset(copy)
     (copy / "manifest.json").write_text(json.dumps(m))
     PackedDataset(copy)
-    tokens = (copy / "tokens.bin").read_bytes()
-    (copy / "tokens.bin").write_bytes(tokens[:-2] + bytes([tokens[-2] ^ 1, tokens[-1]]))
-    with pytest.raises(DataError, match=r"tokens\.bin has changed"):
+    tokens = (copy / "shard-00000.tokens.bin").read_bytes()
+    (copy / "shard-00000.tokens.bin").write_bytes(tokens[:-2] + bytes([tokens[-2] ^ 1, tokens[-1]]))
+    with pytest.raises(DataError, match=r"shard shard-00000: shard-00000\.tokens\.bin has changed"):
         PackedDataset(copy).verify()
-    (copy / "tokens.bin").write_bytes(tokens[:-2])
-    with pytest.raises(DataError, match="truncated"):
+    (copy / "shard-00000.tokens.bin").write_bytes(tokens[:-2])
+    with pytest.raises(DataError, match="shard shard-00000: .*truncated"):
         PackedDataset(copy)
 
 
@@ -451,11 +452,11 @@ def test_resume_refuses_a_changed_run(packed):
 def test_data_too_small(packed):
     ds = PackedDataset(packed)
     n = ds.num_tokens
-    with pytest.raises(DataError, match=rf"too small for seq_length={n}.*need at least {n + 1} tokens, have {n}"):
+    with pytest.raises(DataError, match=rf"too small for seq_length={n}.*need at least {n + 1} tokens, have {n} "):
         SequenceLoader(ds, seq_length=n, micro_batch_size=1, seed=0)
     T = (n - 1) // 4  # exactly 4 windows: fine for 4 sequences, too few for 2 ranks x 3
     SequenceLoader(ds, T, 4, seed=0)
-    with pytest.raises(DataError, match=rf"need at least {6 * T + 1} tokens, have {n}"):
+    with pytest.raises(DataError, match=rf"need at least {6 * T + 1} tokens, have {n} "):
         SequenceLoader(ds, T, 3, seed=0, rank=1, world_size=2)
     with pytest.raises(DataError, match="rank 2 is outside"):
         SequenceLoader(ds, 8, 1, seed=0, rank=2, world_size=2)

@@ -1,0 +1,143 @@
+"""Peak memory and step time of each memory option against the fp32 baseline, on this machine.
+
+Not a test: it prints a table and writes JSON. One small Llama with a realistic 32K vocabulary (so the
+logits matter, as they do in real models), the same data and global batch for every option. Each
+option runs in its own process, so RSS is that option's alone.
+
+Memory is measured, not estimated: `peak_live` is the peak of bytes held by live tensors during one
+training step (torch's MemTracker, see fitlm/memory/tracking.py), split into parameters, gradients,
+optimizer states, activations and temporaries; `rss` is the process's peak resident set (allocator
+caches, the runtime and torch.compile's work included). On CUDA the allocator peak would be reported.
+
+    python bench/memory.py [--steps 6] [--out bench/results/memory.json] [--only NAME ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+PLAYS = ROOT / "examples" / "data" / "shakespeare"
+
+MODEL = {"arch": "llama", "hidden_size": 256, "num_layers": 4, "num_heads": 8, "num_kv_heads": 4,
+         "intermediate_size": 688, "vocab_size": 32000, "max_seq_len": 256, "tie_embeddings": False}
+BATCH = {"micro_batch_size": 8, "gradient_accumulation_steps": 1}
+
+# name -> (memory section, train overrides)
+OPTIONS = {
+    "baseline (O0 fp32)": ({}, {}),
+    "O1 bf16 autocast": ({"mixed_precision": "O1"}, {}),
+    "O2 bf16": ({"mixed_precision": "O2"}, {}),
+    "O3 bf16": ({"mixed_precision": "O3"}, {}),
+    "O2 fp16 + loss scaling": ({"mixed_precision": "O2", "half_dtype": "fp16"}, {}),
+    "recompute full": ({"recompute": "full"}, {}),
+    "recompute selective": ({"recompute": "selective"}, {}),
+    "chunked loss (1024)": ({"loss_chunk_size": 1024}, {}),
+    "cpu offload": ({"cpu_offload": True}, {}),
+    "accumulation 2 × half micro batch": ({}, {"micro_batch_size": 4, "gradient_accumulation_steps": 2}),
+    "compile": ({"compile": True}, {}),
+    "O2 + chunked + selective + compile": ({"mixed_precision": "O2", "loss_chunk_size": 1024,
+                                            "recompute": "selective", "compile": True}, {}),
+}
+
+
+def prepare_data(root: Path) -> None:
+    from fitlm.data.pack import pack_corpus
+    from fitlm.data.tokenizer import train_tokenizer
+
+    tok = train_tokenizer([PLAYS / "macbeth_gut.txt"], 1024, root / "tokenizer.json")
+    pack_corpus([PLAYS / "macbeth_gut.txt"], tok, root / "train", show_progress=False)
+
+
+def measure(root: Path, name: str, steps: int) -> dict:
+    """Runs in a child process: build the trainer for one option, time `steps` steps, then measure one."""
+    import torch
+
+    from fitlm.config import validate_dict
+    from fitlm.memory.tracking import peak_live_bytes
+    from fitlm.train.trainer import Trainer
+
+    memory, train = OPTIONS[name]
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    cfg = validate_dict({
+        "model": MODEL, "memory": memory,
+        "data": {"train": str(root / "train"), "seq_length": 256},
+        "train": {**BATCH, **train, "max_steps": 1000, "warmup_steps": 0, "eval_interval": 0, "progress": False,
+                  "output_dir": str(root / "runs" / name.replace(" ", "_"))},
+    })
+    trainer = Trainer(cfg)
+    batches = iter(trainer.loader)
+    accum = cfg.train.gradient_accumulation_steps
+
+    def step():
+        trainer.forward_backward([next(batches) for _ in range(accum)])
+        trainer.optimizer_step()
+
+    for _ in range(2):  # warm up: optimizer states, allocator, compilation
+        step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    live = peak_live_bytes(step, trainer.pm.modules, trainer.optimizer, warmup_steps=0)
+    tokens = cfg.train.micro_batch_size * accum * cfg.data.seq_length
+    return {"option": name, "step_s": statistics.median(times), "tokens_per_s": tokens / statistics.median(times),
+            "peak_live_bytes": live, "rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=6, help="timed steps per option (median reported)")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "memory.json")
+    ap.add_argument("--only", nargs="*", help="option names to run (default: all)")
+    ap.add_argument("--_worker", nargs=2, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args._worker:
+        print(json.dumps(measure(Path(args._worker[0]), args._worker[1], args.steps)))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        prepare_data(root)
+        for name in args.only or OPTIONS:
+            proc = subprocess.run([sys.executable, __file__, "--steps", str(args.steps), "--_worker", str(root), name],
+                                  capture_output=True, text=True)
+            if proc.returncode:
+                sys.exit(f"{name} failed:\n{proc.stderr[-3000:]}")
+            rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            print(f"measured {name}", file=sys.stderr)
+    base = rows[0]
+    mib = 2 ** 20
+    table = Table(title=f"memory options: Llama h{MODEL['hidden_size']} L{MODEL['num_layers']} vocab {MODEL['vocab_size']}, "
+                        f"{BATCH['micro_batch_size']}×256 tokens per step, CPU")
+    for col in ("option", "peak live MiB", "vs baseline", "params", "grads", "optimizer", "activations", "temp",
+                "RSS MiB", "step s", "time vs baseline"):
+        table.add_column(col, justify="left" if col == "option" else "right")
+    for r in rows:
+        live = r["peak_live_bytes"]
+        r["memory_ratio"] = live["total"] / base["peak_live_bytes"]["total"]
+        r["time_ratio"] = r["step_s"] / base["step_s"]
+        table.add_row(r["option"], f"{live['total'] / mib:.1f}", f"{r['memory_ratio']:.2f}×",
+                      *(f"{live[k] / mib:.1f}" for k in ("params", "grads", "optimizer", "activations", "temporaries")),
+                      f"{r['rss_bytes'] / mib:.0f}", f"{r['step_s']:.3f}", f"{r['time_ratio']:.2f}×")
+    Console().print(table)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"model": MODEL, "batch": BATCH, "seq_length": 256, "rows": rows}, indent=1) + "\n")
+    print(f"wrote {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
