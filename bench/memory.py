@@ -1,8 +1,10 @@
 """Peak memory and step time of each memory option against the fp32 baseline, on this machine.
 
-Not a test: it prints a table and writes JSON. One small Llama with a realistic 32K vocabulary (so the
-logits matter, as they do in real models), the same data and global batch for every option. Each
-option runs in its own process, so RSS is that option's alone.
+Not a test: it prints a table and writes JSON. One small Llama whose 8K vocabulary makes the logits a
+large share of memory (as a 32K-128K vocabulary does in real models), the same data and global batch
+for every option. Each option runs in its own process, so RSS is that option's alone. (On this CPU,
+torch 2.13's bf16 matmuls with a long reduction dimension, such as the output layer's backward over
+the vocabulary, are far slower than fp32: half-precision step times here say nothing about a GPU.)
 
 Memory is measured, not estimated: `peak_live` is the peak of bytes held by live tensors during one
 training step (torch's MemTracker, see fitlm/memory/tracking.py), split into parameters, gradients,
@@ -29,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 PLAYS = ROOT / "examples" / "data" / "shakespeare"
 
 MODEL = {"arch": "llama", "hidden_size": 256, "num_layers": 4, "num_heads": 8, "num_kv_heads": 4,
-         "intermediate_size": 688, "vocab_size": 32000, "max_seq_len": 256, "tie_embeddings": False}
+         "intermediate_size": 688, "vocab_size": 8192, "max_seq_len": 256, "tie_embeddings": False}
 BATCH = {"micro_batch_size": 8, "gradient_accumulation_steps": 1}
 
 # name -> (memory section, train overrides)

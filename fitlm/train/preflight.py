@@ -23,8 +23,10 @@ def unsupported_options(cfg: Config) -> list[str]:
     out = []
     if cfg.finetune.method != "full":
         out.append(f"finetune.method: {cfg.finetune.method} is not available yet; use full")
-    if cfg.data.format != "pretrain":
-        out.append("data.format: chat is not available yet; use pretrain")
+    if cfg.data.document_mask and cfg.parallel.pipeline_parallel > 1:
+        out.append("data.document_mask: the pipeline stages after the first do not receive the document ids yet, "
+                   "so documents would attend to each other there; set data.document_mask: false with "
+                   "pipeline_parallel > 1 (or use data/tensor parallel)")
     return out
 
 

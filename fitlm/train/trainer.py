@@ -144,8 +144,15 @@ class Trainer:
     def _loader(self, data: PackedDataset, shuffle: bool) -> SequenceLoader:
         # Each data-parallel rank reads its own disjoint windows; tensor/pipeline ranks of a replica share them.
         t = self.cfg.train
-        return SequenceLoader(data, self.cfg.data.seq_length, t.micro_batch_size, seed=t.seed,
-                              rank=self.ctx.dp_rank, world_size=self.ctx.dp, shuffle=shuffle)
+        return SequenceLoader.from_config(data, self.cfg.data, t.micro_batch_size, seed=t.seed,
+                                          rank=self.ctx.dp_rank, world_size=self.ctx.dp, shuffle=shuffle)
+
+    def document_inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Per-document positions and ids (block-causal attention), when data.document_mask is on."""
+        if not self.cfg.data.document_mask:
+            return {}
+        return {"position_ids": batch["position_ids"].to(self.device, non_blocking=True),  # [B, T]
+                "document_ids": batch["document_ids"].to(self.device, non_blocking=True)}  # [B, T]
 
     def forward_backward(self, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """Accumulate gradients over micro batches; returns the step's loss.
@@ -169,17 +176,17 @@ class Trainer:
                 if self.pm.pipeline is not None:
                     loss_sum = self.pm.pipeline.step(input_ids, labels, scale)  # forward + backward of all stages
                 else:
-                    loss_sum = self.loss_sum(input_ids, labels)
+                    loss_sum = self.loss_sum(input_ids, labels, **self.document_inputs(batch))
                     (loss_sum * scale).backward()
             total += loss_sum.detach()
         self.pm.finish_backward()
         return self.ctx.all_reduce_sum(total, "dp") / n_targets
 
-    def loss_sum(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def loss_sum(self, input_ids: torch.Tensor, labels: torch.Tensor, **doc: torch.Tensor) -> torch.Tensor:
         """Summed token loss of one micro batch through the (non-pipelined) model."""
         if self.cfg.memory.loss_chunk_size:
-            return self.pm.model(input_ids, labels=labels)  # chunked head + loss inside forward, no full logits
-        return cross_entropy_sum(self.pm.model(input_ids), labels)  # logits [B, T, V]
+            return self.pm.model(input_ids, labels=labels, **doc)  # chunked head + loss inside forward, no full logits
+        return cross_entropy_sum(self.pm.model(input_ids, **doc), labels)  # logits [B, T, V]
 
     def optimizer_step(self) -> tuple[torch.Tensor, bool]:
         """Unscale (fp16), clip, step, clear; returns the pre-clip global gradient norm and whether the
@@ -213,7 +220,7 @@ class Trainer:
                 if self.pm.pipeline is not None:
                     loss_sum = self.pm.pipeline.eval_step(input_ids, labels)
                 else:
-                    loss_sum = self.loss_sum(input_ids, labels)
+                    loss_sum = self.loss_sum(input_ids, labels, **self.document_inputs(batch))
             sums += torch.stack([loss_sum.float().detach().reshape(()), torch.tensor(float(count_targets(labels)))])
         self.pm.after_eval()
         for m in self.pm.modules:
