@@ -169,7 +169,9 @@ class FinetuneConfig(_Section):
     lora: LoraConfig = LoraConfig()
     """LoRA settings (used when method is `lora`)."""
     freeze_layers: float = 0.0
-    """Fraction of the bottom layers frozen when method is `freeze` (0.0-1.0)."""
+    """Fraction of the bottom layers frozen when method is `freeze` (0.0-1.0; floor(fraction × layers) blocks)."""
+    freeze_embeddings: bool = False
+    """With method `freeze`: also freeze the token (and position) embeddings, and with them a tied output head."""
 
 
 class TrainConfig(_Section):
@@ -205,6 +207,8 @@ class TrainConfig(_Section):
     """Evaluate on data.valid every this many steps (and at the end); 0 disables."""
     eval_steps: int = 10
     """Global batches (micro_batch_size × data_parallel × gradient_accumulation_steps sequences each) per evaluation."""
+    early_stopping_patience: int = 0
+    """Stop when the validation loss has not improved for this many evaluations in a row (needs data.valid and eval_interval); 0 = never stop early."""
     lr_scaling: Literal["none", "sqrt"] = "none"
     """`sqrt`: multiply lr and min_lr by sqrt(global batch / lr_reference_batch) and warmup_steps by the same factor."""
     lr_reference_batch: int | None = None

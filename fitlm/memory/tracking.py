@@ -14,6 +14,11 @@ import torch
 import torch.nn as nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
+class _NoHandle:
+    def remove(self) -> None:
+        pass
+
+
 CATEGORIES = {"PARAM": "params", "BUFFER": "buffers", "GRAD": "grads", "OPT": "optimizer", "ACT": "activations",
               "TEMP": "temporaries", "OTH": "other"}
 
@@ -24,6 +29,12 @@ def peak_live_bytes(step: Callable[[], object], modules: list[nn.Module], optimi
     measured; returns peak bytes by category plus `total`, summed over devices."""
     tracker = MemTracker()
     tracker.track_external(*modules, *([optimizer] if optimizer is not None else []))
+    # MemTracker hooks every parameter's gradient, which torch refuses for frozen ones (LoRA, freeze):
+    # mark those as already hooked, with handles whose removal does nothing.
+    for module in modules:
+        for p in module.parameters():
+            if not p.requires_grad:
+                tracker._param_to_grad_hook_handles[p] = (_NoHandle(), _NoHandle())
     with tracker:
         for _ in range(warmup_steps):
             step()

@@ -37,12 +37,16 @@ def config_from_hf(hf: Mapping[str, Any], source: str = "config.json") -> ModelC
     are refused rather than silently approximated.
     """
     model_type = hf.get("model_type")
-    if model_type == "llama":
+    if model_type in LLAMA_LIKE:
         return _llama_config(hf, source)
     if model_type == "gpt2":
         return _gpt2_config(hf, source)
-    raise HFFormatError(f"{source}: model_type {model_type!r} is not supported; fitlm reads 'llama' and 'gpt2' "
-                        f"Hugging Face models")
+    if model_type == "qwen2":
+        raise HFFormatError(f"{source}: model_type 'qwen2' adds biases to the q/k/v projections, which fitlm's llama "
+                            f"family does not implement yet; only bias-free llama variants (llama, mistral, "
+                            f"SmolLM) and gpt2 can be imported")
+    raise HFFormatError(f"{source}: model_type {model_type!r} is not supported; fitlm reads "
+                        f"{', '.join(repr(t) for t in (*LLAMA_LIKE, 'gpt2'))} Hugging Face models")
 
 
 def _refuse(problems: list[str], source: str) -> None:
@@ -55,8 +59,17 @@ def _rope_theta(hf: Mapping[str, Any]) -> float:
     return float(params.get("rope_theta") or hf.get("rope_theta") or 10000.0)
 
 
+# Same tensors and maths as Llama: Mistral differs only by sliding-window attention (see _llama_config).
+LLAMA_LIKE = ("llama", "mistral")
+
+
 def _llama_config(hf: Mapping[str, Any], source: str) -> ModelConfig:
     hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+    max_len = int(hf.get("max_position_embeddings", 2048))
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
+    if window:
+        # Within the window, sliding-window attention is plain causal attention: cap the sequence length there.
+        max_len = min(max_len, int(window))
     problems = []
     if hf.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={hf['hidden_act']!r} (only 'silu')")
@@ -73,7 +86,7 @@ def _llama_config(hf: Mapping[str, Any], source: str) -> ModelConfig:
     return _normalized(ModelConfig(
         arch="llama", hidden_size=hidden, num_layers=int(hf["num_hidden_layers"]), num_heads=heads,
         num_kv_heads=None if kv in (None, heads) else int(kv), intermediate_size=int(hf["intermediate_size"]),
-        vocab_size=int(hf["vocab_size"]), max_seq_len=int(hf.get("max_position_embeddings", 2048)),
+        vocab_size=int(hf["vocab_size"]), max_seq_len=max_len,
         rope_theta=_rope_theta(hf), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)), init_std=float(hf.get("initializer_range", 0.02))))
 

@@ -184,16 +184,23 @@ def read_model_config(path: str | Path) -> ModelConfig:
     """The model section behind a MODEL path, without reading any weights."""
     kind, d = resolve_model_path(path)
     if kind == "gguf":
-        raise ModelDirError(f"{d} is a GGUF file; convert it first with `fitlm import {d} --out DIR` and pass DIR")
+        from fitlm.models.gguf import read_gguf_config
+
+        return read_gguf_config(d)
     return load_config(d / "config.yaml").model if kind == "fitlm" else read_hf_config(d)
 
 
 def load_model_dir(path: str | Path, device: str | torch.device = "cpu",
                    dtype: torch.dtype | None = torch.float32) -> LoadedModel:
-    """Load a fitlm model directory, a training output (its model/), or a Hugging Face directory."""
+    """Load a fitlm model directory, a training output (its model/), a Hugging Face directory or a GGUF file
+    (dequantized on the fly; `fitlm import` keeps the result, with its tokenizer)."""
     kind, d = resolve_model_path(path)
     if kind == "gguf":
-        raise ModelDirError(f"{d} is a GGUF file; convert it first with `fitlm import {d} --out DIR` and pass DIR")
+        from fitlm.models.gguf import read_gguf
+
+        mcfg, sd, _ = read_gguf(d)
+        model = model_from_hf_state_dict(sd, mcfg, str(d), device, dtype)
+        return LoadedModel(model.eval(), default_config(mcfg), None, "gguf", d)
     if kind == "fitlm":
         return _load_fitlm_dir(d, device, dtype)
     model, mcfg = load_hf_dir(d, device, dtype)

@@ -177,8 +177,34 @@ def build_schedule(stages: list[tuple[int, nn.Module]], pp_group, n_microbatches
     return PipelineSchedule(sched, pstages, group, n_microbatches, device)
 
 
+def carry_document_inputs(module: nn.Module, last: bool) -> None:
+    """Make a stage take (hidden, position_ids, document_ids) and, unless it is the last stage, hand all
+    three on: every stage's attention needs the document ids (block-causal mask) and positions, and
+    a stage only receives what the previous stage returns. The integers need no gradient."""
+    inner = module.forward
+    max_position = module.config.max_seq_len - 1
+
+    def forward(x, position_ids=None, document_ids=None):
+        if position_ids is not None and x.is_floating_point():  # a later stage, fed by the previous one
+            # torch's pipelining infers shapes by running such a stage once on uninitialised buffers;
+            # keep those positions indexable. Real positions are below max_seq_len: a no-op for them.
+            position_ids = position_ids.clamp(0, max_position)
+        out = inner(x, position_ids=position_ids, document_ids=document_ids)
+        return out if last else (out, position_ids, document_ids)
+
+    module.forward = forward
+
+
+def _stage_args(pp: PipelineSchedule, input_ids: torch.Tensor, doc: dict[str, torch.Tensor]) -> tuple:
+    if not pp.has_first:
+        return ()
+    if not doc:
+        return (input_ids.to(pp.device),)
+    return (input_ids.to(pp.device), doc["position_ids"].to(pp.device), doc["document_ids"].to(pp.device))
+
+
 def pipeline_step(pp: PipelineSchedule, input_ids: torch.Tensor, labels: torch.Tensor,
-                  total_targets: int | torch.Tensor) -> torch.Tensor:
+                  total_targets: int | torch.Tensor, **doc: torch.Tensor) -> torch.Tensor:
     """Forward + backward of one micro batch [B,T] through the pipeline; gradients accumulate into .grad.
 
     Call it on every pp rank with the same batch. Returns this batch's contribution to the step's
@@ -189,7 +215,7 @@ def pipeline_step(pp: PipelineSchedule, input_ids: torch.Tensor, labels: torch.T
         raise ValueError(f"a micro batch of {input_ids.shape[0]} sequences cannot be split into "
                          f"parallel.micro_batch_num={pp.n_microbatches} equal chunks; make train.micro_batch_size "
                          f"a multiple of {pp.n_microbatches}")
-    args = (input_ids.to(pp.device),) if pp.has_first else ()
+    args = _stage_args(pp, input_ids, doc)
     target = labels.to(pp.device) if pp.has_last else None
     losses: list[torch.Tensor] | None = [] if pp.has_last else None
     pp.schedule.step(*args, target=target, losses=losses, return_outputs=False,
@@ -200,12 +226,13 @@ def pipeline_step(pp: PipelineSchedule, input_ids: torch.Tensor, labels: torch.T
 
 
 @torch.no_grad()
-def pipeline_eval(pp: PipelineSchedule, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def pipeline_eval(pp: PipelineSchedule, input_ids: torch.Tensor, labels: torch.Tensor,
+                  **doc: torch.Tensor) -> torch.Tensor:
     """Forward only: the batch's token-summed CE (divide by count_targets yourself), on every pp rank."""
     if input_ids.shape[0] % pp.n_microbatches:
         raise ValueError(f"an eval batch of {input_ids.shape[0]} sequences cannot be split into "
                          f"parallel.micro_batch_num={pp.n_microbatches} equal chunks")
-    args = (input_ids.to(pp.device),) if pp.has_first else ()
+    args = _stage_args(pp, input_ids, doc)
     losses: list[torch.Tensor] | None = [] if pp.has_last else None
     # eval() forwards extra keywords to step(), whose loss_kwargs reach the loss: divide by 1 = keep sums.
     pp.schedule.eval(*args, target=labels.to(pp.device) if pp.has_last else None, losses=losses,
@@ -338,6 +365,7 @@ class Pipeline:
         p = cfg.parallel
         self.ctx, self.group = ctx, ctx.group("pp")
         self.schedule_name, self.n_microbatches = p.pipeline_schedule, p.micro_batch_num
+        self.document_mask = bool(getattr(cfg.data, "document_mask", False))
         self.stages = build_stage_modules(model, ctx.pp_rank, ctx.pp, self.schedule_name, p.pipeline_layers)
         self.stage_modules = [m for _, m in self.stages]
         self.schedule: PipelineSchedule | None = None
@@ -346,6 +374,10 @@ class Pipeline:
         """`parts`: the wrapped stage modules, in `stage_modules` order."""
         self.stages = [(sid, part) for (sid, _), part in zip(self.stages, parts)]
         tag_tied_copies(self._bare())  # FSDP2 replaced the Parameters
+        if self.document_mask:
+            last = self.ctx.pp * VIRTUAL_STAGES[self.schedule_name] - 1
+            for sid, part in self.stages:
+                carry_document_inputs(part, last=sid == last)
         self.schedule = build_schedule(self.stages, self.group, self.n_microbatches, None, self.schedule_name,
                                        self.ctx.device)
 
@@ -353,12 +385,13 @@ class Pipeline:
         return [(sid, getattr(m, "module", m) if isinstance(m, nn.parallel.DistributedDataParallel) else m)
                 for sid, m in self.stages]
 
-    def step(self, input_ids: torch.Tensor, labels: torch.Tensor, scale: float) -> torch.Tensor:
-        """Backward of (summed CE × scale) for one micro batch; returns the summed CE on every pp rank."""
-        return pipeline_step(self.schedule, input_ids, labels, 1.0 / scale) / scale
+    def step(self, input_ids: torch.Tensor, labels: torch.Tensor, scale: float, **doc: torch.Tensor) -> torch.Tensor:
+        """Backward of (summed CE × scale) for one micro batch; returns the summed CE on every pp rank.
+        `doc`: position_ids and document_ids [B,T] when data.document_mask is on."""
+        return pipeline_step(self.schedule, input_ids, labels, 1.0 / scale, **doc) / scale
 
-    def eval_step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return pipeline_eval(self.schedule, input_ids, labels)
+    def eval_step(self, input_ids: torch.Tensor, labels: torch.Tensor, **doc: torch.Tensor) -> torch.Tensor:
+        return pipeline_eval(self.schedule, input_ids, labels, **doc)
 
     def clip_grad_norm(self, params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
         """Once per optimizer step, after all backward passes: tied-copy sync, then the global clip."""

@@ -21,12 +21,15 @@ RUN_CONFIG = "config.yaml"  # the resolved config a run writes into its output_d
 def unsupported_options(cfg: Config) -> list[str]:
     """Options the schema accepts (they are part of the config contract) but this build cannot run yet."""
     out = []
-    if cfg.finetune.method != "full":
-        out.append(f"finetune.method: {cfg.finetune.method} is not available yet; use full")
-    if cfg.data.document_mask and cfg.parallel.pipeline_parallel > 1:
-        out.append("data.document_mask: the pipeline stages after the first do not receive the document ids yet, "
-                   "so documents would attend to each other there; set data.document_mask: false with "
-                   "pipeline_parallel > 1 (or use data/tensor parallel)")
+    p = cfg.parallel
+    if cfg.finetune.method != "full" and (p.tensor_parallel > 1 or p.pipeline_parallel > 1):
+        # Adapters live inside the q/k/v/... Linears that tensor parallel shards and pipeline stages split;
+        # neither path is sharded or tested for adapters/frozen layers yet.
+        out.append(f"finetune.method: {cfg.finetune.method} runs with data parallel and ZeRO 0-3 only, not with "
+                   f"tensor_parallel={p.tensor_parallel} / pipeline_parallel={p.pipeline_parallel}; set both to 1 "
+                   "and use data_parallel (ZeRO-3 shards the frozen base weights too)")
+    if cfg.train.early_stopping_patience and not (cfg.data.valid and cfg.train.eval_interval):
+        out.append("train.early_stopping_patience: needs a validation set (data.valid) and train.eval_interval > 0")
     return out
 
 

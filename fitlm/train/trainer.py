@@ -20,6 +20,8 @@ from fitlm.checkpoint.checkpointer import Checkpointer
 from fitlm.config import Config, ConfigError, validate_dict
 from fitlm.data.dataset import PackedDataset, SequenceLoader, check_compat
 from fitlm.data.tokenizer import Tokenizer
+from fitlm.finetune.apply import apply_finetune, final_weights
+from fitlm.finetune.early_stopping import EarlyStopping
 from fitlm.memory.loss_scale import LossScaler
 from fitlm.memory.precision import autocast, compute_dtype
 from fitlm.models.io import load_model_dir, read_model_config, save_model_dir
@@ -117,6 +119,7 @@ class Trainer:
         self.loader = self._loader(self.train_data, shuffle=True)
         model = build_or_load_model(cfg, self.device)  # same seed on every rank: identical replicas
         self.flops_per_token = flops_per_token(model, cfg.model, cfg.data.seq_length)
+        apply_finetune(model, cfg)  # LoRA adapters / frozen layers on the plain model, before any wrapper
         problem = preflight.output_dir_problem(cfg, overwrite)  # checked on every rank, so all stop together
         if problem:
             raise ConfigError([problem])
@@ -174,7 +177,8 @@ class Trainer:
             # loss_context: under tensor parallel the loss (and its backward) runs on vocab-sharded logits.
             with autocast(self.cfg.memory, self.device), self.pm.loss_context():
                 if self.pm.pipeline is not None:
-                    loss_sum = self.pm.pipeline.step(input_ids, labels, scale)  # forward + backward of all stages
+                    # forward + backward of all stages
+                    loss_sum = self.pm.pipeline.step(input_ids, labels, scale, **self.document_inputs(batch))
                 else:
                     loss_sum = self.loss_sum(input_ids, labels, **self.document_inputs(batch))
                     (loss_sum * scale).backward()
@@ -218,7 +222,7 @@ class Trainer:
             input_ids = batch["input_ids"].to(self.device)
             with autocast(self.cfg.memory, self.device), self.pm.loss_context():
                 if self.pm.pipeline is not None:
-                    loss_sum = self.pm.pipeline.eval_step(input_ids, labels)
+                    loss_sum = self.pm.pipeline.eval_step(input_ids, labels, **self.document_inputs(batch))
                 else:
                     loss_sum = self.loss_sum(input_ids, labels, **self.document_inputs(batch))
             sums += torch.stack([loss_sum.float().detach().reshape(()), torch.tensor(float(count_targets(labels)))])
@@ -235,6 +239,8 @@ class Trainer:
         batches = iter(self.loader)
         history: list[dict] = []
         eval_loss = None
+        stopper = EarlyStopping(t.early_stopping_patience)
+        step = start
         progress = TrainProgress(t.max_steps, enabled=t.progress and main, console=self.console)
         window_start, window_tokens = time.perf_counter(), 0
         try:
@@ -273,6 +279,10 @@ class Trainer:
                             progress.update(step, eval_loss=eval_loss)
                             window_start = time.perf_counter()  # evaluation time is not training time
                     self.checkpointer.after_step(step, self.pm, self.optimizer, self.stateful())
+                    if t.eval_interval and step % t.eval_interval == 0 and stopper.should_stop(eval_loss):
+                        if log:  # eval_loss is all-reduced: every rank stops at the same step
+                            log.write({"step": step, "early_stop": True, "best_eval_loss": round(stopper.best, 6)})
+                        break
         finally:
             if log:
                 log.close()
@@ -280,7 +290,7 @@ class Trainer:
         model_dir = self.save_final_model()
         shutdown(self.ctx)
         first, last = (history[0]["loss"], history[-1]["loss"]) if history else (float("nan"), float("nan"))
-        return TrainResult(self.output_dir, model_dir, t.max_steps, first, last, eval_loss, history, is_main=main)
+        return TrainResult(self.output_dir, model_dir, step, first, last, eval_loss, history, is_main=main)
 
     def stateful(self) -> dict:
         """Objects besides model and optimizer whose state a checkpoint keeps (state_dict/load_state_dict)."""
@@ -291,6 +301,7 @@ class Trainer:
         full = self.pm.full_state_dict()
         model_dir = self.output_dir / "model"
         if self.ctx.is_main:
+            full = final_weights(full, self.cfg, self.output_dir)  # LoRA: adapter/ written, weights merged
             with torch.device("meta"):
                 plain = build_model(self.cfg.model)
             plain.load_state_dict(full, assign=True)

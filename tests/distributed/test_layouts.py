@@ -16,13 +16,10 @@ STEPS = 4
 REFERENCE = {"micro_batch_size": 4, "gradient_accumulation_steps": 2}
 
 
-def run(tiny_corpus, root, name, parallel: dict, train: dict, *extra: str, memory: dict | None = None,
-        no_mask: bool = False):
+def run(tiny_corpus, root, name, parallel: dict, train: dict, *extra: str, memory: dict | None = None):
     train = {"max_steps": STEPS, "eval_interval": STEPS, **train}
-    # Pipeline stages after the first get no document ids yet (refused with a mask): those runs and
-    # their reference train without document masks.
     cfg = tiny_config(tiny_corpus, root / name, train=train, parallel=parallel, model={"tie_embeddings": False},
-                      memory=memory or {}, data={"document_mask": not no_mask and parallel.get("pipeline_parallel", 1) == 1})
+                      memory=memory or {})
     proc = fitlm("train", write_config(root / f"{name}.yaml", cfg), "--json", *extra)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -35,11 +32,6 @@ def run(tiny_corpus, root, name, parallel: dict, train: dict, *extra: str, memor
 @pytest.fixture(scope="module")
 def reference(tiny_corpus, tmp_path_factory):
     return run(tiny_corpus, tmp_path_factory.mktemp("ref"), "single", {}, REFERENCE)
-
-
-@pytest.fixture(scope="module")
-def reference_no_mask(tiny_corpus, tmp_path_factory):
-    return run(tiny_corpus, tmp_path_factory.mktemp("ref"), "single", {}, REFERENCE, no_mask=True)
 
 
 def assert_same_training(result, reference):
@@ -75,10 +67,8 @@ MODEL_LAYOUTS = [
 
 # Four of these run in the slow tier only (make test-all) to keep CI within its time budget.
 @pytest.mark.parametrize("name,parallel,train", MODEL_LAYOUTS)
-def test_model_parallel_and_hybrid_layouts_equal_single_process(tiny_corpus, tmp_path, request, name, parallel,
+def test_model_parallel_and_hybrid_layouts_equal_single_process(tiny_corpus, tmp_path, reference, name, parallel,
                                                                  train):
-    pipelined = parallel.get("pipeline_parallel", 1) > 1
-    reference = request.getfixturevalue("reference_no_mask" if pipelined else "reference")
     assert_same_training(run(tiny_corpus, tmp_path, name, parallel, train), reference)
 
 

@@ -26,8 +26,7 @@ CASES = [
 @pytest.mark.parametrize("name,parallel,train,memory", CASES,
                          ids=["dp2-zero3-o2-fp16-chunked-offload", "tp2-o2-bf16-selective", "pp2-o2-fp16-recompute"])
 def test_memory_options_under_layouts_match_single_process(tiny_corpus, tmp_path, name, parallel, train, memory):
-    no_mask = "pipeline_parallel" in parallel  # see test_layouts.run
-    single = run(tiny_corpus, tmp_path, "single", {}, REFERENCE, memory=memory, no_mask=no_mask)
+    single = run(tiny_corpus, tmp_path, "single", {}, REFERENCE, memory=memory)
     split = run(tiny_corpus, tmp_path, name, parallel, train, memory=memory)
     assert split["losses"] == pytest.approx(single["losses"], rel=5e-4)
     assert split["grad_norms"] == pytest.approx(single["grad_norms"], rel=5e-3)

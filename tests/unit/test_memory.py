@@ -209,6 +209,9 @@ def test_frozen_parameters_hold_no_grads_and_no_optimizer_state(tiny_corpus, tmp
     assert not any(id(p) in {id(q) for q in trainer.optimizer.state} for p in frozen)
     assert all(torch.equal(a, b) for a, b in zip(before, frozen))
     assert len(trainer.optimizer.state) == sum(1 for p in model.parameters() if p.requires_grad)
+    # and memory measurement copes with frozen parameters (torch's tracker would hook their grads)
+    peak = peak_of(trainer, next(iter(trainer.loader)))
+    assert peak > sum(p.numel() * 4 for p in model.parameters())
 
 
 def test_accumulation_note_and_sqrt_lr_scaling():

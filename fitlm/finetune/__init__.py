@@ -1,0 +1,1 @@
+"""Fine-tuning: LoRA adapters (PEFT format), layer freezing, merging, and importing pretrained models."""

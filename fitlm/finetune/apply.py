@@ -1,0 +1,98 @@
+"""Where fine-tuning meets the trainer: set a plain model up for `finetune.method`, and turn the
+trained state into the final weights.
+
+`apply_finetune` runs on the plain model before `parallelize` (so every wrapper sees ordinary
+modules with their usual names). `final_weights` runs on rank 0 with the gathered state dict: for
+LoRA it writes the adapter in PEFT format to `output_dir/adapter/` and returns base + scale·BA, so
+`output_dir/model/` is a plain model that needs no adapter code.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Mapping
+
+import torch
+import torch.nn as nn
+
+from fitlm.config import Config
+from fitlm.finetune.freeze import apply_freeze
+from fitlm.finetune.lora import LoraError, LoraSpec, apply_lora, inject_lora, lora_modules_of, merge_lora, \
+    split_lora_state_dict
+from fitlm.finetune.peft_format import load_adapter, save_adapter
+from fitlm.memory.precision import half_dtype
+
+ADAPTER_DIR = "adapter"
+
+
+def stores_frozen_in_half(cfg: Config) -> bool:
+    """O2 computes with half casts of every weight anyway, so a frozen weight needs no fp32 master copy:
+    it is stored in half (half the bytes). Not under ZeRO-2/3, where FSDP2 owns the casting, and O3
+    stores everything in half already."""
+    sharded = cfg.parallel.zero_stage >= 2 and cfg.parallel.data_parallel > 1
+    return cfg.memory.mixed_precision == "O2" and not sharded
+
+
+def apply_finetune(model: nn.Module, cfg: Config) -> list[str]:
+    """Freeze / inject adapters per cfg.finetune; returns the trainable parameter names."""
+    f = cfg.finetune
+    if f.method == "full":
+        return [n for n, p in model.named_parameters() if p.requires_grad]
+    if f.method == "freeze":
+        trainable = apply_freeze(model, f.freeze_layers, f.freeze_embeddings)
+    else:
+        lora = f.lora
+        apply_lora(model, lora.r, lora.alpha, lora.dropout, lora.target_modules)
+        trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    if stores_frozen_in_half(cfg):
+        dtype = half_dtype(cfg.memory)
+        for p in model.parameters():
+            if not p.requires_grad and p.is_floating_point():
+                p.data = p.data.to(dtype)  # same Parameter object: tied weights stay tied
+    return trainable
+
+
+def trainable_parameter_count(model: nn.Module) -> int:
+    seen: set[int] = set()
+    return sum(p.numel() for p in model.parameters() if p.requires_grad and not (id(p) in seen or seen.add(id(p))))
+
+
+def spec_from_config(cfg: Config, adapter: Mapping[str, torch.Tensor]) -> LoraSpec:
+    lora = cfg.finetune.lora
+    return LoraSpec(r=lora.r, alpha=lora.alpha, dropout=lora.dropout, modules=lora_modules_of(adapter))
+
+
+def final_weights(full: dict[str, torch.Tensor], cfg: Config, output_dir: str | Path) -> dict[str, torch.Tensor]:
+    """The plain model's weights from a gathered training state dict (rank 0 only).
+
+    LoRA: the adapter goes to `output_dir/adapter/` (PEFT format) and the returned weights are merged,
+    in fp32. Under O2 the frozen base was held in half, so the merged base carries that rounding; merge
+    the adapter onto the original weights with `fitlm merge BASE --adapter output_dir/adapter` for an
+    exact fp32 result.
+    """
+    if cfg.finetune.method != "lora":
+        return full
+    base, adapter = split_lora_state_dict(full)
+    spec = spec_from_config(cfg, adapter)
+    save_adapter(adapter, spec, Path(output_dir) / ADAPTER_DIR, base_model=cfg.model.init_from)
+    merged = merge_lora(base, adapter, spec.scaling)
+    return {k: v.float() if v.is_floating_point() else v for k, v in merged.items()}
+
+
+def attach_adapter(model: nn.Module, adapter_dir: str | Path) -> LoraSpec:
+    """Inject a saved PEFT LoRA adapter (fitlm's or one made elsewhere) into a plain fitlm model."""
+    spec, tensors = load_adapter(adapter_dir)
+    params = dict(model.named_parameters())
+    for m in spec.modules:
+        w = params.get(f"{m}.weight")
+        a, b = tensors[f"{m}.lora_A.weight"], tensors[f"{m}.lora_B.weight"]
+        if w is None or tuple(w.shape) != (b.shape[0], a.shape[1]):
+            have = tuple(w.shape) if w is not None else "missing"
+            raise LoraError(f"{adapter_dir}: adapts {m} as {(b.shape[0], a.shape[1])} but this model's {m} is "
+                            f"{have}: the adapter was made for another base model")
+    inject_lora(model, spec)
+    dev = next(model.parameters()).device
+    missing, unexpected = model.load_state_dict({k: v.to(dev) for k, v in tensors.items()}, strict=False)
+    if unexpected:
+        raise LoraError(f"{adapter_dir}: tensors {unexpected[:3]} do not fit the model")
+    return spec

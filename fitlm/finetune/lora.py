@@ -1,0 +1,157 @@
+"""LoRA adapters injected into an unmodified model.
+
+A targeted `nn.Linear` stays the same module under the same name: its `weight` keeps its FQN
+(`model.layers.0.self_attn.q_proj.weight`), it gains two child Linears `lora_A` [r, in] and
+`lora_B` [out, r] and a forward hook that adds `scaling · B(A(dropout(x)))` to its output. So
+checkpoints, HF conversion and the precision/recompute/DDP/FSDP wrappers see plain modules, and the
+adapter tensors are named exactly as PEFT names them (`...q_proj.lora_A.weight`).
+
+B starts at zero, so a freshly injected model computes exactly what the base model computes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fitlm.finetune.errors import FinetuneError
+
+LORA_PARTS = ("lora_A", "lora_B")
+ALL_LINEAR = "all-linear"
+
+
+class LoraError(FinetuneError):
+    """A LoRA setting or adapter that does not fit the model; the message names the module and the fix."""
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """What an adapter is: rank, scaling numerator, dropout and the exact modules (FQNs) it wraps."""
+
+    r: int
+    alpha: float
+    dropout: float
+    modules: tuple[str, ...]
+    use_rslora: bool = False
+
+    @property
+    def scaling(self) -> float:
+        # rsLoRA (Kalajdzievski 2023) scales by alpha/sqrt(r) so larger ranks keep learning; PEFT reads the flag.
+        return self.alpha / math.sqrt(self.r) if self.use_rslora else self.alpha / self.r
+
+
+def candidate_linears(model: nn.Module) -> dict[str, nn.Linear]:
+    """The Linears LoRA may wrap: every one except the output head (PEFT's `all-linear` rule too)."""
+    head = getattr(model, "lm_head", None)
+    return {name: m for name, m in model.named_modules()
+            if isinstance(m, nn.Linear) and m is not head and not name.endswith(LORA_PARTS)}
+
+
+def resolve_targets(model: nn.Module, targets: Iterable[str]) -> tuple[str, ...]:
+    """FQNs of the Linears named by `targets` (a leaf name such as `q_proj`, a dotted suffix, or
+    `all-linear`), matched as PEFT matches them: the FQN equals the target or ends with `.target`."""
+    targets = list(targets)
+    linears = candidate_linears(model)
+    if not targets:
+        raise LoraError("finetune.lora.target_modules is empty; name modules such as [q_proj, v_proj] or use [all-linear]")
+    if ALL_LINEAR in targets:
+        return tuple(linears)
+    found, unknown = [], []
+    for t in targets:
+        hits = [n for n in linears if n == t or n.endswith("." + t)]
+        (found.extend(hits) if hits else unknown.append(t))
+    if unknown:
+        leaves = sorted({n.rsplit(".", 1)[-1] for n in linears})
+        raise LoraError(f"finetune.lora.target_modules: {', '.join(unknown)} match no linear layer of this model; "
+                        f"its linear layers are {', '.join(leaves)} (or use all-linear; the output head lm_head "
+                        f"is never a target)")
+    return tuple(n for n in linears if n in set(found))  # model order, no duplicates
+
+
+def _lora_hook(module: nn.Linear, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    x = args[0]
+    if module.lora_dropout > 0 and module.training:
+        x = F.dropout(x, module.lora_dropout, training=True)
+    return output + module.lora_B(module.lora_A(x)) * module.lora_scaling
+
+
+def add_lora(linear: nn.Linear, r: int, alpha_scaling: float, dropout: float) -> None:
+    """Give one Linear its adapter: A Kaiming-uniform (PEFT's default), B zero, fp32 on the weight's device."""
+    dev = linear.weight.device
+    linear.lora_A = nn.Linear(linear.in_features, r, bias=False, device=dev, dtype=torch.float32)
+    linear.lora_B = nn.Linear(r, linear.out_features, bias=False, device=dev, dtype=torch.float32)
+    nn.init.kaiming_uniform_(linear.lora_A.weight, a=math.sqrt(5))
+    nn.init.zeros_(linear.lora_B.weight)
+    linear.lora_scaling = alpha_scaling
+    linear.lora_dropout = dropout
+    linear.register_forward_hook(_lora_hook)
+
+
+def inject_lora(model: nn.Module, spec: LoraSpec) -> list[str]:
+    """Wrap spec.modules, freeze everything else; returns the names of the trainable parameters."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    linears = dict(model.named_modules())
+    for name in spec.modules:
+        m = linears.get(name)
+        if not isinstance(m, nn.Linear):
+            raise LoraError(f"adapter module {name!r} is not a linear layer of this model")
+        if hasattr(m, "lora_A"):
+            raise LoraError(f"{name} already has a LoRA adapter; merge it first (`fitlm merge`) to stack another")
+        add_lora(m, spec.r, spec.scaling, spec.dropout)
+    return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+def apply_lora(model: nn.Module, r: int, alpha: float, dropout: float, target_modules: Iterable[str]) -> LoraSpec:
+    """Inject adapters for `finetune.lora` settings into `model` (before any parallel wrapper)."""
+    if r < 1:
+        raise LoraError(f"finetune.lora.r: {r} must be at least 1")
+    spec = LoraSpec(r=r, alpha=alpha, dropout=dropout, modules=resolve_targets(model, target_modules))
+    inject_lora(model, spec)
+    return spec
+
+
+def is_lora_key(name: str) -> bool:
+    return any(f".{part}." in name for part in LORA_PARTS)
+
+
+def split_lora_state_dict(sd: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A LoRA model's state dict -> (base weights, adapter weights), both under fitlm FQNs."""
+    base = {k: v for k, v in sd.items() if not is_lora_key(k)}
+    adapter = {k: v for k, v in sd.items() if is_lora_key(k)}
+    return base, adapter
+
+
+def merge_lora(base: Mapping[str, torch.Tensor], adapter: Mapping[str, torch.Tensor], scaling: float,
+               source: str = "adapter") -> dict[str, torch.Tensor]:
+    """W' = W + scaling · B·A for every adapted module, computed in fp32 and stored in fp32.
+
+    Shapes are checked against the base, so an adapter trained on another model is refused instead of
+    producing a silently broken merge.
+    """
+    out = dict(base)
+    modules = sorted({k.rsplit(".lora_", 1)[0] for k in adapter})
+    for m in modules:
+        a, b = adapter.get(f"{m}.lora_A.weight"), adapter.get(f"{m}.lora_B.weight")
+        w = base.get(f"{m}.weight")
+        if a is None or b is None:
+            raise LoraError(f"{source}: {m} has only one of lora_A / lora_B; the adapter is incomplete")
+        if w is None:
+            raise LoraError(f"{source}: adapts {m}, which this base model does not have: the adapter was made "
+                            f"for another model (or architecture); use the base model it was trained on")
+        if a.shape[0] != b.shape[1] or tuple(w.shape) != (b.shape[0], a.shape[1]):
+            raise LoraError(f"{source}: {m} is {tuple(w.shape)} in the base model but the adapter expects "
+                            f"{(b.shape[0], a.shape[1])}: the adapter was made for another base model; "
+                            f"use the base model it was trained on")
+        delta = b.float() @ a.float()  # [out, r] @ [r, in]
+        out[f"{m}.weight"] = (w.float() + scaling * delta).to(torch.float32)
+    return out
+
+
+def lora_modules_of(adapter: Mapping[str, torch.Tensor]) -> tuple[str, ...]:
+    return tuple(sorted({k.rsplit(".lora_", 1)[0] for k in adapter}))

@@ -1,0 +1,235 @@
+"""The analytic engine: per-device bytes by component, in closed form, explainable line by line.
+
+Constants are derived for fitlm's Llama (RMSNorm, RoPE, GQA, SwiGLU, SDPA, no dropout) by counting
+the tensors its backward actually saves, and checked against the simulate engine (which runs the real
+step on fake tensors). Units below: bytes per token per block; h hidden, kv = kv_heads·head_dim,
+f MLP width, D head dim, H heads. At O0 one block keeps, in fp32:
+  - replicated (full width even under tensor parallel): block input x, norm1's normalised r1 and its
+    output n1 (input of q/k/v), residual x1, norm2's r2 and n2 (input of gate/up)       6h
+  - head-sharded: rotated q, attention output (= o_proj input)                               2h
+  - rotated k and v                                                                           2kv
+  - SwiGLU: gate, silu(gate), up, their product (down's input)                                4f
+  - SDPA log-sum-exp (fp32) 4H and two rsqrt rows (8 bytes)
+Half levels keep most of these in 2 bytes, but RMSNorm's fp32 statistics keep an fp32 copy of its
+input (and O1 keeps the residual stream in fp32), and RoPE keeps half casts of cos/sin (8D). O1/O2 also
+keep, per block, the half casts of its weights that the matmuls saved (2 bytes per parameter).
+Korthikanti et al.'s GPT constant (34·s·b·h) does not transfer: no dropout masks, a 3-matrix MLP, GQA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fitlm.plan.setup import Setup, embedding_params, head_params, layer_params, stage_layers
+
+# Per level: (replicated h, sharded h, kv, f, D) bytes per token per block, no recompute.
+BLOCK = {
+    "O0": (24, 8, 8, 16, 0),
+    "O1": (26, 4, 4, 8, 8),
+    "O2": (16, 4, 4, 8, 8),
+    "O3": (16, 4, 4, 8, 8),
+}
+# GPT-2 blocks (LayerNorm saves its input and fp32 mean/rstd, no RoPE, plain MHA, 2-matrix GELU MLP):
+# replicated x, n1, x1, n2; sharded q, attention output; k, v; GELU input and output.
+BLOCK_GPT2 = {"O0": (16, 8, 8, 8, 0), "O1": (16, 4, 4, 4, 0), "O2": (8, 4, 4, 4, 0), "O3": (8, 4, 4, 4, 0)}
+# What stays outside the blocks, bytes per token: the final norm's saved tensors and the RoPE tables
+# gathered per position (h-coefficient, D-coefficient); the logits path is separate.
+OUTSIDE = {"O0": (12, 8), "O1": (10, 0), "O2": (8, 0), "O3": (8, 0)}
+# Plain loss path, bytes per token per vocabulary entry: logits, their fp32 log-softmax, and the logits
+# gradient that exists at the start of backward (the peak): 3 fp32-sized values in every level.
+LOGIT_BYTES = 12
+# Under tensor parallel the loss runs on vocab-sharded logits (torch's loss_parallel), whose backward
+# keeps two more fp32 values per local logit (measured with the simulate engine): 20 bytes.
+LOGIT_BYTES_TP = 20
+WEIGHT_CAST = {"O0": 0, "O1": 2, "O2": 2, "O3": 0}  # half weight copies saved by the matmuls, per parameter
+
+
+def param_bytes(s: Setup) -> int:
+    return 2 if s.level == "O3" else 4
+
+
+def act_bytes(s: Setup) -> int:
+    return 4 if s.level == "O0" else 2
+
+
+def residual_bytes(s: Setup) -> int:
+    return 4 if s.level in ("O0", "O1") else 2
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Bytes on the most loaded device at its peak; `total` is their sum."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    logits: int
+    other: int
+    phase: str  # when the peak happens: "forward/backward" or "optimizer step"
+    host: int = 0  # bytes kept in host memory by offload
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations + self.logits + self.other
+
+    def as_dict(self) -> dict[str, int]:
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
+                "activations": self.activations, "logits": self.logits, "other": self.other, "total": self.total}
+
+
+def stage_params(s: Setup, first: bool) -> int:
+    """Parameters held by one pipeline rank before any sharding (first or last stage)."""
+    if s.pp == 1:
+        return embedding_params(s) + s.layers * layer_params(s) + head_params(s)
+    own = stage_layers(s) * layer_params(s)
+    if first:
+        return own + embedding_params(s)
+    # The last stage keeps the head; a tied head is a copy of the embedding there.
+    return own + head_params(s) + (s.vocab * s.h if s.tied else 0)
+
+
+def tp_share(s: Setup, n: int) -> float:
+    """Tensor parallel shards every matrix (embedding and head by vocabulary); norms are tiny."""
+    return n / s.tp
+
+
+def block_act_per_token(s: Setup) -> float:
+    """Saved bytes per token of one block with no recompute, on one tensor-parallel rank."""
+    rep, shard, kv, f, d = (BLOCK_GPT2 if s.arch == "gpt2" else BLOCK)[s.level]
+    t = s.tp
+    rep_h = rep * s.h / (t if s.sp else 1)
+    if s.sp:  # the all-gathered inputs of q/k/v and gate/up stay full width (2 of the 6 replicated tensors)
+        rep_h += 2 * act_bytes(s) * s.h * (1 - 1 / t)
+    gqa_repeat = 2 * act_bytes(s) * (s.h - s.kv) if s.doc_mask and s.kv < s.h else 0  # masked SDPA expands k, v
+    return rep_h + (shard * s.h + kv * s.kv + f * s.ffn + gqa_repeat + 4 * s.heads) / t + d * s.head_dim + 8
+
+
+def block_act_recompute(s: Setup, tokens: float) -> float:
+    """Bytes one block keeps across its forward under recompute (per block, for `tokens` tokens)."""
+    per_token = block_act_per_token(s)
+    if s.recompute == "full":
+        width = s.h / (s.tp if s.sp else 1)
+        return tokens * residual_bytes(s) * width  # only the block input
+    if s.recompute == "selective":  # matmul and SDPA outputs: q, k, v, attention, o, gate, up, down (+ input)
+        e, t = act_bytes(s), s.tp
+        width = s.h / (t if s.sp else 1)
+        return tokens * (residual_bytes(s) * width + e * (2 * s.h + 2 * s.kv + 2 * s.ffn) / t
+                         + 2 * e * width + 4 * s.heads / t)
+    return tokens * per_token
+
+
+def activations(s: Setup, tokens: float, layers: int, in_flight: float) -> tuple[float, float]:
+    """(kept, working): saved activations of `layers` blocks for `in_flight` micro-chunks of `tokens`
+    tokens each, and -- under recompute -- the extra working set of the one block rebuilt in backward
+    (a second peak candidate, after the logits are freed)."""
+    every = max(1, s.recompute_every)
+    recomputed = 0 if s.recompute == "none" else -(-layers // every)
+    plain = layers - recomputed
+    kept = in_flight * (plain * tokens * block_act_per_token(s) + recomputed * block_act_recompute(s, tokens))
+    casts = WEIGHT_CAST[s.level] * layer_params(s) / s.tp
+    if s.level == "O2" and s.zero >= 2 and s.dp > 1:
+        casts = 0  # FSDP2's policy gathers half parameters instead (counted under `other`)
+    kept += plain * casts  # saved half weights are shared by the in-flight chunks
+    working = tokens * block_act_per_token(s) + casts if recomputed else 0.0
+    return kept, working
+
+
+def logits_bytes(s: Setup, tokens: float) -> float:
+    """The output layer's activations: whole logits (+ log-softmax + gradient) or one chunk of them."""
+    v = s.vocab / s.tp
+    if s.loss_chunk:
+        chunk = min(s.loss_chunk, tokens)
+        # chunk logits and their fp32 softmax/gradient, the running fp32 weight gradient and the chunk's
+        # product added to it (both [V, h] fp32), the hidden gradient
+        return chunk * v * LOGIT_BYTES + 2 * v * s.h * 4 + tokens * s.h * act_bytes(s)
+    fsdp_casts = s.level == "O2" and s.zero >= 2 and s.dp > 1  # FSDP2 gathers half weights instead
+    cast = 0 if fsdp_casts else WEIGHT_CAST[s.level] * s.vocab * s.h / s.tp
+    return tokens * v * (LOGIT_BYTES_TP if s.tp > 1 else LOGIT_BYTES) + cast
+
+
+def outside_bytes(s: Setup, tokens: float) -> float:
+    a, d = OUTSIDE[s.level]
+    if s.arch == "gpt2":
+        a, d = 2 * act_bytes(s) + 4, 0  # final LayerNorm input and output; no RoPE tables
+    return tokens * (a * s.h / (s.tp if s.sp else 1) + d * s.head_dim + 12)
+
+
+def model_states(s: Setup, n: float) -> tuple[float, float, float, float]:
+    """(params, grads at rest, optimizer, host) bytes for `n` parameters on this rank, per ZeRO stage.
+
+    fitlm's levels fix the per-parameter bytes: params and grads in the parameter dtype (fp32, or half
+    at O3) and AdamW's two moments in it too; O2's half copies are transient (activations/other).
+    """
+    pb = param_bytes(s)
+    trained = n if s.method == "full" else 0.0  # LoRA/freeze: not modelled beyond "frozen = no states"
+    shard = s.dp if s.zero >= 2 else 1
+    opt_shard = s.dp if s.zero >= 1 else 1
+    params, grads, opt = n * pb / shard, trained * pb / shard, 2 * trained * pb / opt_shard
+    host = 0.0
+    if s.offload:
+        host = opt + trained * 4 / opt_shard  # moments + fp32 master copy (HostAdamW) or FSDP2's CPU shards
+        opt = 0.0
+        if s.zero >= 2 and s.dp > 1:
+            host += params + grads
+            params = grads = 0.0
+    return params, grads, opt, host
+
+
+def breakdown(s: Setup) -> Breakdown:
+    """The most loaded rank's peak: the larger of the forward/backward peak and the optimizer-step peak,
+    on the first pipeline stage (embedding + most in-flight chunks) or the last (logits), whichever is higher."""
+    results = [_stage(s, first=True)] + ([_stage(s, first=False)] if s.pp > 1 else [])
+    return max(results, key=lambda b: b.total)
+
+
+def _stage(s: Setup, first: bool) -> Breakdown:
+    n = tp_share(s, stage_params(s, first))
+    params, grads_full, opt, host = model_states(s, n)
+    if s.pp > 1:
+        chunks = max(1, s.chunks)
+        tokens = s.mbs / chunks * s.seq
+        layers = stage_layers(s) if s.schedule != "interleaved_1f1b" else 2 * -(-s.layers // (2 * s.pp))
+        if s.schedule == "gpipe":
+            in_flight = chunks
+        elif s.schedule == "interleaved_1f1b":
+            in_flight = min(chunks, s.pp) * (1 + (s.pp - 1) / (s.pp * chunks))
+        else:
+            in_flight = min(chunks, s.pp) if first else 1
+        has_logits = not first
+    else:
+        tokens, layers, in_flight, has_logits = s.mbs * s.seq, s.layers, 1, True
+    kept, working = activations(s, tokens, layers, in_flight)
+    outside = in_flight * outside_bytes(s, tokens) * (1 if has_logits else 0.5)
+    logit = logits_bytes(s, tokens) if has_logits else 0.0
+    rope = 0 if s.arch == "gpt2" else 2 * s.max_seq_len * s.head_dim * 4  # RoPE cos/sin tables (buffers)
+    other = rope
+    if s.doc_mask:
+        other += s.mbs * s.seq * s.seq  # the block-causal mask, bool [B,1,T,T], shared by all blocks
+    sharded = s.zero >= 2 and s.dp > 1
+    unsharded = n * (2 if s.level == "O2" else param_bytes(s))
+    staging = 0.0
+    if sharded and s.zero == 2:
+        other += unsharded  # ZeRO-2 keeps the gathered (separate, full) parameters from forward to backward
+    elif sharded:
+        staging = 2 * unsharded / max(1, layers)  # ZeRO-3 in backward: the regathered block and the prefetched next
+    # Two candidate moments in backward: the loss (logits alive; measured: no ZeRO-3 block gathered yet)
+    # or the first block's backward (logits freed, the head's gradient present, the block gathered or
+    # rebuilt by recompute).
+    head_grad = s.vocab * s.h * param_bytes(s) / s.tp if has_logits and s.method == "full" else 0.0
+    if working + staging + head_grad > outside + logit:
+        act, logit, grads_extra = kept + working, 0.0, head_grad
+        other += staging
+    else:
+        act, grads_extra = kept + outside, 0.0
+    buckets = n * param_bytes(s) if s.zero <= 1 and s.dp > 1 and s.tp == 1 and s.pp == 1 else 0.0
+    other += buckets  # DDP's gradient buckets (flat copies of every gradient)
+    # Gradients present during forward: none at accumulation step 1 (zero_grad frees them); with
+    # accumulation the earlier micro batches' gradients (unsharded while FSDP2 skips the sync).
+    grads_fb = (0.0 if s.accum == 1 else (unsharded if sharded else grads_full)) + grads_extra
+    fb = Breakdown(int(params), int(grads_fb), int(opt), int(act), int(logit), int(other), "forward/backward", int(host))
+    # Optimizer step: gradients complete, plus foreach AdamW's one state-sized temporary (sqrt of v).
+    step_tmp = 0.0 if s.offload else opt / 2
+    step_other = rope + buckets + step_tmp
+    st = Breakdown(int(params), int(grads_full), int(opt), 0, 0, int(step_other), "optimizer step", int(host))
+    return max((fb, st), key=lambda b: b.total)

@@ -1,0 +1,104 @@
+"""`fitlm plan` and `fitlm budget`: argument parsing and printing only; the work is in fitlm.plan."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_commands(sub) -> None:
+    p = sub.add_parser("plan", help="memory per device, fit, speed and the fastest layout, before any run",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Account per-device memory (params, grads, optimizer, activations, logits, other) "
+                                   "for the config's layout, say whether it fits, and estimate step time, tokens/s "
+                                   "and MFU. --simulate also runs the real training step on fake tensors.",
+                       epilog="examples:\n"
+                              "  fitlm plan configs/tiny.yaml --device cpu --simulate\n"
+                              "  fitlm plan configs/llama-7b.yaml --device a100-80g --num-devices 8 --search\n"
+                              "  fitlm plan CONFIG --device-memory 48GiB --device-tflops 181 --json")
+    p.add_argument("config", metavar="CONFIG", help="YAML config file")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key (repeatable)")
+    p.add_argument("--device", default=None, metavar="NAME",
+                   help="a100-40g, a100-80g (default), h100-80g, h200, rtx4090, rtx3090, ascend-910b, cpu (measured)")
+    p.add_argument("--device-memory", default=None, metavar="SIZE", help="device memory, e.g. 80GiB or 40GB")
+    p.add_argument("--device-tflops", type=float, default=None, metavar="T", help="dense half-precision peak TFLOP/s")
+    p.add_argument("--device-bandwidth", type=float, default=None, metavar="GB/S",
+                   help="intra-node link bandwidth per device, one direction, GB/s")
+    p.add_argument("--efficiency", type=float, default=None, metavar="F",
+                   help="achieved fraction of peak (e.g. the MFU `fitlm profile` measured); default per device")
+    p.add_argument("--num-devices", type=int, default=None, metavar="N", help="devices (default: the layout's dp×tp×pp)")
+    p.add_argument("--search", action="store_true", help="rank every fitting layout × memory option for N devices")
+    p.add_argument("--top", type=int, default=5, metavar="K", help="candidates to show with --search (default 5)")
+    p.add_argument("--best-out", default=None, metavar="FILE", help="with --search: write the best layout as a config YAML")
+    p.add_argument("--simulate", action="store_true",
+                   help="also run the real training step on fake tensors and report its peak per component")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("budget", help="compute-optimal model size and tokens for a FLOP or hardware budget",
+                       description="Chinchilla (Hoffmann et al. 2022): Approach 1 by default (~20 tokens per "
+                                   "parameter); --rule parametric or replication (Besiroglu et al. 2024).")
+    p.add_argument("--flops", type=float, default=None, metavar="C", help="training FLOPs, e.g. 1e23")
+    p.add_argument("--device", default=None, metavar="NAME", help="catalog device (with --num-devices and --hours)")
+    p.add_argument("--num-devices", type=int, default=None, metavar="N")
+    p.add_argument("--hours", type=float, default=None, metavar="H")
+    p.add_argument("--mfu", type=float, default=0.4, metavar="F", help="expected MFU (default 0.4)")
+    p.add_argument("--rule", default="approach1", choices=["approach1", "parametric", "replication"])
+    p.add_argument("--params", type=float, default=None, metavar="N",
+                   help="also: hours to train a model of N parameters on --tokens (default 20·N) with the hardware")
+    p.add_argument("--tokens", type=float, default=None, metavar="D")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.set_defaults(func=cmd_budget)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from fitlm.config import load_config
+    from fitlm.plan.devices import get_device
+    from fitlm.plan.report import plan, render
+
+    cfg = load_config(args.config, args.overrides)
+    dev = get_device(args.device, args.device_memory, args.device_tflops, args.device_bandwidth, args.efficiency)
+    result = plan(cfg, dev, args.num_devices, simulate=args.simulate, search=args.search, top=args.top,
+                  best_out=args.best_out)
+    if args.json:
+        sys.stdout.write(json.dumps(result) + "\n")
+    else:
+        render(result)
+    return 0
+
+
+class BudgetError(ValueError):
+    """Missing or contradictory budget flags."""
+
+
+def cmd_budget(args: argparse.Namespace) -> int:
+    from fitlm.plan.budget import compute_optimal, hardware_flops, training_hours
+    from fitlm.plan.devices import get_device
+
+    hardware = args.device is not None
+    if hardware and (args.num_devices is None or (args.hours is None and args.params is None)):
+        raise BudgetError("--device needs --num-devices and --hours (or --params to get the hours)")
+    if args.flops is None and not (hardware and args.hours is not None):
+        raise BudgetError("give --flops C, or --device NAME --num-devices N --hours H")
+    dev = get_device(args.device) if hardware else None
+    flops = args.flops if args.flops is not None else hardware_flops(dev.tflops, args.num_devices, args.hours, args.mfu)
+    b = compute_optimal(flops, args.rule)
+    out = {"flops": b.flops, "params": b.params, "tokens": b.tokens, "rule": b.rule,
+           "tokens_per_param": b.tokens / b.params}
+    if b.loss is not None:
+        out["loss"] = b.loss
+    if hardware:
+        out["hours"] = training_hours(b.params, b.tokens, dev.tflops, args.num_devices, args.mfu)
+        out["device"] = {"name": dev.name, "num_devices": args.num_devices, "mfu": args.mfu}
+        if args.params:
+            tokens = args.tokens or 20.0 * args.params
+            out["given_model"] = {"params": args.params, "tokens": tokens,
+                                  "hours": training_hours(args.params, tokens, dev.tflops, args.num_devices, args.mfu)}
+    if args.json:
+        sys.stdout.write(json.dumps(out) + "\n")
+    else:
+        for k, v in out.items():
+            sys.stderr.write(f"{k:>17}: {v:.4g}\n" if isinstance(v, float) else f"{k:>17}: {v}\n")
+    return 0

@@ -1,0 +1,85 @@
+"""OOM diagnosis: which component dominates, and which single change brings the plan under the limit.
+
+Why single changes: a user fixing an out-of-memory error wants the smallest edit to the config,
+with the arithmetic that shows it works ("recompute: full saves 11.2 GiB -> 61.3 GiB, fits").
+Each remedy keeps what is learned unchanged (the global batch is held fixed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from fitlm.plan.analytic import Breakdown, breakdown
+from fitlm.plan.setup import Setup
+
+
+@dataclass(frozen=True)
+class Remedy:
+    change: str  # the config edit, e.g. "memory.recompute: full"
+    setup: Setup
+    memory: Breakdown
+
+    def saved(self, before: Breakdown) -> int:
+        return before.total - self.memory.total
+
+
+def dominant(b: Breakdown) -> str:
+    parts = {k: v for k, v in b.as_dict().items() if k != "total"}
+    return max(parts, key=parts.get)
+
+
+def _tp_ok(s: Setup, tp: int) -> bool:
+    return s.heads % tp == 0 and s.kv_heads % tp == 0 and s.ffn % tp == 0 and s.vocab % tp == 0
+
+
+def remedies(s: Setup) -> list[Remedy]:
+    """Every single-key change that lowers this rank's peak, largest saving first."""
+    trials: list[tuple[str, Setup]] = []
+    for mode in ("selective", "full"):
+        if s.recompute != mode and not (s.recompute == "full" and mode == "selective"):
+            trials.append((f"memory.recompute: {mode}", replace(s, recompute=mode, recompute_every=1)))
+    if s.dp > 1:
+        for z in (1, 2, 3):
+            if z > s.zero and not (z == 1 and (s.tp > 1 or s.pp > 1)):
+                trials.append((f"parallel.zero_stage: {z}", replace(s, zero=z)))
+    if not s.loss_chunk:
+        trials.append(("memory.loss_chunk_size: 4096", replace(s, loss_chunk=4096)))
+    if s.mbs > 1 and s.mbs % 2 == 0 and (s.pp == 1 or (s.mbs // 2) % s.chunks == 0):
+        trials.append((f"train.micro_batch_size: {s.mbs // 2} (gradient_accumulation_steps: {s.accum * 2})",
+                       replace(s, mbs=s.mbs // 2, accum=s.accum * 2)))
+    if not s.offload:
+        trials.append(("memory.cpu_offload: true", replace(s, offload=True)))
+    if s.dp % 2 == 0 and _tp_ok(s, s.tp * 2):
+        trials.append((f"parallel.tensor_parallel: {s.tp * 2} (data_parallel: {s.dp // 2})",
+                       replace(s, tp=s.tp * 2, dp=s.dp // 2, zero=s.zero if s.zero != 1 else 2,
+                               accum=s.accum * 2)))
+    if s.tp > 1 and not s.sp:
+        trials.append(("parallel.sequence_parallel: true", replace(s, sp=True)))
+    if s.level in ("O0", "O1"):
+        trials.append(("memory.mixed_precision: O2", replace(s, level="O2")))
+    before = breakdown(s).total
+    out = [Remedy(name, t, breakdown(t)) for name, t in trials]
+    out = [r for r in out if r.memory.total < before]
+    out.sort(key=lambda r: r.memory.total)
+    return out
+
+
+def oom_message(cfg, phase: str, rank: int, device_memory: int | None = None) -> str:
+    """The paragraph a training run should print when it runs out of memory (the trainer's hook):
+    where it failed, the plan's breakdown for this layout and the top remedies by memory saved."""
+    from fitlm.plan.setup import from_config
+
+    s = from_config(cfg)
+    b = breakdown(s)
+    gib = 1024**3
+    parts = ", ".join(f"{k} {v / gib:.2f} GiB" for k, v in b.as_dict().items())
+    lines = [f"out of memory on rank {rank} during {phase}. The plan for this layout ({parts}; peak during "
+             f"{b.phase}) is dominated by {dominant(b)}."]
+    if device_memory:
+        lines.append(f"The device holds {device_memory / gib:.2f} GiB.")
+    fixes = remedies(s)[:5]
+    if fixes:
+        lines.append("Remedies, by memory saved: " + "; ".join(
+            f"{r.change} saves {r.saved(b) / gib:.2f} GiB (-> {r.memory.total / gib:.2f} GiB)" for r in fixes))
+    lines.append("Run `fitlm plan CONFIG --search` for the fastest layout that fits.")
+    return " ".join(lines)

@@ -1,0 +1,150 @@
+"""Assemble a plan (both engines, search, diagnosis) into the blueprint's JSON and a rich table.
+
+Why one dict for both outputs: the table is rendered from exactly what `--json` prints, so the two
+can never disagree.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fitlm.config import Config, ConfigError
+from fitlm.parallel.layout import layout_problems
+from fitlm.plan.analytic import breakdown
+from fitlm.plan.devices import Device
+from fitlm.plan.diagnose import dominant, remedies
+from fitlm.plan.setup import Setup, from_config, to_overrides, total_params
+from fitlm.plan.throughput import timing
+
+GiB = 1024**3
+
+
+def _layout(s: Setup) -> str:
+    extra = [f"zero{s.zero}"] + (["sp"] if s.sp else []) + ([f"{s.schedule}×{s.chunks}"] if s.pp > 1 else [])
+    return f"dp{s.dp}×tp{s.tp}×pp{s.pp} " + " ".join(extra)
+
+
+def _memory_opts(s: Setup) -> str:
+    opts = [s.level, f"recompute={s.recompute}"]
+    if s.loss_chunk:
+        opts.append(f"loss_chunk={s.loss_chunk}")
+    if s.offload:
+        opts.append("offload")
+    return " ".join(opts) + f" mbs={s.mbs}×accum{s.accum}"
+
+
+def plan(cfg: Config, dev: Device, num_devices: int | None = None, simulate: bool = False,
+         search: bool = False, top: int = 5, best_out: str | None = None) -> dict[str, Any]:
+    n = num_devices or cfg.parallel.world_size
+    if not search:
+        problems = layout_problems(cfg, n)
+        if problems:
+            raise ConfigError(problems)
+    s = from_config(cfg)
+    mem = breakdown(s)
+    t = timing(s, dev)
+    fits = mem.total <= dev.usable_bytes
+    out: dict[str, Any] = {
+        "model": {"arch": s.arch, "params": total_params(s), "layers": s.layers, "hidden_size": s.h},
+        "device": {"name": dev.name, "memory_bytes": dev.memory_bytes, "usable_bytes": dev.usable_bytes,
+                   "tflops": dev.tflops, "efficiency": dev.efficiency, "num_devices": n, "source": dev.source},
+        "layout": _layout(s), "memory_options": _memory_opts(s),
+        "per_device": mem.as_dict(), "peak_phase": mem.phase, "host_bytes_per_device": mem.host,
+        "fits": fits, "step_time_s": t.step_s, "tokens_per_s": t.tokens_per_s, "mfu": t.mfu,
+        "flops_per_token": t.flops_per_token,
+        "time_breakdown_s": {"compute": t.compute_s, "tensor_parallel_comm": t.tp_comm_s,
+                             "data_parallel_comm_exposed": t.dp_comm_s, "pipeline_comm": t.pp_comm_s,
+                             "pipeline_bubble": t.bubble_s},
+    }
+    if not fits:
+        fixes = remedies(s)
+        out["diagnosis"] = {
+            "dominant": dominant(mem), "over_by_bytes": mem.total - dev.usable_bytes,
+            "remedies": [{"change": r.change, "saves_bytes": r.saved(mem), "total": r.memory.total,
+                          "fits": r.memory.total <= dev.usable_bytes} for r in fixes[:6]],
+        }
+    if simulate:
+        from fitlm.plan.simulate import SimulationUnsupported, run_step
+
+        try:
+            sim = run_step(cfg)
+            out["simulated"] = {"per_device": sim, "fits": sim["total"] <= dev.usable_bytes,
+                                "note": "logits are counted inside activations by the simulation"}
+        except SimulationUnsupported as e:
+            out["simulated"] = {"error": str(e)}
+    if search:
+        from fitlm.plan.search import best_per_layout, candidates
+
+        found = candidates(cfg, n, dev)
+        best = best_per_layout(found, top)
+        out["search"] = {"num_devices": n, "fitting_candidates": len(found), "top": [
+            {"layout": _layout(c.setup), "memory_options": _memory_opts(c.setup), "per_device_total": c.memory.total,
+             "tokens_per_s": c.timing.tokens_per_s, "mfu": c.timing.mfu, "step_time_s": c.timing.step_s,
+             "why": c.why(dev)} for c in best]}
+        if best and best_out:
+            out["search"]["best_yaml"] = write_best(cfg, best[0].setup, best_out)
+    return out
+
+
+def write_best(cfg: Config, s: Setup, path: str) -> str:
+    data = cfg.to_dict()
+    for section, values in to_overrides(s).items():
+        data[section].update(values)
+    Path(path).write_text(yaml.safe_dump(data, sort_keys=False))
+    return str(path)
+
+
+def gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def render(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
+    d = result["device"]
+    console.print(f"[bold]{result['model']['arch']} {result['model']['params'] / 1e9:.3g}B params[/bold] · "
+                  f"{result['layout']} · {result['memory_options']} · {d['num_devices']}× {d['name']}")
+    table = Table()
+    table.add_column("per device")
+    table.add_column("analytic", justify="right")
+    sim = result.get("simulated", {}).get("per_device")
+    if sim:
+        table.add_column("simulated", justify="right")
+    for key, value in result["per_device"].items():
+        row = [key, gib(value)] + ([gib(sim[key])] if sim else [])
+        table.add_row(*row, style="bold" if key == "total" else None)
+    console.print(table)
+    verdict = "[green]fits[/green]" if result["fits"] else "[red]does not fit[/red]"
+    console.print(f"{verdict}: {gib(result['per_device']['total'])} of {gib(d['usable_bytes'])} usable "
+                  f"({gib(d['memory_bytes'])} minus runtime reserve); peak during {result['peak_phase']}"
+                  + (f"; {gib(result['host_bytes_per_device'])} in host memory" if result["host_bytes_per_device"] else ""))
+    if "error" in result.get("simulated", {}):
+        console.print(f"simulation: {result['simulated']['error']}")
+    console.print(f"step {result['step_time_s']:.3g} s · {result['tokens_per_s']:,.0f} tokens/s · MFU "
+                  f"{result['mfu']:.1%} (device efficiency {d['efficiency']:.0%} of {d['tflops']:g} TFLOP/s)")
+    diag = result.get("diagnosis")
+    if diag:
+        console.print(f"[bold]{diag['dominant']}[/bold] dominates; over by {gib(diag['over_by_bytes'])}. Remedies:")
+        for r in diag["remedies"]:
+            mark = "fits" if r["fits"] else "still over"
+            console.print(f"  {r['change']}: saves {gib(r['saves_bytes'])} -> {gib(r['total'])} ({mark})")
+    found = result.get("search")
+    if found:
+        st = Table(title=f"fastest fitting layouts on {found['num_devices']} devices "
+                         f"({found['fitting_candidates']} candidates fit)")
+        for col in ("#", "layout", "memory", "per device", "tokens/s", "MFU", "why"):
+            st.add_column(col)
+        for i, c in enumerate(found["top"], 1):
+            st.add_row(str(i), c["layout"], c["memory_options"], gib(c["per_device_total"]),
+                       f"{c['tokens_per_s']:,.0f}", f"{c['mfu']:.1%}", c["why"])
+        console.print(st)
+        if not found["top"]:
+            console.print("[red]no layout fits[/red]: add devices, or a device with more memory")
+        if found.get("best_yaml"):
+            console.print(f"best layout written to {found['best_yaml']}")

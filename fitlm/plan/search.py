@@ -1,0 +1,101 @@
+"""Layout search: every valid layout × memory option for N devices, the fitting ones ranked by tokens/s.
+
+Why exhaustive: the space is small once the model's divisibility rules prune it (tp divides the head
+counts, MLP width and vocabulary; pp at most the layers), and each candidate costs a closed-form
+evaluation on a frozen `Setup` (microseconds), so 1024 devices finish in seconds. The global batch
+(micro_batch_size × data_parallel × accumulation sequences) is held fixed, so every candidate learns
+the same thing; when dp does not divide it, the nearest global batch is used and said so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from fitlm.config import Config
+from fitlm.parallel.layout import Layout, valid_layouts
+from fitlm.plan.analytic import Breakdown, breakdown
+from fitlm.plan.devices import Device
+from fitlm.plan.setup import Setup, from_config
+from fitlm.plan.throughput import Timing, timing
+
+SAFETY = 0.9  # a candidate must leave 10% of the usable memory free (fragmentation, spikes)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    setup: Setup
+    memory: Breakdown
+    timing: Timing
+
+    def why(self, dev: Device) -> str:
+        s, t = self.setup, self.timing
+        parts = [f"uses {self.memory.total / dev.usable_bytes:.0%} of usable memory"]
+        if t.bubble_s > 0.05 * t.step_s:
+            parts.append(f"bubble {t.bubble_s / t.step_s:.0%}")
+        comm = t.tp_comm_s + t.dp_comm_s + t.pp_comm_s
+        parts.append(f"communication {comm / t.step_s:.0%} of the step")
+        if s.recompute != "none":
+            parts.append(f"{s.recompute} recompute needed to fit")
+        return "; ".join(parts)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _layouts(cfg: Config, n: int) -> list[Layout]:
+    # The model's own rules (tp divides heads/MLP/vocab; pp <= layers), micro-batch rules checked per candidate.
+    trial = cfg.model_copy(update={"train": cfg.train.model_copy(update={"micro_batch_size": 1})})
+    return valid_layouts(trial, n)
+
+
+def candidates(cfg: Config, n: int, dev: Device, max_micro_batch: int = 64) -> list[Candidate]:
+    """Every fitting candidate (within SAFETY of usable memory), fastest first."""
+    base = from_config(cfg)
+    out: list[Candidate] = []
+    limit = dev.usable_bytes * SAFETY
+    for lay in _layouts(cfg, n):
+        per_replica = max(1, round(base.global_batch / lay.dp))
+        for mbs in [d for d in _divisors(per_replica) if d <= max_micro_batch]:
+            for zero in (0, 1, 2, 3):
+                if zero and lay.dp == 1 or zero == 1 and (lay.tp > 1 or lay.pp > 1):
+                    continue
+                for sp in ((False, True) if lay.tp > 1 else (False,)):
+                    for sched, chunks in _pipeline_options(lay.pp, mbs, base.layers):
+                        for recompute in ("none", "selective", "full"):
+                            for chunk in (0, 4096):
+                                for offload in (False, True):
+                                    s = replace(base, dp=lay.dp, tp=lay.tp, pp=lay.pp, zero=zero, sp=sp,
+                                                schedule=sched, chunks=chunks, mbs=mbs, accum=per_replica // mbs,
+                                                recompute=recompute, recompute_every=1, loss_chunk=chunk,
+                                                offload=offload)
+                                    mem = breakdown(s)
+                                    if mem.total <= limit:
+                                        out.append(Candidate(s, mem, timing(s, dev)))
+    out.sort(key=lambda c: (-c.timing.tokens_per_s, c.memory.total))
+    return out
+
+
+def _pipeline_options(pp: int, mbs: int, layers: int) -> list[tuple[str, int]]:
+    if pp == 1:
+        return [("1f1b", 1)]
+    opts = []
+    for m in _divisors(mbs):
+        if m >= pp:
+            opts.append(("1f1b", m))
+            if m % pp == 0 and layers >= 2 * pp:
+                opts.append(("interleaved_1f1b", m))
+    return opts[:4]
+
+
+def best_per_layout(found: list[Candidate], top: int) -> list[Candidate]:
+    """The fastest candidate of each (dp, tp, pp, zero) so the table shows distinct layouts, not variants."""
+    seen, out = set(), []
+    for c in found:
+        key = (c.setup.dp, c.setup.tp, c.setup.pp, c.setup.zero)
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+        if len(out) == top:
+            break
+    return out

@@ -1,0 +1,119 @@
+"""What the planner needs from a config, as one small frozen record, plus exact parameter counts.
+
+Why not the pydantic `Config` itself: the search evaluates tens of thousands of variants, and a
+`dataclasses.replace` on this record is ~100x cheaper than a validated model copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fitlm.config import Config
+
+
+@dataclass(frozen=True)
+class Setup:
+    arch: str
+    h: int  # hidden size
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    max_seq_len: int
+    tied: bool
+    seq: int  # tokens per sample
+    mbs: int  # micro batch size (sequences)
+    accum: int
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    sp: bool = False
+    zero: int = 0
+    schedule: str = "1f1b"
+    chunks: int = 1  # parallel.micro_batch_num
+    level: str = "O0"
+    half: str = "bf16"
+    recompute: str = "none"
+    recompute_every: int = 1
+    offload: bool = False
+    loss_chunk: int = 0
+    doc_mask: bool = True
+    method: str = "full"
+
+    @property
+    def head_dim(self) -> int:
+        return self.h // self.heads
+
+    @property
+    def kv(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def global_batch(self) -> int:
+        return self.mbs * self.dp * self.accum
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq
+
+
+def from_config(cfg: Config) -> Setup:
+    m, p, mem, t = cfg.model, cfg.parallel, cfg.memory, cfg.train
+    return Setup(arch=m.arch, h=m.hidden_size, layers=m.num_layers, heads=m.num_heads, kv_heads=m.kv_heads,
+                 ffn=m.ffn_size, vocab=m.vocab_size, max_seq_len=m.max_seq_len, tied=m.tie_embeddings,
+                 seq=cfg.data.seq_length, mbs=t.micro_batch_size, accum=t.gradient_accumulation_steps,
+                 dp=p.data_parallel, tp=p.tensor_parallel, pp=p.pipeline_parallel, sp=p.sequence_parallel,
+                 zero=p.zero_stage, schedule=p.pipeline_schedule, chunks=p.micro_batch_num,
+                 level=mem.mixed_precision, half=mem.half_dtype, recompute=mem.recompute,
+                 recompute_every=mem.recompute_every_n_layers, offload=mem.cpu_offload,
+                 loss_chunk=mem.loss_chunk_size, doc_mask=cfg.data.document_mask, method=cfg.finetune.method)
+
+
+def to_overrides(s: Setup) -> dict:
+    """The config keys a Setup changes, as nested dicts (for writing the best layout as YAML)."""
+    return {
+        "parallel": {"data_parallel": s.dp, "tensor_parallel": s.tp, "pipeline_parallel": s.pp,
+                     "sequence_parallel": s.sp, "zero_stage": s.zero, "pipeline_schedule": s.schedule,
+                     "micro_batch_num": s.chunks},
+        "memory": {"mixed_precision": s.level, "recompute": s.recompute, "cpu_offload": s.offload,
+                   "loss_chunk_size": s.loss_chunk},
+        "train": {"micro_batch_size": s.mbs, "gradient_accumulation_steps": s.accum},
+    }
+
+
+def layer_params(s: Setup) -> int:
+    """One block: attention (q, o: h·h; k, v: h·kv), MLP, norms (GPT-2: biases and LayerNorm shifts too)."""
+    if s.arch == "gpt2":
+        return 4 * s.h * s.h + 4 * s.h + 2 * s.h * s.ffn + s.ffn + s.h + 4 * s.h
+    return 2 * s.h * s.h + 2 * s.h * s.kv + 3 * s.h * s.ffn + 2 * s.h
+
+
+def embedding_params(s: Setup) -> int:
+    pos = s.max_seq_len * s.h if s.arch == "gpt2" else 0
+    return s.vocab * s.h + pos
+
+
+def head_params(s: Setup) -> int:
+    """Output projection plus final norm; a tied head adds no parameter of its own."""
+    norm = 2 * s.h if s.arch == "gpt2" else s.h
+    return norm + (0 if s.tied else s.vocab * s.h)
+
+
+def total_params(s: Setup) -> int:
+    return embedding_params(s) + s.layers * layer_params(s) + head_params(s)
+
+
+def matmul_params(s: Setup) -> int:
+    """Parameters in a matmul per token (as fitlm.train.metrics counts them): all but the embedding
+    lookups; the output projection counts even when tied."""
+    return s.layers * layer_params(s) + s.vocab * s.h
+
+
+def stage_layers(s: Setup) -> int:
+    """Blocks on the most loaded (first) pipeline rank: ceil(L/pp)."""
+    return -(-s.layers // s.pp)

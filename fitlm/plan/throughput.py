@@ -1,0 +1,98 @@
+"""Step time, tokens/s and MFU of a layout on a device: compute, communication, pipeline bubble.
+
+Why these terms: they are the ones a layout choice moves. Compute is FLOPs per token (6·N plus
+attention 12·L·h·s, counted in full as fitlm.train.metrics does) over the device's peak times its
+efficiency; full recompute adds one more forward of the blocks (hardware FLOPs, not model FLOPs).
+Communication uses ring costs (all-reduce 2(n-1)/n·S/B, all-gather and reduce-scatter (n-1)/n·S/B)
+on the intra-node link when a group fits in a node, else the network; a latency of 10 µs per call.
+Tensor-parallel collectives sit on the critical path; data-parallel gradient traffic overlaps with
+the backward pass (half of it hidden at most). The pipeline bubble is (p-1)/(m+p-1) per micro batch
+(halved by interleaving with 2 virtual stages).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fitlm.plan.analytic import act_bytes, param_bytes, tp_share
+from fitlm.plan.devices import Device
+from fitlm.plan.setup import Setup, layer_params, matmul_params, stage_layers, total_params
+
+LATENCY_S = 10e-6
+
+
+@dataclass(frozen=True)
+class Timing:
+    step_s: float
+    compute_s: float
+    tp_comm_s: float
+    dp_comm_s: float
+    pp_comm_s: float
+    bubble_s: float
+    tokens_per_s: float
+    mfu: float
+    flops_per_token: float
+
+
+def flops_per_token(s: Setup) -> float:
+    return 6.0 * matmul_params(s) + 12.0 * s.layers * s.h * s.seq
+
+
+def _bandwidth(dev: Device, group: int, stride: int) -> float:
+    """Bytes/s for a ring over `group` ranks spaced `stride` apart in the (pp, dp, tp) mesh."""
+    inside = group * stride <= dev.node_size
+    return (dev.link_gbs if inside else dev.inter_node_gbs) * 1e9
+
+
+def ring(kind: str, size: float, n: int, bw: float) -> float:
+    if n <= 1 or size <= 0:
+        return 0.0
+    factor = 2.0 if kind == "all_reduce" else 1.0
+    return factor * (n - 1) / n * size / bw + LATENCY_S * (n - 1)
+
+
+def timing(s: Setup, dev: Device) -> Timing:
+    fpt = flops_per_token(s)
+    tokens_replica = s.mbs * s.seq * s.accum  # per data-parallel replica per step
+    peak = dev.tflops * 1e12 * dev.efficiency
+    hw = fpt
+    if s.recompute != "none":
+        frac = 1.0 / max(1, s.recompute_every)
+        block_fwd = 2.0 * s.layers * layer_params(s) + 4.0 * s.layers * s.h * s.seq
+        hw += frac * block_fwd * (1.0 if s.recompute == "full" else 0.1)  # selective reruns element-wise work
+    compute = tokens_replica * hw / (s.tp * s.pp) / peak
+    if s.offload:  # host AdamW: gradients down, parameters up over PCIe (~25 GB/s), states on the CPU
+        n_dev = total_params(s) / (s.tp * s.pp) / (s.dp if s.zero >= 1 else 1)
+        compute += n_dev * (4 + 4) / 25e9 + n_dev * 16 / (100e9)
+    # Tensor parallel: two all-reduces (or all-gather + reduce-scatter under SP) per block forward and
+    # two in backward, of the block's activations [b, s, h]; plus the embedding's.
+    e = act_bytes(s)
+    msg = s.mbs * s.seq * s.h * e
+    bw_tp = _bandwidth(dev, s.tp, 1)
+    per_mb_layers = stage_layers(s)
+    tp_comm = s.accum * (4 * per_mb_layers + 2) * ring("all_reduce", msg, s.tp, bw_tp)
+    # Data parallel: gradients once per step (accumulation skips the sync), parameters as ZeRO needs.
+    n_rank = tp_share(s, total_params(s) / s.pp)
+    bw_dp = _bandwidth(dev, s.dp, s.tp)
+    grad_b = n_rank * (4 if s.level == "O2" else param_bytes(s))
+    gather_b = n_rank * (2 if s.level == "O2" else param_bytes(s))
+    if s.zero <= 1:
+        dp_comm = ring("all_reduce", grad_b, s.dp, bw_dp) + (ring("all_gather", gather_b, s.dp, bw_dp) if s.zero == 1 else 0)
+    else:
+        gathers = s.accum * (1 if s.zero == 2 else 2)
+        dp_comm = ring("reduce_scatter", grad_b, s.dp, bw_dp) + gathers * ring("all_gather", gather_b, s.dp, bw_dp)
+    backward = compute * 2.0 / 3.0
+    dp_exposed = max(dp_comm - 0.5 * backward, 0.5 * dp_comm) if s.dp > 1 else 0.0
+    # Pipeline: each chunk's activations cross each boundary forward and their gradients backward.
+    bw_pp = _bandwidth(dev, s.pp, s.dp * s.tp)
+    chunks = max(1, s.chunks) if s.pp > 1 else 1
+    pp_comm = s.accum * 2 * chunks * (msg / chunks / bw_pp + LATENCY_S) if s.pp > 1 else 0.0
+    bubble_frac = (s.pp - 1) / (chunks + s.pp - 1) if s.pp > 1 else 0.0
+    if s.schedule == "interleaved_1f1b":
+        bubble_frac /= 2
+    busy = compute + tp_comm + pp_comm
+    bubble = busy * bubble_frac / (1 - bubble_frac) if bubble_frac < 1 else 0.0
+    step = busy + bubble + dp_exposed
+    tokens = s.tokens_per_step / step
+    mfu = tokens * fpt / (s.world * dev.tflops * 1e12)
+    return Timing(step, compute, tp_comm, dp_exposed, pp_comm, bubble, tokens, mfu, fpt)

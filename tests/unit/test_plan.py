@@ -1,0 +1,238 @@
+"""The planner (fitlm.plan): analytic memory vs measured peak live bytes, simulate vs analytic,
+ZeRO arithmetic, the 70B plan without allocation, the JSON contract, search, budgets."""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from dataclasses import replace
+
+import pytest
+
+from fitlm.config import ConfigError, validate_dict
+from fitlm.memory.tracking import peak_live_bytes
+from fitlm.plan.analytic import breakdown, model_states
+from fitlm.plan.budget import compute_optimal
+from fitlm.plan.devices import CATALOG, get_device, parse_bytes
+from fitlm.plan.setup import from_config, total_params
+from fitlm.train.trainer import Trainer
+from tests.e2e.helpers import tiny_config, write_config
+
+ANALYTIC_TOLERANCE = 0.10  # the issue's bar: analytic total within 10% of the measured peak
+
+LLAMA_7B = {"arch": "llama", "hidden_size": 4096, "num_layers": 32, "num_heads": 32, "num_kv_heads": 32,
+            "intermediate_size": 11008, "vocab_size": 32000, "max_seq_len": 4096}
+LLAMA_70B = {"arch": "llama", "hidden_size": 8192, "num_layers": 80, "num_heads": 64, "num_kv_heads": 8,
+             "intermediate_size": 28672, "vocab_size": 128256, "max_seq_len": 8192}
+
+# (name, sections): differ in size, batch, sequence, precision, recompute, loss path, accumulation.
+MEASURED = [
+    ("O0 base", {}),
+    ("O2 wider", {"model": {"hidden_size": 128, "intermediate_size": 352}, "memory": {"mixed_precision": "O2"}}),
+    ("O1 mbs8", {"memory": {"mixed_precision": "O1"}, "train": {"micro_batch_size": 8, "gradient_accumulation_steps": 1}}),
+    ("O3 full recompute", {"memory": {"mixed_precision": "O3", "recompute": "full"}}),
+    ("O0 selective, 4 layers", {"model": {"num_layers": 4}, "memory": {"recompute": "selective"}}),
+    ("O0 chunked loss, vocab 2048", {"model": {"vocab_size": 2048}, "memory": {"loss_chunk_size": 64}}),
+    ("O2 seq 32, no doc mask", {"data": {"seq_length": 32, "document_mask": False}, "memory": {"mixed_precision": "O2"}}),
+    ("O0 tied, full every 2", {"model": {"tie_embeddings": True, "num_layers": 4},
+                               "memory": {"recompute": "full", "recompute_every_n_layers": 2}}),
+]
+
+
+def _cfg(tiny_corpus, path, sections):
+    # accumulation 1: MemTracker (the measuring side) follows one forward per module per step
+    base = tiny_config(tiny_corpus, path / "out", train={"max_steps": 4, "eval_interval": 0, "gradient_accumulation_steps": 1})
+    for section, values in sections.items():
+        base.setdefault(section, {}).update(values)
+    return validate_dict(base)
+
+
+def measured_peak(cfg) -> dict[str, int]:
+    """The measured side: the real Trainer step under torch's MemTracker (never the planner)."""
+    trainer = Trainer(cfg)
+    batches = iter(trainer.loader)
+    accum = cfg.train.gradient_accumulation_steps
+
+    def step():
+        trainer.forward_backward([next(batches) for _ in range(accum)])
+        trainer.optimizer_step()
+
+    return peak_live_bytes(step, trainer.pm.modules, trainer.optimizer)
+
+
+def _accuracy_table(tiny_corpus, tmp_path, configs):
+    rows = []
+    for i, (name, sections) in enumerate(configs):
+        cfg = _cfg(tiny_corpus, tmp_path / str(i), sections)
+        got = breakdown(from_config(cfg)).total
+        want = measured_peak(cfg)["total"]
+        rows.append((name, want, got, got / want - 1))
+    table = "\n".join(f"{n:<28} measured {w:>10,} analytic {g:>10,} error {e:+.1%}" for n, w, g, e in rows)
+    print("\n" + table)
+    assert all(abs(e) <= ANALYTIC_TOLERANCE for *_, e in rows), table
+
+
+def test_analytic_total_within_tolerance_of_measured_peak(tiny_corpus, tmp_path):
+    """Three of the eight configurations (precision, recompute, chunked loss); all eight under --runslow."""
+    _accuracy_table(tiny_corpus, tmp_path, [MEASURED[1], MEASURED[3], MEASURED[5]])
+
+
+@pytest.mark.slow
+def test_analytic_accuracy_table_over_eight_configurations(tiny_corpus, tmp_path):
+    _accuracy_table(tiny_corpus, tmp_path, MEASURED)
+
+
+def test_simulation_matches_measurement_and_analytic(tiny_corpus, tmp_path):
+    from fitlm.plan.simulate import run_step
+
+    cfg = _cfg(tiny_corpus, tmp_path, {"memory": {"mixed_precision": "O2", "recompute": "selective"}})
+    sim = run_step(cfg)
+    measured = measured_peak(cfg)
+    assert abs(sim["total"] / measured["total"] - 1) <= 0.03
+    assert abs(breakdown(from_config(cfg)).total / sim["total"] - 1) <= ANALYTIC_TOLERANCE
+    assert sim["params"] == measured["params"] and sim["optimizer"] == measured["optimizer"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", [{"data_parallel": 2, "zero_stage": 3}, {"data_parallel": 2, "zero_stage": 2},
+                                      {"tensor_parallel": 2}])
+def test_multi_rank_simulation_on_fake_process_group_agrees_with_analytic(tiny_corpus, tmp_path, parallel):
+    from fitlm.plan.simulate import run_step
+
+    cfg = _cfg(tiny_corpus, tmp_path, {"parallel": parallel, "data": {"document_mask": False}})
+    sim = run_step(cfg)
+    assert abs(breakdown(from_config(cfg)).total / sim["total"] - 1) <= 0.05
+
+
+def test_model_states_follow_the_zero_arithmetic():
+    cfg = validate_dict({"model": LLAMA_7B, "memory": {"mixed_precision": "O2"}})
+    n, nd = 1_000_000, 8
+    per_param = {}
+    for stage in (0, 1, 2, 3):
+        s = replace(from_config(cfg), dp=nd, zero=stage)
+        per_param[stage] = sum(model_states(s, n)[:3]) / n
+    # Mixed-precision AdamW: 16 bytes per parameter in all (ZeRO sec. 3.1); stage 3 divides all by N_d.
+    assert per_param[0] == 16 and per_param[3] == 16 / nd
+    # fitlm's O2 keeps the fp32 master as the parameter itself: stage 1 shards only the 8 bytes of moments,
+    # stage 2 is FSDP2 (parameters sharded too), so it equals stage 3 in resting model states.
+    assert per_param[1] == 8 + 8 / nd and per_param[2] == 16 / nd
+    o3 = replace(from_config(cfg), level="O3")
+    assert sum(model_states(o3, n)[:3]) / n == 8  # everything half: 2 + 2 + 4
+
+
+def test_70b_plan_is_instant_and_allocates_nothing(tmp_path, capsys):
+    from fitlm.cli import main
+
+    path = write_config(tmp_path / "70b.yaml", {"model": LLAMA_70B, "data": {"seq_length": 8192},
+                                                "parallel": {"data_parallel": 8, "tensor_parallel": 8, "zero_stage": 3},
+                                                "memory": {"mixed_precision": "O2", "recompute": "full"},
+                                                "train": {"micro_batch_size": 1, "gradient_accumulation_steps": 4}})
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.perf_counter()
+    assert main(["plan", str(path), "--device", "h100-80g", "--num-devices", "64", "--json"]) == 0
+    elapsed = time.perf_counter() - start
+    out = json.loads(capsys.readouterr().out)
+    assert elapsed < 5 and (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) < 200 * 1024  # KiB
+    assert 69e9 < out["model"]["params"] < 72e9
+    assert set(out["per_device"]) == {"params", "grads", "optimizer", "activations", "logits", "other", "total"}
+    assert out["per_device"]["total"] == sum(v for k, v in out["per_device"].items() if k != "total")
+    assert isinstance(out["fits"], bool) and out["step_time_s"] > 0 and out["tokens_per_s"] > 0 and 0 < out["mfu"] < 1
+
+
+def test_plan_json_with_simulation_and_diagnosis(tiny_corpus, tmp_path, capsys):
+    from fitlm.cli import main
+
+    path = write_config(tmp_path / "c.yaml", tiny_config(tiny_corpus, tmp_path / "out"))
+    assert main(["plan", str(path), "--device-memory", "12MB", "--device-tflops", "1", "--simulate", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["simulated"]["per_device"]) == set(out["per_device"])
+    assert out["fits"] is False
+    diag = out["diagnosis"]
+    assert diag["dominant"] in out["per_device"] and diag["remedies"]
+    assert all(r["total"] < out["per_device"]["total"] for r in diag["remedies"])
+
+
+def test_impossible_layout_is_refused_with_the_arithmetic_and_valid_layouts(tmp_path, capsys):
+    from fitlm.cli import main
+
+    path = write_config(tmp_path / "c.yaml", {"model": LLAMA_7B, "parallel": {"data_parallel": 3}})
+    assert main(["plan", str(path), "--num-devices", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "3 × 1 × 1 = 3" in err and "dp8×tp1×pp1" in err and "dp1×tp8×pp1" in err
+
+
+def test_search_ranks_fitting_layouts_for_7b_on_8_a100_quickly(tmp_path, capsys):
+    from fitlm.cli import main
+
+    path = write_config(tmp_path / "7b.yaml", {"model": LLAMA_7B, "data": {"seq_length": 4096},
+                                               "memory": {"mixed_precision": "O2"},
+                                               "train": {"micro_batch_size": 1, "gradient_accumulation_steps": 32}})
+    start = time.perf_counter()
+    best = tmp_path / "best.yaml"
+    assert main(["plan", str(path), "--device", "a100-80g", "--num-devices", "8", "--search", "--json",
+                 "--best-out", str(best)]) == 0
+    assert time.perf_counter() - start < 5
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] is False  # one replica of 7B with Adam states does not fit one A100
+    top = out["search"]["top"]
+    assert top and all(c["per_device_total"] <= CATALOG["a100-80g"].usable_bytes for c in top)
+    assert [c["tokens_per_s"] for c in top] == sorted((c["tokens_per_s"] for c in top), reverse=True)
+    chosen = validate_dict(__import__("yaml").safe_load(best.read_text()))
+    assert chosen.parallel.world_size == 8
+    s = from_config(chosen)
+    assert s.global_batch == 32 and breakdown(s).total <= CATALOG["a100-80g"].usable_bytes
+
+
+def test_search_finishes_in_seconds_for_1024_devices():
+    from fitlm.plan.search import candidates
+
+    cfg = validate_dict({"model": LLAMA_70B, "data": {"seq_length": 4096}, "memory": {"mixed_precision": "O2"},
+                         "train": {"micro_batch_size": 1, "gradient_accumulation_steps": 1024}})
+    start = time.perf_counter()
+    found = candidates(cfg, 1024, CATALOG["h100-80g"], max_micro_batch=4)
+    assert time.perf_counter() - start < 10 and found
+
+
+def test_budget_follows_chinchilla(capsys):
+    from fitlm.cli import main
+
+    # Hoffmann et al. 2022, Table 3 (Approach 1): 5.76e23 FLOPs -> 67B params, 1.5T tokens.
+    b = compute_optimal(5.76e23)
+    assert b.params == pytest.approx(67e9, rel=0.05) and b.tokens == pytest.approx(1.5e12, rel=0.1)
+    assert 6 * b.params * b.tokens == pytest.approx(5.76e23)
+    # Parametric fit: the closed-form optimum is the minimum of L(N, C/6N).
+    p = compute_optimal(1e22, "parametric")
+    e, a, bb, al, be = 1.69, 406.4, 410.7, 0.34, 0.28
+    loss = lambda n: e + a / n**al + bb / (1e22 / 6 / n) ** be  # noqa: E731
+    assert loss(p.params) <= min(loss(p.params * 1.1), loss(p.params / 1.1))
+    assert main(["budget", "--device", "h100-80g", "--num-devices", "8", "--hours", "24", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["hours"] == pytest.approx(24) and out["flops"] == pytest.approx(989e12 * 8 * 24 * 3600 * 0.4)
+    assert main(["budget"]) == 2
+
+
+def test_device_catalog_and_sizes():
+    assert parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("40GB") == 40 * 10**9
+    assert get_device("h100-80g", efficiency=0.3).efficiency == 0.3
+    assert {"a100-40g", "a100-80g", "h100-80g", "h200", "rtx4090", "rtx3090", "ascend-910b"} <= set(CATALOG)
+    cpu = get_device("cpu")
+    assert cpu.tflops > 0 and cpu.memory_bytes > 2**30
+    with pytest.raises(ValueError, match="not in the catalog"):
+        get_device("tpu-v9")
+
+
+def test_plan_refuses_bad_config_before_planning():
+    with pytest.raises(ConfigError):
+        validate_dict({"model": LLAMA_7B, "parallel": {"zero_stage": 7}})
+    assert total_params(from_config(validate_dict({"model": LLAMA_7B}))) == pytest.approx(6.74e9, rel=0.01)
+
+
+def test_oom_message_names_phase_rank_dominant_component_and_remedies():
+    from fitlm.plan.diagnose import oom_message
+
+    cfg = validate_dict({"model": LLAMA_7B, "data": {"seq_length": 4096}, "parallel": {"data_parallel": 8},
+                         "train": {"micro_batch_size": 4}})
+    msg = oom_message(cfg, "backward", 3, device_memory=80 * 2**30)
+    assert "rank 3 during backward" in msg and "dominated by" in msg
+    assert "parallel.zero_stage: 3 saves" in msg and "memory.recompute: full saves" in msg
