@@ -80,6 +80,6 @@ def oom_message(cfg, phase: str, rank: int, device_memory: int | None = None) ->
     fixes = remedies(s)[:5]
     if fixes:
         lines.append("Remedies, by memory saved: " + "; ".join(
-            f"{r.change} saves {r.saved(b) / gib:.2f} GiB (-> {r.memory.total / gib:.2f} GiB)" for r in fixes))
+            f"{r.change} saves {r.saved(b) / gib:.2f} GiB (-> {r.memory.total / gib:.2f} GiB)" for r in fixes) + ".")
     lines.append("Run `fitlm plan CONFIG --search` for the fastest layout that fits.")
     return " ".join(lines)

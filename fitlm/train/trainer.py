@@ -32,6 +32,7 @@ from fitlm.registry import build_model
 from fitlm.train import preflight
 from fitlm.train.loss import count_targets, cross_entropy_sum
 from fitlm.train.metrics import MetricsLog, device_peak_flops, flops_per_token, peak_memory_bytes
+from fitlm.train.oom import oom_guard
 from fitlm.train.optim import build_optimizer, lr_at, scale_for_batch, set_lr
 from fitlm.train.progress import TrainProgress
 
@@ -248,8 +249,10 @@ class Trainer:
                 for step in range(start + 1, t.max_steps + 1):
                     set_lr(self.optimizer, lr_at(step - 1, self.schedule))
                     micro = [next(batches) for _ in range(t.gradient_accumulation_steps)]
-                    loss = self.forward_backward(micro)
-                    grad_norm, skipped = self.optimizer_step()
+                    with oom_guard(self.cfg, "forward/backward", self.ctx.rank, self.device):
+                        loss = self.forward_backward(micro)
+                    with oom_guard(self.cfg, "the optimizer step", self.ctx.rank, self.device):
+                        grad_norm, skipped = self.optimizer_step()
                     window_tokens += self.tokens_per_step
                     if step % t.log_interval == 0 or step == t.max_steps or step == 1 or skipped:
                         # .item() syncs with the device: only on log steps, so the loop never waits otherwise.
@@ -272,7 +275,8 @@ class Trainer:
                     else:
                         progress.update(step)
                     if t.eval_interval and (step % t.eval_interval == 0 or step == t.max_steps):
-                        eval_loss = self.evaluate()
+                        with oom_guard(self.cfg, "evaluation", self.ctx.rank, self.device):
+                            eval_loss = self.evaluate()
                         if eval_loss is not None:
                             if log:
                                 log.write({"step": step, "eval_loss": round(eval_loss, 6)})

@@ -225,3 +225,19 @@ def test_accumulation_note_and_sqrt_lr_scaling():
     tuned = cfg.model_copy(update={"lr_scaling": "sqrt", "lr_reference_batch": 32})
     assert scale_for_batch(tuned, data_parallel=2) == (tuned, None)
     assert scale_for_batch(TrainConfig(micro_batch_size=4), data_parallel=1)[1] is None
+
+
+def test_out_of_memory_names_the_phase_and_the_remedies(tiny_corpus, tmp_path):
+    from fitlm.train.oom import TrainingOutOfMemory
+
+    trainer = make_trainer(tiny_corpus, tmp_path, train=SHORT)
+
+    def out_of_memory(batches):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    trainer.forward_backward = out_of_memory
+    with pytest.raises(TrainingOutOfMemory) as e:
+        trainer.fit()
+    message = str(e.value)
+    assert "out of memory on rank 0 during forward/backward" in message
+    assert "Remedies, by memory saved:" in message and "fitlm plan CONFIG --search" in message
