@@ -16,7 +16,8 @@ from fitlm.checkpoint.errors import TrainingInterrupted
 
 EXIT_USER_ERROR = 2
 # Modules with `add_commands(subparsers)`: one per command group, owned by the package it drives.
-COMMAND_MODULES = ("fitlm.data.cli", "fitlm.checkpoint.cli", "fitlm.finetune.cli", "fitlm.plan.cli")
+COMMAND_MODULES = ("fitlm.data.cli", "fitlm.checkpoint.cli", "fitlm.finetune.cli", "fitlm.plan.cli",
+                   "fitlm.export.cli")
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:

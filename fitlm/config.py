@@ -309,8 +309,18 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+# Names users bring from the HF Trainer, DeepSpeed and MindSpore configs, which spelling cannot match.
+KEY_ALIASES = {"learning_rate": "lr", "max_grad_norm": "grad_clip", "lr_scheduler_type": "lr_schedule",
+               "per_device_train_batch_size": "micro_batch_size", "micro_batch_size_per_gpu": "micro_batch_size",
+               "gradient_accumulation": "gradient_accumulation_steps", "warmup": "warmup_steps",
+               "train_iters": "max_steps", "num_hidden_layers": "num_layers", "num_attention_heads": "num_heads",
+               "num_key_value_heads": "num_kv_heads", "max_position_embeddings": "max_seq_len"}
+
+
 def _closest(name: str, choices: list[str]) -> str | None:
-    hit = difflib.get_close_matches(name, choices, n=1, cutoff=0.5)
+    if KEY_ALIASES.get(name) in choices:
+        return KEY_ALIASES[name]
+    hit = difflib.get_close_matches(name, choices, n=1, cutoff=0.6)
     return hit[0] if hit else None
 
 

@@ -198,11 +198,18 @@ def load_model_dir(path: str | Path, device: str | torch.device = "cpu",
     if kind == "gguf":
         from fitlm.models.gguf import read_gguf
 
-        mcfg, sd, _ = read_gguf(d)
+        mcfg, sd, meta = read_gguf(d)
+        if "fitlm.export" in meta:  # written by `fitlm export`: warn now on an incompatible version
+            from fitlm.export.metadata import check_metadata
+
+            check_metadata(json.loads(meta["fitlm.export"]), str(d))
         model = model_from_hf_state_dict(sd, mcfg, str(d), device, dtype)
         return LoadedModel(model.eval(), default_config(mcfg), None, "gguf", d)
     if kind == "fitlm":
         return _load_fitlm_dir(d, device, dtype)
+    from fitlm.export.metadata import read_metadata
+
+    read_metadata(d)  # an export by `fitlm export` carries a record: warn on an incompatible version
     model, mcfg = load_hf_dir(d, device, dtype)
     cfg = default_config(mcfg)
     tok = d / "tokenizer.json"

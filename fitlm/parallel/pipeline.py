@@ -365,7 +365,7 @@ class Pipeline:
         p = cfg.parallel
         self.ctx, self.group = ctx, ctx.group("pp")
         self.schedule_name, self.n_microbatches = p.pipeline_schedule, p.micro_batch_num
-        self.document_mask = bool(getattr(cfg.data, "document_mask", False))
+        self.document_mask = bool(getattr(getattr(cfg, "data", None), "document_mask", False))
         self.stages = build_stage_modules(model, ctx.pp_rank, ctx.pp, self.schedule_name, p.pipeline_layers)
         self.stage_modules = [m for _, m in self.stages]
         self.schedule: PipelineSchedule | None = None

@@ -39,8 +39,11 @@ def test_malformed_yaml(capsys, tmp_path):
 
 
 def test_unknown_key_suggests_the_valid_one(capsys, tmp_path, cfg):
-    cfg["train"]["learning_rate"] = 1e-3
-    train_fails(capsys, tmp_path, cfg, "train.learning_rate: unknown key", "valid keys here", "lr")
+    cfg["train"]["learning_rate"] = 1e-3  # the HF Trainer's name for it
+    train_fails(capsys, tmp_path, cfg, "train.learning_rate: unknown key", "did you mean train.lr?")
+    cfg["train"].pop("learning_rate")
+    cfg["train"]["xyzzy"] = 1
+    train_fails(capsys, tmp_path, cfg, "train.xyzzy: unknown key", "valid keys here", "lr")
 
 
 def test_misspelt_key(capsys, tmp_path, cfg):

@@ -1,0 +1,107 @@
+"""`fitlm chat`: multi-turn chat in the terminal with the model's own chat template, streaming tokens.
+
+The conversation is re-rendered with the template every turn (the same template and sandbox that
+rendered the training data, fitlm/data/chat.py), so the model sees exactly the format it was tuned
+on. Oldest turns are dropped when the conversation outgrows the context. No KV cache is kept across
+turns: each turn re-reads the (short) history once, then decodes with a cache.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import Callable, TextIO
+
+from fitlm.data.chat import ChatEncoder, resolve_template
+from fitlm.data.tokenizer import Tokenizer
+from fitlm.infer.generate import generate
+from fitlm.infer.text import StreamDecoder
+from fitlm.models.io import ModelDirError, load_model_dir
+
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>")  # stop tokens besides EOS, when special
+
+
+@dataclass
+class ChatSession:
+    """One conversation: history, template, and how to turn it into prompt ids."""
+
+    encoder: ChatEncoder
+    max_context: int
+    system: str | None = None
+    messages: list[dict[str, str]] = field(default_factory=list)
+
+    def reset(self) -> None:
+        self.messages.clear()
+
+    def _template_ids(self, text: str) -> list[int]:
+        """Token ids of rendered text; special-token strings the template wrote become their control ids."""
+        tok = self.encoder.tokenizer
+        specials = {t.content: i for i, t in tok.backend.get_added_tokens_decoder().items() if t.special and t.content}
+        ids: list[int] = []
+        last = 0
+        if specials:
+            pattern = re.compile("|".join(re.escape(s) for s in sorted(specials, key=len, reverse=True)))
+            for m in pattern.finditer(text):
+                ids += tok.encode(text[last:m.start()])
+                ids.append(specials[m.group()])
+                last = m.end()
+        ids += tok.encode(text[last:])
+        return ids if ids[:1] == [tok.bos_id] else [tok.bos_id, *ids]
+
+    def prompt_ids(self, reserve: int) -> list[int]:
+        """Ids of the conversation plus the assistant prompt, dropping the oldest turns to leave `reserve` tokens."""
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        while True:
+            ids = self._template_ids(self.encoder.render(head + self.messages, add_generation_prompt=True))
+            if len(ids) + reserve <= self.max_context or len(self.messages) <= 1:
+                return ids[-(self.max_context - 1):] if len(ids) >= self.max_context else ids
+            self.messages.pop(0)
+
+
+def stop_ids(tok: Tokenizer) -> set[int]:
+    specials = {t.content: i for i, t in tok.backend.get_added_tokens_decoder().items() if t.special}
+    return {tok.eos_id, *(specials[s] for s in END_OF_TURN if s in specials)}
+
+
+def run_chat(model_path: str, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout, stderr: TextIO = sys.stderr,
+             template: str | None = None, system: str | None = None, max_new_tokens: int = 256,
+             temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> int:
+    """Read user turns from stdin until /exit or end of input; stream each reply to stdout."""
+    loaded = load_model_dir(model_path)
+    if loaded.tokenizer_path is None:
+        raise ModelDirError(f"{model_path}: no tokenizer.json beside the weights; chat needs the model's tokenizer")
+    tok = Tokenizer.from_file(loaded.tokenizer_path)
+    name, source = resolve_template(template, loaded.tokenizer_path)
+    session = ChatSession(ChatEncoder(tok, source, name), loaded.config.model.max_seq_len, system)
+    stops = stop_ids(tok)
+    say: Callable[[str], None] = lambda s: (stderr.write(s), stderr.flush())  # noqa: E731
+    say(f"chatting with {loaded.path} (template: {name}). /reset clears the history, /exit quits.\n")
+    interactive = stdin.isatty()
+    turn = 0
+    while True:
+        if interactive:
+            say("you> ")
+        line = stdin.readline()
+        if not line:
+            break
+        text = line.strip()
+        if text == "/exit":
+            break
+        if text == "/reset":
+            session.reset()
+            say("(history cleared)\n")
+            continue
+        if not text:
+            continue
+        session.messages.append({"role": "user", "content": text})
+        ids = session.prompt_ids(reserve=min(max_new_tokens, session.max_context // 2))
+        emit = lambda piece: (stdout.write(piece), stdout.flush())  # noqa: E731
+        new = generate(loaded.model, ids, max_new_tokens, temperature=temperature, top_p=top_p, eos_id=stops,
+                       seed=seed + turn, stream=StreamDecoder(tok, emit))
+        stdout.write("\n")
+        stdout.flush()
+        reply = tok.decode([i for i in new if i not in stops])
+        session.messages.append({"role": "assistant", "content": reply.strip() or "..."})
+        turn += 1
+    return 0

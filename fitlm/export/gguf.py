@@ -1,0 +1,153 @@
+"""`--format gguf`: one llama.cpp-family file (llama architecture) with weights, config and tokenizer.
+
+The inverse of fitlm/models/gguf.py (the importer): same tensor names, q/k rows permuted into
+llama.cpp's RoPE layout, byte-level BPE vocabulary as tokenizer.ggml.model "gpt2". Matrices are
+stored as f32, f16 or q8_0 (via gguf.quants); 1-D tensors (norms) stay f32, as llama.cpp's converter does.
+The export record is stored inside the file under the key `fitlm.export` (JSON).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fitlm.data.chat import resolve_template
+from fitlm.data.tokenizer import Tokenizer
+from fitlm.export.errors import ExportError
+from fitlm.export.metadata import build_metadata, check_metadata
+from fitlm.models.hf import to_hf_state_dict
+from fitlm.models.io import LoadedModel
+
+DTYPES = ("f32", "f16", "q8_0")
+META_KEY = "fitlm.export"
+_LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+          "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+          "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+_TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
+
+def gguf_name(hf_name: str) -> str:
+    base, _, part = hf_name.rpartition(".")
+    if base in _TOP:
+        return f"{_TOP[base]}.{part}"
+    pieces = base.split(".", 3)  # model, layers, i, rest
+    return f"blk.{pieces[2]}.{_LAYER[pieces[3]]}.{part}"
+
+
+def permute_qk(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's `permute` of q/k rows (HF rotate-half -> interleaved pairs): [H,2,D/2,in] -> [H,D/2,2,in]."""
+    out_dim = w.shape[0]
+    return w.reshape(heads, 2, out_dim // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _encode(w: np.ndarray, dtype: str):
+    """(array, raw_dtype) for GGUFWriter.add_tensor."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    if w.ndim == 1 or dtype == "f32":
+        return w.astype(np.float32), None
+    if dtype == "f16":
+        return w.astype(np.float16), None
+    if w.shape[-1] % 32:
+        return w.astype(np.float16), None  # q8_0 needs rows in blocks of 32; keep such a tensor f16
+    return quantize(w.astype(np.float32), GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0
+
+
+def _add_tokenizer(writer, loaded: LoadedModel) -> None:
+    """Byte-level BPE vocabulary as llama.cpp's "gpt2" tokenizer model, plus the chat template."""
+    tok = Tokenizer.from_file(loaded.tokenizer_path)
+    spec = json.loads(tok.backend.to_str())
+    if spec.get("model", {}).get("type") != "BPE":
+        raise ExportError(f"{tok.path}: GGUF export supports byte-level BPE tokenizers; this one is "
+                          f"{spec.get('model', {}).get('type')!r}")
+    vocab = tok.backend.get_vocab(with_added_tokens=True)
+    tokens = [f"[PAD{i}]" for i in range(tok.vocab_size)]
+    types = [5] * tok.vocab_size  # UNUSED for holes in the id range
+    for t, i in vocab.items():
+        tokens[i], types[i] = t, 1  # NORMAL
+    for i, added in tok.backend.get_added_tokens_decoder().items():
+        types[i] = 3 if added.special else 4  # CONTROL / USER_DEFINED
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"].get("merges", [])]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(tok.bos_id)
+    writer.add_eos_token_id(tok.eos_id)
+    writer.add_pad_token_id(tok.pad_id)
+    writer.add_add_bos_token(True)  # fitlm puts BOS before every prompt
+    writer.add_chat_template(resolve_template(None, loaded.tokenizer_path)[1])
+
+
+def _file_type(dtype: str) -> int:
+    from gguf import LlamaFileType
+
+    return {"f32": LlamaFileType.ALL_F32, "f16": LlamaFileType.MOSTLY_F16, "q8_0": LlamaFileType.MOSTLY_Q8_0}[dtype]
+
+
+def export_gguf(loaded: LoadedModel, out: str | Path, dtype: str = "f16") -> dict:
+    """Write a llama GGUF file at `out` in `dtype` (f32 | f16 | q8_0)."""
+    from gguf import GGUFWriter
+
+    cfg = loaded.config.model
+    if dtype not in DTYPES:
+        raise ExportError(f"--dtype {dtype!r} is not supported for GGUF; choose one of {', '.join(DTYPES)}")
+    if cfg.arch != "llama":
+        raise ExportError(f"GGUF export supports model.arch llama; this model is {cfg.arch!r}. Export it with "
+                          f"--format hf and convert with llama.cpp's convert_hf_to_gguf.py")
+    out = Path(out).expanduser()
+    if out.is_dir():
+        raise ExportError(f"--out {out} is a directory; --format gguf writes one file, e.g. {out / 'model.gguf'}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = build_metadata("gguf", loaded.path, {"dtype": dtype})
+    tmp = out.with_name(f".{out.name}.tmp")  # written aside and renamed: never a half-written file at `out`
+    writer = GGUFWriter(str(tmp), "llama")
+    writer.add_name(loaded.path.name)
+    writer.add_context_length(cfg.max_seq_len)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_layers)
+    writer.add_feed_forward_length(cfg.ffn_size)
+    writer.add_head_count(cfg.num_heads)
+    writer.add_head_count_kv(cfg.kv_heads)
+    writer.add_rope_dimension_count(cfg.head_dim)
+    writer.add_rope_freq_base(cfg.rope_theta)
+    writer.add_layer_norm_rms_eps(cfg.norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_file_type(_file_type(dtype))
+    writer.add_string(META_KEY, json.dumps(meta))
+    if loaded.tokenizer_path is not None:
+        _add_tokenizer(writer, loaded)
+    for name, t in to_hf_state_dict(loaded.model, cfg).items():
+        w = t.detach().float().cpu()
+        if name.endswith("self_attn.q_proj.weight"):
+            w = permute_qk(w, cfg.num_heads)
+        elif name.endswith("self_attn.k_proj.weight"):
+            w = permute_qk(w, cfg.kv_heads)
+        data, raw = _encode(w.numpy(), dtype)
+        writer.add_tensor(gguf_name(name), data, raw_dtype=raw)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(tmp, out)
+    return {"format": "gguf", "out": str(out), "dtype": dtype, "bytes": out.stat().st_size,
+            "tokenizer": loaded.tokenizer_path is not None, "source_sha256": meta["source_sha256"]}
+
+
+def read_export_metadata(path: str | Path) -> dict[str, Any] | None:
+    """The export record inside a GGUF file (warns on an incompatible version), or None."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(path)).fields.get(META_KEY)
+    if field is None:
+        return None
+    meta = json.loads(field.contents())
+    check_metadata(meta, str(path))
+    return meta

@@ -1,0 +1,68 @@
+"""`--format hf`: a standard Hugging Face directory (config, generation config, safetensors, tokenizer).
+
+The layout is exactly what `transformers` writes for LlamaForCausalLM / GPT2LMHeadModel, so
+transformers, vLLM and other HF-layout loaders read it without fitlm. The chat template is put into
+tokenizer_config.json (`chat_template`), where `apply_chat_template` looks for it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from fitlm.data.chat import resolve_template
+from fitlm.data.tokenizer import Tokenizer
+from fitlm.export.errors import ExportError
+from fitlm.export.metadata import build_metadata, write_metadata
+from fitlm.models.hf import DEFAULT_MAX_SHARD_BYTES, save_hf_dir
+from fitlm.models.io import TOKENIZER_FILES, LoadedModel
+
+
+def _check_out_dir(out: Path) -> None:
+    if out.is_file():
+        raise ExportError(f"--out {out} is a file; --format hf writes a directory")
+    if out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():
+        raise ExportError(f"--out {out} exists and holds something other than an HF export; refusing to mix "
+                          f"files into it. Choose an empty or new directory")
+
+
+def _write_tokenizer(loaded: LoadedModel, out: Path) -> dict[str, int | None]:
+    """Copy tokenizer files and put the chat template into tokenizer_config.json; return special ids."""
+    src = loaded.tokenizer_path
+    if src is None:
+        return {"bos": None, "eos": None, "pad": None}
+    for name in TOKENIZER_FILES:
+        f = src.parent / name
+        if f.is_file() and f.resolve() != (out / name).resolve():
+            shutil.copyfile(f, out / name)
+    tok = Tokenizer.from_file(src)
+    cfg_file = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+    cfg.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+    for key in ("bos", "eos", "pad"):
+        cfg.setdefault(f"{key}_token", tok.special_tokens[key])
+    if "chat_template" not in cfg:
+        cfg["chat_template"] = resolve_template(None, src)[1]  # the training template, else chatml
+    cfg_file.write_text(json.dumps(cfg, indent=2) + "\n")
+    return {"bos": tok.bos_id, "eos": tok.eos_id, "pad": tok.pad_id}
+
+
+def export_hf(loaded: LoadedModel, out: str | Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> dict:
+    """Write the HF directory at `out`; shards (with model.safetensors.index.json) above max_shard_bytes."""
+    out = Path(out).expanduser()
+    _check_out_dir(out)
+    out.mkdir(parents=True, exist_ok=True)
+    # The tokenizer first: its special ids go into config.json and generation_config.json.
+    ids = _write_tokenizer(loaded, out)
+    save_hf_dir(loaded.model, loaded.config.model, out, bos_token_id=ids["bos"], eos_token_id=ids["eos"],
+                max_shard_bytes=max_shard_bytes)
+    gen_file = out / "generation_config.json"
+    gen = json.loads(gen_file.read_text())
+    gen["pad_token_id"] = ids["pad"]
+    gen_file.write_text(json.dumps(gen, indent=2) + "\n")
+    meta = build_metadata("hf", loaded.path)
+    write_metadata(out, meta)
+    shards = sorted(p.name for p in out.glob("*.safetensors"))
+    return {"format": "hf", "out": str(out), "files": shards, "tokenizer": loaded.tokenizer_path is not None,
+            "source_sha256": meta["source_sha256"]}
