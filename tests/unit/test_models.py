@@ -264,8 +264,10 @@ def test_config_from_hf_refuses_unsupported_features():
         config_from_hf({**hf, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
     with pytest.raises(HFFormatError, match="attention_bias"):
         config_from_hf({**hf, "attention_bias": True})
-    with pytest.raises(HFFormatError, match="'mistral'"):
-        config_from_hf({**hf, "model_type": "mistral"})
+    with pytest.raises(HFFormatError, match="'falcon' is not supported"):
+        config_from_hf({**hf, "model_type": "falcon"})
+    with pytest.raises(HFFormatError, match="q/k/v projections"):
+        config_from_hf({**hf, "model_type": "qwen2"})
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
