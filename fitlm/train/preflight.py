@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from fitlm.checkpoint.compat import resume_conflicts
+from fitlm.checkpoint.compat import flatten, resume_conflicts
 from fitlm.checkpoint.store import checkpoints_root, list_checkpoints
 from fitlm.config import Config, ConfigError
 
@@ -33,18 +33,8 @@ def unsupported_options(cfg: Config) -> list[str]:
     return out
 
 
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def config_differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
-    fa, fb = _flatten(a), _flatten(b)
+    fa, fb = flatten(a), flatten(b)
     return [f"{k}: {fa.get(k)!r} -> {fb.get(k)!r}" for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k)]
 
 
