@@ -12,6 +12,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import torch
 import torch.nn as nn
@@ -35,6 +36,7 @@ from fitlm.train.metrics import MetricsLog, device_peak_flops, flops_per_token, 
 from fitlm.train.oom import oom_guard
 from fitlm.train.optim import build_optimizer, lr_at, scale_for_batch, set_lr
 from fitlm.train.progress import TrainProgress
+from fitlm.train.timing import PhaseTimer
 
 
 @dataclass
@@ -47,6 +49,14 @@ class TrainResult:
     eval_loss: float | None
     history: list[dict] = field(default_factory=list)
     is_main: bool = True  # False on the ranks of a multi-process run that do not report
+
+
+@dataclass
+class StepOutput:
+    loss: torch.Tensor  # scalar: token-weighted mean over the global batch (same on every rank)
+    grad_norm: torch.Tensor  # scalar: pre-clip global norm; inf when the step overflowed
+    skipped: bool  # the optimizer step was not applied (fp16 overflow)
+    seconds: dict[str, float]  # wall time per phase: data, forward, backward, optimizer, ...
 
 
 def resolve_device(name: str) -> torch.device:
@@ -144,6 +154,11 @@ class Trainer:
         self.peak_flops = device_peak_flops(self.device, compute_dtype(cfg.memory), t.peak_tflops)
         # Resumable checkpoints (fitlm.checkpoint): stale temporary saves are removed here; fit resumes and saves.
         self.checkpointer = Checkpointer(cfg, self.ctx, self.output_dir, self.tokenizer.sha256, self.tokenizer.path)
+        self.timer = PhaseTimer(self.device)  # fitlm profile turns on device sync for exact phase times
+
+    def guard(self, phase: str):
+        """Out of memory inside `phase` becomes a diagnosis naming the phase, this rank and the remedies."""
+        return oom_guard(self.cfg, phase, self.ctx.rank, self.device)
 
     def _loader(self, data: PackedDataset, shuffle: bool) -> SequenceLoader:
         # Each data-parallel rank reads its own disjoint windows; tensor/pipeline ranks of a replica share them.
@@ -178,11 +193,13 @@ class Trainer:
             # loss_context: under tensor parallel the loss (and its backward) runs on vocab-sharded logits.
             with autocast(self.cfg.memory, self.device), self.pm.loss_context():
                 if self.pm.pipeline is not None:
-                    # forward + backward of all stages
-                    loss_sum = self.pm.pipeline.step(input_ids, labels, scale, **self.document_inputs(batch))
+                    with self.timer("forward_backward"):  # the schedule interleaves both over micro batches
+                        loss_sum = self.pm.pipeline.step(input_ids, labels, scale, **self.document_inputs(batch))
                 else:
-                    loss_sum = self.loss_sum(input_ids, labels, **self.document_inputs(batch))
-                    (loss_sum * scale).backward()
+                    with self.timer("forward"):
+                        loss_sum = self.loss_sum(input_ids, labels, **self.document_inputs(batch))
+                    with self.timer("backward"):
+                        (loss_sum * scale).backward()
             total += loss_sum.detach()
         self.pm.finish_backward()
         return self.ctx.all_reduce_sum(total, "dp") / n_targets
@@ -192,6 +209,17 @@ class Trainer:
         if self.cfg.memory.loss_chunk_size:
             return self.pm.model(input_ids, labels=labels, **doc)  # chunked head + loss inside forward, no full logits
         return cross_entropy_sum(self.pm.model(input_ids, **doc), labels)  # logits [B, T, V]
+
+    def train_step(self, step: int, batches: Iterator[dict[str, torch.Tensor]]) -> StepOutput:
+        """One optimizer step (1-based `step`): read the micro batches, forward/backward, update."""
+        set_lr(self.optimizer, lr_at(step - 1, self.schedule))
+        with self.guard("data loading"), self.timer("data"):
+            micro = [next(batches) for _ in range(self.cfg.train.gradient_accumulation_steps)]
+        with self.guard("forward/backward"):
+            loss = self.forward_backward(micro)
+        with self.guard("the optimizer step"), self.timer("optimizer"):
+            grad_norm, skipped = self.optimizer_step()
+        return StepOutput(loss, grad_norm, skipped, self.timer.pop())
 
     def optimizer_step(self) -> tuple[torch.Tensor, bool]:
         """Unscale (fp16), clip, step, clear; returns the pre-clip global gradient norm and whether the
@@ -247,12 +275,8 @@ class Trainer:
         try:
             with progress:
                 for step in range(start + 1, t.max_steps + 1):
-                    set_lr(self.optimizer, lr_at(step - 1, self.schedule))
-                    micro = [next(batches) for _ in range(t.gradient_accumulation_steps)]
-                    with oom_guard(self.cfg, "forward/backward", self.ctx.rank, self.device):
-                        loss = self.forward_backward(micro)
-                    with oom_guard(self.cfg, "the optimizer step", self.ctx.rank, self.device):
-                        grad_norm, skipped = self.optimizer_step()
+                    out = self.train_step(step, batches)
+                    loss, grad_norm, skipped = out.loss, out.grad_norm, out.skipped
                     window_tokens += self.tokens_per_step
                     if step % t.log_interval == 0 or step == t.max_steps or step == 1 or skipped:
                         # .item() syncs with the device: only on log steps, so the loop never waits otherwise.
@@ -275,14 +299,15 @@ class Trainer:
                     else:
                         progress.update(step)
                     if t.eval_interval and (step % t.eval_interval == 0 or step == t.max_steps):
-                        with oom_guard(self.cfg, "evaluation", self.ctx.rank, self.device):
+                        with self.guard("evaluation"):
                             eval_loss = self.evaluate()
                         if eval_loss is not None:
                             if log:
                                 log.write({"step": step, "eval_loss": round(eval_loss, 6)})
                             progress.update(step, eval_loss=eval_loss)
                             window_start = time.perf_counter()  # evaluation time is not training time
-                    self.checkpointer.after_step(step, self.pm, self.optimizer, self.stateful())
+                    with self.guard("checkpoint save"):
+                        self.checkpointer.after_step(step, self.pm, self.optimizer, self.stateful())
                     if t.eval_interval and step % t.eval_interval == 0 and stopper.should_stop(eval_loss):
                         if log:  # eval_loss is all-reduced: every rank stops at the same step
                             log.write({"step": step, "early_stop": True, "best_eval_loss": round(stopper.best, 6)})
@@ -290,8 +315,9 @@ class Trainer:
         finally:
             if log:
                 log.close()
-        self.checkpointer.finish()
-        model_dir = self.save_final_model()
+        with self.guard("checkpoint save"):
+            self.checkpointer.finish()
+            model_dir = self.save_final_model()
         shutdown(self.ctx)
         first, last = (history[0]["loss"], history[-1]["loss"]) if history else (float("nan"), float("nan"))
         return TrainResult(self.output_dir, model_dir, step, first, last, eval_loss, history, is_main=main)

@@ -241,3 +241,24 @@ def test_out_of_memory_names_the_phase_and_the_remedies(tiny_corpus, tmp_path):
     message = str(e.value)
     assert "out of memory on rank 0 during forward/backward" in message
     assert "Remedies, by memory saved:" in message and "fitlm plan CONFIG --search" in message
+
+
+@pytest.mark.parametrize("phase", ["data loading", "checkpoint save"])
+def test_out_of_memory_in_host_phases_names_the_phase_and_its_advice(tiny_corpus, tmp_path, phase):
+    from fitlm.train.oom import TrainingOutOfMemory
+
+    trainer = make_trainer(tiny_corpus, tmp_path, train=SHORT)
+
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError("host allocation failed")
+
+    if phase == "data loading":
+        trainer.loader = type("Exhausted", (), {"__iter__": lambda self: iter(out_of_memory, None)})()
+    else:
+        trainer.checkpointer.after_step = out_of_memory
+    with pytest.raises(TrainingOutOfMemory) as e:
+        trainer.fit()
+    message = str(e.value)
+    assert f"out of memory on rank 0 during {phase}" in message
+    assert ("data.prefetch" if phase == "data loading" else "checkpoint.async_save") in message
+    assert "docs/troubleshooting.md" in message
