@@ -28,6 +28,7 @@ from typing import Any, Iterator
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from fitlm.atomic import fsync_dir
 from fitlm.checkpoint.errors import CheckpointError
 
 CKPT_DIR = "checkpoints"
@@ -84,15 +85,6 @@ def prune(root: Path, keep_last: int) -> list[Path]:
     for p in old:
         shutil.rmtree(p, ignore_errors=True)
     return old
-
-
-def fsync_dir(path: Path) -> None:
-    if hasattr(os, "O_DIRECTORY"):
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def write_json(path: Path, obj: Any) -> None:

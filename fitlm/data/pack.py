@@ -13,8 +13,6 @@ import hashlib
 import json
 import multiprocessing as mp
 import os
-import shutil
-import uuid
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -23,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from fitlm import __version__
+from fitlm.atomic import atomic_dir as atomic_output_dir
 from fitlm.data.errors import DataError
 from fitlm.data.format import (FORMAT, FORMAT_VERSION, MANIFEST_FILE, OFFSETS_FILE, TOKENS_FILE, sha256_file,
                                shard_files, token_dtype)
@@ -236,30 +235,9 @@ def check_out_dir(out_dir: Path, files: Sequence[Path], overwrite: bool) -> None
 
 
 def atomic_dir(out_dir: Path, write: Callable[[Path], dict]) -> dict:
-    """Run `write(tmp)` in a temporary sibling of `out_dir`, then move it into place; on any failure
-    nothing is left behind (not even parent directories this call created)."""
-    created = [p for p in [out_dir.parent, *out_dir.parent.parents] if not p.exists()]
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}.packing-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        result = write(tmp)
-        if not out_dir.exists():
-            os.rename(tmp, out_dir)
-        else:  # an existing (empty or overwritten) directory is swapped out first
-            old = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}"
-            os.rename(out_dir, old)
-            os.rename(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        return result
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        for p in created:  # innermost first
-            try:
-                p.rmdir()
-            except OSError:
-                break
-        raise
+    """Run `write(tmp)` in a temporary sibling of `out_dir`, then move it into place (fitlm.atomic)."""
+    with atomic_output_dir(out_dir) as tmp:
+        return write(tmp)
 
 
 def base_manifest(tok: Tokenizer, dtype: np.dtype, data_format: str) -> dict[str, Any]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
+from fitlm.atomic import write_bytes_atomic
 from fitlm.data.errors import DataError
 
 # The three control tokens every fitlm tokenizer carries. Declared here once; everything else imports it.
@@ -35,13 +35,6 @@ def _resolve_out(out_path: Path) -> Path:
     """`out_path` may name the tokenizer.json itself or a directory to hold it."""
     out_path = Path(out_path)
     return out_path if out_path.suffix == ".json" else out_path / TOKENIZER_FILE
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    # Write beside the target and rename, so a crash never leaves a truncated tokenizer behind.
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def train_tokenizer(
@@ -104,8 +97,8 @@ def train_tokenizer(
     assert ids == [0, 1, 2], f"special tokens got ids {ids}, expected [0, 1, 2]"  # a tokenizers behaviour change
 
     json_path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(json_path, tok.to_str(pretty=True).encode("utf-8"))
-    _atomic_write(json_path.with_name(TOKENIZER_CONFIG_FILE), json.dumps(_hf_config(), indent=2).encode("utf-8"))
+    write_bytes_atomic(json_path, tok.to_str(pretty=True).encode("utf-8"))
+    write_bytes_atomic(json_path.with_name(TOKENIZER_CONFIG_FILE), json.dumps(_hf_config(), indent=2).encode("utf-8"))
     return json_path
 
 

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from fitlm.data.errors import DataError
-from fitlm.data.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, Tokenizer, _atomic_write, _resolve_out
+from fitlm.atomic import write_bytes_atomic
+from fitlm.data.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, Tokenizer, _resolve_out
 
 _UNIGRAM, _BPE = 1, 2
 _PIECE_TYPES = {1: "normal", 2: "unknown", 3: "control", 4: "user_defined", 5: "unused", 6: "byte"}
@@ -141,7 +142,7 @@ def import_tokenizer(src: Path, out_path: Path, overwrite: bool = False, bos: st
         defaults = {"bos": "<s>", "eos": "</s>", "pad": "<pad>"}
         cfg = {}
         json_path.parent.mkdir(parents=True, exist_ok=True)
-        _atomic_write(json_path, tok.to_str(pretty=True).encode("utf-8"))
+        write_bytes_atomic(json_path, tok.to_str(pretty=True).encode("utf-8"))
         for k, given in (("bos", bos), ("eos", eos), ("pad", pad)):
             if given is None and defaults[k] not in have:
                 json_path.unlink()
@@ -152,7 +153,7 @@ def import_tokenizer(src: Path, out_path: Path, overwrite: bool = False, bos: st
     merged = {**cfg, **{f"{k}_token": v for k, v in {**names, **given}.items()}}
     merged.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
     merged["imported_by"] = "fitlm"
-    _atomic_write(json_path.with_name(TOKENIZER_CONFIG_FILE), json.dumps(merged, indent=2).encode("utf-8"))
+    write_bytes_atomic(json_path.with_name(TOKENIZER_CONFIG_FILE), json.dumps(merged, indent=2).encode("utf-8"))
     try:
         Tokenizer.from_file(json_path)
     except DataError:

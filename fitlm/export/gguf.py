@@ -9,13 +9,13 @@ The export record is stored inside the file under the key `fitlm.export` (JSON).
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from fitlm.atomic import atomic_file
 from fitlm.data.chat import resolve_template
 from fitlm.data.tokenizer import Tokenizer
 from fitlm.export.errors import ExportError
@@ -107,36 +107,35 @@ def export_gguf(loaded: LoadedModel, out: str | Path, dtype: str = "f16") -> dic
         raise ExportError(f"--out {out} is a directory; --format gguf writes one file, e.g. {out / 'model.gguf'}")
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = build_metadata("gguf", loaded.path, {"dtype": dtype})
-    tmp = out.with_name(f".{out.name}.tmp")  # written aside and renamed: never a half-written file at `out`
-    writer = GGUFWriter(str(tmp), "llama")
-    writer.add_name(loaded.path.name)
-    writer.add_context_length(cfg.max_seq_len)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(cfg.num_layers)
-    writer.add_feed_forward_length(cfg.ffn_size)
-    writer.add_head_count(cfg.num_heads)
-    writer.add_head_count_kv(cfg.kv_heads)
-    writer.add_rope_dimension_count(cfg.head_dim)
-    writer.add_rope_freq_base(cfg.rope_theta)
-    writer.add_layer_norm_rms_eps(cfg.norm_eps)
-    writer.add_vocab_size(cfg.vocab_size)
-    writer.add_file_type(_file_type(dtype))
-    writer.add_string(META_KEY, json.dumps(meta))
-    if loaded.tokenizer_path is not None:
-        _add_tokenizer(writer, loaded)
-    for name, t in to_hf_state_dict(loaded.model, cfg).items():
-        w = t.detach().float().cpu()
-        if name.endswith("self_attn.q_proj.weight"):
-            w = permute_qk(w, cfg.num_heads)
-        elif name.endswith("self_attn.k_proj.weight"):
-            w = permute_qk(w, cfg.kv_heads)
-        data, raw = _encode(w.numpy(), dtype)
-        writer.add_tensor(gguf_name(name), data, raw_dtype=raw)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    os.replace(tmp, out)
+    with atomic_file(out) as tmp:  # never a half-written file at `out`
+        writer = GGUFWriter(str(tmp), "llama")
+        writer.add_name(loaded.path.name)
+        writer.add_context_length(cfg.max_seq_len)
+        writer.add_embedding_length(cfg.hidden_size)
+        writer.add_block_count(cfg.num_layers)
+        writer.add_feed_forward_length(cfg.ffn_size)
+        writer.add_head_count(cfg.num_heads)
+        writer.add_head_count_kv(cfg.kv_heads)
+        writer.add_rope_dimension_count(cfg.head_dim)
+        writer.add_rope_freq_base(cfg.rope_theta)
+        writer.add_layer_norm_rms_eps(cfg.norm_eps)
+        writer.add_vocab_size(cfg.vocab_size)
+        writer.add_file_type(_file_type(dtype))
+        writer.add_string(META_KEY, json.dumps(meta))
+        if loaded.tokenizer_path is not None:
+            _add_tokenizer(writer, loaded)
+        for name, t in to_hf_state_dict(loaded.model, cfg).items():
+            w = t.detach().float().cpu()
+            if name.endswith("self_attn.q_proj.weight"):
+                w = permute_qk(w, cfg.num_heads)
+            elif name.endswith("self_attn.k_proj.weight"):
+                w = permute_qk(w, cfg.kv_heads)
+            data, raw = _encode(w.numpy(), dtype)
+            writer.add_tensor(gguf_name(name), data, raw_dtype=raw)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
     return {"format": "gguf", "out": str(out), "dtype": dtype, "bytes": out.stat().st_size,
             "tokenizer": loaded.tokenizer_path is not None, "source_sha256": meta["source_sha256"]}
 

@@ -11,7 +11,6 @@ refuse a wrong shape with a clear message instead of onnxruntime's opaque one.
 from __future__ import annotations
 
 import json
-import os
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -22,6 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fitlm.atomic import atomic_file
 from fitlm.export.errors import ExportError, ONNXShapeError
 from fitlm.export.metadata import build_metadata, check_metadata
 from fitlm.models.io import LoadedModel
@@ -69,22 +69,21 @@ def export_onnx(loaded: LoadedModel, out: str | Path, dynamic_shape: bool = Fals
     if out.is_dir():
         raise ExportError(f"--out {out} is a directory; --format onnx writes one file, e.g. {out / 'model.onnx'}")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")  # written aside and renamed: never a half-written file at `out`
     example = torch.zeros(batch_size, seq_len, dtype=torch.long)
     axes = {"input_ids": {0: "batch", 1: "sequence"}, "logits": {0: "batch", 1: "sequence"}} if dynamic_shape else None
     sdpa = _sdpa_for_onnx(F.scaled_dot_product_attention)
-    with torch.no_grad(), warnings.catch_warnings(), mock.patch.object(F, "scaled_dot_product_attention", sdpa):
-        warnings.simplefilter("ignore")  # tracer warnings about Python ints in shape checks
-        torch.onnx.export(_LogitsOnly(loaded.model.eval()), (example,), str(tmp), input_names=["input_ids"],
-                          output_names=["logits"], dynamic_axes=axes, opset_version=OPSET, dynamo=False)
     shape = None if dynamic_shape else [batch_size, seq_len]
     meta = build_metadata("onnx", loaded.path, {"dynamic_shape": dynamic_shape, "input_shape": shape,
                                                 "max_seq_len": cfg.max_seq_len, "opset": OPSET})
-    proto = onnx.load(str(tmp))
-    entry = proto.metadata_props.add()
-    entry.key, entry.value = META_KEY, json.dumps(meta)
-    onnx.save(proto, str(tmp))
-    os.replace(tmp, out)
+    with atomic_file(out) as tmp:  # never a half-written file at `out`
+        with torch.no_grad(), warnings.catch_warnings(), mock.patch.object(F, "scaled_dot_product_attention", sdpa):
+            warnings.simplefilter("ignore")  # tracer warnings about Python ints in shape checks
+            torch.onnx.export(_LogitsOnly(loaded.model.eval()), (example,), str(tmp), input_names=["input_ids"],
+                              output_names=["logits"], dynamic_axes=axes, opset_version=OPSET, dynamo=False)
+        proto = onnx.load(str(tmp))
+        entry = proto.metadata_props.add()
+        entry.key, entry.value = META_KEY, json.dumps(meta)
+        onnx.save(proto, str(tmp))
     return {"format": "onnx", "out": str(out), "dynamic_shape": dynamic_shape, "input_shape": shape,
             "bytes": out.stat().st_size, "source_sha256": meta["source_sha256"]}
 

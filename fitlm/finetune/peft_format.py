@@ -14,15 +14,13 @@ bias training and Conv1D (`fan_in_fan_out`) adapters are refused with the reason
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import uuid
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from fitlm.atomic import atomic_dir
 from fitlm.finetune.lora import LoraError, LoraSpec, lora_modules_of
 
 CONFIG_FILE = "adapter_config.json"
@@ -47,19 +45,10 @@ def save_adapter(adapter: Mapping[str, torch.Tensor], spec: LoraSpec, out_dir: s
     out_dir = Path(out_dir).expanduser().absolute()
     if out_dir.exists() and not (out_dir / CONFIG_FILE).is_file() and any(out_dir.iterdir()):
         raise LoraError(f"{out_dir} exists, is not empty and holds no adapter; choose another path for the adapter")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    with atomic_dir(out_dir) as tmp:
         tensors = {PREFIX + k: v.detach().to("cpu", torch.float32).contiguous() for k, v in adapter.items()}
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_text(json.dumps(adapter_config(spec, base_model), indent=2) + "\n")
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.rename(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 

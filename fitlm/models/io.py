@@ -16,9 +16,7 @@ half-written model directory under the requested name.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +24,7 @@ import torch
 import torch.nn as nn
 
 from fitlm import __version__
+from fitlm.atomic import atomic_dir
 from fitlm.config import Config, DataConfig, ModelConfig, load_config, validate_dict
 from fitlm.models.hf import HFFormatError, read_hf_config, load_hf_dir, model_from_hf_state_dict, read_safetensors_dir, \
     to_hf_state_dict, write_safetensors
@@ -115,19 +114,6 @@ def _tokenizer_files(tokenizer_path: str | Path) -> dict[str, Path]:
     raise ModelDirError(f"tokenizer {src} not found: pass a tokenizer.json file or a directory containing one")
 
 
-def _fsync_tree(path: Path) -> None:
-    # The rename is only crash-safe if the data it publishes has reached the disk first.
-    for f in path.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    if hasattr(os, "O_DIRECTORY"):
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def save_model_dir(model: nn.Module, cfg: Config | ModelConfig, out_dir: str | Path,
                    tokenizer_path: str | Path | None = None) -> Path:
     """Write a fitlm model directory atomically; an existing fitlm model directory is replaced."""
@@ -138,11 +124,7 @@ def save_model_dir(model: nn.Module, cfg: Config | ModelConfig, out_dir: str | P
     out_dir = Path(out_dir).expanduser().absolute()
     _check_writable_target(out_dir)
     tok = _tokenizer_files(tokenizer_path) if tokenizer_path is not None else {}
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    old: Path | None = None
-    try:
+    with atomic_dir(out_dir, durable=True) as tmp:  # a previous model directory survives a failed write
         write_safetensors(to_hf_state_dict(model, cfg.model), tmp)
         (tmp / "config.yaml").write_text(cfg.to_yaml())
         for name, src in tok.items():
@@ -150,18 +132,6 @@ def save_model_dir(model: nn.Module, cfg: Config | ModelConfig, out_dir: str | P
         info = {"format_version": FORMAT_VERSION, "fitlm_version": __version__,
                 "torch_version": torch.__version__}
         (tmp / MARKER).write_text(json.dumps(info, indent=2) + "\n")
-        _fsync_tree(tmp)
-        if out_dir.exists():
-            old = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}"
-            os.rename(out_dir, old)
-        os.rename(tmp, out_dir)
-    except BaseException:
-        if old is not None and not out_dir.exists():
-            os.rename(old, out_dir)  # the swap failed half-way: put the previous model back
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
     return out_dir
 
 

@@ -460,3 +460,28 @@ def test_data_too_small(packed):
         SequenceLoader(ds, T, 3, seed=0, rank=1, world_size=2)
     with pytest.raises(DataError, match="rank 2 is outside"):
         SequenceLoader(ds, 8, 1, seed=0, rank=2, world_size=2)
+
+
+def test_atomic_dir_keeps_the_previous_version_and_leaves_nothing_on_failure(tmp_path):
+    from fitlm.atomic import atomic_dir, atomic_file
+
+    out = tmp_path / "new" / "deep" / "out"
+    with pytest.raises(RuntimeError):
+        with atomic_dir(out) as tmp:
+            (tmp / "half.bin").write_bytes(b"x")
+            raise RuntimeError("crash half-way")
+    assert not (tmp_path / "new").exists()  # not even the parents it created
+    with atomic_dir(out) as tmp:
+        (tmp / "v1").write_text("1")
+    with pytest.raises(RuntimeError):
+        with atomic_dir(out) as tmp:
+            (tmp / "v2").write_text("2")
+            raise RuntimeError("crash")
+    assert sorted(p.name for p in out.parent.iterdir()) == ["out"] and (out / "v1").read_text() == "1"
+    target = tmp_path / "file.txt"
+    target.write_text("old")
+    with pytest.raises(RuntimeError):
+        with atomic_file(target) as tmp:
+            tmp.write_text("new, half")
+            raise RuntimeError("crash")
+    assert target.read_text() == "old" and [p.name for p in tmp_path.iterdir() if p.is_file()] == ["file.txt"]
