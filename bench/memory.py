@@ -10,6 +10,9 @@ Memory is measured, not estimated: `peak_live` is the peak of bytes held by live
 training step (torch's MemTracker, see fitlm/memory/tracking.py), split into parameters, gradients,
 optimizer states, activations and temporaries; `rss` is the process's peak resident set (allocator
 caches, the runtime and torch.compile's work included). On CUDA the allocator peak would be reported.
+Beside it, the planner's two predictions for the same config (`fitlm plan`: the analytic total and the
+fake-tensor simulation's), so the table shows plan vs measured. The fine-tuning rows (LoRA, freeze)
+train the same randomly initialised model: memory does not depend on the weights' values.
 
     python bench/memory.py [--steps 6] [--out bench/results/memory.json] [--only NAME ...]
 """
@@ -34,21 +37,26 @@ MODEL = {"arch": "llama", "hidden_size": 256, "num_layers": 4, "num_heads": 8, "
          "intermediate_size": 688, "vocab_size": 8192, "max_seq_len": 256, "tie_embeddings": False}
 BATCH = {"micro_batch_size": 8, "gradient_accumulation_steps": 1}
 
-# name -> (memory section, train overrides). Gradient accumulation is not here: torch's MemTracker
-# cannot follow a module called twice in one measured step (the planner models it instead).
-OPTIONS = {
-    "baseline (O0 fp32)": ({}, {}),
-    "O1 bf16 autocast": ({"mixed_precision": "O1"}, {}),
-    "O2 bf16": ({"mixed_precision": "O2"}, {}),
-    "O3 bf16": ({"mixed_precision": "O3"}, {}),
-    "O2 fp16 + loss scaling": ({"mixed_precision": "O2", "half_dtype": "fp16"}, {}),
-    "recompute full": ({"recompute": "full"}, {}),
-    "recompute selective": ({"recompute": "selective"}, {}),
-    "chunked loss (1024)": ({"loss_chunk_size": 1024}, {}),
-    "cpu offload": ({"cpu_offload": True}, {}),
-    "compile": ({"compile": True}, {}),
-    "O2 + chunked + selective + compile": ({"mixed_precision": "O2", "loss_chunk_size": 1024,
-                                            "recompute": "selective", "compile": True}, {}),
+# name -> config sections that differ from the baseline (memory, train, finetune). Gradient accumulation
+# is not here: torch's MemTracker cannot follow a module called twice in one measured step (the planner
+# models it instead). The baseline trains every parameter: it is the full fine-tuning row too.
+LORA_QV = {"method": "lora", "lora": {"r": 8, "alpha": 16.0, "target_modules": ["q_proj", "v_proj"]}}
+OPTIONS: dict[str, dict[str, dict]] = {
+    "baseline (O0 fp32)": {},
+    "O1 bf16 autocast": {"memory": {"mixed_precision": "O1"}},
+    "O2 bf16": {"memory": {"mixed_precision": "O2"}},
+    "O3 bf16": {"memory": {"mixed_precision": "O3"}},
+    "O2 fp16 + loss scaling": {"memory": {"mixed_precision": "O2", "half_dtype": "fp16"}},
+    "recompute full": {"memory": {"recompute": "full"}},
+    "recompute selective": {"memory": {"recompute": "selective"}},
+    "chunked loss (1024)": {"memory": {"loss_chunk_size": 1024}},
+    "cpu offload": {"memory": {"cpu_offload": True}},
+    "compile": {"memory": {"compile": True}},
+    "O2 + chunked + selective + compile": {"memory": {"mixed_precision": "O2", "loss_chunk_size": 1024,
+                                                      "recompute": "selective", "compile": True}},
+    "LoRA r=8 (q,v)": {"finetune": LORA_QV},
+    "LoRA r=8 (q,v) + O2 bf16": {"finetune": LORA_QV, "memory": {"mixed_precision": "O2"}},
+    "freeze bottom half": {"finetune": {"method": "freeze", "freeze_layers": 0.5}},
 }
 
 
@@ -68,14 +76,15 @@ def measure(root: Path, name: str, steps: int) -> dict:
     from fitlm.memory.tracking import peak_live_bytes
     from fitlm.train.trainer import Trainer
 
-    memory, train = OPTIONS[name]
+    sections = OPTIONS[name]
     torch.set_num_threads(max(1, torch.get_num_threads()))
     cfg = validate_dict({
-        "model": MODEL, "memory": memory,
+        "model": MODEL, "memory": sections.get("memory", {}), "finetune": sections.get("finetune", {}),
         "data": {"train": str(root / "train"), "seq_length": 256},
-        "train": {**BATCH, **train, "max_steps": 1000, "warmup_steps": 0, "eval_interval": 0, "progress": False,
-                  "output_dir": str(root / "runs" / name.replace(" ", "_"))},
+        "train": {**BATCH, **sections.get("train", {}), "max_steps": 1000, "warmup_steps": 0, "eval_interval": 0,
+                  "progress": False, "output_dir": str(root / "runs" / name.replace(" ", "_").replace("/", "_"))},
     })
+    planned = plan_totals(cfg)
     trainer = Trainer(cfg)
     batches = iter(trainer.loader)
     accum = cfg.train.gradient_accumulation_steps
@@ -94,7 +103,22 @@ def measure(root: Path, name: str, steps: int) -> dict:
     live = peak_live_bytes(step, trainer.pm.modules, trainer.optimizer, warmup_steps=0)
     tokens = cfg.train.micro_batch_size * accum * cfg.data.seq_length
     return {"option": name, "step_s": statistics.median(times), "tokens_per_s": tokens / statistics.median(times),
-            "peak_live_bytes": live, "rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+            "peak_live_bytes": live, "rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            **planned}
+
+
+def plan_totals(cfg) -> dict:
+    """The planner's analytic and simulated per-device totals for this config (None where it cannot simulate)."""
+    from fitlm.plan.analytic import breakdown
+    from fitlm.plan.setup import from_config
+    from fitlm.plan.simulate import run_step
+
+    out = {"plan_analytic_bytes": breakdown(from_config(cfg)).total, "plan_simulated_bytes": None}
+    try:
+        out["plan_simulated_bytes"] = run_step(cfg)["total"]
+    except Exception as e:  # noqa: BLE001 - e.g. torch.compile under fake tensors: report, keep measuring
+        out["plan_simulate_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    return out
 
 
 def main() -> None:
@@ -127,7 +151,7 @@ def main() -> None:
     table = Table(title=f"memory options: Llama h{MODEL['hidden_size']} L{MODEL['num_layers']} vocab {MODEL['vocab_size']}, "
                         f"{BATCH['micro_batch_size']}×256 tokens per step, CPU")
     for col in ("option", "peak live MiB", "vs baseline", "params", "grads", "optimizer", "activations", "temp",
-                "RSS MiB", "step s", "time vs baseline"):
+                "plan analytic", "plan simulated", "RSS MiB", "step s", "time vs baseline"):
         table.add_column(col, justify="left" if col == "option" else "right")
     for r in rows:
         live = r["peak_live_bytes"]
@@ -135,10 +159,18 @@ def main() -> None:
         r["time_ratio"] = r["step_s"] / base["step_s"]
         table.add_row(r["option"], f"{live['total'] / mib:.1f}", f"{r['memory_ratio']:.2f}×",
                       *(f"{live[k] / mib:.1f}" for k in ("params", "grads", "optimizer", "activations", "temporaries")),
+                      *(_vs(r.get(k), live["total"]) for k in ("plan_analytic_bytes", "plan_simulated_bytes")),
                       f"{r['rss_bytes'] / mib:.0f}", f"{r['step_s']:.3f}", f"{r['time_ratio']:.2f}×")
-    Console().print(table)
+    Console(width=None if sys.stdout.isatty() else 220).print(table)
     write(args.out, rows)
     print(f"wrote {args.out}", file=sys.stderr)
+
+
+def _vs(planned: int | None, measured: int) -> str:
+    """A planner total in MiB with its error against the measured peak."""
+    if planned is None:
+        return "n/a"
+    return f"{planned / 2**20:.1f} ({planned / measured - 1:+.1%})"
 
 
 def write(out: Path, rows: list[dict]) -> None:

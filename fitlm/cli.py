@@ -17,7 +17,7 @@ from fitlm.checkpoint.errors import TrainingInterrupted
 EXIT_USER_ERROR = 2
 # Modules with `add_commands(subparsers)`: one per command group, owned by the package it drives.
 COMMAND_MODULES = ("fitlm.data.cli", "fitlm.checkpoint.cli", "fitlm.finetune.cli", "fitlm.plan.cli",
-                   "fitlm.export.cli")
+                   "fitlm.export.cli", "fitlm.profile.cli")
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -77,13 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
     for module in COMMAND_MODULES:  # command groups that live beside the code they drive
         importlib.import_module(module).add_commands(sub)
 
-    p = sub.add_parser("config", help="config helpers: show a resolved config, print the reference")
+    p = sub.add_parser("config", help="config helpers: show a resolved config, print the reference, import one")
     csub = p.add_subparsers(dest="config_command", required=True, metavar="ACTION")
     q = csub.add_parser("show", help="validate a config and print it with every default filled in")
     _add_config_args(q)
     q.set_defaults(func=cmd_config_show)
     q = csub.add_parser("docs", help="print the config reference (markdown) from the schema")
     q.set_defaults(func=cmd_config_docs)
+    importlib.import_module("fitlm.plan.cli").add_config_commands(csub)  # config import (MindFormers YAML)
     return parser
 
 
@@ -168,6 +169,7 @@ def _is_user_error(exc: BaseException) -> bool:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv  # commands that re-run themselves under torchrun (profile) pass it on
     try:
         return args.func(args, argv) if args.func is cmd_train else args.func(args)
     except KeyboardInterrupt:

@@ -174,6 +174,25 @@ class FinetuneConfig(_Section):
     """With method `freeze`: also freeze the token (and position) embeddings, and with them a tied output head."""
 
 
+class GuardsConfig(_Section):
+    nonfinite: Literal["skip", "stop", "rollback"] = "skip"
+    """Loss or gradient norm NaN/Inf: `skip` the update (gradients dropped), `stop` with an error before the update, or `rollback`: skip, and after rollback_after bad steps in a row reload the last checkpoint."""
+    spike: Literal["none", "warn", "skip", "stop", "rollback"] = "warn"
+    """Loss or gradient-norm spike (see loss_spike_sigma, grad_spike_sigma): `warn` logs it and applies the update; `skip`, `stop`, `rollback` as for nonfinite; `none` does not look."""
+    loss_spike_sigma: float = 6.0
+    """A loss above the running mean by this many standard deviations is a spike; 0 = loss spikes not checked."""
+    grad_spike_sigma: float = 10.0
+    """A gradient norm (before clipping) above its running mean by this many standard deviations is a spike; 0 = not checked."""
+    window: int = 100
+    """Accepted steps the running mean and standard deviation are taken over."""
+    warmup_steps: int = 100
+    """Accepted steps observed before spikes are checked (early training is noisy by nature)."""
+    rollback_after: int = 3
+    """With `rollback`: bad steps in a row (each skipped) before the last checkpoint is reloaded."""
+    max_rollbacks: int = 3
+    """Rollbacks allowed in one run; the next bad streak after them stops the run."""
+
+
 class TrainConfig(_Section):
     micro_batch_size: int = 8
     """Sequences per forward/backward on each data-parallel rank."""
@@ -221,6 +240,20 @@ class TrainConfig(_Section):
     """Device peak TFLOP/s for MFU; null = the known peak of the GPU, or a quick GEMM measurement on CPU."""
     progress: bool = True
     """Show a live progress bar."""
+    guards: GuardsConfig = GuardsConfig()
+    """What happens on a NaN/Inf or spiking loss or gradient norm (docs/troubleshooting.md)."""
+    consistency_interval: int = 100
+    """Every this many steps compare a checksum of the weights of data-parallel replicas and stop if they differ; 0 = off. Not checked under ZeRO-2/3 (each rank holds a different shard)."""
+    balance_threshold: float = 1.5
+    """Warn when one data-parallel rank's real (target) tokens or longest document exceed the mean of the other ranks by this factor over a log interval; 0 = off."""
+    data_wait_warn: float = 0.1
+    """Warn when waiting for input batches takes more than this share of the step time (at most every 10th log line); 0 = off."""
+    tensorboard: Literal["auto"] | bool = "auto"
+    """Write the metrics also as TensorBoard scalars under output_dir/tensorboard/: `auto` = when tensorboard is installed."""
+    profile_steps: list[int] | None = None
+    """[first, last] optimizer steps to record with the torch profiler; a Chrome trace per rank goes to output_dir/profile/. null = off."""
+    oom_snapshot: bool = False
+    """CUDA only: record allocator history and, on out of memory, dump a snapshot to output_dir/memory_snapshot_rank{R}.pickle (open it at pytorch.org/memory_viz)."""
 
 
 class CheckpointConfig(_Section):
@@ -388,6 +421,7 @@ def semantic_errors(cfg: Config) -> list[str]:
     if t.min_lr > t.lr:
         errs.append(f"train.min_lr: {t.min_lr} is above train.lr={t.lr}; the schedule decays from lr down to min_lr")
     errs += memory_errors(cfg)
+    errs += observe_errors(cfg)
     if p.zero_stage not in (0, 1, 2, 3):
         errs.append(f"parallel.zero_stage: must be 0, 1, 2 or 3 (got {p.zero_stage})")
     return errs
@@ -418,6 +452,33 @@ def memory_errors(cfg: Config) -> list[str]:
                     f"and growth_interval >= 1 (got {ls.model_dump()})")
     if t.lr_reference_batch is not None and t.lr_reference_batch < 1:
         errs.append(f"train.lr_reference_batch: must be at least 1 sequence or null (got {t.lr_reference_batch})")
+    return errs
+
+
+def observe_errors(cfg: Config) -> list[str]:
+    """Rules of the guards and the run observers (train.guards, consistency, profiler window)."""
+    t, g = cfg.train, cfg.train.guards
+    errs = []
+    for key, v, least in (("window", g.window, 2), ("rollback_after", g.rollback_after, 1)):
+        if v < least:
+            errs.append(f"train.guards.{key}: must be at least {least} (got {v})")
+    nonneg = {"train.guards.warmup_steps": g.warmup_steps, "train.guards.max_rollbacks": g.max_rollbacks,
+              "train.guards.loss_spike_sigma": g.loss_spike_sigma, "train.guards.grad_spike_sigma": g.grad_spike_sigma,
+              "train.consistency_interval": t.consistency_interval, "train.balance_threshold": t.balance_threshold,
+              "train.data_wait_warn": t.data_wait_warn}
+    for key, v in nonneg.items():
+        if v < 0:
+            errs.append(f"{key}: must not be negative (got {v})")
+    if 0 < t.balance_threshold <= 1:
+        errs.append(f"train.balance_threshold: a factor above 1 (e.g. 1.5) or 0 to turn it off (got {t.balance_threshold})")
+    no_checkpoints = cfg.checkpoint.interval == 0 and cfg.checkpoint.resume in ("auto", "never")
+    for key in ("nonfinite", "spike"):
+        if getattr(g, key) == "rollback" and no_checkpoints:
+            errs.append(f"train.guards.{key}: rollback reloads the last checkpoint, but checkpoint.interval is 0; "
+                        "set checkpoint.interval (e.g. 100) or choose skip or stop")
+    ps = t.profile_steps
+    if ps is not None and (len(ps) != 2 or ps[0] < 1 or ps[1] < ps[0]):
+        errs.append(f"train.profile_steps: needs [first, last] with 1 <= first <= last, e.g. [10, 12] (got {ps})")
     return errs
 
 

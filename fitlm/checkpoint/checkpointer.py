@@ -113,6 +113,32 @@ class Checkpointer:
             self.ctx.barrier()
             self._catch_sigterm()
             return 0
+        step, meta = self._load(ckpt, pm, optimizer, stateful)
+        if self.ctx.is_main:
+            trim_metrics(self.output_dir / "metrics.jsonl", step)
+            print(f"fitlm: resumed from {ckpt} (step {step}, saved on {meta['layout']['name']})", file=sys.stderr)
+        self.ctx.barrier()
+        self._catch_sigterm()
+        return step
+
+    def latest(self) -> Path | None:
+        """The checkpoint a rollback would load: this run's latest, else the one it started from."""
+        return store.latest_checkpoint(self.output_dir) or resume_source(self.cfg)
+
+    def rollback(self, pm, optimizer, stateful: dict[str, Stateful]) -> int | None:
+        """Reload the latest checkpoint into the model, optimizer, RNG and `stateful` mid-run (train.guards
+        rollback); returns its step, or None when there is none. metrics.jsonl is kept: it records the rollback."""
+        self._wait_pending()
+        ckpt = self.latest()
+        if ckpt is None:
+            return None
+        step, _ = self._load(ckpt, pm, optimizer, stateful)
+        if self.ctx.is_main:
+            print(f"fitlm: rolled back to {ckpt} (step {step})", file=sys.stderr)
+        self.ctx.barrier()
+        return step
+
+    def _load(self, ckpt: Path, pm, optimizer, stateful: dict[str, Stateful]) -> tuple[int, dict[str, Any]]:
         meta = self.check(ckpt)
         md = store.read_dcp_metadata(ckpt)
         model_sd = state.model_state(pm.modules)
@@ -134,13 +160,7 @@ class Checkpointer:
         for name, obj in stateful.items():
             if name in extras:
                 obj.load_state_dict(state.decode_state(extras[name]))
-        step = int(meta["step"])
-        if self.ctx.is_main:
-            trim_metrics(self.output_dir / "metrics.jsonl", step)
-            print(f"fitlm: resumed from {ckpt} (step {step}, saved on {meta['layout']['name']})", file=sys.stderr)
-        self.ctx.barrier()
-        self._catch_sigterm()
-        return step
+        return int(meta["step"]), meta
 
     def _catch_sigterm(self) -> None:
         """From now until `finish`, SIGTERM means: checkpoint at the end of this step, then stop."""

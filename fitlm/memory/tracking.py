@@ -4,15 +4,24 @@ RSS on CPU (and even CUDA's reserved bytes) mix in the allocator's caching and t
 memory option changes is the bytes held by live tensors. torch's MemTracker follows every tensor's
 storage from creation to release (a dispatch mode plus weak references) and files it as parameter,
 gradient, optimizer state, activation or temporary. We take the snapshot at the step's peak.
+
+`track_step` also returns what each module's forward left alive and how far its backward rose
+(MemTracker's per-module snapshots), which `fitlm profile` lists as the top memory consumers.
+A root module that runs several times in one step (gradient accumulation, pipeline micro batches)
+is followed across its calls instead of being refused as MemTracker does by default.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 import torch.nn as nn
-from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed._tools.mem_tracker import MemTracker, _ModState
+
+TOTAL = "Total"  # MemTracker's key for the sum over categories
+
 
 class _NoHandle:
     def remove(self) -> None:
@@ -23,11 +32,25 @@ CATEGORIES = {"PARAM": "params", "BUFFER": "buffers", "GRAD": "grads", "OPT": "o
               "TEMP": "temporaries", "OTH": "other"}
 
 
-def peak_live_bytes(step: Callable[[], object], modules: list[nn.Module], optimizer: torch.optim.Optimizer | None,
-                    warmup_steps: int = 1) -> dict[str, int]:
-    """Run `step` `warmup_steps` times (optimizer states appear in the first step), then once more
-    measured; returns peak bytes by category plus `total`, summed over devices."""
-    tracker = MemTracker()
+class _StepTracker(MemTracker):
+    """MemTracker that follows a root module called several times in one step (accumulation, pipeline
+    micro batches) as it does a submodule used twice, instead of raising NotImplementedError."""
+
+    def _pre_fw_hook(self, module: nn.Module, inputs) -> None:
+        try:
+            super()._pre_fw_hook(module, inputs)
+        except NotImplementedError:  # raised before MemTracker changed any state: record the repeat call
+            stats = self.memory_tracking[module]
+            stats.input_mem = self._track_inputs_or_outputs(inputs)
+            snapshot = self.get_tracker_snapshot()
+            stats.local_peak = {dev: snap[TOTAL] for dev, snap in snapshot.items()}
+            stats.snapshots.setdefault(_ModState.PEAK_FW, []).append(snapshot)
+            stats.snapshots.setdefault(_ModState.PRE_FW, []).append(self.get_tracker_snapshot())
+
+
+def tracker_for(modules: list[nn.Module], optimizer: torch.optim.Optimizer | None) -> MemTracker:
+    """A MemTracker that files `modules`' parameters and `optimizer`'s states, frozen parameters included."""
+    tracker = _StepTracker()
     tracker.track_external(*modules, *([optimizer] if optimizer is not None else []))
     # MemTracker hooks every parameter's gradient, which torch refuses for frozen ones (LoRA, freeze):
     # mark those as already hooked, with handles whose removal does nothing.
@@ -35,6 +58,28 @@ def peak_live_bytes(step: Callable[[], object], modules: list[nn.Module], optimi
         for p in module.parameters():
             if not p.requires_grad:
                 tracker._param_to_grad_hook_handles[p] = (_NoHandle(), _NoHandle())
+    return tracker
+
+
+@dataclass
+class StepMemory:
+    """One measured step: peak bytes by category (plus `total`), summed over devices, and per module."""
+
+    peak: dict[str, int]
+    modules: list[dict] = field(default_factory=list)  # see module_rows
+
+
+def peak_live_bytes(step: Callable[[], object], modules: list[nn.Module], optimizer: torch.optim.Optimizer | None,
+                    warmup_steps: int = 1) -> dict[str, int]:
+    """Run `step` `warmup_steps` times (optimizer states appear in the first step), then once more
+    measured; returns peak bytes by category plus `total`, summed over devices."""
+    return track_step(step, modules, optimizer, warmup_steps).peak
+
+
+def track_step(step: Callable[[], object], modules: list[nn.Module], optimizer: torch.optim.Optimizer | None,
+               warmup_steps: int = 1) -> StepMemory:
+    """`peak_live_bytes` with the per-module rows of the measured step."""
+    tracker = tracker_for(modules, optimizer)
     with tracker:
         for _ in range(warmup_steps):
             step()
@@ -47,6 +92,28 @@ def peak_live_bytes(step: Callable[[], object], modules: list[nn.Module], optimi
             key = CATEGORIES.get(str(kind).rsplit(".", 1)[-1])
             if key:
                 out[key] += int(nbytes)
-            elif kind == "Total":
+            elif kind == TOTAL:
                 out["total"] += int(nbytes)
-    return out
+    return StepMemory(out, module_rows(tracker))
+
+
+def _rise(stats, before: _ModState, after: _ModState) -> int:
+    """Bytes between two of a module's snapshots (its last call), summed over devices; 0 if either is missing."""
+    a, b = stats.snapshots.get(before), stats.snapshots.get(after)
+    if not a or not b:
+        return 0
+    return sum(snap.get(TOTAL, 0) for snap in b[-1].values()) - sum(snap.get(TOTAL, 0) for snap in a[-1].values())
+
+
+def module_rows(tracker: MemTracker) -> list[dict]:
+    """Per module of the measured step: `params` (bytes of its own and its children's parameters),
+    `forward_kept` (bytes its forward left alive: saved activations and output, last call),
+    `forward_peak` and `backward_peak` (how far live bytes rose above the start of its forward /
+    backward). A module includes its children."""
+    rows = []
+    for stats in tracker.memory_tracking.values():
+        rows.append({"module": stats.mod_fqn, "params": int(getattr(stats, "parameter_mem", 0)),
+                     "forward_kept": _rise(stats, _ModState.PRE_FW, _ModState.POST_FW),
+                     "forward_peak": _rise(stats, _ModState.PRE_FW, _ModState.PEAK_FW),
+                     "backward_peak": _rise(stats, _ModState.PRE_BW, _ModState.PEAK_BW)})
+    return rows

@@ -14,12 +14,14 @@ Half levels keep most of these in 2 bytes, but RMSNorm's fp32 statistics keep an
 input (and O1 keeps the residual stream in fp32), and RoPE keeps half casts of cos/sin (8D). O1/O2 also
 keep, per block, the half casts of its weights that the matmuls saved (2 bytes per parameter).
 Korthikanti et al.'s GPT constant (34·s·b·h) does not transfer: no dropout masks, a 3-matrix MLP, GQA.
+Fine-tuning (LoRA, freeze) changes what trains and what a block saves: see fitlm.plan.finetune.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fitlm.plan import finetune as ft
 from fitlm.plan.setup import Setup, embedding_params, head_params, layer_params, stage_layers
 
 # Per level: (replicated h, sharded h, kv, f, D) bytes per token per block, no recompute.
@@ -79,9 +81,9 @@ class Breakdown:
 
 
 def stage_params(s: Setup, first: bool) -> int:
-    """Parameters held by one pipeline rank before any sharding (first or last stage)."""
+    """Parameters held by one pipeline rank before any sharding (first or last stage), adapters included."""
     if s.pp == 1:
-        return embedding_params(s) + s.layers * layer_params(s) + head_params(s)
+        return embedding_params(s) + s.layers * layer_params(s) + head_params(s) + ft.adapter_params(s)
     own = stage_layers(s) * layer_params(s)
     if first:
         return own + embedding_params(s)
@@ -130,6 +132,11 @@ def activations(s: Setup, tokens: float, layers: int, in_flight: float) -> tuple
     casts = WEIGHT_CAST[s.level] * layer_params(s) / s.tp
     if s.level == "O2" and s.zero >= 2 and s.dp > 1:
         casts = 0  # FSDP2's policy gathers half parameters instead (counted under `other`)
+    if s.method != "full":  # frozen blocks keep less; fine-tuning runs unsplit (no tp/pp), so sum per block
+        saved = sum(ft.block_savings(s, b) for b in range(layers)) / layers
+        kept -= in_flight * plain * tokens * saved
+        if casts:
+            casts = WEIGHT_CAST[s.level] * sum(ft.block_cast_params(s, b) for b in range(layers)) / layers
     kept += plain * casts  # saved half weights are shared by the in-flight chunks
     working = tokens * block_act_per_token(s) + casts if recomputed else 0.0
     return kept, working
@@ -140,11 +147,17 @@ def logits_bytes(s: Setup, tokens: float) -> float:
     v = s.vocab / s.tp
     if s.loss_chunk:
         chunk = min(s.loss_chunk, tokens)
-        # chunk logits and their fp32 softmax/gradient, the running fp32 weight gradient and the chunk's
-        # product added to it (both [V, h] fp32), the hidden gradient
-        return chunk * v * LOGIT_BYTES + 2 * v * s.h * 4 + tokens * s.h * act_bytes(s)
+        # One fp32 [chunk, V] buffer updated in place (logits -> softmax -> gradient), beside it the half
+        # matmul output or the gradient cast back to half when computing in half; the running fp32 weight
+        # gradient [V, h] (accumulated in place in fp32, through a half product cast up otherwise); the
+        # hidden gradient.
+        half = act_bytes(s) < 4
+        per_logit = 4 + (2 if half else 0)
+        weight_grad = v * s.h * (4 + (6 if half else 0))
+        return chunk * v * per_logit + weight_grad + tokens * s.h * act_bytes(s)
     fsdp_casts = s.level == "O2" and s.zero >= 2 and s.dp > 1  # FSDP2 gathers half weights instead
-    cast = 0 if fsdp_casts else WEIGHT_CAST[s.level] * s.vocab * s.h / s.tp
+    half_frozen = ft.frozen_in_half(s) and not ft.head_trains(s)  # a frozen head stored in half needs no cast
+    cast = 0 if fsdp_casts or half_frozen else WEIGHT_CAST[s.level] * s.vocab * s.h / s.tp
     return tokens * v * (LOGIT_BYTES_TP if s.tp > 1 else LOGIT_BYTES) + cast
 
 
@@ -152,20 +165,24 @@ def outside_bytes(s: Setup, tokens: float) -> float:
     a, d = OUTSIDE[s.level]
     if s.arch == "gpt2":
         a, d = 2 * act_bytes(s) + 4, 0  # final LayerNorm input and output; no RoPE tables
-    return tokens * (a * s.h / (s.tp if s.sp else 1) + d * s.head_dim + 12)
+    return tokens * (a * s.h / (s.tp if s.sp else 1) + d * s.head_dim + 12 - ft.outside_savings(s))
 
 
-def model_states(s: Setup, n: float) -> tuple[float, float, float, float]:
-    """(params, grads at rest, optimizer, host) bytes for `n` parameters on this rank, per ZeRO stage.
+def model_states(s: Setup, n: float, trained: float | None = None) -> tuple[float, float, float, float]:
+    """(params, grads at rest, optimizer, host) bytes for `n` parameters on this rank, `trained` of them
+    trainable (default all), per ZeRO stage.
 
     fitlm's levels fix the per-parameter bytes: params and grads in the parameter dtype (fp32, or half
     at O3) and AdamW's two moments in it too; O2's half copies are transient (activations/other).
+    Frozen parameters (LoRA, freeze) have neither gradients nor states, and O2 stores them in half.
     """
     pb = param_bytes(s)
-    trained = n if s.method == "full" else 0.0  # LoRA/freeze: not modelled beyond "frozen = no states"
+    trained = n if trained is None else trained
+    frozen_pb = 2 if ft.frozen_in_half(s) else pb
     shard = s.dp if s.zero >= 2 else 1
     opt_shard = s.dp if s.zero >= 1 else 1
-    params, grads, opt = n * pb / shard, trained * pb / shard, 2 * trained * pb / opt_shard
+    params = (trained * pb + (n - trained) * frozen_pb) / shard
+    grads, opt = trained * pb / shard, 2 * trained * pb / opt_shard
     host = 0.0
     if s.offload:
         host = opt + trained * 4 / opt_shard  # moments + fp32 master copy (HostAdamW) or FSDP2's CPU shards
@@ -185,7 +202,8 @@ def breakdown(s: Setup) -> Breakdown:
 
 def _stage(s: Setup, first: bool) -> Breakdown:
     n = tp_share(s, stage_params(s, first))
-    params, grads_full, opt, host = model_states(s, n)
+    trained = n if s.method == "full" else n * ft.trainable_params(s) / stage_params(s, first)
+    params, grads_full, opt, host = model_states(s, n, trained)
     if s.pp > 1:
         chunks = max(1, s.chunks)
         tokens = s.mbs / chunks * s.seq
@@ -216,17 +234,17 @@ def _stage(s: Setup, first: bool) -> Breakdown:
     # Two candidate moments in backward: the loss (logits alive; measured: no ZeRO-3 block gathered yet)
     # or the first block's backward (logits freed, the head's gradient present, the block gathered or
     # rebuilt by recompute).
-    head_grad = s.vocab * s.h * param_bytes(s) / s.tp if has_logits and s.method == "full" else 0.0
+    head_grad = s.vocab * s.h * param_bytes(s) / s.tp if has_logits and ft.head_trains(s) else 0.0
     if working + staging + head_grad > outside + logit:
         act, logit, grads_extra = kept + working, 0.0, head_grad
         other += staging
     else:
         act, grads_extra = kept + outside, 0.0
-    buckets = n * param_bytes(s) if s.zero <= 1 and s.dp > 1 and s.tp == 1 and s.pp == 1 else 0.0
+    buckets = trained * param_bytes(s) if s.zero <= 1 and s.dp > 1 and s.tp == 1 and s.pp == 1 else 0.0
     other += buckets  # DDP's gradient buckets (flat copies of every gradient)
     # Gradients present during forward: none at accumulation step 1 (zero_grad frees them); with
     # accumulation the earlier micro batches' gradients (unsharded while FSDP2 skips the sync).
-    grads_fb = (0.0 if s.accum == 1 else (unsharded if sharded else grads_full)) + grads_extra
+    grads_fb = (0.0 if s.accum == 1 else (unsharded * trained / n if sharded else grads_full)) + grads_extra
     fb = Breakdown(int(params), int(grads_fb), int(opt), int(act), int(logit), int(other), "forward/backward", int(host))
     # Optimizer step: gradients complete, plus foreach AdamW's one state-sized temporary (sqrt of v).
     step_tmp = 0.0 if s.offload else opt / 2

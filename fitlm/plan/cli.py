@@ -1,4 +1,5 @@
-"""`fitlm plan` and `fitlm budget`: argument parsing and printing only; the work is in fitlm.plan."""
+"""`fitlm plan`, `fitlm budget` and `fitlm config import`: argument parsing and printing only; the work is in
+fitlm.plan."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ def add_commands(sub) -> None:
                                    "and MFU. --simulate also runs the real training step on fake tensors.",
                        epilog="examples:\n"
                               "  fitlm plan configs/tiny.yaml --device cpu --simulate\n"
-                              "  fitlm plan configs/llama-7b.yaml --device a100-80g --num-devices 8 --search\n"
+                              "  fitlm plan configs/llama2-7b.yaml --device a100-80g --num-devices 8 --search\n"
                               "  fitlm plan CONFIG --device-memory 48GiB --device-tflops 181 --json")
     p.add_argument("config", metavar="CONFIG", help="YAML config file")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -51,6 +52,41 @@ def add_commands(sub) -> None:
     p.add_argument("--tokens", type=float, default=None, metavar="D")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(func=cmd_budget)
+
+
+def add_config_commands(csub) -> None:
+    """`fitlm config import`, under the `config` group that fitlm.cli owns."""
+    q = csub.add_parser("import", help="translate a MindSpore Transformers (MindFormers) YAML into a fitlm config",
+                        formatter_class=argparse.RawDescriptionHelpFormatter,
+                        description="Translate a MindFormers training YAML (model.model_config, parallel_config, "
+                                    "recompute_config, runner_config, optimizer, lr_schedule, ...) into a fitlm "
+                                    "config. Every source key that has no fitlm equivalent, or was approximated, "
+                                    "gets a note naming it (stderr, and comments at the top of the written file).",
+                        epilog="examples:\n"
+                               "  fitlm config import examples/mindformers/llama2_7b.yaml --out llama2_7b.yaml\n"
+                               "  fitlm plan llama2_7b.yaml --device ascend-910b --search")
+    q.add_argument("source", metavar="FILE.yaml", help="MindSpore Transformers YAML")
+    q.add_argument("--out", required=True, metavar="CONFIG", help="fitlm config file to write")
+    q.add_argument("--force", action="store_true", help="replace --out if it exists")
+    q.add_argument("--json", action="store_true", help='print {"out", "config", "notes": [{"key", "note"}]} on stdout')
+    q.set_defaults(func=cmd_config_import)
+
+
+def cmd_config_import(args: argparse.Namespace) -> int:
+    from fitlm.plan.mindformers import import_file
+
+    cfg, notes = import_file(args.source, args.out, force=args.force)
+    if args.json:
+        sys.stdout.write(json.dumps({"out": args.out, "config": cfg.to_dict(), "notes": notes}) + "\n")
+        return 0
+    for n in notes:
+        sys.stderr.write(f"note: {n['key']}: {n['note']}\n")
+    m = cfg.model
+    sys.stderr.write(f"wrote {args.out}: {m.arch} h{m.hidden_size} L{m.num_layers}, layout dp{cfg.parallel.data_parallel}"
+                     f"×tp{cfg.parallel.tensor_parallel}×pp{cfg.parallel.pipeline_parallel}, "
+                     f"{cfg.memory.mixed_precision} {cfg.memory.half_dtype}; {len(notes)} note(s) above. "
+                     f"Next: fitlm plan {args.out} --search\n")
+    return 0
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

@@ -2,7 +2,9 @@
 
 Why single changes: a user fixing an out-of-memory error wants the smallest edit to the config,
 with the arithmetic that shows it works ("recompute: full saves 11.2 GiB -> 61.3 GiB, fits").
-Each remedy keeps what is learned unchanged (the global batch is held fixed).
+Each remedy keeps what is learned unchanged (the global batch is held fixed), except the fine-tuning
+ones offered when a pretrained model is fully fine-tuned (model.init_from): LoRA on q/v, or freezing the
+bottom half, which train fewer parameters (and so say so).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def remedies(s: Setup) -> list[Remedy]:
                        replace(s, mbs=s.mbs // 2, accum=s.accum * 2)))
     if not s.offload:
         trials.append(("memory.cpu_offload: true", replace(s, offload=True)))
-    if s.dp % 2 == 0 and _tp_ok(s, s.tp * 2):
+    if s.dp % 2 == 0 and _tp_ok(s, s.tp * 2) and s.method == "full":  # LoRA/freeze: no tensor parallel
         trials.append((f"parallel.tensor_parallel: {s.tp * 2} (data_parallel: {s.dp // 2})",
                        replace(s, tp=s.tp * 2, dp=s.dp // 2, zero=s.zero if s.zero != 1 else 2,
                                accum=s.accum * 2)))
@@ -57,6 +59,11 @@ def remedies(s: Setup) -> list[Remedy]:
         trials.append(("parallel.sequence_parallel: true", replace(s, sp=True)))
     if s.level in ("O0", "O1"):
         trials.append(("memory.mixed_precision: O2", replace(s, level="O2")))
+    if s.pretrained and s.method == "full" and s.tp == 1 and s.pp == 1:
+        trials.append(("finetune.method: lora (r 8 on q_proj, v_proj; trains adapters only)",
+                       replace(s, method="lora", lora_r=8, lora_targets=("q_proj", "v_proj"))))
+        trials.append(("finetune.method: freeze (freeze_layers: 0.5; trains the top half only)",
+                       replace(s, method="freeze", freeze_layers=0.5, freeze_embeddings=False)))
     before = breakdown(s).total
     out = [Remedy(name, t, breakdown(t)) for name, t in trials]
     out = [r for r in out if r.memory.total < before]

@@ -17,6 +17,7 @@ from fitlm.parallel.layout import layout_problems
 from fitlm.plan.analytic import breakdown
 from fitlm.plan.devices import Device
 from fitlm.plan.diagnose import dominant, remedies
+from fitlm.plan.finetune import adapter_params, lora_targets, trainable_params
 from fitlm.plan.setup import Setup, from_config, to_overrides, total_params
 from fitlm.plan.throughput import timing
 
@@ -37,8 +38,34 @@ def _memory_opts(s: Setup) -> str:
     return " ".join(opts) + f" mbs={s.mbs}×accum{s.accum}"
 
 
+def _finetune(s: Setup) -> dict[str, Any]:
+    out: dict[str, Any] = {"method": s.method, "trainable_params": trainable_params(s),
+                           "adapter_params": adapter_params(s)}
+    if s.method == "lora":
+        out["lora"] = {"r": s.lora_r, "targets": list(lora_targets(s))}
+    elif s.method == "freeze":
+        out["freeze"] = {"layers": s.freeze_layers, "embeddings": s.freeze_embeddings}
+    return out
+
+
+def _pretrained_shape(cfg: Config) -> tuple[Config, str | None]:
+    """With model.init_from the weights define the network (as in training); read its shape if present."""
+    if not cfg.model.init_from:
+        return cfg, None
+    from fitlm.train.trainer import resolve_init_from
+
+    try:
+        return resolve_init_from(cfg), None
+    except (OSError, ValueError) as e:
+        if isinstance(e, ConfigError) and "does not match the model section" in str(e):
+            raise
+        return cfg, (f"model.init_from: {cfg.model.init_from} could not be read ({str(e).splitlines()[-1].strip()}); "
+                     "planned with the model section as written")
+
+
 def plan(cfg: Config, dev: Device, num_devices: int | None = None, simulate: bool = False,
          search: bool = False, top: int = 5, best_out: str | None = None) -> dict[str, Any]:
+    cfg, note = _pretrained_shape(cfg)
     n = num_devices or cfg.parallel.world_size
     if not search:
         problems = layout_problems(cfg, n)
@@ -50,6 +77,7 @@ def plan(cfg: Config, dev: Device, num_devices: int | None = None, simulate: boo
     fits = mem.total <= dev.usable_bytes
     out: dict[str, Any] = {
         "model": {"arch": s.arch, "params": total_params(s), "layers": s.layers, "hidden_size": s.h},
+        "finetune": _finetune(s),
         "device": {"name": dev.name, "memory_bytes": dev.memory_bytes, "usable_bytes": dev.usable_bytes,
                    "tflops": dev.tflops, "efficiency": dev.efficiency, "num_devices": n, "source": dev.source},
         "layout": _layout(s), "memory_options": _memory_opts(s),
@@ -60,6 +88,8 @@ def plan(cfg: Config, dev: Device, num_devices: int | None = None, simulate: boo
                              "data_parallel_comm_exposed": t.dp_comm_s, "pipeline_comm": t.pp_comm_s,
                              "pipeline_bubble": t.bubble_s},
     }
+    if note:
+        out["notes"] = [note]
     if not fits:
         fixes = remedies(s)
         out["diagnosis"] = {
@@ -108,7 +138,10 @@ def render(result: dict[str, Any]) -> None:
 
     console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
     d = result["device"]
-    console.print(f"[bold]{result['model']['arch']} {result['model']['params'] / 1e9:.3g}B params[/bold] · "
+    f = result["finetune"]
+    what = "" if f["method"] == "full" else (f" ({f['method']}: {f['trainable_params'] / 1e6:.3g}M trainable, "
+                                             f"{f['trainable_params'] / result['model']['params']:.2%})")
+    console.print(f"[bold]{result['model']['arch']} {result['model']['params'] / 1e9:.3g}B params[/bold]{what} · "
                   f"{result['layout']} · {result['memory_options']} · {d['num_devices']}× {d['name']}")
     table = Table()
     table.add_column("per device")
@@ -124,6 +157,8 @@ def render(result: dict[str, Any]) -> None:
     console.print(f"{verdict}: {gib(result['per_device']['total'])} of {gib(d['usable_bytes'])} usable "
                   f"({gib(d['memory_bytes'])} minus runtime reserve); peak during {result['peak_phase']}"
                   + (f"; {gib(result['host_bytes_per_device'])} in host memory" if result["host_bytes_per_device"] else ""))
+    for note in result.get("notes", []):
+        console.print(f"note: {note}")
     if "error" in result.get("simulated", {}):
         console.print(f"simulation: {result['simulated']['error']}")
     console.print(f"step {result['step_time_s']:.3g} s · {result['tokens_per_s']:,.0f} tokens/s · MFU "

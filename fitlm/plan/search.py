@@ -46,7 +46,10 @@ def _divisors(n: int) -> list[int]:
 def _layouts(cfg: Config, n: int) -> list[Layout]:
     # The model's own rules (tp divides heads/MLP/vocab; pp <= layers), micro-batch rules checked per candidate.
     trial = cfg.model_copy(update={"train": cfg.train.model_copy(update={"micro_batch_size": 1})})
-    return valid_layouts(trial, n)
+    layouts = valid_layouts(trial, n)
+    if cfg.finetune.method != "full":  # LoRA and freeze run with data parallel and ZeRO only (preflight)
+        layouts = [lay for lay in layouts if lay.tp == 1 and lay.pp == 1]
+    return layouts
 
 
 def candidates(cfg: Config, n: int, dev: Device, max_micro_batch: int = 64) -> list[Candidate]:

@@ -39,7 +39,12 @@ class Setup:
     offload: bool = False
     loss_chunk: int = 0
     doc_mask: bool = True
-    method: str = "full"
+    method: str = "full"  # finetune.method: full, lora, freeze (fitlm.plan.finetune does the accounting)
+    lora_r: int = 8
+    lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
+    freeze_layers: float = 0.0
+    freeze_embeddings: bool = False
+    pretrained: bool = False  # model.init_from is set: fine-tuning, so LoRA/freeze are remedies too
 
     @property
     def head_dim(self) -> int:
@@ -63,7 +68,7 @@ class Setup:
 
 
 def from_config(cfg: Config) -> Setup:
-    m, p, mem, t = cfg.model, cfg.parallel, cfg.memory, cfg.train
+    m, p, mem, t, f = cfg.model, cfg.parallel, cfg.memory, cfg.train, cfg.finetune
     return Setup(arch=m.arch, h=m.hidden_size, layers=m.num_layers, heads=m.num_heads, kv_heads=m.kv_heads,
                  ffn=m.ffn_size, vocab=m.vocab_size, max_seq_len=m.max_seq_len, tied=m.tie_embeddings,
                  seq=cfg.data.seq_length, mbs=t.micro_batch_size, accum=t.gradient_accumulation_steps,
@@ -71,7 +76,9 @@ def from_config(cfg: Config) -> Setup:
                  zero=p.zero_stage, schedule=p.pipeline_schedule, chunks=p.micro_batch_num,
                  level=mem.mixed_precision, half=mem.half_dtype, recompute=mem.recompute,
                  recompute_every=mem.recompute_every_n_layers, offload=mem.cpu_offload,
-                 loss_chunk=mem.loss_chunk_size, doc_mask=cfg.data.document_mask, method=cfg.finetune.method)
+                 loss_chunk=mem.loss_chunk_size, doc_mask=cfg.data.document_mask, method=f.method,
+                 lora_r=f.lora.r, lora_targets=tuple(f.lora.target_modules), freeze_layers=f.freeze_layers,
+                 freeze_embeddings=f.freeze_embeddings, pretrained=bool(m.init_from))
 
 
 def to_overrides(s: Setup) -> dict:

@@ -82,10 +82,11 @@ def run_step(cfg: Config, fake: bool = True) -> dict[str, int]:
 
     `fake=False` runs the same thing on real CPU tensors (a cross-check of the harness itself).
     """
-    from torch.distributed._tools.mem_tracker import MemTracker
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from fitlm.finetune.apply import apply_finetune
     from fitlm.memory.loss_scale import LossScaler
+    from fitlm.memory.tracking import tracker_for
     from fitlm.parallel.apply import parallelize
     from fitlm.registry import build_model
     from fitlm.train.optim import build_optimizer
@@ -108,6 +109,9 @@ def run_step(cfg: Config, fake: bool = True) -> dict[str, int]:
         # O3 stores half parameters: build them half, since fake parameters cannot be swapped by `.to(half)`
         # later; O3 is then exactly O0 on a half model (no autocast, no FSDP casting policy).
         model = _build_in(cfg, build_model) if fake and cfg.memory.mixed_precision == "O3" else build_model(cfg.model)
+        apply_finetune(model, cfg)  # LoRA adapters / frozen layers, as the trainer does before any wrapper
+        if fake and cfg.memory.mixed_precision == "O3":
+            _adapters_to_half(model, cfg)
         pm = parallelize(model, _as_built(cfg) if fake else cfg, ctx)
         zero1 = ctx.group("dp") if p.zero_stage == 1 and ctx.dp > 1 else None
         sharded = p.zero_stage >= 2 and ctx.dp > 1
@@ -117,6 +121,7 @@ def run_step(cfg: Config, fake: bool = True) -> dict[str, int]:
         trainer.cfg, trainer.ctx, trainer.device, trainer.pm, trainer.optimizer = cfg, ctx, ctx.device, pm, optimizer
         trainer.scaler = LossScaler(cfg.memory, ctx.device)
         trainer.scaler.enabled = trainer.scaler.enabled and not fake  # a fake overflow flag would skip every step
+        trainer.timer = lambda phase: contextlib.nullcontext()  # phase wall times mean nothing here
         accum = cfg.train.gradient_accumulation_steps
         batch = _batch(cfg)
 
@@ -130,8 +135,7 @@ def run_step(cfg: Config, fake: bool = True) -> dict[str, int]:
         if accum > 1:
             trainer.pm.gradient_sync(enabled=False)
             trainer.forward_backward([batch])
-        tracker = MemTracker()
-        tracker.track_external(*pm.modules, optimizer)
+        tracker = tracker_for(pm.modules, optimizer)
         with tracker:
             step()
         peak = tracker.get_tracker_snapshot("peak")
@@ -147,6 +151,15 @@ def _build_in(cfg: Config, build) -> torch.nn.Module:
         return build(cfg.model)
     finally:
         torch.set_default_dtype(old)
+
+
+def _adapters_to_half(model: torch.nn.Module, cfg: Config) -> None:
+    """O3 casts the whole model, LoRA adapters (made fp32) included; the half-built fake model needs it too."""
+    from fitlm.memory.precision import half_dtype
+
+    for p in model.parameters():
+        if p.dtype == torch.float32:
+            p.data = p.data.to(half_dtype(cfg.memory))
 
 
 def _as_built(cfg: Config) -> Config:

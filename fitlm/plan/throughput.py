@@ -3,6 +3,7 @@
 Why these terms: they are the ones a layout choice moves. Compute is FLOPs per token (6·N plus
 attention 12·L·h·s, counted in full as fitlm.train.metrics does) over the device's peak times its
 efficiency; full recompute adds one more forward of the blocks (hardware FLOPs, not model FLOPs).
+Frozen weights (LoRA, freeze) skip their weight gradients, so their model FLOPs are 4 per parameter.
 Communication uses ring costs (all-reduce 2(n-1)/n·S/B, all-gather and reduce-scatter (n-1)/n·S/B)
 on the intra-node link when a group fits in a node, else the network; a latency of 10 µs per call.
 Tensor-parallel collectives sit on the critical path; data-parallel gradient traffic overlaps with
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fitlm.plan import finetune as ft
 from fitlm.plan.analytic import act_bytes, param_bytes, tp_share
 from fitlm.plan.devices import Device
 from fitlm.plan.setup import Setup, layer_params, matmul_params, stage_layers, total_params
@@ -35,7 +37,12 @@ class Timing:
 
 
 def flops_per_token(s: Setup) -> float:
-    return 6.0 * matmul_params(s) + 12.0 * s.layers * s.h * s.seq
+    """6 FLOPs per matmul parameter plus attention; a frozen weight (LoRA, freeze) needs no weight
+    gradient (4 instead of 6), and LoRA's adapters add their own 6 per parameter."""
+    fpt = 6.0 * matmul_params(s) + 12.0 * s.layers * s.h * s.seq
+    if s.method != "full":
+        fpt -= 2.0 * max(0, matmul_params(s) - ft.trainable_params(s)) - 6.0 * ft.adapter_params(s)
+    return fpt
 
 
 def _bandwidth(dev: Device, group: int, stride: int) -> float:
@@ -62,7 +69,7 @@ def timing(s: Setup, dev: Device) -> Timing:
         hw += frac * block_fwd * (1.0 if s.recompute == "full" else 0.1)  # selective reruns element-wise work
     compute = tokens_replica * hw / (s.tp * s.pp) / peak
     if s.offload:  # host AdamW: gradients down, parameters up over PCIe (~25 GB/s), states on the CPU
-        n_dev = total_params(s) / (s.tp * s.pp) / (s.dp if s.zero >= 1 else 1)
+        n_dev = ft.trainable_params(s) / (s.tp * s.pp) / (s.dp if s.zero >= 1 else 1)
         compute += n_dev * (4 + 4) / 25e9 + n_dev * 16 / (100e9)
     # Tensor parallel: two all-reduces (or all-gather + reduce-scatter under SP) per block forward and
     # two in backward, of the block's activations [b, s, h]; plus the embedding's.
@@ -74,7 +81,8 @@ def timing(s: Setup, dev: Device) -> Timing:
     # Data parallel: gradients once per step (accumulation skips the sync), parameters as ZeRO needs.
     n_rank = tp_share(s, total_params(s) / s.pp)
     bw_dp = _bandwidth(dev, s.dp, s.tp)
-    grad_b = n_rank * (4 if s.level == "O2" else param_bytes(s))
+    trained_rank = n_rank if s.method == "full" else tp_share(s, ft.trainable_params(s) / s.pp)
+    grad_b = trained_rank * (4 if s.level == "O2" else param_bytes(s))  # only trainable parameters have gradients
     gather_b = n_rank * (2 if s.level == "O2" else param_bytes(s))
     if s.zero <= 1:
         dp_comm = ring("all_reduce", grad_b, s.dp, bw_dp) + (ring("all_gather", gather_b, s.dp, bw_dp) if s.zero == 1 else 0)

@@ -49,25 +49,40 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.zeros_like(hidden) if need_grad else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grad else None
+        rows = torch.arange(min(chunk, hidden.shape[0]), device=hidden.device)
         for start in range(0, hidden.shape[0], chunk):
             h = hidden[start:start + chunk]  # [c,C]
             y = labels[start:start + chunk]  # [c]
             valid = y != IGNORE_INDEX
-            if not bool(valid.any()):
+            n_valid = int(valid.sum())
+            if not n_valid:
                 continue
+            # One [c,V] buffer, updated in place: logits -> shifted -> exp -> softmax -> gradient. (The
+            # textbook sequence logsumexp / exp(logits - lse) / one-hot / mask made four [c,V] passes
+            # more and held three such blocks at once.)
             logits = (h @ weight.t()).float()  # [c,V], in the compute dtype then fp32 like the plain path
-            lse = torch.logsumexp(logits, dim=-1)  # [c]
             target = torch.where(valid, y, 0)
-            picked = logits.gather(1, target[:, None]).squeeze(1)
-            total += ((lse - picked) * valid).sum()
+            r = rows[:h.shape[0]]
+            logits -= logits.amax(dim=-1, keepdim=True)  # shifted: every exp <= 1
+            picked = logits[r, target]  # [c] shifted target logit
+            probs = logits.exp_()
+            norm = probs.sum(dim=-1)  # [c]; lse - target logit = log(norm) - picked
+            loss = norm.log() - picked
+            total += loss.sum() if n_valid == h.shape[0] else (loss * valid).sum()
             if need_grad:
                 # d(sum CE)/d logits = softmax - onehot, zero on ignored rows.
-                grad = torch.exp(logits - lse[:, None])
-                grad[torch.arange(grad.shape[0], device=grad.device), target] -= 1.0
-                grad *= valid[:, None]
+                grad = probs.div_(norm[:, None])
+                grad[r, target] -= 1.0
+                if n_valid != h.shape[0]:
+                    grad *= valid[:, None]
                 grad = grad.to(h.dtype)  # [c,V] as the plain path's backward would see it
-                grad_hidden[start:start + chunk] = grad @ weight
-                grad_weight += (grad.t() @ h).float()
+                torch.mm(grad, weight, out=grad_hidden[start:start + chunk])
+                if grad_weight.dtype == grad.dtype:
+                    grad_weight.addmm_(grad.t(), h)
+                else:
+                    grad_weight += (grad.t() @ h).float()
+                del grad
+            del logits, probs  # before the next chunk's logits exist: one [c,V] block at a time, not two
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         return total

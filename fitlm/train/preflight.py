@@ -14,6 +14,7 @@ import yaml
 from fitlm.checkpoint.compat import flatten, resume_conflicts
 from fitlm.checkpoint.store import checkpoints_root, list_checkpoints
 from fitlm.config import Config, ConfigError
+from fitlm.train.metrics import tensorboard_problem
 
 RUN_CONFIG = "config.yaml"  # the resolved config a run writes into its output_dir first
 
@@ -30,6 +31,9 @@ def unsupported_options(cfg: Config) -> list[str]:
                    "and use data_parallel (ZeRO-3 shards the frozen base weights too)")
     if cfg.train.early_stopping_patience and not (cfg.data.valid and cfg.train.eval_interval):
         out.append("train.early_stopping_patience: needs a validation set (data.valid) and train.eval_interval > 0")
+    tensorboard = tensorboard_problem(cfg.train.tensorboard)
+    if tensorboard:
+        out.append(tensorboard)
     return out
 
 

@@ -8,6 +8,7 @@ model directory (gathered to rank 0).
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from dataclasses import dataclass, field
@@ -31,12 +32,17 @@ from fitlm.parallel.layout import layout_problems
 from fitlm.parallel.mesh import env_world_size, init_parallel, shutdown
 from fitlm.registry import build_model
 from fitlm.train import preflight
+from fitlm.train.balance import InputMonitor
+from fitlm.train.consistency import ConsistencyCheck
+from fitlm.train.guards import GuardEvent, StepGuards, stop_error
 from fitlm.train.loss import count_targets, cross_entropy_sum
-from fitlm.train.metrics import MetricsLog, device_peak_flops, flops_per_token, peak_memory_bytes
+from fitlm.train.metrics import (MetricsLog, device_peak_flops, flops_per_token, peak_memory_bytes, report,
+                                 tensorboard_dir)
 from fitlm.train.oom import oom_guard
 from fitlm.train.optim import build_optimizer, lr_at, scale_for_batch, set_lr
 from fitlm.train.progress import TrainProgress
 from fitlm.train.timing import PhaseTimer
+from fitlm.train.trace import OOMSnapshot, ProfileWindow
 
 
 @dataclass
@@ -55,8 +61,9 @@ class TrainResult:
 class StepOutput:
     loss: torch.Tensor  # scalar: token-weighted mean over the global batch (same on every rank)
     grad_norm: torch.Tensor  # scalar: pre-clip global norm; inf when the step overflowed
-    skipped: bool  # the optimizer step was not applied (fp16 overflow)
+    skipped: bool  # the optimizer step was not applied (fp16 overflow, or a guard skipped it)
     seconds: dict[str, float]  # wall time per phase: data, forward, backward, optimizer, ...
+    guard: GuardEvent | None = None  # what train.guards found in this step (and the action taken)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -155,10 +162,20 @@ class Trainer:
         # Resumable checkpoints (fitlm.checkpoint): stale temporary saves are removed here; fit resumes and saves.
         self.checkpointer = Checkpointer(cfg, self.ctx, self.output_dir, self.tokenizer.sha256, self.tokenizer.path)
         self.timer = PhaseTimer(self.device)  # fitlm profile turns on device sync for exact phase times
+        # Observers (docs/troubleshooting.md): NaN/spike guards, replica checksums, input balance, traces.
+        self.guards = StepGuards(t.guards, self.ctx.all_reduce_max)
+        self.guard_event: GuardEvent | None = None  # set by optimizer_step
+        self.consistency = ConsistencyCheck(t.consistency_interval, self.ctx, self.pm.modules, cfg.parallel.zero_stage)
+        self.inputs = InputMonitor(self.ctx, self.train_data.pad_id, t.balance_threshold, t.data_wait_warn)
+        self.profile_window = ProfileWindow(t.profile_steps, self.output_dir, self.ctx.rank, self.device)
+        self.oom_snapshot = OOMSnapshot(t.oom_snapshot, self.output_dir, self.ctx.rank, self.device)
 
+    @contextlib.contextmanager
     def guard(self, phase: str):
-        """Out of memory inside `phase` becomes a diagnosis naming the phase, this rank and the remedies."""
-        return oom_guard(self.cfg, phase, self.ctx.rank, self.device)
+        """Out of memory inside `phase` becomes a diagnosis naming the phase, this rank and the remedies
+        (and, with train.oom_snapshot on CUDA, an allocator snapshot)."""
+        with oom_guard(self.cfg, phase, self.ctx.rank, self.device), self.oom_snapshot.on_oom():
+            yield
 
     def _loader(self, data: PackedDataset, shuffle: bool) -> SequenceLoader:
         # Each data-parallel rank reads its own disjoint windows; tensor/pipeline ranks of a replica share them.
@@ -215,25 +232,31 @@ class Trainer:
         set_lr(self.optimizer, lr_at(step - 1, self.schedule))
         with self.guard("data loading"), self.timer("data"):
             micro = [next(batches) for _ in range(self.cfg.train.gradient_accumulation_steps)]
+        self.inputs.observe_batches(micro)
         with self.guard("forward/backward"):
             loss = self.forward_backward(micro)
         with self.guard("the optimizer step"), self.timer("optimizer"):
-            grad_norm, skipped = self.optimizer_step()
-        return StepOutput(loss, grad_norm, skipped, self.timer.pop())
+            grad_norm, skipped = self.optimizer_step(loss, step)
+        return StepOutput(loss, grad_norm, skipped, self.timer.pop(), self.guard_event)
 
-    def optimizer_step(self) -> tuple[torch.Tensor, bool]:
+    def optimizer_step(self, loss: torch.Tensor | None = None, step: int = 0) -> tuple[torch.Tensor, bool]:
         """Unscale (fp16), clip, step, clear; returns the pre-clip global gradient norm and whether the
-        step was skipped because a gradient overflowed (every rank decides the same)."""
+        step was skipped because a gradient overflowed or, given the step's `loss`, because train.guards
+        found it bad (`self.guard_event`); every rank decides the same."""
         params = [p for m in self.pm.modules for p in m.parameters() if p.grad is not None]
         overflow = self.scaler.unscale_and_check(params, self.ctx.all_reduce_max)
+        self.guard_event = None
         if overflow:
             grad_norm = torch.tensor(float("inf"))
         else:
             grad_norm = self.pm.clip_grad_norm(self.cfg.train.grad_clip)
-            self.optimizer.step()
+            if loss is not None:
+                self.guard_event = self.guards.inspect(step, loss, grad_norm)
+            if self.guard_event is None or self.guard_event.applies_update:
+                self.optimizer.step()
         self.scaler.update(overflow)
         self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm, overflow
+        return grad_norm, overflow or not (self.guard_event is None or self.guard_event.applies_update)
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -264,7 +287,7 @@ class Trainer:
     def fit(self) -> TrainResult:
         t, main = self.cfg.train, self.ctx.is_main
         start = self.checkpointer.resume(self.pm, self.optimizer, self.stateful())  # 0 without a checkpoint
-        log = MetricsLog(self.output_dir / "metrics.jsonl") if main else None
+        log = MetricsLog(self.output_dir / "metrics.jsonl", tensorboard_dir(self.output_dir, t.tensorboard)) if main else None
         batches = iter(self.loader)
         history: list[dict] = []
         eval_loss = None
@@ -274,27 +297,20 @@ class Trainer:
         window_start, window_tokens = time.perf_counter(), 0
         try:
             with progress:
-                for step in range(start + 1, t.max_steps + 1):
-                    out = self.train_step(step, batches)
-                    loss, grad_norm, skipped = out.loss, out.grad_norm, out.skipped
+                while step < t.max_steps:
+                    step += 1
+                    with self.profile_window.step(step):
+                        out = self.train_step(step, batches)
+                    self.inputs.observe_step(out.seconds)
+                    if out.guard is not None and (restored := self.respond(out.guard, log)) is not None:
+                        step, window_start, window_tokens = restored, time.perf_counter(), 0  # rolled back
+                        continue
+                    self.consistency(step)  # replicas still identical (every consistency_interval steps)
                     window_tokens += self.tokens_per_step
-                    if step % t.log_interval == 0 or step == t.max_steps or step == 1 or skipped:
-                        # .item() syncs with the device: only on log steps, so the loop never waits otherwise.
-                        elapsed = time.perf_counter() - window_start
-                        tps = window_tokens / elapsed
-                        peak = self.ctx.all_reduce_max(torch.tensor(peak_memory_bytes(self.device)))
-                        record = {
-                            "step": step, "loss": round(loss.item(), 6), "lr": lr_at(step - 1, self.schedule),
-                            "grad_norm": round(float(grad_norm), 6), "tokens_per_s": round(tps, 1),
-                            "mfu": round(tps * self.flops_per_token / (self.peak_flops * self.ctx.world_size), 4),
-                            "peak_bytes": int(peak), "tokens": step * self.tokens_per_step,
-                        }
-                        if self.scaler.enabled:
-                            record.update(loss_scale=self.scaler.scale, skipped=skipped, skipped_steps=self.scaler.skipped_steps)
-                        if log:
-                            log.write(record)
+                    if step % t.log_interval == 0 or step == t.max_steps or step == 1 or out.skipped:
+                        record = self.log_step(step, out, time.perf_counter() - window_start, window_tokens, log)
                         history.append(record)
-                        progress.update(step, loss=record["loss"], tokens_per_s=tps)
+                        progress.update(step, loss=record["loss"], tokens_per_s=record["tokens_per_s"])
                         window_start, window_tokens = time.perf_counter(), 0
                     else:
                         progress.update(step)
@@ -313,6 +329,7 @@ class Trainer:
                             log.write({"step": step, "early_stop": True, "best_eval_loss": round(stopper.best, 6)})
                         break
         finally:
+            self.profile_window.close()
             if log:
                 log.close()
         with self.guard("checkpoint save"):
@@ -322,9 +339,51 @@ class Trainer:
         first, last = (history[0]["loss"], history[-1]["loss"]) if history else (float("nan"), float("nan"))
         return TrainResult(self.output_dir, model_dir, step, first, last, eval_loss, history, is_main=main)
 
+    def log_step(self, step: int, out: StepOutput, seconds: float, tokens: int, log: MetricsLog | None) -> dict:
+        """Write a log step's metrics record and any input warnings; returns the record (collective: peak memory
+        and input stats are reduced over ranks)."""
+        tps = tokens / seconds
+        peak = self.ctx.all_reduce_max(torch.tensor(peak_memory_bytes(self.device)))
+        record = {
+            "step": step, "loss": round(out.loss.item(), 6), "lr": lr_at(step - 1, self.schedule),
+            "grad_norm": round(float(out.grad_norm), 6), "tokens_per_s": round(tps, 1),
+            "mfu": round(tps * self.flops_per_token / (self.peak_flops * self.ctx.world_size), 4),
+            "peak_bytes": int(peak), "tokens": step * self.tokens_per_step,
+        }
+        if self.scaler.enabled:
+            record.update(loss_scale=self.scaler.scale, skipped=out.skipped, skipped_steps=self.scaler.skipped_steps)
+        inputs, warnings = self.inputs.summary(step)
+        record.update(inputs)
+        if log:
+            log.write(record)
+        for warning in warnings:
+            report(warning, log)
+        return record
+
+    def respond(self, event: GuardEvent, log: MetricsLog | None) -> int | None:
+        """Log a guard's verdict and act on it (warn, skip: nothing more); returns the restored step after a rollback.
+
+        A rollback reloads weights, optimizer, RNG and loss scale from the last checkpoint but keeps the data
+        position, so the batches of the bad streak are not replayed (as PaLM does after a loss spike)."""
+        record, restored = event.record(), None
+        if event.action == "rollback":
+            restored = self.checkpointer.rollback(self.pm, self.optimizer, {"scaler": self.scaler})
+            if restored is None:
+                event.action = record["action"] = "stop"
+                event.reason = record["reason"] = event.reason + "; rollback needs a checkpoint and none was written yet"
+            else:
+                record["restored_step"] = restored
+                self.guards.rolled_back()
+        report(record, log)
+        if event.action == "stop":
+            self.checkpointer.finish()  # a pending async save completes: the last checkpoint predates this step
+            latest = self.checkpointer.latest()
+            raise stop_error(event, str(latest) if latest else None)
+        return restored
+
     def stateful(self) -> dict:
         """Objects besides model and optimizer whose state a checkpoint keeps (state_dict/load_state_dict)."""
-        return {"loader": self.loader, "scaler": self.scaler}
+        return {"loader": self.loader, "scaler": self.scaler, "guards": self.guards}
 
     def save_final_model(self) -> Path:
         """Gather the full weights (collective) and write output_dir/model on rank 0."""

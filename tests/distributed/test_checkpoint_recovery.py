@@ -42,7 +42,9 @@ def assert_losses_continue(out: Path, reference: Path, from_step: int) -> None:
     assert sorted(ours) == sorted(ref)
     for step in range(from_step + 1, max(ref) + 1):  # other layouts: equal up to fp32 reduction order
         assert ours[step][0] == pytest.approx(ref[step][0], rel=2e-5, abs=1e-5), step
-        assert ours[step][1] == pytest.approx(ref[step][1], rel=1e-4, abs=1e-5), step
+        # The gradient norm is the more sensitive number: reduction-order noise, compounded over a few Adam
+        # steps at lr 1e-2, reaches ~2e-4 on some CPUs (kernels differ by instruction set).
+        assert ours[step][1] == pytest.approx(ref[step][1], rel=5e-4, abs=1e-5), step
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,443 @@
+"""Training throughput and memory: fitlm vs the Hugging Face transformers Trainer vs a hand-written loop,
+against the machine's measured GEMM peak (issue #11).
+
+Not a test: it prints a table (stderr with --json) and writes JSON. For each model size, one process:
+
+* builds a fitlm Llama and the same network as transformers' `LlamaForCausalLM` with the same weights
+  (fitlm.models.hf), over the same packed data (Macbeth, bench/memory.py's recipe) and batches: the HF
+  Trainer reads a Dataset of the rows of fitlm's batches in order, with `shift_labels` set to fitlm's
+  labels, so both predict exactly the same targets;
+* **identical settings** (fp32, no compile, same AdamW hyper-parameters, grad clip 1.0): the HF Trainer
+  drives its loop, and a callback at the end of each of its steps runs one fitlm step (`Trainer.train_step`)
+  and one step of a minimal hand-written loop (`loop`: the HF model, F.cross_entropy, AdamW foreach, clip)
+  — the contenders are interleaved step by step, so a shared machine slows them alike;
+* **best settings**: the HF Trainer with `torch_compile=True` and bf16 (`bf16=True`, autocast) where bf16
+  matmuls have a fast path, interleaved the same way with fitlm's best (`--fitlm-best`; default: compile
+  per block + chunked loss, precision O3 bf16 where bf16 is fast, else O0). On a CPU without AVX512-BF16/AMX
+  (oneDNN reports no bf16 support) bf16 GEMMs run ~100x slower than fp32, so there both "best" runs use fp32
+  (override with --hf-best-precision bf16 / --fitlm-best "O3,compile,chunk=1024");
+* compile time is the first step's excess over the median step, reported apart; steps after `--warmup`
+  are timed (median);
+* memory at identical settings, each framework in its own child process: peak bytes held by live tensors
+  over one training step (torch's MemTracker, fitlm.memory.tracking.peak_live_bytes: parameters, grads,
+  optimizer states, activations, temporaries) for fitlm's Trainer and for the HF Trainer's
+  `training_step` + clip + its optimizer's step, and each process's peak RSS beside it.
+
+fitlm's identical-settings run uses fitlm's chunked loss (`--identical-chunk`, exact same math, no full
+[tokens x vocab] logits); `fitlm_plain_*` fields give fitlm with loss_chunk_size 0 for comparison.
+
+    python bench/train_throughput.py [--json] [--sizes s-2k m-8k l-32k] [--steps 4] [--warmup 2]
+                                     [--batch 8] [--seq 256] [--profile] [--out bench/results/train_throughput.json]
+
+Without --json the table goes to stdout and the JSON to --out; with --json exactly one JSON object is
+printed on stdout (written to --out only when --out is given).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (RESULTS, bf16_matmul_fast, fitlm_config, fitlm_step, gemm_peak, hf_model_from_fitlm, machine,  # noqa: E402
+                    median, prepare_data, rss_bytes, write_json)
+
+# Llama shapes. l-32k has a realistic vocabulary: its [tokens x vocab] logits dominate memory.
+SIZES = {
+    "s-2k": {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 688,
+             "vocab_size": 2048, "tie_embeddings": False},
+    "m-8k": {"hidden_size": 384, "num_layers": 6, "num_heads": 6, "num_kv_heads": 6, "intermediate_size": 1024,
+             "vocab_size": 8192, "tie_embeddings": False},
+    "l-32k": {"hidden_size": 384, "num_layers": 4, "num_heads": 6, "num_kv_heads": 2, "intermediate_size": 1024,
+              "vocab_size": 32000, "tie_embeddings": False},
+    "tiny": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128,
+             "vocab_size": 1024, "tie_embeddings": False},
+}
+LR, WD, BETAS, CLIP = 3e-4, 0.1, (0.9, 0.95), 1.0
+
+
+# --------------------------------------------------------------------------- settings
+
+
+def parse_fitlm_best(spec: str, device: str) -> dict:
+    """'auto' or e.g. 'O3,compile,chunk=1024' -> a fitlm memory section."""
+    if spec == "auto":
+        spec = ("O3" if bf16_matmul_fast(device) else "O0") + ",compile,chunk=1024"
+    mem: dict = {}
+    for part in filter(None, spec.split(",")):
+        if part in ("O0", "O1", "O2", "O3"):
+            mem["mixed_precision"] = part
+        elif part == "compile":
+            mem["compile"] = True
+        elif part.startswith("chunk="):
+            mem["loss_chunk_size"] = int(part.split("=", 1)[1])
+        elif part in ("selective", "full"):
+            mem["recompute"] = part
+        else:
+            raise SystemExit(f"--fitlm-best: unknown part {part!r} (use O0-O3, compile, chunk=N, selective, full)")
+    return mem
+
+
+def hf_best_precision(choice: str, device: str) -> str:
+    if choice == "auto":
+        return "bf16" if bf16_matmul_fast(device) else "fp32"
+    return choice
+
+
+def describe(mem: dict) -> str:
+    parts = [mem.get("mixed_precision", "O0")]
+    if mem.get("compile"):
+        parts.append("compile")
+    if mem.get("loss_chunk_size"):
+        parts.append(f"chunked loss {mem['loss_chunk_size']}")
+    if mem.get("recompute", "none") != "none":
+        parts.append(f"recompute {mem['recompute']}")
+    return " + ".join(parts)
+
+
+# --------------------------------------------------------------------------- contenders
+
+
+def batches_for(cfg, n: int) -> list[dict]:
+    """The first n batches fitlm's Trainer reads (same dataset, seed and loader)."""
+    from fitlm.data.dataset import PackedDataset
+    from fitlm.data.loader import SequenceLoader
+
+    loader = SequenceLoader.from_config(PackedDataset(cfg.data.train), cfg.data, cfg.train.micro_batch_size,
+                                        seed=cfg.train.seed, shuffle=True)
+    return [next(loader) for _ in range(n)]
+
+
+def hf_trainer(model, batches: list[dict], out: Path, steps: int, precision: str, compile_: bool, callbacks=()):
+    """transformers.Trainer over the rows of `batches` in order (fitlm's labels as `shift_labels`)."""
+    import torch
+    from torch.utils.data import Dataset, SequentialSampler
+    from transformers import Trainer, TrainingArguments
+
+    rows = [{"input_ids": b["input_ids"][i], "labels": b["labels"][i], "shift_labels": b["labels"][i]}
+            for b in batches for i in range(b["input_ids"].shape[0])]
+
+    class Rows(Dataset):
+        def __len__(self):
+            return len(rows)
+
+        def __getitem__(self, i):
+            return rows[i]
+
+    class InOrder(Trainer):
+        def _get_train_sampler(self, *args, **kwargs):
+            return SequentialSampler(self.train_dataset)
+
+    args = TrainingArguments(
+        output_dir=str(out), max_steps=steps, per_device_train_batch_size=batches[0]["input_ids"].shape[0],
+        learning_rate=LR, weight_decay=WD, adam_beta1=BETAS[0], adam_beta2=BETAS[1], max_grad_norm=CLIP,
+        lr_scheduler_type="constant", warmup_steps=0, logging_strategy="no", save_strategy="no",
+        eval_strategy="no", report_to=[], disable_tqdm=True, dataloader_num_workers=0,
+        use_cpu=not torch.cuda.is_available(), bf16=precision == "bf16", torch_compile=compile_, seed=1234)
+    return InOrder(model=model, args=args, train_dataset=Rows(), callbacks=list(callbacks))
+
+
+def loop_step(model, batches: list[dict]):
+    """The "no framework" reference: plain PyTorch on the HF model (logits, F.cross_entropy, AdamW, clip)."""
+    import torch
+    import torch.nn.functional as F
+
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD, foreach=True)
+    it = iter(range(10**9))
+
+    def step():
+        b = batches[next(it) % len(batches)]
+        labels = b["labels"]
+        n = max(1, int((labels != -100).sum()))
+        logits = model(input_ids=b["input_ids"]).logits  # [B,T,V]
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum") / n
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def interleaved(trainer, others: dict) -> dict[str, list[float]]:
+    """Run trainer.train(); after each of its steps run one step of every other contender. Returns the
+    per-step wall times of all (the HF step includes its data loading and bookkeeping)."""
+    from transformers import TrainerCallback
+
+    times: dict[str, list[float]] = {"hf": [], **{k: [] for k in others}}
+    mark = {"t": None}
+
+    class Interleave(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            if mark["t"] is None:  # first step: start the clock after the Trainer's setup
+                mark["t"] = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            times["hf"].append(time.perf_counter() - mark["t"])
+            for name, step in others.items():
+                t0 = time.perf_counter()
+                step()
+                times[name].append(time.perf_counter() - t0)
+            mark["t"] = time.perf_counter()
+
+    trainer.add_callback(Interleave())
+    with contextlib.redirect_stdout(sys.stderr):  # the Trainer prints its summary: keep stdout for --json
+        trainer.train()
+    return times
+
+
+def steady(times: list[float], warmup: int) -> tuple[float, float]:
+    """(median step time after warm-up, first step's excess over it = compile/first-call cost)."""
+    med = median(times[warmup:])
+    return med, max(0.0, times[0] - med)
+
+
+# --------------------------------------------------------------------------- memory (child process)
+
+
+def measure_memory(framework: str, size: str, data_dir: Path, batch: int, seq: int, chunk: int) -> dict:
+    import torch
+
+    from fitlm.memory.tracking import peak_live_bytes
+    from fitlm.registry import build_model
+    from fitlm.train.trainer import Trainer
+
+    torch.manual_seed(0)
+    tmp = Path(tempfile.mkdtemp())
+    model_cfg = SIZES[size]
+    if framework.startswith("fitlm"):
+        mem = {"loss_chunk_size": chunk} if framework == "fitlm" else {}
+        trainer = Trainer(fitlm_config(model_cfg, data_dir, tmp / "run", batch, seq, mem))
+        step = fitlm_step(trainer)
+        step()  # optimizer states exist from here on
+        live = peak_live_bytes(step, trainer.pm.modules, trainer.optimizer, warmup_steps=0)
+        return {"peak_live_bytes": live, "rss_bytes": rss_bytes()}
+    cfg = fitlm_config(model_cfg, data_dir, tmp / "run", batch, seq)
+    torch.manual_seed(cfg.train.seed)
+    model = hf_model_from_fitlm(build_model(cfg.model), cfg.model)
+    batches = batches_for(cfg, 4)
+    trainer = hf_trainer(model, batches, tmp / "hf", 4, "fp32", False)
+    trainer.create_optimizer_and_scheduler(num_training_steps=4)
+    it = iter(range(10**9))
+
+    def step():
+        b = batches[next(it) % len(batches)]
+        inputs = {"input_ids": b["input_ids"], "labels": b["labels"], "shift_labels": b["labels"]}
+        n_items = (b["labels"] != -100).sum()
+        trainer.training_step(model, inputs, n_items)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        trainer.optimizer.step()
+        model.zero_grad()
+
+    step()
+    live = peak_live_bytes(step, [model], trainer.optimizer, warmup_steps=0)
+    return {"peak_live_bytes": live, "rss_bytes": rss_bytes()}
+
+
+def memory_in_child(framework: str, size: str, data_dir: Path, args) -> dict:
+    cmd = [sys.executable, __file__, "--_memory", framework, size, str(data_dir), "--batch", str(args.batch),
+           "--seq", str(args.seq), "--identical-chunk", str(args.identical_chunk)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"memory measurement {framework} {size} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# --------------------------------------------------------------------------- one size
+
+
+def profile_step(step, label: str, rows: int = 12) -> list[dict]:
+    """Self CPU time of the top ops over one step (torch.profiler), for 'where does the time go'."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events) or 1
+    top = [{"op": e.key, "self_ms": round(e.self_cpu_time_total / 1e3, 2),
+            "share": round(e.self_cpu_time_total / total, 3), "calls": e.count} for e in events[:rows]]
+    log(f"  profile {label}: " + ", ".join(f"{t['op']} {t['share']:.0%}" for t in top[:6]))
+    return top
+
+
+def run_size(size: str, data_dir: Path, tmp: Path, args, best_mem: dict, hf_prec: str) -> dict:
+    import torch
+
+    from fitlm.registry import build_model
+    from fitlm.train.trainer import Trainer
+
+    model_cfg = SIZES[size]
+    steps = args.warmup + args.steps
+    id_mem = {"loss_chunk_size": args.identical_chunk} if args.identical_chunk else {}
+    cfg = fitlm_config(model_cfg, data_dir, tmp / size / "fitlm", args.batch, args.seq, id_mem)
+    tokens = args.batch * args.seq
+    batches = batches_for(cfg, steps + 2)
+
+    def hf_copy():
+        torch.manual_seed(cfg.train.seed)  # the seed fitlm's Trainer builds its model with: same weights
+        return hf_model_from_fitlm(build_model(cfg.model), cfg.model)
+
+    # Identical settings: HF Trainer fp32 eager drives; fitlm (fp32 eager) and the loop step in between.
+    log(f"[{size}] identical settings (fp32, eager): HF Trainer, fitlm, loop interleaved, {steps} steps each")
+    fit_id = Trainer(cfg)
+    contenders = {"fitlm": fitlm_step(fit_id), "loop": loop_step(hf_copy(), batches)}
+    if args.plain:
+        plain = Trainer(fitlm_config(model_cfg, data_dir, tmp / size / "plain", args.batch, args.seq, {}))
+        contenders["fitlm_plain"] = fitlm_step(plain)
+    hf_id = hf_trainer(hf_copy(), batches, tmp / size / "hf", steps, "fp32", False)
+    t_id = interleaved(hf_id, contenders)
+    prof = {}
+    if args.profile:
+        prof["fitlm"] = profile_step(contenders["fitlm"], f"{size} fitlm identical")
+        prof["loop"] = profile_step(contenders["loop"], f"{size} loop (HF model)")
+    flops_per_token = fit_id.flops_per_token
+    del fit_id, contenders, hf_id
+    gc.collect()
+
+    # Best settings: HF Trainer (compile + bf16 where fast) drives; fitlm's best steps in between.
+    log(f"[{size}] best settings: HF Trainer ({hf_prec} + torch_compile) vs fitlm ({describe(best_mem)})")
+    fit_best = Trainer(fitlm_config(model_cfg, data_dir, tmp / size / "best", args.batch, args.seq, best_mem))
+    best_step = fitlm_step(fit_best)
+    hf_best = hf_trainer(hf_copy(), batches, tmp / size / "hf_best", steps, hf_prec, True)
+    t_best = interleaved(hf_best, {"fitlm_best": best_step})
+    if args.profile:
+        prof["fitlm_best"] = profile_step(best_step, f"{size} fitlm best")
+    del fit_best, hf_best, best_step
+    gc.collect()
+
+    r = {"size": size, "model": model_cfg, "vocab_size": model_cfg["vocab_size"], "batch": args.batch,
+         "seq": args.seq, "tokens_per_step": tokens, "flops_per_token": flops_per_token,
+         "fitlm_settings": describe(id_mem), "fitlm_best_settings": describe(best_mem),
+         "hf_trainer_best_settings": f"{hf_prec} + torch_compile", "loop_model": "transformers LlamaForCausalLM"}
+    for key, times in (("fitlm", t_id["fitlm"]), ("hf_trainer", t_id["hf"]), ("loop", t_id["loop"]),
+                       ("fitlm_plain", t_id.get("fitlm_plain")), ("fitlm_best", t_best["fitlm_best"]),
+                       ("hf_trainer_best", t_best["hf"])):
+        if not times:
+            continue
+        med, first = steady(times, args.warmup)
+        r[f"{key}_tokens_per_s"] = round(tokens / med, 1)
+        r[f"{key}_step_s"] = round(med, 4)
+        r[f"{key}_step_times_s"] = [round(t, 4) for t in times]
+        if key.endswith("best"):
+            r[f"{key}_compile_s"] = round(first, 2)
+    if prof:
+        r["profile"] = prof
+    if args.memory:
+        log(f"[{size}] memory at identical settings (child processes)")
+        fm = memory_in_child("fitlm", size, data_dir, args)
+        hm = memory_in_child("hf", size, data_dir, args)
+        r.update(fitlm_peak_bytes=fm["peak_live_bytes"]["total"], hf_trainer_peak_bytes=hm["peak_live_bytes"]["total"],
+                 fitlm_peak_breakdown=fm["peak_live_bytes"], hf_trainer_peak_breakdown=hm["peak_live_bytes"],
+                 fitlm_rss_bytes=fm["rss_bytes"], hf_trainer_rss_bytes=hm["rss_bytes"])
+        if args.identical_chunk:
+            pm = memory_in_child("fitlm_plain", size, data_dir, args)
+            r.update(fitlm_plain_peak_bytes=pm["peak_live_bytes"]["total"], fitlm_plain_rss_bytes=pm["rss_bytes"])
+        r["memory_ratio"] = round(r["fitlm_peak_bytes"] / r["hf_trainer_peak_bytes"], 3)
+    r["identical_ratio"] = round(r["fitlm_tokens_per_s"] / r["hf_trainer_tokens_per_s"], 3)
+    r["best_ratio"] = round(r["fitlm_best_tokens_per_s"] / r["hf_trainer_best_tokens_per_s"], 3)
+    return r
+
+
+# --------------------------------------------------------------------------- main
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def table(report: dict) -> str:
+    mib = 2**20
+    lines = [f"machine: {report['machine']}",
+             f"GEMM peak (measured): " + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in report["gemm_peak_flops"].items()),
+             "| size | vocab | fitlm | HF Trainer | loop | fitlm/HF | fitlm best | HF best | best ratio | fitlm best MFU "
+             "| compile s fitlm/HF | peak live MiB fitlm/HF | RSS MiB fitlm/HF |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in report["results"]:
+        mem = (f"{r['fitlm_peak_bytes'] / mib:,.0f} / {r['hf_trainer_peak_bytes'] / mib:,.0f} ({r['memory_ratio']:.2f}×)"
+               if "fitlm_peak_bytes" in r else "-")
+        rss = (f"{r['fitlm_rss_bytes'] / mib:,.0f} / {r['hf_trainer_rss_bytes'] / mib:,.0f}" if "fitlm_rss_bytes" in r else "-")
+        lines.append(
+            f"| {r['size']} | {r['vocab_size']} | {r['fitlm_tokens_per_s']:,.0f} | {r['hf_trainer_tokens_per_s']:,.0f} | "
+            f"{r['loop_tokens_per_s']:,.0f} | {r['identical_ratio']:.2f}× | {r['fitlm_best_tokens_per_s']:,.0f} | "
+            f"{r['hf_trainer_best_tokens_per_s']:,.0f} | {r['best_ratio']:.2f}× | {r['fitlm_best_mfu']:.0%} | "
+            f"{r['fitlm_best_compile_s']:.0f} / {r['hf_trainer_best_compile_s']:.0f} | {mem} | {rss} |")
+    lines.append("tokens/s; identical = fp32 eager; best = " + "; ".join(
+        f"{r['size']}: fitlm {r['fitlm_best_settings']}, HF {r['hf_trainer_best_settings']}" for r in report["results"]))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", nargs="+", default=["s-2k", "m-8k", "l-32k"], choices=list(SIZES))
+    ap.add_argument("--steps", type=int, default=4, help="timed steps per contender (median reported)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed first steps (compile, optimizer states)")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--fitlm-best", default="auto", help="e.g. 'O0,compile,chunk=1024' or 'O3,compile,chunk=1024'")
+    ap.add_argument("--hf-best-precision", default="auto", choices=["auto", "bf16", "fp32"])
+    ap.add_argument("--identical-chunk", type=int, default=1024,
+                    help="fitlm's loss_chunk_size at identical settings (0 = full logits like HF)")
+    ap.add_argument("--plain", action="store_true", help="also time fitlm with loss_chunk_size 0 at identical settings")
+    ap.add_argument("--no-memory", dest="memory", action="store_false", help="skip the memory child processes")
+    ap.add_argument("--profile", action="store_true", help="torch.profiler top ops of one step of fitlm and the loop")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--_memory", nargs=3, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args._memory:
+        fw, size, data_dir = args._memory
+        print(json.dumps(measure_memory(fw, size, Path(data_dir), args.batch, args.seq, args.identical_chunk)))
+        return
+
+    import torch
+
+    device = "cpu"
+    best_mem = parse_fitlm_best(args.fitlm_best, device)
+    hf_prec = hf_best_precision(args.hf_best_precision, device)
+    best_dtype = {"O0": "fp32", "O1": "bf16", "O2": "bf16", "O3": "bf16"}[best_mem.get("mixed_precision", "O0")]
+    t_start = time.perf_counter()
+    peaks = {d: gemm_peak(d, device) for d in ("fp32", "bf16")}
+    log("GEMM peak: " + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in peaks.items())
+        + ("" if bf16_matmul_fast(device) else " (no fast bf16 matmul on this CPU: best runs use fp32)"))
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        data_dir = prepare_data(tmp)
+        for size in args.sizes:
+            results.append(run_size(size, data_dir, tmp, args, best_mem, hf_prec))
+            if args.out and not args.json:
+                write_json(args.out, {"results": results})
+    # Re-measure the peak at the end (a shared machine may have been busier at the start): keep the best.
+    from fitlm.train import metrics
+
+    metrics._measured_peaks.clear()
+    peaks = {d: max(v, gemm_peak(d, device)) for d, v in peaks.items()}
+    for r in results:
+        r["gemm_peak_flops"] = peaks[best_dtype]
+        r["gemm_peak_dtype"] = best_dtype
+        r["fitlm_best_mfu"] = round(r["fitlm_best_tokens_per_s"] * r["flops_per_token"] / peaks[best_dtype], 3)
+        for key in ("fitlm", "hf_trainer", "loop"):
+            r[f"{key}_mfu_fp32"] = round(r[f"{key}_tokens_per_s"] * r["flops_per_token"] / peaks["fp32"], 3)
+    report = {"benchmark": "train_throughput", "machine": machine(), "gemm_peak_flops": peaks,
+              "wall_s": round(time.perf_counter() - t_start, 1),
+              "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]), "results": results}
+    text = table(report)
+    if args.json:
+        log(text)
+        if args.out:
+            write_json(args.out, report)
+        print(json.dumps(report))
+        return
+    print(text)
+    out = write_json(args.out or RESULTS / "train_throughput.json", report)
+    log(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""The planner's accuracy bar (issue 7), measured by `fitlm profile`: over configurations that differ in
+model size, batch, sequence length, precision, recompute, loss path and layout (multi-process ones through
+the real CLI under torchrun), the analytic per-device total is within 10% of the measured peak live
+tensor bytes of the most loaded rank, and the simulated total within 3%. The measured side is the
+profile's burst (fitlm.profile.burst: the real Trainer step under MemTracker), never the planner.
+
+Fast tier: three single-process configurations and one 2-rank layout; the rest with --runslow.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fitlm.config import validate_dict
+from tests.e2e.helpers import fitlm, tiny_config, write_config
+
+ANALYTIC_TOLERANCE = 0.10
+SIMULATED_TOLERANCE = 0.03
+slow = pytest.mark.slow
+
+# (name, config sections, processes). Accumulation is 1 unless stated; tiny Llama h64, 2 layers, GQA 4/2,
+# vocab 512, seq 64, micro batch 4.
+CONFIGS = [
+    ("O0", {}, 1),
+    ("O2 h128", {"model": {"hidden_size": 128, "intermediate_size": 352}, "memory": {"mixed_precision": "O2"}}, 1),
+    ("O3 full recompute", {"memory": {"mixed_precision": "O3", "recompute": "full"}}, 1),
+    ("O1 mbs8", {"memory": {"mixed_precision": "O1"}, "train": {"micro_batch_size": 8}}, 1),
+    ("O0 selective, 4 layers, accum 2", {"model": {"num_layers": 4}, "memory": {"recompute": "selective"},
+                                         "train": {"gradient_accumulation_steps": 2}}, 1),
+    ("O0 chunked loss, vocab 2048", {"model": {"vocab_size": 2048}, "memory": {"loss_chunk_size": 64}}, 1),
+    ("O2 seq 32, no doc mask", {"data": {"seq_length": 32, "document_mask": False}, "memory": {"mixed_precision": "O2"}}, 1),
+    ("O0 tied, full every 2nd of 4", {"model": {"tie_embeddings": True, "num_layers": 4},
+                                      "memory": {"recompute": "full", "recompute_every_n_layers": 2}}, 1),
+    ("dp2 zero2", {"parallel": {"data_parallel": 2, "zero_stage": 2}, "train": {"micro_batch_size": 2}}, 2),
+    ("dp2 zero1", {"parallel": {"data_parallel": 2, "zero_stage": 1}, "train": {"micro_batch_size": 2}}, 2),
+    ("tp2", {"parallel": {"tensor_parallel": 2}}, 2),
+    ("dp2 zero3 O2", {"parallel": {"data_parallel": 2, "zero_stage": 3}, "memory": {"mixed_precision": "O2"},
+                      "train": {"micro_batch_size": 2}}, 2),
+]
+FAST = {"O0", "O2 h128", "O3 full recompute", "dp2 zero2"}
+# Where an engine misses the bar, the miss is recorded here (strict: the test fails once it is fixed) rather
+# than the tolerance loosened. Numbers in the README's accuracy table.
+SIMULATION_MISSES: dict[str, str] = {}
+_results: dict[str, dict] = {}
+
+
+def _sections(name: str) -> tuple[dict, int]:
+    return next((sections, nproc) for n, sections, nproc in CONFIGS if n == name)
+
+
+def measure(tiny_corpus, root, name: str) -> dict:
+    """The profile of one configuration (2 timed steps), with the plan held against it; cached per name."""
+    if name in _results:
+        return _results[name]
+    sections, nproc = _sections(name)
+    train = {"max_steps": 4, "eval_interval": 0, "gradient_accumulation_steps": 1, **sections.get("train", {})}
+    cfg = tiny_config(tiny_corpus, root / "run", train=train,
+                      **{k: v for k, v in sections.items() if k != "train"})
+    out = root / "out"
+    if nproc > 1:  # the real command: torchrun, gloo, every rank measured and gathered to rank 0
+        proc = fitlm("profile", write_config(root / "cfg.yaml", cfg), "--steps", "2", "--out", out, "--json")
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        result = json.loads(proc.stdout)
+    else:  # the same burst and comparison in this process (no report rendering)
+        from fitlm.profile.burst import run_burst
+        from fitlm.profile.compare import plan_for
+        from fitlm.profile.report import assemble
+
+        config = validate_dict(cfg)
+        ranks = run_burst(config, 2, out)
+        result = assemble(config, name, 2, ranks, plan_for(config, ranks[0]["device"], ranks[0]["peak_flops"]))
+    measured = result["per_device"]["total"]
+    analytic = result["plan"]["analytic"]["per_device"]["total"]
+    sim = result["plan"].get("simulated", {}).get("per_device", {}).get("total")
+    print(f"\n{name:<34} measured {measured:>10,} analytic {analytic:>10,} ({analytic / measured - 1:+.1%})"
+          + (f" simulated {sim:>10,} ({sim / measured - 1:+.1%})" if sim else " simulated –"))
+    _results[name] = result
+    return result
+
+
+def _params(with_sim: bool):
+    out = []
+    for name, _, _ in CONFIGS:
+        marks = [] if name in FAST else [slow]
+        if with_sim and name in SIMULATION_MISSES:
+            marks.append(pytest.mark.xfail(strict=True, reason=SIMULATION_MISSES[name]))
+        out.append(pytest.param(name, marks=marks, id=name.replace(" ", "-").replace(",", "")))
+    return out
+
+
+@pytest.mark.parametrize("name", _params(with_sim=False))
+def test_analytic_total_within_10_percent_of_measured(tiny_corpus, tmp_path, name):
+    result = measure(tiny_corpus, tmp_path, name)
+    assert abs(result["errors"]["analytic"]["total"]) <= ANALYTIC_TOLERANCE, result["errors"]
+
+
+@pytest.mark.parametrize("name", _params(with_sim=True))
+def test_simulated_total_within_3_percent_of_measured(tiny_corpus, tmp_path, name):
+    result = measure(tiny_corpus, tmp_path, name)
+    if "simulated" not in result["errors"]:
+        pytest.skip(f"not simulated: {result['plan']['simulated'].get('error')}")
+    assert abs(result["errors"]["simulated"]["total"]) <= SIMULATED_TOLERANCE, result["errors"]
