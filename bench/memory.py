@@ -14,7 +14,8 @@ Beside it, the planner's two predictions for the same config (`fitlm plan`: the 
 fake-tensor simulation's), so the table shows plan vs measured. The fine-tuning rows (LoRA, freeze)
 train the same randomly initialised model: memory does not depend on the weights' values.
 
-    python bench/memory.py [--steps 6] [--out bench/results/memory.json] [--only NAME ...]
+    python bench/memory.py [--steps 6] [--out bench/results/memory.json] [--only NAME ...] [--markdown]
+    python bench/memory.py --table-only --markdown      # the table of an earlier run, for README/RESULTS
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ MODEL = {"arch": "llama", "hidden_size": 256, "num_layers": 4, "num_heads": 8, "
          "intermediate_size": 688, "vocab_size": 8192, "max_seq_len": 256, "tie_embeddings": False}
 BATCH = {"micro_batch_size": 8, "gradient_accumulation_steps": 1}
 
-# name -> config sections that differ from the baseline (memory, train, finetune). Gradient accumulation
-# is not here: torch's MemTracker cannot follow a module called twice in one measured step (the planner
-# models it instead). The baseline trains every parameter: it is the full fine-tuning row too.
+# name -> config sections that differ from the baseline (memory, train, finetune). Every row trains the
+# same 8 x 256 tokens per step (accumulation splits them into micro batches). The baseline trains every
+# parameter: it is the full fine-tuning row too.
 LORA_QV = {"method": "lora", "lora": {"r": 8, "alpha": 16.0, "target_modules": ["q_proj", "v_proj"]}}
 OPTIONS: dict[str, dict[str, dict]] = {
     "baseline (O0 fp32)": {},
@@ -51,6 +52,7 @@ OPTIONS: dict[str, dict[str, dict]] = {
     "recompute selective": {"memory": {"recompute": "selective"}},
     "chunked loss (1024)": {"memory": {"loss_chunk_size": 1024}},
     "cpu offload": {"memory": {"cpu_offload": True}},
+    "accumulation 4 × micro batch 2": {"train": {"micro_batch_size": 2, "gradient_accumulation_steps": 4}},
     "compile": {"memory": {"compile": True}},
     "O2 + chunked + selective + compile": {"memory": {"mixed_precision": "O2", "loss_chunk_size": 1024,
                                                       "recompute": "selective", "compile": True}},
@@ -88,10 +90,10 @@ def measure(root: Path, name: str, steps: int) -> dict:
     trainer = Trainer(cfg)
     batches = iter(trainer.loader)
     accum = cfg.train.gradient_accumulation_steps
+    count = iter(range(1, 10**6))
 
-    def step():
-        trainer.forward_backward([next(batches) for _ in range(accum)])
-        trainer.optimizer_step()
+    def step():  # the trainer's own step: data, forward/backward, optimizer (and its guards)
+        trainer.train_step(next(count), batches)
 
     for _ in range(2):  # warm up: optimizer states, allocator, compilation
         step()
@@ -126,13 +128,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6, help="timed steps per option (median reported)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "memory.json")
     ap.add_argument("--only", nargs="*", help="option names to run (default: all)")
+    ap.add_argument("--markdown", action="store_true", help="print the table as markdown (for README and RESULTS)")
+    ap.add_argument("--table-only", action="store_true", help="measure nothing: print the table of --out")
     ap.add_argument("--_worker", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args._worker:
         print(json.dumps(measure(Path(args._worker[0]), args._worker[1], args.steps)))
         return
-    from rich.console import Console
-    from rich.table import Table
+    if args.table_only:
+        print_table(json.loads(args.out.read_text())["rows"], markdown=args.markdown)
+        return
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -146,24 +151,43 @@ def main() -> None:
             rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
             print(f"measured {name}", file=sys.stderr, flush=True)
             write(args.out, rows)  # after every option, so a long run interrupted keeps what it measured
-    base = rows[0]
-    mib = 2 ** 20
-    table = Table(title=f"memory options: Llama h{MODEL['hidden_size']} L{MODEL['num_layers']} vocab {MODEL['vocab_size']}, "
-                        f"{BATCH['micro_batch_size']}×256 tokens per step, CPU")
-    for col in ("option", "peak live MiB", "vs baseline", "params", "grads", "optimizer", "activations", "temp",
-                "plan analytic", "plan simulated", "RSS MiB", "step s", "time vs baseline"):
-        table.add_column(col, justify="left" if col == "option" else "right")
+    print_table(rows, markdown=args.markdown)
+    write(args.out, rows)
+    print(f"wrote {args.out}", file=sys.stderr)
+
+
+COLUMNS = ("option", "peak live MiB", "vs baseline", "params", "grads", "optimizer", "activations", "temp",
+           "plan analytic", "plan simulated", "RSS MiB", "step s", "time vs baseline")
+
+
+def print_table(rows: list[dict], markdown: bool = False) -> None:
+    """The table of `rows` (the first is the baseline): a rich table, or markdown for README/RESULTS."""
+    from rich.console import Console
+    from rich.table import Table
+
+    base, mib = rows[0], 2 ** 20
+    cells = []
     for r in rows:
         live = r["peak_live_bytes"]
         r["memory_ratio"] = live["total"] / base["peak_live_bytes"]["total"]
         r["time_ratio"] = r["step_s"] / base["step_s"]
-        table.add_row(r["option"], f"{live['total'] / mib:.1f}", f"{r['memory_ratio']:.2f}×",
+        cells.append([r["option"], f"{live['total'] / mib:.1f}", f"{r['memory_ratio']:.2f}×",
                       *(f"{live[k] / mib:.1f}" for k in ("params", "grads", "optimizer", "activations", "temporaries")),
                       *(_vs(r.get(k), live["total"]) for k in ("plan_analytic_bytes", "plan_simulated_bytes")),
-                      f"{r['rss_bytes'] / mib:.0f}", f"{r['step_s']:.3f}", f"{r['time_ratio']:.2f}×")
+                      f"{r['rss_bytes'] / mib:.0f}", f"{r['step_s']:.3f}", f"{r['time_ratio']:.2f}×"])
+    if markdown:
+        print("| " + " | ".join(COLUMNS) + " |")
+        print("| --- |" + " ---: |" * (len(COLUMNS) - 1))
+        for row in cells:
+            print("| " + " | ".join(row) + " |")
+        return
+    table = Table(title=f"memory options: Llama h{MODEL['hidden_size']} L{MODEL['num_layers']} vocab {MODEL['vocab_size']}, "
+                        f"{BATCH['micro_batch_size']}×256 tokens per step, CPU")
+    for col in COLUMNS:
+        table.add_column(col, justify="left" if col == "option" else "right")
+    for row in cells:
+        table.add_row(*row)
     Console(width=None if sys.stdout.isatty() else 220).print(table)
-    write(args.out, rows)
-    print(f"wrote {args.out}", file=sys.stderr)
 
 
 def _vs(planned: int | None, measured: int) -> str:

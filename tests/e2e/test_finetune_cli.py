@@ -86,7 +86,6 @@ def test_lora_train_merge_generate(base, single):
     assert not (base["root"] / "twice").exists()
 
 
-@pytest.mark.slow  # two torchrun workers: ~25 s on an idle 2-core machine; runs with `make test-all`
 def test_lora_under_two_rank_data_parallel_equals_one_process(base, single):
     out = base["root"] / "lora-dp2"
     cfg = lora_config(base, out, micro_batch_size=2)
