@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 
 
 def add_commands(sub) -> None:
@@ -29,6 +30,9 @@ def add_commands(sub) -> None:
                    help="intra-node link bandwidth per device, one direction, GB/s")
     p.add_argument("--efficiency", type=float, default=None, metavar="F",
                    help="achieved fraction of peak (e.g. the MFU `fitlm profile` measured); default per device")
+    p.add_argument("--calibrate", default=None, metavar="PROFILE",
+                   help="set the efficiency from a `fitlm profile` result (profile.json or its directory) measured "
+                        "on this device, so the plan reproduces the measured step time")
     p.add_argument("--num-devices", type=int, default=None, metavar="N", help="devices (default: the layout's dp×tp×pp)")
     p.add_argument("--search", action="store_true", help="rank every fitting layout × memory option for N devices")
     p.add_argument("--top", type=int, default=5, metavar="K", help="candidates to show with --search (default 5)")
@@ -95,9 +99,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from fitlm.plan.report import plan, render
 
     cfg = load_config(args.config, args.overrides)
+    calibration = None
+    if args.calibrate is not None:
+        from fitlm.plan.calibrate import CalibrationError, calibrated_efficiency, sustained_tflops
+
+        if args.efficiency is not None:
+            raise CalibrationError("--calibrate and --efficiency both set the device efficiency; give one of them")
+        rate, calibration = sustained_tflops(args.calibrate)
     dev = get_device(args.device, args.device_memory, args.device_tflops, args.device_bandwidth, args.efficiency)
+    if calibration:
+        dev = replace(dev, efficiency=calibrated_efficiency(rate, dev.tflops))
+        calibration += f": efficiency {dev.efficiency:.1%} of {dev.name}'s {dev.tflops:.3g} TFLOP/s"
+        sys.stderr.write(f"fitlm plan: {calibration}\n")
     result = plan(cfg, dev, args.num_devices, simulate=args.simulate, search=args.search, top=args.top,
                   best_out=args.best_out)
+    if calibration:
+        result["device"]["calibration"] = calibration
     if args.json:
         sys.stdout.write(json.dumps(result) + "\n")
     else:
