@@ -125,10 +125,19 @@ class ParallelConfig(_Section):
     """Pipeline chunks each micro batch is split into; at least pipeline_parallel."""
     pipeline_layers: list[int] | None = None
     """Blocks per pipeline stage, e.g. [5, 5, 5, 3] (one entry per virtual stage under interleaved_1f1b); null = balanced."""
+    gradient_sync: Literal["auto", "every_micro_batch", "last_micro_batch"] = "auto"
+    """With gradient accumulation, when data-parallel gradients are reduced: `last_micro_batch` once per step (least traffic, but ZeRO-2/3 then hold whole unsharded gradients until the last micro batch); `every_micro_batch` (ZeRO-2/3 keep only their gradient shard, for accumulation × the reduce-scatter traffic); `auto` = every micro batch under ZeRO-2/3, the last otherwise."""
 
     @property
     def world_size(self) -> int:
         return self.data_parallel * self.tensor_parallel * self.pipeline_parallel
+
+    @property
+    def reduce_every_micro_batch(self) -> bool:
+        """Whether gradients are reduced after every accumulation micro batch (see gradient_sync)."""
+        if self.gradient_sync == "auto":
+            return self.zero_stage >= 2 and self.data_parallel > 1
+        return self.gradient_sync == "every_micro_batch"
 
 
 class LossScalingConfig(_Section):

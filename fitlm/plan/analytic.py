@@ -243,8 +243,10 @@ def _stage(s: Setup, first: bool) -> Breakdown:
     buckets = trained * param_bytes(s) if s.zero <= 1 and s.dp > 1 and s.tp == 1 and s.pp == 1 else 0.0
     other += buckets  # DDP's gradient buckets (flat copies of every gradient)
     # Gradients present during forward: none at accumulation step 1 (zero_grad frees them); with
-    # accumulation the earlier micro batches' gradients (unsharded while FSDP2 skips the sync).
-    grads_fb = (0.0 if s.accum == 1 else (unsharded * trained / n if sharded else grads_full)) + grads_extra
+    # accumulation the earlier micro batches' gradients: unsharded while FSDP2 skips the sync
+    # (parallel.gradient_sync: last_micro_batch), their shards when it reduces every micro batch.
+    held = unsharded * trained / n if sharded and not s.sync_every else grads_full
+    grads_fb = (0.0 if s.accum == 1 else held) + grads_extra
     fb = Breakdown(int(params), int(grads_fb), int(opt), int(act), int(logit), int(other), "forward/backward", int(host))
     # Optimizer step: gradients complete, plus foreach AdamW's one state-sized temporary (sqrt of v).
     step_tmp = 0.0 if s.offload else opt / 2

@@ -9,6 +9,7 @@ the same thing; when dp does not divide it, the nearest global batch is used and
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, replace
 
 from fitlm.config import Config
@@ -63,20 +64,27 @@ def candidates(cfg: Config, n: int, dev: Device, max_micro_batch: int = 64) -> l
             for zero in (0, 1, 2, 3):
                 if zero and lay.dp == 1 or zero == 1 and (lay.tp > 1 or lay.pp > 1):
                     continue
-                for sp in ((False, True) if lay.tp > 1 else (False,)):
-                    for sched, chunks in _pipeline_options(lay.pp, mbs, base.layers):
-                        for recompute in ("none", "selective", "full"):
-                            for chunk in (0, 4096):
-                                for offload in (False, True):
-                                    s = replace(base, dp=lay.dp, tp=lay.tp, pp=lay.pp, zero=zero, sp=sp,
-                                                schedule=sched, chunks=chunks, mbs=mbs, accum=per_replica // mbs,
-                                                recompute=recompute, recompute_every=1, loss_chunk=chunk,
-                                                offload=offload)
-                                    mem = breakdown(s)
-                                    if mem.total <= limit:
-                                        out.append(Candidate(s, mem, timing(s, dev)))
+                accum = per_replica // mbs
+                options = itertools.product((False, True) if lay.tp > 1 else (False,),  # sequence parallel
+                                            _pipeline_options(lay.pp, mbs, base.layers),
+                                            ("none", "selective", "full"), (0, 4096), (False, True),
+                                            _sync_options(zero, lay.dp, accum))
+                for sp, (sched, chunks), recompute, chunk, offload, sync in options:
+                    s = replace(base, dp=lay.dp, tp=lay.tp, pp=lay.pp, zero=zero, sp=sp, schedule=sched,
+                                chunks=chunks, mbs=mbs, accum=accum, recompute=recompute, recompute_every=1,
+                                loss_chunk=chunk, offload=offload, gradient_sync=sync)
+                    mem = breakdown(s)
+                    if mem.total <= limit:
+                        out.append(Candidate(s, mem, timing(s, dev)))
     out.sort(key=lambda c: (-c.timing.tokens_per_s, c.memory.total))
     return out
+
+
+def _sync_options(zero: int, dp: int, accum: int) -> tuple[str, ...]:
+    """parallel.gradient_sync choices that differ: only ZeRO-2/3 with accumulation trades memory for traffic."""
+    if zero >= 2 and dp > 1 and accum > 1:
+        return ("every_micro_batch", "last_micro_batch")
+    return ("auto",)
 
 
 def _pipeline_options(pp: int, mbs: int, layers: int) -> list[tuple[str, int]]:

@@ -45,6 +45,14 @@ class Setup:
     freeze_layers: float = 0.0
     freeze_embeddings: bool = False
     pretrained: bool = False  # model.init_from is set: fine-tuning, so LoRA/freeze are remedies too
+    gradient_sync: str = "auto"  # parallel.gradient_sync
+
+    @property
+    def sync_every(self) -> bool:
+        """Gradients reduced after every accumulation micro batch (as ParallelConfig.reduce_every_micro_batch)."""
+        if self.gradient_sync == "auto":
+            return self.zero >= 2 and self.dp > 1
+        return self.gradient_sync == "every_micro_batch"
 
     @property
     def head_dim(self) -> int:
@@ -78,7 +86,8 @@ def from_config(cfg: Config) -> Setup:
                  recompute_every=mem.recompute_every_n_layers, offload=mem.cpu_offload,
                  loss_chunk=mem.loss_chunk_size, doc_mask=cfg.data.document_mask, method=f.method,
                  lora_r=f.lora.r, lora_targets=tuple(f.lora.target_modules), freeze_layers=f.freeze_layers,
-                 freeze_embeddings=f.freeze_embeddings, pretrained=bool(m.init_from))
+                 freeze_embeddings=f.freeze_embeddings, pretrained=bool(m.init_from),
+                 gradient_sync=p.gradient_sync)
 
 
 def to_overrides(s: Setup) -> dict:
@@ -86,7 +95,8 @@ def to_overrides(s: Setup) -> dict:
     return {
         "parallel": {"data_parallel": s.dp, "tensor_parallel": s.tp, "pipeline_parallel": s.pp,
                      "sequence_parallel": s.sp, "zero_stage": s.zero, "pipeline_schedule": s.schedule,
-                     "micro_batch_num": s.chunks},
+                     "micro_batch_num": s.chunks,
+                     "gradient_sync": s.gradient_sync},
         "memory": {"mixed_precision": s.level, "recompute": s.recompute, "cpu_offload": s.offload,
                    "loss_chunk_size": s.loss_chunk},
         "train": {"micro_batch_size": s.mbs, "gradient_accumulation_steps": s.accum},

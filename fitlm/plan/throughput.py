@@ -78,17 +78,19 @@ def timing(s: Setup, dev: Device) -> Timing:
     bw_tp = _bandwidth(dev, s.tp, 1)
     per_mb_layers = stage_layers(s)
     tp_comm = s.accum * (4 * per_mb_layers + 2) * ring("all_reduce", msg, s.tp, bw_tp)
-    # Data parallel: gradients once per step (accumulation skips the sync), parameters as ZeRO needs.
+    # Data parallel: gradients once per step, or once per micro batch (parallel.gradient_sync; ZeRO-2/3 by
+    # default), parameters as ZeRO needs.
     n_rank = tp_share(s, total_params(s) / s.pp)
     bw_dp = _bandwidth(dev, s.dp, s.tp)
     trained_rank = n_rank if s.method == "full" else tp_share(s, ft.trainable_params(s) / s.pp)
     grad_b = trained_rank * (4 if s.level == "O2" else param_bytes(s))  # only trainable parameters have gradients
     gather_b = n_rank * (2 if s.level == "O2" else param_bytes(s))
+    syncs = s.accum if s.sync_every else 1
     if s.zero <= 1:
-        dp_comm = ring("all_reduce", grad_b, s.dp, bw_dp) + (ring("all_gather", gather_b, s.dp, bw_dp) if s.zero == 1 else 0)
+        dp_comm = syncs * ring("all_reduce", grad_b, s.dp, bw_dp) + (ring("all_gather", gather_b, s.dp, bw_dp) if s.zero == 1 else 0)
     else:
         gathers = s.accum * (1 if s.zero == 2 else 2)
-        dp_comm = ring("reduce_scatter", grad_b, s.dp, bw_dp) + gathers * ring("all_gather", gather_b, s.dp, bw_dp)
+        dp_comm = syncs * ring("reduce_scatter", grad_b, s.dp, bw_dp) + gathers * ring("all_gather", gather_b, s.dp, bw_dp)
     backward = compute * 2.0 / 3.0
     dp_exposed = max(dp_comm - 0.5 * backward, 0.5 * dp_comm) if s.dp > 1 else 0.0
     # Pipeline: each chunk's activations cross each boundary forward and their gradients backward.

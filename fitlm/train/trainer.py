@@ -203,8 +203,9 @@ class Trainer:
         n_targets = max(1.0, n_targets.item())
         scale = self.ctx.dp / n_targets * self.scaler.scale  # loss scale: 1 unless fp16
         total = torch.zeros((), device=self.device)
+        every = self.cfg.parallel.reduce_every_micro_batch  # ZeRO-2/3: keep gradients sharded between micro batches
         for i, batch in enumerate(batches):
-            self.pm.gradient_sync(enabled=i == len(batches) - 1)
+            self.pm.gradient_sync(enabled=every or i == len(batches) - 1)
             input_ids = batch["input_ids"].to(self.device, non_blocking=True)  # [B, T]
             labels = batch["labels"].to(self.device, non_blocking=True)  # [B, T]
             # loss_context: under tensor parallel the loss (and its backward) runs on vocab-sharded logits.

@@ -35,14 +35,27 @@ CONFIGS = [
                                       "memory": {"recompute": "full", "recompute_every_n_layers": 2}}, 1),
     ("dp2 zero2", {"parallel": {"data_parallel": 2, "zero_stage": 2}, "train": {"micro_batch_size": 2}}, 2),
     ("dp2 zero1", {"parallel": {"data_parallel": 2, "zero_stage": 1}, "train": {"micro_batch_size": 2}}, 2),
+    ("dp2 zero2 accum 2, sync every", {"parallel": {"data_parallel": 2, "zero_stage": 2},
+                                       "train": {"micro_batch_size": 2, "gradient_accumulation_steps": 2}}, 2),
+    ("dp2 zero2 accum 2, sync last", {"parallel": {"data_parallel": 2, "zero_stage": 2,
+                                                   "gradient_sync": "last_micro_batch"},
+                                      "train": {"micro_batch_size": 2, "gradient_accumulation_steps": 2}}, 2),
     ("tp2", {"parallel": {"tensor_parallel": 2}}, 2),
     ("dp2 zero3 O2", {"parallel": {"data_parallel": 2, "zero_stage": 3}, "memory": {"mixed_precision": "O2"},
                       "train": {"micro_batch_size": 2}}, 2),
 ]
-FAST = {"O0", "O2 h128", "O3 full recompute", "dp2 zero2"}
+FAST = {"O0", "O2 h128", "O3 full recompute", "dp2 zero2", "dp2 zero2 accum 2, sync every"}
 # Where an engine misses the bar, the miss is recorded here (strict: the test fails once it is fixed) rather
 # than the tolerance loosened. Numbers in the README's accuracy table.
-SIMULATION_MISSES: dict[str, str] = {}
+SIMULATION_MISSES: dict[str, str] = {
+    # Measured 4,095,092, simulated 4,350,836 (+6.2%): the fake-tensor run holds 255,744 more activation bytes,
+    # about one vocab-sharded fp32 logits block [4, 64, 256] at the loss, the same with 2 or 4 layers.
+    "tp2": "the simulation keeps about one vocab-sharded logits block more than the real gloo run at the loss",
+    # Measured 4,508,652, simulated 4,190,564 (-7.1%): as if the sync were every micro batch.
+    "dp2 zero2 accum 2, sync last": "under the fake process group the simulation frees the first micro batch's "
+                                    "unsharded gradients as if they were reduce-scattered, while the real run holds "
+                                    "them until the last micro batch (simulated grads are half the measured ones)",
+}
 _results: dict[str, dict] = {}
 
 
