@@ -20,6 +20,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from fitlm import __version__
+from fitlm.atomic import atomic_dir, atomic_file
 from fitlm.checkpoint import store
 from fitlm.checkpoint.errors import CheckpointError
 from fitlm.checkpoint.safetensors_stream import StreamingSafetensorsWriter
@@ -95,28 +96,23 @@ def merge_checkpoint(path: str | Path, out: str | Path, fmt: str = "safetensors"
     meta = store.read_meta(ckpt)
     cfg = checkpoint_config(ckpt, meta)
     out = Path(out)
-    if fmt == "safetensors":
-        if out.is_dir():
-            raise CheckpointError(f"--out {out} is a directory; --format safetensors writes one file "
-                                  "(e.g. --out merged.safetensors), --format hf or fitlm write a directory")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        weights, target = out, out
-    else:
-        if out.exists() and (not out.is_dir() or any(out.iterdir())):
-            raise CheckpointError(f"--out {out} exists and is not an empty directory; choose a new path")
-        target = out.parent / f".{out.name}.tmp-merge"
-        shutil.rmtree(target, ignore_errors=True)
-        target.mkdir(parents=True)
-        weights = target / "model.safetensors"
+    if fmt == "safetensors" and out.is_dir():
+        raise CheckpointError(f"--out {out} is a directory; --format safetensors writes one file "
+                              "(e.g. --out merged.safetensors), --format hf or fitlm write a directory")
+    if fmt != "safetensors" and out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointError(f"--out {out} exists and is not an empty directory; choose a new path")
     specs, tensors = stream_hf_tensors(ckpt, cfg)
-    with StreamingSafetensorsWriter(weights, specs) as w:
-        w.write_all(tensors)
-    if fmt != "safetensors":
-        dtype = str(next(iter(specs.values()))[0]).removeprefix("torch.")
-        _write_companions(ckpt, cfg, target, fmt, dtype)
-        if out.exists():
-            out.rmdir()
-        target.rename(out)
+    # Published only when complete (fitlm.atomic): an interrupted merge leaves no half-written output.
+    if fmt == "safetensors":
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_file(out) as tmp, StreamingSafetensorsWriter(tmp, specs) as w:
+            w.write_all(tensors)
+    else:
+        with atomic_dir(out, durable=True) as target:
+            with StreamingSafetensorsWriter(target / "model.safetensors", specs) as w:
+                w.write_all(tensors)
+            dtype = str(next(iter(specs.values()))[0]).removeprefix("torch.")
+            _write_companions(ckpt, cfg, target, fmt, dtype)
     size = sum(torch.Size(s).numel() * torch.empty((), dtype=d).element_size() for d, s in specs.values())
     return {"checkpoint": str(ckpt), "step": meta["step"], "out": str(out), "format": fmt,
             "tensors": len(specs), "bytes": size}

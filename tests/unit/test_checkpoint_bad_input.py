@@ -150,3 +150,18 @@ def test_merge_refuses_to_overwrite_a_directory(capsys, tmp_path, run):
     code, err = cli(capsys, "ckpt", "merge", run, "--out", tmp_path / "taken", "--format", "hf")
     assert code == 2 and "not an empty directory" in err
     assert (tmp_path / "taken" / "keep.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("fmt,name", [("safetensors", "w.safetensors"), ("hf", "hf")])
+def test_interrupted_merge_leaves_nothing_behind(monkeypatch, tmp_path, run, fmt, name):
+    from fitlm.checkpoint import merge
+    from fitlm.checkpoint.safetensors_stream import StreamingSafetensorsWriter
+
+    def fail_half_way(self, tensors):
+        next(iter(tensors))  # some bytes are written, then the process "dies"
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(StreamingSafetensorsWriter, "write_all", fail_half_way)
+    with pytest.raises(KeyboardInterrupt):
+        merge.merge_checkpoint(run, tmp_path / "out" / name, fmt)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
