@@ -122,20 +122,16 @@ def run_step(cfg: Config, fake: bool = True) -> dict[str, int]:
         trainer.scaler = LossScaler(cfg.memory, ctx.device)
         trainer.scaler.enabled = trainer.scaler.enabled and not fake  # a fake overflow flag would skip every step
         trainer.timer = lambda phase: contextlib.nullcontext()  # phase wall times mean nothing here
-        accum = cfg.train.gradient_accumulation_steps
-        batch = _batch(cfg)
+        # Two micro batches stand for any accumulation >= 2: from the second on, each meets the same state
+        # (the earlier ones' gradients, unsharded or reduced as parallel.gradient_sync says).
+        batches = [_batch(cfg)] * min(2, cfg.train.gradient_accumulation_steps)
 
-        def step() -> None:
-            trainer.forward_backward([batch])
+        def step() -> None:  # every micro batch, synced as the config says (parallel.gradient_sync)
+            trainer.forward_backward(batches)
             trainer.optimizer_step()
 
-        # MemTracker follows one forward per module per iteration, so accumulation is simulated by its
-        # last micro batch: the earlier ones' gradients are made (untracked) first and stay alive.
         step()  # optimizer states appear
-        if accum > 1:
-            trainer.pm.gradient_sync(enabled=False)
-            trainer.forward_backward([batch])
-        tracker = tracker_for(pm.modules, optimizer)
+        tracker = tracker_for(pm.modules, optimizer)  # follows the model across its micro-batch calls
         with tracker:
             step()
         peak = tracker.get_tracker_snapshot("peak")
