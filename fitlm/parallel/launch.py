@@ -12,11 +12,26 @@ import subprocess
 import sys
 
 
+def without_nproc(argv: list[str]) -> list[str]:
+    """`argv` less fitlm's `--nproc N` / `--nproc=N`: torchrun's parser reads it as an ambiguous abbreviation of
+    its own --nproc-per-node (even after the script name) and refuses to start; under torchrun the world size
+    comes from the environment anyway."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            out.append(arg)
+    return out
+
+
 def torchrun_command(nproc: int, argv: list[str], max_restarts: int = 0) -> list[str]:
     # --standalone: a private rendezvous on localhost, so several jobs on one machine never collide.
     restarts = [f"--max-restarts={max_restarts}"] if max_restarts > 0 else []
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *restarts,
-            "-m", "fitlm.cli", *argv]
+            "-m", "fitlm.cli", *without_nproc(argv)]
 
 
 def launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> int:

@@ -20,6 +20,13 @@ def _pyplot():
     return plt
 
 
+def _save(plt, fig, path: Path) -> bool:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)  # pyplot keeps every open figure alive otherwise
+    return True
+
+
 def memory_plot(r: dict[str, Any], path: Path) -> bool:
     if r["per_device"] is None:
         return False
@@ -37,17 +44,14 @@ def memory_plot(r: dict[str, Any], path: Path) -> bool:
     ax.set_ylabel("MiB per device")
     ax.set_title(f"memory: measured (rank {r['most_loaded_rank']}) vs planned · {r['layout']}")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
+    return _save(plt, fig, path)
 
 
 def step_time_plot(r: dict[str, Any], path: Path) -> bool:
     plt = _pyplot()
     ranks = r["per_rank"]
     phases = sorted({k for x in ranks for k in x["phase_s"]}, key=lambda k: (k == "other", k))
-    fig, ax = plt.subplots(figsize=(8, 1.6 + 0.5 * len(ranks)))
+    fig, ax = plt.subplots(figsize=(9, 1.6 + 0.5 * len(ranks)))
     left = [0.0] * len(ranks)
     for phase in phases:
         widths = [x["phase_s"].get(phase, 0.0) for x in ranks]
@@ -59,12 +63,8 @@ def step_time_plot(r: dict[str, Any], path: Path) -> bool:
                    label="communication (overlaps)")
     ax.set_xlabel("seconds per step")
     ax.set_title("step-time breakdown")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(ranks) < 3 else -0.2), ncol=min(6, len(phases) + 1),
-              fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")  # beside: never over the axis label
+    return _save(plt, fig, path)
 
 
 def burst_plot(r: dict[str, Any], path: Path) -> bool:
@@ -76,14 +76,11 @@ def burst_plot(r: dict[str, Any], path: Path) -> bool:
     top.set_ylabel("loss")
     top.set_title("the burst (rank 0); step 1 is warm-up")
     bottom.plot(steps, [h["tokens_per_s"] for h in hist], marker="o", markersize=3, color="tab:green")
-    bottom.axhline(r["tokens_per_s"], linestyle="--", color="gray", label="mean after warm-up")
+    bottom.axhline(r["tokens_per_s"], linestyle="--", color="gray", label="tokens per step / mean step time (after warm-up)")
     bottom.set_ylabel("tokens/s")
     bottom.set_xlabel("step")
     bottom.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
+    return _save(plt, fig, path)
 
 
 PLOTS = {"memory.png": memory_plot, "step_time.png": step_time_plot, "burst.png": burst_plot}

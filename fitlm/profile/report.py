@@ -118,9 +118,11 @@ def markdown(r: dict[str, Any], plots: list[str]) -> str:
             lines += ["", f"Simulation: {plan['simulated']['error']}"]
     lines += ["", "## Step time (slowest rank)", ""]
     step = r["step_time_s"]
+    # Communication is timed over the traced steps (slower under the profiler): its share is of those steps.
+    traced = max(r["per_rank"], key=lambda x: x["step_s"])["comm"]
     lines += _table(["phase", "seconds", "share"],
                     [[k, f"{v:.4f}", f"{v / step:.1%}"] for k, v in r["step_seconds"].items()]
-                    + [["communication (inside the phases above)", f"{r['comm_s']:.4f}", f"{r['comm_s'] / step:.1%}"]])
+                    + [["communication (inside the phases above)", f"{r['comm_s']:.4f}", f"{traced['comm_share']:.1%}"]])
     lines += ["", "Phases are wall times from the trainer's PhaseTimer (device-synchronised on CUDA); `other` is host "
               "work between them. Communication is the time torch.profiler saw in collectives "
               "(`gloo:*`/`nccl:*`/c10d ops) over two traced steps; it overlaps forward/backward/optimizer."]
@@ -137,10 +139,11 @@ def markdown(r: dict[str, Any], plots: list[str]) -> str:
     ops = rank0["comm"]["ops"][:TOP]
     if ops:
         lines += ["", "## Where the memory goes: top operators (rank 0)", ""]
-        lines += _table(["operator", "net MiB allocated per step", "calls per step"],
+        lines += _table(["operator", "MiB allocated per step", "calls per step"],
                         [[f"`{o['op']}`", _mib(o["bytes"]), str(o["calls"])] for o in ops])
-        lines += ["", "torch.profiler (profile_memory): bytes each operator allocated net of what it freed, "
-                  "summed over its calls in one step."]
+        lines += ["", "torch.profiler (profile_memory): bytes each operator allocated, less what it freed within the "
+                  "same call, summed over its calls in one step. Outputs freed later by other ops still count, so "
+                  "this ranks the ops that allocate most, not what stays alive (the module table shows that)."]
     if plots:
         lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
     return "\n".join(lines) + "\n"

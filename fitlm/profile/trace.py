@@ -5,8 +5,9 @@ Communication: the profiler records every c10d collective as it runs (`gloo:all_
 collectives that run asynchronously under compute (DDP's bucketed all-reduce during backward on
 CUDA streams) are only partly visible there, so the share is what the step *waited* for, not the
 traffic volume. Memory by operator: with `profile_memory` each aten op reports the bytes it
-allocated net of what it freed; over a whole step that is what each kind of op left alive at its
-end (e.g. activations saved for backward), summed over its calls.
+allocated less what it freed within the same call, summed over its calls. A tensor freed later, by
+another op, is not subtracted from the op that made it, so this ranks the ops that allocate most (the
+candidates for fusing, chunking or recompute); what stays alive is the per-module table's job.
 """
 
 from __future__ import annotations

@@ -89,7 +89,8 @@ class StepGuards:
             return "nonfinite", f"loss is {loss}"
         if not math.isfinite(grad_norm):
             return "nonfinite", f"gradient norm is {grad_norm}"
-        if self.cfg.spike == "none" or self.accepted < self.cfg.warmup_steps:
+        # Statistics need at least one accepted step, even with warmup_steps 0.
+        if self.cfg.spike == "none" or self.accepted < max(1, self.cfg.warmup_steps):
             return "", ""
         for kind, name, value, stats, sigma in (("loss_spike", "loss", loss, self.loss, self.cfg.loss_spike_sigma),
                                                 ("grad_spike", "gradient norm", grad_norm, self.grad,
@@ -109,8 +110,8 @@ class StepGuards:
         if agreed == "ok":
             self._accept(loss_v, norm_v)
             return None
-        if policy == "ok":  # this rank saw nothing wrong; another one did
-            reason = "another rank found this step bad (its log names the reason)"
+        if policy == "ok":  # this rank saw nothing wrong; another one did (only rank 0 writes the log)
+            reason = f"another rank found this step bad (here: loss {loss_v:.4g}, gradient norm {norm_v:.4g})"
         if agreed == "warn":
             self._accept(loss_v, norm_v)
             return GuardEvent(step, kind, reason, "warn")

@@ -111,3 +111,13 @@ def test_tracker_follows_a_root_module_called_twice_in_one_step():
     rows = {r["module"]: r for r in mem.modules}
     assert rows["Sequential.0"]["params"] == 16 * 32 * 4 + 32 * 4
     assert rows["Sequential.0"]["forward_kept"] > 0
+
+
+def test_relaunch_under_torchrun_drops_nproc():
+    """torchrun reads `--nproc` anywhere on its command line as an ambiguous --nproc-per-node and refuses to start;
+    the relaunched command (profile and train alike) must not carry it, and keeps everything else."""
+    from fitlm.parallel.launch import torchrun_command
+
+    cmd = torchrun_command(2, ["profile", "c.yaml", "--nproc", "2", "--set", "a=1", "--nproc=2", "--steps", "3"])
+    assert "--nproc-per-node=2" in cmd
+    assert cmd[cmd.index("fitlm.cli") + 1:] == ["profile", "c.yaml", "--set", "a=1", "--steps", "3"]
