@@ -80,7 +80,8 @@ def measure_gemm_flops(device: torch.device, dtype: torch.dtype, n: int = 1024, 
 
 
 def peak_memory_bytes(device: torch.device) -> int:
-    """Allocator peak on CUDA; on CPU the process's peak resident set (tensor-level tracking is a later issue)."""
+    """Allocator peak on CUDA; on CPU the process's peak resident set (`fitlm profile` measures peak live
+    tensor bytes by category, fitlm.memory.tracking, which is too slow to run on every training step)."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -158,7 +158,10 @@ class Trainer:
         if batch_note and self.ctx.is_main:
             print(f"fitlm: note: {batch_note}", file=sys.stderr)
         self.tokens_per_step = t.micro_batch_size * cfg.data.seq_length * t.gradient_accumulation_steps * self.ctx.dp
-        self.peak_flops = device_peak_flops(self.device, compute_dtype(cfg.memory), t.peak_tflops)
+        # One peak for every rank: a CPU measures its own at start-up, and ranks sharing cores would
+        # otherwise report different MFUs for the same speed.
+        peak = device_peak_flops(self.device, compute_dtype(cfg.memory), t.peak_tflops)
+        self.peak_flops = float(self.ctx.all_reduce_max(torch.tensor(peak, dtype=torch.float64, device=self.device)))
         # Resumable checkpoints (fitlm.checkpoint): stale temporary saves are removed here; fit resumes and saves.
         self.checkpointer = Checkpointer(cfg, self.ctx, self.output_dir, self.tokenizer.sha256, self.tokenizer.path)
         self.timer = PhaseTimer(self.device)  # fitlm profile turns on device sync for exact phase times
