@@ -112,7 +112,17 @@ def gemm_peak(dtype_name: str, device: str = "cpu", n: int | None = None) -> flo
 
 
 def rss_bytes() -> int:
-    """Peak resident set of this process."""
+    """Peak resident set of this process since it started.
+
+    On Linux this is VmHWM of /proc/self/status: `ru_maxrss` survives fork + exec, so a child process
+    started by a large parent would report the parent's peak (every child the same number).
+    """
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)
 

@@ -6,20 +6,24 @@ transformers, and times greedy decoding of `--new-tokens` tokens after a `--prom
 with a KV cache, `--repeats` times each (median reported). Both see the same threads.
 
     python bench/generate.py [--hidden 256] [--layers 4] [--new-tokens 64] [--repeats 3] [--json]
+                             [--out bench/results/generate.json]
+
+How to read it: tokens/s = new tokens / wall time of one `generate` call (prompt prefill included), so
+at batch 1 on a CPU it mostly measures per-token Python and kernel-launch overhead, not FLOPs;
+`equal_greedy_tokens` checks that both produced the same tokens from the same weights.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, machine, median, write_json  # noqa: E402
 
 
 def main() -> None:
@@ -31,6 +35,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--out", type=Path, default=RESULTS / "generate.json")
     args = ap.parse_args()
 
     import torch
@@ -73,10 +78,13 @@ def main() -> None:
             t = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t)
-    tps = {k: n / statistics.median(v) for k, v in times.items()}
+    tps = {k: n / median(v) for k, v in times.items()}
     result = {"params": sum(p.numel() for p in model.parameters()), "new_tokens": n, "threads": torch.get_num_threads(),
               "fitlm_tokens_per_s": round(tps["fitlm"], 1), "transformers_tokens_per_s": round(tps["transformers"], 1),
-              "ratio": round(tps["fitlm"] / tps["transformers"], 2), "equal_greedy_tokens": same}
+              "ratio": round(tps["fitlm"] / tps["transformers"], 2), "equal_greedy_tokens": same,
+              "prompt_len": args.prompt_len, "repeats": args.repeats, "machine": machine(),
+              "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]])}
+    write_json(args.out, result)
     if args.json:
         print(json.dumps(result))
     else:

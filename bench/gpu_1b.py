@@ -15,12 +15,13 @@ device's bf16 peak (datasheet on GPU, fitlm.train.metrics.device_peak_flops), th
 (torch.cuda.max_memory_allocated), the compile time, and `fitlm plan`'s prediction for the same run
 (fitlm.plan.report.plan: per-device memory, step time, tokens/s, MFU) beside the measurement.
 On one rank FSDP2 shards nothing; it is here so the exact multi-GPU code path (gather, bf16 cast,
-fp32 reduce) is what gets timed. Expected end to end on an H100/H200: ~1 min setup + compile, ~1 min of
-steps; well under 8 minutes.
+fp32 reduce) is what gets timed. Expected end to end on an H100/H200 (an estimate: not yet run on a
+GPU): ~1 min setup + compile, ~1 min of steps; well under 8 minutes.
 
     python bench/gpu_1b.py [--batch 4] [--seq 2048] [--steps 10] [--warmup 3] [--no-compile] [--json]
                            [--out bench/results/gpu_1b.json]
     python bench/gpu_1b.py --dry-run      # CPU, tiny model, 2+1 steps: checks the path without a GPU
+                                          # (writes JSON only with --out)
 """
 
 from __future__ import annotations
@@ -192,7 +193,10 @@ def main() -> None:
     result = run(args)
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     result["machine"] = machine()
-    out = write_json(args.out or RESULTS / ("gpu_1b_dry_run.json" if args.dry_run else "gpu_1b.json"), result)
+    # A dry run checks the path; it leaves the results file alone unless --out is given.
+    out = args.out or (None if args.dry_run else RESULTS / "gpu_1b.json")
+    if out:
+        write_json(out, result)
     if args.json:
         print(json.dumps(result))
         return
@@ -200,7 +204,8 @@ def main() -> None:
               "plan", "measured_vs_plan_tokens_per_s", "measured_vs_plan_peak_bytes", "plan_error", "wall_s"):
         if k in result:
             print(f"{k:>30}  {result[k]}")
-    print(f"wrote {out}", file=sys.stderr)
+    if out:
+        print(f"wrote {out}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,10 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-PLAYS = ROOT / "examples" / "data" / "shakespeare"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import PLAYS  # noqa: E402
+
+SEQ = 256  # sequence length of every layout
 
 # name, parallel block, processes
 LAYOUTS = [
@@ -51,8 +53,8 @@ def run_layout(root: Path, name: str, parallel: dict, nproc: int, steps: int, gl
     dp = parallel.get("data_parallel", 1)
     cfg = {
         "model": {"hidden_size": 256, "num_layers": 4, "num_heads": 8, "num_kv_heads": 4, "intermediate_size": 512,
-                  "vocab_size": 1024, "max_seq_len": 256, "tie_embeddings": False},
-        "data": {"train": str(root / "train"), "seq_length": 256},
+                  "vocab_size": 1024, "max_seq_len": SEQ, "tie_embeddings": False},
+        "data": {"train": str(root / "train"), "seq_length": SEQ},
         "parallel": parallel,
         "train": {"micro_batch_size": global_batch // dp, "max_steps": steps, "log_interval": 1, "eval_interval": 0,
                   "warmup_steps": 2, "output_dir": str(root / name.replace(" ", "_")), "progress": False},
@@ -67,7 +69,7 @@ def run_layout(root: Path, name: str, parallel: dict, nproc: int, steps: int, gl
     records = [json.loads(x) for x in (Path(cfg["train"]["output_dir"]) / "metrics.jsonl").read_text().splitlines()]
     tps = [r["tokens_per_s"] for r in records if "tokens_per_s" in r][2:]  # skip warm-up steps
     return {"layout": name, "processes": nproc, "tokens_per_s": round(statistics.median(tps), 1),
-            "step_time_s": round(global_batch * 256 / statistics.median(tps), 4),
+            "step_time_s": round(global_batch * SEQ / statistics.median(tps), 4),
             "peak_bytes": max(r["peak_bytes"] for r in records if "peak_bytes" in r), "wall_s": round(wall, 1)}
 
 
@@ -86,7 +88,7 @@ def main() -> None:
     for r in results:
         if "tokens_per_s" in r:
             r["vs_single"] = round(r["tokens_per_s"] / base, 3)
-    report = {"benchmark": "layouts", "global_batch": args.global_batch, "seq_length": 256, "results": results}
+    report = {"benchmark": "layouts", "global_batch": args.global_batch, "seq_length": SEQ, "results": results}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=1))

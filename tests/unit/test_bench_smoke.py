@@ -1,0 +1,105 @@
+"""The bench/ scripts of issue #11 run end to end on their tiniest settings and keep their JSON contract.
+
+No timing assertions: these only check that each script runs, prints exactly one JSON object with the
+documented keys and sane values, and that the RESULTS.md tables can be printed back from the JSON.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "bench"
+
+THROUGHPUT_KEYS = {"vocab_size", "fitlm_tokens_per_s", "hf_trainer_tokens_per_s", "fitlm_best_tokens_per_s",
+                   "hf_trainer_best_tokens_per_s", "loop_tokens_per_s", "fitlm_peak_bytes", "hf_trainer_peak_bytes",
+                   "gemm_peak_flops", "fitlm_best_mfu"}
+
+
+def run_script(name: str, *args) -> dict:
+    """Run bench/<name> with --json; stdout must be exactly one JSON object."""
+    proc = subprocess.run([sys.executable, str(BENCH / name), *map(str, args), "--json"], capture_output=True,
+                          text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [x for x in proc.stdout.splitlines() if x.strip()]
+    assert len(lines) == 1, proc.stdout[-2000:]
+    return json.loads(lines[0])
+
+
+def bench_module(name: str):
+    sys.path.insert(0, str(BENCH))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+@pytest.fixture(scope="module")
+def throughput(tmp_path_factory) -> dict:
+    pytest.importorskip("transformers")
+    out = tmp_path_factory.mktemp("bench") / "throughput.json"
+    report = run_script("train_throughput.py", "--sizes", "tiny", "--steps", "1", "--warmup", "1", "--batch", "2",
+                        "--seq", "32", "--no-compile", "--fitlm-best", "O3,chunk=16", "--identical-chunk", "0",
+                        "--out", out)
+    assert json.loads(out.read_text()) == report
+    return report
+
+
+def test_train_throughput_contract(throughput):
+    (r,) = throughput["results"]
+    assert THROUGHPUT_KEYS <= r.keys()
+    assert r["vocab_size"] == bench_module("train_throughput").SIZES["tiny"]["vocab_size"]
+    for key in THROUGHPUT_KEYS - {"vocab_size", "fitlm_best_mfu"}:
+        assert r[key] > 0, key
+    assert 0 < r["fitlm_best_mfu"] < 1
+    assert r["gemm_peak_dtype"] == "bf16" and r["gemm_peak_flops"] == throughput["gemm_peak_flops"]["bf16"]
+    assert r["fitlm_best_settings"] == "O3 + chunked loss 16" and "compile" not in r["hf_trainer_best_settings"]
+    assert len(r["fitlm_step_times_s"]) == len(r["hf_trainer_step_times_s"]) == 2
+
+
+def test_train_throughput_markdown(throughput, tmp_path):
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(throughput))
+    proc = subprocess.run([sys.executable, str(BENCH / "train_throughput.py"), "--markdown", str(path)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "| tiny | 1,024 |" in proc.stdout and "peak live MiB" in proc.stdout
+    assert "--sizes tiny" in proc.stdout  # the command that produced the numbers
+
+
+def test_gemm_peak_tiny(tmp_path):
+    report = run_script("gemm_peak.py", "--sizes", "128", "--repeats", "1", "--dtypes", "fp32", "bf16",
+                        "--out", tmp_path / "g.json")
+    assert set(report["per_dtype"]) == {"fp32", "bf16"}
+    assert all(d["peak_flops"] > 0 for d in report["per_dtype"].values())
+    assert "machine" in report and (tmp_path / "g.json").exists()
+
+
+def test_gpu_1b_dry_run(tmp_path):
+    r = run_script("gpu_1b.py", "--dry-run", "--no-compile", "--out", tmp_path / "gpu.json")
+    assert r["device"] == "cpu (dry run)" and r["model"]["vocab_size"] == 32000
+    assert r["tokens_per_s"] > 0 and r["mfu"] > 0 and r["params"] > 0
+    assert all(x == x and x > 0 for x in r["loss_first_last"])  # finite, positive
+    assert "plan" in r or "plan_error" in r
+
+
+def test_scaling_markdown():
+    scaling = bench_module("scaling")
+    rows = [{"layout": "single", "kind": "none", "degree": 1, "processes": 1, "tokens_per_s": 1000.0,
+             "step_time_s": 2.048},
+            {"layout": "dp2 (DDP)", "kind": "dp", "degree": 2, "processes": 2, "tokens_per_s": 800.0,
+             "step_time_s": 2.56},
+            {"layout": "tp2", "kind": "tp", "degree": 2, "error": "boom"}]
+    report = scaling.summarize({"benchmark": "scaling", "machine": {"cpus": 2}, "global_batch": 8,
+                                "seq_length": 256, "steps": 4, "command": "python bench/scaling.py",
+                                "results": rows})
+    dp = report["results"][1]
+    assert dp["overhead_s"] == pytest.approx(0.512) and dp["scaling_efficiency"] == pytest.approx(0.8)
+    text = scaling.table(report)
+    assert "| dp2 (DDP) | dp | 2 |" in text and "error: boom" in text and "python bench/scaling.py" in text
