@@ -14,7 +14,8 @@ import torch.nn as nn
 from fitlm.train.loss import chunked_cross_entropy_sum
 
 
-def apply_chunked_loss(model: nn.Module, chunk_size: int) -> nn.Module:
+def apply_chunked_loss(model: nn.Module, chunk_size: int, compiled: bool = False) -> nn.Module:
+    """`compiled` (memory.compile): each chunk's softmax/gradient arithmetic is fused by torch.compile."""
     if not chunk_size:
         return model
     inner = model.forward
@@ -24,7 +25,7 @@ def apply_chunked_loss(model: nn.Module, chunk_size: int) -> nn.Module:
         if labels is None:
             return inner(input_ids, *args, **kwargs)
         hidden = model.hidden_states(input_ids, *args, **kwargs)  # [B,T,C]
-        return chunked_cross_entropy_sum(hidden, model.output_layer.weight, labels, chunk_size)
+        return chunked_cross_entropy_sum(hidden, model.output_layer.weight, labels, chunk_size, compiled)
 
     model.forward = forward
     return model

@@ -99,7 +99,7 @@ def parallelize(model: nn.Module, cfg: Config, ctx: ParallelContext) -> Parallel
         stage = apply_precision(stage, cfg.memory, sharded=sharded)
         apply_recompute(stage, cfg.memory.recompute, cfg.memory.recompute_every_n_layers)
         apply_compile(stage, cfg.memory.compile)
-        apply_chunked_loss(stage, cfg.memory.loss_chunk_size)
+        apply_chunked_loss(stage, cfg.memory.loss_chunk_size, compiled=cfg.memory.compile)
         parts.append(apply_data_parallel(stage, ctx, p.zero_stage, cfg.memory))
     if pipeline is not None:
         pipeline.build_schedule(parts)

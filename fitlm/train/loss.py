@@ -35,6 +35,48 @@ def count_targets(labels: torch.Tensor) -> int:
     return int((labels != IGNORE_INDEX).sum())
 
 
+def _chunk(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, grad_weight: torch.Tensor | None):
+    """Summed CE of one chunk and, given the fp32 `grad_weight` to accumulate into (in place), d(sum CE)/d h.
+
+    h [c,C], weight [V,C], y [c]. One [c,V] buffer, updated in place: logits -> shifted -> exp -> softmax
+    -> gradient (the textbook logsumexp / exp(logits - lse) / one-hot / mask made four [c,V] passes more
+    and held three such blocks at once). A pure function of tensors, so `memory.compile` can fuse it.
+    """
+    valid = y != IGNORE_INDEX
+    target = torch.where(valid, y, 0)[:, None]  # [c,1]
+    logits = (h @ weight.t()).float()  # [c,V], in the compute dtype then fp32 like the plain path
+    logits -= logits.amax(dim=-1, keepdim=True)  # shifted: every exp <= 1
+    picked = logits.gather(1, target).squeeze(1)  # [c] shifted target logit
+    probs = logits.exp_()
+    norm = probs.sum(dim=-1)  # [c]; lse - target logit = log(norm) - picked
+    total = ((norm.log() - picked) * valid).sum()
+    if grad_weight is None:
+        return total, None
+    # d(sum CE)/d logits = softmax - onehot, zero on ignored rows.
+    grad = probs.div_(norm[:, None])
+    grad.scatter_add_(1, target, torch.full_like(target, -1.0, dtype=grad.dtype))
+    grad *= valid[:, None]
+    del logits, probs
+    grad = grad.to(h.dtype)  # [c,V] as the plain path's backward would see it
+    if grad_weight.dtype == grad.dtype:
+        grad_weight.addmm_(grad.t(), h)
+    else:
+        grad_weight += (grad.t() @ h).float()
+    return total, grad @ weight
+
+
+_compiled_chunk = None
+
+
+def _chunk_fn(compiled: bool):
+    global _compiled_chunk
+    if not compiled:
+        return _chunk
+    if _compiled_chunk is None:  # one compiled function for every model in the process
+        _compiled_chunk = torch.compile(_chunk, dynamic=False)
+    return _compiled_chunk
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Summed cross-entropy of `hidden @ weight.T` computed `chunk` rows at a time.
 
@@ -44,45 +86,17 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk: int):  # hidden [N,C], weight [V,C], labels [N]
+    def forward(ctx, hidden, weight, labels, chunk: int, compiled: bool):  # hidden [N,C], weight [V,C], labels [N]
         need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        step = _chunk_fn(compiled)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        grad_hidden = torch.zeros_like(hidden) if need_grad else None
+        grad_hidden = torch.empty_like(hidden) if need_grad else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grad else None
-        rows = torch.arange(min(chunk, hidden.shape[0]), device=hidden.device)
         for start in range(0, hidden.shape[0], chunk):
-            h = hidden[start:start + chunk]  # [c,C]
-            y = labels[start:start + chunk]  # [c]
-            valid = y != IGNORE_INDEX
-            n_valid = int(valid.sum())
-            if not n_valid:
-                continue
-            # One [c,V] buffer, updated in place: logits -> shifted -> exp -> softmax -> gradient. (The
-            # textbook sequence logsumexp / exp(logits - lse) / one-hot / mask made four [c,V] passes
-            # more and held three such blocks at once.)
-            logits = (h @ weight.t()).float()  # [c,V], in the compute dtype then fp32 like the plain path
-            target = torch.where(valid, y, 0)
-            r = rows[:h.shape[0]]
-            logits -= logits.amax(dim=-1, keepdim=True)  # shifted: every exp <= 1
-            picked = logits[r, target]  # [c] shifted target logit
-            probs = logits.exp_()
-            norm = probs.sum(dim=-1)  # [c]; lse - target logit = log(norm) - picked
-            loss = norm.log() - picked
-            total += loss.sum() if n_valid == h.shape[0] else (loss * valid).sum()
+            loss, gh = step(hidden[start:start + chunk], weight, labels[start:start + chunk], grad_weight)
+            total += loss
             if need_grad:
-                # d(sum CE)/d logits = softmax - onehot, zero on ignored rows.
-                grad = probs.div_(norm[:, None])
-                grad[r, target] -= 1.0
-                if n_valid != h.shape[0]:
-                    grad *= valid[:, None]
-                grad = grad.to(h.dtype)  # [c,V] as the plain path's backward would see it
-                torch.mm(grad, weight, out=grad_hidden[start:start + chunk])
-                if grad_weight.dtype == grad.dtype:
-                    grad_weight.addmm_(grad.t(), h)
-                else:
-                    grad_weight += (grad.t() @ h).float()
-                del grad
-            del logits, probs  # before the next chunk's logits exist: one [c,V] block at a time, not two
+                grad_hidden[start:start + chunk] = gh
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         return total
@@ -92,14 +106,15 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_hidden, grad_weight = ctx.saved_tensors
         gh = grad_hidden * grad_out.to(grad_hidden.dtype) if ctx.needs_input_grad[0] else None
         gw = (grad_weight * grad_out).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
-        return gh, gw, None, None
+        return gh, gw, None, None, None
 
 
 def chunked_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                              chunk_size: int) -> torch.Tensor:
+                              chunk_size: int, compiled: bool = False) -> torch.Tensor:
     """Same value and gradients as `cross_entropy_sum(hidden @ weight.T, labels)`, without whole logits.
 
-    hidden: [B, T, C]; weight: [V, C] (the output layer); labels: [B, T].
+    hidden: [B, T, C]; weight: [V, C] (the output layer); labels: [B, T]. `compiled`: each chunk's
+    arithmetic runs through torch.compile (memory.compile), which fuses the [chunk, V] passes.
     """
     weight = weight.to(hidden.dtype)  # O2 casts parameters for compute; the cast's backward keeps fp32 grads
-    return _ChunkedLinearCrossEntropy.apply(hidden.flatten(0, 1), weight, labels.flatten(), chunk_size)
+    return _ChunkedLinearCrossEntropy.apply(hidden.flatten(0, 1), weight, labels.flatten(), chunk_size, compiled)

@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fitlm.config import TrainConfig, validate_dict
 from fitlm.memory.offload import HostAdamW
 from fitlm.memory.tracking import peak_live_bytes
-from fitlm.train.loss import chunked_cross_entropy_sum, cross_entropy_sum
+from fitlm.train.loss import IGNORE_INDEX, chunked_cross_entropy_sum, cross_entropy_sum
 from fitlm.train.optim import build_optimizer, scale_for_batch
 from fitlm.train.trainer import Trainer
 from tests.e2e.helpers import read_metrics, tiny_config
@@ -174,6 +174,23 @@ def test_chunked_cross_entropy_matches_in_bf16_and_without_grad():
     torch.testing.assert_close(w.grad, gw, rtol=2e-2, atol=2e-2)
     with torch.no_grad():
         assert chunked_cross_entropy_sum(h, w, y, 7).item() == out.item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_chunked_cross_entropy_equals_eager(dtype):
+    torch.manual_seed(0)
+    h = torch.randn(2, 30, 16, dtype=dtype, requires_grad=True)
+    w = torch.randn(50, 16, requires_grad=True)
+    y = torch.randint(0, 50, (2, 30))
+    y[0, :5] = IGNORE_INDEX  # ignored rows inside a chunk
+    grads = []
+    for compiled in (False, True):
+        out = chunked_cross_entropy_sum(h, w, y, 16, compiled=compiled)  # chunks of 16, 16, 16, 12 rows
+        out.backward()
+        grads.append((out.detach(), h.grad, w.grad))
+        h.grad = w.grad = None
+    for eager, fused in zip(*grads):
+        torch.testing.assert_close(fused, eager, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5)
 
 
 def test_compile_matches_eager(tiny_corpus, tmp_path, fp32_losses):
