@@ -53,19 +53,13 @@ def fitlm_config(model: dict, data_dir: Path, out_dir: Path, batch: int, seq: in
 
 
 def fitlm_step(trainer) -> Callable[[], object]:
-    """One optimizer step of a fitlm Trainer, through `Trainer.train_step` when it exists."""
+    """One optimizer step of a fitlm Trainer (`Trainer.train_step`: data, forward/backward, update)."""
     batches = iter(trainer.loader)
     state = {"step": 0}
-    if hasattr(trainer, "train_step"):
-        def step():
-            state["step"] += 1
-            return trainer.train_step(state["step"], batches)
-        return step
-    accum = trainer.cfg.train.gradient_accumulation_steps
 
     def step():
-        trainer.forward_backward([next(batches) for _ in range(accum)])
-        return trainer.optimizer_step()
+        state["step"] += 1
+        return trainer.train_step(state["step"], batches)
     return step
 
 
