@@ -20,7 +20,8 @@ COMMAND_MODULES = ("fitlm.data.cli", "fitlm.checkpoint.cli", "fitlm.finetune.cli
                    "fitlm.export.cli", "fitlm.profile.cli")
 
 
-def _add_config_args(p: argparse.ArgumentParser) -> None:
+def add_config_args(p: argparse.ArgumentParser) -> None:
+    """CONFIG and repeatable --set KEY=VALUE: every command that reads a fitlm config takes them alike."""
     p.add_argument("config", metavar="CONFIG", help="YAML config file (see `fitlm config docs` for every key)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set train.lr=1e-4 (repeatable)")
@@ -41,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "  fitlm train configs/tiny.yaml --dry-run\n"
                               "  fitlm train configs/tiny.yaml --set train.lr=1e-3 --set train.max_steps=100\n"
                               "  fitlm config docs    # every config key, its default and meaning")
-    _add_config_args(p)
+    add_config_args(p)
     p.add_argument("--nproc", type=int, default=None, metavar="N",
                    help="processes to launch on this node (default: the layout's data×tensor×pipeline product)")
     p.add_argument("--dry-run", action="store_true",
@@ -80,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="config helpers: show a resolved config, print the reference, import one")
     csub = p.add_subparsers(dest="config_command", required=True, metavar="ACTION")
     q = csub.add_parser("show", help="validate a config and print it with every default filled in")
-    _add_config_args(q)
+    add_config_args(q)
     q.set_defaults(func=cmd_config_show)
     q = csub.add_parser("docs", help="print the config reference (markdown) from the schema")
     q.set_defaults(func=cmd_config_docs)

@@ -135,9 +135,14 @@ class ParallelConfig(_Section):
     @property
     def reduce_every_micro_batch(self) -> bool:
         """Whether gradients are reduced after every accumulation micro batch (see gradient_sync)."""
-        if self.gradient_sync == "auto":
-            return self.zero_stage >= 2 and self.data_parallel > 1
-        return self.gradient_sync == "every_micro_batch"
+        return reduces_every_micro_batch(self.gradient_sync, self.zero_stage, self.data_parallel)
+
+
+def reduces_every_micro_batch(gradient_sync: str, zero_stage: int, data_parallel: int) -> bool:
+    """parallel.gradient_sync resolved: `auto` reduces every micro batch exactly when ZeRO-2/3 shard gradients."""
+    if gradient_sync == "auto":
+        return zero_stage >= 2 and data_parallel > 1
+    return gradient_sync == "every_micro_batch"
 
 
 class LossScalingConfig(_Section):

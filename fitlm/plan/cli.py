@@ -8,6 +8,8 @@ import json
 import sys
 from dataclasses import replace
 
+from fitlm.cli import add_config_args
+
 
 def add_commands(sub) -> None:
     p = sub.add_parser("plan", help="memory per device, fit, speed and the fastest layout, before any run",
@@ -19,9 +21,7 @@ def add_commands(sub) -> None:
                               "  fitlm plan configs/tiny.yaml --device cpu --simulate\n"
                               "  fitlm plan configs/llama2-7b.yaml --device a100-80g --num-devices 8 --search\n"
                               "  fitlm plan CONFIG --device-memory 48GiB --device-tflops 181 --json")
-    p.add_argument("config", metavar="CONFIG", help="YAML config file")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key (repeatable)")
+    add_config_args(p)
     p.add_argument("--device", default=None, metavar="NAME",
                    help="a100-40g, a100-80g (default), h100-80g, h200, rtx4090, rtx3090, ascend-910b, cpu (measured)")
     p.add_argument("--device-memory", default=None, metavar="SIZE", help="device memory, e.g. 80GiB or 40GB")

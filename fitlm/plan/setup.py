@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fitlm.config import Config
+from fitlm.config import Config, reduces_every_micro_batch
 
 
 @dataclass(frozen=True)
@@ -49,10 +49,8 @@ class Setup:
 
     @property
     def sync_every(self) -> bool:
-        """Gradients reduced after every accumulation micro batch (as ParallelConfig.reduce_every_micro_batch)."""
-        if self.gradient_sync == "auto":
-            return self.zero >= 2 and self.dp > 1
-        return self.gradient_sync == "every_micro_batch"
+        """Gradients reduced after every accumulation micro batch (the trainer's rule, fitlm.config)."""
+        return reduces_every_micro_batch(self.gradient_sync, self.zero, self.dp)
 
     @property
     def head_dim(self) -> int:

@@ -12,6 +12,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from fitlm.cli import add_config_args
+
 MARKERS = ("profile.json", "report.md", "burst")  # what says a directory holds an earlier profile
 
 
@@ -30,9 +32,7 @@ def add_commands(sub) -> None:
                        epilog="examples:\n"
                               "  fitlm profile configs/tiny.yaml --steps 20 --out runs/tiny-profile\n"
                               "  fitlm profile configs/tiny.yaml --nproc 2 --set parallel.data_parallel=2 --json")
-    p.add_argument("config", metavar="CONFIG", help="YAML config file")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key (repeatable)")
+    add_config_args(p)
     p.add_argument("--steps", type=int, default=50, metavar="N",
                    help="timed training steps (default 50; at least 2: the first is warm-up); four more are traced "
                         "and memory-tracked")
@@ -71,7 +71,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from fitlm.config import load_config
     from fitlm.parallel.launch import launch_local
     from fitlm.parallel.mesh import env_world_size, launched_by_torchrun
-    from fitlm.profile.burst import burst_config
+    from fitlm.profile.burst import burst_config, run_burst
 
     if args.steps < 2:
         raise ProfileError(f"--steps {args.steps}: at least 2 steps are needed (the first is warm-up, left out of "
@@ -90,7 +90,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
         dry_run(burst_config(cfg, out, args.steps), world)  # every problem once, before any process starts
         return launch_local(world, list(args.argv))
-    ranks = _measure(cfg, args.steps, out)
+    ranks = run_burst(cfg, args.steps, out)
     if ranks is None:
         return 0  # not rank 0: it measured, rank 0 reports
     result = report(cfg, args.config, args.steps, ranks, out)
@@ -99,12 +99,6 @@ def cmd_profile(args: argparse.Namespace) -> int:
     else:
         _print_summary(result, out)
     return 0
-
-
-def _measure(cfg, steps: int, out: Path):
-    from fitlm.profile.burst import run_burst
-
-    return run_burst(cfg, steps, out)
 
 
 def report(cfg, config_path: str, steps: int, ranks: list[dict], out: Path) -> dict:
