@@ -4,7 +4,7 @@ the real CLI under torchrun), the analytic per-device total is within 10% of the
 tensor bytes of the most loaded rank, and the simulated total within 3%. The measured side is the
 profile's burst (fitlm.profile.burst: the real Trainer step under MemTracker), never the planner.
 
-Fast tier: three single-process configurations and one 2-rank layout; the rest with --runslow.
+Fast tier: three single-process configurations and two 2-rank layouts; the rest with --runslow.
 """
 
 from __future__ import annotations
