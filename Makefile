@@ -34,7 +34,7 @@ test: venv
 test-all: venv
 	$(BIN)/python -m pytest -q --runslow
 
-# Regenerate the README's config reference from the schema's field docstrings.
+# Regenerate the README's config reference (schema docstrings) and model families table (registry).
 docs: venv
 	$(BIN)/python -m fitlm.docs README.md
 

@@ -140,8 +140,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_config_show(args: argparse.Namespace) -> int:
     from fitlm.config import load_config
+    from fitlm.finetune.init_from import resolve_if_readable
 
-    sys.stdout.write(load_config(args.config, args.overrides).to_yaml())
+    # Printed resolved: the full dump spells out every model key, so an unresolved one, used as a config,
+    # would contradict the model.init_from weights in each default.
+    cfg, note = resolve_if_readable(load_config(args.config, args.overrides))
+    if note:
+        sys.stderr.write(f"fitlm config show: note: {note}\n")
+    sys.stdout.write(cfg.to_yaml())
     return 0
 
 

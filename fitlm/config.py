@@ -14,6 +14,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from fitlm import registry
+
 
 class ConfigError(ValueError):
     """One or more problems with a configuration; `str()` lists them all, one per line."""
@@ -42,17 +44,50 @@ class LoraConfig(_Section):
     """Module names that get adapters (e.g. q_proj, v_proj), or ["all-linear"]."""
 
 
+class RopeScalingConfig(_Section):
+    """RoPE frequency scaling, as transformers defines each type (its `rope_scaling` / `rope_parameters`)."""
+
+    type: Literal["linear", "dynamic", "yarn", "llama3", "longrope"] = "linear"
+    """`linear` (positions / factor), `dynamic` (NTK base growing past max_seq_len), `yarn`, `llama3` (Llama 3.1+), `longrope` (Phi-3 128k / Phi-3.5)."""
+    factor: float | None = None
+    """Context extension factor (yarn/longrope: null = max_seq_len / original_max_seq_len)."""
+    original_max_seq_len: int | None = None
+    """Context length of pretraining (llama3, yarn, longrope); null = model.max_seq_len."""
+    low_freq_factor: float | None = None
+    """llama3: wavelengths above original_max_seq_len / low_freq_factor are scaled by 1/factor."""
+    high_freq_factor: float | None = None
+    """llama3: wavelengths below original_max_seq_len / high_freq_factor are kept; between, interpolated."""
+    beta_fast: float | None = None
+    """yarn: rotations bounding extrapolation (null = 32)."""
+    beta_slow: float | None = None
+    """yarn: rotations bounding interpolation (null = 1)."""
+    attention_factor: float | None = None
+    """yarn/longrope: scale of cos/sin; null = the type's formula from factor (and mscale)."""
+    mscale: float | None = None
+    """yarn: numerator mscale of the attention factor (DeepSeek-style configs)."""
+    mscale_all_dim: float | None = None
+    """yarn: denominator mscale of the attention factor."""
+    truncate: bool = True
+    """yarn: round the correction range to whole dimensions."""
+    short_factor: list[float] | None = None
+    """longrope: per-frequency divisors used up to original_max_seq_len."""
+    long_factor: list[float] | None = None
+    """longrope: per-frequency divisors used once a sequence is longer than original_max_seq_len."""
+
+
 class ModelConfig(_Section):
     arch: str = "llama"
-    """Registered architecture name (`llama`, `gpt2`)."""
+    """Registered model family (`llama`, `qwen2`, `qwen3`, `gemma2`, `gemma3`, `phi3`, `gpt2`); see the README's families table."""
     hidden_size: int = 256
     """Width of the residual stream."""
     num_layers: int = 4
     """Number of transformer blocks."""
     num_heads: int = 4
-    """Attention heads; must divide hidden_size."""
+    """Attention heads."""
     num_kv_heads: int | None = None
     """Key/value heads for grouped-query attention; must divide num_heads. null = num_heads (plain MHA)."""
+    head_dim: int | None = None
+    """Width of one attention head; null = hidden_size / num_heads (Qwen3 and Gemma set it independently)."""
     intermediate_size: int | None = None
     """MLP inner width. null = the family default (llama: 8/3·hidden rounded up to 256; gpt2: 4·hidden)."""
     vocab_size: int = 32000
@@ -60,7 +95,23 @@ class ModelConfig(_Section):
     max_seq_len: int = 2048
     """Longest sequence the model supports (RoPE table / learned position embeddings)."""
     rope_theta: float = 10000.0
-    """RoPE base frequency (llama)."""
+    """RoPE base frequency (of the global-attention layers, for Gemma 3)."""
+    rope_scaling: RopeScalingConfig | None = None
+    """RoPE scaling of the global-attention layers; null = plain RoPE."""
+    rope_local_theta: float | None = None
+    """Gemma 3: RoPE base of the sliding-window layers (unscaled); null = rope_theta."""
+    attention_bias: bool | None = None
+    """Biases on q/k/v (and o, where the family has one); null = the family's default (qwen2 and gpt2 yes, others no)."""
+    sliding_window: int | None = None
+    """Keys a sliding-window layer sees (itself included); null = no sliding-window layers."""
+    layer_types: list[Literal["full", "sliding"]] | None = None
+    """Attention of each block with sliding_window set; null = the family's pattern (gemma2 alternates, gemma3 five sliding then one full, others all sliding)."""
+    query_pre_attn_scalar: int | None = None
+    """Attention scores are scaled by query_pre_attn_scalar^-1/2 (Gemma); null = head_dim."""
+    attn_logit_softcap: float | None = None
+    """Gemma 2: attention scores become cap·tanh(score/cap); null = none."""
+    final_logit_softcap: float | None = None
+    """Gemma 2: logits become cap·tanh(logit/cap); null = none."""
     tie_embeddings: bool = False
     """Share the input embedding matrix with the output projection."""
     norm_eps: float = 1e-5
@@ -68,23 +119,33 @@ class ModelConfig(_Section):
     init_std: float = 0.02
     """Standard deviation of the normal weight initialisation."""
     init_from: str | None = None
-    """Start from these weights: a fitlm model directory or a Hugging Face safetensors directory."""
+    """Start from these weights: a fitlm model directory, a Hugging Face safetensors directory or a GGUF file."""
 
     @property
     def kv_heads(self) -> int:
         return self.num_kv_heads or self.num_heads
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+    def head_size(self) -> int:
+        """model.head_dim resolved (hidden_size / num_heads when null)."""
+        return self.head_dim or self.hidden_size // max(1, self.num_heads)
+
+    @property
+    def family(self):
+        """The registered family unit of `arch` (fitlm.models.family.Family)."""
+        return registry.get_family(self.arch)
 
     @property
     def ffn_size(self) -> int:
-        if self.intermediate_size:
-            return self.intermediate_size
-        if self.arch == "gpt2":
-            return 4 * self.hidden_size
-        return 256 * ((int(8 * self.hidden_size / 3) + 255) // 256)
+        return self.intermediate_size or self.family.default_ffn(self.hidden_size)
+
+    def layer_type(self, i: int) -> str:
+        """"full" or "sliding": the attention of block i."""
+        if self.sliding_window is None:
+            return "full"
+        if self.layer_types is not None:
+            return self.layer_types[i]
+        return self.family.default_layer_type(i)
 
 
 class DataConfig(_Section):
@@ -416,17 +477,25 @@ def semantic_errors(cfg: Config) -> list[str]:
             errs.append(f"{key}: must not be negative (got {v})")
     if m.num_kv_heads is not None and m.num_kv_heads < 1:
         errs.append(f"model.num_kv_heads: must be at least 1 or null (got {m.num_kv_heads})")
-    if m.num_heads >= 1 and m.hidden_size % m.num_heads:
+    if m.num_heads >= 1 and m.head_dim is None and m.hidden_size % m.num_heads:
         errs.append(f"model.hidden_size: {m.hidden_size} is not divisible by model.num_heads={m.num_heads}; "
-                    f"pick a hidden_size that is a multiple of num_heads (e.g. {m.num_heads * max(1, round(m.hidden_size / m.num_heads))})")
-    elif m.num_heads >= 1 and m.head_dim % 2 and m.arch == "llama":
-        errs.append(f"model.hidden_size/num_heads = {m.head_dim} is odd; RoPE needs an even head dimension")
+                    f"pick a hidden_size that is a multiple of num_heads (e.g. {m.num_heads * max(1, round(m.hidden_size / m.num_heads))}) "
+                    f"or set model.head_dim")
+    if m.head_dim is not None and m.head_dim < 1:
+        errs.append(f"model.head_dim: must be at least 1 or null (got {m.head_dim})")
     if m.num_kv_heads and m.num_heads >= 1 and m.num_kv_heads >= 1 and m.num_heads % m.num_kv_heads:
         divisors = [k for k in range(1, m.num_heads + 1) if m.num_heads % k == 0]
         errs.append(f"model.num_kv_heads: {m.num_heads} heads cannot be grouped into {m.num_kv_heads} kv heads; "
                     f"num_kv_heads must divide num_heads (valid: {divisors})")
-    if m.arch == "gpt2" and m.num_kv_heads not in (None, m.num_heads):
-        errs.append("model.num_kv_heads: gpt2 has no grouped-query attention; leave num_kv_heads null")
+    if m.sliding_window is not None and m.sliding_window < 1:
+        errs.append(f"model.sliding_window: must be at least 1 token or null (got {m.sliding_window})")
+    if m.layer_types is not None and len(m.layer_types) != m.num_layers:
+        errs.append(f"model.layer_types: lists {len(m.layer_types)} blocks but model.num_layers={m.num_layers}; "
+                    f"give one entry per block or null for the family's pattern")
+    if m.arch not in registry.model_names():
+        errs.append(f"model.arch: unknown family {m.arch!r}; registered: {', '.join(registry.model_names())}")
+    elif m.num_heads >= 1 and m.num_layers >= 1:
+        errs += m.family.validate(m)  # what the family itself cannot build (e.g. gpt2 has no GQA)
     if d.seq_length > m.max_seq_len:
         errs.append(f"data.seq_length: {d.seq_length} exceeds model.max_seq_len={m.max_seq_len}; "
                     f"lower data.seq_length or raise model.max_seq_len")

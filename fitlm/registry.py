@@ -1,54 +1,77 @@
-"""Model architectures by unique name.
+"""Model families by unique name: the one registry.
 
-A family registers its `nn.Module` class once (`@register_model("llama")`); configs name it by
-`model.arch`. Registering a taken name is an error naming both registrants, never an overwrite.
+A family (`fitlm.models.family.Family`: module class, HF adapter, TP plan, GGUF names, planner counts)
+registers itself once with `register_family`; configs name it by `model.arch`, Hugging Face configs by
+their `model_type`, GGUF files by `general.architecture`. Registering a taken name is an error naming
+both registrants, never an overwrite. This module imports nothing of fitlm at load time, so the config
+schema may ask it about families without a circular import; the built-in families load on first use.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, TypeVar
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch.nn as nn
 
     from fitlm.config import ModelConfig
+    from fitlm.models.family import Family
 
-T = TypeVar("T")
-_MODELS: dict[str, type] = {}
+_FAMILIES: dict[str, "Family"] = {}
 
 
 class RegistryError(ValueError):
     pass
 
 
-def _qualname(obj: type) -> str:
+def _qualname(obj: Any) -> str:
     return f"{obj.__module__}.{obj.__qualname__}"
 
 
-def register_model(name: str) -> Callable[[T], T]:
-    """Class decorator: make `cls` buildable as `model.arch: <name>`."""
+def register_family(family: "Family") -> "Family":
+    """Make `family` buildable as `model.arch: <family.name>` and readable by its HF model types."""
+    taken = _FAMILIES.get(family.name)
+    if taken is not None and taken is not family:
+        raise RegistryError(
+            f"model family {family.name!r} is registered twice: by {_qualname(taken.model_cls)} and by "
+            f"{_qualname(family.model_cls)}; give one of them another name")
+    for other in _FAMILIES.values():
+        shared = set(other.hf_model_types) & set(family.hf_model_types)
+        if other is not family and shared:
+            raise RegistryError(f"Hugging Face model_type {sorted(shared)} is claimed by families {other.name!r} "
+                                f"and {family.name!r}; a model_type belongs to one family")
+    _FAMILIES[family.name] = family
+    return family
 
-    def deco(cls: T) -> T:
-        if name in _MODELS and _MODELS[name] is not cls:
-            raise RegistryError(
-                f"model architecture {name!r} is registered twice: by {_qualname(_MODELS[name])} and by "
-                f"{_qualname(cls)}; give one of them another name")
-        _MODELS[name] = cls
-        return cls
 
-    return deco
+def families() -> list["Family"]:
+    _load_builtin()
+    return [_FAMILIES[n] for n in sorted(_FAMILIES)]
 
 
 def model_names() -> list[str]:
+    return [f.name for f in families()]
+
+
+def get_family(name: str) -> "Family":
     _load_builtin()
-    return sorted(_MODELS)
+    if name not in _FAMILIES:
+        raise RegistryError(f"model.arch: unknown architecture {name!r}; registered: {', '.join(sorted(_FAMILIES))}")
+    return _FAMILIES[name]
 
 
 def get_model_class(name: str) -> type:
-    _load_builtin()
-    if name not in _MODELS:
-        raise RegistryError(f"model.arch: unknown architecture {name!r}; registered: {', '.join(sorted(_MODELS))}")
-    return _MODELS[name]
+    return get_family(name).model_cls
+
+
+def family_for_hf(model_type: Any) -> "Family | None":
+    """The family that reads Hugging Face configs of this `model_type`, if any."""
+    return next((f for f in families() if model_type in f.hf_model_types), None)
+
+
+def family_for_gguf(architecture: Any) -> "Family | None":
+    """The family that reads GGUF files of this `general.architecture`, if any."""
+    return next((f for f in families() if f.gguf is not None and architecture == f.gguf.arch), None)
 
 
 def build_model(cfg: "ModelConfig") -> "nn.Module":

@@ -113,8 +113,10 @@ class PackedDataset:
         return self.path / TOKENIZER_FILE
 
     @property
-    def bos_id(self) -> int:
-        return int(self.manifest["bos_id"])
+    def bos_id(self) -> int | None:
+        """None for a model without BOS (e.g. Qwen)."""
+        bos = self.manifest["bos_id"]
+        return None if bos is None else int(bos)
 
     @property
     def eos_id(self) -> int:
@@ -150,7 +152,7 @@ class PackedDataset:
         return np.concatenate(out) if out else np.zeros(0, np.uint8 if mask else self.dtype)
 
     def document(self, index: int) -> np.ndarray:
-        """Token ids of document `index`, BOS and EOS included."""
+        """Token ids of document `index`, BOS (when the model has one) and EOS included."""
         if not 0 <= index < self.num_docs:
             raise IndexError(f"document {index} out of range (0..{self.num_docs - 1})")
         return self.read(int(self.doc_offsets[index]), int(self.doc_offsets[index + 1]))

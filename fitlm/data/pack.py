@@ -1,7 +1,8 @@
 """Packer: text (.txt / .jsonl / .parquet) or chat (.jsonl `messages`) -> a sharded packed directory.
 
-The format is documented in `fitlm.data.format`. Each document is stored as BOS doc EOS (chat: the
-rendered conversation, with a loss mask beside it). Documents never span shards; a shard closes once it
+The format is documented in `fitlm.data.format`. Each document is stored as BOS doc EOS, BOS only when
+the model's tokenizer adds one (fitlm's own tokenizers do; Qwen's does not); chat: the rendered
+conversation, with a loss mask beside it. Documents never span shards; a shard closes once it
 holds `shard_tokens` tokens. Tokenization runs in `workers` processes, in order, so the output is the
 same for any worker count. `shard_index`/`num_shards` pack every n-th input file (one machine's part);
 `fitlm data merge` joins the parts. The directory appears atomically (temporary sibling, then rename).
@@ -59,7 +60,8 @@ def _encode_batch(batch: list[Any], max_length: int | None, overlong: str) -> di
     tok: Tokenizer = _STATE["tok"]
     counts = {"no_assistant": 0, "truncated": 0, "dropped_overlong": 0}
     if "chat" not in _STATE:
-        seqs = tok.encode_batch(batch, add_bos=True, add_eos=True)
+        # BOS as the model's tokenizer adds it (fitlm's own: always), EOS closes every document.
+        seqs = tok.encode_batch(batch, add_bos=tok.add_bos, add_eos=True)
         masks = None
     else:
         seqs, masks = [], []

@@ -2,6 +2,7 @@
 
 The file on disk is a plain Hugging Face `tokenizer.json` (plus a `tokenizer_config.json` naming the
 special tokens), so `transformers.AutoTokenizer` and llama.cpp-style exporters can read it unchanged.
+A foreign model's tokenizer keeps its own BOS/EOS/PAD conventions, read by fitlm.data.conventions.
 """
 
 from __future__ import annotations
@@ -16,13 +17,11 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from fitlm.atomic import write_bytes_atomic
+from fitlm.data.conventions import CONFIG_FILE as TOKENIZER_CONFIG_FILE
+from fitlm.data.conventions import SIDE_FILES, SPECIAL_TOKENS, Conventions, read_conventions
 from fitlm.data.errors import DataError
 
-# The three control tokens every fitlm tokenizer carries. Declared here once; everything else imports it.
-SPECIAL_TOKENS: dict[str, str] = {"bos": "<|bos|>", "eos": "<|eos|>", "pad": "<|pad|>"}
-
 TOKENIZER_FILE = "tokenizer.json"
-TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 _BYTE_ALPHABET = 256  # byte-level BPE starts from one symbol per byte value
 
 
@@ -116,25 +115,25 @@ def _hf_config() -> dict:
     }
 
 
-def _config_token(cfg: dict, key: str) -> str | None:
-    # HF configs store a token either as a string or as {"content": "<s>", ...}.
-    value = cfg.get(key)
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
-
-
 class Tokenizer:
-    """A loaded tokenizer.json with fitlm's BOS/EOS/PAD conventions. Build it with `Tokenizer.from_file`."""
+    """A loaded tokenizer.json with the BOS/EOS/PAD conventions of its model (fitlm.data.conventions).
+    Build it with `Tokenizer.from_file`.
 
-    def __init__(self, backend: tokenizers.Tokenizer, path: Path, names: dict[str, str], sha256: str):
+    bos_id is None for a model without BOS (Qwen); add_bos says whether the model puts BOS before a text;
+    stop_ids are the ids generation ends at (EOS first, then the model's other EOS / end-of-turn ids).
+    """
+
+    def __init__(self, backend: tokenizers.Tokenizer, path: Path, conv: Conventions, sha256: str):
         self._tok = backend
         self.path = path
         self.sha256 = sha256
-        self.special_tokens = dict(names)
-        self.bos_id: int = backend.token_to_id(names["bos"])
-        self.eos_id: int = backend.token_to_id(names["eos"])
-        self.pad_id: int = backend.token_to_id(names["pad"])
+        self.special_tokens: dict[str, str | None] = {"bos": conv.bos, "eos": conv.eos, "pad": conv.pad}
+        self.bos_id: int | None = None if conv.bos is None else backend.token_to_id(conv.bos)
+        self.eos_id: int = backend.token_to_id(conv.eos)
+        self.pad_id: int = backend.token_to_id(conv.pad)
+        self.add_bos: bool = conv.add_bos
+        self.stop_ids: tuple[int, ...] = tuple(backend.token_to_id(t) for t in conv.stops)
+        self.fitlm_convention: bool = conv.fitlm_convention
         # Embedding rows needed = largest id + 1 (a foreign vocab may have holes, so not len(vocab)).
         self.vocab_size: int = max(backend.get_vocab(with_added_tokens=True).values()) + 1
         # Special-token strings inside data are encoded as plain text, so a document that happens to
@@ -144,10 +143,10 @@ class Tokenizer:
     @classmethod
     def from_file(cls, path: Path | str, bos: str | None = None, eos: str | None = None,
                   pad: str | None = None) -> Tokenizer:
-        """Load a tokenizer.json (or a directory holding one) and check it has BOS, EOS and PAD.
+        """Load a tokenizer.json (or a directory holding one) and check its BOS, EOS and PAD are real tokens.
 
-        Token names come from the arguments, else from a tokenizer_config.json beside the file, else
-        SPECIAL_TOKENS.
+        Token names come from the arguments, else from the files beside it (tokenizer_config.json,
+        special_tokens_map.json, generation_config.json), else SPECIAL_TOKENS (fitlm's own tokenizers).
         """
         path = Path(path)
         json_path = path / TOKENIZER_FILE if path.is_dir() else path
@@ -160,24 +159,17 @@ class Tokenizer:
         except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
             raise DataError(f"{json_path} is not a valid tokenizer.json ({e}); "
                             "re-create it with `fitlm data tokenizer`") from None
-        cfg = {}
-        cfg_path = json_path.with_name(TOKENIZER_CONFIG_FILE)
-        if cfg_path.is_file():
-            try:
-                cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-            except (ValueError, UnicodeDecodeError):
-                cfg = {}  # a broken HF side file must not block loading; the checks below still apply
-        given = {"bos": bos, "eos": eos, "pad": pad}
-        names = {k: given[k] or _config_token(cfg, f"{k}_token") or SPECIAL_TOKENS[k] for k in SPECIAL_TOKENS}
-        missing = [f"{k.upper()} {v!r}" for k, v in names.items() if backend.token_to_id(v) is None]
+        conv = read_conventions(json_path, backend, {"bos": bos, "eos": eos, "pad": pad})
+        names = {"BOS": conv.bos, "EOS": conv.eos, "PAD": conv.pad}
+        missing = [f"{k} {v!r}" for k, v in names.items() if v is not None and backend.token_to_id(v) is None]
         if missing:
             raise DataError(
-                f"tokenizer {json_path} lacks the special token(s) {', '.join(missing)}; fitlm needs BOS, EOS "
-                f"and PAD in the vocabulary. Fix: retrain it with `fitlm data tokenizer` (which adds "
-                f"{', '.join(SPECIAL_TOKENS.values())}), add the missing token(s) to its added_tokens, or name "
-                f"tokens it already has with bos=/eos=/pad= (e.g. pad='</s>')"
+                f"tokenizer {json_path} lacks the special token(s) {', '.join(missing)}; fitlm needs EOS and PAD "
+                f"(and BOS, unless the model has none) in the vocabulary. Fix: retrain it with `fitlm data tokenizer` "
+                f"(which adds {', '.join(SPECIAL_TOKENS.values())}), add the missing token(s) to its added_tokens, "
+                f"or name tokens it already has with bos=/eos=/pad= (e.g. pad='</s>')"
             )
-        return cls(backend, json_path, names, hashlib.sha256(raw).hexdigest())
+        return cls(backend, json_path, conv, hashlib.sha256(raw).hexdigest())
 
     @property
     def backend(self) -> tokenizers.Tokenizer:
@@ -185,7 +177,9 @@ class Tokenizer:
         return self._tok
 
     def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
-        """Token ids of `text`; BOS/EOS are added only when asked (the tokenizer itself adds none)."""
+        """Token ids of `text`; BOS/EOS are added only when asked. `add_bos=tok.add_bos` encodes as the model's
+        own tokenizer does (what `transformers.AutoTokenizer(...)(text)` returns); its post-processor is not run,
+        so BOS is never doubled."""
         ids = self._tok.encode(text, add_special_tokens=False).ids
         return self._wrap(ids, add_bos, add_eos)
 
@@ -195,6 +189,9 @@ class Tokenizer:
         return [self._wrap(e.ids, add_bos, add_eos) for e in encodings]
 
     def _wrap(self, ids: list[int], add_bos: bool, add_eos: bool) -> list[int]:
+        if add_bos and self.bos_id is None:
+            raise DataError(f"tokenizer {self.path} has no BOS token (its model adds none, e.g. Qwen); encode with "
+                            "add_bos=tokenizer.add_bos, or name one with bos=")
         if add_bos:
             ids = [self.bos_id, *ids]
         if add_eos:
@@ -212,14 +209,14 @@ class Tokenizer:
         return self._tok.id_to_token(int(token_id))
 
     def copy_to(self, directory: Path) -> list[Path]:
-        """Copy tokenizer.json (and tokenizer_config.json when present) byte for byte into `directory`."""
+        """Copy tokenizer.json and the convention files beside it (SIDE_FILES) byte for byte into `directory`."""
         directory.mkdir(parents=True, exist_ok=True)
         out = [directory / TOKENIZER_FILE]
         shutil.copyfile(self.path, out[0])
-        cfg = self.path.with_name(TOKENIZER_CONFIG_FILE)
-        if cfg.is_file():
-            out.append(directory / TOKENIZER_CONFIG_FILE)
-            shutil.copyfile(cfg, out[-1])
+        for name in SIDE_FILES:
+            if self.path.with_name(name).is_file():
+                out.append(directory / name)
+                shutil.copyfile(self.path.with_name(name), out[-1])
         return out
 
     def __len__(self) -> int:

@@ -8,7 +8,9 @@ wire-format reader here, so neither `sentencepiece` nor `protobuf` is needed.
 Not converted (refused with a message): SentencePiece BPE/word/char models.
 
 fitlm needs BOS, EOS and PAD to be real tokens of the vocabulary; names come from --bos/--eos/--pad,
-else the tokenizer's config, else the model's own (<s>, </s>, <pad>). A model without a PAD token is
+else the tokenizer's config, else the model's own (<s>, </s>, <pad>). An imported tokenizer.json keeps
+its model's conventions (the side files of fitlm.data.conventions are copied with it); a converted
+SentencePiece model adds BOS (add_bos_token), as Llama-style models do. A model without a PAD token is
 refused: the guide warns that a PAD outside the vocabulary silently breaks training; name an existing
 token with --pad (e.g. --pad "</s>" or "<unk>").
 """
@@ -21,8 +23,9 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from fitlm.data.errors import DataError
 from fitlm.atomic import write_bytes_atomic
+from fitlm.data.conventions import SIDE_FILES, read_json
+from fitlm.data.errors import DataError
 from fitlm.data.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, Tokenizer, _resolve_out
 
 _UNIGRAM, _BPE = 1, 2
@@ -131,16 +134,21 @@ def import_tokenizer(src: Path, out_path: Path, overwrite: bool = False, bos: st
     names: dict[str, str] = {}
     if src.suffix == ".json" or (src.is_dir() and (src / TOKENIZER_FILE).is_file()):
         json_src = src / TOKENIZER_FILE if src.is_dir() else src
-        cfg_src = json_src.with_name(TOKENIZER_CONFIG_FILE)
-        cfg = json.loads(cfg_src.read_text(encoding="utf-8")) if cfg_src.is_file() else {}
-        Tokenizer.from_file(json_src, bos=bos, eos=eos, pad=pad)  # refuses a tokenizer without the specials
+        cfg = read_json(json_src.with_name(TOKENIZER_CONFIG_FILE))
+        src_tok = Tokenizer.from_file(json_src, bos=bos, eos=eos, pad=pad)  # refuses one without the specials
+        if src_tok.fitlm_convention and cfg.get("created_by") != "fitlm":
+            # A bare tokenizer.json follows fitlm's convention; the config written below must say so explicitly.
+            cfg = {"add_bos_token": src_tok.add_bos, **{f"{k}_token": v for k, v in src_tok.special_tokens.items()}}
         json_path.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(json_src, json_path)
+        for name in SIDE_FILES:  # the model's conventions (EOS list, chat template) travel with it
+            if name != TOKENIZER_CONFIG_FILE and json_src.with_name(name).is_file() and \
+                    json_src.with_name(name).resolve() != json_path.with_name(name).resolve():
+                shutil.copyfile(json_src.with_name(name), json_path.with_name(name))
     else:
         tok, spm = spm_to_tokenizers(src)
         have = {p for p, _, _ in spm["pieces"]}
         defaults = {"bos": "<s>", "eos": "</s>", "pad": "<pad>"}
-        cfg = {}
         json_path.parent.mkdir(parents=True, exist_ok=True)
         write_bytes_atomic(json_path, tok.to_str(pretty=True).encode("utf-8"))
         for k, given in (("bos", bos), ("eos", eos), ("pad", pad)):
@@ -149,6 +157,7 @@ def import_tokenizer(src: Path, out_path: Path, overwrite: bool = False, bos: st
                 raise DataError(f"{src} has no {k.upper()} token {defaults[k]!r}; PAD/BOS/EOS must be real tokens of "
                                 f"the vocabulary. Name an existing token with --{k} (e.g. --{k} \"</s>\")")
         names = {k: given or defaults[k] for k, given in (("bos", bos), ("eos", eos), ("pad", pad))}
+        cfg = {"add_bos_token": True}  # Llama-style SentencePiece models put BOS before every text
     given = {k: v for k, v in (("bos", bos), ("eos", eos), ("pad", pad)) if v}
     merged = {**cfg, **{f"{k}_token": v for k, v in {**names, **given}.items()}}
     merged.setdefault("tokenizer_class", "PreTrainedTokenizerFast")

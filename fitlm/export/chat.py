@@ -8,7 +8,6 @@ turns: each turn re-reads the (short) history once, then decodes with a cache.
 
 from __future__ import annotations
 
-import re
 import sys
 from dataclasses import dataclass, field
 from typing import Callable, TextIO
@@ -18,8 +17,6 @@ from fitlm.data.tokenizer import Tokenizer
 from fitlm.infer.generate import generate
 from fitlm.infer.text import StreamDecoder
 from fitlm.models.io import ModelDirError, load_model_dir
-
-END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>")  # stop tokens besides EOS, when special
 
 
 @dataclass
@@ -34,34 +31,15 @@ class ChatSession:
     def reset(self) -> None:
         self.messages.clear()
 
-    def _template_ids(self, text: str) -> list[int]:
-        """Token ids of rendered text; special-token strings the template wrote become their control ids."""
-        tok = self.encoder.tokenizer
-        specials = {t.content: i for i, t in tok.backend.get_added_tokens_decoder().items() if t.special and t.content}
-        ids: list[int] = []
-        last = 0
-        if specials:
-            pattern = re.compile("|".join(re.escape(s) for s in sorted(specials, key=len, reverse=True)))
-            for m in pattern.finditer(text):
-                ids += tok.encode(text[last:m.start()])
-                ids.append(specials[m.group()])
-                last = m.end()
-        ids += tok.encode(text[last:])
-        return ids if ids[:1] == [tok.bos_id] else [tok.bos_id, *ids]
-
     def prompt_ids(self, reserve: int) -> list[int]:
         """Ids of the conversation plus the assistant prompt, dropping the oldest turns to leave `reserve` tokens."""
         head = [{"role": "system", "content": self.system}] if self.system else []
         while True:
-            ids = self._template_ids(self.encoder.render(head + self.messages, add_generation_prompt=True))
+            # The training encoder with the generation prompt: BOS only if the model adds it, no EOS appended.
+            ids = self.encoder.encode(head + self.messages, add_generation_prompt=True)[0]
             if len(ids) + reserve <= self.max_context or len(self.messages) <= 1:
                 return ids[-(self.max_context - 1):] if len(ids) >= self.max_context else ids
             self.messages.pop(0)
-
-
-def stop_ids(tok: Tokenizer) -> set[int]:
-    specials = {t.content: i for i, t in tok.backend.get_added_tokens_decoder().items() if t.special}
-    return {tok.eos_id, *(specials[s] for s in END_OF_TURN if s in specials)}
 
 
 def run_chat(model_path: str, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout, stderr: TextIO = sys.stderr,
@@ -74,7 +52,7 @@ def run_chat(model_path: str, stdin: TextIO = sys.stdin, stdout: TextIO = sys.st
     tok = Tokenizer.from_file(loaded.tokenizer_path)
     name, source = resolve_template(template, loaded.tokenizer_path)
     session = ChatSession(ChatEncoder(tok, source, name), loaded.config.model.max_seq_len, system)
-    stops = stop_ids(tok)
+    stops = set(tok.stop_ids)  # EOS and the model's end-of-turn tokens (generation_config.json, GGUF, ...)
     say: Callable[[str], None] = lambda s: (stderr.write(s), stderr.flush())  # noqa: E731
     say(f"chatting with {loaded.path} (template: {name}). /reset clears the history, /exit quits.\n")
     interactive = stdin.isatty()

@@ -17,32 +17,31 @@ import torch
 
 from fitlm.atomic import atomic_file
 from fitlm.data.chat import resolve_template
+from fitlm.data.gguf_tokenizer import gguf_pre_name
 from fitlm.data.tokenizer import Tokenizer
 from fitlm.export.errors import ExportError
 from fitlm.export.metadata import build_metadata, check_metadata
+from fitlm.models.gguf import gguf_metadata, gguf_tensors
 from fitlm.models.hf import to_hf_state_dict
 from fitlm.models.io import LoadedModel
 
 DTYPES = ("f32", "f16", "q8_0")
+
+
+def EXPORTABLE(family) -> bool:  # noqa: N802  (read by fitlm.docs for the README families table)
+    """Families `--format gguf` writes: those with llama.cpp names (fitlm.models.family.GGUFNames)."""
+    return family.gguf is not None
 META_KEY = "fitlm.export"
-_LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-          "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-          "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
-_TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
-
-
-def gguf_name(hf_name: str) -> str:
-    base, _, part = hf_name.rpartition(".")
-    if base in _TOP:
-        return f"{_TOP[base]}.{part}"
-    pieces = base.split(".", 3)  # model, layers, i, rest
-    return f"blk.{pieces[2]}.{_LAYER[pieces[3]]}.{part}"
-
-
-def permute_qk(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """llama.cpp's `permute` of q/k rows (HF rotate-half -> interleaved pairs): [H,2,D/2,in] -> [H,D/2,2,in]."""
-    out_dim = w.shape[0]
-    return w.reshape(heads, 2, out_dim // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+def _add_value(writer, key: str, value) -> None:
+    """One metadata entry with llama.cpp's types: integers uint32, reals float32, text string."""
+    if isinstance(value, bool):
+        writer.add_bool(key, value)
+    elif isinstance(value, int):
+        writer.add_uint32(key, value)
+    elif isinstance(value, float):
+        writer.add_float32(key, value)
+    else:
+        writer.add_string(key, str(value))
 
 
 def _encode(w: np.ndarray, dtype: str):
@@ -75,14 +74,18 @@ def _add_tokenizer(writer, loaded: LoadedModel) -> None:
         types[i] = 3 if added.special else 4  # CONTROL / USER_DEFINED
     merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"].get("merges", [])]
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt2")
+    writer.add_tokenizer_pre(gguf_pre_name(spec))  # the split rule (GPT-2, Llama 3, Qwen2) the vocabulary uses
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
-    writer.add_bos_token_id(tok.bos_id)
+    if tok.bos_id is not None:
+        writer.add_bos_token_id(tok.bos_id)
     writer.add_eos_token_id(tok.eos_id)
     writer.add_pad_token_id(tok.pad_id)
-    writer.add_add_bos_token(True)  # fitlm puts BOS before every prompt
+    end_of_turn = [i for i in tok.stop_ids if i != tok.eos_id]
+    if end_of_turn:
+        writer.add_eot_token_id(end_of_turn[0])
+    writer.add_add_bos_token(tok.add_bos)  # fitlm's own tokenizers: True (BOS before every prompt)
     writer.add_chat_template(resolve_template(None, loaded.tokenizer_path)[1])
 
 
@@ -93,45 +96,32 @@ def _file_type(dtype: str) -> int:
 
 
 def export_gguf(loaded: LoadedModel, out: str | Path, dtype: str = "f16") -> dict:
-    """Write a llama GGUF file at `out` in `dtype` (f32 | f16 | q8_0)."""
+    """Write a GGUF file at `out` in `dtype` (f32 | f16 | q8_0)."""
     from gguf import GGUFWriter
 
     cfg = loaded.config.model
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype!r} is not supported for GGUF; choose one of {', '.join(DTYPES)}")
-    if cfg.arch != "llama":
-        raise ExportError(f"GGUF export supports model.arch llama; this model is {cfg.arch!r}. Export it with "
-                          f"--format hf and convert with llama.cpp's convert_hf_to_gguf.py")
+    if cfg.family.gguf is None:
+        raise ExportError(f"GGUF export: model.arch {cfg.arch!r} has no llama.cpp architecture; export it with "
+                          f"--format hf")
     out = Path(out).expanduser()
     if out.is_dir():
         raise ExportError(f"--out {out} is a directory; --format gguf writes one file, e.g. {out / 'model.gguf'}")
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = build_metadata("gguf", loaded.path, {"dtype": dtype})
     with atomic_file(out) as tmp:  # never a half-written file at `out`
-        writer = GGUFWriter(str(tmp), "llama")
+        writer = GGUFWriter(str(tmp), cfg.family.gguf.arch)
         writer.add_name(loaded.path.name)
-        writer.add_context_length(cfg.max_seq_len)
-        writer.add_embedding_length(cfg.hidden_size)
-        writer.add_block_count(cfg.num_layers)
-        writer.add_feed_forward_length(cfg.ffn_size)
-        writer.add_head_count(cfg.num_heads)
-        writer.add_head_count_kv(cfg.kv_heads)
-        writer.add_rope_dimension_count(cfg.head_dim)
-        writer.add_rope_freq_base(cfg.rope_theta)
-        writer.add_layer_norm_rms_eps(cfg.norm_eps)
-        writer.add_vocab_size(cfg.vocab_size)
+        for key, value in gguf_metadata(cfg).items():
+            _add_value(writer, key, value)
         writer.add_file_type(_file_type(dtype))
         writer.add_string(META_KEY, json.dumps(meta))
         if loaded.tokenizer_path is not None:
             _add_tokenizer(writer, loaded)
-        for name, t in to_hf_state_dict(loaded.model, cfg).items():
-            w = t.detach().float().cpu()
-            if name.endswith("self_attn.q_proj.weight"):
-                w = permute_qk(w, cfg.num_heads)
-            elif name.endswith("self_attn.k_proj.weight"):
-                w = permute_qk(w, cfg.kv_heads)
+        for name, w in gguf_tensors(to_hf_state_dict(loaded.model, cfg), cfg):
             data, raw = _encode(w.numpy(), dtype)
-            writer.add_tensor(gguf_name(name), data, raw_dtype=raw)
+            writer.add_tensor(name, data, raw_dtype=raw)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()

@@ -42,10 +42,12 @@ def _write_tokenizer(loaded: LoadedModel, out: Path) -> dict[str, int | None]:
     cfg.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
     for key in ("bos", "eos", "pad"):
         cfg.setdefault(f"{key}_token", tok.special_tokens[key])
+    if tok.fitlm_convention:  # fitlm trained with BOS before every text; transformers must add it too
+        cfg["add_bos_token"] = tok.add_bos
     if "chat_template" not in cfg:
         cfg["chat_template"] = resolve_template(None, src)[1]  # the training template, else chatml
     cfg_file.write_text(json.dumps(cfg, indent=2) + "\n")
-    return {"bos": tok.bos_id, "eos": tok.eos_id, "pad": tok.pad_id}
+    return {"bos": tok.bos_id, "eos": tok.eos_id, "pad": tok.pad_id, "stops": list(tok.stop_ids)}
 
 
 def export_hf(loaded: LoadedModel, out: str | Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> dict:
@@ -60,6 +62,8 @@ def export_hf(loaded: LoadedModel, out: str | Path, max_shard_bytes: int = DEFAU
     gen_file = out / "generation_config.json"
     gen = json.loads(gen_file.read_text())
     gen["pad_token_id"] = ids["pad"]
+    if len(ids.get("stops") or ()) > 1:  # generation stops at every EOS / end-of-turn id, as the model's own config says
+        gen["eos_token_id"] = ids["stops"]
     gen_file.write_text(json.dumps(gen, indent=2) + "\n")
     meta = build_metadata("hf", loaded.path)
     write_metadata(out, meta)

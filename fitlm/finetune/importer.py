@@ -42,6 +42,7 @@ def import_model(src: str | Path, out: str | Path, weights_only: bool = False) -
     """Convert SRC into a fitlm model directory at OUT; returns a summary (kind, params, tokenizer)."""
     src = Path(src).expanduser()
     tok_dir: Path | None = None
+    note = None
     with tempfile.TemporaryDirectory() as tmp:
         if weights_only and src.is_dir() and not (src / "model.safetensors").is_file():
             loaded, kind = _load_pickled_weights_only(src), "hf-pickle"
@@ -49,15 +50,19 @@ def import_model(src: str | Path, out: str | Path, weights_only: bool = False) -
         else:
             kind, path = resolve_model_path(src)
             if kind == "gguf":
-                from fitlm.models.gguf import gguf_tokenizer_json, read_gguf
+                from fitlm.data.gguf_tokenizer import UnsupportedTokenizer, write_gguf_tokenizer
+                from fitlm.data.tokenizer import Tokenizer
+                from fitlm.models.gguf import read_gguf
 
                 mcfg, sd, meta = read_gguf(path)
                 model = model_from_hf_state_dict(sd, mcfg, str(path), "cpu", None)
                 loaded = LoadedModel(model, default_config(mcfg), None, "gguf", path)
-                text = gguf_tokenizer_json(meta)
-                if text is not None:
+                try:  # tokenizer.json + its specials, add_bos_token, stop ids and chat template
+                    write_gguf_tokenizer(meta, Path(tmp), str(path))
+                    Tokenizer.from_file(Path(tmp))  # what was written must load (names are real tokens)
                     tok_dir = Path(tmp)
-                    (tok_dir / "tokenizer.json").write_text(text, encoding="utf-8")
+                except UnsupportedTokenizer as e:
+                    note = f"{e}; the weights were imported without a tokenizer"
             else:
                 loaded = load_model_dir(path, dtype=None)  # keep the stored dtype (bf16 stays bf16)
                 tok_dir = path
@@ -65,5 +70,6 @@ def import_model(src: str | Path, out: str | Path, weights_only: bool = False) -
             tok_dir = None
         save_model_dir(loaded.model, loaded.config, out, tokenizer_path=tok_dir)
     params = sum(p.numel() for p in {id(p): p for p in loaded.model.parameters()}.values())
-    return {"source": str(src), "kind": kind, "out": str(Path(out)), "arch": loaded.config.model.arch,
-            "params": params, "tokenizer": tok_dir is not None}
+    summary = {"source": str(src), "kind": kind, "out": str(Path(out)), "arch": loaded.config.model.arch,
+               "params": params, "tokenizer": tok_dir is not None}
+    return {**summary, "tokenizer_note": note} if note else summary

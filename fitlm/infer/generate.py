@@ -1,7 +1,7 @@
 """Autoregressive generation with a KV cache: greedy or temperature + top-p (nucleus) sampling.
 
 The prompt is run once through the model, filling the cache; every later step feeds only the newest
-token. The returned tokens include the EOS token when generation stops on it (as Hugging Face does);
+token. The returned tokens include the stop token when generation stops on one (as Hugging Face does);
 callers that print text decode with special tokens skipped.
 """
 
@@ -41,6 +41,9 @@ def generate(model: nn.Module, prompt_ids: list[int], max_new_tokens: int, tempe
              top_p: float = 1.0, eos_id: int | Collection[int] | None = None, seed: int | None = None,
              stream: Callable[[int], None] | None = None) -> list[int]:
     """Continue `prompt_ids`; return only the new tokens (ending with EOS if it was produced).
+
+    `eos_id` is one id or several (a model may end a text and a turn differently, e.g. Llama 3's
+    <|end_of_text|> and <|eot_id|>: pass `Tokenizer.stop_ids`); generation stops at any of them.
 
     max_new_tokens is lowered so prompt + new tokens fit model.config.max_seq_len. `seed` makes
     sampling reproducible (it does not touch the global RNG); `stream` is called with each new token

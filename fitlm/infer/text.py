@@ -33,12 +33,16 @@ class StreamDecoder:
 def generate_text(model_path: str, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0,
                   top_p: float = 1.0, seed: int | None = 0, stream: Callable[[str], None] | None = None) -> dict:
     loaded = load_model_dir(model_path)
+    if loaded.tokenizer_path is None and loaded.source == "gguf":
+        raise ModelDirError(f"{model_path}: a GGUF file is read here without its tokenizer; run `fitlm import "
+                            f"{model_path} --out DIR` (which converts the tokenizer too) and generate from DIR")
     if loaded.tokenizer_path is None:
         raise ModelDirError(f"{model_path}: no tokenizer.json beside the weights; copy the tokenizer the model was "
                             "trained with into that directory")
     tok = Tokenizer.from_file(loaded.tokenizer_path)
-    prompt_ids = tok.encode(prompt, add_bos=True)
+    # BOS exactly when the model's tokenizer adds it (fitlm's own tokenizers: always; Qwen: never).
+    prompt_ids = tok.encode(prompt, add_bos=tok.add_bos)
     decoder = StreamDecoder(tok, stream) if stream else None
     new_ids = generate(loaded.model, prompt_ids, max_new_tokens, temperature=temperature, top_p=top_p,
-                       eos_id=tok.eos_id, seed=seed, stream=decoder)
+                       eos_id=tok.stop_ids, seed=seed, stream=decoder)
     return {"prompt": prompt, "text": tok.decode(new_ids), "token_ids": new_ids}

@@ -55,7 +55,9 @@ class CausalLMMixin:
         self.init_weights(buffer_device)
 
     def init_buffers(self, device: torch.device | str | None = None) -> None:
-        """Recompute non-persistent buffers; families with derived tables (RoPE) override this."""
+        """Recompute non-persistent buffers (the RoPE tables, where the body has them)."""
+        if hasattr(self.model, "reset_rope"):
+            self.model.reset_rope(device)
 
     @property
     def output_layer(self) -> nn.Linear:
@@ -78,10 +80,14 @@ class CausalLMMixin:
         """input_ids [B,T] -> logits [B,T,V] (hidden states [B,T,C] on a pipeline stage without the head).
         document_ids: see `hidden_states`."""
         h = self.hidden_states(input_ids, position_ids, kv_cache, document_ids=document_ids)
-        return self.lm_head(h) if self.lm_head is not None else h
+        if self.lm_head is None:
+            return h
+        logits = self.lm_head(h)
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap  # Gemma 2's bounded logits
 
     def new_kv_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
         """An empty cache sized for this model, on its device and in its dtype."""
         w = self.model.embed_tokens.weight
         return KVCache(self.config.num_layers, batch_size, max_len or self.config.max_seq_len,
-                       self.config.kv_heads, self.config.head_dim, w.dtype, w.device)
+                       self.config.kv_heads, self.config.head_size, w.dtype, w.device)

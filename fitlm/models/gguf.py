@@ -1,5 +1,5 @@
-"""Read a GGUF file (llama.cpp's format) into a fitlm Llama: config from the metadata, weights
-dequantized to fp32 by the `gguf` package, and a tokenizer.json when the vocabulary is byte-level BPE.
+"""GGUF files (llama.cpp's format) <-> fitlm, for every family with GGUF names: config from the metadata, weights
+dequantized to fp32 by the `gguf` package. The tokenizer is converted by fitlm.data.gguf_tokenizer.
 
 GGUF is data only (no pickle, no code). Tensor types are whatever `gguf.quants.dequantize` handles in
 the installed version (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, ...); a quantized model is
@@ -9,14 +9,14 @@ llama.cpp's converter permutes the rows of q/k for its RoPE layout; that permuta
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from fitlm.config import ModelConfig
+from fitlm import registry
+from fitlm.config import ModelConfig, RopeScalingConfig
 from fitlm.models.hf import HFFormatError, StateDict
 
 
@@ -48,21 +48,72 @@ def _meta(reader) -> dict[str, Any]:
     return out
 
 
-def config_from_gguf(meta: dict[str, Any], vocab_rows: int, source: str) -> ModelConfig:
+def _family(meta: dict[str, Any], source: str):
     arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise GGUFError(f"{source}: general.architecture {arch!r} is not supported; fitlm imports 'llama' GGUF "
-                        f"files (Llama, Mistral, SmolLM-style). Convert other families from their HF directory")
-    k = lambda key, default=None: meta.get(f"llama.{key}", default)  # noqa: E731
+    family = registry.family_for_gguf(arch)
+    if family is None:
+        known = sorted(f.gguf.arch for f in registry.families() if f.gguf is not None)
+        raise GGUFError(f"{source}: general.architecture {arch!r} is not supported; fitlm imports GGUF files of "
+                        f"the llama.cpp architectures {', '.join(known)}. Convert other models from their HF directory")
+    return family
+
+
+def config_from_gguf(meta: dict[str, Any], vocab_rows: int, source: str) -> ModelConfig:
+    family = _family(meta, source)
+    arch = family.gguf.arch
+    k = lambda key, default=None: meta.get(f"{arch}.{key}", default)  # noqa: E731
     heads = int(k("attention.head_count"))
     kv = int(k("attention.head_count_kv", heads))
-    if k("rope.scaling.type") not in (None, "none"):
-        raise GGUFError(f"{source}: RoPE scaling ({k('rope.scaling.type')}) is not implemented in fitlm")
-    return ModelConfig(arch="llama", hidden_size=int(k("embedding_length")), num_layers=int(k("block_count")),
-                       num_heads=heads, num_kv_heads=None if kv == heads else kv,
-                       intermediate_size=int(k("feed_forward_length")), vocab_size=vocab_rows,
-                       max_seq_len=int(k("context_length", 2048)), rope_theta=float(k("rope.freq_base", 10000.0)),
-                       norm_eps=float(k("attention.layer_norm_rms_epsilon", 1e-5)))
+    hidden = int(k("embedding_length"))
+    head_dim = k("attention.key_length")
+    scaling = None
+    kind = k("rope.scaling.type")
+    if kind in ("linear", "yarn"):
+        scaling = RopeScalingConfig(type=kind, factor=float(k("rope.scaling.factor")),
+                                    original_max_seq_len=k("rope.scaling.original_context_length"))
+    elif kind not in (None, "none"):
+        raise GGUFError(f"{source}: RoPE scaling {kind!r} is not implemented for GGUF import; import the model "
+                        f"from its Hugging Face directory")
+    window = k("attention.sliding_window")
+    layers = int(k("block_count"))
+    fields = dict(
+        arch=family.name, hidden_size=hidden, num_layers=layers, num_heads=heads,
+        num_kv_heads=None if kv == heads else kv,
+        head_dim=int(head_dim) if head_dim and int(head_dim) != hidden // heads else None,
+        intermediate_size=int(k("feed_forward_length")), vocab_size=vocab_rows,
+        max_seq_len=int(k("context_length", 2048)), rope_theta=float(k("rope.freq_base", 10000.0)),
+        rope_scaling=scaling, sliding_window=int(window) if window else None,
+        norm_eps=float(k("attention.layer_norm_rms_epsilon", 1e-5)))
+    fields.update(family.gguf.read_extra(k))
+    try:
+        return ModelConfig(**fields)
+    except ValueError as e:
+        raise GGUFError(f"{source}: its metadata does not make a valid model ({e})") from None
+
+
+def gguf_metadata(cfg: ModelConfig) -> dict[str, Any]:
+    """The "<arch>.<key>" metadata `fitlm export --format gguf` writes for this model (inverse of config_from_gguf)."""
+    names = cfg.family.gguf
+    out: dict[str, Any] = {
+        "context_length": cfg.max_seq_len, "embedding_length": cfg.hidden_size, "block_count": cfg.num_layers,
+        "feed_forward_length": cfg.ffn_size, "attention.head_count": cfg.num_heads,
+        "attention.head_count_kv": cfg.kv_heads, "attention.key_length": cfg.head_size,
+        "attention.value_length": cfg.head_size, "rope.dimension_count": cfg.head_size,
+        "rope.freq_base": float(cfg.rope_theta), "attention.layer_norm_rms_epsilon": float(cfg.norm_eps),
+        "vocab_size": cfg.vocab_size}
+    sc = cfg.rope_scaling
+    if sc is not None:
+        if sc.type not in ("linear", "yarn"):
+            raise GGUFError(f"GGUF export: RoPE scaling {sc.type!r} has no llama.cpp metadata key; export with "
+                            f"--format hf")
+        out["rope.scaling.type"] = sc.type
+        out["rope.scaling.factor"] = float(sc.factor)
+        if sc.original_max_seq_len:
+            out["rope.scaling.original_context_length"] = sc.original_max_seq_len
+    if cfg.sliding_window is not None:
+        out["attention.sliding_window"] = cfg.sliding_window
+    out.update(names.write_extra(cfg))
+    return {f"{names.arch}.{key}": v for key, v in out.items()}
 
 
 def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -71,10 +122,39 @@ def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, out_dim // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-_LAYER = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-          "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-          "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
-_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+def permute_qk(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's `permute` of q/k rows (HF rotate-half -> interleaved pairs): [H,2,D/2,in] -> [H,D/2,2,in]."""
+    out_dim = w.shape[0]
+    return w.reshape(heads, 2, out_dim // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _is_norm(gguf_base: str) -> bool:
+    return gguf_base.endswith("norm")
+
+
+def gguf_tensors(sd: StateDict, cfg: ModelConfig):
+    """(llama.cpp name, fp32 tensor) for HF-named weights: renamed, q/k permuted and norms offset as
+    llama.cpp's converter does for this family (the inverse of what read_gguf undoes)."""
+    names = cfg.family.gguf
+    top = {ours: theirs for theirs, ours in names.top.items()}
+    layer = {ours: theirs for theirs, ours in names.layer.items()}
+    for name, t in sd.items():
+        base, _, part = name.rpartition(".")
+        if base in top:
+            g = top[base]
+        else:
+            pieces = base.split(".", 3)  # model, layers, i, rest
+            if len(pieces) < 4 or pieces[3] not in layer:
+                raise GGUFError(f"GGUF export: weight {name!r} has no llama.cpp name in the {names.arch} architecture")
+            g = f"blk.{pieces[2]}.{layer[pieces[3]]}"
+        w = t.detach().float().cpu()
+        if names.permute_qk and base.endswith("self_attn.q_proj") and part == "weight":
+            w = permute_qk(w, cfg.num_heads)
+        elif names.permute_qk and base.endswith("self_attn.k_proj") and part == "weight":
+            w = permute_qk(w, cfg.kv_heads)
+        if names.norm_offset and _is_norm(g.rpartition(".")[2]):
+            w = w + names.norm_offset
+        yield f"{g}.{part}", w
 
 
 def _dequantize(t, source: str) -> np.ndarray:
@@ -102,7 +182,7 @@ def read_gguf_config(path: str | Path) -> ModelConfig:
 
 
 def read_gguf(path: str | Path) -> tuple[ModelConfig, StateDict, dict[str, Any]]:
-    """(config, HF-named fp32 state dict, metadata) of a llama GGUF file."""
+    """(config, HF-named fp32 state dict, metadata) of a GGUF file of a registered family."""
     path = Path(path)
     reader = _reader(path)
     meta = _meta(reader)
@@ -113,46 +193,27 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, StateDict, dict[str, Any]]
     cfg = config_from_gguf(meta, vocab_rows, str(path))
     if "output.weight" not in tensors:
         cfg = cfg.model_copy(update={"tie_embeddings": True})
+    names = cfg.family.gguf
     sd: StateDict = {}
     for name, t in tensors.items():
-        if name.endswith("rope_freqs.weight"):
-            raise GGUFError(f"{path}: has rope_freqs (Llama-3.1-style RoPE scaling), which fitlm does not implement")
+        if name.endswith("rope_freqs.weight") or name.startswith("rope_factors"):
+            raise GGUFError(f"{path}: has {name} (per-frequency RoPE factors: Llama 3.1 / Phi-3 128k scaling), which "
+                            f"fitlm's GGUF import does not read yet; import the model from its Hugging Face directory")
         base, _, part = name.rpartition(".")
         pieces = base.split(".")
-        if pieces[0] == "blk" and len(pieces) == 3 and pieces[2] in _LAYER:
-            ours = f"model.layers.{pieces[1]}.{_LAYER[pieces[2]]}.{part}"
-        elif base in _TOP:
-            ours = f"{_TOP[base]}.{part}"
+        if pieces[0] == "blk" and len(pieces) == 3 and pieces[2] in names.layer:
+            ours = f"model.layers.{pieces[1]}.{names.layer[pieces[2]]}.{part}"
+        elif base in names.top:
+            ours = f"{names.top[base]}.{part}"
         else:
-            raise GGUFError(f"{path}: tensor {name!r} has no place in a fitlm llama; this GGUF model uses parts "
+            raise GGUFError(f"{path}: tensor {name!r} has no place in a fitlm {cfg.arch}; this GGUF model uses parts "
                             f"fitlm does not implement")
         w = torch.from_numpy(np.array(_dequantize(t, str(path)), dtype=np.float32))  # a copy: the file is memory-mapped read-only
-        if pieces[-1] == "attn_q":
+        if names.permute_qk and pieces[-1] == "attn_q" and part == "weight":
             w = _unpermute(w, cfg.num_heads)
-        elif pieces[-1] == "attn_k":
+        elif names.permute_qk and pieces[-1] == "attn_k" and part == "weight":
             w = _unpermute(w, cfg.kv_heads)
+        if names.norm_offset and _is_norm(pieces[-1]):
+            w = w - names.norm_offset  # llama.cpp stores Gemma's norm scales as 1 + w
         sd[ours] = w
     return cfg, sd, meta
-
-
-def gguf_tokenizer_json(meta: dict[str, Any]) -> str | None:
-    """A tokenizer.json for a byte-level BPE vocabulary (tokenizer.ggml.model == "gpt2"), else None.
-
-    Pre-tokenization uses GPT-2's split rule; models whose `tokenizer.ggml.pre` names another rule
-    (e.g. llama-bpe's digit grouping) may split some text differently. SentencePiece vocabularies
-    ("llama") are not converted: pass their tokenizer.json from the HF repository instead.
-    """
-    if meta.get("tokenizer.ggml.model") != "gpt2" or "tokenizer.ggml.tokens" not in meta:
-        return None
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {tok: i for i, tok in enumerate(meta["tokenizer.ggml.tokens"])}
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    types = meta.get("tokenizer.ggml.token_type") or []
-    specials = [t for i, t in enumerate(meta["tokenizer.ggml.tokens"]) if i < len(types) and int(types[i]) == 3]
-    if specials:
-        tok.add_special_tokens(specials)
-    return json.dumps(json.loads(tok.to_str()), ensure_ascii=False)

@@ -10,13 +10,14 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
-from fitlm.config import ModelConfig
+from fitlm import registry
+from fitlm.config import ModelConfig, RopeScalingConfig
 
 StateDict = dict[str, torch.Tensor]
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3  # the size Hugging Face shards at
@@ -31,130 +32,191 @@ class HFFormatError(ValueError):
 
 
 def config_from_hf(hf: Mapping[str, Any], source: str = "config.json") -> ModelConfig:
-    """Translate a Hugging Face config.json mapping (llama or gpt2) into a ModelConfig.
-
-    Features the fitlm models do not implement (biases on llama, RoPE scaling, other activations)
-    are refused rather than silently approximated.
-    """
+    """Translate a Hugging Face config.json mapping into a ModelConfig, through the family that reads its
+    `model_type`. Features a family does not implement are refused, never silently approximated."""
     model_type = hf.get("model_type")
-    if model_type in LLAMA_LIKE:
-        return _llama_config(hf, source)
-    if model_type == "gpt2":
-        return _gpt2_config(hf, source)
-    if model_type == "qwen2":
-        raise HFFormatError(f"{source}: model_type 'qwen2' adds biases to the q/k/v projections, which fitlm's llama "
-                            f"family does not implement yet; only bias-free llama variants (llama, mistral, "
-                            f"SmolLM) and gpt2 can be imported")
+    family = registry.family_for_hf(model_type)
+    if family is not None:
+        return family.config_from_hf(hf, source)
+    if model_type in UNSUPPORTED_MOE:
+        raise HFFormatError(f"{source}: model_type {model_type!r} is a mixture-of-experts model, which fitlm does not "
+                            f"support yet; dense families only ({', '.join(supported_model_types())})")
     raise HFFormatError(f"{source}: model_type {model_type!r} is not supported; fitlm reads "
-                        f"{', '.join(repr(t) for t in (*LLAMA_LIKE, 'gpt2'))} Hugging Face models")
+                        f"{', '.join(repr(t) for t in supported_model_types())} Hugging Face models")
 
 
-def _refuse(problems: list[str], source: str) -> None:
+UNSUPPORTED_MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "phimoe", "dbrx", "olmoe",
+                   "granitemoe", "jamba", "llama4", "llama4_text")
+
+
+def supported_model_types() -> list[str]:
+    return sorted(t for f in registry.families() for t in f.hf_model_types)
+
+
+def refuse(problems: list[str], source: str) -> None:
     if problems:
         raise HFFormatError(f"{source}: this model uses features fitlm does not implement: " + "; ".join(problems))
 
 
-def _rope_theta(hf: Mapping[str, Any]) -> float:
-    params = hf.get("rope_parameters") or {}
-    return float(params.get("rope_theta") or hf.get("rope_theta") or 10000.0)
+_ROPE_TYPES = ("linear", "dynamic", "yarn", "llama3", "longrope")
 
 
-# Same tensors and maths as Llama: Mistral differs only by sliding-window attention (see _llama_config).
-LLAMA_LIKE = ("llama", "mistral")
+def rope_from_hf(hf: Mapping[str, Any], problems: list[str], layer_type: str = "full_attention"
+                 ) -> tuple[float, RopeScalingConfig | None]:
+    """(theta, scaling) of one attention type, from transformers 5's `rope_parameters` (flat, or per
+    layer type as Gemma 3 writes it) or 4.x's `rope_theta` + `rope_scaling`."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, Mapping) and isinstance(params.get(layer_type), Mapping):
+        params = params[layer_type]
+    if isinstance(params, Mapping) and params:
+        theta, sc = params.get("rope_theta", hf.get("rope_theta")), params
+    else:
+        theta, sc = hf.get("rope_theta"), hf.get("rope_scaling") or {}
+    theta = float(theta if theta is not None else 10000.0)
+    rope_type = sc.get("rope_type") or sc.get("type") or "default"
+    partial = sc.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        problems.append(f"partial_rotary_factor={partial} (RoPE over part of each head)")
+    if rope_type == "default":
+        return theta, None
+    if rope_type not in _ROPE_TYPES:
+        problems.append(f"RoPE type {rope_type!r} (fitlm implements {', '.join(_ROPE_TYPES)})")
+        return theta, None
+    original = sc.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings")
+    if rope_type == "dynamic":
+        # transformers grows the base past max_position_embeddings: that is the original length here,
+        # and model.max_seq_len (the longest sequence fitlm accepts) becomes factor times it.
+        original = int(hf.get("max_position_embeddings", 2048))
+    keys = {"factor": "factor", "low_freq_factor": "low_freq_factor", "high_freq_factor": "high_freq_factor",
+            "beta_fast": "beta_fast", "beta_slow": "beta_slow", "attention_factor": "attention_factor",
+            "mscale": "mscale", "mscale_all_dim": "mscale_all_dim", "short_factor": "short_factor",
+            "long_factor": "long_factor", "truncate": "truncate"}
+    values = {ours: sc[theirs] for ours, theirs in keys.items() if sc.get(theirs) is not None}
+    return theta, RopeScalingConfig(type=rope_type, original_max_seq_len=original, **values)
 
 
-def _llama_config(hf: Mapping[str, Any], source: str) -> ModelConfig:
-    hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-    max_len = int(hf.get("max_position_embeddings", 2048))
-    window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
-    if window:
-        # Within the window, sliding-window attention is plain causal attention: cap the sequence length there.
-        max_len = min(max_len, int(window))
-    problems = []
-    if hf.get("hidden_act", "silu") != "silu":
-        problems.append(f"hidden_act={hf['hidden_act']!r} (only 'silu')")
-    if hf.get("attention_bias") or hf.get("mlp_bias"):
-        problems.append("attention_bias/mlp_bias=true (llama here has no biases)")
-    if hf.get("head_dim") not in (None, hidden // heads):
-        problems.append(f"head_dim={hf['head_dim']} differs from hidden_size/num_attention_heads={hidden // heads}")
-    rope = hf.get("rope_parameters") or {}
-    rope_type = rope.get("rope_type") or rope.get("type") or "default"
-    if hf.get("rope_scaling") or rope_type != "default":
-        problems.append(f"RoPE scaling ({hf.get('rope_scaling') or rope_type!r}); only plain RoPE is implemented")
-    _refuse(problems, source)
-    kv = hf.get("num_key_value_heads")
-    return _normalized(ModelConfig(
-        arch="llama", hidden_size=hidden, num_layers=int(hf["num_hidden_layers"]), num_heads=heads,
-        num_kv_heads=None if kv in (None, heads) else int(kv), intermediate_size=int(hf["intermediate_size"]),
-        vocab_size=int(hf["vocab_size"]), max_seq_len=max_len,
-        rope_theta=_rope_theta(hf), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), init_std=float(hf.get("initializer_range", 0.02))))
+def rope_to_hf(theta: float, sc: RopeScalingConfig | None) -> dict[str, Any]:
+    """One attention type's RoPE as transformers 5's rope_parameters entry."""
+    out: dict[str, Any] = {"rope_type": "default" if sc is None else sc.type, "rope_theta": theta}
+    if sc is not None:
+        keys = ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "attention_factor",
+                "mscale", "mscale_all_dim", "short_factor", "long_factor")
+        out.update({k: getattr(sc, k) for k in keys if getattr(sc, k) is not None})
+        if sc.original_max_seq_len is not None and sc.type != "dynamic":  # dynamic: max_position_embeddings
+            out["original_max_position_embeddings"] = sc.original_max_seq_len
+        if sc.type == "yarn":
+            out["truncate"] = sc.truncate
+    return out
 
 
-def _gpt2_config(hf: Mapping[str, Any], source: str) -> ModelConfig:
-    problems = []
-    act = hf.get("activation_function", "gelu_new")
-    if act not in ("gelu_new", "gelu_pytorch_tanh"):
-        problems.append(f"activation_function={act!r} (only the tanh GELU: 'gelu_new')")
-    if not hf.get("scale_attn_weights", True) or hf.get("scale_attn_by_inverse_layer_idx"):
-        problems.append("non-standard attention scaling (scale_attn_weights / scale_attn_by_inverse_layer_idx)")
-    if hf.get("add_cross_attention"):
-        problems.append("cross-attention")
-    _refuse(problems, source)
-    return _normalized(ModelConfig(
-        arch="gpt2", hidden_size=int(hf["n_embd"]), num_layers=int(hf["n_layer"]), num_heads=int(hf["n_head"]),
-        intermediate_size=hf.get("n_inner"), vocab_size=int(hf["vocab_size"]),
-        max_seq_len=int(hf.get("n_positions") or hf.get("n_ctx") or 1024),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
-        norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)), init_std=float(hf.get("initializer_range", 0.02))))
+def rope_legacy_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """The same RoPE for transformers 4.x readers: rope_theta + rope_scaling."""
+    entry = rope_to_hf(cfg.rope_theta, cfg.rope_scaling)
+    scaling = {k: v for k, v in entry.items() if k != "rope_theta"} if cfg.rope_scaling is not None else None
+    return {"rope_theta": cfg.rope_theta, "rope_scaling": scaling}
 
 
-def _normalized(cfg: ModelConfig) -> ModelConfig:
+def sliding_from_hf(hf: Mapping[str, Any], num_layers: int, default, problems: list[str]
+                    ) -> tuple[int | None, list[str] | None]:
+    """(sliding_window, layer_types) from `layer_types` (transformers 5) or the family's rule for older
+    configs (`default(i)` -> "full" | "sliding"); (None, None) when no layer slides."""
+    window = hf.get("sliding_window")
+    given = hf.get("layer_types")
+    if given:
+        unknown = sorted(set(given) - {"full_attention", "sliding_attention"})
+        if unknown:
+            problems.append(f"layer_types {unknown} (only full_attention and sliding_attention)")
+        types = ["sliding" if t == "sliding_attention" else "full" for t in given]
+    else:
+        types = [default(i) for i in range(num_layers)]
+    if not window or all(t == "full" for t in types):
+        return None, None
+    return int(window), types
+
+
+def layer_types_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    types = [cfg.layer_type(i) for i in range(cfg.num_layers)]
+    return {"sliding_window": cfg.sliding_window,
+            "layer_types": [f"{t}_attention" for t in types]}
+
+
+def normalized(cfg: ModelConfig) -> ModelConfig:
     """Spell family defaults as null, as a hand-written config would, so configs compare equal."""
-    default = cfg.model_copy(update={"intermediate_size": None})
-    return default if cfg.intermediate_size == default.ffn_size else cfg
+    update: dict[str, Any] = {}
+    if cfg.intermediate_size == cfg.model_copy(update={"intermediate_size": None}).ffn_size:
+        update["intermediate_size"] = None
+    if cfg.head_dim == cfg.hidden_size // cfg.num_heads and cfg.hidden_size % cfg.num_heads == 0:
+        update["head_dim"] = None
+    if cfg.layer_types is not None and cfg.sliding_window is not None and \
+            cfg.layer_types == [cfg.family.default_layer_type(i) for i in range(cfg.num_layers)]:
+        update["layer_types"] = None
+    return cfg.model_copy(update=update) if update else cfg
 
 
 def config_to_hf(cfg: ModelConfig, dtype: str = "float32", bos_token_id: int | None = None,
-                 eos_token_id: int | None = None) -> dict[str, Any]:
+                 eos_token_id: int | list[int] | None = None) -> dict[str, Any]:
     """The config.json Hugging Face transformers needs to rebuild this model."""
-    common = {"vocab_size": cfg.vocab_size, "tie_word_embeddings": cfg.tie_embeddings,
-              "initializer_range": cfg.init_std, "bos_token_id": bos_token_id, "eos_token_id": eos_token_id,
+    family = cfg.family
+    if family.config_to_hf is None:
+        raise HFFormatError(f"model.arch={cfg.arch!r} has no Hugging Face export")
+    common = {"architectures": [family.hf_architecture], "vocab_size": cfg.vocab_size,
+              "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std,
+              "bos_token_id": bos_token_id, "eos_token_id": eos_token_id,
+              # Families default pad to an id of their own vocabulary (Phi-3: 32000), which may not exist here.
+              "pad_token_id": None,
               # transformers 5 reads `dtype`, 4.x reads `torch_dtype`.
               "dtype": dtype, "torch_dtype": dtype, "use_cache": True}
-    if cfg.arch == "llama":
-        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-                "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_size,
-                "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
-                "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
-                "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
-                # Both spellings: transformers 5 reads rope_parameters, 4.x reads rope_theta.
-                "rope_theta": cfg.rope_theta,
-                "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-                "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False, **common}
-    if cfg.arch == "gpt2":
-        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-                "n_embd": cfg.hidden_size, "n_layer": cfg.num_layers, "n_head": cfg.num_heads,
-                "n_positions": cfg.max_seq_len, "n_ctx": cfg.max_seq_len, "n_inner": cfg.intermediate_size,
-                "layer_norm_epsilon": cfg.norm_eps, "activation_function": "gelu_new",
-                # fitlm trains without dropout; zero keeps HF fine-tuning of the export equivalent.
-                "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
-                "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
-                "reorder_and_upcast_attn": False, **common}
-    raise HFFormatError(f"model.arch={cfg.arch!r} has no Hugging Face export; supported: llama, gpt2")
+    return {**common, **family.config_to_hf(cfg)}
+
+
+def _hf_max_positions(cfg: ModelConfig) -> int:
+    sc = cfg.rope_scaling
+    return sc.original_max_seq_len if sc is not None and sc.type == "dynamic" and sc.original_max_seq_len \
+        else cfg.max_seq_len
+
+
+def rope_family_config_to_hf(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
+    """The config.json keys every RoPE decoder shares (Llama, Qwen, Gemma, Phi-3 add their own)."""
+    return {"model_type": model_type, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_size,
+            "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+            "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_size,
+            "max_position_embeddings": _hf_max_positions(cfg),
+            "rms_norm_eps": cfg.norm_eps, "attention_dropout": 0.0,
+            # Both spellings: transformers 5 reads rope_parameters, 4.x reads rope_theta/rope_scaling.
+            "rope_parameters": rope_to_hf(cfg.rope_theta, cfg.rope_scaling), **rope_legacy_hf(cfg),
+            **layer_types_to_hf(cfg)}
+
+
+def rope_family_config(hf: Mapping[str, Any], arch: str, problems: list[str], default_layer_type,
+                       **extra: Any) -> ModelConfig:
+    """The ModelConfig fields every RoPE decoder reads the same way; `extra` are the family's own."""
+    hidden, heads, layers = int(hf["hidden_size"]), int(hf["num_attention_heads"]), int(hf["num_hidden_layers"])
+    kv = hf.get("num_key_value_heads")
+    theta, scaling = rope_from_hf(hf, problems)
+    window, types = sliding_from_hf(hf, layers, default_layer_type, problems)
+    max_len = int(hf.get("max_position_embeddings", 2048))
+    if scaling is not None and scaling.type == "dynamic":
+        max_len = int(max_len * scaling.factor)
+    return ModelConfig(
+        arch=arch, hidden_size=hidden, num_layers=layers, num_heads=heads,
+        num_kv_heads=None if kv in (None, heads) else int(kv), head_dim=hf.get("head_dim"),
+        intermediate_size=int(hf["intermediate_size"]), vocab_size=int(hf["vocab_size"]),
+        max_seq_len=max_len, rope_theta=theta, rope_scaling=scaling,
+        sliding_window=window, layer_types=types, tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), init_std=float(hf.get("initializer_range", 0.02)), **extra)
 
 
 # --------------------------------------------------------------------------- state-dict adapters
 
 
-def _take(src: StateDict, key: str, source: str) -> torch.Tensor:
+def take(src: StateDict, key: str, source: str) -> torch.Tensor:
     if key not in src:
         raise HFFormatError(f"{source}: weight {key!r} is missing; the weights do not match the config "
                             f"(num_layers, tie_embeddings) or are not a complete checkpoint")
     return src.pop(key)
 
 
-def _no_leftovers(src: StateDict, source: str) -> None:
+def no_leftovers(src: StateDict, source: str) -> None:
     if src:
         keys = sorted(src)
         more = f" and {len(keys) - 5} more" if len(keys) > 5 else ""
@@ -162,31 +224,28 @@ def _no_leftovers(src: StateDict, source: str) -> None:
                             f"that the config matches the weights")
 
 
-_LLAMA_LAYER = [*(f"self_attn.{n}_proj.weight" for n in "qkvo"),
-                *(f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")),
-                "input_layernorm.weight", "post_attention_layernorm.weight"]
+def model_keys(cfg: ModelConfig) -> list[str]:
+    """Every weight name of the family's module for `cfg` (built on the meta device: no memory, no init)."""
+    with torch.device("meta"):
+        model = registry.build_model(cfg)
+    return list(model.state_dict())
 
 
-def _llama_body_keys(cfg: ModelConfig) -> list[str]:
-    """Every llama weight name except lm_head (the names are the same on both sides)."""
-    layers = [f"model.layers.{i}.{n}" for i in range(cfg.num_layers) for n in _LLAMA_LAYER]
-    return ["model.embed_tokens.weight", *layers, "model.norm.weight"]
-
-
-def _llama_to_hf(sd: StateDict, cfg: ModelConfig, source: str = "state dict") -> StateDict:
+def same_names_to_hf(sd: StateDict, cfg: ModelConfig, source: str = "state dict") -> StateDict:
+    """For families whose module names are HF's: check completeness, store a tied head once."""
     src = dict(sd)
-    out = {k: _take(src, k, source) for k in _llama_body_keys(cfg)}
+    out = {k: take(src, k, source) for k in model_keys(cfg) if k != "lm_head.weight"}
     head = src.pop("lm_head.weight", None)
     if not cfg.tie_embeddings:  # HF stores a tied head once, under the embedding
-        out["lm_head.weight"] = head if head is not None else _take(src, "lm_head.weight", source)
-    _no_leftovers(src, source)
+        out["lm_head.weight"] = head if head is not None else take(src, "lm_head.weight", source)
+    no_leftovers(src, source)
     return out
 
 
-def _llama_from_hf(sd: StateDict, cfg: ModelConfig, source: str) -> StateDict:
+def same_names_from_hf(sd: StateDict, cfg: ModelConfig, source: str) -> StateDict:
     # Old checkpoints saved the RoPE frequencies; they are derived from the config here.
     src = {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq")}
-    out = {k: _take(src, k, source) for k in _llama_body_keys(cfg)}
+    out = {k: take(src, k, source) for k in model_keys(cfg) if k != "lm_head.weight"}
     head = src.pop("lm_head.weight", None)
     if cfg.tie_embeddings:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]  # same tensor under both names
@@ -195,75 +254,8 @@ def _llama_from_hf(sd: StateDict, cfg: ModelConfig, source: str) -> StateDict:
                             f"set tie_word_embeddings: true in config.json if the head is tied")
     else:
         out["lm_head.weight"] = head
-    _no_leftovers(src, source)
+    no_leftovers(src, source)
     return out
-
-
-# fitlm per-layer name -> (HF name, is a Conv1D weight that needs transposing)
-_GPT2_LAYER = {
-    "input_layernorm.weight": ("ln_1.weight", False), "input_layernorm.bias": ("ln_1.bias", False),
-    "self_attn.o_proj.weight": ("attn.c_proj.weight", True), "self_attn.o_proj.bias": ("attn.c_proj.bias", False),
-    "post_attention_layernorm.weight": ("ln_2.weight", False), "post_attention_layernorm.bias": ("ln_2.bias", False),
-    "mlp.up_proj.weight": ("mlp.c_fc.weight", True), "mlp.up_proj.bias": ("mlp.c_fc.bias", False),
-    "mlp.down_proj.weight": ("mlp.c_proj.weight", True), "mlp.down_proj.bias": ("mlp.c_proj.bias", False),
-}
-_GPT2_TOP = {"model.embed_tokens.weight": "transformer.wte.weight",
-             "model.embed_positions.weight": "transformer.wpe.weight",
-             "model.norm.weight": "transformer.ln_f.weight", "model.norm.bias": "transformer.ln_f.bias"}
-_GPT2_BUFFER = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)$")
-
-
-def _gpt2_to_hf(sd: StateDict, cfg: ModelConfig, source: str = "state dict") -> StateDict:
-    src, out = dict(sd), {}
-    for ours, theirs in _GPT2_TOP.items():
-        out[theirs] = _take(src, ours, source)
-    for i in range(cfg.num_layers):
-        p, h = f"model.layers.{i}.", f"transformer.h.{i}."
-        for part in ("weight", "bias"):
-            qkv = [_take(src, f"{p}self_attn.{n}_proj.{part}", source) for n in "qkv"]
-            fused = torch.cat(qkv, dim=0)  # [3C,C] weight or [3C] bias
-            out[f"{h}attn.c_attn.{part}"] = fused.t() if part == "weight" else fused  # Conv1D is [in, out]
-        for ours, (theirs, transpose) in _GPT2_LAYER.items():
-            t = _take(src, p + ours, source)
-            out[h + theirs] = t.t() if transpose else t
-    head = src.pop("lm_head.weight", None)
-    if not cfg.tie_embeddings:
-        out["lm_head.weight"] = head if head is not None else _take(src, "lm_head.weight", source)
-    _no_leftovers(src, source)
-    return out
-
-
-def _gpt2_from_hf(sd: StateDict, cfg: ModelConfig, source: str) -> StateDict:
-    src: StateDict = {}
-    for k, v in sd.items():
-        if _GPT2_BUFFER.search(k):
-            continue  # causal-mask buffers some old checkpoints carry
-        # The original OpenAI conversions lack the "transformer." prefix.
-        src[k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k] = v
-    out = {ours: _take(src, theirs, source) for ours, theirs in _GPT2_TOP.items()}
-    for i in range(cfg.num_layers):
-        p, h = f"model.layers.{i}.", f"transformer.h.{i}."
-        w = _take(src, f"{h}attn.c_attn.weight", source).t()  # [3C,C]
-        b = _take(src, f"{h}attn.c_attn.bias", source)  # [3C]
-        for name, wi, bi in zip("qkv", w.chunk(3, dim=0), b.chunk(3, dim=0)):
-            out[f"{p}self_attn.{name}_proj.weight"], out[f"{p}self_attn.{name}_proj.bias"] = wi, bi
-        for ours, (theirs, transpose) in _GPT2_LAYER.items():
-            t = _take(src, h + theirs, source)
-            out[p + ours] = t.t() if transpose else t
-    head = src.pop("lm_head.weight", None)
-    if cfg.tie_embeddings:
-        out["lm_head.weight"] = out["model.embed_tokens.weight"]
-    else:
-        if head is None:
-            raise HFFormatError(f"{source}: 'lm_head.weight' is missing but tie_word_embeddings is false; "
-                                f"set tie_word_embeddings: true in config.json if the head is tied")
-        out["lm_head.weight"] = head
-    _no_leftovers(src, source)
-    return out
-
-
-_TO_HF: dict[str, Callable[..., StateDict]] = {"llama": _llama_to_hf, "gpt2": _gpt2_to_hf}
-_FROM_HF: dict[str, Callable[..., StateDict]] = {"llama": _llama_from_hf, "gpt2": _gpt2_from_hf}
 
 
 _WRAPPER_PARTS = re.compile(r"(?<![^.])(_orig_mod|_checkpoint_wrapped_module|_fsdp_wrapped_module)\.")
@@ -279,17 +271,13 @@ def to_hf_state_dict(model_or_sd: nn.Module | Mapping[str, torch.Tensor], cfg: M
     sd = dict(model_or_sd.state_dict() if isinstance(model_or_sd, nn.Module) else model_or_sd)
     # Wrappers applied from outside (torch.compile, checkpoint_wrapper) insert a level into the names.
     sd = {_WRAPPER_PARTS.sub("", k): v for k, v in sd.items()}
-    if cfg.arch not in _TO_HF:
-        raise HFFormatError(f"model.arch={cfg.arch!r} has no Hugging Face adapter; supported: {', '.join(_TO_HF)}")
-    return _TO_HF[cfg.arch](sd, cfg)
+    return cfg.family.to_hf(sd, cfg)
 
 
 def from_hf_state_dict(sd: Mapping[str, torch.Tensor], cfg: ModelConfig, source: str = "state dict") -> StateDict:
     """Hugging Face weights -> a complete fitlm state_dict (a tied head appears under both names)."""
     cfg = _model_cfg(cfg)
-    if cfg.arch not in _FROM_HF:
-        raise HFFormatError(f"model.arch={cfg.arch!r} has no Hugging Face adapter; supported: {', '.join(_FROM_HF)}")
-    return _FROM_HF[cfg.arch](dict(sd), cfg, source)
+    return cfg.family.from_hf(dict(sd), cfg, source)
 
 
 # --------------------------------------------------------------------------- safetensors directories
@@ -345,13 +333,11 @@ def model_from_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], cfg: ModelConfig
                              device: str | torch.device = "cpu",
                              dtype: torch.dtype | None = torch.float32) -> nn.Module:
     """Build the registered model for `cfg` directly from HF-named weights, without a random init pass."""
-    from fitlm.registry import build_model
-
     sd = from_hf_state_dict(hf_sd, cfg, source)
     sd = {k: v.to(device=device, dtype=dtype if dtype is not None and v.is_floating_point() else v.dtype)
           for k, v in sd.items()}
     with torch.device("meta"):
-        model = build_model(cfg)
+        model = registry.build_model(cfg)
     try:
         model.load_state_dict(sd, strict=True, assign=True)
     except RuntimeError as e:
@@ -363,7 +349,7 @@ def model_from_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], cfg: ModelConfig
 
 def load_hf_dir(path: str | Path, device: str | torch.device = "cpu",
                 dtype: torch.dtype | None = torch.float32) -> tuple[nn.Module, ModelConfig]:
-    """Load a Hugging Face llama/gpt2 directory (config.json + safetensors). dtype=None keeps the stored one."""
+    """Load a Hugging Face directory of a registered family (config.json + safetensors). dtype=None keeps the stored one."""
     path = Path(path)
     if not path.is_dir():
         raise HFFormatError(f"{path} is not a directory; pass a Hugging Face model directory")

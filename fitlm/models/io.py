@@ -32,7 +32,7 @@ from fitlm.models.hf import HFFormatError, read_hf_config, load_hf_dir, model_fr
 FORMAT_VERSION = 1
 MARKER = "fitlm.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
+                   "generation_config.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
 
 
 class ModelDirError(ValueError):

@@ -1,4 +1,4 @@
-"""Pieces shared by the model families: RMSNorm, rotary embeddings, causal attention, document masks, KV cache.
+"""Pieces shared by the model families: RMSNorm, causal attention, document masks, KV cache (RoPE: rope.py).
 
 Shape letters: B batch, T new tokens in this call, S keys visible (cached + new), H query heads,
 K key/value heads, D head dim, C model width.
@@ -10,74 +10,36 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fitlm.models.rope import apply_rotary
+
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm with a learned scale; statistics in fp32 whatever the input dtype."""
+    """Root-mean-square norm with a learned scale; statistics in fp32 whatever the input dtype.
 
-    def __init__(self, dim: int, eps: float = 1e-5):
+    `unit_offset` (Gemma): the scale is (1 + weight), weights start at 0, and the product is taken in
+    fp32 before the cast back -- exactly where Gemma's reference rounds, which differs from Llama's.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-5, unit_offset: bool = False):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.unit_offset = eps, unit_offset
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
     def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
+        (nn.init.zeros_ if self.unit_offset else nn.init.ones_)(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         # fp32 statistics: half-precision squares overflow (fp16) or lose the small terms (bf16).
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (xf * (1.0 + self.weight.float())).to(dtype)
         # Cast back before scaling so half-precision runs round exactly where Hugging Face does.
         return self.weight * xf.to(dtype)
 
     def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}"
-
-
-class RotaryEmbedding(nn.Module):
-    """Precomputed RoPE cos/sin tables for positions [0, max_seq_len), in the rotate-half layout."""
-
-    cos_cached: torch.Tensor
-    sin_cached: torch.Tensor
-
-    def __init__(self, head_dim: int, max_seq_len: int, theta: float = 10000.0):
-        super().__init__()
-        if head_dim % 2:
-            raise ValueError(f"RoPE needs an even head dimension, got {head_dim}")
-        self.head_dim, self.max_seq_len, self.theta = head_dim, max_seq_len, theta
-        # Not persistent: derived from the config, so checkpoints stay free of them and HF-compatible.
-        self.register_buffer("cos_cached", torch.empty(0), persistent=False)
-        self.register_buffer("sin_cached", torch.empty(0), persistent=False)
-        self.reset(None)
-
-    def reset(self, device: torch.device | str | None) -> None:
-        """(Re)compute the tables, e.g. after building on the meta device."""
-        if device is None:
-            device = self.cos_cached.device
-        # fp32 throughout, element-wise position*frequency, to reproduce Hugging Face's tables exactly.
-        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim
-        inv_freq = 1.0 / (self.theta ** exponents)  # [D/2]
-        pos = torch.arange(self.max_seq_len, dtype=torch.float32, device=device)
-        freqs = pos[:, None] * inv_freq[None, :]  # [max_seq_len, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_seq_len, D]
-        self.cos_cached = emb.cos()
-        self.sin_cached = emb.sin()
-
-    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """position_ids [B,T] -> (cos, sin), each [B,T,D] fp32."""
-        return self.cos_cached[position_ids], self.sin_cached[position_ids]
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B,heads,T,D]; cos/sin [B,T,D] (broadcast over heads)."""
-    cos = cos.unsqueeze(1).to(x.dtype)  # [B,1,T,D]
-    sin = sin.unsqueeze(1).to(x.dtype)
-    return x * cos + rotate_half(x) * sin
+        return f"{self.weight.shape[0]}, eps={self.eps}" + (", unit_offset" if self.unit_offset else "")
 
 
 class KVCache:
@@ -119,27 +81,59 @@ class KVCache:
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int = 0,
-                     attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+                     attn_mask: torch.Tensor | None = None, window: int | None = None, scale: float | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
     """Scaled dot-product attention where query i (absolute position q_start+i) sees keys 0..q_start+i.
 
     q [B,H,T,D]; k, v [B,K,S,D] with S = q_start + T and K dividing H (grouped-query attention:
     query head h reads key/value head h // (H/K)). Returns [B,H,T,D].
     `attn_mask` (bool [B,1,T,S], True = may attend, from `document_causal_mask`) replaces the causal
     rule when given; it broadcasts over heads, so tensor-parallel head shards use it unchanged.
+    `window` (sliding-window layers): query i sees only keys i-window+1..i. `scale` replaces 1/sqrt(D);
+    `softcap` bounds the scores as cap·tanh(score/cap) (Gemma 2), which SDPA cannot do: eager path.
     """
     t, s = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
+    if window is not None or softcap is not None:
+        mask = _band_mask(t, s, q_start, window, q.device)  # [T,S]
+        mask = mask if attn_mask is None else attn_mask & mask
+        if softcap is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        return _softcapped_attention(q, k, v, mask, scale, softcap)
     if attn_mask is not None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=gqa)
     if t == s:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     if t == 1:
         # A single new token may see every cached key: no mask, which keeps the fast kernels.
-        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
     # Several new tokens after a cached prefix: is_causal would align the mask top-left, so build it.
-    rows = torch.arange(q_start, q_start + t, device=q.device)[:, None]  # [T,1]
-    cols = torch.arange(s, device=q.device)[None, :]  # [1,S]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=cols <= rows, enable_gqa=gqa)
+    mask = _band_mask(t, s, q_start, None, q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+
+
+def _band_mask(t: int, s: int, q_start: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """bool [T,S]: query q_start+i may see key j when j <= q_start+i (and j > q_start+i-window)."""
+    rows = torch.arange(q_start, q_start + t, device=device)[:, None]  # [T,1]
+    cols = torch.arange(s, device=device)[None, :]  # [1,S]
+    allowed = cols <= rows
+    if window is not None:
+        allowed = allowed & (cols > rows - window)
+    return allowed
+
+
+def _softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                          scale: float | None, cap: float) -> torch.Tensor:
+    """Eager attention with tanh-capped scores; softmax in fp32 like the reference. Returns [B,H,T,D]."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [B,H,S,D]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = (q @ k.transpose(-1, -2)) * scale  # [B,H,T,S]
+    scores = torch.tanh(scores / cap) * cap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return probs @ v
 
 
 def document_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
@@ -220,33 +214,87 @@ def make_blocks(block_cls, cfg) -> nn.ModuleDict:
 
 
 class SelfAttention(nn.Module):
-    """Multi-head / grouped-query self-attention with q/k/v/o projections (HF names) and a KV cache.
+    """Multi-head / grouped-query self-attention with HF's projection names and a KV cache.
 
-    Rotary positions are applied when `cos`/`sin` are given (llama); learned-position families pass none.
+    Options the families compose (all read from the config or passed by the family):
+      - `bias` on q/k/v, `out_bias` on o (Qwen2: q/k/v only; GPT-2: all four);
+      - `qk_norm`: a norm factory applied per head to q and k before RoPE (Qwen3, Gemma 3);
+      - `fused`: one `qkv_proj` [(H+2K)·D, C] as Phi-3 stores it (LoRA then targets HF's own name);
+      - sliding window, score scale (query_pre_attn_scalar) and score soft-capping from the config.
+    Rotary positions are applied when `cos`/`sin` are given; learned-position families pass none.
     """
 
-    def __init__(self, cfg, layer_idx: int, bias: bool):
+    def __init__(self, cfg, layer_idx: int, bias: bool, out_bias: bool | None = None, qk_norm=None,
+                 fused: bool = False):
         super().__init__()
         self.layer_idx = layer_idx
-        self.head_dim = cfg.head_dim
+        self.head_dim = d = cfg.head_size
         c, h, k = cfg.hidden_size, cfg.num_heads, cfg.kv_heads
-        self.q_proj = nn.Linear(c, h * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(c, k * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(c, k * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(h * self.head_dim, c, bias=bias)
+        self.q_share = h / (h + 2 * k)  # share of the fused output rows that are queries
+        if fused:
+            self.qkv_proj = nn.Linear(c, (h + 2 * k) * d, bias=bias)
+        else:
+            self.q_proj = nn.Linear(c, h * d, bias=bias)
+            self.k_proj = nn.Linear(c, k * d, bias=bias)
+            self.v_proj = nn.Linear(c, k * d, bias=bias)
+        self.o_proj = nn.Linear(h * d, c, bias=bias if out_bias is None else out_bias)
+        self.q_norm = qk_norm(d) if qk_norm is not None else None
+        self.k_norm = qk_norm(d) if qk_norm is not None else None
+        self.attention_type = cfg.layer_type(layer_idx)
+        self.window = cfg.sliding_window if self.attention_type == "sliding" else None
+        self.scale = cfg.query_pre_attn_scalar ** -0.5 if cfg.query_pre_attn_scalar else None
+        self.softcap = cfg.attn_logit_softcap
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B,T,C] -> q [B,T,H,D], k and v [B,T,K,D] (head counts from the possibly sharded weights)."""
+        b, t, _ = x.shape
+        if hasattr(self, "qkv_proj"):
+            qkv = self.qkv_proj(x).view(b, t, -1, self.head_dim)  # [B,T,H+2K,D]
+            nq = round(qkv.shape[2] * self.q_share)
+            q, k, v = qkv.split([nq, (qkv.shape[2] - nq) // 2, (qkv.shape[2] - nq) // 2], dim=2)
+            return q, k, v
+        return (self.q_proj(x).view(b, t, -1, self.head_dim), self.k_proj(x).view(b, t, -1, self.head_dim),
+                self.v_proj(x).view(b, t, -1, self.head_dim))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
                 kv_cache: "KVCache | None" = None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         b, t, _ = x.shape  # x [B,T,C]
-        # Head counts come from the (possibly tensor-parallel-sharded) weights, hence -1, not cfg.
-        q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # [B,H,T,D]
-        k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # [B,K,T,D]
-        v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)  # [B,K,T,D]
+        q, k, v = self.project(x)
+        if self.q_norm is not None:  # per head, before RoPE, as Qwen3 and Gemma 3 do
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B,H,T,D], [B,K,T,D]
         if cos is not None:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         start = 0
         if kv_cache is not None:
             start = kv_cache.length
             k, v = kv_cache.update(self.layer_idx, k, v)  # [B,K,S,D]
-        out = causal_attention(q, k, v, start, attn_mask)  # [B,H,T,D]
+        out = causal_attention(q, k, v, start, attn_mask, self.window, self.scale, self.softcap)  # [B,H,T,D]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))  # [B,T,C]
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) · up(x)): SwiGLU (`silu`, Llama/Qwen/Phi-3) or GeGLU (`gelu_tanh`, Gemma).
+
+    `fused` keeps Phi-3's single `gate_up_proj` [2F, C] (gate rows first), so its LoRA targets keep HF's names.
+    """
+
+    ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+    def __init__(self, cfg, act: str = "silu", fused: bool = False):
+        super().__init__()
+        c, f = cfg.hidden_size, cfg.ffn_size
+        self.act = self.ACTIVATIONS[act]
+        if fused:
+            self.gate_up_proj = nn.Linear(c, 2 * f, bias=False)
+        else:
+            self.gate_proj = nn.Linear(c, f, bias=False)
+            self.up_proj = nn.Linear(c, f, bias=False)
+        self.down_proj = nn.Linear(f, c, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "gate_up_proj"):
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [B,T,F] each (local halves under TP)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(self.act(gate) * up)

@@ -93,6 +93,13 @@ class FirstArgLayout(ParallelStyle):
         return module
 
 
+def _has(module: nn.Module, path: str) -> bool:
+    try:
+        return isinstance(module.get_submodule(path), nn.Module)
+    except AttributeError:
+        return False
+
+
 def _norm_style(sequence_parallel: bool) -> ParallelStyle:
     # SP: the norm runs on its sequence shard and its output stays a Shard(1) DTensor for the next input hook.
     return SequenceParallel() if sequence_parallel else ReplicateParallel(Replicate(), Replicate())
@@ -100,7 +107,7 @@ def _norm_style(sequence_parallel: bool) -> ParallelStyle:
 
 def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False,
                          loss_parallel: bool = True) -> dict[str, ParallelStyle]:
-    """The plan for any registered family (llama, gpt2), keyed by fully qualified module name.
+    """The plan for any registered family (its `tp_plan` roles), keyed by fully qualified module name.
 
     Modules a pipeline stage dropped (set to None) are left out.
     """
@@ -114,19 +121,22 @@ def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False,
     if getattr(body, "embed_positions", None) is not None:
         # Small table: replicated; under SP each rank keeps its slice of the sequence (no communication).
         plan["model.embed_positions"] = ReplicateParallel(Replicate(), act)
+    roles = model.config.family.tp_plan  # which module of a block plays which part (fitlm.models.family)
     for name, block in body.layers.items():
         p = f"model.layers.{name}."
-        plan[p + "input_layernorm"] = _norm_style(sequence_parallel)
-        plan[p + "post_attention_layernorm"] = _norm_style(sequence_parallel)
-        plan[p + "self_attn"] = FirstArgLayout(act, Replicate())
-        for proj in ("q_proj", "k_proj", "v_proj"):
-            plan[p + "self_attn." + proj] = ColwiseParallel()
-        plan[p + "self_attn.o_proj"] = RowwiseParallel(output_layouts=act)
-        plan[p + "mlp"] = FirstArgLayout(act, Replicate())
-        for proj in ("gate_proj", "up_proj"):
-            if isinstance(getattr(block.mlp, proj, None), nn.Linear):
-                plan[p + "mlp." + proj] = ColwiseParallel()
-        plan[p + "mlp.down_proj"] = RowwiseParallel(output_layouts=act)
+        present = partial(_has, block)
+        for path in filter(present, roles.norms):
+            plan[p + path] = _norm_style(sequence_parallel)
+        for path in filter(present, roles.inputs):
+            plan[p + path] = FirstArgLayout(act, Replicate())
+        for path in filter(present, roles.colwise):
+            plan[p + path] = ColwiseParallel()
+        for path in filter(present, roles.rowwise):
+            plan[p + path] = RowwiseParallel(output_layouts=act)
+        for path in filter(present, roles.head_norms):
+            # q/k [B,T,heads,D] are sharded over heads: a Replicate weight then gets Partial gradients,
+            # which DTensor sums over the ranks (each rank saw only its own heads).
+            plan[p + path] = ReplicateParallel(Shard(2), Shard(2))
     if getattr(body, "norm", None) is not None:
         plan["model.norm"] = _norm_style(sequence_parallel)
     if getattr(model, "lm_head", None) is not None:
@@ -234,6 +244,9 @@ def tensor_parallel_problems(model_cfg: ModelConfig, tp: int, *, sequence_parall
         return [f"parallel.tensor_parallel: must be at least 1, got {tp}"]
     if tp == 1:
         return []
+    if not model_cfg.family.tensor_parallel:
+        return [f"parallel.tensor_parallel: model.arch={model_cfg.arch!r} cannot be tensor-parallel yet; "
+                f"set tensor_parallel to 1 and use data_parallel with zero_stage 3 to shard it"]
     sizes = {"model.num_heads": model_cfg.num_heads, "model.num_kv_heads": model_cfg.kv_heads,
              "model.intermediate_size": model_cfg.ffn_size, "model.vocab_size": model_cfg.vocab_size}
     if sequence_parallel and seq_length:

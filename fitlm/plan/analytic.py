@@ -22,21 +22,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fitlm.plan import finetune as ft
-from fitlm.plan.setup import Setup, embedding_params, head_params, layer_params, stage_layers
+from fitlm.plan.setup import LEVELS, Setup, embedding_params, head_params, layer_params, stage_layers
 
-# Per level: (replicated h, sharded h, kv, f, D) bytes per token per block, no recompute.
-BLOCK = {
-    "O0": (24, 8, 8, 16, 0),
-    "O1": (26, 4, 4, 8, 8),
-    "O2": (16, 4, 4, 8, 8),
-    "O3": (16, 4, 4, 8, 8),
-}
-# GPT-2 blocks (LayerNorm saves its input and fp32 mean/rstd, no RoPE, plain MHA, 2-matrix GELU MLP):
-# replicated x, n1, x1, n2; sharded q, attention output; k, v; GELU input and output.
-BLOCK_GPT2 = {"O0": (16, 8, 8, 8, 0), "O1": (16, 4, 4, 4, 0), "O2": (8, 4, 4, 4, 0), "O3": (8, 4, 4, 4, 0)}
-# What stays outside the blocks, bytes per token: the final norm's saved tensors and the RoPE tables
-# gathered per position (h-coefficient, D-coefficient); the logits path is separate.
-OUTSIDE = {"O0": (12, 8), "O1": (10, 0), "O2": (8, 0), "O3": (8, 0)}
+# Per-level block constants live with each family (fitlm.models.counts, PlannerCounts.block_bytes):
+# (replicated h, query width, kv, f, D) bytes per token per block, no recompute; the Llama block's are
+# counted above. Outside the blocks (PlannerCounts.outside_bytes): the final norm's saved tensors and
+# the RoPE tables gathered per position, as (h-coefficient, D-coefficient); the logits path is separate.
 # Plain loss path, bytes per token per vocabulary entry: logits, their fp32 log-softmax, and the logits
 # gradient that exists at the start of backward (the peak): 3 fp32-sized values in every level.
 LOGIT_BYTES = 12
@@ -98,13 +89,18 @@ def tp_share(s: Setup, n: int) -> float:
 
 def block_act_per_token(s: Setup) -> float:
     """Saved bytes per token of one block with no recompute, on one tensor-parallel rank."""
-    rep, shard, kv, f, d = (BLOCK_GPT2 if s.arch == "gpt2" else BLOCK)[s.level]
+    rep, shard, kv, f, d = s.level_bytes()
     t = s.tp
     rep_h = rep * s.h / (t if s.sp else 1)
     if s.sp:  # the all-gathered inputs of q/k/v and gate/up stay full width (2 of the 6 replicated tensors)
         rep_h += 2 * act_bytes(s) * s.h * (1 - 1 / t)
-    gqa_repeat = 2 * act_bytes(s) * (s.h - s.kv) if s.doc_mask and s.kv < s.h else 0  # masked SDPA expands k, v
-    return rep_h + (shard * s.h + kv * s.kv + f * s.ffn + gqa_repeat + 4 * s.heads) / t + d * s.head_dim + 8
+    masked = s.doc_mask or s.sliding  # a masked SDPA expands k, v to every query head
+    gqa_repeat = 2 * act_bytes(s) * (s.q - s.kv) if masked and s.kv < s.q else 0
+    # Soft-capped eager attention keeps, per score, tanh's output and the fp32 softmax (8 bytes; the half
+    # cast of the probabilities at half levels replaces nothing: 2 + 4 + 2).
+    scores = 8 * s.heads * s.seq if s.softcap else 0
+    return rep_h + (shard * s.q + kv * s.kv + f * s.ffn + gqa_repeat + scores + 4 * s.heads) / t \
+        + d * s.head_dim + 8
 
 
 def block_act_recompute(s: Setup, tokens: float) -> float:
@@ -116,7 +112,7 @@ def block_act_recompute(s: Setup, tokens: float) -> float:
     if s.recompute == "selective":  # matmul and SDPA outputs: q, k, v, attention, o, gate, up, down (+ input)
         e, t = act_bytes(s), s.tp
         width = s.h / (t if s.sp else 1)
-        return tokens * (residual_bytes(s) * width + e * (2 * s.h + 2 * s.kv + 2 * s.ffn) / t
+        return tokens * (residual_bytes(s) * width + e * (2 * s.q + 2 * s.kv + 2 * s.ffn) / t
                          + 2 * e * width + 4 * s.heads / t)
     return tokens * per_token
 
@@ -162,9 +158,7 @@ def logits_bytes(s: Setup, tokens: float) -> float:
 
 
 def outside_bytes(s: Setup, tokens: float) -> float:
-    a, d = OUTSIDE[s.level]
-    if s.arch == "gpt2":
-        a, d = 2 * act_bytes(s) + 4, 0  # final LayerNorm input and output; no RoPE tables
+    a, d = s.counts.outside_bytes[LEVELS.index(s.level)]
     return tokens * (a * s.h / (s.tp if s.sp else 1) + d * s.head_dim + 12 - ft.outside_savings(s))
 
 
@@ -220,7 +214,7 @@ def _stage(s: Setup, first: bool) -> Breakdown:
     kept, working = activations(s, tokens, layers, in_flight)
     outside = in_flight * outside_bytes(s, tokens) * (1 if has_logits else 0.5)
     logit = logits_bytes(s, tokens) if has_logits else 0.0
-    rope = 0 if s.arch == "gpt2" else 2 * s.max_seq_len * s.head_dim * 4  # RoPE cos/sin tables (buffers)
+    rope = s.counts.rope_tables * 2 * s.max_seq_len * s.head_dim * 4  # RoPE cos/sin tables (buffers)
     other = rope
     if s.doc_mask:
         other += s.mbs * s.seq * s.seq  # the block-causal mask, bool [B,1,T,T], shared by all blocks

@@ -18,18 +18,12 @@ from __future__ import annotations
 
 from fitlm.plan.setup import Setup, embedding_params, head_params, layer_params
 
-LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-GPT2_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj")
 ALL_LINEAR = "all-linear"
 
 
 def linear_shapes(s: Setup) -> dict[str, tuple[int, int]]:
-    """(in, out) of every linear layer LoRA may target in one block."""
-    shapes = {"q_proj": (s.h, s.h), "k_proj": (s.h, s.kv), "v_proj": (s.h, s.kv), "o_proj": (s.h, s.h),
-              "up_proj": (s.h, s.ffn), "down_proj": (s.ffn, s.h)}
-    if s.arch != "gpt2":
-        shapes["gate_proj"] = (s.h, s.ffn)
-    return shapes
+    """(in, out) of every linear layer LoRA may target in one block, from the family unit."""
+    return {name: (i, o) for name, i, o in s.counts.linears}
 
 
 def lora_targets(s: Setup) -> tuple[str, ...]:
@@ -99,7 +93,7 @@ def _block_trains(s: Setup, block: int) -> bool:
 
 def block_savings(s: Setup, block: int) -> float:
     """Bytes per token that block `block` keeps less than a fully trained block (negative = more)."""
-    if s.method == "full" or s.arch == "gpt2":  # GPT-2: parameters and states only, activations as full
+    if s.method == "full" or not s.counts.finetune_activations:  # parameters and states only, activations as full
         return 0.0
     from fitlm.plan.analytic import block_act_per_token, residual_bytes
 
@@ -110,11 +104,14 @@ def block_savings(s: Setup, block: int) -> float:
     if not below and s.method == "freeze":
         return block_act_per_token(s)  # no gradient reaches it: it keeps nothing
     targets = set(lora_targets(s))
-    uses = {name: name in targets for name in LLAMA_LINEARS}  # frozen linears: only adapters consume inputs
+    shapes = linear_shapes(s)
+    uses = {name: name in targets for name in shapes}  # frozen linears: only adapters consume inputs
     saved = 2 * residual_bytes(s) * s.h  # both norms' weights are frozen: their normalised inputs are not kept
-    for group in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
+    for group in s.counts.input_groups:  # linears reading one norm output (q/k/v, gate/up)
         saved += _input_bytes(s, len(group), s.h, True) - _input_bytes(s, sum(uses[g] for g in group), s.h, True)
-    saved += _input_bytes(s, 1, s.ffn, False) - _input_bytes(s, int(uses["down_proj"]), s.ffn, False)
+    down = next((n for n, (i, _) in shapes.items() if i == s.ffn and n not in sum(s.counts.input_groups, ())), None)
+    if down is not None:  # the MLP's output projection reads the ffn-wide product
+        saved += _input_bytes(s, 1, s.ffn, False) - _input_bytes(s, int(uses[down]), s.ffn, False)
     saved -= len(targets) * s.lora_r * (4 if s.level == "O0" else 2)  # each adapter keeps A's output
     return saved + input_saving
 
@@ -132,7 +129,7 @@ def block_cast_params(s: Setup, block: int) -> int:
 
 def outside_savings(s: Setup) -> float:
     """Bytes per token the final norm keeps less when the head (and the norm) is frozen."""
-    if s.method == "full" or s.arch == "gpt2":
+    if s.method == "full" or not s.counts.finetune_activations:
         return 0.0
     from fitlm.plan.analytic import act_bytes, residual_bytes
 

@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from fitlm.config import Config, ConfigError
+from fitlm.finetune.init_from import resolve_if_readable
 from fitlm.parallel.layout import layout_problems
 from fitlm.plan.analytic import breakdown
 from fitlm.plan.devices import Device
@@ -50,24 +51,10 @@ def _finetune(s: Setup) -> dict[str, Any]:
     return out
 
 
-def _pretrained_shape(cfg: Config) -> tuple[Config, str | None]:
-    """With model.init_from the weights define the network (as in training); read its shape if present."""
-    if not cfg.model.init_from:
-        return cfg, None
-    from fitlm.train.trainer import resolve_init_from
-
-    try:
-        return resolve_init_from(cfg), None
-    except (OSError, ValueError) as e:
-        if isinstance(e, ConfigError) and "does not match the model section" in str(e):
-            raise
-        return cfg, (f"model.init_from: {cfg.model.init_from} could not be read ({str(e).splitlines()[-1].strip()}); "
-                     "planned with the model section as written")
-
-
 def plan(cfg: Config, dev: Device, num_devices: int | None = None, simulate: bool = False,
          search: bool = False, top: int = 5, best_out: str | None = None) -> dict[str, Any]:
-    cfg, note = _pretrained_shape(cfg)
+    # With model.init_from the weights define the network, as in training (the same resolver).
+    cfg, note = resolve_if_readable(cfg)
     n = num_devices or cfg.parallel.world_size
     if not search:
         problems = layout_problems(cfg, n)

@@ -8,17 +8,45 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fitlm.config import Config, reduces_every_micro_batch
+from fitlm.config import Config, ModelConfig, reduces_every_micro_batch
+
+LEVELS = ("O0", "O1", "O2", "O3")
+
+
+@dataclass(frozen=True)
+class ModelCounts:
+    """The family unit's planner counts (fitlm.models.family.PlannerCounts) evaluated for one model."""
+
+    block_params: int  # one block, norms and biases included
+    embedding_params: int  # token (and position) embeddings
+    head_norm_params: int  # the final norm
+    linears: tuple[tuple[str, int, int], ...]  # (name, in, out) of a block's matmuls
+    input_groups: tuple[tuple[str, ...], ...]  # linears that read the same saved input
+    block_bytes: tuple[tuple[float, float, float, float, float], ...]  # per level in LEVELS order
+    outside_bytes: tuple[tuple[float, float], ...]
+    rope_tables: int  # cos/sin table pairs kept as buffers (Gemma 3: global and local)
+    finetune_activations: bool  # LoRA/freeze activation savings follow the pre-norm Llama block
+
+    @classmethod
+    def of(cls, m: ModelConfig) -> "ModelCounts":
+        pc = m.family.planner
+        block = pc.block(m)
+        local = m.rope_local_theta is not None and any(m.layer_type(i) == "sliding" for i in range(m.num_layers))
+        return cls(block.params, pc.embedding_params(m), pc.head_norm_params(m), block.linears, block.input_groups,
+                   tuple(pc.block_bytes[lv] for lv in LEVELS), tuple(pc.outside_bytes[lv] for lv in LEVELS),
+                   (2 if local else 1) if pc.rope else 0, pc.activation_finetune)
 
 
 @dataclass(frozen=True)
 class Setup:
     arch: str
+    counts: ModelCounts
     h: int  # hidden size
     layers: int
     heads: int
     kv_heads: int
     ffn: int
+    head_dim: int
     vocab: int
     max_seq_len: int
     tied: bool
@@ -46,6 +74,8 @@ class Setup:
     freeze_embeddings: bool = False
     pretrained: bool = False  # model.init_from is set: fine-tuning, so LoRA/freeze are remedies too
     gradient_sync: str = "auto"  # parallel.gradient_sync
+    sliding: bool = False  # some blocks use sliding-window attention (a masked SDPA)
+    softcap: bool = False  # attention scores soft-capped (Gemma 2): eager attention keeps [H, T, S] tensors
 
     @property
     def sync_every(self) -> bool:
@@ -53,12 +83,16 @@ class Setup:
         return reduces_every_micro_batch(self.gradient_sync, self.zero, self.dp)
 
     @property
-    def head_dim(self) -> int:
-        return self.h // self.heads
-
-    @property
     def kv(self) -> int:
         return self.kv_heads * self.head_dim
+
+    @property
+    def q(self) -> int:
+        """Query width H·D (the hidden size unless head_dim is set independently)."""
+        return self.heads * self.head_dim
+
+    def level_bytes(self) -> tuple[float, float, float, float, float]:
+        return self.counts.block_bytes[LEVELS.index(self.level)]
 
     @property
     def world(self) -> int:
@@ -75,8 +109,8 @@ class Setup:
 
 def from_config(cfg: Config) -> Setup:
     m, p, mem, t, f = cfg.model, cfg.parallel, cfg.memory, cfg.train, cfg.finetune
-    return Setup(arch=m.arch, h=m.hidden_size, layers=m.num_layers, heads=m.num_heads, kv_heads=m.kv_heads,
-                 ffn=m.ffn_size, vocab=m.vocab_size, max_seq_len=m.max_seq_len, tied=m.tie_embeddings,
+    return Setup(arch=m.arch, counts=ModelCounts.of(m), h=m.hidden_size, layers=m.num_layers, heads=m.num_heads,
+                 kv_heads=m.kv_heads, ffn=m.ffn_size, head_dim=m.head_size, vocab=m.vocab_size, max_seq_len=m.max_seq_len, tied=m.tie_embeddings,
                  seq=cfg.data.seq_length, mbs=t.micro_batch_size, accum=t.gradient_accumulation_steps,
                  dp=p.data_parallel, tp=p.tensor_parallel, pp=p.pipeline_parallel, sp=p.sequence_parallel,
                  zero=p.zero_stage, schedule=p.pipeline_schedule, chunks=p.micro_batch_num,
@@ -85,7 +119,9 @@ def from_config(cfg: Config) -> Setup:
                  loss_chunk=mem.loss_chunk_size, doc_mask=cfg.data.document_mask, method=f.method,
                  lora_r=f.lora.r, lora_targets=tuple(f.lora.target_modules), freeze_layers=f.freeze_layers,
                  freeze_embeddings=f.freeze_embeddings, pretrained=bool(m.init_from),
-                 gradient_sync=p.gradient_sync)
+                 gradient_sync=p.gradient_sync,
+                 sliding=any(m.layer_type(i) == "sliding" for i in range(m.num_layers)),
+                 softcap=m.attn_logit_softcap is not None)
 
 
 def to_overrides(s: Setup) -> dict:
@@ -102,21 +138,17 @@ def to_overrides(s: Setup) -> dict:
 
 
 def layer_params(s: Setup) -> int:
-    """One block: attention (q, o: h·h; k, v: h·kv), MLP, norms (GPT-2: biases and LayerNorm shifts too)."""
-    if s.arch == "gpt2":
-        return 4 * s.h * s.h + 4 * s.h + 2 * s.h * s.ffn + s.ffn + s.h + 4 * s.h
-    return 2 * s.h * s.h + 2 * s.h * s.kv + 3 * s.h * s.ffn + 2 * s.h
+    """One block's parameters, as the family unit counts them (matmuls, norms, biases)."""
+    return s.counts.block_params
 
 
 def embedding_params(s: Setup) -> int:
-    pos = s.max_seq_len * s.h if s.arch == "gpt2" else 0
-    return s.vocab * s.h + pos
+    return s.counts.embedding_params
 
 
 def head_params(s: Setup) -> int:
     """Output projection plus final norm; a tied head adds no parameter of its own."""
-    norm = 2 * s.h if s.arch == "gpt2" else s.h
-    return norm + (0 if s.tied else s.vocab * s.h)
+    return s.counts.head_norm_params + (0 if s.tied else s.vocab * s.h)
 
 
 def total_params(s: Setup) -> int:

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from fitlm.config import Config, validate_dict
+from fitlm.finetune.init_from import resolve_init_from
 from fitlm.memory.tracking import track_step
 from fitlm.profile.trace import trace_steps
 from fitlm.train.metrics import peak_memory_bytes
@@ -31,7 +32,9 @@ SCRATCH = "burst"  # the burst's own train.output_dir, under the profile's outpu
 def burst_config(cfg: Config, out: Path, steps: int) -> Config:
     """The config the burst trains: the user's, with its output, checkpoints, evaluation and progress bar
     redirected or off, so the burst never touches train.output_dir or the user's checkpoints."""
-    data = cfg.to_dict()
+    # Resolve model.init_from before serialising: the dump sets every key, so the user's config,
+    # validated again unresolved, would contradict the weights in each default it spells out.
+    data = resolve_init_from(cfg).to_dict()
     data["train"].update(output_dir=str(out / SCRATCH), max_steps=steps + TRACED_STEPS + TRACKED_STEPS,
                          eval_interval=0, early_stopping_patience=0, progress=False)
     data["checkpoint"].update(interval=0, resume="never")

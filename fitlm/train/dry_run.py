@@ -8,11 +8,12 @@ import torch
 
 from fitlm.config import Config, ConfigError
 from fitlm.data.dataset import SequenceLoader
+from fitlm.finetune.init_from import resolve_init_from
 from fitlm.parallel.layout import layout_problems
 from fitlm.registry import build_model
 from fitlm.train import preflight
 from fitlm.train.metrics import flops_per_token
-from fitlm.train.trainer import open_data, resolve_init_from
+from fitlm.train.trainer import open_data
 
 
 def dry_run(cfg: Config, world_size: int | None = None, overwrite: bool = False) -> dict:
@@ -34,7 +35,8 @@ def dry_run(cfg: Config, world_size: int | None = None, overwrite: bool = False)
     tokens_per_step = t.micro_batch_size * t.gradient_accumulation_steps * cfg.data.seq_length * cfg.parallel.data_parallel
     out = Path(t.output_dir)
     return {
-        "model": cfg.model.arch, "params": params, "processes": world_size,
+        "model": cfg.model.arch, "hidden_size": cfg.model.hidden_size, "layers": cfg.model.num_layers,
+        "params": params, "processes": world_size,
         "layout": f"dp{cfg.parallel.data_parallel}×tp{cfg.parallel.tensor_parallel}×pp{cfg.parallel.pipeline_parallel}"
                   f" zero{cfg.parallel.zero_stage}", "train_tokens": train.num_tokens,
         "valid_tokens": valid.num_tokens if valid else 0, "tokenizer": str(tok.path), "vocab_size": tok.vocab_size,

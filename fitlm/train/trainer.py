@@ -19,14 +19,15 @@ import torch
 import torch.nn as nn
 
 from fitlm.checkpoint.checkpointer import Checkpointer
-from fitlm.config import Config, ConfigError, validate_dict
+from fitlm.config import Config, ConfigError
 from fitlm.data.dataset import PackedDataset, SequenceLoader, check_compat
 from fitlm.data.tokenizer import Tokenizer
 from fitlm.finetune.apply import apply_finetune, final_weights
 from fitlm.finetune.early_stopping import EarlyStopping
+from fitlm.finetune.init_from import resolve_init_from
 from fitlm.memory.loss_scale import LossScaler
 from fitlm.memory.precision import autocast, compute_dtype
-from fitlm.models.io import load_model_dir, read_model_config, save_model_dir
+from fitlm.models.io import load_model_dir, save_model_dir
 from fitlm.parallel.apply import parallelize
 from fitlm.parallel.layout import layout_problems
 from fitlm.parallel.mesh import env_world_size, init_parallel, shutdown
@@ -89,33 +90,6 @@ def open_data(cfg: Config) -> tuple[PackedDataset, PackedDataset | None, Tokeniz
     return train, valid, tok
 
 
-# Fields that describe the network's shape; init_std only matters for random init.
-SHAPE_FIELDS = ("arch", "hidden_size", "num_layers", "num_heads", "kv_heads", "ffn_size", "vocab_size",
-                "max_seq_len", "rope_theta", "tie_embeddings", "norm_eps")
-
-
-def resolve_init_from(cfg: Config) -> Config:
-    """With model.init_from, the weights define the network: unset model keys are taken from them,
-    keys the user did set must agree with them (compared after resolving family defaults)."""
-    m = cfg.model
-    if not m.init_from:
-        return cfg
-    source = read_model_config(m.init_from)
-    explicit = m.model_fields_set - {"init_from", "init_std"}
-    aliases = {"num_kv_heads": "kv_heads", "intermediate_size": "ffn_size"}
-    diffs = []
-    for key in sorted(explicit):
-        attr = aliases.get(key, key)
-        if attr in SHAPE_FIELDS and getattr(m, attr) != getattr(source, attr):
-            diffs.append(f"model.{key}: config {getattr(m, attr)!r} vs weights {getattr(source, attr)!r}")
-    if diffs:
-        raise ConfigError([f"model.init_from: {m.init_from} does not match the model section ({'; '.join(diffs)}); "
-                           "remove those keys to take them from the weights, or make them match"])
-    merged = source.model_copy(update={"init_from": m.init_from, "init_std": m.init_std})
-    # Re-validate: rules such as data.seq_length <= model.max_seq_len now see the real model.
-    return validate_dict(cfg.model_copy(update={"model": merged}).to_dict(), f"model.init_from={m.init_from}")
-
-
 def build_or_load_model(cfg: Config, device: torch.device) -> nn.Module:
     torch.manual_seed(cfg.train.seed)
     if not cfg.model.init_from:
@@ -128,6 +102,8 @@ class Trainer:
         problems = preflight.unsupported_options(cfg) + layout_problems(cfg, env_world_size())
         if problems:
             raise ConfigError(problems)
+        # Resolved here too, for callers that pass the user's config; a config a command already resolved
+        # is accepted again unchanged. self.cfg is the resolved one: config.yaml and checkpoints record it.
         cfg = resolve_init_from(cfg)
         self.cfg, t = cfg, cfg.train
         self.ctx = init_parallel(cfg.parallel, resolve_device(t.device).type)

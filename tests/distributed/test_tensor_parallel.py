@@ -29,12 +29,21 @@ CASES = {
     "llama_tied": dict(arch="llama", num_kv_heads=2, intermediate_size=128, tie_embeddings=True),
     "gpt2": dict(arch="gpt2", intermediate_size=128, tie_embeddings=True),
     "gpt2_untied": dict(arch="gpt2", intermediate_size=128, tie_embeddings=False),
+    # The other families' parts under TP: q/k/v biases, per-head q/k norms with head_dim != hidden/heads,
+    # Gemma's four norms, soft-capped scores and logits, sliding windows, a local RoPE base.
+    "qwen2": dict(arch="qwen2", num_kv_heads=2, intermediate_size=128),
+    "qwen3": dict(arch="qwen3", num_kv_heads=2, head_dim=20, intermediate_size=128),
+    "gemma2": dict(arch="gemma2", num_kv_heads=2, head_dim=24, intermediate_size=128, sliding_window=5,
+                   query_pre_attn_scalar=20, attn_logit_softcap=50.0, final_logit_softcap=30.0, tie_embeddings=True),
+    "gemma3": dict(arch="gemma3", num_kv_heads=2, head_dim=24, intermediate_size=128, sliding_window=5,
+                   rope_theta=1e6, rope_local_theta=1e4, tie_embeddings=True),
     # tp=4 on 4 ranks: 8 query heads, 4 kv heads (2 per kv group), 2 heads per rank.
     "llama_tp4": dict(arch="llama", num_heads=8, num_kv_heads=4, intermediate_size=128, tie_embeddings=True),
 }
 # (case, sequence_parallel, loss_parallel)
 RUNS = [("llama", False, True), ("llama", True, True), ("llama_tied", True, True), ("llama_tied", True, False),
-        ("gpt2", False, True), ("gpt2", True, True), ("gpt2_untied", True, True)]
+        ("gpt2", False, True), ("gpt2", True, True), ("gpt2_untied", True, True),
+        ("qwen2", True, True), ("qwen3", True, True), ("gemma2", True, True), ("gemma3", False, True)]
 RUNS4 = [("llama_tp4", True, True)]
 STAGES = [("llama", True, True), ("gpt2_untied", True, False)]  # split in two pipeline stages
 

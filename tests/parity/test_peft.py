@@ -71,9 +71,9 @@ def test_peft_made_adapter_loads_in_fitlm_with_equal_logits(tmp_path):
         torch.testing.assert_close(ours.eval()(X), expected, rtol=1e-4, atol=1e-4)
 
 
-def test_mistral_imports_with_equal_logits_and_qwen2_is_refused(tmp_path):
+def test_mistral_imports_with_its_sliding_window_and_moe_is_refused(tmp_path):
     cfg = MistralConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-                        intermediate_size=96, vocab_size=V, max_position_embeddings=128, sliding_window=32,
+                        intermediate_size=96, vocab_size=V, max_position_embeddings=128, sliding_window=5,
                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
     hf = MistralForCausalLM(cfg).eval()
     randomize(hf, seed=9)
@@ -81,12 +81,12 @@ def test_mistral_imports_with_equal_logits_and_qwen2_is_refused(tmp_path):
     summary = import_model(tmp_path / "mistral", tmp_path / "out")
     assert summary["arch"] == "llama"
     loaded = load_model_dir(tmp_path / "out")
-    assert loaded.config.model.max_seq_len == 32  # capped at the sliding window, where attention is plain causal
-    with torch.no_grad():
+    assert loaded.config.model.max_seq_len == 128 and loaded.config.model.sliding_window == 5
+    with torch.no_grad():  # X is longer than the window: the window is really applied
         torch.testing.assert_close(loaded.model(X), hf(X).logits, rtol=1e-4, atol=1e-4)
     raw = json.loads((tmp_path / "mistral" / "config.json").read_text())
-    (tmp_path / "mistral" / "config.json").write_text(json.dumps({**raw, "model_type": "qwen2"}))
-    with pytest.raises(HFFormatError, match="qwen2.*biases"):
+    (tmp_path / "mistral" / "config.json").write_text(json.dumps({**raw, "model_type": "mixtral"}))
+    with pytest.raises(HFFormatError, match="mixture-of-experts"):
         import_model(tmp_path / "mistral", tmp_path / "out2")
 
 

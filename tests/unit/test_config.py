@@ -82,7 +82,7 @@ def test_cross_field_errors_are_all_reported_at_once():
 
 def test_non_power_of_two_gqa_is_valid():
     cfg = validate_dict({"model": {"hidden_size": 384, "num_heads": 6, "num_kv_heads": 3}})
-    assert cfg.model.kv_heads == 3 and cfg.model.head_dim == 64
+    assert cfg.model.kv_heads == 3 and cfg.model.head_size == 64
 
 
 def test_readme_config_reference_is_current():

@@ -115,7 +115,7 @@ def test_bad_export_requests_get_clear_errors(model_dir, tmp_path):
         export_onnx(loaded, tmp_path / "m.onnx", seq_len=65)
     gpt2 = ModelConfig(arch="gpt2", hidden_size=32, num_layers=1, num_heads=2, vocab_size=64, max_seq_len=16)
     g = save_model_dir(build_model(gpt2).eval(), gpt2, tmp_path / "gpt2")
-    with pytest.raises(ExportError, match="supports model.arch llama"):
+    with pytest.raises(ExportError, match="has no llama.cpp architecture"):
         export_gguf(load_for_export(g), tmp_path / "g.gguf", "f16")
 
 

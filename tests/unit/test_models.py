@@ -14,7 +14,7 @@ from fitlm.models import GPT2LMHeadModel, LlamaForCausalLM, load_model_dir, reso
 from fitlm.models.hf import HFFormatError, config_from_hf, config_to_hf, from_hf_state_dict, load_hf_dir, \
     read_safetensors_dir, save_hf_dir, to_hf_state_dict, write_safetensors
 from fitlm.models.io import ModelDirError
-from fitlm.registry import RegistryError, build_model, get_model_class, model_names, register_model
+from fitlm.registry import RegistryError, build_model, get_model_class, model_names, register_family
 
 V = 128
 
@@ -66,14 +66,14 @@ def reference_llama(model: LlamaForCausalLM, x: torch.Tensor) -> torch.Tensor:
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
         a = _ref_rms(h, sd[p + "input_layernorm.weight"], c.norm_eps)
-        q = (a @ sd[p + "self_attn.q_proj.weight"].T).view(*x.shape, c.num_heads, c.head_dim)
-        k = (a @ sd[p + "self_attn.k_proj.weight"].T).view(*x.shape, c.kv_heads, c.head_dim)
-        v = (a @ sd[p + "self_attn.v_proj.weight"].T).view(*x.shape, c.kv_heads, c.head_dim)
+        q = (a @ sd[p + "self_attn.q_proj.weight"].T).view(*x.shape, c.num_heads, c.head_size)
+        k = (a @ sd[p + "self_attn.k_proj.weight"].T).view(*x.shape, c.kv_heads, c.head_size)
+        v = (a @ sd[p + "self_attn.v_proj.weight"].T).view(*x.shape, c.kv_heads, c.head_size)
         heads = []
         for hq in range(c.num_heads):
             kv = hq // (c.num_heads // c.kv_heads)
             qh, kh = _ref_rope(q[:, :, hq], pos, c.rope_theta), _ref_rope(k[:, :, kv], pos, c.rope_theta)
-            att = torch.softmax(qh @ kh.transpose(1, 2) / math.sqrt(c.head_dim) + mask, dim=-1)
+            att = torch.softmax(qh @ kh.transpose(1, 2) / math.sqrt(c.head_size) + mask, dim=-1)
             heads.append(att @ v[:, :, kv])
         h = h + torch.cat(heads, dim=-1) @ sd[p + "self_attn.o_proj.weight"].T
         m = _ref_rms(h, sd[p + "post_attention_layernorm.weight"], c.norm_eps)
@@ -195,13 +195,19 @@ def test_registry_builds_both_families_by_name():
 
 
 def test_registering_llama_twice_names_both_classes():
+    import dataclasses
+
+    from fitlm.registry import get_family
+
     class Impostor(torch.nn.Module):
         pass
 
     with pytest.raises(RegistryError) as err:
-        register_model("llama")(Impostor)
+        register_family(dataclasses.replace(get_family("llama"), model_cls=Impostor))
     assert "LlamaForCausalLM" in str(err.value) and "Impostor" in str(err.value)
     assert get_model_class("llama") is LlamaForCausalLM  # nothing was overwritten
+    with pytest.raises(RegistryError, match="model_type"):  # an HF model_type belongs to one family
+        register_family(dataclasses.replace(get_family("qwen2"), name="qwen2-copy"))
 
 
 # --------------------------------------------------------------------------- HF adapters (no transformers needed)
@@ -260,14 +266,22 @@ def test_config_to_hf_and_back(arch, tied):
 
 def test_config_from_hf_refuses_unsupported_features():
     hf = config_to_hf(tiny("llama"))
-    with pytest.raises(HFFormatError, match="RoPE scaling"):
-        config_from_hf({**hf, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
-    with pytest.raises(HFFormatError, match="attention_bias"):
-        config_from_hf({**hf, "attention_bias": True})
+    legacy = {k: v for k, v in hf.items() if k != "rope_parameters"}  # a transformers 4.x config.json
+    with pytest.raises(HFFormatError, match="RoPE type 'su'"):
+        config_from_hf({**legacy, "rope_scaling": {"rope_type": "su", "factor": 8.0}})
+    with pytest.raises(HFFormatError, match="partial_rotary_factor"):
+        config_from_hf({**legacy, "partial_rotary_factor": 0.5})
+    with pytest.raises(HFFormatError, match="hidden_act"):
+        config_from_hf({**hf, "hidden_act": "gelu"})
     with pytest.raises(HFFormatError, match="'falcon' is not supported"):
         config_from_hf({**hf, "model_type": "falcon"})
-    with pytest.raises(HFFormatError, match="q/k/v projections"):
-        config_from_hf({**hf, "model_type": "qwen2"})
+    for moe in ("mixtral", "qwen3_moe", "deepseek_v3"):
+        with pytest.raises(HFFormatError, match="mixture-of-experts"):
+            config_from_hf({**hf, "model_type": moe})
+    scaled = config_from_hf({**legacy, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                        "high_freq_factor": 4.0,
+                                                        "original_max_position_embeddings": 32}})
+    assert scaled.rope_scaling.type == "llama3" and scaled.rope_scaling.original_max_seq_len == 32
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])

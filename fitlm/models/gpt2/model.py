@@ -13,7 +13,7 @@ Internal names follow the Llama layout so LoRA targets and tooling are uniform a
     model.norm                (transformer.ln_f)
     lm_head                   (lm_head, usually tied to the token embedding)
 
-HF stores the linears as Conv1D ([in, out]); `fitlm.models.hf` transposes and splits on conversion.
+HF stores the linears as Conv1D ([in, out]); `fitlm.models.gpt2.hf` transposes and splits on conversion.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import torch.nn.functional as F
 from fitlm.config import ModelConfig
 from fitlm.models.causal_lm import CausalLMMixin
 from fitlm.models.layers import KVCache, SelfAttention, attention_inputs, check_inputs, make_blocks
-from fitlm.registry import register_model
 
 
 class GPT2MLP(nn.Module):
@@ -84,12 +83,9 @@ class GPT2Model(nn.Module):
         return self.norm(h) if self.norm is not None else h  # [B,T,C]
 
 
-@register_model("gpt2")
 class GPT2LMHeadModel(CausalLMMixin, nn.Module):
     """GPT-2 with a language-model head. Same interface as `LlamaForCausalLM`."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        if cfg.num_kv_heads not in (None, cfg.num_heads):
-            raise ValueError("model.num_kv_heads: gpt2 has no grouped-query attention; leave num_kv_heads null")
         self.setup_causal_lm(cfg, GPT2Model(cfg))

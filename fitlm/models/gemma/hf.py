@@ -1,0 +1,74 @@
+"""Gemma 2 and Gemma 3 (text) config.json <-> ModelConfig (weights keep HF's names)."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from fitlm.config import ModelConfig
+from fitlm.models.hf import normalized, refuse, rope_family_config, rope_family_config_to_hf, rope_from_hf, \
+    rope_to_hf
+
+
+def gemma2_layer_type(i: int) -> str:
+    return "sliding" if i % 2 == 0 else "full"  # even blocks slide
+
+
+def gemma3_layer_type(i: int, pattern: int = 6) -> str:
+    return "full" if (i + 1) % pattern == 0 else "sliding"  # five sliding, then one global
+
+
+def _config(hf: Mapping[str, Any], source: str, arch: str) -> ModelConfig:
+    problems = []
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_new"):
+        problems.append(f"hidden_activation={act!r} (only the tanh GELU)")
+    if arch == "gemma3":
+        pattern = int(hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6)
+        default = lambda i: gemma3_layer_type(i, pattern)  # noqa: E731
+        if isinstance((hf.get("rope_parameters") or {}).get("sliding_attention"), Mapping):  # transformers 5
+            local_theta, local_scaling = rope_from_hf(hf, problems, "sliding_attention")
+            if local_scaling is not None:
+                problems.append("RoPE scaling on the sliding-window layers (only the global layers are scaled)")
+        else:  # transformers 4.x
+            local_theta = float(hf.get("rope_local_base_freq", 10000.0))
+        extra = {"rope_local_theta": local_theta}
+    else:
+        default, extra = gemma2_layer_type, {}
+    caps = {"attn_logit_softcap": hf.get("attn_logit_softcapping"),
+            "final_logit_softcap": hf.get("final_logit_softcapping")}
+    cfg = rope_family_config(
+        {"tie_word_embeddings": True, **hf}, arch, problems, default,
+        attention_bias=bool(hf.get("attention_bias")) or None,
+        query_pre_attn_scalar=int(hf["query_pre_attn_scalar"]) if hf.get("query_pre_attn_scalar") else None,
+        **{k: float(v) for k, v in caps.items() if v}, **extra)
+    refuse(problems, source)
+    return normalized(cfg)
+
+
+def gemma2_from_hf(hf: Mapping[str, Any], source: str) -> ModelConfig:
+    return _config(hf, source, "gemma2")
+
+
+def gemma3_from_hf(hf: Mapping[str, Any], source: str) -> ModelConfig:
+    return _config(hf, source, "gemma3")
+
+
+def _to_hf(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
+    return {**rope_family_config_to_hf(cfg, model_type), "hidden_activation": "gelu_pytorch_tanh",
+            "hidden_act": "gelu_pytorch_tanh", "attention_bias": bool(cfg.attention_bias),
+            "query_pre_attn_scalar": cfg.query_pre_attn_scalar or cfg.head_size,
+            "attn_logit_softcapping": cfg.attn_logit_softcap, "final_logit_softcapping": cfg.final_logit_softcap}
+
+
+def gemma2_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    return _to_hf(cfg, "gemma2")
+
+
+def gemma3_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    local = cfg.rope_local_theta or cfg.rope_theta
+    out = _to_hf(cfg, "gemma3_text")
+    # transformers 5 keeps one RoPE entry per attention type; 4.x reads rope_local_base_freq.
+    out["rope_parameters"] = {"full_attention": rope_to_hf(cfg.rope_theta, cfg.rope_scaling),
+                              "sliding_attention": rope_to_hf(local, None)}
+    out["rope_local_base_freq"] = local
+    return out

@@ -1,0 +1,29 @@
+"""The Phi-3 family unit (Phi-3-mini/medium, Phi-3.5-mini), registered once here."""
+
+from fitlm.models import counts
+from fitlm.models.family import Family, GGUFNames, TPBlockPlan, llama_ffn
+from fitlm.models.hf import same_names_from_hf, same_names_to_hf
+from fitlm.models.llama import GGUF_TOP
+from fitlm.models.phi3 import hf
+from fitlm.models.phi3.model import Phi3ForCausalLM
+from fitlm.registry import register_family
+
+LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+GGUF_LAYER = {"attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj", "ffn_up": "mlp.gate_up_proj",
+              "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+
+
+def _layer_types_uniform(cfg) -> list[str]:
+    if cfg.sliding_window is not None and len({cfg.layer_type(i) for i in range(cfg.num_layers)}) > 1:
+        return ["model.layer_types: phi3 slides every layer or none; leave layer_types null"]
+    return []
+
+
+FAMILY = register_family(Family(
+    name="phi3", model_cls=Phi3ForCausalLM, hf_model_types=("phi3",), hf_architecture="Phi3ForCausalLM",
+    config_from_hf=hf.config_from_hf, config_to_hf=hf.config_to_hf, to_hf=same_names_to_hf,
+    from_hf=same_names_from_hf, default_ffn=llama_ffn, planner=counts.rope_planner(fused=True),
+    # A contiguous row shard of a fused [q; k; v] matrix would mix queries and keys.
+    tp_plan=TPBlockPlan(colwise=(), rowwise=()), tensor_parallel=False,
+    lora_linears=LINEARS, validate=_layer_types_uniform, gguf=GGUFNames("phi3", GGUF_LAYER, GGUF_TOP),
+    features=("fused qkv_proj and gate_up_proj (HF/PEFT names)", "LongRoPE"),))

@@ -1,0 +1,78 @@
+"""The README's model families table is generated from the registry and must equal it."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from fitlm import docs, registry
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _families_block(readme: str) -> str:
+    assert docs.FAMILIES_BEGIN in readme and docs.FAMILIES_END in readme, "README has no model families markers"
+    return readme.split(docs.FAMILIES_BEGIN, 1)[1].split(docs.FAMILIES_END, 1)[0]
+
+
+def test_readme_families_table_is_current():
+    readme = (ROOT / "README.md").read_text()
+    assert _families_block(readme) == "\n" + docs.families_table_markdown(), \
+        "README model families table is stale: run `make docs`"
+    assert docs.render(readme) == readme, "README generated blocks are stale: run `make docs`"
+
+
+def test_table_has_one_row_per_registered_family():
+    table = docs.families_table_markdown()
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    assert [r.split("|")[1].strip() for r in rows] == [f"`{f.name}`" for f in registry.families()]
+    for family, row in zip(registry.families(), rows):
+        for model_type in family.hf_model_types:
+            assert f"`{model_type}`" in row
+        for linear in family.lora_linears:
+            assert f"`{linear}`" in row
+        assert family.hf_architecture in row
+        if family.gguf is not None:
+            assert f"`{family.gguf.arch}`" in row
+
+
+def test_changing_a_family_changes_the_table():
+    families = registry.families()
+    llama = next(f for f in families if f.name == "llama")
+    changed = [dataclasses.replace(f, features=("a feature no family has",), tensor_parallel=False)
+               if f is llama else f for f in families]
+    readme = (ROOT / "README.md").read_text()
+    before, after = docs.families_table_markdown(families), docs.families_table_markdown(changed)
+    assert before != after and "a feature no family has" in after and "a feature no family has" not in before
+    # The README check above would fail against the changed registry.
+    assert docs.render(readme, changed) != readme
+
+
+def test_changing_lora_linears_or_hf_types_changes_the_table():
+    families = registry.families()
+    gpt2 = next(f for f in families if f.name == "gpt2")
+    for change in ({"lora_linears": ("c_attn",)}, {"hf_model_types": ("gpt2", "gpt_bigcode")},
+                   {"pipeline_parallel": False}):
+        changed = [dataclasses.replace(gpt2, **change) if f is gpt2 else f for f in families]
+        assert docs.families_table_markdown(changed) != docs.families_table_markdown(families), change
+
+
+def test_gguf_out_follows_export_module(monkeypatch):
+    import fitlm.export.gguf as gguf_export
+
+    families = {f.name: f for f in registry.families()}
+    monkeypatch.delattr(gguf_export, "EXPORTABLE", raising=False)
+    assert docs.gguf_exportable(families["llama"]) and not docs.gguf_exportable(families["gpt2"])
+    monkeypatch.setattr(gguf_export, "EXPORTABLE", {"qwen2"}, raising=False)
+    assert docs.gguf_exportable(families["qwen2"]) and not docs.gguf_exportable(families["llama"])
+    monkeypatch.setattr(gguf_export, "EXPORTABLE", lambda f: f.gguf is not None, raising=False)
+    assert docs.gguf_exportable(families["gemma2"]) and not docs.gguf_exportable(families["gpt2"])
+
+
+def test_missing_markers_are_an_error():
+    readme = (ROOT / "README.md").read_text()
+    without = readme.replace(docs.FAMILIES_BEGIN, "")
+    with pytest.raises(ValueError, match="model families"):
+        docs.render(without)
