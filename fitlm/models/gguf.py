@@ -58,10 +58,15 @@ def _family(meta: dict[str, Any], source: str):
     return family
 
 
+def _value(v: Any) -> Any:
+    """GGUF stores reals as float32: give back the shortest decimal that rounds to it (1e-06, not 9.99e-07)."""
+    return float(str(np.float32(v))) if isinstance(v, (float, np.floating)) else v
+
+
 def config_from_gguf(meta: dict[str, Any], vocab_rows: int, source: str) -> ModelConfig:
     family = _family(meta, source)
     arch = family.gguf.arch
-    k = lambda key, default=None: meta.get(f"{arch}.{key}", default)  # noqa: E731
+    k = lambda key, default=None: _value(meta.get(f"{arch}.{key}", default))  # noqa: E731
     heads = int(k("attention.head_count"))
     kv = int(k("attention.head_count_kv", heads))
     hidden = int(k("embedding_length"))

@@ -1,0 +1,96 @@
+"""GGUF out and back in for every family llama.cpp defines, against the gguf package and transformers'
+GGUF loader: llama.cpp's architecture names, tensor names, q/k permutation (llama only) and Gemma's
+stored 1 + w norms; fitlm's import of fitlm's export reproduces the logits; the gguf package reads the
+metadata; transformers' GGUF loader gives the same logits where its GGUF reader knows every key the
+model uses (it reads no query_pre_attn_scalar, key_length for Qwen3, or RoPE scaling).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from fitlm.export.gguf import export_gguf
+from fitlm.models import load_model_dir
+from tests.parity.test_families import CASES, case  # noqa: F401  (the module-scoped HF checkpoints)
+
+# Cases whose RoPE scaling has a llama.cpp metadata key (linear, yarn) or none.
+EXPORTABLE = [n for n, (_, kw, _) in CASES.items()
+              if (kw.get("rope_scaling") or {}).get("rope_type", (kw.get("rope_scaling") or {}).get("type"))
+              in (None, "linear", "yarn")]
+# transformers' GGUF loader reads these completely (short inputs: within every sliding window). Not Phi-3:
+# without a tokenizer in the file its config keeps pad_token_id 32000, outside this test vocabulary.
+TRANSFORMERS_READS = {"qwen2.5_gqa6-2", "mistral_window7_headdim16"}
+T = 5
+
+
+def ids(t: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 131, (2, t), generator=torch.Generator().manual_seed(seed))
+
+
+REFUSED = [n for n in CASES if n not in EXPORTABLE]
+
+
+@pytest.fixture
+def exported(case, tmp_path):
+    name, hf, d, ours, mcfg, _ = case
+    f = tmp_path / "m.gguf"
+    export_gguf(load_model_dir(d), f, "f32")
+    return f
+
+
+@pytest.mark.parametrize("case", EXPORTABLE, indirect=True)
+def test_gguf_export_imports_back_with_equal_logits(case, exported):
+    name, hf, d, ours, mcfg, _ = case
+    back = load_model_dir(exported)
+    assert back.config.model.model_dump(exclude={"init_std"}) == mcfg.model_dump(exclude={"init_std"})
+    x = ids(40)
+    with torch.no_grad():
+        torch.testing.assert_close(back.model(x), ours(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", EXPORTABLE, indirect=True)
+def test_gguf_names_are_llama_cpps(case, exported):
+    from gguf import GGUFReader
+
+    name, hf, d, ours, mcfg, _ = case
+    reader = GGUFReader(str(exported))
+    fields = {k: v.contents() for k, v in reader.fields.items() if not k.startswith("GGUF.")}
+    arch = mcfg.family.gguf.arch
+    assert fields["general.architecture"] == arch
+    assert fields[f"{arch}.block_count"] == mcfg.num_layers
+    assert fields[f"{arch}.attention.head_count_kv"] == mcfg.kv_heads
+    names = {t.name for t in reader.tensors}
+    assert "token_embd.weight" in names and "blk.0.attn_norm.weight" in names and "output_norm.weight" in names
+    assert ("output.weight" in names) == (not mcfg.tie_embeddings)
+    expected = {"phi3": {"blk.0.attn_qkv.weight", "blk.0.ffn_up.weight"},
+                "gemma2": {"blk.0.post_attention_norm.weight", "blk.0.post_ffw_norm.weight"},
+                "gemma3": {"blk.0.attn_q_norm.weight", "blk.0.post_ffw_norm.weight"},
+                "qwen3": {"blk.0.attn_q_norm.weight", "blk.0.attn_k_norm.weight"},
+                "qwen2": {"blk.0.attn_q.bias", "blk.0.attn_k.bias", "blk.0.attn_v.bias"}}.get(arch, set())
+    assert expected <= names
+    if mcfg.family.gguf.norm_offset:  # Gemma: llama.cpp stores the scale 1 + w
+        t = next(t for t in reader.tensors if t.name == "blk.0.attn_norm.weight")
+        w = ours.state_dict()["model.layers.0.input_layernorm.weight"]
+        torch.testing.assert_close(torch.tensor(t.data).float(), w + 1.0)
+
+
+@pytest.mark.parametrize("case", sorted(TRANSFORMERS_READS), indirect=True)
+def test_transformers_gguf_loader_gives_equal_logits(case, exported):
+    name, hf, d, ours, mcfg, _ = case
+    back = AutoModelForCausalLM.from_pretrained(exported.parent, gguf_file=exported.name, dtype=torch.float32).eval()
+    x = ids(T, seed=1)
+    with torch.no_grad():
+        torch.testing.assert_close(back(x).logits, ours(x), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("case", REFUSED, indirect=True)
+def test_gguf_export_refuses_scaling_without_a_llama_cpp_key(case, tmp_path):
+    from fitlm.export.errors import ExportError
+    from fitlm.models.gguf import GGUFError
+
+    name, hf, d, *_ = case
+    with pytest.raises((GGUFError, ExportError), match="RoPE scaling"):
+        export_gguf(load_model_dir(d), tmp_path / "m.gguf", "f32")
+    assert not (tmp_path / "m.gguf").exists()
