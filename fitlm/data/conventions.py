@@ -12,8 +12,8 @@ them so that its encodings follow the model instead of one fixed rule:
 
 BOS is added when the tokenizer.json post-processor inserts it (what transformers 5 follows; fitlm then
 does not add a second one) or tokenizer_config.json has add_bos_token: true (what transformers 4's
-Llama-family classes and llama.cpp follow); real models state both. fitlm's own convention (BOS before every text; names <|bos|> <|eos|> <|pad|> unless
-given) applies to tokenizers trained by `fitlm data tokenizer` (created_by: fitlm) and to a bare
+Llama-family classes and llama.cpp follow); real models state both. fitlm's own convention (BOS before
+every text; names <|bos|> <|eos|> <|pad|> unless given) applies to tokenizers trained by `fitlm data tokenizer` (created_by: fitlm) and to a bare
 tokenizer.json with neither tokenizer_config.json nor special_tokens_map.json beside it.
 A model that names no PAD token (Llama 3, ...) pads with EOS: padded positions never reach the loss, so
 PAD only has to be a real token.
@@ -106,7 +106,7 @@ def read_conventions(json_path: Path, backend: tokenizers.Tokenizer, given: dict
     fitlm_style = cfg.get("created_by") == "fitlm" or not (cfg_path.is_file() or map_path.is_file())
     vocab_rows = max(backend.get_vocab(with_added_tokens=True).values(), default=-1) + 1
     gen_ids = {k: _id_list(gen, f"{k}_token_id", gen_path, vocab_rows) for k in ("bos", "eos", "pad")}
-    before, after = [], []
+    before = post_processor_wrap(backend)[0]  # what it appends (add_eos) is never put on a prompt
     if len(before) > 1:
         raise DataError(f"{json_path}: its post_processor puts {len(before)} tokens before each text; fitlm adds "
                         f"at most one (BOS). Use a tokenizer.json whose post_processor adds BOS only (or nothing)")

@@ -62,7 +62,7 @@ def export_hf(loaded: LoadedModel, out: str | Path, max_shard_bytes: int = DEFAU
     gen_file = out / "generation_config.json"
     gen = json.loads(gen_file.read_text())
     gen["pad_token_id"] = ids["pad"]
-    if len(ids.get("stops") or ()) > 1:  # generation stops at every EOS / end-of-turn id, as the model's own config says
+    if len(ids.get("stops") or ()) > 1:  # every EOS / end-of-turn id the model stops at, as its own config lists
         gen["eos_token_id"] = ids["stops"]
     gen_file.write_text(json.dumps(gen, indent=2) + "\n")
     meta = build_metadata("hf", loaded.path)

@@ -83,7 +83,8 @@ class TPBlockPlan:
 
     `norms` act on the residual stream (replicated, or on sequence shards); `inputs` are sub-blocks whose
     first argument is gathered to the full sequence; `colwise` / `rowwise` are the Megatron split;
-    `head_norms` act per head on [B,T,heads,D] (Qwen3/Gemma 3 q/k norms: sharded over heads, weight replicated).
+    `head_norms` act per head on [B,T,heads,D] (Qwen3/Gemma 3 q/k norms: sharded over heads, weight replicated);
+    `post_norms` normalise a sub-block's output before the residual add (Gemma), so they return plain tensors.
     Paths a block does not have are skipped.
     """
 
@@ -93,6 +94,7 @@ class TPBlockPlan:
                                 "mlp.up_proj")
     rowwise: tuple[str, ...] = ("self_attn.o_proj", "mlp.down_proj")
     head_norms: tuple[str, ...] = ("self_attn.q_norm", "self_attn.k_norm")
+    post_norms: tuple[str, ...] = ()  # norms on a sub-block's output, added to the residual (Gemma): local output
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,9 @@ class Family:
     gguf: GGUFNames | None = None
     features: tuple[str, ...] = field(default=())  # shown in the README families table
     tensor_parallel: bool = True
+    # Module surgery before tensor parallel (Phi-3 splits its fused projections); names then differ from HF's,
+    # and `to_hf` must accept both forms.
+    prepare_tensor_parallel: Callable[[Any], None] | None = None
     pipeline_parallel: bool = True
 
 

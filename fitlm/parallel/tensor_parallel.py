@@ -127,6 +127,9 @@ def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False,
         present = partial(_has, block)
         for path in filter(present, roles.norms):
             plan[p + path] = _norm_style(sequence_parallel)
+        for path in filter(present, roles.post_norms):  # their output meets the local residual stream
+            plan[p + path] = SequenceParallel(use_local_output=True) if sequence_parallel else \
+                ReplicateParallel(Replicate(), Replicate())
         for path in filter(present, roles.inputs):
             plan[p + path] = FirstArgLayout(act, Replicate())
         for path in filter(present, roles.colwise):
@@ -162,6 +165,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
         if problems:
             raise ValueError("; ".join(problems))
     tied = _is_tied(model)
+    prepare = model.config.family.prepare_tensor_parallel if isinstance(cfg, ModelConfig) else None
+    if prepare is not None:
+        prepare(model)
     parallelize_module(model, tp_mesh, tensor_parallel_plan(model, sequence_parallel, loss_parallel))
     blocks = list(model.model.layers.values())
     if sequence_parallel and blocks:

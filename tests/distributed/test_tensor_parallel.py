@@ -37,13 +37,15 @@ CASES = {
                    query_pre_attn_scalar=20, attn_logit_softcap=50.0, final_logit_softcap=30.0, tie_embeddings=True),
     "gemma3": dict(arch="gemma3", num_kv_heads=2, head_dim=24, intermediate_size=128, sliding_window=5,
                    rope_theta=1e6, rope_local_theta=1e4, tie_embeddings=True),
+    "phi3": dict(arch="phi3", num_kv_heads=2, intermediate_size=128, sliding_window=7),
     # tp=4 on 4 ranks: 8 query heads, 4 kv heads (2 per kv group), 2 heads per rank.
     "llama_tp4": dict(arch="llama", num_heads=8, num_kv_heads=4, intermediate_size=128, tie_embeddings=True),
 }
 # (case, sequence_parallel, loss_parallel)
 RUNS = [("llama", False, True), ("llama", True, True), ("llama_tied", True, True), ("llama_tied", True, False),
         ("gpt2", False, True), ("gpt2", True, True), ("gpt2_untied", True, True),
-        ("qwen2", True, True), ("qwen3", True, True), ("gemma2", True, True), ("gemma3", False, True)]
+        ("qwen2", True, True), ("qwen3", True, True), ("gemma2", True, True), ("gemma3", False, True),
+        ("phi3", True, True)]
 RUNS4 = [("llama_tp4", True, True)]
 STAGES = [("llama", True, True), ("gpt2_untied", True, False)]  # split in two pipeline stages
 
@@ -126,6 +128,9 @@ def train(model: torch.nn.Module, ctx_fn) -> dict:
 def run_case(case: str, sp: bool, lp: bool, mesh) -> dict:
     import contextlib
 
+    from functools import partial
+
+    from fitlm.models.hf import to_hf_state_dict
     from fitlm.parallel.tensor_parallel import apply_tensor_parallel, full_state_dict, loss_context
     from fitlm.train.loss import cross_entropy_sum
 
@@ -148,10 +153,12 @@ def run_case(case: str, sp: bool, lp: bool, mesh) -> dict:
         except ValueError as e:
             res["uneven"] = str(e)
     res["tp"] = tp_out = train(model, loss_context)
-    ref_g, tp_g = ref_out.pop("grads"), tp_out.pop("grads")
+    # Compared under HF's names: Phi-3's fused projections are split for tensor parallel (and fused back here).
+    hf = partial(to_hf_state_dict, cfg=model.config)
+    ref_g, tp_g = hf(ref_out.pop("grads")), hf(tp_out.pop("grads"))
     res["grad_diff"] = {k: [(tp_g[k] - g).abs().max().item(), g.abs().max().item()] for k, g in ref_g.items()}
     res["all_dtensor"] = all(type(p).__name__ == "DTensor" for p in model.parameters())
-    got, want = full_state_dict(model), ref.state_dict()
+    got, want = hf(full_state_dict(model)), hf(ref.state_dict())
     res["keys_equal"] = sorted(got) == sorted(want)
     res["weight_diff"] = {k: (got[k] - want[k]).abs().max().item() for k in want if k in got}
     return res

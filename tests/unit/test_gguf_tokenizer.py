@@ -111,7 +111,9 @@ def test_byte_level_gguf_imports_with_specials_and_template_then_packs_chat(refs
         assert tok.encode(text, add_bos=tok.add_bos) == want == theirs(text)["input_ids"], (style, text)
         assert tok.decode(want) == ref.decode(want, skip_special_tokens=True)
     assert tok.add_bos == (style == "llama3") and tok.eos_id == ref.eos_token_id
-    assert tok.token_to_id(s["end_of_turn"]) in tok.stop_ids
+    gen = json.loads((out / "generation_config.json").read_text())  # tokenizer.ggml.eot_token_id is a stop id
+    stops = list(dict.fromkeys([tok.eos_id, tok.token_to_id(s["end_of_turn"])]))  # Qwen: eot is eos
+    assert gen["eos_token_id"] == (stops if len(stops) > 1 else stops[0]) and list(tok.stop_ids[:len(stops)]) == stops
     assert tok.pad_id == (ref.eos_token_id if ref.pad_token_id is None else ref.pad_token_id)
     chat = tmp_path / "chat.jsonl"
     chat.write_text(json.dumps({"messages": CONV}) + "\n")
@@ -134,7 +136,8 @@ def spm_reference(root: Path, prefix: bool) -> Path:
     norm = normalizers.Sequence([normalizers.Prepend("▁"), spaces]) if prefix else spaces
     trained = HFTokenizer(models.BPE())
     trained.normalizer = norm
-    trained.train_from_iterator(corpus(300), trainers.BpeTrainer(vocab_size=900, limit_alphabet=120, show_progress=False))
+    trainer = trainers.BpeTrainer(vocab_size=900, limit_alphabet=120, show_progress=False)  # rare chars: byte fallback
+    trained.train_from_iterator(corpus(300), trainer)
     spec = json.loads(trained.to_str())["model"]
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
     for piece in sorted(spec["vocab"], key=spec["vocab"].get):
@@ -146,7 +149,8 @@ def spm_reference(root: Path, prefix: bool) -> Path:
     tok.decoder = decoders.Sequence(decs + [decoders.Strip(" ", 1, 0)] if prefix else decs)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in
                             ("<unk>", "<s>", "</s>", "<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>")])
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", 1)])
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="<|endoftext|>", unk_token="<unk>",
                                  pad_token="<|endoftext|>")
     hf.chat_template = PHI3_TEMPLATE
@@ -227,7 +231,7 @@ def test_unsupported_and_bad_gguf_tokenizers_are_explained(refs, tmp_path):
     base = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b", "ab", "</s>"],
             "tokenizer.ggml.merges": ["a b"], "tokenizer.ggml.eos_token_id": 3}
     assert json.loads(gguf_tokenizer_files(base, "x.gguf")["tokenizer_config.json"])["eos_token"] == "</s>"
-    cases = [({"tokenizer.ggml.model": "bert"}, UnsupportedTokenizer, r"tokenizer\.ggml\.model 'bert' is not converted"),
+    cases = [({"tokenizer.ggml.model": "bert"}, UnsupportedTokenizer, r"\.model 'bert' is not converted"),
              ({"tokenizer.ggml.pre": "deepseek-llm"}, UnsupportedTokenizer, r"tokenizer\.ggml\.pre 'deepseek-llm'"),
              ({"tokenizer.ggml.eos_token_id": 9}, DataError, r"tokenizer\.ggml\.eos_token_id = 9 is not a token id"),
              ({"tokenizer.ggml.eos_token_id": None}, DataError, r"tokenizer\.ggml\.eos_token_id is missing"),

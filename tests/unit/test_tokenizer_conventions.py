@@ -55,7 +55,8 @@ def test_encoding_and_specials_equal_transformers(dirs, style):
     assert tok.pad_id == (hf.pad_token_id if s["pad"] else hf.eos_token_id)  # no PAD named: pads with EOS
     assert tok.stop_ids[0] == tok.eos_id and tok.token_to_id(s["end_of_turn"]) in tok.stop_ids
     if style == "llama3":  # both ids of generation_config.json's eos_token_id list
-        assert set(json.loads((dirs[style] / "generation_config.json").read_text())["eos_token_id"]) <= set(tok.stop_ids)
+        listed = json.loads((dirs[style] / "generation_config.json").read_text())["eos_token_id"]
+        assert set(listed) <= set(tok.stop_ids)
 
 
 def test_bos_from_the_post_processor_or_add_bos_token(dirs, tmp_path):
@@ -104,7 +105,8 @@ def test_template_sources_and_hf_jinja_features(dirs, tmp_path):
     listed = [{"name": "tool_use", "template": "{{ raise_exception('tools') }}"},
               {"name": "default", "template": STYLES["qwen"]["template"]}]
     (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": listed}))
-    assert resolve_template(None, d / "tokenizer.json") == (str(d / "tokenizer_config.json"), STYLES["qwen"]["template"])
+    want = (str(d / "tokenizer_config.json"), STYLES["qwen"]["template"])
+    assert resolve_template(None, d / "tokenizer.json") == want
     assert resolve_template(str(d))[1] == STYLES["qwen"]["template"]  # a model directory as --template
     assert resolve_template("chatml", d / "tokenizer.json")[0] == "chatml"  # an explicit choice still wins
     src = ("{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}{% generation %}"

@@ -8,8 +8,8 @@ from fitlm.models.hf import same_names_from_hf, same_names_to_hf
 from fitlm.models.llama import GGUF_TOP, LINEARS
 from fitlm.registry import register_family
 
-NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
-TP = TPBlockPlan(norms=NORMS)
+TP = TPBlockPlan(norms=("input_layernorm", "pre_feedforward_layernorm"),
+                 post_norms=("post_attention_layernorm", "post_feedforward_layernorm"))
 # llama.cpp's gemma2/gemma3 names: the MLP's pre-norm is ffn_norm, the post-norms are *_post_norm.
 GGUF_LAYER = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
               "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",

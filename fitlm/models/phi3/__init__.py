@@ -5,7 +5,7 @@ from fitlm.models.family import Family, GGUFNames, TPBlockPlan, llama_ffn
 from fitlm.models.hf import same_names_from_hf, same_names_to_hf
 from fitlm.models.llama import GGUF_TOP
 from fitlm.models.phi3 import hf
-from fitlm.models.phi3.model import Phi3ForCausalLM
+from fitlm.models.phi3.model import Phi3ForCausalLM, fuse_state_dict, split_fused
 from fitlm.registry import register_family
 
 LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -19,11 +19,15 @@ def _layer_types_uniform(cfg) -> list[str]:
     return []
 
 
+def _to_hf(sd, cfg, source: str = "state dict"):
+    return same_names_to_hf(fuse_state_dict(sd), cfg, source)
+
+
 FAMILY = register_family(Family(
     name="phi3", model_cls=Phi3ForCausalLM, hf_model_types=("phi3",), hf_architecture="Phi3ForCausalLM",
-    config_from_hf=hf.config_from_hf, config_to_hf=hf.config_to_hf, to_hf=same_names_to_hf,
+    config_from_hf=hf.config_from_hf, config_to_hf=hf.config_to_hf, to_hf=_to_hf,
     from_hf=same_names_from_hf, default_ffn=llama_ffn, planner=counts.rope_planner(fused=True),
-    # A contiguous row shard of a fused [q; k; v] matrix would mix queries and keys.
-    tp_plan=TPBlockPlan(colwise=(), rowwise=()), tensor_parallel=False,
+    # Tensor parallel splits the fused matrices first (split_fused): a row shard of [q; k; v] would mix heads.
+    tp_plan=TPBlockPlan(), prepare_tensor_parallel=split_fused,
     lora_linears=LINEARS, validate=_layer_types_uniform, gguf=GGUFNames("phi3", GGUF_LAYER, GGUF_TOP),
     features=("fused qkv_proj and gate_up_proj (HF/PEFT names)", "LongRoPE"),))
