@@ -16,10 +16,11 @@ STEPS = 4
 REFERENCE = {"micro_batch_size": 4, "gradient_accumulation_steps": 2}
 
 
-def run(tiny_corpus, root, name, parallel: dict, train: dict, *extra: str, memory: dict | None = None):
+def run(tiny_corpus, root, name, parallel: dict, train: dict, *extra: str, memory: dict | None = None,
+        model: dict | None = None):
     train = {"max_steps": STEPS, "eval_interval": STEPS, **train}
-    cfg = tiny_config(tiny_corpus, root / name, train=train, parallel=parallel, model={"tie_embeddings": False},
-                      memory=memory or {})
+    cfg = tiny_config(tiny_corpus, root / name, train=train, parallel=parallel,
+                      model={"tie_embeddings": False, **(model or {})}, memory=memory or {})
     proc = fitlm("train", write_config(root / f"{name}.yaml", cfg), "--json", *extra)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
