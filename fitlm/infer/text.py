@@ -30,16 +30,33 @@ class StreamDecoder:
         self.sent = text
 
 
+def _gguf_tokenizer(path) -> Tokenizer:
+    """The tokenizer stored in a GGUF file, converted as `fitlm import` converts it (in a scratch directory)."""
+    import tempfile
+    from pathlib import Path
+
+    from fitlm.data.gguf_tokenizer import UnsupportedTokenizer, write_gguf_tokenizer
+    from fitlm.models.gguf import read_gguf_metadata
+
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            write_gguf_tokenizer(read_gguf_metadata(path), Path(tmp), str(path))
+        except UnsupportedTokenizer as e:
+            raise ModelDirError(f"{path}: {e}; generate from an imported directory with a tokenizer.json "
+                                f"(`fitlm import {path} --out DIR`, then copy the model's tokenizer into DIR)") from None
+        return Tokenizer.from_file(Path(tmp))
+
+
 def generate_text(model_path: str, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0,
                   top_p: float = 1.0, seed: int | None = 0, stream: Callable[[str], None] | None = None) -> dict:
     loaded = load_model_dir(model_path)
     if loaded.tokenizer_path is None and loaded.source == "gguf":
-        raise ModelDirError(f"{model_path}: a GGUF file is read here without its tokenizer; run `fitlm import "
-                            f"{model_path} --out DIR` (which converts the tokenizer too) and generate from DIR")
-    if loaded.tokenizer_path is None:
+        tok = _gguf_tokenizer(loaded.path)
+    elif loaded.tokenizer_path is None:
         raise ModelDirError(f"{model_path}: no tokenizer.json beside the weights; copy the tokenizer the model was "
                             "trained with into that directory")
-    tok = Tokenizer.from_file(loaded.tokenizer_path)
+    else:
+        tok = Tokenizer.from_file(loaded.tokenizer_path)
     # BOS exactly when the model's tokenizer adds it (fitlm's own tokenizers: always; Qwen: never).
     prompt_ids = tok.encode(prompt, add_bos=tok.add_bos)
     decoder = StreamDecoder(tok, stream) if stream else None

@@ -175,6 +175,11 @@ def _dequantize(t, source: str) -> np.ndarray:
                         f"cannot dequantize; re-quantize the model to Q8_0/Q4_K/Q6_K or F16") from None
 
 
+def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
+    """The metadata of a GGUF file (no tensor data is read)."""
+    return _meta(_reader(Path(path)))
+
+
 def read_gguf_config(path: str | Path) -> ModelConfig:
     """The model config of a GGUF file from its metadata and tensor table (no tensor data is read)."""
     path = Path(path)
