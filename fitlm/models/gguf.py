@@ -17,6 +17,7 @@ import torch
 
 from fitlm import registry
 from fitlm.config import ModelConfig, RopeScalingConfig
+from fitlm.models.rope import longrope_attention_factor, frequency_factors, scaling_from_factors
 from fitlm.models.hf import HFFormatError, StateDict
 
 
@@ -107,7 +108,10 @@ def gguf_metadata(cfg: ModelConfig) -> dict[str, Any]:
         "rope.freq_base": float(cfg.rope_theta), "attention.layer_norm_rms_epsilon": float(cfg.norm_eps),
         "vocab_size": cfg.vocab_size}
     sc = cfg.rope_scaling
-    if sc is not None:
+    if sc is not None and sc.type == "longrope":  # the factors are tensors (gguf_tensors); these keys go beside
+        out["rope.scaling.attn_factor"] = float(longrope_attention_factor(sc, cfg.max_seq_len))
+        out["rope.scaling.original_context_length"] = sc.original_max_seq_len or cfg.max_seq_len
+    elif sc is not None and sc.type != "llama3":
         if sc.type not in ("linear", "yarn"):
             raise GGUFError(f"GGUF export: RoPE scaling {sc.type!r} has no llama.cpp metadata key; export with "
                             f"--format hf")
@@ -131,6 +135,37 @@ def permute_qk(w: torch.Tensor, heads: int) -> torch.Tensor:
     """llama.cpp's `permute` of q/k rows (HF rotate-half -> interleaved pairs): [H,2,D/2,in] -> [H,D/2,2,in]."""
     out_dim = w.shape[0]
     return w.reshape(heads, 2, out_dim // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _rope_tensors(cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """llama.cpp's per-frequency RoPE factors: rope_freqs (Llama 3.x) or rope_factors_short/long (LongRoPE)."""
+    sc = cfg.rope_scaling
+    if sc is None or sc.type not in ("llama3", "longrope"):
+        return {}
+    if sc.type == "llama3":
+        return {"rope_freqs.weight": torch.tensor(frequency_factors(sc, cfg.head_size, cfg.rope_theta, cfg.max_seq_len))}
+    if sc.short_factor == sc.long_factor and longrope_attention_factor(sc, cfg.max_seq_len) == 1.0:
+        return {"rope_freqs.weight": torch.tensor(sc.short_factor)}  # fixed factors (a Llama 3 ramp read back)
+    return {"rope_factors_short.weight": torch.tensor(sc.short_factor),
+            "rope_factors_long.weight": torch.tensor(sc.long_factor)}
+
+
+def _scaling_from_tensors(cfg: ModelConfig, factors: dict[str, np.ndarray], meta: dict[str, Any]) -> ModelConfig:
+    """The RoPE scaling that llama.cpp's factor tensors encode (see _rope_tensors)."""
+    values = {n: [_value(float(v)) for v in np.ravel(f)] for n, f in factors.items()}  # float32 -> shortest decimal
+    if "rope_freqs.weight" in values:
+        sc = scaling_from_factors(values["rope_freqs.weight"], cfg.head_size, cfg.rope_theta, cfg.max_seq_len)
+    elif "rope_factors_short.weight" in values and "rope_factors_long.weight" in values:
+        k = lambda key, default=None: _value(meta.get(f"{cfg.family.gguf.arch}.{key}", default))  # noqa: E731
+        sc = RopeScalingConfig(type="longrope", short_factor=values["rope_factors_short.weight"],
+                               long_factor=values["rope_factors_long.weight"],
+                               original_max_seq_len=k("rope.scaling.original_context_length"))
+        stored = k("rope.scaling.attn_factor")
+        if stored is not None and abs(stored - longrope_attention_factor(sc, cfg.max_seq_len)) > 1e-6:
+            sc = sc.model_copy(update={"attention_factor": stored})  # only when it is not the formula's value
+    else:
+        return cfg
+    return cfg.model_copy(update={"rope_scaling": sc})
 
 
 def _is_norm(gguf_base: str) -> bool:
@@ -160,6 +195,7 @@ def gguf_tensors(sd: StateDict, cfg: ModelConfig):
         if names.norm_offset and _is_norm(g.rpartition(".")[2]):
             w = w + names.norm_offset
         yield f"{g}.{part}", w
+    yield from _rope_tensors(cfg).items()
 
 
 def _dequantize(t, source: str) -> np.ndarray:
@@ -175,6 +211,9 @@ def _dequantize(t, source: str) -> np.ndarray:
                         f"cannot dequantize; re-quantize the model to Q8_0/Q4_K/Q6_K or F16") from None
 
 
+_ROPE = ("rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight")
+
+
 def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
     """The metadata of a GGUF file (no tensor data is read)."""
     return _meta(_reader(Path(path)))
@@ -187,7 +226,9 @@ def read_gguf_config(path: str | Path) -> ModelConfig:
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:
         raise GGUFError(f"{path}: no token_embd.weight tensor; not a llama-style language model")
-    cfg = config_from_gguf(_meta(reader), int(tensors["token_embd.weight"].shape[-1]), str(path))
+    meta = _meta(reader)
+    cfg = config_from_gguf(meta, int(tensors["token_embd.weight"].shape[-1]), str(path))
+    cfg = _scaling_from_tensors(cfg, {n: _dequantize(t, str(path)) for n, t in tensors.items() if n in _ROPE}, meta)
     return cfg if "output.weight" in tensors else cfg.model_copy(update={"tie_embeddings": True})
 
 
@@ -203,12 +244,12 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, StateDict, dict[str, Any]]
     cfg = config_from_gguf(meta, vocab_rows, str(path))
     if "output.weight" not in tensors:
         cfg = cfg.model_copy(update={"tie_embeddings": True})
+    cfg = _scaling_from_tensors(cfg, {n: _dequantize(t, str(path)) for n, t in tensors.items() if n in _ROPE}, meta)
     names = cfg.family.gguf
     sd: StateDict = {}
     for name, t in tensors.items():
-        if name.endswith("rope_freqs.weight") or name.startswith("rope_factors"):
-            raise GGUFError(f"{path}: has {name} (per-frequency RoPE factors: Llama 3.1 / Phi-3 128k scaling), which "
-                            f"fitlm's GGUF import does not read yet; import the model from its Hugging Face directory")
+        if name in _ROPE:
+            continue  # RoPE factors: part of the config (model.rope_scaling), not weights
         base, _, part = name.rpartition(".")
         pieces = base.split(".")
         if pieces[0] == "blk" and len(pieces) == 3 and pieces[2] in names.layer:

@@ -65,7 +65,7 @@ def _yarn(dim: int, theta: float, sc: RopeScalingConfig, max_seq_len: int, devic
     return interpolation * (1 - keep) + extrapolation * keep, float(attn)
 
 
-def _longrope_factor(sc: RopeScalingConfig, max_seq_len: int) -> float:
+def longrope_attention_factor(sc: RopeScalingConfig, max_seq_len: int) -> float:
     original = sc.original_max_seq_len or max_seq_len
     factor = sc.factor or max_seq_len / original
     if sc.attention_factor is not None:
@@ -128,7 +128,7 @@ class RotaryEmbedding(nn.Module):
         ext = sc.long_factor if seq_len and seq_len > original else sc.short_factor
         exponents = torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d
         inv = 1.0 / (torch.tensor(ext, dtype=torch.float32, device=device) * theta ** exponents)
-        return inv, _longrope_factor(sc, self.max_seq_len)
+        return inv, longrope_attention_factor(sc, self.max_seq_len)
 
     def _tables(self, positions: torch.Tensor, seq_len: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         inv, scale = self.inv_freq(seq_len, positions.device)
@@ -162,3 +162,39 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     cos = cos.unsqueeze(1).to(x.dtype)  # [B,1,T,D]
     sin = sin.unsqueeze(1).to(x.dtype)
     return x * cos + rotate_half(x) * sin
+
+
+# --------------------------------------------------------------------------- llama.cpp's per-frequency factors
+# llama.cpp divides each frequency by a stored factor (the `rope_freqs` tensor for Llama 3.x, the
+# `rope_factors_short/long` tensors for Phi-3 LongRoPE): inv_freq = base_inv_freq / factor.
+
+
+def frequency_factors(sc: RopeScalingConfig, head_dim: int, theta: float, max_seq_len: int) -> list[float]:
+    """llama.cpp's rope_freqs for a llama3 scaling (what its converter writes)."""
+    base = _base_inv_freq(head_dim, theta, "cpu").double()
+    scaled = _llama3(base, sc, max_seq_len)
+    return (base / scaled).tolist()
+
+
+def scaling_from_factors(factors: list[float], head_dim: int, theta: float, max_seq_len: int) -> RopeScalingConfig:
+    """A RoPE scaling whose frequencies are base / factors: Llama 3's parameters when the factors are a llama3
+    ramp (only the ratios original/low and original/high matter, so low_freq_factor is taken as 1 -- Meta's
+    value), else the same factors as a LongRoPE pair that never switches."""
+    f = torch.tensor(factors, dtype=torch.float64)
+    base = _base_inv_freq(head_dim, theta, "cpu").double()
+    x = base / (2 * math.pi)  # 1 / wavelength
+    factor = float(f.max())
+    medium = (f > 1 + 1e-6) & (f < factor - 1e-6)
+    if factor > 1 and int(medium.sum()) >= 2:
+        smooth = (1 / f[medium] - 1 / factor) / (1 - 1 / factor)  # linear in 1/wavelength: a·x + b
+        a, b = torch.linalg.lstsq(torch.stack([x[medium], torch.ones_like(x[medium])], 1), smooth[:, None]).solution[:, 0]
+        if b < 0 and a > 0:
+            high = 1 - 1 / float(b)
+            candidate = RopeScalingConfig(type="llama3", factor=factor, low_freq_factor=1.0,
+                                          high_freq_factor=round(high, 6), original_max_seq_len=round(-float(a / b)))
+            if torch.allclose(torch.tensor(frequency_factors(candidate, head_dim, theta, max_seq_len),
+                                           dtype=torch.float64), f, rtol=1e-5):
+                return candidate
+    values = [float(v) for v in factors]
+    return RopeScalingConfig(type="longrope", short_factor=values, long_factor=values, attention_factor=1.0,
+                             original_max_seq_len=max_seq_len)

@@ -53,8 +53,10 @@ CASES = {  # name -> (model_type, config overrides, fitlm arch)
                                  sliding_window=9), "phi3"),
     "phi3.5_longrope": ("phi3", dict(hidden_size=64, num_attention_heads=4, intermediate_size=96,
                                      original_max_position_embeddings=16,
-                                     rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
-                                                   "long_factor": [2.0 + 0.3 * i for i in range(8)]}), "phi3"),
+                                     rope_scaling={"type": "longrope",
+                                                   "short_factor": [round(1.0 + 0.1 * i, 2) for i in range(8)],
+                                                   "long_factor": [round(2.0 + 0.3 * i, 2) for i in range(8)]}),
+                        "phi3"),
 }
 
 

@@ -15,10 +15,13 @@ from fitlm.export.gguf import export_gguf
 from fitlm.models import load_model_dir
 from tests.parity.test_families import CASES, case  # noqa: F401  (the module-scoped HF checkpoints)
 
-# Cases whose RoPE scaling has a llama.cpp metadata key (linear, yarn) or none.
-EXPORTABLE = [n for n, (_, kw, _) in CASES.items()
-              if (kw.get("rope_scaling") or {}).get("rope_type", (kw.get("rope_scaling") or {}).get("type"))
-              in (None, "linear", "yarn")]
+def _rope_type(kw: dict) -> str | None:
+    sc = kw.get("rope_scaling") or {}
+    return sc.get("rope_type", sc.get("type"))
+
+
+# Cases whose RoPE llama.cpp can store: metadata (linear, yarn), factor tensors (llama3, longrope) or plain.
+EXPORTABLE = [n for n, (_, kw, _) in CASES.items() if _rope_type(kw) != "dynamic"]
 # transformers' GGUF loader reads these completely (short inputs: within every sliding window). Not Phi-3:
 # without a tokenizer in the file its config keeps pad_token_id 32000, outside this test vocabulary.
 TRANSFORMERS_READS = {"qwen2.5_gqa6-2", "mistral_window7_headdim16"}
@@ -44,7 +47,13 @@ def exported(case, tmp_path):
 def test_gguf_export_imports_back_with_equal_logits(case, exported):
     name, hf, d, ours, mcfg, _ = case
     back = load_model_dir(exported)
-    assert back.config.model.model_dump(exclude={"init_std"}) == mcfg.model_dump(exclude={"init_std"})
+    got = back.config.model
+    if mcfg.rope_scaling is not None and mcfg.rope_scaling.type == "llama3" and got.rope_scaling.type == "longrope":
+        # 8 frequencies hold too few ramp points to name Llama 3's parameters: the same factors come back as
+        # a fixed (never switching) LongRoPE pair -- equal frequencies, checked by the logits below.
+        assert got.rope_scaling.short_factor == got.rope_scaling.long_factor
+        got = got.model_copy(update={"rope_scaling": mcfg.rope_scaling})
+    assert got.model_dump(exclude={"init_std"}) == mcfg.model_dump(exclude={"init_std"})
     x = ids(40)
     with torch.no_grad():
         torch.testing.assert_close(back.model(x), ours(x), rtol=1e-5, atol=1e-5)
@@ -64,6 +73,11 @@ def test_gguf_names_are_llama_cpps(case, exported):
     names = {t.name for t in reader.tensors}
     assert "token_embd.weight" in names and "blk.0.attn_norm.weight" in names and "output_norm.weight" in names
     assert ("output.weight" in names) == (not mcfg.tie_embeddings)
+    sc = mcfg.rope_scaling
+    if sc is not None and sc.type == "llama3":
+        assert "rope_freqs.weight" in names
+    if sc is not None and sc.type == "longrope":
+        assert {"rope_factors_short.weight", "rope_factors_long.weight"} <= names
     expected = {"phi3": {"blk.0.attn_qkv.weight", "blk.0.ffn_up.weight"},
                 "gemma2": {"blk.0.post_attention_norm.weight", "blk.0.post_ffw_norm.weight"},
                 "gemma3": {"blk.0.attn_q_norm.weight", "blk.0.post_ffw_norm.weight"},
@@ -94,3 +108,19 @@ def test_gguf_export_refuses_scaling_without_a_llama_cpp_key(case, tmp_path):
     with pytest.raises((GGUFError, ExportError), match="RoPE scaling"):
         export_gguf(load_model_dir(d), tmp_path / "m.gguf", "f32")
     assert not (tmp_path / "m.gguf").exists()
+
+
+def test_llama_3_1_rope_factors_name_their_parameters_again():
+    """llama.cpp's rope_freqs of Llama 3.1 (head_dim 128, theta 500000, factor 8, low 1, high 4, 8192) give
+    back exactly those parameters, so an imported Llama 3.1 GGUF exports to HF as Meta's config."""
+    from fitlm.config import RopeScalingConfig
+    from fitlm.models.rope import frequency_factors, scaling_from_factors
+
+    meta = RopeScalingConfig(type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                             original_max_seq_len=8192)
+    factors = frequency_factors(meta, 128, 500000.0, 131072)
+    assert factors[0] == 1.0 and max(factors) == 8.0  # high frequencies kept, low ones divided by 8
+    assert scaling_from_factors(factors, 128, 500000.0, 131072) == meta
+    other = [1.0 + 0.5 * i for i in range(64)]  # not a llama3 ramp: fixed factors, same frequencies
+    sc = scaling_from_factors(other, 128, 500000.0, 131072)
+    assert sc.type == "longrope" and sc.short_factor == sc.long_factor == other and sc.attention_factor == 1.0
