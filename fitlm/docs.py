@@ -25,19 +25,10 @@ _NO = "—"
 
 
 def gguf_exportable(family: "Family") -> bool:
-    """Whether `fitlm export --format gguf` writes this family.
+    """Whether `fitlm export --format gguf` writes this family (its own predicate, fitlm.export.gguf.EXPORTABLE)."""
+    from fitlm.export.gguf import EXPORTABLE
 
-    Asks fitlm.export.gguf for `EXPORTABLE` (a predicate on a Family, or a collection of family names or
-    llama.cpp architecture names) when it defines one; otherwise only the llama architecture is written.
-    """
-    import fitlm.export.gguf as gguf_export
-
-    exportable = getattr(gguf_export, "EXPORTABLE", None)
-    if callable(exportable):
-        return bool(exportable(family))
-    if exportable is not None:
-        return family.name in exportable or (family.gguf is not None and family.gguf.arch in exportable)
-    return family.gguf is not None and family.gguf.arch == "llama"  # GGUF-OUT FALLBACK: llama only
+    return bool(EXPORTABLE(family))
 
 
 def _code(names: Iterable[str]) -> str:
