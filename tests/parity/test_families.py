@@ -175,3 +175,31 @@ def test_fitlm_lora_adapter_loads_in_peft_with_equal_logits(case, tmp_path):
         expected = ours(x)
         got = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()(x).logits
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_gemma3_multimodal_checkpoint_imports_its_language_model(tmp_path):
+    """Gemma 3 4B and up ship as Gemma3ForConditionalGeneration (model_type gemma3, a text_config, weights
+    under language_model.*, a vision tower): fitlm reads the language model, and on text its logits and
+    greedy tokens are the multimodal model's."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    text = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=24, intermediate_size=96,
+                num_hidden_layers=3, vocab_size=V, sliding_window=6, max_position_embeddings=64)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    cfg = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=V - 1,
+                       boi_token_index=V - 3, eoi_token_index=V - 2)
+    cfg._attn_implementation = "eager"
+    cfg.text_config._attn_implementation = "eager"
+    hf = Gemma3ForConditionalGeneration(cfg).float().eval()
+    randomize(hf, seed=7)
+    hf.save_pretrained(tmp_path / "mm")
+    ours, mcfg = load_hf_dir(tmp_path / "mm")
+    assert mcfg.arch == "gemma3" and mcfg.num_layers == 3 and mcfg.tie_embeddings
+    x = ids(PROMPT + NEW) % (V - 3)  # text tokens only
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), hf(input_ids=x).logits, rtol=1e-4, atol=1e-4)
+    prompt = x[:1, :PROMPT]
+    ref = hf.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW,
+                      min_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)[0, PROMPT:].tolist()
+    assert generate(ours, prompt[0].tolist(), NEW, temperature=0.0, eos_id=None) == ref

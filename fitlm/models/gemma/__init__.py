@@ -61,12 +61,13 @@ GEMMA2 = register_family(Family(
               "attention and final logit soft-capping", "alternating sliding-window / global layers"),))
 
 GEMMA3 = register_family(Family(
-    name="gemma3", model_cls=Gemma3ForCausalLM, hf_model_types=("gemma3_text",), hf_architecture="Gemma3ForCausalLM",
-    config_from_hf=hf.gemma3_from_hf, config_to_hf=hf.gemma3_to_hf, to_hf=same_names_to_hf,
-    from_hf=same_names_from_hf, default_ffn=_ffn,
+    name="gemma3", model_cls=Gemma3ForCausalLM, hf_model_types=("gemma3_text", "gemma3"),
+    hf_architecture="Gemma3ForCausalLM", config_from_hf=hf.gemma3_from_hf, config_to_hf=hf.gemma3_to_hf,
+    to_hf=same_names_to_hf, from_hf=hf.gemma3_from_hf_state_dict, default_ffn=_ffn,
     planner=counts.rope_planner(counts.with_qk_norm(counts.GEMMA_BYTES, counts.QK_NORM_UNIT_OFFSET), norms=4,
                                 qk_norm=True),
     tp_plan=TP, lora_linears=LINEARS, default_layer_type=hf.gemma3_layer_type,
     gguf=GGUFNames("gemma3", {**GGUF_LAYER, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
                    GGUF_TOP, norm_offset=1.0, read_extra=_gguf_read3, write_extra=_gguf_write),
-    features=("Gemma 2's block with per-head q/k norm", "local/global RoPE bases", "5 sliding : 1 global layers"),))
+    features=("Gemma 2's block with per-head q/k norm", "local/global RoPE bases", "5 sliding : 1 global layers",
+              "multimodal checkpoints (4B+): the language model, exported text-only"),))

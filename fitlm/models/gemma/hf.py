@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from fitlm.config import ModelConfig
-from fitlm.models.hf import normalized, refuse, rope_family_config, rope_family_config_to_hf, rope_from_hf, \
+from fitlm.models.hf import normalized, refuse, same_names_from_hf, rope_family_config, rope_family_config_to_hf, rope_from_hf, \
     rope_to_hf
 
 
@@ -50,7 +50,29 @@ def gemma2_from_hf(hf: Mapping[str, Any], source: str) -> ModelConfig:
 
 
 def gemma3_from_hf(hf: Mapping[str, Any], source: str) -> ModelConfig:
+    if isinstance(hf.get("text_config"), Mapping):  # Gemma3ForConditionalGeneration (4B and up): its language model
+        hf = {"tie_word_embeddings": hf.get("tie_word_embeddings", True), **hf["text_config"]}
     return _config(hf, source, "gemma3")
+
+
+_VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def gemma3_from_hf_state_dict(sd, cfg: ModelConfig, source: str):
+    """The language model of a Gemma 3 checkpoint: text-only names as they are; a multimodal checkpoint's
+    `language_model.model.*` (or transformers 5's `model.language_model.*`) renamed, its vision tower and
+    projector left out -- fitlm trains and serves the text model."""
+    out = {}
+    for k, v in sd.items():
+        if k.startswith(_VISION):
+            continue
+        for prefix, repl in (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                             ("model.language_model.", "model.")):
+            if k.startswith(prefix):
+                k = repl + k[len(prefix):]
+                break
+        out[k] = v
+    return same_names_from_hf(out, cfg, source)
 
 
 def _to_hf(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
