@@ -149,7 +149,8 @@ def logits_bytes(s: Setup, tokens: float) -> float:
         # hidden gradient.
         half = act_bytes(s) < 4
         per_logit = 4 + (2 if half else 0)
-        weight_grad = v * s.h * (4 + (6 if half else 0))
+        # (none for a frozen head: LoRA, or freeze with the embeddings and a tied head)
+        weight_grad = v * s.h * (4 + (6 if half else 0)) if ft.head_trains(s) else 0.0
         return chunk * v * per_logit + weight_grad + tokens * s.h * act_bytes(s)
     fsdp_casts = s.level == "O2" and s.zero >= 2 and s.dp > 1  # FSDP2 gathers half weights instead
     half_frozen = ft.frozen_in_half(s) and not ft.head_trains(s)  # a frozen head stored in half needs no cast

@@ -35,8 +35,10 @@ def count_targets(labels: torch.Tensor) -> int:
     return int((labels != IGNORE_INDEX).sum())
 
 
-def _chunk(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, grad_weight: torch.Tensor | None):
-    """Summed CE of one chunk and, given the fp32 `grad_weight` to accumulate into (in place), d(sum CE)/d h.
+def _chunk(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, need_grad: bool,
+           grad_weight: torch.Tensor | None):
+    """Summed CE of one chunk and, with `need_grad`, d(sum CE)/d h; the weight's gradient is accumulated in
+    place into the fp32 `grad_weight` when given (None: a frozen head, as under LoRA, needs none).
 
     h [c,C], weight [V,C], y [c]. One [c,V] buffer, updated in place: logits -> shifted -> exp -> softmax
     -> gradient (the textbook logsumexp / exp(logits - lse) / one-hot / mask made four [c,V] passes more
@@ -50,7 +52,7 @@ def _chunk(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, grad_weight: 
     probs = logits.exp_()
     norm = probs.sum(dim=-1)  # [c]; lse - target logit = log(norm) - picked
     total = ((norm.log() - picked) * valid).sum()
-    if grad_weight is None:
+    if not need_grad:
         return total, None
     # d(sum CE)/d logits = softmax - onehot, zero on ignored rows.
     grad = probs.div_(norm[:, None])
@@ -58,7 +60,9 @@ def _chunk(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, grad_weight: 
     grad *= valid[:, None]
     del logits, probs
     grad = grad.to(h.dtype)  # [c,V] as the plain path's backward would see it
-    if grad_weight.dtype == grad.dtype:
+    if grad_weight is None:
+        pass
+    elif grad_weight.dtype == grad.dtype:
         grad_weight.addmm_(grad.t(), h)
     else:
         grad_weight += (grad.t() @ h).float()
@@ -91,9 +95,11 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         step = _chunk_fn(compiled)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if need_grad else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grad else None
+        # A frozen head (LoRA, freeze) gets no [V, C] fp32 gradient buffer: for a 128K vocabulary that is GiBs.
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+            if ctx.needs_input_grad[1] else None
         for start in range(0, hidden.shape[0], chunk):
-            loss, gh = step(hidden[start:start + chunk], weight, labels[start:start + chunk], grad_weight)
+            loss, gh = step(hidden[start:start + chunk], weight, labels[start:start + chunk], need_grad, grad_weight)
             total += loss
             if need_grad:
                 grad_hidden[start:start + chunk] = gh

@@ -139,6 +139,23 @@ class LargestTensor(TorchDispatchMode):
         return out
 
 
+class NewTensorsOfShape(TorchDispatchMode):
+    """Counts op outputs shaped like `like` (either orientation) that do not share its storage."""
+
+    def __init__(self, like: torch.Tensor):
+        super().__init__()
+        self.shapes = {tuple(like.shape), tuple(like.shape[::-1])}
+        self.ptr, self.count = like.untyped_storage().data_ptr(), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and tuple(t.shape) in self.shapes and \
+                    t.untyped_storage().data_ptr() != self.ptr:
+                self.count += 1
+        return out
+
+
 def test_chunked_loss_equals_plain_without_whole_logits(tiny_corpus, tmp_path):
     plain = make_trainer(tiny_corpus, tmp_path / "a")
     chunked = make_trainer(tiny_corpus, tmp_path / "b", memory={"loss_chunk_size": 32})
@@ -155,6 +172,23 @@ def test_chunked_loss_equals_plain_without_whole_logits(tiny_corpus, tmp_path):
     vocab, tokens = 512, batch["input_ids"].numel()
     assert seen.largest < tokens * vocab  # never a whole [tokens, vocab] logits tensor
     assert seen.largest >= 32 * vocab  # but one chunk's
+
+
+def test_chunked_loss_with_a_frozen_head_keeps_no_weight_gradient_buffer():
+    """LoRA freezes the head: the hidden gradient is still exact, and no fp32 [V, C] buffer is made or kept."""
+    torch.manual_seed(0)
+    h = torch.randn(2, 24, 16, requires_grad=True)
+    w = torch.randn(300, 16)  # frozen
+    y = torch.randint(0, 300, (2, 24))
+    cross_entropy_sum(h @ w.t(), y).backward()
+    ref = h.grad.clone()
+    h.grad = None
+    with NewTensorsOfShape(w) as seen:
+        out = chunked_cross_entropy_sum(h, w, y, 8)
+        assert all(t.shape != w.shape for t in out.grad_fn.saved_tensors if t is not None)
+        out.backward()
+    assert seen.count == 0  # no [300, 16] gradient accumulator (views of w itself do not count)
+    torch.testing.assert_close(h.grad, ref, rtol=1e-5, atol=1e-6)
 
 
 def test_chunked_cross_entropy_matches_in_bf16_and_without_grad():
