@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -492,6 +493,7 @@ def semantic_errors(cfg: Config) -> list[str]:
     if m.layer_types is not None and len(m.layer_types) != m.num_layers:
         errs.append(f"model.layer_types: lists {len(m.layer_types)} blocks but model.num_layers={m.num_layers}; "
                     f"give one entry per block or null for the family's pattern")
+    errs += rope_scaling_errors(m)
     if m.arch not in registry.model_names():
         errs.append(f"model.arch: unknown family {m.arch!r}; registered: {', '.join(registry.model_names())}")
     elif m.num_heads >= 1 and m.num_layers >= 1:
@@ -510,6 +512,24 @@ def semantic_errors(cfg: Config) -> list[str]:
     return errs
 
 
+def rope_scaling_errors(m: ModelConfig) -> list[str]:
+    """What a model.rope_scaling section lacks to be computed."""
+    sc = m.rope_scaling
+    if sc is None:
+        return []
+    errs = []
+    if sc.type in ("linear", "dynamic", "llama3") and not sc.factor:
+        errs.append(f"model.rope_scaling.factor: type {sc.type!r} needs a factor (e.g. 8.0)")
+    if sc.type == "longrope":
+        half = m.head_size // 2
+        for key in ("short_factor", "long_factor"):
+            values = getattr(sc, key)
+            if values is None or len(values) != half:
+                errs.append(f"model.rope_scaling.{key}: longrope needs head_dim/2 = {half} values "
+                            f"(got {None if values is None else len(values)})")
+    return errs
+
+
 def memory_errors(cfg: Config) -> list[str]:
     """Rules of the memory section and the learning-rate scaling that depends on the batch."""
     mem, p, t = cfg.memory, cfg.parallel, cfg.train
@@ -521,6 +541,9 @@ def memory_errors(cfg: Config) -> list[str]:
     if mem.loss_chunk_size and p.tensor_parallel > 1:
         errs.append("memory.loss_chunk_size: tensor parallel already computes the loss on vocab-sharded logits; "
                     "set loss_chunk_size to 0 with tensor_parallel > 1")
+    if mem.loss_chunk_size and cfg.model.final_logit_softcap is not None:
+        errs.append("memory.loss_chunk_size: the chunked loss computes plain logits, but model.final_logit_softcap "
+                    "caps them (Gemma 2); set loss_chunk_size to 0 for this model")
     if mem.loss_chunk_size and p.pipeline_parallel > 1:
         errs.append("memory.loss_chunk_size: not supported with pipeline_parallel > 1 (the last stage computes "
                     "the loss from its logits); set it to 0, or use data parallel / ZeRO")
@@ -607,6 +630,10 @@ def config_reference_markdown() -> str:
             default = field.get_default(call_default_factory=True)
             desc = (field.description or "").replace("|", "\\|").replace("\n", " ")
             lines.append(f"| `{key}` | {fmt(default)} | {desc} |")
+            # An optional section (e.g. model.rope_scaling: null or a mapping): its keys, when given.
+            for arg in typing.get_args(ann):
+                if isinstance(arg, type) and issubclass(arg, BaseModel):
+                    walk(arg, key + ".")
 
     walk(Config, "")
     return "\n".join(lines) + "\n"

@@ -73,22 +73,6 @@ def longrope_attention_factor(sc: RopeScalingConfig, max_seq_len: int) -> float:
     return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
-def rope_problems(sc: RopeScalingConfig | None, head_dim: int) -> list[str]:
-    """What a scaling section lacks to be computed (checked at config validation)."""
-    if sc is None:
-        return []
-    errs = []
-    if sc.type in ("linear", "dynamic", "llama3") and not sc.factor:
-        errs.append(f"model.rope_scaling.factor: type {sc.type!r} needs a factor")
-    if sc.type == "longrope":
-        for key in ("short_factor", "long_factor"):
-            values = getattr(sc, key)
-            if values is None or len(values) != head_dim // 2:
-                errs.append(f"model.rope_scaling.{key}: longrope needs head_dim/2 = {head_dim // 2} values "
-                            f"(got {None if values is None else len(values)})")
-    return errs
-
-
 class RotaryEmbedding(nn.Module):
     """cos/sin for positions, in the rotate-half layout, for one base and one scaling."""
 

@@ -88,3 +88,28 @@ def test_non_power_of_two_gqa_is_valid():
 def test_readme_config_reference_is_current():
     readme = (ROOT / "README.md").read_text()
     assert render(readme) == readme, "README config reference is stale: run `make docs`"
+
+
+def test_family_keys_are_validated_with_the_key_and_the_fix():
+    from fitlm.config import ConfigError, validate_dict
+
+    cases = {
+        "model.rope_scaling.factor: type 'llama3' needs a factor": {"model": {"rope_scaling": {"type": "llama3"}}},
+        "model.rope_scaling.long_factor: longrope needs head_dim/2 = 32 values":
+            {"model": {"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 32}}},
+        "model.sliding_window: gpt2 has no such feature": {"model": {"arch": "gpt2", "sliding_window": 8}},
+        "model.layer_types: lists 1 blocks but model.num_layers=4": {"model": {"sliding_window": 8,
+                                                                            "layer_types": ["full"]}},
+        "model.arch: unknown family 'mixtral'": {"model": {"arch": "mixtral"}},
+        "memory.loss_chunk_size: the chunked loss computes plain logits":
+            {"model": {"arch": "gemma2", "final_logit_softcap": 30.0}, "memory": {"loss_chunk_size": 64}},
+        "model.attention_bias: qwen2 always has q/k/v biases": {"model": {"arch": "qwen2", "attention_bias": False}},
+        "model.layer_types: a llama with a sliding window slides every layer":
+            {"model": {"sliding_window": 8, "layer_types": ["full", "sliding", "sliding", "sliding"]}},
+    }
+    for message, data in cases.items():
+        with pytest.raises(ConfigError) as err:
+            validate_dict(data)
+        assert message in str(err.value), (message, str(err.value))
+    ok = validate_dict({"model": {"arch": "gemma3", "head_dim": 32, "sliding_window": 8}})
+    assert [ok.model.layer_type(i) for i in range(4)] == ["sliding"] * 4  # 5 sliding, then one global
