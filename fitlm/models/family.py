@@ -116,8 +116,9 @@ class Family:
     gguf: GGUFNames | None = None
     features: tuple[str, ...] = field(default=())  # shown in the README families table
     tensor_parallel: bool = True
-    # Module surgery before tensor parallel (Phi-3 splits its fused projections); names then differ from HF's,
-    # and `to_hf` must accept both forms.
+    # Module surgery before tensor parallel (Phi-3 splits its fused projections); fitlm.parallel.apply also runs
+    # it in every other layout except LoRA, so checkpoints reshard. Names then differ from HF's: `to_hf`
+    # accepts both forms.
     prepare_tensor_parallel: Callable[[Any], None] | None = None
     pipeline_parallel: bool = True
 

@@ -79,6 +79,12 @@ class ParallelModel:
 
 def parallelize(model: nn.Module, cfg: Config, ctx: ParallelContext) -> ParallelModel:
     p = cfg.parallel
+    prepare = cfg.model.family.prepare_tensor_parallel
+    if prepare is not None and cfg.finetune.method != "lora":
+        # The module surgery tensor parallel needs (Phi-3 splits its fused projections) happens in every layout,
+        # so parameter names -- and checkpoints -- are the same whatever the layout and reshard between them.
+        # LoRA keeps HF's fused names, which its adapters (PEFT format) target; LoRA refuses tensor parallel.
+        prepare(model)
     pipeline = None
     if p.pipeline_parallel > 1:
         from fitlm.parallel.pipeline import Pipeline

@@ -27,6 +27,7 @@ from fitlm.finetune.early_stopping import EarlyStopping
 from fitlm.finetune.init_from import resolve_init_from
 from fitlm.memory.loss_scale import LossScaler
 from fitlm.memory.precision import autocast, compute_dtype
+from fitlm.models.hf import model_from_hf_state_dict, to_hf_state_dict
 from fitlm.models.io import load_model_dir, save_model_dir
 from fitlm.parallel.apply import parallelize
 from fitlm.parallel.layout import layout_problems
@@ -371,11 +372,10 @@ class Trainer:
         model_dir = self.output_dir / "model"
         if self.ctx.is_main:
             full = final_weights(full, self.cfg, self.output_dir)  # LoRA: adapter/ written, weights merged
-            with torch.device("meta"):
-                plain = build_model(self.cfg.model)
-            plain.load_state_dict(full, assign=True)
-            plain.init_buffers("cpu")
-            plain.tie_weights()
+            # Through HF's names and back: the family's own layout again, whatever the layout changed
+            # (Phi-3's projections, split for sharding, fused as the module and HF store them).
+            plain = model_from_hf_state_dict(to_hf_state_dict(full, self.cfg.model), self.cfg.model,
+                                             "the trained weights", "cpu", None)
             save_model_dir(plain, self.cfg, model_dir, tokenizer_path=self.tokenizer.path)
         self.ctx.barrier()
         return model_dir

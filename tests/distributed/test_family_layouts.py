@@ -7,6 +7,7 @@ Qwen3 and Gemma 3 (the two most unlike Llama) run in the fast tier, the others i
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.distributed.test_layouts import assert_same_training, run
 
@@ -55,3 +56,34 @@ def test_family_layout_equals_single_process(tiny_corpus, tmp_path, references, 
     reference = references(family)
     assert reference["losses"][-1] < reference["losses"][0]  # it trained
     assert_same_training(result, reference)
+
+
+def test_phi3_checkpoint_reshards_between_layouts(tiny_corpus, tmp_path):
+    """Phi-3 splits its fused projections for sharding in every layout but LoRA, so a single-process
+    checkpoint resumes under tensor parallel (and the final model/ has HF's fused names again)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from tests.e2e.helpers import fitlm, read_metrics, tiny_config, write_config
+
+    def train(name, parallel, checkpoint):
+        cfg = tiny_config(tiny_corpus, tmp_path / name, model={**FAMILIES["phi3"], "tie_embeddings": False},
+                          parallel=parallel, checkpoint=checkpoint,
+                          train={"max_steps": 4, "eval_interval": 0, "micro_batch_size": 4,
+                                 "gradient_accumulation_steps": 2})
+        proc = fitlm("train", write_config(tmp_path / f"{name}.yaml", cfg), "--json")
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return {r["step"]: r["loss"] for r in read_metrics(tmp_path / name) if "loss" in r}
+
+    ref = train("single", {}, {"interval": 2})
+    resumed = train("tp2", {"tensor_parallel": 2},
+                    {"resume": str(tmp_path / "single" / "checkpoints" / "step_00000002")})
+    assert sorted(resumed) == [3, 4]
+    assert [resumed[s] for s in (3, 4)] == pytest.approx([ref[s] for s in (3, 4)], rel=2e-5, abs=1e-5)
+    weights = load_file(str(tmp_path / "tp2" / "model" / "model.safetensors"))
+    assert "model.layers.0.self_attn.qkv_proj.weight" in weights and "model.layers.0.mlp.gate_up_proj.weight" in weights
+    single = load_file(str(tmp_path / "single" / "model" / "model.safetensors"))
+    for k, v in single.items():
+        torch.testing.assert_close(weights[k], v, rtol=1e-4, atol=1e-4, msg=k)
+    assert json.loads((tmp_path / "tp2" / "model" / "fitlm.json").read_text())
