@@ -78,7 +78,7 @@ class RopeScalingConfig(_Section):
 
 class ModelConfig(_Section):
     arch: str = "llama"
-    """Registered model family (`llama`, `qwen2`, `qwen3`, `gemma2`, `gemma3`, `phi3`, `gpt2`); see the README's families table."""
+    """Registered model family (fitlm/models/<family>/); the README's model families table lists them all."""
     hidden_size: int = 256
     """Width of the residual stream."""
     num_layers: int = 4
