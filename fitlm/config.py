@@ -140,6 +140,11 @@ class ModelConfig(_Section):
     def ffn_size(self) -> int:
         return self.intermediate_size or self.family.default_ffn(self.hidden_size)
 
+    @property
+    def local_rope(self) -> bool:
+        """Sliding-window blocks rotate with their own base (Gemma 3's rope_local_theta): a second RoPE table."""
+        return self.rope_local_theta is not None and any(self.layer_type(i) == "sliding" for i in range(self.num_layers))
+
     def layer_type(self, i: int) -> str:
         """"full" or "sliding": the attention of block i."""
         if self.sliding_window is None:

@@ -59,8 +59,10 @@ class DecoderModel(nn.Module):
         self.norm = norm(cfg.hidden_size)
         self.rotary_emb = RotaryEmbedding(cfg.head_size, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
         # Gemma 3's sliding layers rotate with their own, unscaled base.
-        local = cfg.rope_local_theta is not None and any(cfg.layer_type(i) == "sliding" for i in range(cfg.num_layers))
-        self.rotary_emb_local = RotaryEmbedding(cfg.head_size, cfg.max_seq_len, cfg.rope_local_theta) if local else None
+        self.rotary_emb_local = RotaryEmbedding(cfg.head_size, cfg.max_seq_len, cfg.rope_local_theta) \
+            if cfg.local_rope else None
+        # Each block's attention type, looked up once (a pipeline stage keeps only its blocks' keys).
+        self.layer_rope = {name: cfg.layer_type(int(name)) for name in self.layers}
 
     def reset_rope(self, device) -> None:
         for rope in (self.rotary_emb, self.rotary_emb_local):
@@ -82,7 +84,7 @@ class DecoderModel(nn.Module):
         else:
             h = input_ids
         for name, layer in self.layers.items():
-            cos, sin = rope[self.config.layer_type(int(name))]
+            cos, sin = rope[self.layer_rope[name]]
             h = layer(h, cos, sin, kv_cache, mask)
         if kv_cache is not None:
             kv_cache.advance(t)

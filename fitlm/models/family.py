@@ -10,11 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-import torch
-
 from fitlm.config import ModelConfig
-
-StateDict = dict[str, torch.Tensor]
+from fitlm.models.hf import StateDict
 
 
 @dataclass(frozen=True)

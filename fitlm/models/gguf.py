@@ -219,17 +219,22 @@ def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
     return _meta(_reader(Path(path)))
 
 
-def read_gguf_config(path: str | Path) -> ModelConfig:
-    """The model config of a GGUF file from its metadata and tensor table (no tensor data is read)."""
-    path = Path(path)
-    reader = _reader(path)
-    tensors = {t.name: t for t in reader.tensors}
+def _config(meta: dict[str, Any], tensors: dict[str, Any], path: Path) -> ModelConfig:
+    """The model config from the metadata and the tensor table (only the small RoPE factor tensors are read)."""
     if "token_embd.weight" not in tensors:
         raise GGUFError(f"{path}: no token_embd.weight tensor; not a llama-style language model")
-    meta = _meta(reader)
-    cfg = config_from_gguf(meta, int(tensors["token_embd.weight"].shape[-1]), str(path))
-    cfg = _scaling_from_tensors(cfg, {n: _dequantize(t, str(path)) for n, t in tensors.items() if n in _ROPE}, meta)
-    return cfg if "output.weight" in tensors else cfg.model_copy(update={"tie_embeddings": True})
+    vocab_rows = int(tensors["token_embd.weight"].shape[-1])  # GGML order: [in, out]
+    cfg = config_from_gguf(meta, vocab_rows, str(path))
+    if "output.weight" not in tensors:
+        cfg = cfg.model_copy(update={"tie_embeddings": True})
+    return _scaling_from_tensors(cfg, {n: _dequantize(t, str(path)) for n, t in tensors.items() if n in _ROPE}, meta)
+
+
+def read_gguf_config(path: str | Path) -> ModelConfig:
+    """The model config of a GGUF file from its metadata and tensor table (no weights are read)."""
+    path = Path(path)
+    reader = _reader(path)
+    return _config(_meta(reader), {t.name: t for t in reader.tensors}, path)
 
 
 def read_gguf(path: str | Path) -> tuple[ModelConfig, StateDict, dict[str, Any]]:
@@ -238,13 +243,7 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, StateDict, dict[str, Any]]
     reader = _reader(path)
     meta = _meta(reader)
     tensors = {t.name: t for t in reader.tensors}
-    if "token_embd.weight" not in tensors:
-        raise GGUFError(f"{path}: no token_embd.weight tensor; not a llama-style language model")
-    vocab_rows = int(tensors["token_embd.weight"].shape[-1])  # GGML order: [in, out]
-    cfg = config_from_gguf(meta, vocab_rows, str(path))
-    if "output.weight" not in tensors:
-        cfg = cfg.model_copy(update={"tie_embeddings": True})
-    cfg = _scaling_from_tensors(cfg, {n: _dequantize(t, str(path)) for n, t in tensors.items() if n in _ROPE}, meta)
+    cfg = _config(meta, tensors, path)
     names = cfg.family.gguf
     sd: StateDict = {}
     for name, t in tensors.items():

@@ -59,6 +59,8 @@ def refuse(problems: list[str], source: str) -> None:
 
 
 _ROPE_TYPES = ("linear", "dynamic", "yarn", "llama3", "longrope")
+# RopeScalingConfig's keys spelled as transformers spells them (type, original length and truncate differ).
+_SCALING_KEYS = tuple(k for k in RopeScalingConfig.model_fields if k not in ("type", "original_max_seq_len", "truncate"))
 
 
 def rope_from_hf(hf: Mapping[str, Any], problems: list[str], layer_type: str = "full_attention"
@@ -87,11 +89,7 @@ def rope_from_hf(hf: Mapping[str, Any], problems: list[str], layer_type: str = "
         # transformers grows the base past max_position_embeddings: that is the original length here,
         # and model.max_seq_len (the longest sequence fitlm accepts) becomes factor times it.
         original = int(hf.get("max_position_embeddings", 2048))
-    keys = {"factor": "factor", "low_freq_factor": "low_freq_factor", "high_freq_factor": "high_freq_factor",
-            "beta_fast": "beta_fast", "beta_slow": "beta_slow", "attention_factor": "attention_factor",
-            "mscale": "mscale", "mscale_all_dim": "mscale_all_dim", "short_factor": "short_factor",
-            "long_factor": "long_factor", "truncate": "truncate"}
-    values = {ours: sc[theirs] for ours, theirs in keys.items() if sc.get(theirs) is not None}
+    values = {k: sc[k] for k in (*_SCALING_KEYS, "truncate") if sc.get(k) is not None}
     return theta, RopeScalingConfig(type=rope_type, original_max_seq_len=original, **values)
 
 
@@ -99,9 +97,7 @@ def rope_to_hf(theta: float, sc: RopeScalingConfig | None) -> dict[str, Any]:
     """One attention type's RoPE as transformers 5's rope_parameters entry."""
     out: dict[str, Any] = {"rope_type": "default" if sc is None else sc.type, "rope_theta": theta}
     if sc is not None:
-        keys = ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "attention_factor",
-                "mscale", "mscale_all_dim", "short_factor", "long_factor")
-        out.update({k: getattr(sc, k) for k in keys if getattr(sc, k) is not None})
+        out.update({k: getattr(sc, k) for k in _SCALING_KEYS if getattr(sc, k) is not None})
         if sc.original_max_seq_len is not None and sc.type != "dynamic":  # dynamic: max_position_embeddings
             out["original_max_position_embeddings"] = sc.original_max_seq_len
         if sc.type == "yarn":
@@ -231,21 +227,19 @@ def model_keys(cfg: ModelConfig) -> list[str]:
     return list(model.state_dict())
 
 
-def same_names_to_hf(sd: StateDict, cfg: ModelConfig, source: str = "state dict") -> StateDict:
-    """For families whose module names are HF's: check completeness, store a tied head once."""
-    src = dict(sd)
-    out = {k: take(src, k, source) for k in model_keys(cfg) if k != "lm_head.weight"}
+def head_to_hf(src: StateDict, out: StateDict, cfg: ModelConfig, source: str) -> StateDict:
+    """Move the output head from `src` into the HF-named `out` (a tied head is stored once, under the
+    embedding); then nothing may be left in `src`."""
     head = src.pop("lm_head.weight", None)
-    if not cfg.tie_embeddings:  # HF stores a tied head once, under the embedding
+    if not cfg.tie_embeddings:
         out["lm_head.weight"] = head if head is not None else take(src, "lm_head.weight", source)
     no_leftovers(src, source)
     return out
 
 
-def same_names_from_hf(sd: StateDict, cfg: ModelConfig, source: str) -> StateDict:
-    # Old checkpoints saved the RoPE frequencies; they are derived from the config here.
-    src = {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq")}
-    out = {k: take(src, k, source) for k in model_keys(cfg) if k != "lm_head.weight"}
+def head_from_hf(src: StateDict, out: StateDict, cfg: ModelConfig, source: str) -> StateDict:
+    """Move the output head from the HF-named `src` into `out` (a tied head is the embedding tensor under
+    both names); then nothing may be left in `src`."""
     head = src.pop("lm_head.weight", None)
     if cfg.tie_embeddings:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]  # same tensor under both names
@@ -256,6 +250,18 @@ def same_names_from_hf(sd: StateDict, cfg: ModelConfig, source: str) -> StateDic
         out["lm_head.weight"] = head
     no_leftovers(src, source)
     return out
+
+
+def same_names_to_hf(sd: StateDict, cfg: ModelConfig, source: str = "state dict") -> StateDict:
+    """For families whose module names are HF's: check completeness, store a tied head once."""
+    src = dict(sd)
+    return head_to_hf(src, {k: take(src, k, source) for k in model_keys(cfg) if k != "lm_head.weight"}, cfg, source)
+
+
+def same_names_from_hf(sd: StateDict, cfg: ModelConfig, source: str) -> StateDict:
+    # Old checkpoints saved the RoPE frequencies; they are derived from the config here.
+    src = {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq")}
+    return head_from_hf(src, {k: take(src, k, source) for k in model_keys(cfg) if k != "lm_head.weight"}, cfg, source)
 
 
 _WRAPPER_PARTS = re.compile(r"(?<![^.])(_orig_mod|_checkpoint_wrapped_module|_fsdp_wrapped_module)\.")

@@ -230,7 +230,7 @@ class SelfAttention(nn.Module):
         self.layer_idx = layer_idx
         self.head_dim = d = cfg.head_size
         c, h, k = cfg.hidden_size, cfg.num_heads, cfg.kv_heads
-        self.q_share = h / (h + 2 * k)  # share of the fused output rows that are queries
+        self.heads = (h, k, k)  # q, k, v heads of a fused qkv_proj (never sharded: TP splits it first)
         if fused:
             self.qkv_proj = nn.Linear(c, (h + 2 * k) * d, bias=bias)
         else:
@@ -249,9 +249,7 @@ class SelfAttention(nn.Module):
         """x [B,T,C] -> q [B,T,H,D], k and v [B,T,K,D] (head counts from the possibly sharded weights)."""
         b, t, _ = x.shape
         if hasattr(self, "qkv_proj"):
-            qkv = self.qkv_proj(x).view(b, t, -1, self.head_dim)  # [B,T,H+2K,D]
-            nq = round(qkv.shape[2] * self.q_share)
-            q, k, v = qkv.split([nq, (qkv.shape[2] - nq) // 2, (qkv.shape[2] - nq) // 2], dim=2)
+            q, k, v = self.qkv_proj(x).view(b, t, -1, self.head_dim).split(self.heads, dim=2)  # [B,T,H+2K,D]
             return q, k, v
         return (self.q_proj(x).view(b, t, -1, self.head_dim), self.k_proj(x).view(b, t, -1, self.head_dim),
                 self.v_proj(x).view(b, t, -1, self.head_dim))

@@ -100,9 +100,11 @@ def _has(module: nn.Module, path: str) -> bool:
         return False
 
 
-def _norm_style(sequence_parallel: bool) -> ParallelStyle:
-    # SP: the norm runs on its sequence shard and its output stays a Shard(1) DTensor for the next input hook.
-    return SequenceParallel() if sequence_parallel else ReplicateParallel(Replicate(), Replicate())
+def _norm_style(sequence_parallel: bool, local_output: bool = False) -> ParallelStyle:
+    # SP: the norm runs on its sequence shard; its output stays a Shard(1) DTensor for the next input hook,
+    # or (`local_output`, a post-norm added to the residual stream) becomes the local shard again.
+    return SequenceParallel(use_local_output=local_output) if sequence_parallel \
+        else ReplicateParallel(Replicate(), Replicate())
 
 
 def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False,
@@ -128,8 +130,7 @@ def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False,
         for path in filter(present, roles.norms):
             plan[p + path] = _norm_style(sequence_parallel)
         for path in filter(present, roles.post_norms):  # their output meets the local residual stream
-            plan[p + path] = SequenceParallel(use_local_output=True) if sequence_parallel else \
-                ReplicateParallel(Replicate(), Replicate())
+            plan[p + path] = _norm_style(sequence_parallel, local_output=True)
         for path in filter(present, roles.inputs):
             plan[p + path] = FirstArgLayout(act, Replicate())
         for path in filter(present, roles.colwise):

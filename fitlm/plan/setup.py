@@ -31,10 +31,9 @@ class ModelCounts:
     def of(cls, m: ModelConfig) -> "ModelCounts":
         pc = m.family.planner
         block = pc.block(m)
-        local = m.rope_local_theta is not None and any(m.layer_type(i) == "sliding" for i in range(m.num_layers))
         return cls(block.params, pc.embedding_params(m), pc.head_norm_params(m), block.linears, block.input_groups,
                    tuple(pc.block_bytes[lv] for lv in LEVELS), tuple(pc.outside_bytes[lv] for lv in LEVELS),
-                   (2 if local else 1) if pc.rope else 0, pc.activation_finetune)
+                   (2 if m.local_rope else 1) if pc.rope else 0, pc.activation_finetune)
 
 
 @dataclass(frozen=True)

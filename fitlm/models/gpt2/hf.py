@@ -9,7 +9,7 @@ from typing import Any, Mapping
 import torch
 
 from fitlm.config import ModelConfig
-from fitlm.models.hf import HFFormatError, StateDict, no_leftovers, normalized, refuse, take
+from fitlm.models.hf import StateDict, head_from_hf, head_to_hf, normalized, refuse, take
 
 
 def config_from_hf(hf: Mapping[str, Any], source: str) -> ModelConfig:
@@ -68,11 +68,7 @@ def to_hf(sd: StateDict, cfg: ModelConfig, source: str = "state dict") -> StateD
         for ours, (theirs, transpose) in _GPT2_LAYER.items():
             t = take(src, p + ours, source)
             out[h + theirs] = t.t() if transpose else t
-    head = src.pop("lm_head.weight", None)
-    if not cfg.tie_embeddings:
-        out["lm_head.weight"] = head if head is not None else take(src, "lm_head.weight", source)
-    no_leftovers(src, source)
-    return out
+    return head_to_hf(src, out, cfg, source)
 
 
 def from_hf(sd: StateDict, cfg: ModelConfig, source: str) -> StateDict:
@@ -92,15 +88,6 @@ def from_hf(sd: StateDict, cfg: ModelConfig, source: str) -> StateDict:
         for ours, (theirs, transpose) in _GPT2_LAYER.items():
             t = take(src, h + theirs, source)
             out[p + ours] = t.t() if transpose else t
-    head = src.pop("lm_head.weight", None)
-    if cfg.tie_embeddings:
-        out["lm_head.weight"] = out["model.embed_tokens.weight"]
-    else:
-        if head is None:
-            raise HFFormatError(f"{source}: 'lm_head.weight' is missing but tie_word_embeddings is false; "
-                                f"set tie_word_embeddings: true in config.json if the head is tied")
-        out["lm_head.weight"] = head
-    no_leftovers(src, source)
-    return out
+    return head_from_hf(src, out, cfg, source)
 
 
