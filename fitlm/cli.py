@@ -11,6 +11,7 @@ import importlib
 import json
 import os
 import sys
+import traceback
 
 from fitlm.checkpoint.errors import TrainingInterrupted
 
@@ -177,6 +178,24 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     args.argv = argv  # commands that re-run themselves under torchrun (profile) pass it on
+    from fitlm.parallel.mesh import exit_process, launched_by_torchrun
+
+    if not launched_by_torchrun():
+        return _dispatch(args, argv)
+    # A rank under torchrun leaves through exit_process: a normal interpreter exit can abort a finished
+    # gloo rank (see exit_process), and torchrun would then report the whole run as failed.
+    try:
+        code = _dispatch(args, argv)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:  # noqa: BLE001 - a bug: keep its traceback, then leave like any other rank
+        traceback.print_exc()
+        code = 1
+    exit_process(code)
+
+
+def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
+    """Run the chosen command; user errors become one paragraph and status 2, bugs keep their traceback."""
     try:
         return args.func(args, argv) if args.func is cmd_train else args.func(args)
     except KeyboardInterrupt:

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from fitlm.config import validate_dict
+from fitlm.parallel.mesh import exit_process
 from fitlm.train.consistency import RanksDiverged
 from fitlm.train.trainer import Trainer
 from tests.distributed.test_pipeline import free_port
@@ -39,8 +40,7 @@ def worker(rank: int, world: int, port: int, cases: list, out_dir: str) -> None:
     results = {name: run_case(rank, cfg, perturb) for name, cfg, perturb in cases}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    exit_process(0)  # not a normal exit: see fitlm.parallel.mesh.exit_process
 
 
 def test_desynchronised_replica_is_caught_and_healthy_replicas_pass(tiny_corpus, tmp_path):

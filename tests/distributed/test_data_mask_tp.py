@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from fitlm.config import ModelConfig
+from fitlm.parallel.mesh import exit_process
 
 V = 128
 CASES = {"llama": dict(arch="llama", num_kv_heads=2), "gpt2": dict(arch="gpt2")}
@@ -78,7 +79,7 @@ def worker(rank: int, world: int, port: int, out_path: str) -> None:
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)
-    dist.destroy_process_group()
+    exit_process(0)  # not a normal exit: see fitlm.parallel.mesh.exit_process
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from fitlm.config import ModelConfig, ParallelConfig
+from fitlm.parallel.mesh import exit_process
 from fitlm.parallel.pipeline import (Pipeline, build_schedule, build_stage_modules, clip_grad_norm_pp,
                                     gather_full_state_dict, pipeline_eval, pipeline_param_groups, pipeline_problems,
                                     pipeline_step, split_layers, sync_tied_grads, tag_tied_copies)
@@ -160,17 +161,15 @@ def worker(rank: int, world: int, port: int, cases: list, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # 2 cores, 2+ processes
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-    try:
-        results = {cid: run_case(cid, rank, *rest) for cid, *rest in cases}
-        try:  # fewer chunks than pipeline ranks is refused, naming the key
-            build_schedule(build_stage_modules(make_model("llama"), rank, world, "1f1b"), dist.group.WORLD, world - 1)
-            results["too_few_chunks"] = "no error"
-        except ValueError as e:
-            results["too_few_chunks"] = str(e)
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
-    finally:
-        dist.destroy_process_group()
+    results = {cid: run_case(cid, rank, *rest) for cid, *rest in cases}
+    try:  # fewer chunks than pipeline ranks is refused, naming the key
+        build_schedule(build_stage_modules(make_model("llama"), rank, world, "1f1b"), dist.group.WORLD, world - 1)
+        results["too_few_chunks"] = "no error"
+    except ValueError as e:
+        results["too_few_chunks"] = str(e)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    exit_process(0)  # not a normal exit (an exception above is reported by the spawn wrapper instead)
 
 
 def free_port() -> int:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from fitlm.config import ModelConfig
+from fitlm.parallel.mesh import exit_process
 from fitlm.parallel.tensor_parallel import tensor_parallel_problems
 
 WORLD = 2
@@ -220,7 +221,7 @@ def worker(rank: int, world: int, jobs: list, port: int, out_path: str) -> None:
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)
-    dist.destroy_process_group()
+    exit_process(0)  # not a normal exit: see fitlm.parallel.mesh.exit_process
 
 
 def spawn(world: int, jobs: list, out) -> dict:
