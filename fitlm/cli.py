@@ -10,6 +10,7 @@ import argparse
 import importlib
 import json
 import os
+import signal
 import sys
 import traceback
 
@@ -99,6 +100,7 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     from fitlm.parallel.launch import launch_local, restart_count
     from fitlm.parallel.mesh import env_world_size, launched_by_torchrun
     from fitlm.train.dry_run import dry_run
+    from fitlm.train.run_lock import HELD_BY, acquire_run_lock
     from fitlm.train.trainer import Trainer
 
     cfg = load_config(args.config, args.overrides)
@@ -110,7 +112,9 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
         if args.dry_run:
             emit_json(summary) if args.json else print_table("dry run: everything checks out", summary)
             return 0
-        return launch_local(world, argv, args.max_restarts)
+        # The launcher holds the run lock for the ranks it starts (they see HELD_BY and take none).
+        with acquire_run_lock(cfg.train.output_dir, "fitlm " + " ".join(argv)):
+            return launch_local(world, argv, args.max_restarts, extra_env={HELD_BY: str(os.getpid())})
     # A restarted attempt continues the run it belongs to: --overwrite applied to the first attempt only.
     result = Trainer(cfg, overwrite=args.overwrite and restart_count() == 0).fit()
     if not result.is_main:
@@ -178,10 +182,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     args.argv = argv  # commands that re-run themselves under torchrun (profile) pass it on
+    from fitlm.parallel.lifetime import die_with_parent
     from fitlm.parallel.mesh import exit_process, launched_by_torchrun
 
     if not launched_by_torchrun():
         return _dispatch(args, argv)
+    die_with_parent(signal.SIGKILL)  # a rank never outlives its torchrun agent (fitlm.parallel.lifetime)
     # A rank under torchrun leaves through exit_process: a normal interpreter exit can abort a finished
     # gloo rank (see exit_process), and torchrun would then report the whole run as failed.
     try:

@@ -8,8 +8,11 @@ restarted trainer resumes from the latest complete checkpoint (checkpoint.resume
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+
+from fitlm.parallel.lifetime import LAUNCHER_PID
 
 
 def without_nproc(argv: list[str]) -> list[str]:
@@ -30,20 +33,34 @@ def without_nproc(argv: list[str]) -> list[str]:
 def torchrun_command(nproc: int, argv: list[str], max_restarts: int = 0) -> list[str]:
     # --standalone: a private rendezvous on localhost, so several jobs on one machine never collide.
     restarts = [f"--max-restarts={max_restarts}"] if max_restarts > 0 else []
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *restarts,
+    # fitlm.parallel.lifetime is torchrun that also stops when the launcher dies (no orphan ranks).
+    return [sys.executable, "-m", "fitlm.parallel.lifetime", "--standalone", f"--nproc-per-node={nproc}", *restarts,
             "-m", "fitlm.cli", *without_nproc(argv)]
 
 
-def launch_local(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
+def launch_local(nproc: int, argv: list[str], max_restarts: int = 0, extra_env: dict[str, str] | None = None) -> int:
     """Run `fitlm <argv>` in `nproc` processes on this machine; returns torchrun's exit status."""
-    env = dict(os.environ)
+    env = dict(os.environ, **(extra_env or {}))
     # Share the cores between ranks instead of torchrun's default of one thread per rank.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     if max_restarts > 0:
         # torchrun's rendezvous store outlives a failed attempt and keeps its keys, so a restarted rank can
         # read the dead process's address and fail to connect; a store per attempt avoids the race.
         env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    return subprocess.call(torchrun_command(nproc, argv, max_restarts), env=env)
+    env[LAUNCHER_PID] = str(os.getpid())
+    agent = subprocess.Popen(torchrun_command(nproc, argv, max_restarts), env=env)
+    # SIGTERM / Ctrl-C / SIGHUP to the launcher: pass SIGTERM to the agent (which forwards it to the ranks:
+    # a checkpoint, then exit 143) and wait for it, instead of dying at once and leaving them behind.
+    def forward(signum, frame) -> None:
+        if agent.poll() is None:
+            agent.send_signal(signal.SIGTERM)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    try:
+        return agent.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def restart_count() -> int:

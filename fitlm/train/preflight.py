@@ -15,6 +15,7 @@ from fitlm.checkpoint.compat import flatten, resume_conflicts
 from fitlm.checkpoint.store import checkpoints_root, list_checkpoints
 from fitlm.config import Config, ConfigError
 from fitlm.train.metrics import tensorboard_problem
+from fitlm.train.run_lock import LOCK_FILE
 
 RUN_CONFIG = "config.yaml"  # the resolved config a run writes into its output_dir first
 
@@ -54,7 +55,7 @@ def output_dir_problem(cfg: Config, overwrite: bool = False) -> str | None:
                 "pass a checkpoints/step_N directory (or a run directory holding checkpoints/)")
     if out.exists() and not out.is_dir():
         return f"{key}: {out} is a file; point it at a directory"
-    if not (out.is_dir() and any(out.iterdir())):
+    if not (out.is_dir() and any(p.name != LOCK_FILE for p in out.iterdir())):  # only a lock: a fresh start
         return None
     previous = out / RUN_CONFIG
     if not previous.is_file():  # not ours: even --overwrite must not delete it
@@ -89,7 +90,9 @@ def prepare_output_dir(cfg: Config, overwrite: bool = False) -> Path:
         raise ConfigError([problem])
     out = Path(cfg.train.output_dir)
     if overwrite and (out / RUN_CONFIG).is_file():
-        shutil.rmtree(out)
+        for p in out.iterdir():  # all but the run lock, which this run holds (fitlm.train.run_lock)
+            if p.name != LOCK_FILE:
+                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / (RUN_CONFIG + ".tmp")
     tmp.write_text(cfg.to_yaml())

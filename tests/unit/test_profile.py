@@ -119,5 +119,5 @@ def test_relaunch_under_torchrun_drops_nproc():
     from fitlm.parallel.launch import torchrun_command
 
     cmd = torchrun_command(2, ["profile", "c.yaml", "--nproc", "2", "--set", "a=1", "--nproc=2", "--steps", "3"])
-    assert "--nproc-per-node=2" in cmd
+    assert "--nproc-per-node=2" in cmd and cmd[1:3] == ["-m", "fitlm.parallel.lifetime"]
     assert cmd[cmd.index("fitlm.cli") + 1:] == ["profile", "c.yaml", "--set", "a=1", "--steps", "3"]

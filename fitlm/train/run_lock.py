@@ -1,0 +1,108 @@
+"""One run per output directory at a time: an advisory lock file, `output_dir/.fitlm-run.lock`.
+
+The lock is an flock on that file, held for the life of the run by the process that started it (the
+launcher of a multi-process run, else rank 0). The kernel drops an flock when its holder dies in any
+way, so a lock left by a crashed run is never "held": the next run takes it over and says whose it
+was. The file keeps the holder's host, pid, start time and command, for the refusal message.
+The file is never deleted while in use (deleting would let a second run lock a fresh file beside a
+live one); a clean release empties it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+from fitlm.config import ConfigError
+
+LOCK_FILE = ".fitlm-run.lock"
+HELD_BY = "FITLM_RUN_LOCK_HOLDER"  # env: pid of the launcher holding the lock for the ranks it started
+
+
+class RunLock:
+    def __init__(self, path: Path, fd: int):
+        self.path, self._fd = path, fd
+
+    def release(self) -> None:
+        if self._fd < 0:
+            return
+        try:
+            os.ftruncate(self._fd, 0)  # released cleanly: the next run has nothing to report
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        finally:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __del__(self) -> None:  # a Trainer that never ran fit (fitlm profile's burst) lets go when collected
+        try:
+            self.release()
+        except OSError:
+            pass
+
+    def __enter__(self) -> "RunLock":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def lock_path(output_dir: str | Path) -> Path:
+    return Path(output_dir) / LOCK_FILE
+
+
+def _holder(fd: int) -> dict:
+    try:
+        raw = os.pread(fd, 4096, 0)
+        info = json.loads(raw.decode("utf-8")) if raw.strip() else {}
+        return info if isinstance(info, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def acquire_run_lock(output_dir: str | Path, command: str | None = None) -> RunLock:
+    """Lock `output_dir` for this process (creating the directory); ConfigError naming the live run if it is taken."""
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = lock_path(out)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        who = _holder(fd)
+        os.close(fd)
+        raise ConfigError([f"train.output_dir: {out} is in use by a live run (pid {who.get('pid', '?')} on host "
+                           f"{who.get('host', '?')}, started {who.get('started', '?')}: {who.get('command', '?')}). "
+                           "Two runs must not write into one directory: wait for that run to finish, stop it "
+                           "(SIGTERM saves a checkpoint; the same command resumes), or choose another "
+                           "train.output_dir"]) from None
+    previous = _holder(fd)
+    if previous.get("pid"):
+        print(f"fitlm: {out} was locked by a run that ended without releasing it (pid {previous['pid']} on host "
+              f"{previous.get('host', '?')}, started {previous.get('started', '?')}); taking it over", file=sys.stderr)
+    info = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "command": command or " ".join(["fitlm", *sys.argv[1:]])}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps(info) + "\n").encode("utf-8"), 0)
+    os.fsync(fd)
+    return RunLock(path, fd)
+
+
+def held_by_launcher(output_dir: str | Path) -> bool:
+    """Whether the launcher that started this rank holds the lock of `output_dir` (then the rank takes none)."""
+    pid = os.environ.get(HELD_BY)
+    if not pid:
+        return False
+    path = lock_path(output_dir)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        return str(_holder(fd).get("pid")) == pid
+    finally:
+        os.close(fd)
