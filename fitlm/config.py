@@ -194,6 +194,8 @@ class ParallelConfig(_Section):
     """Blocks per pipeline stage, e.g. [5, 5, 5, 3] (one entry per virtual stage under interleaved_1f1b); null = balanced."""
     gradient_sync: Literal["auto", "every_micro_batch", "last_micro_batch"] = "auto"
     """With gradient accumulation, when data-parallel gradients are reduced: `last_micro_batch` once per step (least traffic, but ZeRO-2/3 then hold whole unsharded gradients until the last micro batch); `every_micro_batch` (ZeRO-2/3 keep only their gradient shard, for accumulation × the reduce-scatter traffic); `auto` = every micro batch under ZeRO-2/3, the last otherwise."""
+    timeout_s: int = 1800
+    """Seconds a collective or barrier waits for the other ranks (gloo and nccl); past it the run stops with an error naming the rank that stopped responding and its phase. Raise it when one rank legitimately works alone that long (a large final save, a slow filesystem)."""
 
     @property
     def world_size(self) -> int:
@@ -344,6 +346,10 @@ class CheckpointConfig(_Section):
     """Complete checkpoints kept on disk; older ones are deleted after each new one is complete."""
     resume: str = "auto"
     """`auto` continues from the latest complete checkpoint in output_dir (a fresh run when there is none); `never` refuses a used output_dir; a checkpoint directory path starts from that checkpoint (any layout) when output_dir has none of its own."""
+    verify: bool = True
+    """At resume, check every checkpoint file against the CRC-32 recorded when it was saved (reads the checkpoint once, split across ranks); a damaged checkpoint is reported with its file and the previous complete one is used instead."""
+    on_save_error: Literal["stop", "continue"] = "stop"
+    """When a checkpoint save fails for lack of disk space: `stop` (after removing the partial files; the previous checkpoint stays the latest) or `continue` training and try again at the next interval."""
     async_save: bool = False
     """Write checkpoints in a background thread (torch.distributed.checkpoint.async_save): the loop only waits for the copy to host memory; see bench/checkpoint.py for the measured step-time overhead."""
 
@@ -514,6 +520,9 @@ def semantic_errors(cfg: Config) -> list[str]:
     errs += observe_errors(cfg)
     if p.zero_stage not in (0, 1, 2, 3):
         errs.append(f"parallel.zero_stage: must be 0, 1, 2 or 3 (got {p.zero_stage})")
+    if p.timeout_s < 1:
+        errs.append(f"parallel.timeout_s: must be a positive number of seconds (got {p.timeout_s}); "
+                    "set it to how long a collective may wait for a slow rank, e.g. 1800 (the default)")
     return errs
 
 

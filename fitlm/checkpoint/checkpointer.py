@@ -27,9 +27,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 from fitlm import __version__
-from fitlm.checkpoint import faults, state, store
+from fitlm.checkpoint import checksums, faults, state, store
 from fitlm.checkpoint.compat import resume_conflicts
 from fitlm.checkpoint.errors import CheckpointError, TrainingInterrupted
+from fitlm.diskspace import DiskFullError, is_disk_full
 
 
 class Stateful(Protocol):
@@ -88,7 +89,7 @@ class Checkpointer:
         self.output_dir = Path(output_dir)
         self.tokenizer_sha256, self.tokenizer_path = tokenizer_sha256, tokenizer_path
         self.interval = cfg.checkpoint.interval
-        self.pending: tuple[Any, Path, dict, int] | None = None
+        self.pending: tuple[Any, Path, dict, int, int] | None = None  # future, tmp, meta, step, bytes
         self.last_path: Path | None = None
         self.save_seconds: list[float] = []  # time the loop was blocked per save (bench/checkpoint.py)
         self._stop_requested = False
@@ -106,7 +107,7 @@ class Checkpointer:
 
     def resume(self, pm, optimizer, stateful: dict[str, Stateful]) -> int:
         """Load the latest checkpoint (if any) into the model, optimizer, RNG and `stateful`; returns its step."""
-        ckpt = resume_source(self.cfg)
+        ckpt = self._verified(resume_source(self.cfg))
         if ckpt is None:
             if self.ctx.is_main:
                 trim_metrics(self.output_dir / "metrics.jsonl", 0)  # a restart before the first checkpoint
@@ -129,7 +130,7 @@ class Checkpointer:
         """Reload the latest checkpoint into the model, optimizer, RNG and `stateful` mid-run (train.guards
         rollback); returns its step, or None when there is none. metrics.jsonl is kept: it records the rollback."""
         self._wait_pending()
-        ckpt = self.latest()
+        ckpt = self._verified(self.latest())
         if ckpt is None:
             return None
         step, _ = self._load(ckpt, pm, optimizer, stateful)
@@ -161,6 +162,42 @@ class Checkpointer:
             if name in extras:
                 obj.load_state_dict(state.decode_state(extras[name]))
         return int(meta["step"]), meta
+
+    def _verified(self, ckpt: Path | None) -> Path | None:
+        """`ckpt` if it is intact; for this run's own checkpoints, else the newest older one that is, saying so.
+
+        Intact: complete (metadata, every file at its recorded size) and, with checkpoint.verify, every file's
+        CRC-32 equal to the one recorded at save. A damaged checkpoint is left on disk for the user to inspect."""
+        if ckpt is None:
+            return None
+        own = [p for _, p in store.list_checkpoints(self.root)]
+        candidates = own[::-1] if ckpt in own else [ckpt]
+        problems = []
+        for candidate in candidates:
+            problem = self._damage(candidate)
+            if problem is None:
+                if problems and self.ctx.is_main:
+                    print(f"fitlm: resuming from {candidate} instead (the previous complete checkpoint)", file=sys.stderr)
+                return candidate
+            problems.append(problem)
+            if self.ctx.is_main:
+                print(f"fitlm: warning: checkpoint {candidate} is damaged: {problem}", file=sys.stderr)
+        raise CheckpointError(f"no intact checkpoint to resume from: {'; '.join(problems)}. Restore the files, or "
+                              "delete the damaged checkpoints (or pass --overwrite) to start again")
+
+    def _damage(self, ckpt: Path) -> str | None:
+        """Why `ckpt` cannot be resumed from, or None; the same answer on every rank (the CRC work is split)."""
+        try:
+            meta = store.read_meta(ckpt)
+        except CheckpointError as exc:
+            return str(exc)
+        sums = meta.get("checksums") if self.cfg.checkpoint.verify else None
+        found = checksums.damaged(ckpt, sums, sorted(sums)[self.ctx.rank::self.ctx.world_size]) if sums else []
+        if self.ctx.distributed:
+            every: list[list[str]] = [[] for _ in range(self.ctx.world_size)]
+            dist.all_gather_object(every, found)
+            found = [p for part in every for p in part]
+        return "; ".join(found) or None
 
     def _catch_sigterm(self) -> None:
         """From now until `finish`, SIGTERM means: checkpoint at the end of this step, then stop."""
@@ -194,37 +231,76 @@ class Checkpointer:
             self.finish()
             raise TrainingInterrupted(step, str(path))
         if step % self.interval == 0 or step == self.cfg.train.max_steps:
-            self.save(step, pm, optimizer, stateful)
+            try:
+                self.save(step, pm, optimizer, stateful)
+            except DiskFullError as exc:
+                if self.cfg.checkpoint.on_save_error == "stop":
+                    raise
+                if self.ctx.is_main:  # checkpoint.on_save_error: continue
+                    print(f"fitlm: warning: checkpoint of step {step} not saved: {exc}; training goes on "
+                          f"(checkpoint.on_save_error: continue), the next save is at step {step + self.interval}",
+                          file=sys.stderr)
 
     def save(self, step: int, pm, optimizer, stateful: dict[str, Stateful], wait: bool = False) -> Path:
-        """Write checkpoint `step` (collective). Synchronous unless checkpoint.async_save; `wait` forces it."""
+        """Write checkpoint `step` (collective). Synchronous unless checkpoint.async_save; `wait` forces it.
+
+        A full disk on any rank (fitlm.diskspace) removes the partial checkpoint and raises DiskFullError on
+        every rank; the previous checkpoint stays the latest."""
         self._wait_pending()
         started = time.perf_counter()
         name = store.step_name(step)
         tmp = self.root / (store.TMP_PREFIX + name)
-        if self.ctx.is_main:
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            tmp.mkdir(parents=True)
-            store.write_json(tmp / store.EXTRA_FILE, {k: state.encode_state(v.state_dict()) for k, v in stateful.items()})
-            if self.tokenizer_path is not None and Path(self.tokenizer_path).is_file():
-                shutil.copyfile(self.tokenizer_path, tmp / "tokenizer.json")
-        self.ctx.barrier()  # the directory exists before any rank writes into it
         payload = {"model": state.model_state(pm.modules), "optim": state.optimizer_state(optimizer, pm.modules),
                    "rng": {f"rank{self.ctx.rank}": state.rng_state()}}
+        failure: BaseException | None = None
+        if self.ctx.is_main:
+            try:
+                if tmp.exists():
+                    shutil.rmtree(tmp)
+                tmp.mkdir(parents=True)
+                store.write_json(tmp / store.EXTRA_FILE, {k: state.encode_state(v.state_dict()) for k, v in stateful.items()})
+                if self.tokenizer_path is not None and Path(self.tokenizer_path).is_file():
+                    shutil.copyfile(self.tokenizer_path, tmp / "tokenizer.json")
+            except OSError as exc:
+                failure = exc
+        self._agree_or_fail(failure, tmp, _payload_bytes(payload))  # the directory exists before any rank writes into it
         meta = self._meta(step, list(stateful))
         writer = _FaultWriter(tmp, step, self.ctx.rank) if faults_enabled() else FileSystemWriter(str(tmp))
         no_dist = not self.ctx.distributed
         if self.cfg.checkpoint.async_save and not wait:
             future = dcp.async_save(payload, storage_writer=writer, process_group=self.save_group, no_dist=no_dist)
-            self.pending = (future, tmp, meta, step)
+            self.pending = (future, tmp, meta, step, _payload_bytes(payload))
             self.save_seconds.append(time.perf_counter() - started)
             return tmp
-        with store.quiet_single_process():
-            dcp.save(payload, storage_writer=writer, no_dist=no_dist)
+        try:
+            with store.quiet_single_process():
+                dcp.save(payload, storage_writer=writer, no_dist=no_dist)
+        except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            self._agree_or_fail(_disk_full_cause(exc) or exc, tmp, _payload_bytes(payload), collective=False)
         path = self._publish(tmp, meta)
         self.save_seconds.append(time.perf_counter() - started)
         return path
+
+    def _agree_or_fail(self, failure: BaseException | None, tmp: Path, nbytes: int, collective: bool = True) -> None:
+        """Continue only if no rank failed; otherwise remove the partial checkpoint and raise on every rank.
+
+        `collective=False`: the failure is already known to every rank (DCP gathers every rank's write result)."""
+        failed = failure is not None
+        if collective and self.flag_group is not None:
+            flag = torch.tensor([1 if failed else 0])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.flag_group)
+            failed = bool(flag.item())
+        if not failed:
+            return
+        self._barrier(None)
+        if self.ctx.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self._barrier(None)
+        full = _disk_full_cause(failure) if failure is not None else None
+        if full is not None or failure is None:  # failure None: another rank's disk filled; it says which
+            raise DiskFullError(self.root, nbytes * self.ctx.world_size,
+                                f"checkpoint save ({tmp.name.removeprefix(store.TMP_PREFIX)})", full)
+        raise failure
 
     def finish(self) -> None:
         """Complete a pending async save and restore the SIGTERM handler. Call on every rank after the loop."""
@@ -250,8 +326,13 @@ class Checkpointer:
     def _publish(self, tmp: Path, meta: dict[str, Any]) -> Path:
         # dcp.save returns on every rank only after the coordinator gathered every rank's write results.
         final = tmp.parent / tmp.name.removeprefix(store.TMP_PREFIX)
+        sums = checksums.checksums(checksums.written_by(tmp, self.ctx.rank, skip=(store.META_FILE,)))
+        if self.ctx.distributed:  # each rank hashed what it wrote; rank 0 records them all
+            every: list[dict[str, str]] = [{} for _ in range(self.ctx.world_size)]
+            dist.all_gather_object(every, sums)
+            sums = {k: v for part in every for k, v in part.items()}
         if self.ctx.is_main:
-            final = store.publish(tmp, meta)
+            final = store.publish(tmp, dict(meta, checksums=sums))
             store.prune(self.root, self.cfg.checkpoint.keep_last)
         self.ctx.barrier()
         self.last_path = final
@@ -260,9 +341,14 @@ class Checkpointer:
     def _wait_pending(self) -> None:
         if self.pending is None:
             return
-        future, tmp, meta, _ = self.pending
+        future, tmp, meta, _, nbytes = self.pending
         self.pending = None
-        future.result()  # raises what the background save raised
+        failure: BaseException | None = None
+        try:
+            future.result()  # raises what the background save raised
+        except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            failure = _disk_full_cause(exc) or exc
+        self._agree_or_fail(failure, tmp, nbytes)
         self._barrier(self.save_group)
         self._publish(tmp, meta)
 
@@ -288,6 +374,30 @@ class Checkpointer:
 
     def _on_sigterm(self, signum, frame) -> None:
         self._stop_requested = True
+
+
+def _disk_full_cause(exc: BaseException) -> OSError | None:
+    """The ENOSPC/EDQUOT behind `exc`, also inside DCP's CheckpointException (one entry per failed rank)."""
+    if is_disk_full(exc):
+        return exc  # type: ignore[return-value]
+    for failure in getattr(exc, "failures", {}).values():
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if is_disk_full(inner):
+            return inner
+    cause = exc.__cause__ or exc.__context__
+    return _disk_full_cause(cause) if cause is not None else None
+
+
+def _payload_bytes(payload: Any) -> int:
+    """Bytes of the tensors in a (nested) state dict: what this rank writes (DTensors: their local shard)."""
+    if isinstance(payload, dict):
+        return sum(_payload_bytes(v) for v in payload.values())
+    if isinstance(payload, (list, tuple)):
+        return sum(_payload_bytes(v) for v in payload)
+    if isinstance(payload, torch.Tensor):
+        t = payload.to_local() if hasattr(payload, "to_local") else payload
+        return t.numel() * t.element_size()
+    return 0
 
 
 def faults_enabled() -> bool:
