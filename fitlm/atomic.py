@@ -88,3 +88,38 @@ def atomic_dir(out_dir: Path | str, durable: bool = False) -> Iterator[Path]:
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def recover_stale(directory: Path | str) -> list[Path]:
+    """Tidy what a killed `atomic_dir` / `atomic_file` left directly inside `directory`; the removed paths.
+
+    A temporary (`.NAME.tmp-*`) is removed. A swapped-out previous version (`.NAME.old-*`) is put back
+    when NAME is missing (the process died between the two renames of a replace), else removed.
+    Call it only where no other process is writing (the trainer holds the run lock).
+    """
+    directory = Path(directory)
+    done: list[Path] = []
+    if not directory.is_dir():
+        return done
+    for p in sorted(directory.iterdir()):
+        name, kind = _parse_temp(p.name)
+        if name is None:
+            continue
+        target = directory / name
+        if kind == "old" and not target.exists():
+            os.rename(p, target)
+            continue
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+        done.append(p)
+    return done
+
+
+def _parse_temp(name: str) -> tuple[str | None, str]:
+    """(target name, "tmp" or "old") for names atomic_dir/atomic_file create, else (None, "")."""
+    if not name.startswith("."):
+        return None, ""
+    for kind in ("tmp", "old"):
+        head, sep, tail = name[1:].rpartition(f".{kind}-")
+        if sep and head and tail:
+            return head, kind
+    return None, ""

@@ -12,7 +12,6 @@ on disk, so the latest visible checkpoint is always complete (fitlm.checkpoint.s
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import sys
@@ -27,7 +26,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 from fitlm import __version__
-from fitlm.checkpoint import checksums, faults, state, store
+from fitlm import faults
+from fitlm.checkpoint import checksums, state, store
 from fitlm.checkpoint.compat import resume_conflicts
 from fitlm.checkpoint.errors import CheckpointError, TrainingInterrupted
 from fitlm.diskspace import DiskFullError, is_disk_full
@@ -61,11 +61,19 @@ def trim_metrics(path: Path, step: int) -> None:
     """Drop metrics.jsonl records past `step`: the resumed run logs those steps again."""
     if not path.is_file():
         return
-    keep = [line for line in path.read_text(encoding="utf-8").splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= step]
+    keep = [line for line in path.read_text(encoding="utf-8").splitlines() if _step_of(line) <= step]
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
     tmp.replace(path)
+
+
+def _step_of(line: str) -> float:
+    """A metrics record's step; a torn line (the process was killed while writing it) is dropped (inf)."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return float("inf")
+    return record.get("step", 0) if isinstance(record, dict) else float("inf")
 
 
 class _FaultWriter(FileSystemWriter):
@@ -265,7 +273,7 @@ class Checkpointer:
                 failure = exc
         self._agree_or_fail(failure, tmp, _payload_bytes(payload))  # the directory exists before any rank writes into it
         meta = self._meta(step, list(stateful))
-        writer = _FaultWriter(tmp, step, self.ctx.rank) if faults_enabled() else FileSystemWriter(str(tmp))
+        writer = _FaultWriter(tmp, step, self.ctx.rank) if faults.enabled() else FileSystemWriter(str(tmp))
         no_dist = not self.ctx.distributed
         if self.cfg.checkpoint.async_save and not wait:
             future = dcp.async_save(payload, storage_writer=writer, process_group=self.save_group, no_dist=no_dist)
@@ -398,10 +406,6 @@ def _payload_bytes(payload: Any) -> int:
         t = payload.to_local() if hasattr(payload, "to_local") else payload
         return t.numel() * t.element_size()
     return 0
-
-
-def faults_enabled() -> bool:
-    return bool(os.environ.get("FITLM_FAULT"))
 
 
 def _is_main_thread() -> bool:

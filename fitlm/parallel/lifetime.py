@@ -19,8 +19,9 @@ import os
 import signal
 import sys
 
+from fitlm.faults import LAUNCHER_PID  # set by the launcher for its agent: the parent it must still have
+
 PR_SET_PDEATHSIG = 1
-LAUNCHER_PID = "FITLM_LAUNCHER_PID"  # set by the launcher for its agent: the parent the agent must still have
 
 
 def die_with_parent(sig: int, expected_parent: int | None = None) -> bool:

@@ -6,11 +6,13 @@ Each check returns problems as strings naming the key and the fix; the trainer r
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from fitlm.atomic import recover_stale
 from fitlm.checkpoint.compat import flatten, resume_conflicts
 from fitlm.checkpoint.store import checkpoints_root, list_checkpoints
 from fitlm.config import Config, ConfigError
@@ -94,6 +96,8 @@ def prepare_output_dir(cfg: Config, overwrite: bool = False) -> Path:
             if p.name != LOCK_FILE:
                 shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
     out.mkdir(parents=True, exist_ok=True)
+    for stale in recover_stale(out):  # a model/ or adapter/ save cut short by a crash or a power loss
+        print(f"fitlm: removed {stale}, left by a save that did not finish", file=sys.stderr)
     tmp = out / (RUN_CONFIG + ".tmp")
     tmp.write_text(cfg.to_yaml())
     tmp.replace(out / RUN_CONFIG)

@@ -1,6 +1,6 @@
 """Fault tolerance and resharding through the real CLI (torchrun, gloo, CPU).
 
-A rank is SIGKILLed (FITLM_FAULT, see fitlm/checkpoint/faults.py) during training or half-way through
+A rank is SIGKILLed (FITLM_FAULT, see fitlm/faults.py) during training or half-way through
 a save; `fitlm train --max-restarts 1` brings the job back from the latest complete checkpoint and the
 losses continue as in the uninterrupted single-process run. Checkpoints move between layouts: a
 single-process checkpoint starts a tensor-parallel job, an FSDP (ZeRO-3) checkpoint resumes in one
