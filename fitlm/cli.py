@@ -22,6 +22,18 @@ COMMAND_MODULES = ("fitlm.data.cli", "fitlm.checkpoint.cli", "fitlm.finetune.cli
                    "fitlm.export.cli", "fitlm.profile.cli")
 
 
+def process_count(text: str) -> int:
+    """--nproc: a whole number of processes, at least 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; pass the processes to start, e.g. 2") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n}: at least 1 process is needed; pass e.g. 2, or leave --nproc out "
+                                         "to start the layout's data×tensor×pipeline product")
+    return n
+
+
 def add_config_args(p: argparse.ArgumentParser) -> None:
     """CONFIG and repeatable --set KEY=VALUE: every command that reads a fitlm config takes them alike."""
     p.add_argument("config", metavar="CONFIG", help="YAML config file (see `fitlm config docs` for every key)")
@@ -45,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "  fitlm train configs/tiny.yaml --set train.lr=1e-3 --set train.max_steps=100\n"
                               "  fitlm config docs    # every config key, its default and meaning")
     add_config_args(p)
-    p.add_argument("--nproc", type=int, default=None, metavar="N",
+    p.add_argument("--nproc", type=process_count, default=None, metavar="N",
                    help="processes to launch on this node (default: the layout's data×tensor×pipeline product)")
     p.add_argument("--dry-run", action="store_true",
                    help="validate the config, data and tokenizer, print the run's shape, and exit without training")
@@ -131,6 +143,9 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from fitlm.infer.text import generate_text
 
+    from fitlm.infer.generate import check_sampling
+
+    check_sampling(args.temperature, args.top_p)  # before anything is printed
     stream = None if args.json else (lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
     if stream:
         sys.stdout.write(args.prompt)

@@ -17,6 +17,7 @@ import signal
 import sys
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -55,6 +56,22 @@ def resume_source(cfg) -> Path | None:
                                   "checkpoint directory (checkpoints/step_N) or set checkpoint.resume: auto")
         return latest
     return path
+
+
+def check_resumable(ckpt: Path, cfg, tokenizer_sha256: str) -> dict[str, Any]:
+    """Metadata of `ckpt` after refusing what this run cannot resume: damage, another run, another tokenizer."""
+    meta = store.read_meta(ckpt)
+    conflicts = resume_conflicts(meta.get("config", {}), cfg.to_dict())
+    if conflicts:
+        raise CheckpointError(f"checkpoint {ckpt} belongs to a different run; the config differs in "
+                              f"{'; '.join(conflicts)}. Resume with the config it was saved with "
+                              f"({ckpt / store.META_FILE} holds it), or start a fresh run in another train.output_dir")
+    if meta.get("tokenizer_sha256") != tokenizer_sha256:
+        raise CheckpointError(f"checkpoint {ckpt} was trained with another tokenizer (sha256 "
+                              f"{str(meta.get('tokenizer_sha256'))[:12]}, now {tokenizer_sha256[:12]}); token ids "
+                              f"would mean other text. Point data.tokenizer at the one it used (a copy is "
+                              f"{ckpt / 'tokenizer.json'}) or start a fresh run")
+    return meta
 
 
 def trim_metrics(path: Path, step: int) -> None:
@@ -104,8 +121,9 @@ class Checkpointer:
         self._previous_handler: Any = None
         # CPU (gloo) groups: the stop flag and async saves must not share the training group, nor each other.
         saving = ctx.distributed and self.interval > 0
-        self.flag_group = dist.new_group(backend="gloo") if saving else None
-        self.save_group = dist.new_group(backend="gloo") if saving and cfg.checkpoint.async_save else None
+        wait = timedelta(seconds=cfg.parallel.timeout_s)  # new groups get torch's default (30 min), not the world's
+        self.flag_group = dist.new_group(backend="gloo", timeout=wait) if saving else None
+        self.save_group = dist.new_group(backend="gloo", timeout=wait) if saving and cfg.checkpoint.async_save else None
         if ctx.is_main:
             for p in store.clean_stale(self.root):
                 print(f"fitlm: removed {p}, left by a checkpoint save that did not finish", file=sys.stderr)
@@ -214,18 +232,7 @@ class Checkpointer:
 
     def check(self, ckpt: Path) -> dict[str, Any]:
         """Metadata of `ckpt` after refusing what cannot be resumed: damage, another run, another tokenizer."""
-        meta = store.read_meta(ckpt)
-        conflicts = resume_conflicts(meta.get("config", {}), self.cfg.to_dict())
-        if conflicts:
-            raise CheckpointError(f"checkpoint {ckpt} belongs to a different run; the config differs in "
-                                  f"{'; '.join(conflicts)}. Resume with the config it was saved with "
-                                  f"({ckpt / store.META_FILE} holds it), or start a fresh run in another train.output_dir")
-        if meta.get("tokenizer_sha256") != self.tokenizer_sha256:
-            raise CheckpointError(f"checkpoint {ckpt} was trained with another tokenizer (sha256 "
-                                  f"{str(meta.get('tokenizer_sha256'))[:12]}, now {self.tokenizer_sha256[:12]}); token ids "
-                                  f"would mean other text. Point data.tokenizer at the one it used (a copy is "
-                                  f"{ckpt / 'tokenizer.json'}) or start a fresh run")
-        return meta
+        return check_resumable(ckpt, self.cfg, self.tokenizer_sha256)
 
     # ------------------------------------------------------------------ save
 

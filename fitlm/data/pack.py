@@ -5,7 +5,8 @@ the model's tokenizer adds one (fitlm's own tokenizers do; Qwen's does not); cha
 conversation, with a loss mask beside it. Documents never span shards; a shard closes once it
 holds `shard_tokens` tokens. Tokenization runs in `workers` processes, in order, so the output is the
 same for any worker count. `shard_index`/`num_shards` pack every n-th input file (one machine's part);
-`fitlm data merge` joins the parts. The directory appears atomically (temporary sibling, then rename).
+`fitlm data merge` joins the parts. The directory appears atomically (temporary sibling, then rename);
+a full disk removes the temporary directory, keeps any previous output and says how much space is needed.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import numpy as np
 
 from fitlm import __version__
 from fitlm.atomic import atomic_dir as atomic_output_dir
+from fitlm.diskspace import disk_full_guard
 from fitlm.data.errors import DataError
 from fitlm.data.format import (FORMAT, FORMAT_VERSION, MANIFEST_FILE, OFFSETS_FILE, TOKENS_FILE, sha256_file,
                                shard_files, token_dtype)
@@ -198,6 +200,19 @@ class ShardWriter:
             self._close()
         return self.entries
 
+    def abort(self) -> None:
+        """Close the open shard files after a failed write, quietly: their buffered bytes cannot be written
+        either (a full disk), and the caller deletes them."""
+        if not self._open:
+            return
+        for f in (self._tok_f, self._mask_f):
+            if f is not None:
+                try:
+                    f.close()
+                except OSError:
+                    pass
+        self._open = False
+
 
 class _Progress:
     """A rich progress bar over input bytes, on stderr (stdout is reserved for --json output)."""
@@ -236,9 +251,13 @@ def check_out_dir(out_dir: Path, files: Sequence[Path], overwrite: bool) -> None
                             "write the packed data somewhere else")
 
 
-def atomic_dir(out_dir: Path, write: Callable[[Path], dict]) -> dict:
-    """Run `write(tmp)` in a temporary sibling of `out_dir`, then move it into place (fitlm.atomic)."""
-    with atomic_output_dir(out_dir) as tmp:
+def atomic_dir(out_dir: Path, write: Callable[[Path], dict], what: str = "fitlm data",
+               needed: int | Callable[[], int | None] | None = None) -> dict:
+    """Run `write(tmp)` in a temporary sibling of `out_dir`, then move it into place (fitlm.atomic).
+
+    A full disk (ENOSPC/EDQUOT) becomes a DiskFullError naming `out_dir` and `needed` bytes, raised after
+    the temporary directory is gone and any previous `out_dir` is back in place."""
+    with disk_full_guard(out_dir, needed, what), atomic_output_dir(out_dir) as tmp:
         return write(tmp)
 
 
@@ -303,11 +322,43 @@ def pack_corpus(
         tmpl = resolve_template(template, tok.path)
         ChatEncoder(tok, tmpl[1], tmpl[0])  # compile errors surface here, before any worker starts
 
+    input_bytes = sum(f.stat().st_size for f in files)
+    # For the disk-full estimate: input bytes read, and tokens/documents encoded from the first `done` of them.
+    seen = {"read": 0, "done": 0, "tokens": 0, "docs": 0}
+    marks: deque[int] = deque()  # input bytes read up to the end of each batch handed to the encoder
+
+    def needed() -> int:
+        """Bytes the whole pack needs: tokens (+ mask bytes, + an int64 offset per document) encoded so far,
+        scaled from the input they came from to all of it; before any, one token per input byte at most."""
+        per_token = dtype.itemsize + chat
+        if seen["done"] and seen["tokens"]:
+            scale = input_bytes / seen["done"]
+            data = scale * (seen["tokens"] * per_token + seen["docs"] * 8)
+        else:
+            data = input_bytes * per_token
+        return int(data) + tok.path.stat().st_size + 16 * 1024  # + tokenizer, manifest
+
+    def marked(batches: Iterator[list[Any]]) -> Iterator[list[Any]]:
+        for b in batches:
+            marks.append(seen["read"])
+            yield b
+
     def write(tmp: Path) -> dict:
         stats = ReadStats()
         counts = {"no_assistant": 0, "truncated": 0, "dropped_overlong": 0, "conversations": 0}
         writer = ShardWriter(tmp, dtype, chat, shard_tokens)
-        with _Progress(show_progress, sum(f.stat().st_size for f in files)) as advance:
+        try:
+            return _write(tmp, stats, counts, writer)
+        except BaseException:
+            writer.abort()
+            raise
+
+    def _write(tmp: Path, stats: ReadStats, counts: dict[str, int], writer: ShardWriter) -> dict:
+        with _Progress(show_progress, input_bytes) as bar:
+            def advance(n: int) -> None:
+                seen["read"] += n
+                bar(n)
+
             if chat:
                 def items() -> Iterator[tuple[Any, int]]:
                     for m, n in _iter_chat(files, stats):
@@ -317,9 +368,12 @@ def pack_corpus(
             else:
                 source = ((d.text, d.nbytes) for d in iter_documents(files, split, min_doc_chars, stats))
             init = (str(tok.path), tok.special_tokens, tmpl)
-            for enc in _encoded(_batches(source, advance), workers, init, max_length, overlong):
+            for enc in _encoded(marked(_batches(source, advance)), workers, init, max_length, overlong):
                 for k, v in enc["counts"].items():
                     counts[k] += v
+                seen["done"] = marks.popleft()
+                seen["tokens"] += len(enc["ids"])
+                seen["docs"] += len(enc["lengths"])
                 writer.add(enc["ids"], enc["lengths"], enc.get("mask"))
         shards = writer.finish()
         num_docs = sum(s["num_docs"] for s in shards)
@@ -346,7 +400,7 @@ def pack_corpus(
         (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
         return manifest
 
-    return atomic_dir(out_dir, write)
+    return atomic_dir(out_dir, write, "fitlm data pack", needed)
 
 
 __all__ = ["DEFAULT_MIN_DOC_CHARS", "DEFAULT_SHARD_TOKENS", "Document", "FORMAT", "FORMAT_VERSION", "MANIFEST_FILE",

@@ -117,8 +117,8 @@ def iter_jsonl_records(path: Path, stats: ReadStats, what: str = '"text" field')
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg}); each line of a .jsonl file must be one "
-                            f"JSON object with a {what}") from None
+            raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg} column {e.colno}); each line of a .jsonl "
+                            f"file must be one JSON object with a {what}") from None
         yield record, n, lineno
 
 

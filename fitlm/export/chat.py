@@ -14,7 +14,7 @@ from typing import Callable, TextIO
 
 from fitlm.data.chat import ChatEncoder, resolve_template
 from fitlm.data.tokenizer import Tokenizer
-from fitlm.infer.generate import generate
+from fitlm.infer.generate import check_sampling, generate
 from fitlm.infer.text import StreamDecoder
 from fitlm.models.io import ModelDirError, load_model_dir
 
@@ -46,6 +46,7 @@ def run_chat(model_path: str, stdin: TextIO = sys.stdin, stdout: TextIO = sys.st
              template: str | None = None, system: str | None = None, max_new_tokens: int = 256,
              temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> int:
     """Read user turns from stdin until /exit or end of input; stream each reply to stdout."""
+    check_sampling(temperature, top_p)  # before the model loads or a turn is read
     loaded = load_model_dir(model_path)
     if loaded.tokenizer_path is None:
         raise ModelDirError(f"{model_path}: no tokenizer.json beside the weights; chat needs the model's tokenizer")

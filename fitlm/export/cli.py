@@ -6,10 +6,17 @@ import argparse
 import sys
 
 
-def _size(text: str) -> int:
+def size(text: str) -> int:
+    """--max-shard-size: bytes, or a number with K/M/G (binary: 5GiB = 5G = 5 × 1024³)."""
     units = {"k": 1024, "m": 1024**2, "g": 1024**3}
     t = text.strip().lower().removesuffix("ib").removesuffix("b")
-    return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
+    try:
+        n = int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 5GiB, 500MB or a byte count") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a shard needs at least 1 byte; write e.g. 5GiB")
+    return n
 
 
 def add_commands(sub) -> None:
@@ -32,7 +39,7 @@ def add_commands(sub) -> None:
     p.add_argument("--seq-len", type=int, default=None, metavar="T",
                    help="ONNX static sequence length (default: model.max_seq_len)")
     p.add_argument("--batch-size", type=int, default=1, metavar="B", help="ONNX static batch size (default 1)")
-    p.add_argument("--max-shard-size", type=_size, default="5GiB", metavar="SIZE",
+    p.add_argument("--max-shard-size", type=size, default="5GiB", metavar="SIZE",
                    help="HF: split safetensors above this size, with an index (default 5GiB)")
     p.add_argument("--json", action="store_true", help="print one JSON summary object on stdout")
     p.set_defaults(func=cmd_export)

@@ -19,6 +19,7 @@ from fitlm.atomic import atomic_file
 from fitlm.data.chat import resolve_template
 from fitlm.data.gguf_tokenizer import gguf_pre_name
 from fitlm.data.tokenizer import Tokenizer
+from fitlm.diskspace import disk_full_guard
 from fitlm.export.errors import ExportError
 from fitlm.export.metadata import build_metadata, check_metadata
 from fitlm.models.gguf import gguf_metadata, gguf_tensors
@@ -95,6 +96,29 @@ def _file_type(dtype: str) -> int:
     return {"f32": LlamaFileType.ALL_F32, "f16": LlamaFileType.MOSTLY_F16, "q8_0": LlamaFileType.MOSTLY_Q8_0}[dtype]
 
 
+def _gguf_bytes(sd: dict[str, torch.Tensor], dtype: str, loaded: LoadedModel) -> int:
+    """About the size of the file: matrices at `dtype` (q8_0: 34 bytes per 32 weights), vectors f32,
+    plus the vocabulary (about the size of tokenizer.json)."""
+    per = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32}[dtype]
+    weights = sum(t.numel() * (4.0 if t.ndim == 1 else per) for t in sd.values())
+    vocab = loaded.tokenizer_path.stat().st_size if loaded.tokenizer_path is not None else 0
+    return int(weights) + vocab + 64 * 1024
+
+
+def _close_quietly(writer) -> None:
+    """Close the writer's files; after a failed write (a full disk) their buffered bytes cannot be written
+    either, and the caller deletes the file, so that second error is not the one to report."""
+    try:
+        writer.close()
+    except OSError:
+        for f in writer.fout or ():
+            try:
+                f.close()
+            except OSError:
+                pass
+        writer.fout = None
+
+
 def export_gguf(loaded: LoadedModel, out: str | Path, dtype: str = "f16") -> dict:
     """Write a GGUF file at `out` in `dtype` (f32 | f16 | q8_0)."""
     from gguf import GGUFWriter
@@ -110,22 +134,29 @@ def export_gguf(loaded: LoadedModel, out: str | Path, dtype: str = "f16") -> dic
         raise ExportError(f"--out {out} is a directory; --format gguf writes one file, e.g. {out / 'model.gguf'}")
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = build_metadata("gguf", loaded.path, {"dtype": dtype})
-    with atomic_file(out) as tmp:  # never a half-written file at `out`
+    sd = to_hf_state_dict(loaded.model, cfg)
+    # The guard outside the atomic block: the partial file is gone before the error is raised.
+    with disk_full_guard(out, _gguf_bytes(sd, dtype, loaded), "fitlm export --format gguf"), \
+            atomic_file(out) as tmp:  # never a half-written file at `out`
         writer = GGUFWriter(str(tmp), cfg.family.gguf.arch)
-        writer.add_name(loaded.path.name)
-        for key, value in gguf_metadata(cfg).items():
-            _add_value(writer, key, value)
-        writer.add_file_type(_file_type(dtype))
-        writer.add_string(META_KEY, json.dumps(meta))
-        if loaded.tokenizer_path is not None:
-            _add_tokenizer(writer, loaded)
-        for name, w in gguf_tensors(to_hf_state_dict(loaded.model, cfg), cfg):
-            data, raw = _encode(w.numpy(), dtype)
-            writer.add_tensor(name, data, raw_dtype=raw)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
+        try:
+            writer.add_name(loaded.path.name)
+            for key, value in gguf_metadata(cfg).items():
+                _add_value(writer, key, value)
+            writer.add_file_type(_file_type(dtype))
+            writer.add_string(META_KEY, json.dumps(meta))
+            if loaded.tokenizer_path is not None:
+                _add_tokenizer(writer, loaded)
+            for name, w in gguf_tensors(sd, cfg):
+                data, raw = _encode(w.numpy(), dtype)
+                writer.add_tensor(name, data, raw_dtype=raw)
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_tensors_to_file()
+        except BaseException:
+            _close_quietly(writer)
+            raise
+        writer.close()  # its last flush can still find the disk full: that error must leave
     return {"format": "gguf", "out": str(out), "dtype": dtype, "bytes": out.stat().st_size,
             "tokenizer": loaded.tokenizer_path is not None, "source_sha256": meta["source_sha256"]}
 

@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fitlm.atomic import atomic_file
+from fitlm.diskspace import disk_full_guard, tensor_bytes
 from fitlm.export.errors import ExportError, ONNXShapeError
 from fitlm.export.metadata import build_metadata, check_metadata
 from fitlm.models.io import LoadedModel
@@ -75,7 +76,10 @@ def export_onnx(loaded: LoadedModel, out: str | Path, dynamic_shape: bool = Fals
     shape = None if dynamic_shape else [batch_size, seq_len]
     meta = build_metadata("onnx", loaded.path, {"dynamic_shape": dynamic_shape, "input_shape": shape,
                                                 "max_seq_len": cfg.max_seq_len, "opset": OPSET})
-    with atomic_file(out) as tmp:  # never a half-written file at `out`
+    # Initializers are stored as float32; the guard outside the atomic block: the partial file is gone first.
+    needed = tensor_bytes(loaded.model.state_dict().values(), float_itemsize=4)
+    with disk_full_guard(out, needed + 1024 * 1024, "fitlm export --format onnx"), \
+            atomic_file(out) as tmp:  # never a half-written file at `out`
         with torch.no_grad(), warnings.catch_warnings(), mock.patch.object(F, "scaled_dot_product_attention", sdpa):
             warnings.simplefilter("ignore")  # tracer warnings about Python ints in shape checks
             torch.onnx.export(_LogitsOnly(loaded.model.eval()), (example,), str(tmp), input_names=["input_ids"],

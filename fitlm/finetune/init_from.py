@@ -16,7 +16,8 @@ Lives in fitlm.finetune (which imports neither train, plan nor profile) so that 
 from __future__ import annotations
 
 from fitlm.config import Config, ConfigError, ModelConfig, validate_dict
-from fitlm.models.io import read_model_config
+from fitlm.models.hf import HFFormatError
+from fitlm.models.io import ModelDirError, read_model_config
 
 # Model keys that only say how training starts, not what the network is: the user's always stand.
 # Every other model key describes the network (a key added to ModelConfig does too, by default).
@@ -44,7 +45,10 @@ def resolve_init_from(cfg: Config, weights: ModelConfig | None = None) -> Config
     if not m.init_from:
         return cfg
     if weights is None:
-        weights = read_model_config(m.init_from)
+        try:
+            weights = read_model_config(m.init_from)
+        except (ModelDirError, HFFormatError) as e:  # say which key names the unreadable path
+            raise ConfigError([f"model.init_from: {e}"]) from None
     diffs = shape_conflicts(m, weights)
     if diffs:
         raise ConfigError([f"model.init_from: {m.init_from} does not match the model section ({'; '.join(diffs)}); "

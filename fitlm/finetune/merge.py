@@ -21,6 +21,6 @@ def merge_model(model: str | Path, adapter: str | Path, out: str | Path) -> dict
     spec, tensors = load_adapter(adapter)
     merged = merge_lora(loaded.model.state_dict(), tensors, spec.scaling, source=str(adapter))
     loaded.model.load_state_dict(merged)
-    save_model_dir(loaded.model, loaded.config, out, tokenizer_path=loaded.tokenizer_path)
+    save_model_dir(loaded.model, loaded.config, out, tokenizer_path=loaded.tokenizer_path, what="fitlm merge")
     return {"model": str(loaded.path), "adapter": str(adapter), "out": str(Path(out)), "modules": len(spec.modules),
             "r": spec.r, "scaling": spec.scaling}

@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fitlm.atomic import atomic_dir
+from fitlm.diskspace import disk_full_guard
 from fitlm.finetune.lora import LoraError, LoraSpec, lora_modules_of
 
 CONFIG_FILE = "adapter_config.json"
@@ -41,11 +42,13 @@ def adapter_config(spec: LoraSpec, base_model: str | None = None) -> dict[str, A
 
 def save_adapter(adapter: Mapping[str, torch.Tensor], spec: LoraSpec, out_dir: str | Path,
                  base_model: str | None = None) -> Path:
-    """Write adapter tensors (fitlm FQNs) and their config as a PEFT adapter directory, atomically."""
+    """Write adapter tensors (fitlm FQNs) and their config as a PEFT adapter directory, atomically; a full
+    disk raises fitlm.diskspace.DiskFullError after the partial directory is removed."""
     out_dir = Path(out_dir).expanduser().absolute()
     if out_dir.exists() and not (out_dir / CONFIG_FILE).is_file() and any(out_dir.iterdir()):
         raise LoraError(f"{out_dir} exists, is not empty and holds no adapter; choose another path for the adapter")
-    with atomic_dir(out_dir) as tmp:
+    needed = sum(v.numel() * 4 for v in adapter.values()) + 64 * 1024  # stored as float32
+    with disk_full_guard(out_dir, needed, "adapter save"), atomic_dir(out_dir) as tmp:
         tensors = {PREFIX + k: v.detach().to("cpu", torch.float32).contiguous() for k, v in adapter.items()}
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_text(json.dumps(adapter_config(spec, base_model), indent=2) + "\n")

@@ -13,6 +13,23 @@ import torch
 import torch.nn as nn
 
 
+class GenerationError(ValueError):
+    """Sampling settings or a prompt that generation cannot use; the message names the option and the fix."""
+
+
+def check_sampling(temperature: float, top_p: float) -> None:
+    """Refuse sampling settings outside their ranges, naming the command-line option (GenerationError)."""
+    problems = []
+    if not temperature >= 0:  # also NaN
+        problems.append(f"--temperature {temperature}: temperature must be >= 0 "
+                        "(0 = greedy decoding; e.g. 0.8 to sample)")
+    if not 0.0 < top_p <= 1.0:
+        problems.append(f"--top-p {top_p}: top_p must be in (0, 1], the probability mass sampled from "
+                        "(e.g. 0.9; 1.0 = every token)")
+    if problems:
+        raise GenerationError("; ".join(problems))
+
+
 def _max_seq_len(model: nn.Module) -> int:
     cfg = getattr(model, "config", None)
     if cfg is None or not hasattr(cfg, "max_seq_len"):
@@ -49,14 +66,14 @@ def generate(model: nn.Module, prompt_ids: list[int], max_new_tokens: int, tempe
     sampling reproducible (it does not touch the global RNG); `stream` is called with each new token
     as soon as it is chosen.
     """
-    if temperature < 0 or not 0.0 < top_p <= 1.0:
-        raise ValueError(f"temperature must be >= 0 (got {temperature}) and top_p in (0, 1] (got {top_p})")
+    check_sampling(temperature, top_p)
     if not prompt_ids:
-        raise ValueError("the prompt is empty: generation needs at least one token (e.g. the BOS token)")
+        raise GenerationError("the prompt is empty: generation needs at least one token (e.g. the BOS token); "
+                              "pass a non-empty --prompt")
     limit = _max_seq_len(model)
     if len(prompt_ids) > limit:
-        raise ValueError(f"the prompt has {len(prompt_ids)} tokens but the model handles at most {limit} "
-                         f"(model.max_seq_len); shorten the prompt")
+        raise GenerationError(f"the prompt has {len(prompt_ids)} tokens but the model handles at most {limit} "
+                              f"(model.max_seq_len); shorten the prompt")
     max_new_tokens = min(max_new_tokens, limit - len(prompt_ids))
     if max_new_tokens <= 0:
         return []

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Callable
 
 from fitlm.data.tokenizer import Tokenizer
-from fitlm.infer.generate import generate
+from fitlm.infer.generate import check_sampling, generate
 from fitlm.models.io import ModelDirError, load_model_dir
 
 
@@ -49,6 +49,7 @@ def _gguf_tokenizer(path) -> Tokenizer:
 
 def generate_text(model_path: str, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0,
                   top_p: float = 1.0, seed: int | None = 0, stream: Callable[[str], None] | None = None) -> dict:
+    check_sampling(temperature, top_p)  # before the model is read
     loaded = load_model_dir(model_path)
     if loaded.tokenizer_path is None and loaded.source == "gguf":
         tok = _gguf_tokenizer(loaded.path)

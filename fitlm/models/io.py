@@ -10,7 +10,8 @@ Layout:
                        so its presence marks a complete directory
 
 Directories are written to a hidden sibling and renamed into place, so a crash never leaves a
-half-written model directory under the requested name.
+half-written model directory under the requested name; a full disk removes the sibling, keeps the
+previous directory and says how much space the save needs (fitlm.diskspace.DiskFullError).
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from fitlm import __version__
+from fitlm import __version__, faults
 from fitlm.atomic import atomic_dir
+from fitlm.diskspace import disk_full_guard, tensor_bytes
 from fitlm.config import Config, DataConfig, ModelConfig, load_config, validate_dict
 from fitlm.models.hf import HFFormatError, read_hf_config, load_hf_dir, model_from_hf_state_dict, read_safetensors_dir, \
     to_hf_state_dict, write_safetensors
@@ -115,8 +117,11 @@ def _tokenizer_files(tokenizer_path: str | Path) -> dict[str, Path]:
 
 
 def save_model_dir(model: nn.Module, cfg: Config | ModelConfig, out_dir: str | Path,
-                   tokenizer_path: str | Path | None = None) -> Path:
-    """Write a fitlm model directory atomically; an existing fitlm model directory is replaced."""
+                   tokenizer_path: str | Path | None = None, what: str = "model save") -> Path:
+    """Write a fitlm model directory atomically; an existing fitlm model directory is replaced.
+
+    A full disk raises fitlm.diskspace.DiskFullError (its text starts with `what`), after the partial
+    directory is removed; a previous directory at `out_dir` is left as it was."""
     if isinstance(cfg, ModelConfig):
         cfg = default_config(cfg)
     # Refuse now what load_config would refuse later: never write a directory that cannot be loaded.
@@ -124,8 +129,13 @@ def save_model_dir(model: nn.Module, cfg: Config | ModelConfig, out_dir: str | P
     out_dir = Path(out_dir).expanduser().absolute()
     _check_writable_target(out_dir)
     tok = _tokenizer_files(tokenizer_path) if tokenizer_path is not None else {}
-    with atomic_dir(out_dir, durable=True) as tmp:  # a previous model directory survives a failed write
-        write_safetensors(to_hf_state_dict(model, cfg.model), tmp)
+    sd = to_hf_state_dict(model, cfg.model)
+    needed = tensor_bytes(sd.values()) + sum(src.stat().st_size for src in tok.values()) + 64 * 1024
+    # The guard outside the atomic block: the partial directory is gone before the error is raised.
+    with disk_full_guard(out_dir, needed, what), \
+            atomic_dir(out_dir, durable=True) as tmp:  # a previous model directory survives a failed write
+        write_safetensors(sd, tmp)
+        faults.maybe_die("final", 0, 0)  # recovery tests: a power loss half-way through the save
         (tmp / "config.yaml").write_text(cfg.to_yaml())
         for name, src in tok.items():
             shutil.copyfile(src, tmp / name)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import NoReturn
 
 import torch
@@ -82,10 +83,15 @@ def init_parallel(cfg: ParallelConfig, device_kind: str) -> ParallelContext:
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
+    # parallel.timeout_s bounds every collective and barrier (gloo raises, nccl's watchdog aborts); the mesh's
+    # sub-groups would otherwise get torch's default (30 min for gloo, 10 min for nccl), whatever the world's is.
+    timeout = timedelta(seconds=cfg.timeout_s)
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device_kind == "cuda" else "gloo")
+        dist.init_process_group(backend="nccl" if device_kind == "cuda" else "gloo", timeout=timeout)
     mesh = init_device_mesh(device_kind, (cfg.pipeline_parallel, cfg.data_parallel, cfg.tensor_parallel),
                             mesh_dim_names=("pp", "dp", "tp"))
+    for dim in ("pp", "dp", "tp"):
+        mesh.get_group(dim).set_timeout(timeout)
     return ParallelContext(
         world_size=dist.get_world_size(), rank=dist.get_rank(), device=device, mesh=mesh,
         dp=cfg.data_parallel, tp=cfg.tensor_parallel, pp=cfg.pipeline_parallel,

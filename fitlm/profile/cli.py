@@ -12,7 +12,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from fitlm.cli import add_config_args
+from fitlm.cli import add_config_args, process_count
 
 MARKERS = ("profile.json", "report.md", "burst")  # what says a directory holds an earlier profile
 
@@ -39,7 +39,7 @@ def add_commands(sub) -> None:
     p.add_argument("--out", default=None, metavar="DIR",
                    help="where report.md, the plots and profile.json go (default: train.output_dir + '-profile')")
     p.add_argument("--force", action="store_true", help="replace an earlier profile in --out")
-    p.add_argument("--nproc", type=int, default=None, metavar="N",
+    p.add_argument("--nproc", type=process_count, default=None, metavar="N",
                    help="processes to launch on this node (default: the layout's data×tensor×pipeline product)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(func=cmd_profile)

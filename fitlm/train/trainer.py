@@ -18,7 +18,8 @@ from typing import Iterator
 import torch
 import torch.nn as nn
 
-from fitlm.checkpoint.checkpointer import Checkpointer
+from fitlm.checkpoint.checkpointer import Checkpointer, check_resumable, resume_source
+from fitlm.checkpoint.store import latest_checkpoint
 from fitlm.config import Config, ConfigError
 from fitlm.data.dataset import PackedDataset, SequenceLoader, check_compat
 from fitlm.data.tokenizer import Tokenizer
@@ -37,12 +38,14 @@ from fitlm.train import preflight
 from fitlm.train.balance import InputMonitor
 from fitlm.train.consistency import ConsistencyCheck
 from fitlm.train.guards import GuardEvent, StepGuards, stop_error
+from fitlm.train.heartbeat import Heartbeat
 from fitlm.train.loss import count_targets, cross_entropy_sum
 from fitlm.train.metrics import (MetricsLog, device_peak_flops, flops_per_token, peak_memory_bytes, report,
                                  tensorboard_dir)
 from fitlm.train.oom import oom_guard
 from fitlm.train.optim import build_optimizer, lr_at, scale_for_batch, set_lr
 from fitlm.train.progress import TrainProgress
+from fitlm.train.run_lock import RunLock, acquire_run_lock, held_by_launcher
 from fitlm.train.timing import PhaseTimer
 from fitlm.train.trace import OOMSnapshot, ProfileWindow
 
@@ -98,6 +101,10 @@ def build_or_load_model(cfg: Config, device: torch.device) -> nn.Module:
     return load_model_dir(cfg.model.init_from, device=str(device)).model.train()
 
 
+class FinalSaveFailed(ValueError):
+    """Told on the other ranks when rank 0 could not write the final model (rank 0 reports the reason)."""
+
+
 class Trainer:
     def __init__(self, cfg: Config, overwrite: bool = False, console=None):
         problems = preflight.unsupported_options(cfg) + layout_problems(cfg, env_world_size())
@@ -109,6 +116,7 @@ class Trainer:
         self.cfg, t = cfg, cfg.train
         self.ctx = init_parallel(cfg.parallel, resolve_device(t.device).type)
         self.device = self.ctx.device
+        self.heartbeat = Heartbeat.for_context(self.ctx, cfg.parallel.timeout_s)  # names a hung rank on a timeout
         self.train_data, self.valid_data, self.tokenizer = open_data(cfg)
         # Everything that can fail on bad input runs before the output directory is touched.
         self.loader = self._loader(self.train_data, shuffle=True)
@@ -116,9 +124,13 @@ class Trainer:
         self.flops_per_token = flops_per_token(model, cfg.model, cfg.data.seq_length)
         apply_finetune(model, cfg)  # LoRA adapters / frozen layers on the plain model, before any wrapper
         problem = preflight.output_dir_problem(cfg, overwrite)  # checked on every rank, so all stop together
+        source = resume_source(cfg)  # a checkpoint from elsewhere (checkpoint.resume: PATH) is checked now,
+        if problem is None and source is not None and latest_checkpoint(t.output_dir) is None:  # before writing
+            check_resumable(source, cfg, self.tokenizer.sha256)
         if problem:
             raise ConfigError([problem])
         self.ctx.barrier()  # every rank has looked before rank 0 writes
+        self.run_lock = self._lock_output_dir(Path(t.output_dir))  # one run per directory at a time
         if self.ctx.is_main:
             preflight.prepare_output_dir(cfg, overwrite=overwrite)
         self.ctx.barrier()
@@ -149,6 +161,26 @@ class Trainer:
         self.inputs = InputMonitor(self.ctx, self.train_data.pad_id, t.balance_threshold, t.data_wait_warn)
         self.profile_window = ProfileWindow(t.profile_steps, self.output_dir, self.ctx.rank, self.device)
         self.oom_snapshot = OOMSnapshot(t.oom_snapshot, self.output_dir, self.ctx.rank, self.device)
+
+    def _lock_output_dir(self, out: Path) -> RunLock | None:
+        """Rank 0 locks train.output_dir (unless the launcher that started it holds the lock); every rank stops
+        together if it cannot, naming the live run."""
+        lock, refusal = None, None
+        if self.ctx.is_main and not held_by_launcher(out):
+            try:
+                lock = acquire_run_lock(out)
+            except ConfigError as exc:
+                refusal = exc
+        refused = self.ctx.all_reduce_max(torch.tensor(float(refusal is not None), device=self.device))
+        if refusal is not None:
+            raise refusal
+        if refused.item():
+            raise ConfigError([f"train.output_dir: {out} is in use by a live run (rank 0 says which)"])
+        return lock
+
+    def release_lock(self) -> None:
+        if self.run_lock is not None:
+            self.run_lock.release()
 
     @contextlib.contextmanager
     def guard(self, phase: str):
@@ -211,11 +243,14 @@ class Trainer:
     def train_step(self, step: int, batches: Iterator[dict[str, torch.Tensor]]) -> StepOutput:
         """One optimizer step (1-based `step`): read the micro batches, forward/backward, update."""
         set_lr(self.optimizer, lr_at(step - 1, self.schedule))
+        self.heartbeat.mark("data loading", step)
         with self.guard("data loading"), self.timer("data"):
             micro = [next(batches) for _ in range(self.cfg.train.gradient_accumulation_steps)]
         self.inputs.observe_batches(micro)
+        self.heartbeat.mark("forward/backward", step)
         with self.guard("forward/backward"):
             loss = self.forward_backward(micro)
+        self.heartbeat.mark("optimizer", step)
         with self.guard("the optimizer step"), self.timer("optimizer"):
             grad_norm, skipped = self.optimizer_step(loss, step)
         return StepOutput(loss, grad_norm, skipped, self.timer.pop(), self.guard_event)
@@ -266,6 +301,15 @@ class Trainer:
         return (sums[0] / sums[1].clamp(min=1)).item()
 
     def fit(self) -> TrainResult:
+        """Train to train.max_steps (resuming the latest checkpoint), save the final model; the run lock is
+        released however this ends."""
+        try:
+            with self.heartbeat.on_timeout():  # a collective timed out: name the rank that stopped responding
+                return self._fit()
+        finally:
+            self.release_lock()
+
+    def _fit(self) -> TrainResult:
         t, main = self.cfg.train, self.ctx.is_main
         start = self.checkpointer.resume(self.pm, self.optimizer, self.stateful())  # 0 without a checkpoint
         log = MetricsLog(self.output_dir / "metrics.jsonl", tensorboard_dir(self.output_dir, t.tensorboard)) if main else None
@@ -286,6 +330,7 @@ class Trainer:
                     if out.guard is not None and (restored := self.respond(out.guard, log)) is not None:
                         step, window_start, window_tokens = restored, time.perf_counter(), 0  # rolled back
                         continue
+                    self.heartbeat.mark("logging", step)
                     self.consistency(step)  # replicas still identical (every consistency_interval steps)
                     window_tokens += self.tokens_per_step
                     if step % t.log_interval == 0 or step == t.max_steps or step == 1 or out.skipped:
@@ -296,6 +341,7 @@ class Trainer:
                     else:
                         progress.update(step)
                     if t.eval_interval and (step % t.eval_interval == 0 or step == t.max_steps):
+                        self.heartbeat.mark("evaluation", step)
                         with self.guard("evaluation"):
                             eval_loss = self.evaluate()
                         if eval_loss is not None:
@@ -303,6 +349,7 @@ class Trainer:
                                 log.write({"step": step, "eval_loss": round(eval_loss, 6)})
                             progress.update(step, eval_loss=eval_loss)
                             window_start = time.perf_counter()  # evaluation time is not training time
+                    self.heartbeat.mark("checkpoint save", step)
                     with self.guard("checkpoint save"):
                         self.checkpointer.after_step(step, self.pm, self.optimizer, self.stateful())
                     if t.eval_interval and step % t.eval_interval == 0 and stopper.should_stop(eval_loss):
@@ -313,9 +360,11 @@ class Trainer:
             self.profile_window.close()
             if log:
                 log.close()
+        self.heartbeat.mark("final save", step)
         with self.guard("checkpoint save"):
             self.checkpointer.finish()
             model_dir = self.save_final_model()
+        self.heartbeat.close()
         shutdown(self.ctx)
         first, last = (history[0]["loss"], history[-1]["loss"]) if history else (float("nan"), float("nan"))
         return TrainResult(self.output_dir, model_dir, step, first, last, eval_loss, history, is_main=main)
@@ -367,15 +416,30 @@ class Trainer:
         return {"loader": self.loader, "scaler": self.scaler, "guards": self.guards}
 
     def save_final_model(self) -> Path:
-        """Gather the full weights (collective) and write output_dir/model on rank 0."""
+        """Gather the full weights (collective) and write output_dir/model on rank 0.
+
+        A failed write (a full disk: fitlm.diskspace.DiskFullError, naming model/ and the bytes needed, after
+        the partial directory is removed and a previous model/ is back) is raised on rank 0 once every rank
+        knows of it: the others stop with FinalSaveFailed instead of waiting at a barrier for rank 0."""
         full = self.pm.full_state_dict()
         model_dir = self.output_dir / "model"
+        failed: Exception | None = None
         if self.ctx.is_main:
-            full = final_weights(full, self.cfg, self.output_dir)  # LoRA: adapter/ written, weights merged
-            # Through HF's names and back: the family's own layout again, whatever the layout changed
-            # (Phi-3's projections, split for sharding, fused as the module and HF store them).
-            plain = model_from_hf_state_dict(to_hf_state_dict(full, self.cfg.model), self.cfg.model,
-                                             "the trained weights", "cpu", None)
-            save_model_dir(plain, self.cfg, model_dir, tokenizer_path=self.tokenizer.path)
-        self.ctx.barrier()
+            try:
+                full = final_weights(full, self.cfg, self.output_dir)  # LoRA: adapter/ written, weights merged
+                # Through HF's names and back: the family's own layout again, whatever the layout changed
+                # (Phi-3's projections, split for sharding, fused as the module and HF store them).
+                plain = model_from_hf_state_dict(to_hf_state_dict(full, self.cfg.model), self.cfg.model,
+                                                 "the trained weights", "cpu", None)
+                save_model_dir(plain, self.cfg, model_dir, tokenizer_path=self.tokenizer.path,
+                               what="final model save")
+            except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks are told
+                failed = exc
+        if self.ctx.distributed:  # in place of a barrier: every rank learns whether rank 0 succeeded
+            flag = self.ctx.all_reduce_max(torch.tensor(float(failed is not None), device=self.device))
+            if failed is None and flag.item():
+                raise FinalSaveFailed(f"rank 0 could not write the final model to {model_dir} (its message says "
+                                      f"why); this rank stops too")
+        if failed is not None:
+            raise failed
         return model_dir

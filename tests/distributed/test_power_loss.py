@@ -27,13 +27,10 @@ from fitlm.checkpoint.store import TMP_PREFIX, checkpoints_root, list_checkpoint
 from tests.distributed.test_no_orphans import run_pids, wait_for
 from tests.e2e.helpers import read_metrics, tiny_config, write_config
 
-STEPS = 8
-
-
-def config(tiny_corpus, root: Path, name: str) -> Path:
+def config(tiny_corpus, root: Path, name: str, steps: int) -> Path:
     cfg = tiny_config(tiny_corpus, root / name / "run", parallel={"data_parallel": 2, "zero_stage": 2},
                       checkpoint={"interval": 2, "keep_last": 2},
-                      train={"max_steps": STEPS, "eval_interval": 0, "micro_batch_size": 2, "tensorboard": False})
+                      train={"max_steps": steps, "eval_interval": 0, "micro_batch_size": 2, "tensorboard": False})
     return write_config(root / f"{name}.yaml", cfg)
 
 
@@ -53,29 +50,37 @@ def losses(run: Path) -> dict[int, tuple[float, float]]:
     return {r["step"]: (r["loss"], r["grad_norm"]) for r in read_metrics(run) if "loss" in r}
 
 
-def plan(seed: int, kills: int) -> list[tuple[str, object]]:
-    """The kills of one campaign: always one inside a checkpoint save and one inside the final save."""
+def next_kill(rng: random.Random, resume: int, steps: int, kills_left: int, saved_once: bool) -> tuple[str, object]:
+    """The next kill, drawn where it still lands: past the checkpoint the next attempt resumes from.
+
+    The last kill is inside the final model save; before it, at least one is inside a checkpoint save.
+    Step and save kills are placed so that the attempt publishes a checkpoint first, and the run advances.
+    """
+    # Soon after the resume point, so a campaign has many kills; the attempt first publishes checkpoint resume + 2.
+    saves = list(range(resume + 4, min(steps, resume + 8) + 1, 2))
+    if kills_left == 1 or not saves:
+        return ("fault", "final:0:all")
+    if not saved_once:
+        return ("fault", f"save:{rng.choice(saves)}:all")
+    return rng.choice([("timer", round(rng.uniform(1.0, 14.0), 2)),  # start-up (~8 s here) included
+                       ("fault", f"step:{rng.randint(resume + 3, min(steps, resume + 8))}:all"),
+                       ("fault", f"save:{rng.choice(saves)}:all")])
+
+
+def campaign(tiny_corpus, root: Path, seed: int, kills: int, steps: int) -> None:
+    print(f"power-loss campaign: seed {seed} (FITLM_POWER_LOSS_SEED={seed} replays it), {kills} kills, {steps} steps")
     rng = random.Random(seed)
-    chosen = [("fault", f"save:{rng.choice(range(2, STEPS, 2))}:all"), ("fault", "final:0:all")]
-    while len(chosen) < kills:
-        chosen.append(rng.choice([("timer", round(rng.uniform(2.0, 25.0), 2)),
-                                  ("fault", f"step:{rng.randint(1, STEPS)}:all"),
-                                  ("fault", f"save:{rng.choice(range(2, STEPS + 1, 2))}:all")]))
-    final = chosen.pop(1)
-    rng.shuffle(chosen)
-    return chosen + [final]  # the final-save kill last, so the run reaches the final save under it
-
-
-def campaign(tiny_corpus, root: Path, seed: int, kills: int) -> None:
-    print(f"power-loss campaign: seed {seed} (FITLM_POWER_LOSS_SEED={seed} replays it), {kills} kills")
-    ref_cfg = config(tiny_corpus, root, "reference")
+    ref_cfg = config(tiny_corpus, root, "reference", steps)
     ref = subprocess.run([sys.executable, "-m", "fitlm.cli", "train", str(ref_cfg)], capture_output=True, text=True,
                          timeout=600)
     assert ref.returncode == 0, ref.stderr[-3000:]
-    cfg = config(tiny_corpus, root, "killed")
+    cfg = config(tiny_corpus, root, "killed", steps)
     run = cfg.parent / "killed" / "run"
-    log = []
-    for kind, what in plan(seed, kills):
+    log, saved_once = [], False
+    for left in range(kills, 0, -1):
+        done = list_checkpoints(checkpoints_root(run))
+        kind, what = next_kill(rng, done[-1][0] if done else 0, steps, left, saved_once)
+        saved_once |= str(what).startswith("save")
         proc = launch(cfg, what if kind == "fault" else None)
         if kind == "timer":
             try:
@@ -90,8 +95,8 @@ def campaign(tiny_corpus, root: Path, seed: int, kills: int) -> None:
             for pid in run_pids(str(cfg)):
                 os.kill(pid, signal.SIGKILL)
         assert proc.returncode in (0, -signal.SIGKILL, 128 + signal.SIGKILL), (log, err[-3000:])
-        if (run / "model").is_dir():
-            break  # finished (the kill point came too late): nothing left to resume
+        if (run / "model").is_dir() or what == "final:0:all":
+            break  # finished (the kill point came too late), or killed in the final save: the last kill
     if not (run / "model").is_dir():  # the same command once more, undisturbed
         last = launch(cfg)
         _, err = last.communicate(timeout=600)
@@ -118,9 +123,9 @@ def seed(default: int | None) -> int:
 
 
 def test_power_loss_three_kills(tiny_corpus, tmp_path):
-    campaign(tiny_corpus, tmp_path, seed(2026), kills=3)  # CI: a fixed seed, the same three kills every time
+    campaign(tiny_corpus, tmp_path, seed(2026), kills=3, steps=8)  # CI: a fixed seed, the same three kills every time
 
 
 @pytest.mark.slow
 def test_power_loss_campaign_many_kills(tiny_corpus, tmp_path):
-    campaign(tiny_corpus, tmp_path, seed(None), kills=9)  # a new seed each run (printed): other moments
+    campaign(tiny_corpus, tmp_path, seed(None), kills=9, steps=24)  # a new seed each run (printed): other moments

@@ -85,6 +85,12 @@ def test_non_power_of_two_gqa_is_valid():
     assert cfg.model.kv_heads == 3 and cfg.model.head_size == 64
 
 
+def test_parallel_timeout_must_be_positive():
+    with pytest.raises(ConfigError, match=r"parallel.timeout_s: must be a positive number of seconds \(got 0\); set it"):
+        validate_dict({"parallel": {"timeout_s": 0}})
+    assert validate_dict({}).parallel.timeout_s == 1800
+
+
 def test_readme_config_reference_is_current():
     readme = (ROOT / "README.md").read_text()
     assert render(readme) == readme, "README config reference is stale: run `make docs`"
