@@ -18,7 +18,8 @@ from typing import Iterator
 import torch
 import torch.nn as nn
 
-from fitlm.checkpoint.checkpointer import Checkpointer, check_resumable, resume_source
+from fitlm.checkpoint.checkpointer import Checkpointer
+from fitlm.checkpoint.resume import check_resumable, resume_source
 from fitlm.checkpoint.store import latest_checkpoint
 from fitlm.config import Config, ConfigError
 from fitlm.data.dataset import PackedDataset, SequenceLoader, check_compat
@@ -45,7 +46,7 @@ from fitlm.train.metrics import (MetricsLog, device_peak_flops, flops_per_token,
 from fitlm.train.oom import oom_guard
 from fitlm.train.optim import build_optimizer, lr_at, scale_for_batch, set_lr
 from fitlm.train.progress import TrainProgress
-from fitlm.train.run_lock import RunLock, acquire_run_lock, held_by_launcher
+from fitlm.train.run_lock import lock_for_run
 from fitlm.train.timing import PhaseTimer
 from fitlm.train.trace import OOMSnapshot, ProfileWindow
 
@@ -130,7 +131,7 @@ class Trainer:
         if problem:
             raise ConfigError([problem])
         self.ctx.barrier()  # every rank has looked before rank 0 writes
-        self.run_lock = self._lock_output_dir(Path(t.output_dir))  # one run per directory at a time
+        self.run_lock = lock_for_run(self.ctx, Path(t.output_dir))  # one run per directory at a time
         if self.ctx.is_main:
             preflight.prepare_output_dir(cfg, overwrite=overwrite)
         self.ctx.barrier()
@@ -161,22 +162,6 @@ class Trainer:
         self.inputs = InputMonitor(self.ctx, self.train_data.pad_id, t.balance_threshold, t.data_wait_warn)
         self.profile_window = ProfileWindow(t.profile_steps, self.output_dir, self.ctx.rank, self.device)
         self.oom_snapshot = OOMSnapshot(t.oom_snapshot, self.output_dir, self.ctx.rank, self.device)
-
-    def _lock_output_dir(self, out: Path) -> RunLock | None:
-        """Rank 0 locks train.output_dir (unless the launcher that started it holds the lock); every rank stops
-        together if it cannot, naming the live run."""
-        lock, refusal = None, None
-        if self.ctx.is_main and not held_by_launcher(out):
-            try:
-                lock = acquire_run_lock(out)
-            except ConfigError as exc:
-                refusal = exc
-        refused = self.ctx.all_reduce_max(torch.tensor(float(refusal is not None), device=self.device))
-        if refusal is not None:
-            raise refusal
-        if refused.item():
-            raise ConfigError([f"train.output_dir: {out} is in use by a live run (rank 0 says which)"])
-        return lock
 
     def release_lock(self) -> None:
         if self.run_lock is not None:
@@ -307,6 +292,7 @@ class Trainer:
             with self.heartbeat.on_timeout():  # a collective timed out: name the rank that stopped responding
                 return self._fit()
         finally:
+            self.checkpointer.restore_sigterm()  # an error must not leave this run's handler in the process
             self.release_lock()
 
     def _fit(self) -> TrainResult:

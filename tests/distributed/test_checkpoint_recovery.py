@@ -10,6 +10,7 @@ process, and merging the sharded checkpoint gives the live model's weights.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,13 @@ def train_cli(cfg_path: Path, fault: str, *extra: str) -> subprocess.CompletedPr
     env = dict(os.environ, FITLM_FAULT=fault)
     return subprocess.run([sys.executable, "-m", "fitlm.cli", "train", str(cfg_path), "--max-restarts", "1", *extra],
                           capture_output=True, text=True, timeout=400, env=env)
+
+
+def assert_a_rank_failed(proc: subprocess.CompletedProcess) -> None:
+    """torchrun saw a failed attempt: rank 1's SIGKILL (-9), or, when its monitor polls late on a loaded
+    machine, the survivor that lost its peer first (its own non-zero exit) — the restart follows either way."""
+    assert "exitcode: -9" in proc.stderr or re.search(r"failed \(exitcode: [1-9]\d*\) local_rank", proc.stderr), \
+        proc.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +68,7 @@ def zero3_killed_during_save(tiny_corpus, tmp_path_factory) -> tuple[Path, subpr
 def test_kill_during_save_restarts_from_the_previous_checkpoint(zero3_killed_during_save, reference):
     out, proc = zero3_killed_during_save
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "exitcode: -9" in proc.stderr  # rank 1 really died of SIGKILL
+    assert_a_rank_failed(proc)
     assert "removed" in proc.stderr and ".tmp-step_00000006" in proc.stderr  # its half-written save was cleaned
     assert "resumed from" in proc.stderr and "step_00000003 (step 3, saved on dp2×tp1×pp1 zero3)" in proc.stderr
     assert [s for s, _ in list_checkpoints(out / "checkpoints")] == [3, 6, 8]
@@ -96,7 +104,7 @@ def test_kill_during_training_resumes_a_resharded_run(tiny_corpus, tmp_path, ref
                       checkpoint={"resume": str(reference / "checkpoints/step_00000004")})
     proc = train_cli(write_config(tmp_path / "c.yaml", cfg), "step:7:1")
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "exitcode: -9" in proc.stderr
+    assert_a_rank_failed(proc)
     assert "step_00000004 (step 4, saved on dp1×tp1×pp1 zero0)" in proc.stderr
     assert f"{tmp_path / 'run' / 'checkpoints' / 'step_00000006'} (step 6, saved on dp1×tp2×pp1 zero0)" in proc.stderr
     assert [r["step"] for r in read_metrics(tmp_path / "run") if "loss" in r] == [5, 6, 7, 8]
