@@ -141,9 +141,8 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from fitlm.infer.text import generate_text
-
     from fitlm.infer.generate import check_sampling
+    from fitlm.infer.text import generate_text
 
     check_sampling(args.temperature, args.top_p)  # before anything is printed
     stream = None if args.json else (lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))

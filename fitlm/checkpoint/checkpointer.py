@@ -247,11 +247,7 @@ class Checkpointer:
         """Continue only if no rank failed; otherwise remove the partial checkpoint and raise on every rank.
 
         `collective=False`: the failure is already known to every rank (DCP gathers every rank's write result)."""
-        failed = failure is not None
-        if collective and self.flag_group is not None:
-            flag = torch.tensor([1 if failed else 0])
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.flag_group)
-            failed = bool(flag.item())
+        failed = self.ctx.any_rank(failure is not None, self.flag_group) if collective else failure is not None
         if not failed:
             return
         self._barrier(None)
@@ -322,17 +318,11 @@ class Checkpointer:
         """Publish a finished async save; ranks agree first, since publishing is collective."""
         if self.pending is None:
             return
-        done = torch.tensor([1 if self.pending[0].done() else 0])
-        if self.flag_group is not None:
-            dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self.flag_group)
-        if done.item():
+        if not self.ctx.any_rank(not self.pending[0].done(), self.flag_group):  # done on every rank
             self._wait_pending()
 
     def _agreed_stop(self) -> bool:
-        flag = torch.tensor([1 if self._stop_requested else 0])
-        if self.flag_group is not None:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.flag_group)
-        return bool(flag.item())
+        return self.ctx.any_rank(self._stop_requested, self.flag_group)
 
     def _barrier(self, group) -> None:
         if self.ctx.distributed:

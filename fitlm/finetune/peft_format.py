@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fitlm.atomic import atomic_dir
-from fitlm.diskspace import disk_full_guard
+from fitlm.diskspace import disk_full_guard, tensor_bytes
 from fitlm.finetune.lora import LoraError, LoraSpec, lora_modules_of
 
 CONFIG_FILE = "adapter_config.json"
@@ -47,7 +47,7 @@ def save_adapter(adapter: Mapping[str, torch.Tensor], spec: LoraSpec, out_dir: s
     out_dir = Path(out_dir).expanduser().absolute()
     if out_dir.exists() and not (out_dir / CONFIG_FILE).is_file() and any(out_dir.iterdir()):
         raise LoraError(f"{out_dir} exists, is not empty and holds no adapter; choose another path for the adapter")
-    needed = sum(v.numel() * 4 for v in adapter.values()) + 64 * 1024  # stored as float32
+    needed = tensor_bytes(adapter.values(), float_itemsize=4) + 64 * 1024  # stored as float32
     with disk_full_guard(out_dir, needed, "adapter save"), atomic_dir(out_dir) as tmp:
         tensors = {PREFIX + k: v.detach().to("cpu", torch.float32).contiguous() for k, v in adapter.items()}
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})

@@ -72,6 +72,16 @@ class ParallelContext:
             dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return value
 
+    def any_rank(self, flag: bool, group: dist.ProcessGroup | None = None) -> bool:
+        """Whether `flag` holds on any rank, the same answer everywhere (collective): how ranks agree on a
+        failure or a stop one of them saw, in place of a barrier that the others would wait at forever.
+        `group`: a CPU (gloo) side group, e.g. the checkpointer's; None = every rank, on this device."""
+        if not self.distributed:
+            return flag
+        value = torch.tensor([1 if flag else 0], device="cpu" if group is not None else self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+        return bool(value.item())
+
 
 def init_parallel(cfg: ParallelConfig, device_kind: str) -> ParallelContext:
     """Join the torchrun job (if any) and build the mesh. `device_kind` is "cpu" or "cuda"."""

@@ -111,17 +111,15 @@ def held_by_launcher(output_dir: str | Path) -> bool:
 def lock_for_run(ctx, out: Path) -> RunLock | None:
     """Rank 0 locks train.output_dir (unless the launcher that started it holds the lock); every rank stops
     together if it cannot, naming the live run. `ctx` is the run's ParallelContext."""
-    import torch
-
     lock, refusal = None, None
     if ctx.is_main and not held_by_launcher(out):
         try:
             lock = acquire_run_lock(out)
         except ConfigError as exc:
             refusal = exc
-    refused = ctx.all_reduce_max(torch.tensor(float(refusal is not None), device=ctx.device))
+    refused = ctx.any_rank(refusal is not None)
     if refusal is not None:
         raise refusal
-    if refused.item():
+    if refused:
         raise ConfigError([f"train.output_dir: {out} is in use by a live run (rank 0 says which)"])
     return lock

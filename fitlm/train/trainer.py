@@ -421,11 +421,10 @@ class Trainer:
                                what="final model save")
             except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks are told
                 failed = exc
-        if self.ctx.distributed:  # in place of a barrier: every rank learns whether rank 0 succeeded
-            flag = self.ctx.all_reduce_max(torch.tensor(float(failed is not None), device=self.device))
-            if failed is None and flag.item():
-                raise FinalSaveFailed(f"rank 0 could not write the final model to {model_dir} (its message says "
-                                      f"why); this rank stops too")
+        # In place of a barrier: every rank learns whether rank 0 succeeded.
+        if self.ctx.any_rank(failed is not None) and failed is None:
+            raise FinalSaveFailed(f"rank 0 could not write the final model to {model_dir} (its message says "
+                                  f"why); this rank stops too")
         if failed is not None:
             raise failed
         return model_dir
