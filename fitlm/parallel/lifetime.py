@@ -46,10 +46,16 @@ def die_with_parent(sig: int, expected_parent: int | None = None) -> bool:
 def main() -> None:
     expected = int(os.environ[LAUNCHER_PID]) if os.environ.get(LAUNCHER_PID, "").isdigit() else None
     die_with_parent(signal.SIGTERM, expected)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import main as torchrun
 
     sys.argv = ["torchrun", *sys.argv[1:]]
-    torchrun()
+    try:
+        torchrun()
+    except SignalException as exc:
+        # torchrun has already passed the signal to the ranks and waited for them (SIGTERM: each saved a
+        # checkpoint); end as a process killed by it would, 128 + N (143), not with torchrun's traceback.
+        sys.exit(128 + int(exc.sigval))
 
 
 if __name__ == "__main__":

@@ -95,3 +95,29 @@ def test_sigkill_leaves_no_rank_running(tiny_corpus, tmp_path, target):
     finally:
         for pid in run_pids(marker):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_sigterm_to_the_launcher_checkpoints_every_rank_and_exits_143(tiny_corpus, tmp_path):
+    """SIGTERM reaches the ranks through the launcher (it forwards, then waits): the ranks agree to stop, save
+    a checkpoint at the end of the step (async saves on, so a pending one is published first), exit 143."""
+    out = tmp_path / "run"
+    cfg = tiny_config(tiny_corpus, out, parallel={"data_parallel": 2},
+                      checkpoint={"interval": 3, "async_save": True},
+                      train={"max_steps": 100000, "eval_interval": 0, "micro_batch_size": 2, "tensorboard": False})
+    path = write_config(tmp_path / "sigterm-check.yaml", cfg)
+    proc = subprocess.Popen([sys.executable, "-m", "fitlm.cli", "train", str(path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        wait_for(lambda: latest_checkpoint(out) is not None or proc.poll() is not None, 180, "the first checkpoint")
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        proc.send_signal(signal.SIGTERM)  # the launcher only, as `kill PID` would
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 143, err[-3000:]
+        last = latest_checkpoint(out)
+        step = read_meta(last)["step"]  # complete: the checkpoint the stop made is the latest
+        assert f"stopped by SIGTERM after step {step}; checkpoint {last} is complete" in err
+        assert "Traceback" not in err  # torchrun's SignalException is an ending, not a crash
+        assert not run_pids(str(path))
+    finally:
+        for pid in run_pids(str(path)):
+            os.kill(pid, signal.SIGKILL)
