@@ -47,7 +47,7 @@ def fitlm_config(model: dict, data_dir: Path, out_dir: Path, batch: int, seq: in
         # Plain causal attention over the packed row, as transformers computes it (no block-causal mask).
         "data": {"train": str(data_dir), "seq_length": seq, "document_mask": False},
         "train": {"micro_batch_size": batch, "max_steps": 10**6, "warmup_steps": 0, "eval_interval": 0,
-                  "progress": False, "log_interval": 10**6, "consistency_interval": 0, "tensorboard": False,
+                  "progress": False, "log_interval": 10**6, "observe": {"consistency_interval": 0, "tensorboard": False},
                   "device": device, "output_dir": str(out_dir), **train},
     })
 
@@ -97,7 +97,7 @@ def gemm_peak(dtype_name: str, device: str = "cpu", n: int | None = None) -> flo
     """
     import torch
 
-    from fitlm.train.metrics import measure_gemm_flops
+    from fitlm.hardware import measure_gemm_flops
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
     if n is None:

@@ -1,11 +1,11 @@
 """Measured peak GEMM FLOP/s of this machine per dtype: the ceiling MFU is measured against (issue #11).
 
 Not a test: it prints a table (or one JSON object) and writes JSON. Square matrix products of several
-sizes per dtype, best of `--repeats`, with fitlm's own measurement (fitlm.train.metrics.measure_gemm_flops,
+sizes per dtype, best of `--repeats`, with fitlm's own measurement (fitlm.hardware.measure_gemm_flops,
 which `fitlm train`/`profile` and `fitlm plan --device cpu` use), so the peak here is the one MFU is
 reported against. On a CPU, half precision has a fast path only with AVX512-BF16/AMX (oneDNN); without
 it (`bf16_fast: false`) a bf16 GEMM runs about 30-100x slower than fp32, and only small sizes are tried.
-On a GPU the datasheet peak (fitlm.train.metrics.GPU_PEAK_TFLOPS) is printed beside the measurement.
+On a GPU the datasheet peak (fitlm.hardware.GPU_PEAK_TFLOPS) is printed beside the measurement.
 
     python bench/gemm_peak.py [--sizes 512 1024 2048] [--dtypes fp32 bf16] [--repeats 5] [--json]
                               [--out bench/results/gemm_peak.json]
@@ -27,7 +27,7 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 def measure(device: str, dtypes: list[str], sizes: list[int], repeats: int) -> dict:
     import torch
 
-    from fitlm.train import metrics
+    from fitlm import hardware as metrics
 
     fast = bf16_matmul_fast(device)
     out: dict = {"device": device, "bf16_fast": fast, "per_dtype": {}}

@@ -7,7 +7,7 @@ process group (nccl on CUDA, gloo on CPU) and builds, in fitlm's documented orde
     fitlm Llama (TinyLlama-1.1B shape: h2048, 22 layers, 32 heads / 4 kv heads, MLP 5632, vocab 32000)
     -> precision O2 bf16 (FSDP2's MixedPrecisionPolicy: bf16 compute, fp32 master weights and reduction)
     -> torch.compile per block -> chunked output layer + loss -> FSDP2 fully_shard per block, then root
-    -> AdamW (fitlm.train.optim.build_optimizer)
+    -> AdamW (fitlm.step.optim.build_optimizer)
 
 then trains on packed data (Macbeth, bench/common.prepare_data; the 32K vocabulary is the model's) for
 `--warmup` untimed steps (compilation) and `--steps` timed ones, and reports tokens/s, MFU against the
@@ -80,9 +80,10 @@ def run(args) -> dict:
     from fitlm.memory.precision import apply_precision, fsdp_mixed_precision
     from fitlm.memory.recompute import apply_recompute, transformer_blocks
     from fitlm.registry import build_model
-    from fitlm.train.loss import count_targets
-    from fitlm.train.metrics import device_peak_flops, flops_per_token
-    from fitlm.train.optim import build_optimizer
+    from fitlm.models.loss import count_targets
+    from fitlm.hardware import device_peak_flops
+    from fitlm.models.flops import flops_per_token
+    from fitlm.step.optim import build_optimizer
     from fitlm.data.dataset import PackedDataset
     from fitlm.data.loader import SequenceLoader
 

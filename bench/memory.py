@@ -102,7 +102,7 @@ def measure(root: Path, name: str, steps: int) -> dict:
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
-    live = peak_live_bytes(step, trainer.pm.modules, trainer.optimizer, warmup_steps=0)
+    live = peak_live_bytes(step, trainer.pm.modules, trainer.step.optimizer, warmup_steps=0)
     tokens = cfg.train.micro_batch_size * accum * cfg.data.seq_length
     return {"option": name, "step_s": statistics.median(times), "tokens_per_s": tokens / statistics.median(times),
             "peak_live_bytes": live, "rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,

@@ -229,7 +229,7 @@ def measure_memory(framework: str, size: str, data_dir: Path, batch: int, seq: i
         trainer = Trainer(fitlm_config(model_cfg, data_dir, tmp / "run", batch, seq, mem))
         step = fitlm_step(trainer)
         step()  # optimizer states exist from here on
-        live = peak_live_bytes(step, trainer.pm.modules, trainer.optimizer, warmup_steps=0)
+        live = peak_live_bytes(step, trainer.pm.modules, trainer.step.optimizer, warmup_steps=0)
         return {"peak_live_bytes": live, "rss_bytes": rss_bytes()}
     cfg = fitlm_config(model_cfg, data_dir, tmp / "run", batch, seq)
     torch.manual_seed(cfg.train.seed)
@@ -462,7 +462,7 @@ def main() -> None:
             if args.out and not args.json:
                 write_json(args.out, {"results": results})
     # Re-measure the peak at the end (a shared machine may have been busier at the start): keep the best.
-    from fitlm.train import metrics
+    from fitlm import hardware as metrics
 
     metrics._measured_peaks.clear()
     peaks = {d: max(v, gemm_peak(d, device)) for d, v in peaks.items()}

@@ -8,37 +8,18 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import signal
 import sys
 import traceback
 
 from fitlm.checkpoint.errors import TrainingInterrupted
+from fitlm.cli_common import add_config_args, emit_json, print_table, process_count
 
 EXIT_USER_ERROR = 2
 # Modules with `add_commands(subparsers)`: one per command group, owned by the package it drives.
 COMMAND_MODULES = ("fitlm.data.cli", "fitlm.checkpoint.cli", "fitlm.finetune.cli", "fitlm.plan.cli",
-                   "fitlm.export.cli", "fitlm.profile.cli")
-
-
-def process_count(text: str) -> int:
-    """--nproc: a whole number of processes, at least 1."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; pass the processes to start, e.g. 2") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{n}: at least 1 process is needed; pass e.g. 2, or leave --nproc out "
-                                         "to start the layout's data×tensor×pipeline product")
-    return n
-
-
-def add_config_args(p: argparse.ArgumentParser) -> None:
-    """CONFIG and repeatable --set KEY=VALUE: every command that reads a fitlm config takes them alike."""
-    p.add_argument("config", metavar="CONFIG", help="YAML config file (see `fitlm config docs` for every key)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, e.g. --set train.lr=1e-4 (repeatable)")
+                   "fitlm.export.cli", "fitlm.profile.cli", "fitlm.serve.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,10 +82,6 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(func=cmd_config_docs)
     importlib.import_module("fitlm.plan.cli").add_config_commands(csub)  # config import (MindFormers YAML)
     return parser
-
-
-def emit_json(obj: dict) -> None:
-    sys.stdout.write(json.dumps(obj) + "\n")
 
 
 def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
@@ -175,16 +152,6 @@ def cmd_config_docs(args: argparse.Namespace) -> int:
 
     sys.stdout.write(config_reference_markdown())
     return 0
-
-
-def print_table(title: str, rows: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=title, show_header=False)
-    for k, v in rows.items():
-        table.add_row(str(k), f"{v:.4f}" if isinstance(v, float) else str(v))
-    Console(stderr=True).print(table)
 
 
 def _is_user_error(exc: BaseException) -> bool:

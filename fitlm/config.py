@@ -15,7 +15,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from fitlm import registry
+from fitlm import registry, rules
+from fitlm.parallel_dims import ParallelDims, divisors
 
 
 class ConfigError(ValueError):
@@ -198,20 +199,19 @@ class ParallelConfig(_Section):
     """Seconds a collective or barrier waits for the other ranks (gloo and nccl); past it the run stops with an error naming the rank that stopped responding and its phase. Raise it when one rank legitimately works alone that long (a large final save, a slow filesystem)."""
 
     @property
+    def dims(self) -> ParallelDims:
+        """The layout's dimensions and their derived predicates (fitlm.parallel_dims)."""
+        return ParallelDims(dp=self.data_parallel, tp=self.tensor_parallel, pp=self.pipeline_parallel,
+                            zero_stage=self.zero_stage)
+
+    @property
     def world_size(self) -> int:
-        return self.data_parallel * self.tensor_parallel * self.pipeline_parallel
+        return self.dims.world_size
 
     @property
     def reduce_every_micro_batch(self) -> bool:
         """Whether gradients are reduced after every accumulation micro batch (see gradient_sync)."""
-        return reduces_every_micro_batch(self.gradient_sync, self.zero_stage, self.data_parallel)
-
-
-def reduces_every_micro_batch(gradient_sync: str, zero_stage: int, data_parallel: int) -> bool:
-    """parallel.gradient_sync resolved: `auto` reduces every micro batch exactly when ZeRO-2/3 shard gradients."""
-    if gradient_sync == "auto":
-        return zero_stage >= 2 and data_parallel > 1
-    return gradient_sync == "every_micro_batch"
+        return self.dims.reduce_every_micro_batch(self.gradient_sync)
 
 
 class LossScalingConfig(_Section):
@@ -276,6 +276,25 @@ class GuardsConfig(_Section):
     """Rollbacks allowed in one run; the next bad streak after them stops the run."""
 
 
+class ObserveConfig(_Section):
+    """train.observe: what watches a run (docs/troubleshooting.md); none of it changes what is learned."""
+
+    guards: GuardsConfig = GuardsConfig()
+    """What happens on a NaN/Inf or spiking loss or gradient norm (docs/troubleshooting.md)."""
+    consistency_interval: int = 100
+    """Every this many steps compare a checksum of the weights of data-parallel replicas and stop if they differ; 0 = off. Not checked under ZeRO-2/3 (each rank holds a different shard)."""
+    balance_threshold: float = 1.5
+    """Warn when one data-parallel rank's real (target) tokens or longest document exceed the mean of the other ranks by this factor over a log interval; 0 = off."""
+    data_wait_warn: float = 0.1
+    """Warn when waiting for input batches takes more than this share of the step time (at most every 10th log line); 0 = off."""
+    tensorboard: Literal["auto"] | bool = "auto"
+    """Write the metrics also as TensorBoard scalars under output_dir/tensorboard/: `auto` = when tensorboard is installed."""
+    profile_steps: list[int] | None = None
+    """[first, last] optimizer steps to record with the torch profiler; a Chrome trace per rank goes to output_dir/profile/. null = off."""
+    oom_snapshot: bool = False
+    """CUDA only: record allocator history and, on out of memory, dump a snapshot to output_dir/memory_snapshot_rank{R}.pickle (open it at pytorch.org/memory_viz)."""
+
+
 class TrainConfig(_Section):
     micro_batch_size: int = 8
     """Sequences per forward/backward on each data-parallel rank."""
@@ -320,23 +339,11 @@ class TrainConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Compute device; `auto` takes CUDA when present."""
     peak_tflops: float | None = None
-    """Device peak TFLOP/s for MFU; null = the known peak of the GPU, or a quick GEMM measurement on CPU."""
+    """Device peak TFLOP/s for MFU; null = the known peak of the GPU, or on CPU the best GEMM measured on this machine (cached in $FITLM_CACHE_DIR, default ~/.cache/fitlm, so a busy start-up does not inflate MFU). Pin it when MFU reads above 100%."""
     progress: bool = True
     """Show a live progress bar."""
-    guards: GuardsConfig = GuardsConfig()
-    """What happens on a NaN/Inf or spiking loss or gradient norm (docs/troubleshooting.md)."""
-    consistency_interval: int = 100
-    """Every this many steps compare a checksum of the weights of data-parallel replicas and stop if they differ; 0 = off. Not checked under ZeRO-2/3 (each rank holds a different shard)."""
-    balance_threshold: float = 1.5
-    """Warn when one data-parallel rank's real (target) tokens or longest document exceed the mean of the other ranks by this factor over a log interval; 0 = off."""
-    data_wait_warn: float = 0.1
-    """Warn when waiting for input batches takes more than this share of the step time (at most every 10th log line); 0 = off."""
-    tensorboard: Literal["auto"] | bool = "auto"
-    """Write the metrics also as TensorBoard scalars under output_dir/tensorboard/: `auto` = when tensorboard is installed."""
-    profile_steps: list[int] | None = None
-    """[first, last] optimizer steps to record with the torch profiler; a Chrome trace per rank goes to output_dir/profile/. null = off."""
-    oom_snapshot: bool = False
-    """CUDA only: record allocator history and, on out of memory, dump a snapshot to output_dir/memory_snapshot_rank{R}.pickle (open it at pytorch.org/memory_viz)."""
+    observe: ObserveConfig = ObserveConfig()
+    """The run's observers: NaN/spike guards, replica checksums, input balance, TensorBoard, profiler window, OOM snapshot."""
 
 
 class CheckpointConfig(_Section):
@@ -496,9 +503,8 @@ def semantic_errors(cfg: Config) -> list[str]:
     if m.head_dim is not None and m.head_dim < 1:
         errs.append(f"model.head_dim: must be at least 1 or null (got {m.head_dim})")
     if m.num_kv_heads and m.num_heads >= 1 and m.num_kv_heads >= 1 and m.num_heads % m.num_kv_heads:
-        divisors = [k for k in range(1, m.num_heads + 1) if m.num_heads % k == 0]
         errs.append(f"model.num_kv_heads: {m.num_heads} heads cannot be grouped into {m.num_kv_heads} kv heads; "
-                    f"num_kv_heads must divide num_heads (valid: {divisors})")
+                    f"num_kv_heads must divide num_heads (valid: {divisors(m.num_heads)})")
     if m.sliding_window is not None and m.sliding_window < 1:
         errs.append(f"model.sliding_window: must be at least 1 token or null (got {m.sliding_window})")
     if m.layer_types is not None and len(m.layer_types) != m.num_layers:
@@ -523,7 +529,7 @@ def semantic_errors(cfg: Config) -> list[str]:
     if p.timeout_s < 1:
         errs.append(f"parallel.timeout_s: must be a positive number of seconds (got {p.timeout_s}); "
                     "set it to how long a collective may wait for a slow rank, e.g. 1800 (the default)")
-    return errs
+    return errs + rules.violations(rules.flatten(cfg.model_dump()))  # what composes with what (fitlm.rules)
 
 
 def rope_scaling_errors(m: ModelConfig) -> list[str]:
@@ -545,25 +551,13 @@ def rope_scaling_errors(m: ModelConfig) -> list[str]:
 
 
 def memory_errors(cfg: Config) -> list[str]:
-    """Rules of the memory section and the learning-rate scaling that depends on the batch."""
-    mem, p, t = cfg.memory, cfg.parallel, cfg.train
+    """Ranges in the memory section and of the learning-rate scaling (what composes with what: fitlm.rules)."""
+    mem, t = cfg.memory, cfg.train
     errs = []
     if mem.recompute_every_n_layers < 1:
         errs.append(f"memory.recompute_every_n_layers: must be at least 1 (got {mem.recompute_every_n_layers})")
     if mem.loss_chunk_size < 0:
         errs.append(f"memory.loss_chunk_size: must be 0 (off) or a positive token count (got {mem.loss_chunk_size})")
-    if mem.loss_chunk_size and p.tensor_parallel > 1:
-        errs.append("memory.loss_chunk_size: tensor parallel already computes the loss on vocab-sharded logits; "
-                    "set loss_chunk_size to 0 with tensor_parallel > 1")
-    if mem.loss_chunk_size and cfg.model.final_logit_softcap is not None:
-        errs.append("memory.loss_chunk_size: the chunked loss computes plain logits, but model.final_logit_softcap "
-                    "caps them (Gemma 2); set loss_chunk_size to 0 for this model")
-    if mem.loss_chunk_size and p.pipeline_parallel > 1:
-        errs.append("memory.loss_chunk_size: not supported with pipeline_parallel > 1 (the last stage computes "
-                    "the loss from its logits); set it to 0, or use data parallel / ZeRO")
-    if mem.cpu_offload and (p.tensor_parallel > 1 or p.pipeline_parallel > 1):
-        errs.append("memory.cpu_offload: works with data parallel and ZeRO 0-3, not with tensor or pipeline "
-                    "parallel; set it to false or use data_parallel with zero_stage 3")
     if not isinstance(mem.loss_scale, str) and mem.loss_scale <= 0:
         errs.append(f"memory.loss_scale: a static scale must be positive (got {mem.loss_scale}); or use dynamic")
     ls = mem.loss_scaling
@@ -576,49 +570,81 @@ def memory_errors(cfg: Config) -> list[str]:
 
 
 def observe_errors(cfg: Config) -> list[str]:
-    """Rules of the guards and the run observers (train.guards, consistency, profiler window)."""
-    t, g = cfg.train, cfg.train.guards
+    """Ranges of the run's observers (train.observe: guards, consistency, balance, profiler window)."""
+    t, g = cfg.train.observe, cfg.train.observe.guards
     errs = []
     for key, v, least in (("window", g.window, 2), ("rollback_after", g.rollback_after, 1)):
         if v < least:
-            errs.append(f"train.guards.{key}: must be at least {least} (got {v})")
-    nonneg = {"train.guards.warmup_steps": g.warmup_steps, "train.guards.max_rollbacks": g.max_rollbacks,
-              "train.guards.loss_spike_sigma": g.loss_spike_sigma, "train.guards.grad_spike_sigma": g.grad_spike_sigma,
-              "train.consistency_interval": t.consistency_interval, "train.balance_threshold": t.balance_threshold,
-              "train.data_wait_warn": t.data_wait_warn}
+            errs.append(f"train.observe.guards.{key}: must be at least {least} (got {v})")
+    nonneg = {"train.observe.guards.warmup_steps": g.warmup_steps, "train.observe.guards.max_rollbacks": g.max_rollbacks,
+              "train.observe.guards.loss_spike_sigma": g.loss_spike_sigma, "train.observe.guards.grad_spike_sigma": g.grad_spike_sigma,
+              "train.observe.consistency_interval": t.consistency_interval, "train.observe.balance_threshold": t.balance_threshold,
+              "train.observe.data_wait_warn": t.data_wait_warn}
     for key, v in nonneg.items():
         if v < 0:
             errs.append(f"{key}: must not be negative (got {v})")
     if 0 < t.balance_threshold <= 1:
-        errs.append(f"train.balance_threshold: a factor above 1 (e.g. 1.5) or 0 to turn it off (got {t.balance_threshold})")
-    no_checkpoints = cfg.checkpoint.interval == 0 and cfg.checkpoint.resume in ("auto", "never")
-    for key in ("nonfinite", "spike"):
-        if getattr(g, key) == "rollback" and no_checkpoints:
-            errs.append(f"train.guards.{key}: rollback reloads the last checkpoint, but checkpoint.interval is 0; "
-                        "set checkpoint.interval (e.g. 100) or choose skip or stop")
+        errs.append(f"train.observe.balance_threshold: a factor above 1 (e.g. 1.5) or 0 to turn it off (got {t.balance_threshold})")
     ps = t.profile_steps
     if ps is not None and (len(ps) != 2 or ps[0] < 1 or ps[1] < ps[0]):
-        errs.append(f"train.profile_steps: needs [first, last] with 1 <= first <= last, e.g. [10, 12] (got {ps})")
+        errs.append(f"train.observe.profile_steps: needs [first, last] with 1 <= first <= last, e.g. [10, 12] (got {ps})")
     return errs
 
 
-def validate_dict(data: dict[str, Any], source: str | None = None) -> Config:
-    """Validate a raw mapping; raises ConfigError listing every problem found."""
+# Keys that moved to a section by concern: a config that still uses the old key is refused naming the new one.
+MOVED_KEYS = {f"train.{k}": f"train.observe.{k}" for k in ObserveConfig.model_fields}
+
+
+def _without_moved_keys(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """`data` without keys that moved (so the rest is still checked), and one error per moved key."""
+    errs, train = [], data.get("train")
+    if not isinstance(train, dict):
+        return data, errs
+    for old, new in MOVED_KEYS.items():
+        key = old.split(".", 1)[1]
+        if key in train:
+            errs.append(f"{old}: moved to {new} (the run's observers have their own section); write it under "
+                        f"train: observe: in the YAML, or `--set {new}=...`")
+    return {**data, "train": {k: v for k, v in train.items() if f"train.{k}" not in MOVED_KEYS}}, errs
+
+
+def upgrade_moved_keys(data: dict[str, Any]) -> dict[str, Any]:
+    """A config that fitlm itself wrote before keys moved (a model directory's or a checkpoint's config.yaml),
+    with each old key moved to its new place: files fitlm wrote stay readable; users get told (validate_dict)."""
+    train = data.get("train")
+    if not isinstance(train, dict) or not any(f"train.{k}" in MOVED_KEYS for k in train):
+        return data
+    observe = dict(train.get("observe") or {})
+    kept = {}
+    for k, v in train.items():
+        if f"train.{k}" in MOVED_KEYS:
+            observe.setdefault(k, v)
+        else:
+            kept[k] = v
+    return {**data, "train": {**kept, "observe": observe}}
+
+
+def validate_dict(data: dict[str, Any], source: str | None = None, written_by_fitlm: bool = False) -> Config:
+    """Validate a raw mapping; raises ConfigError listing every problem found. `written_by_fitlm`: a config
+    fitlm wrote (model directory, checkpoint) whose moved keys are upgraded instead of refused."""
+    data, moved = _without_moved_keys(upgrade_moved_keys(data) if written_by_fitlm else data)
     try:
         cfg = Config.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(_schema_errors(e), source) from None
-    errs = semantic_errors(cfg)
+        raise ConfigError(moved + _schema_errors(e), source) from None
+    errs = moved + semantic_errors(cfg)
     if errs:
         raise ConfigError(errs, source)
     return cfg
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Load `path` (YAML), apply `--set` overrides, validate. Raises ConfigError with all problems."""
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                written_by_fitlm: bool = False) -> Config:
+    """Load `path` (YAML), apply `--set` overrides, validate. Raises ConfigError with all problems.
+    `written_by_fitlm`: the config.yaml of a model directory or run (see validate_dict)."""
     data = load_yaml(path) if path is not None else {}
     apply_overrides(data, list(overrides or []))
-    return validate_dict(data, str(path) if path is not None else None)
+    return validate_dict(data, str(path) if path is not None else None, written_by_fitlm)
 
 
 # --------------------------------------------------------------------------- reference docs

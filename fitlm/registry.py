@@ -3,12 +3,16 @@
 A family (`fitlm.models.family.Family`: module class, HF adapter, TP plan, GGUF names, planner counts)
 registers itself once with `register_family`; configs name it by `model.arch`, Hugging Face configs by
 their `model_type`, GGUF files by `general.architecture`. Registering a taken name is an error naming
-both registrants, never an overwrite. This module imports nothing of fitlm at load time, so the config
-schema may ask it about families without a circular import; the built-in families load on first use.
+both registrants, never an overwrite.
+
+The registry sits below every package (the config schema asks it for a family's defaults), so it
+imports no fitlm module. The built-in families are named by module path in BUILTIN_FAMILIES, as entry
+points name plugins, and imported on the first lookup; a third-party family calls `register_family`.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -18,6 +22,9 @@ if TYPE_CHECKING:
     from fitlm.models.family import Family
 
 _FAMILIES: dict[str, "Family"] = {}
+# Each module registers its families when imported (families() lists them by name).
+BUILTIN_FAMILIES = ("fitlm.models.llama", "fitlm.models.qwen", "fitlm.models.gemma", "fitlm.models.phi3",
+                    "fitlm.models.gpt2")
 
 
 class RegistryError(ValueError):
@@ -80,4 +87,5 @@ def build_model(cfg: "ModelConfig") -> "nn.Module":
 
 
 def _load_builtin() -> None:
-    import fitlm.models  # noqa: F401  (registers the built-in families on import)
+    for module in BUILTIN_FAMILIES:
+        importlib.import_module(module)  # a no-op after the first time

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
+
+# The CPU GEMM peak that MFU is measured against is cached per machine (fitlm.hardware): tests keep theirs
+# apart from the user's, and every process they start inherits the same scratch cache.
+os.environ.setdefault("FITLM_CACHE_DIR", tempfile.mkdtemp(prefix="fitlm-test-cache-"))
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAYS = ROOT / "examples" / "data" / "shakespeare"

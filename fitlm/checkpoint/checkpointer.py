@@ -100,7 +100,7 @@ class Checkpointer:
         return store.latest_checkpoint(self.output_dir) or resume_source(self.cfg)
 
     def rollback(self, pm, optimizer, stateful: dict[str, Stateful]) -> int | None:
-        """Reload the latest checkpoint into the model, optimizer, RNG and `stateful` mid-run (train.guards
+        """Reload the latest checkpoint into the model, optimizer, RNG and `stateful` mid-run (train.observe.guards
         rollback); returns its step, or None when there is none. metrics.jsonl is kept: it records the rollback."""
         self._wait_pending()
         ckpt = self._verified(self.latest())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from fitlm.cli import emit_json, print_table
+from fitlm.cli_common import emit_json, print_table
 
 
 def add_commands(sub) -> None:

@@ -11,21 +11,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from fitlm.rules import flatten
+
 # Keys (flattened) whose change makes a different run; prefixes end with ".".
 MUST_MATCH = ("model.", "data.", "finetune.", "train.seed")
 # init_std/init_from only shape the initial weights, which the checkpoint replaces; the rest only
 # change evaluation or how fast batches are read.
 MAY_DIFFER = ("model.init_std", "model.init_from", "data.valid", "data.num_workers", "data.prefetch")
-
-
-def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def global_batch(cfg: dict[str, Any]) -> int | None:

@@ -49,7 +49,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 def checkpoint_config(ckpt: Path, meta: dict) -> Config:
     try:
-        return validate_dict(meta["config"], f"{ckpt / store.META_FILE}")
+        return validate_dict(meta["config"], f"{ckpt / store.META_FILE}", written_by_fitlm=True)
     except (ConfigError, KeyError) as e:
         raise CheckpointError(f"{ckpt / store.META_FILE} holds no valid config ({e}); the checkpoint is damaged") from None
 

@@ -17,7 +17,6 @@ import torch
 import torch.nn as nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.tensor import DTensor
 
 from fitlm.checkpoint.errors import CheckpointError
 from fitlm.parallel.data_parallel import unwrap
@@ -165,6 +164,3 @@ def decode_state(obj: Any) -> Any:
         return [decode_state(v) for v in obj]
     return obj
 
-
-def is_dtensor(t: torch.Tensor) -> bool:
-    return isinstance(t, DTensor)

@@ -61,7 +61,7 @@ def add_commands(sub) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from fitlm.cli import emit_json, print_table
+    from fitlm.cli_common import emit_json, print_table
     from fitlm.export.source import load_for_export
 
     loaded = load_for_export(args.model, args.adapter)

@@ -3,7 +3,8 @@
 The inverse of fitlm/models/gguf.py (the importer): same tensor names, q/k rows permuted into
 llama.cpp's RoPE layout, byte-level BPE vocabulary as tokenizer.ggml.model "gpt2". Matrices are
 stored as f32, f16 or q8_0 (via gguf.quants); 1-D tensors (norms) stay f32, as llama.cpp's converter does.
-The export record is stored inside the file under the key `fitlm.export` (JSON).
+The export record is stored inside the file under the key `fitlm.export` (JSON). An Ollama Modelfile
+is written beside the file (fitlm/export/modelfile.py).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from fitlm.data.gguf_tokenizer import gguf_pre_name
 from fitlm.data.tokenizer import Tokenizer
 from fitlm.diskspace import disk_full_guard
 from fitlm.export.errors import ExportError
-from fitlm.export.metadata import build_metadata, check_metadata
+from fitlm.models.metadata import build_metadata, check_metadata
 from fitlm.models.gguf import gguf_metadata, gguf_tensors
 from fitlm.models.hf import to_hf_state_dict
 from fitlm.models.io import LoadedModel
@@ -157,8 +158,12 @@ def export_gguf(loaded: LoadedModel, out: str | Path, dtype: str = "f16") -> dic
             _close_quietly(writer)
             raise
         writer.close()  # its last flush can still find the disk full: that error must leave
+    from fitlm.export.modelfile import write_modelfile
+
+    modelfile = write_modelfile(loaded, out)  # for `ollama create` (fitlm/export/modelfile.py)
     return {"format": "gguf", "out": str(out), "dtype": dtype, "bytes": out.stat().st_size,
-            "tokenizer": loaded.tokenizer_path is not None, "source_sha256": meta["source_sha256"]}
+            "tokenizer": loaded.tokenizer_path is not None, "source_sha256": meta["source_sha256"],
+            "modelfile": str(modelfile)}
 
 
 def read_export_metadata(path: str | Path) -> dict[str, Any] | None:

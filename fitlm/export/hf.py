@@ -18,7 +18,7 @@ from fitlm.data.chat import resolve_template
 from fitlm.data.tokenizer import Tokenizer
 from fitlm.diskspace import disk_full_guard, tensor_bytes
 from fitlm.export.errors import ExportError
-from fitlm.export.metadata import build_metadata, write_metadata
+from fitlm.models.metadata import build_metadata, write_metadata
 from fitlm.models.hf import DEFAULT_MAX_SHARD_BYTES, save_hf_dir
 from fitlm.models.io import TOKENIZER_FILES, LoadedModel
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from fitlm.atomic import atomic_file
 from fitlm.diskspace import disk_full_guard, tensor_bytes
 from fitlm.export.errors import ExportError, ONNXShapeError
-from fitlm.export.metadata import build_metadata, check_metadata
+from fitlm.models.metadata import build_metadata, check_metadata
 from fitlm.models.io import LoadedModel
 
 META_KEY = "fitlm.export"

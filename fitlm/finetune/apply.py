@@ -29,8 +29,7 @@ def stores_frozen_in_half(cfg: Config) -> bool:
     """O2 computes with half casts of every weight anyway, so a frozen weight needs no fp32 master copy:
     it is stored in half (half the bytes). Not under ZeRO-2/3, where FSDP2 owns the casting, and O3
     stores everything in half already."""
-    sharded = cfg.parallel.zero_stage >= 2 and cfg.parallel.data_parallel > 1
-    return cfg.memory.mixed_precision == "O2" and not sharded
+    return cfg.memory.mixed_precision == "O2" and not cfg.parallel.dims.fsdp_sharded
 
 
 def apply_finetune(model: nn.Module, cfg: Config) -> list[str]:

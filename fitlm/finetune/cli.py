@@ -35,7 +35,7 @@ def add_commands(sub) -> None:
 
 
 def _report(title: str, summary: dict, as_json: bool) -> int:
-    from fitlm.cli import emit_json, print_table
+    from fitlm.cli_common import emit_json, print_table
 
     emit_json(summary) if as_json else print_table(title, summary)
     return 0

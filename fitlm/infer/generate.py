@@ -54,6 +54,13 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float,
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def last_logits(model: nn.Module, ids: torch.Tensor, cache, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits [B,V] of the last position of ids [B,T], filling `cache`; the one forward every decoder shares
+    (generate, chat, the batched server), so their numbers agree."""
+    h = model.hidden_states(ids, position_ids, kv_cache=cache)[:, -1]  # [B,C]; only the last position is needed
+    return model.output_layer(h)  # [B,V]
+
+
 def generate(model: nn.Module, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
              top_p: float = 1.0, eos_id: int | Collection[int] | None = None, seed: int | None = None,
              stream: Callable[[int], None] | None = None) -> list[int]:
@@ -85,8 +92,7 @@ def generate(model: nn.Module, prompt_ids: list[int], max_new_tokens: int, tempe
         cache = model.new_kv_cache(1, len(prompt_ids) + max_new_tokens)
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # [1,T]
         for _ in range(max_new_tokens):
-            h = model.hidden_states(ids, kv_cache=cache)[:, -1]  # [1,C]; only the last position is needed
-            logits = model.output_layer(h)[0]  # [V]
+            logits = last_logits(model, ids, cache)[0]  # [V]
             token = sample_next(logits, temperature, top_p, generator)
             out.append(token)
             if stream is not None:

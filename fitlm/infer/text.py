@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable
 
 from fitlm.data.tokenizer import Tokenizer
 from fitlm.infer.generate import check_sampling, generate
-from fitlm.models.io import ModelDirError, load_model_dir
+from fitlm.models.io import LoadedModel, ModelDirError, load_model_dir
 
 
 class StreamDecoder:
@@ -33,7 +34,6 @@ class StreamDecoder:
 def _gguf_tokenizer(path) -> Tokenizer:
     """The tokenizer stored in a GGUF file, converted as `fitlm import` converts it (in a scratch directory)."""
     import tempfile
-    from pathlib import Path
 
     from fitlm.data.gguf_tokenizer import UnsupportedTokenizer, write_gguf_tokenizer
     from fitlm.models.gguf import read_gguf_metadata
@@ -47,17 +47,21 @@ def _gguf_tokenizer(path) -> Tokenizer:
         return Tokenizer.from_file(Path(tmp))
 
 
+def load_tokenizer(loaded: LoadedModel, model_path: str | Path) -> Tokenizer:
+    """The tokenizer of a loaded MODEL: its tokenizer.json, or the one stored in its GGUF file."""
+    if loaded.tokenizer_path is None and loaded.source == "gguf":
+        return _gguf_tokenizer(loaded.path)
+    if loaded.tokenizer_path is None:
+        raise ModelDirError(f"{model_path}: no tokenizer.json beside the weights; copy the tokenizer the model was "
+                            "trained with into that directory")
+    return Tokenizer.from_file(loaded.tokenizer_path)
+
+
 def generate_text(model_path: str, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0,
                   top_p: float = 1.0, seed: int | None = 0, stream: Callable[[str], None] | None = None) -> dict:
     check_sampling(temperature, top_p)  # before the model is read
     loaded = load_model_dir(model_path)
-    if loaded.tokenizer_path is None and loaded.source == "gguf":
-        tok = _gguf_tokenizer(loaded.path)
-    elif loaded.tokenizer_path is None:
-        raise ModelDirError(f"{model_path}: no tokenizer.json beside the weights; copy the tokenizer the model was "
-                            "trained with into that directory")
-    else:
-        tok = Tokenizer.from_file(loaded.tokenizer_path)
+    tok = load_tokenizer(loaded, model_path)
     # BOS exactly when the model's tokenizer adds it (fitlm's own tokenizers: always; Qwen: never).
     prompt_ids = tok.encode(prompt, add_bos=tok.add_bos)
     decoder = StreamDecoder(tok, stream) if stream else None

@@ -1,7 +1,7 @@
 """Chunked output layer + cross-entropy (memory.loss_chunk_size), installed on an unmodified model.
 
 The model's forward gains a `labels=` path that returns the summed loss computed from the final hidden
-states and the output-layer weight in chunks (fitlm.train.loss.chunked_cross_entropy_sum). It runs
+states and the output-layer weight in chunks (fitlm.models.loss.chunked_cross_entropy_sum). It runs
 *inside* forward so that FSDP2 has the output weight gathered and reduces its gradient as usual.
 """
 
@@ -11,7 +11,7 @@ import functools
 
 import torch.nn as nn
 
-from fitlm.train.loss import chunked_cross_entropy_sum
+from fitlm.models.loss import chunked_cross_entropy_sum
 
 
 def apply_chunked_loss(model: nn.Module, chunk_size: int, compiled: bool = False) -> nn.Module:

@@ -9,7 +9,7 @@
         the same is FSDP2's MixedPrecisionPolicy (half all-gathered parameters, fp32 reduce-scatter).
     O3  everything half: parameters, gradients, optimizer states and compute.
 
-Losses are always reduced in fp32 (fitlm.train.loss). fp16 needs loss scaling (fitlm.memory.loss_scale).
+Losses are always reduced in fp32 (fitlm.models.loss). fp16 needs loss scaling (fitlm.memory.loss_scale).
 """
 
 from __future__ import annotations

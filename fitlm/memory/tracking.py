@@ -32,6 +32,14 @@ CATEGORIES = {"PARAM": "params", "BUFFER": "buffers", "GRAD": "grads", "OPT": "o
               "TEMP": "temporaries", "OTH": "other"}
 
 
+def plan_components(cats: dict[str, int]) -> dict[str, int]:
+    """These categories (CATEGORIES' names, and "total") -> the planner's components. A storage tracker
+    cannot tell logits from other activations: they are inside `activations` (and `logits` is 0)."""
+    return {"params": cats["params"], "grads": cats["grads"], "optimizer": cats["optimizer"],
+            "activations": cats["activations"] + cats["temporaries"], "logits": 0,
+            "other": cats["buffers"] + cats["other"], "total": cats["total"]}
+
+
 class _StepTracker(MemTracker):
     """MemTracker that follows a root module called several times in one step (accumulation, pipeline
     micro batches) as it does a submodule used twice, instead of raising NotImplementedError."""
@@ -85,16 +93,20 @@ def track_step(step: Callable[[], object], modules: list[nn.Module], optimizer: 
             step()
             tracker.reset_mod_stats()  # MemTracker keeps per-module stats of one iteration only
         step()
-    peak = tracker.get_tracker_snapshot("peak")
+    return StepMemory(peak_by_category(tracker), module_rows(tracker))
+
+
+def peak_by_category(tracker: MemTracker) -> dict[str, int]:
+    """The tracker's peak bytes by category (CATEGORIES' names, plus `total`), summed over devices."""
     out = {name: 0 for name in CATEGORIES.values()} | {"total": 0}
-    for per_device in peak.values():
+    for per_device in tracker.get_tracker_snapshot("peak").values():
         for kind, nbytes in per_device.items():
             key = CATEGORIES.get(str(kind).rsplit(".", 1)[-1])
             if key:
                 out[key] += int(nbytes)
             elif kind == TOTAL:
                 out["total"] += int(nbytes)
-    return StepMemory(out, module_rows(tracker))
+    return out
 
 
 def _rise(stats, before: _ModState, after: _ModState) -> int:

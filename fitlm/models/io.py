@@ -154,7 +154,7 @@ def _load_fitlm_dir(d: Path, device: str | torch.device, dtype: torch.dtype | No
     if not isinstance(version, int) or version > FORMAT_VERSION:
         raise ModelDirError(f"{d / MARKER}: format_version {version!r} is not readable by this fitlm "
                             f"(reads up to {FORMAT_VERSION}); upgrade fitlm")
-    cfg = load_config(d / "config.yaml")
+    cfg = load_config(d / "config.yaml", written_by_fitlm=True)
     model = model_from_hf_state_dict(read_safetensors_dir(d, device), cfg.model, str(d), device, dtype)
     tok = d / "tokenizer.json"
     return LoadedModel(model.eval(), cfg, tok if tok.is_file() else None, "fitlm", d)
@@ -167,7 +167,7 @@ def read_model_config(path: str | Path) -> ModelConfig:
         from fitlm.models.gguf import read_gguf_config
 
         return read_gguf_config(d)
-    return load_config(d / "config.yaml").model if kind == "fitlm" else read_hf_config(d)
+    return load_config(d / "config.yaml", written_by_fitlm=True).model if kind == "fitlm" else read_hf_config(d)
 
 
 def load_model_dir(path: str | Path, device: str | torch.device = "cpu",
@@ -180,14 +180,14 @@ def load_model_dir(path: str | Path, device: str | torch.device = "cpu",
 
         mcfg, sd, meta = read_gguf(d)
         if "fitlm.export" in meta:  # written by `fitlm export`: warn now on an incompatible version
-            from fitlm.export.metadata import check_metadata
+            from fitlm.models.metadata import check_metadata
 
             check_metadata(json.loads(meta["fitlm.export"]), str(d))
         model = model_from_hf_state_dict(sd, mcfg, str(d), device, dtype)
         return LoadedModel(model.eval(), default_config(mcfg), None, "gguf", d)
     if kind == "fitlm":
         return _load_fitlm_dir(d, device, dtype)
-    from fitlm.export.metadata import read_metadata
+    from fitlm.models.metadata import read_metadata
 
     read_metadata(d)  # an export by `fitlm export` carries a record: warn on an incompatible version
     model, mcfg = load_hf_dir(d, device, dtype)

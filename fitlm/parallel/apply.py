@@ -101,12 +101,12 @@ def parallelize(model: nn.Module, cfg: Config, ctx: ParallelContext) -> Parallel
 
             stage = apply_tensor_parallel(stage, ctx.submesh("tp"), sequence_parallel=p.sequence_parallel)
             loss_context = lambda stage=stage: tp_loss_context(stage)  # noqa: E731
-        sharded = p.zero_stage >= 2 and ctx.dp > 1  # FSDP2 will own casting (O2) and offload
-        stage = apply_precision(stage, cfg.memory, sharded=sharded)
+        # Under FSDP2 (ZeRO-2/3) the sharding owns casting (O2) and offload.
+        stage = apply_precision(stage, cfg.memory, sharded=ctx.dims.fsdp_sharded)
         apply_recompute(stage, cfg.memory.recompute, cfg.memory.recompute_every_n_layers)
         apply_compile(stage, cfg.memory.compile)
         apply_chunked_loss(stage, cfg.memory.loss_chunk_size, compiled=cfg.memory.compile)
-        parts.append(apply_data_parallel(stage, ctx, p.zero_stage, cfg.memory))
+        parts.append(apply_data_parallel(stage, ctx, cfg.memory))
     if pipeline is not None:
         pipeline.build_schedule(parts)
     return ParallelModel(ctx, parts, pipeline, loss_context)

@@ -1,4 +1,4 @@
-"""Data parallel and ZeRO stages 0-3 applied to an unmodified model (see layout.ZERO_STAGES).
+"""Data parallel and ZeRO stages 0-3 applied to an unmodified model (see fitlm.parallel_dims.ZERO_STAGES).
 
 Every engine here *averages* gradients over the data-parallel ranks, so the trainer scales each
 rank's loss by the data-parallel degree to get the gradient of the global token-weighted mean.
@@ -21,8 +21,7 @@ from fitlm.parallel.mesh import ParallelContext
 _MANUAL_SYNC = "_fitlm_dp_all_reduce"  # set on modules whose gradients the trainer all-reduces itself
 
 
-def apply_data_parallel(model: nn.Module, ctx: ParallelContext, zero_stage: int,
-                        memory: MemoryConfig | None = None) -> nn.Module:
+def apply_data_parallel(model: nn.Module, ctx: ParallelContext, memory: MemoryConfig | None = None) -> nn.Module:
     """Wrap for data parallel over the mesh's "dp" dimension. Apply after tensor parallel and recompute.
 
     ZeRO 2/3 shard each block, then the root (embeddings, final norm, head), with FSDP2. ZeRO 0/1 use
@@ -33,12 +32,12 @@ def apply_data_parallel(model: nn.Module, ctx: ParallelContext, zero_stage: int,
     if ctx.dp == 1:
         return model
     dp_mesh = ctx.submesh("dp")
-    if zero_stage >= 2:
+    if ctx.dims.fsdp_sharded:
         memory = memory or MemoryConfig()
         policies = dict(mesh=dp_mesh, mp_policy=fsdp_mixed_precision(memory),
                         offload_policy=fsdp_offload_policy(memory.cpu_offload, ctx.device),
                         # ZeRO-3 frees gathered parameters after forward; ZeRO-2 keeps them for backward.
-                        reshard_after_forward=zero_stage == 3)
+                        reshard_after_forward=ctx.dims.zero_stage == 3)
         for block in transformer_blocks(model):
             fully_shard(block, **policies)
         fully_shard(model, **policies)

@@ -1,8 +1,8 @@
 """The process group and the one DeviceMesh every parallel feature takes its sub-groups from.
 
-Mesh dimensions are ("pp", "dp", "tp"), outermost to innermost: tensor-parallel ranks are adjacent
-(same node, fastest links), pipeline stages are furthest apart. A single process gets a context
-with no process group at all, so the single-device path has no distributed code in it.
+Mesh dimensions are fitlm.parallel_dims.MESH_DIMS ("pp", "dp", "tp"), outermost to innermost. A single
+process gets a context with no process group at all, so the single-device path has no distributed code in
+it. Every predicate about the layout (sharded, replicated, pipelined) is asked of `ctx.dims`.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fitlm.config import ParallelConfig
+from fitlm.parallel_dims import MESH_DIMS, WORLD, ParallelDims
 
 
 def launched_by_torchrun() -> bool:
@@ -34,12 +35,22 @@ class ParallelContext:
     rank: int = 0
     device: torch.device = torch.device("cpu")
     mesh: DeviceMesh | None = None
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
+    dims: ParallelDims = ParallelDims()
     dp_rank: int = 0
     tp_rank: int = 0
     pp_rank: int = 0
+
+    @property
+    def dp(self) -> int:
+        return self.dims.dp
+
+    @property
+    def tp(self) -> int:
+        return self.dims.tp
+
+    @property
+    def pp(self) -> int:
+        return self.dims.pp
 
     @property
     def distributed(self) -> bool:
@@ -60,16 +71,23 @@ class ParallelContext:
             dist.barrier()
 
     def all_reduce_sum(self, value: torch.Tensor, dim: str) -> torch.Tensor:
-        """Sum over one mesh dimension (a no-op when that dimension has one rank)."""
-        if self.mesh is not None and self.mesh[dim].size() > 1:
-            dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.group(dim))
-        return value
+        """Sum over one mesh dimension, or over every rank with dim="world" (in place; returns `value`)."""
+        return self._all_reduce(value, dim, dist.ReduceOp.SUM)
 
+    def all_reduce_max(self, value: torch.Tensor, dim: str) -> torch.Tensor:
+        """Maximum over one mesh dimension, or over every rank with dim="world" (e.g. the peak memory of the
+        most loaded rank, or a verdict every rank must share)."""
+        return self._all_reduce(value, dim, dist.ReduceOp.MAX)
 
-    def all_reduce_max(self, value: torch.Tensor) -> torch.Tensor:
-        """Maximum over all ranks (e.g. the peak memory of the most loaded rank)."""
-        if self.distributed:
-            dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    def _all_reduce(self, value: torch.Tensor, dim: str, op) -> torch.Tensor:
+        if dim != WORLD and dim not in MESH_DIMS:
+            raise ValueError(f"unknown reduction dimension {dim!r}: one of {MESH_DIMS} or {WORLD!r}")
+        if self.mesh is None:
+            return value
+        if dim == WORLD:
+            dist.all_reduce(value, op=op)
+        elif self.mesh[dim].size() > 1:  # a one-rank dimension has nothing to reduce
+            dist.all_reduce(value, op=op, group=self.group(dim))
         return value
 
     def any_rank(self, flag: bool, group: dist.ProcessGroup | None = None) -> bool:
@@ -98,16 +116,17 @@ def init_parallel(cfg: ParallelConfig, device_kind: str) -> ParallelContext:
     timeout = timedelta(seconds=cfg.timeout_s)
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device_kind == "cuda" else "gloo", timeout=timeout)
-    mesh = init_device_mesh(device_kind, (cfg.pipeline_parallel, cfg.data_parallel, cfg.tensor_parallel),
-                            mesh_dim_names=("pp", "dp", "tp"))
-    for dim in ("pp", "dp", "tp"):
+    mesh = init_device_mesh(device_kind, cfg.dims.mesh_shape, mesh_dim_names=MESH_DIMS)
+    for dim in MESH_DIMS:
         mesh.get_group(dim).set_timeout(timeout)
-    return ParallelContext(
-        world_size=dist.get_world_size(), rank=dist.get_rank(), device=device, mesh=mesh,
-        dp=cfg.data_parallel, tp=cfg.tensor_parallel, pp=cfg.pipeline_parallel,
-        dp_rank=mesh["dp"].get_local_rank(), tp_rank=mesh["tp"].get_local_rank(),
-        pp_rank=mesh["pp"].get_local_rank(),
-    )
+    return context_on_mesh(mesh, cfg.dims, device)
+
+
+def context_on_mesh(mesh: DeviceMesh, dims: ParallelDims, device: torch.device) -> ParallelContext:
+    """This process's place in a built mesh (a real job's, or the planner's fake world as rank 0)."""
+    return ParallelContext(world_size=dist.get_world_size(), rank=dist.get_rank(), device=device, mesh=mesh,
+                           dims=dims, dp_rank=mesh["dp"].get_local_rank(), tp_rank=mesh["tp"].get_local_rank(),
+                           pp_rank=mesh["pp"].get_local_rank())
 
 
 def shutdown(ctx: ParallelContext) -> None:

@@ -11,7 +11,7 @@ the placement torch's schedules assume (stage i lives on pp rank i % pp).
 Tied embeddings (`model.tie_embeddings`) across pp ranks: the first stage keeps `embed_tokens.weight`,
 the last stage a copy as `lm_head.weight`. `sync_tied_grads` adds the two gradients together (what a
 single shared Parameter would get); both copies start equal and receive equal updates, provided the
-optimizer treats them alike (`pipeline_param_groups`). The copy is counted once in `clip_grad_norm_pp`.
+optimizer treats them alike (`fitlm.step.optim.param_groups`). The copy is counted once in `clip_grad_norm_pp`.
 
 The functions are the building blocks; `Pipeline` bundles them the way fitlm.parallel.apply and the
 trainer use them.
@@ -29,7 +29,7 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor
 
-from fitlm.train.loss import cross_entropy_sum
+from fitlm.models.loss import cross_entropy_sum
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 VIRTUAL_STAGES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2}
@@ -271,19 +271,6 @@ def sync_tied_grads(stage_modules: list[tuple[int, nn.Module]], pp_group) -> Non
         for work in dist.batch_isend_irecv(ops):
             work.wait()
         mine.add_(theirs)
-
-
-def pipeline_param_groups(stage_modules: list[tuple[int, nn.Module]], weight_decay: float) -> list[dict]:
-    """`fitlm.train.optim.param_groups` over all stages of this rank, with a tied head copy treated
-    like the embedding it copies (no decay), as the unsplit model treats the shared Parameter."""
-    from fitlm.train.optim import param_groups
-
-    decay, no_decay = [], []
-    for _, mod in stage_modules:
-        d, nd = param_groups(mod, weight_decay)
-        decay += [p for p in d["params"] if not getattr(p, TIED_COPY, False)]
-        no_decay += nd["params"] + [p for p in d["params"] if getattr(p, TIED_COPY, False)]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 def _squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:

@@ -36,6 +36,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 
 from fitlm.config import ModelConfig
+from fitlm.parallel_dims import divisors
 
 # Set on the model by apply_tensor_parallel; read by loss_context and tests.
 TP_ATTR = "_fitlm_tensor_parallel"
@@ -239,10 +240,6 @@ def loss_context(model: nn.Module) -> contextlib.AbstractContextManager[Any]:
     return contextlib.nullcontext()
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def tensor_parallel_problems(model_cfg: ModelConfig, tp: int, *, sequence_parallel: bool = False,
                              seq_length: int | None = None) -> list[str]:
     """Why `tp` cannot shard this model evenly (empty list: it can). Each message names the key,
@@ -258,42 +255,10 @@ def tensor_parallel_problems(model_cfg: ModelConfig, tp: int, *, sequence_parall
              "model.intermediate_size": model_cfg.ffn_size, "model.vocab_size": model_cfg.vocab_size}
     if sequence_parallel and seq_length:
         sizes["data.seq_length"] = seq_length  # sequence shards must be equal for DTensor.from_local
-    valid = [d for d in _divisors(sizes["model.num_heads"]) if all(v % d == 0 for v in sizes.values())]
+    valid = [d for d in divisors(sizes["model.num_heads"]) if all(v % d == 0 for v in sizes.values())]
     out = []
     for key, value in sizes.items():
         if value % tp:
             out.append(f"parallel.tensor_parallel: {tp} does not divide {key}={value} ({value} % {tp} = {value % tp}); "
                        f"tensor_parallel values that divide every sharded size of this model: {valid}")
     return out
-
-
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Plain full tensors for every parameter and persistent buffer (collective: call on every rank).
-
-    Same keys as the unsharded model's state_dict (tied weights under both names). Replicated
-    entries may share storage with the live parameters: clone before modifying them.
-    """
-    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
-
-
-def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """`torch.nn.utils.clip_grad_norm_` for any mix of DTensor (of any mesh) and plain gradients.
-
-    torch's own works when every gradient is a DTensor on one mesh (it returns a Replicate DTensor);
-    this one also takes plain tensors beside them (e.g. adapters added after parallelising) and
-    returns a plain tensor, equal on every rank. Collective when any gradient is a DTensor.
-    """
-    params = [p for p in parameters if p.grad is not None]
-    groups: dict[Any, list[torch.Tensor]] = {}
-    for p in params:  # norms of DTensors on different meshes (or none) cannot be stacked together
-        groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
-    norms = []
-    for group in groups.values():
-        n = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type)
-        norms.append(n.full_tensor() if isinstance(n, DTensor) else n)  # Partial norms become global here
-    if not norms:
-        return torch.tensor(0.0)
-    total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
-    for group in groups.values():
-        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
-    return total

@@ -126,7 +126,7 @@ def activations(s: Setup, tokens: float, layers: int, in_flight: float) -> tuple
     plain = layers - recomputed
     kept = in_flight * (plain * tokens * block_act_per_token(s) + recomputed * block_act_recompute(s, tokens))
     casts = WEIGHT_CAST[s.level] * layer_params(s) / s.tp
-    if s.level == "O2" and s.zero >= 2 and s.dp > 1:
+    if s.level == "O2" and s.dims.fsdp_sharded:
         casts = 0  # FSDP2's policy gathers half parameters instead (counted under `other`)
     if s.method != "full":  # frozen blocks keep less; fine-tuning runs unsplit (no tp/pp), so sum per block
         saved = sum(ft.block_savings(s, b) for b in range(layers)) / layers
@@ -152,7 +152,7 @@ def logits_bytes(s: Setup, tokens: float) -> float:
         # (none for a frozen head: LoRA, or freeze with the embeddings and a tied head)
         weight_grad = v * s.h * (4 + (6 if half else 0)) if ft.head_trains(s) else 0.0
         return chunk * v * per_logit + weight_grad + tokens * s.h * act_bytes(s)
-    fsdp_casts = s.level == "O2" and s.zero >= 2 and s.dp > 1  # FSDP2 gathers half weights instead
+    fsdp_casts = s.level == "O2" and s.dims.fsdp_sharded  # FSDP2 gathers half weights instead
     half_frozen = ft.frozen_in_half(s) and not ft.head_trains(s)  # a frozen head stored in half needs no cast
     cast = 0 if fsdp_casts or half_frozen else WEIGHT_CAST[s.level] * s.vocab * s.h / s.tp
     return tokens * v * (LOGIT_BYTES_TP if s.tp > 1 else LOGIT_BYTES) + cast
@@ -174,15 +174,15 @@ def model_states(s: Setup, n: float, trained: float | None = None) -> tuple[floa
     pb = param_bytes(s)
     trained = n if trained is None else trained
     frozen_pb = 2 if ft.frozen_in_half(s) else pb
-    shard = s.dp if s.zero >= 2 else 1
-    opt_shard = s.dp if s.zero >= 1 else 1
-    params = (trained * pb + (n - trained) * frozen_pb) / shard
-    grads, opt = trained * pb / shard, 2 * trained * pb / opt_shard
+    d = s.dims  # what the ZeRO stage shards (fitlm.parallel_dims.ZERO_STAGES)
+    opt_shard = d.shard_factor("optimizer")
+    params = (trained * pb + (n - trained) * frozen_pb) / d.shard_factor("params")
+    grads, opt = trained * pb / d.shard_factor("grads"), 2 * trained * pb / opt_shard
     host = 0.0
     if s.offload:
         host = opt + trained * 4 / opt_shard  # moments + fp32 master copy (HostAdamW) or FSDP2's CPU shards
         opt = 0.0
-        if s.zero >= 2 and s.dp > 1:
+        if s.dims.fsdp_sharded:
             host += params + grads
             params = grads = 0.0
     return params, grads, opt, host
@@ -219,7 +219,7 @@ def _stage(s: Setup, first: bool) -> Breakdown:
     other = rope
     if s.doc_mask:
         other += s.mbs * s.seq * s.seq  # the block-causal mask, bool [B,1,T,T], shared by all blocks
-    sharded = s.zero >= 2 and s.dp > 1
+    sharded = s.dims.fsdp_sharded
     unsharded = n * (2 if s.level == "O2" else param_bytes(s))
     staging = 0.0
     if sharded and s.zero == 2:
@@ -235,7 +235,7 @@ def _stage(s: Setup, first: bool) -> Breakdown:
         other += staging
     else:
         act, grads_extra = kept + outside, 0.0
-    buckets = trained * param_bytes(s) if s.zero <= 1 and s.dp > 1 and s.tp == 1 and s.pp == 1 else 0.0
+    buckets = trained * param_bytes(s) if s.dims.ddp and s.pp == 1 else 0.0
     other += buckets  # DDP's gradient buckets (flat copies of every gradient)
     # Gradients present during forward: none at accumulation step 1 (zero_grad frees them); with
     # accumulation the earlier micro batches' gradients: unsharded while FSDP2 skips the sync

@@ -8,7 +8,7 @@ import json
 import sys
 from dataclasses import replace
 
-from fitlm.cli import add_config_args
+from fitlm.cli_common import add_config_args
 
 
 def add_commands(sub) -> None:

@@ -59,7 +59,7 @@ def measure_cpu() -> Device:
     if "cpu" not in _cpu_cache:
         import torch
 
-        from fitlm.train.metrics import measure_gemm_flops
+        from fitlm.hardware import measure_gemm_flops
 
         flops = measure_gemm_flops(torch.device("cpu"), torch.float32, n=512)
         a = torch.empty(64 * 2**20 // 4)

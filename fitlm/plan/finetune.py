@@ -70,7 +70,7 @@ def trainable_params(s: Setup) -> int:
 
 def frozen_in_half(s: Setup) -> bool:
     """fitlm.finetune.apply.stores_frozen_in_half: O2 without FSDP2 stores frozen weights in half."""
-    return s.method != "full" and s.level == "O2" and not (s.zero >= 2 and s.dp > 1)
+    return s.method != "full" and s.level == "O2" and not s.dims.fsdp_sharded
 
 
 def _input_bytes(s: Setup, consumers: int, width: int, casts_per_consumer: bool) -> float:

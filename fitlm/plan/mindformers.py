@@ -12,15 +12,14 @@ and newer spellings both (num_layers / num_hidden_layers, n_kv_heads / num_key_v
 
 from __future__ import annotations
 
-import os
 import re
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from fitlm.atomic import atomic_file
 from fitlm.config import Config, ConfigError, validate_dict
 
 
@@ -408,12 +407,6 @@ def import_file(src: str | Path, out: str | Path, force: bool = False) -> tuple[
     header += [f"# note: {n['key']}: {n['note']}" for n in notes]
     text = "\n".join(header) + "\n" + cfg.to_yaml()
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(out) as tmp:
+        tmp.write_text(text)
     return cfg, notes

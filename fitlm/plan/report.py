@@ -36,7 +36,7 @@ def _memory_opts(s: Setup) -> str:
         opts.append(f"loss_chunk={s.loss_chunk}")
     if s.offload:
         opts.append("offload")
-    if s.accum > 1 and s.dp > 1 and s.zero >= 2:
+    if s.accum > 1 and s.dims.fsdp_sharded:
         opts.append("sync=every" if s.sync_every else "sync=last")  # parallel.gradient_sync
     return " ".join(opts) + f" mbs={s.mbs}×accum{s.accum}"
 

@@ -12,12 +12,14 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, replace
 
+from fitlm import rules
 from fitlm.config import Config
 from fitlm.parallel.layout import Layout, valid_layouts
 from fitlm.plan.analytic import Breakdown, breakdown
 from fitlm.plan.devices import Device
 from fitlm.plan.setup import Setup, from_config
 from fitlm.plan.throughput import Timing, timing
+from fitlm.parallel_dims import ParallelDims, divisors
 
 SAFETY = 0.9  # a candidate must leave 10% of the usable memory free (fragmentation, spikes)
 
@@ -40,10 +42,6 @@ class Candidate:
         return "; ".join(parts)
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def _layouts(cfg: Config, n: int) -> list[Layout]:
     # The model's own rules (tp divides heads/MLP/vocab; pp <= layers), micro-batch rules checked per candidate.
     trial = cfg.model_copy(update={"train": cfg.train.model_copy(update={"micro_batch_size": 1})})
@@ -53,23 +51,30 @@ def _layouts(cfg: Config, n: int) -> list[Layout]:
     return layouts
 
 
+STAGES = ("config", "launch")  # fitlm.rules' stages a candidate must pass
+
+
 def candidates(cfg: Config, n: int, dev: Device, max_micro_batch: int = 64) -> list[Candidate]:
     """Every fitting candidate (within SAFETY of usable memory), fastest first."""
     base = from_config(cfg)
+    # A candidate is a config with another layout: it must not break a rule of fitlm.rules that the
+    # config itself keeps (a rule about this machine, e.g. tensorboard missing, is not the layout's doing).
+    values = rules.flatten(cfg.model_dump())
+    kept = set(rules.ROWS) - set(rules.broken(values, STAGES))
     out: list[Candidate] = []
     limit = dev.usable_bytes * SAFETY
     for lay in _layouts(cfg, n):
         per_replica = max(1, round(base.global_batch / lay.dp))
-        for mbs in [d for d in _divisors(per_replica) if d <= max_micro_batch]:
+        for mbs in [d for d in divisors(per_replica) if d <= max_micro_batch]:
             for zero in (0, 1, 2, 3):
-                if zero and lay.dp == 1 or zero == 1 and (lay.tp > 1 or lay.pp > 1):
-                    continue
                 accum = per_replica // mbs
                 options = itertools.product((False, True) if lay.tp > 1 else (False,),  # sequence parallel
                                             _pipeline_options(lay.pp, mbs, base.layers),
                                             ("none", "selective", "full"), (0, 4096), (False, True),
                                             _sync_options(zero, lay.dp, accum))
                 for sp, (sched, chunks), recompute, chunk, offload, sync in options:
+                    if _refused(values, kept, lay, zero, sp, chunk, offload):
+                        continue
                     s = replace(base, dp=lay.dp, tp=lay.tp, pp=lay.pp, zero=zero, sp=sp, schedule=sched,
                                 chunks=chunks, mbs=mbs, accum=accum, recompute=recompute, recompute_every=1,
                                 loss_chunk=chunk, offload=offload, gradient_sync=sync)
@@ -80,9 +85,17 @@ def candidates(cfg: Config, n: int, dev: Device, max_micro_batch: int = 64) -> l
     return out
 
 
+def _refused(values: dict, kept: set, lay: Layout, zero: int, sp: bool, chunk: int, offload: bool) -> bool:
+    """Whether this candidate breaks a rule (of either stage: a run would start from it) the config keeps."""
+    trial = {**values, "parallel.data_parallel": lay.dp, "parallel.tensor_parallel": lay.tp,
+             "parallel.pipeline_parallel": lay.pp, "parallel.zero_stage": zero, "parallel.sequence_parallel": sp,
+             "memory.loss_chunk_size": chunk, "memory.cpu_offload": offload}
+    return any(rule in kept for rule in rules.broken(trial, STAGES))
+
+
 def _sync_options(zero: int, dp: int, accum: int) -> tuple[str, ...]:
     """parallel.gradient_sync choices that differ: only ZeRO-2/3 with accumulation trades memory for traffic."""
-    if zero >= 2 and dp > 1 and accum > 1:
+    if ParallelDims(dp=dp, zero_stage=zero).fsdp_sharded and accum > 1:
         return ("every_micro_batch", "last_micro_batch")
     return ("auto",)
 
@@ -91,7 +104,7 @@ def _pipeline_options(pp: int, mbs: int, layers: int) -> list[tuple[str, int]]:
     if pp == 1:
         return [("1f1b", 1)]
     opts = []
-    for m in _divisors(mbs):
+    for m in divisors(mbs):
         if m >= pp:
             opts.append(("1f1b", m))
             if m % pp == 0 and layers >= 2 * pp:

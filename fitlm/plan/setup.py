@@ -1,16 +1,36 @@
-"""What the planner needs from a config, as one small frozen record, plus exact parameter counts.
+"""What the planner reads from a config: the config itself, plus the knobs the search turns, and exact
+parameter counts.
 
-Why not the pydantic `Config` itself: the search evaluates tens of thousands of variants, and a
-`dataclasses.replace` on this record is ~100x cheaper than a validated model copy.
+Why a record beside the pydantic `Config`: `fitlm plan --search` and the OOM diagnosis evaluate tens of
+thousands of variants, and a `dataclasses.replace` of a few knobs is ~100x cheaper than a validated
+model copy. So the knobs they turn (layout, batch split, memory options, fine-tuning method) are fields,
+each named by its config key in KNOBS, which both reads them (`from_config`) and writes a variant back
+(`to_overrides`); everything else (the model's shape, the sequence, the half type) is read from the
+config itself.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
-from fitlm.config import Config, ModelConfig, reduces_every_micro_batch
+from fitlm.config import Config, ModelConfig
+from fitlm.parallel_dims import ParallelDims
+from fitlm.rules import flatten
 
 LEVELS = ("O0", "O1", "O2", "O3")
+# Setup field -> the config key it stands for.
+KNOBS = {
+    "dp": "parallel.data_parallel", "tp": "parallel.tensor_parallel", "pp": "parallel.pipeline_parallel",
+    "sp": "parallel.sequence_parallel", "zero": "parallel.zero_stage", "schedule": "parallel.pipeline_schedule",
+    "chunks": "parallel.micro_batch_num", "gradient_sync": "parallel.gradient_sync",
+    "mbs": "train.micro_batch_size", "accum": "train.gradient_accumulation_steps",
+    "level": "memory.mixed_precision", "recompute": "memory.recompute",
+    "recompute_every": "memory.recompute_every_n_layers", "offload": "memory.cpu_offload",
+    "loss_chunk": "memory.loss_chunk_size", "method": "finetune.method", "lora_r": "finetune.lora.r",
+    "lora_targets": "finetune.lora.target_modules", "freeze_layers": "finetune.freeze_layers",
+    "freeze_embeddings": "finetune.freeze_embeddings",
+}
 
 
 @dataclass(frozen=True)
@@ -26,6 +46,8 @@ class ModelCounts:
     outside_bytes: tuple[tuple[float, float], ...]
     rope_tables: int  # cos/sin table pairs kept as buffers (Gemma 3: global and local)
     finetune_activations: bool  # LoRA/freeze activation savings follow the pre-norm Llama block
+    sliding: bool  # some blocks use sliding-window attention (a masked SDPA)
+    softcap: bool  # attention scores soft-capped (Gemma 2): eager attention keeps [H, T, S] tensors
 
     @classmethod
     def of(cls, m: ModelConfig) -> "ModelCounts":
@@ -33,25 +55,16 @@ class ModelCounts:
         block = pc.block(m)
         return cls(block.params, pc.embedding_params(m), pc.head_norm_params(m), block.linears, block.input_groups,
                    tuple(pc.block_bytes[lv] for lv in LEVELS), tuple(pc.outside_bytes[lv] for lv in LEVELS),
-                   (2 if m.local_rope else 1) if pc.rope else 0, pc.activation_finetune)
+                   (2 if m.local_rope else 1) if pc.rope else 0, pc.activation_finetune,
+                   any(m.layer_type(i) == "sliding" for i in range(m.num_layers)), m.attn_logit_softcap is not None)
 
 
 @dataclass(frozen=True)
 class Setup:
-    arch: str
-    counts: ModelCounts
-    h: int  # hidden size
-    layers: int
-    heads: int
-    kv_heads: int
-    ffn: int
-    head_dim: int
-    vocab: int
-    max_seq_len: int
-    tied: bool
-    seq: int  # tokens per sample
-    mbs: int  # micro batch size (sequences)
-    accum: int
+    cfg: Config = field(compare=False, repr=False)  # the planned config; the knobs below override its keys
+    counts: ModelCounts = field(repr=False)
+    mbs: int = 1  # micro batch size (sequences)
+    accum: int = 1
     dp: int = 1
     tp: int = 1
     pp: int = 1
@@ -60,26 +73,94 @@ class Setup:
     schedule: str = "1f1b"
     chunks: int = 1  # parallel.micro_batch_num
     level: str = "O0"
-    half: str = "bf16"
     recompute: str = "none"
     recompute_every: int = 1
     offload: bool = False
     loss_chunk: int = 0
-    doc_mask: bool = True
     method: str = "full"  # finetune.method: full, lora, freeze (fitlm.plan.finetune does the accounting)
     lora_r: int = 8
     lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
     freeze_layers: float = 0.0
     freeze_embeddings: bool = False
-    pretrained: bool = False  # model.init_from is set: fine-tuning, so LoRA/freeze are remedies too
     gradient_sync: str = "auto"  # parallel.gradient_sync
-    sliding: bool = False  # some blocks use sliding-window attention (a masked SDPA)
-    softcap: bool = False  # attention scores soft-capped (Gemma 2): eager attention keeps [H, T, S] tensors
+
+    # Read from the config itself: what no planner variant changes.
+    @property
+    def arch(self) -> str:
+        return self.cfg.model.arch
+
+    @property
+    def h(self) -> int:
+        """Hidden size."""
+        return self.cfg.model.hidden_size
+
+    @property
+    def layers(self) -> int:
+        return self.cfg.model.num_layers
+
+    @property
+    def heads(self) -> int:
+        return self.cfg.model.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.cfg.model.kv_heads
+
+    @property
+    def ffn(self) -> int:
+        return self.cfg.model.ffn_size
+
+    @property
+    def head_dim(self) -> int:
+        return self.cfg.model.head_size
+
+    @property
+    def vocab(self) -> int:
+        return self.cfg.model.vocab_size
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.cfg.model.max_seq_len
+
+    @property
+    def tied(self) -> bool:
+        return self.cfg.model.tie_embeddings
+
+    @property
+    def seq(self) -> int:
+        """Tokens per sample."""
+        return self.cfg.data.seq_length
+
+    @property
+    def half(self) -> str:
+        return self.cfg.memory.half_dtype
+
+    @property
+    def doc_mask(self) -> bool:
+        return self.cfg.data.document_mask
+
+    @property
+    def pretrained(self) -> bool:
+        """model.init_from is set: fine-tuning, so LoRA/freeze are remedies too."""
+        return bool(self.cfg.model.init_from)
+
+    @property
+    def sliding(self) -> bool:
+        return self.counts.sliding
+
+    @property
+    def softcap(self) -> bool:
+        return self.counts.softcap
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The layout's dimensions and predicates, as the trainer derives them (fitlm.parallel_dims)."""
+        return ParallelDims(dp=self.dp, tp=self.tp, pp=self.pp, zero_stage=self.zero)
 
     @property
     def sync_every(self) -> bool:
-        """Gradients reduced after every accumulation micro batch (the trainer's rule, fitlm.config)."""
-        return reduces_every_micro_batch(self.gradient_sync, self.zero, self.dp)
+        """Gradients reduced after every accumulation micro batch (the trainer's rule)."""
+        return self.dims.reduce_every_micro_batch(self.gradient_sync)
 
     @property
     def kv(self) -> int:
@@ -95,7 +176,7 @@ class Setup:
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dims.world_size
 
     @property
     def global_batch(self) -> int:
@@ -106,34 +187,25 @@ class Setup:
         return self.global_batch * self.seq
 
 
+
 def from_config(cfg: Config) -> Setup:
-    m, p, mem, t, f = cfg.model, cfg.parallel, cfg.memory, cfg.train, cfg.finetune
-    return Setup(arch=m.arch, counts=ModelCounts.of(m), h=m.hidden_size, layers=m.num_layers, heads=m.num_heads,
-                 kv_heads=m.kv_heads, ffn=m.ffn_size, head_dim=m.head_size, vocab=m.vocab_size, max_seq_len=m.max_seq_len, tied=m.tie_embeddings,
-                 seq=cfg.data.seq_length, mbs=t.micro_batch_size, accum=t.gradient_accumulation_steps,
-                 dp=p.data_parallel, tp=p.tensor_parallel, pp=p.pipeline_parallel, sp=p.sequence_parallel,
-                 zero=p.zero_stage, schedule=p.pipeline_schedule, chunks=p.micro_batch_num,
-                 level=mem.mixed_precision, half=mem.half_dtype, recompute=mem.recompute,
-                 recompute_every=mem.recompute_every_n_layers, offload=mem.cpu_offload,
-                 loss_chunk=mem.loss_chunk_size, doc_mask=cfg.data.document_mask, method=f.method,
-                 lora_r=f.lora.r, lora_targets=tuple(f.lora.target_modules), freeze_layers=f.freeze_layers,
-                 freeze_embeddings=f.freeze_embeddings, pretrained=bool(m.init_from),
-                 gradient_sync=p.gradient_sync,
-                 sliding=any(m.layer_type(i) == "sliding" for i in range(m.num_layers)),
-                 softcap=m.attn_logit_softcap is not None)
+    values = flatten(cfg.model_dump())
+    knobs = {name: values[key] for name, key in KNOBS.items()}
+    knobs["lora_targets"] = tuple(knobs["lora_targets"])
+    return Setup(cfg=cfg, counts=ModelCounts.of(cfg.model), **knobs)
 
 
-def to_overrides(s: Setup) -> dict:
-    """The config keys a Setup changes, as nested dicts (for writing the best layout as YAML)."""
-    return {
-        "parallel": {"data_parallel": s.dp, "tensor_parallel": s.tp, "pipeline_parallel": s.pp,
-                     "sequence_parallel": s.sp, "zero_stage": s.zero, "pipeline_schedule": s.schedule,
-                     "micro_batch_num": s.chunks,
-                     "gradient_sync": s.gradient_sync},
-        "memory": {"mixed_precision": s.level, "recompute": s.recompute, "cpu_offload": s.offload,
-                   "loss_chunk_size": s.loss_chunk},
-        "train": {"micro_batch_size": s.mbs, "gradient_accumulation_steps": s.accum},
-    }
+def to_overrides(s: Setup) -> dict[str, dict[str, Any]]:
+    """The config keys a Setup's knobs stand for, as nested dicts (for writing the best layout as YAML)."""
+    out: dict[str, Any] = {}
+    for name, key in KNOBS.items():
+        *sections, leaf = key.split(".")
+        node = out
+        for section in sections:
+            node = node.setdefault(section, {})
+        value = getattr(s, name)
+        node[leaf] = list(value) if isinstance(value, tuple) else value
+    return out
 
 
 def layer_params(s: Setup) -> int:

@@ -20,9 +20,9 @@ import torch
 
 from fitlm.config import Config, validate_dict
 from fitlm.finetune.init_from import resolve_init_from
-from fitlm.memory.tracking import track_step
+from fitlm.memory.tracking import plan_components, track_step
 from fitlm.profile.trace import trace_steps
-from fitlm.train.metrics import peak_memory_bytes
+from fitlm.hardware import peak_memory_bytes
 
 TRACED_STEPS = 2
 TRACKED_STEPS = 2  # one warm-up, one measured (MemTracker)
@@ -41,13 +41,6 @@ def burst_config(cfg: Config, out: Path, steps: int) -> Config:
     return validate_dict(data, "fitlm profile")
 
 
-def memory_components(cats: dict[str, int]) -> dict[str, int]:
-    """MemTracker's categories -> the plan's components (logits cannot be told apart: inside activations)."""
-    return {"params": cats["params"], "grads": cats["grads"], "optimizer": cats["optimizer"],
-            "activations": cats["activations"] + cats["temporaries"], "logits": 0,
-            "other": cats["buffers"] + cats["other"], "total": cats["total"]}
-
-
 def _say(main: bool, text: str) -> None:
     if main:
         print(f"fitlm profile: {text}", file=sys.stderr, flush=True)
@@ -60,7 +53,7 @@ def run_burst(cfg: Config, steps: int, out: Path) -> list[dict] | None:
 
     trainer = Trainer(burst_config(cfg, out, steps))
     ctx, device, main = trainer.ctx, trainer.device, trainer.ctx.is_main
-    trainer.timer.sync = device.type == "cuda"  # exact phase times: wait for the device at each boundary
+    trainer.step.timer.sync = device.type == "cuda"  # exact phase times: wait for the device at each boundary
     batches = iter(trainer.loader)
     count = 0
 
@@ -85,7 +78,7 @@ def run_burst(cfg: Config, steps: int, out: Path) -> list[dict] | None:
     _say(main, "measuring peak live tensor bytes (MemTracker) on one step")
     memory, memory_error = None, None
     try:
-        memory = track_step(one_step, trainer.pm.modules, trainer.optimizer, warmup_steps=TRACKED_STEPS - 1)
+        memory = track_step(one_step, trainer.pm.modules, trainer.step.optimizer, warmup_steps=TRACKED_STEPS - 1)
     except Exception as exc:  # noqa: BLE001 - a tracker limitation must not lose the timing results
         memory_error = f"{type(exc).__name__}: {exc}"
     result = summarize(trainer, records, traced, memory, memory_error)
@@ -119,7 +112,7 @@ def summarize(trainer, records: list[dict], traced: dict, memory, memory_error: 
         "tokens_per_step": trainer.tokens_per_step, "phase_s": phase_s, "steps": records,
         "comm": traced, "rss_peak_bytes": peak_memory_bytes(torch.device("cpu")),
         "cuda_peak_bytes": int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None,
-        "memory": memory_components(memory.peak) if memory else None,
+        "memory": plan_components(memory.peak) if memory else None,
         "memory_categories": memory.peak if memory else None,
         "modules": memory.modules if memory else [], "memory_error": memory_error,
     }

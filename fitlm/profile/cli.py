@@ -12,7 +12,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from fitlm.cli import add_config_args, process_count
+from fitlm.cli_common import add_config_args, process_count
 
 MARKERS = ("profile.json", "report.md", "burst")  # what says a directory holds an earlier profile
 
@@ -67,7 +67,7 @@ def check_out(out: Path, force: bool, clear: bool) -> None:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from fitlm.cli import emit_json
+    from fitlm.cli_common import emit_json
     from fitlm.config import load_config
     from fitlm.finetune.init_from import resolve_init_from
     from fitlm.parallel.launch import launch_local

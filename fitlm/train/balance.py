@@ -7,9 +7,9 @@ optimizer, ...). At each log step the ranks gather these (one small collective o
 data-parallel group), and a warning goes to stderr and metrics.jsonl when
 
 - one rank's target tokens or longest document exceed the mean of the other ranks by
-  `train.balance_threshold` (the story: one shard full of very long samples, and the ranks that get
+  `train.observe.balance_threshold` (the story: one shard full of very long samples, and the ranks that get
   it run out of memory or make every step wait for them);
-- the data phase takes more than `train.data_wait_warn` of the step on any rank (the input
+- the data phase takes more than `train.observe.data_wait_warn` of the step on any rank (the input
   pipeline is the bottleneck).
 
 A warning of one kind is repeated at most every `REPEAT_EVERY` log lines.
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fitlm.train.loss import IGNORE_INDEX
+from fitlm.models.loss import IGNORE_INDEX
 
 REPEAT_EVERY = 10
 DOCS = "docs/troubleshooting.md"
@@ -114,7 +114,7 @@ class InputMonitor:
                     return {"step": step, "warning": "data_balance", "dp_rank": rank, "ratio": round(v / others, 3),
                             "message": f"data-parallel rank {rank} got {v / others:.2f}x the {what} of the other "
                                        f"ranks ({int(v)} vs {others:.0f} on average) in the last log interval "
-                                       f"(train.balance_threshold={self.balance_threshold:g}); see {DOCS}, section "
+                                       f"(train.observe.balance_threshold={self.balance_threshold:g}); see {DOCS}, section "
                                        "\"One rank runs out of memory (long samples)\""}
         return None
 
@@ -127,7 +127,7 @@ class InputMonitor:
             return None
         return {"step": step, "warning": "data_wait", "dp_rank": worst, "ratio": round(shares[worst], 4),
                 "message": f"waiting for input batches took {shares[worst]:.0%} of the step time on data-parallel "
-                           f"rank {worst} (train.data_wait_warn={self.wait_threshold:g}): the input pipeline is the "
+                           f"rank {worst} (train.observe.data_wait_warn={self.wait_threshold:g}): the input pipeline is the "
                            f"bottleneck; raise data.prefetch / data.num_workers. See {DOCS}, section "
                            "\"Slow input pipeline\""}
 

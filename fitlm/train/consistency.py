@@ -1,4 +1,4 @@
-"""Rank consistency (`train.consistency_interval`): data-parallel replicas must hold identical weights.
+"""Rank consistency (`train.observe.consistency_interval`): data-parallel replicas must hold identical weights.
 
 Every N steps each rank computes one checksum per parameter it holds -- the sum of the parameter's
 bits read as integers, so it is exact and independent of summation order -- and all ranks gather
@@ -64,10 +64,10 @@ def find_divergence(entries: list[dict]) -> str | None:
 
 
 class ConsistencyCheck:
-    def __init__(self, interval: int, ctx, modules, zero_stage: int):
+    def __init__(self, interval: int, ctx, modules):
         self.ctx, self.modules = ctx, modules
         # Nothing to compare with one replica, and ZeRO-2/3 replicas hold different shards by design.
-        self.interval = interval if ctx.distributed and ctx.dp > 1 and zero_stage <= 1 else 0
+        self.interval = interval if ctx.distributed and ctx.dims.replicated else 0
 
     def __call__(self, step: int) -> None:
         """Collective every `interval` steps: raise RanksDiverged on every rank when replicas differ."""
@@ -80,7 +80,7 @@ class ConsistencyCheck:
         problem = find_divergence(entries)
         if problem:
             raise RanksDiverged(
-                f"rank consistency check at step {step} (train.consistency_interval={self.interval}): data-parallel "
+                f"rank consistency check at step {step} (train.observe.consistency_interval={self.interval}): data-parallel "
                 f"replicas that must hold identical weights do not: {problem}. Gradient synchronisation is broken or "
                 f"a rank's memory was corrupted; the losses of these ranks no longer describe one model. "
                 f"See {DOCS}.")

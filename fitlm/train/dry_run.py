@@ -12,7 +12,7 @@ from fitlm.finetune.init_from import resolve_init_from
 from fitlm.parallel.layout import layout_problems
 from fitlm.registry import build_model
 from fitlm.train import preflight
-from fitlm.train.metrics import flops_per_token
+from fitlm.models.flops import flops_per_token
 from fitlm.train.trainer import open_data
 
 

@@ -12,6 +12,7 @@ from typing import Iterator
 import torch
 
 from fitlm.config import Config
+from fitlm.plan.diagnose import oom_message
 
 
 # Phases whose memory the layout plan does not describe (host memory, mostly) get their own first advice.
@@ -33,8 +34,6 @@ def oom_guard(cfg: Config, phase: str, rank: int, device: torch.device) -> Itera
     try:
         yield
     except (torch.OutOfMemoryError, MemoryError) as exc:
-        from fitlm.plan.diagnose import oom_message
-
         total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
         advice = PHASE_ADVICE.get(phase)
         message = oom_message(cfg, phase, rank, total)

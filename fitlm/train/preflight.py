@@ -12,36 +12,24 @@ from typing import Any
 
 import yaml
 
-from fitlm.atomic import recover_stale
-from fitlm.checkpoint.compat import flatten, resume_conflicts
+from fitlm import rules
+from fitlm.atomic import atomic_file, recover_stale
+from fitlm.checkpoint.compat import resume_conflicts
 from fitlm.checkpoint.store import checkpoints_root, list_checkpoints
-from fitlm.config import Config, ConfigError
-from fitlm.train.metrics import tensorboard_problem
+from fitlm.config import Config, ConfigError, upgrade_moved_keys
 from fitlm.train.run_lock import LOCK_FILE
 
 RUN_CONFIG = "config.yaml"  # the resolved config a run writes into its output_dir first
 
 
 def unsupported_options(cfg: Config) -> list[str]:
-    """Options the schema accepts (they are part of the config contract) but this build cannot run yet."""
-    out = []
-    p = cfg.parallel
-    if cfg.finetune.method != "full" and (p.tensor_parallel > 1 or p.pipeline_parallel > 1):
-        # Adapters live inside the q/k/v/... Linears that tensor parallel shards and pipeline stages split;
-        # neither path is sharded or tested for adapters/frozen layers yet.
-        out.append(f"finetune.method: {cfg.finetune.method} runs with data parallel and ZeRO 0-3 only, not with "
-                   f"tensor_parallel={p.tensor_parallel} / pipeline_parallel={p.pipeline_parallel}; set both to 1 "
-                   "and use data_parallel (ZeRO-3 shards the frozen base weights too)")
-    if cfg.train.early_stopping_patience and not (cfg.data.valid and cfg.train.eval_interval):
-        out.append("train.early_stopping_patience: needs a validation set (data.valid) and train.eval_interval > 0")
-    tensorboard = tensorboard_problem(cfg.train.tensorboard)
-    if tensorboard:
-        out.append(tensorboard)
-    return out
+    """Options the schema accepts (they are part of the config contract) but this build or this machine
+    cannot run: fitlm.rules' rows checked before a run starts."""
+    return rules.violations(rules.flatten(cfg.model_dump()), stage="launch")
 
 
 def config_differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
-    fa, fb = flatten(a), flatten(b)
+    fa, fb = rules.flatten(a), rules.flatten(b)
     return [f"{k}: {fa.get(k)!r} -> {fb.get(k)!r}" for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k)]
 
 
@@ -65,7 +53,7 @@ def output_dir_problem(cfg: Config, overwrite: bool = False) -> str | None:
                 "choose a new or empty directory, so nothing there is overwritten")
     if overwrite:
         return None
-    saved = yaml.safe_load(previous.read_text()) or {}
+    saved = upgrade_moved_keys(yaml.safe_load(previous.read_text()) or {})  # a run of an older fitlm
     if cfg.checkpoint.resume != "never":
         # checkpoint.resume: continue an unfinished run (or extend a finished one with more max_steps).
         conflicts = resume_conflicts(saved, cfg.to_dict())
@@ -98,7 +86,6 @@ def prepare_output_dir(cfg: Config, overwrite: bool = False) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     for stale in recover_stale(out):  # a model/ or adapter/ save cut short by a crash or a power loss
         print(f"fitlm: removed {stale}, left by a save that did not finish", file=sys.stderr)
-    tmp = out / (RUN_CONFIG + ".tmp")
-    tmp.write_text(cfg.to_yaml())
-    tmp.replace(out / RUN_CONFIG)
+    with atomic_file(out / RUN_CONFIG) as tmp:
+        tmp.write_text(cfg.to_yaml())
     return out

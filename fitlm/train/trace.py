@@ -1,5 +1,5 @@
-"""Opt-in deep looks at a run: a torch profiler trace of a step window (`train.profile_steps`) and,
-on CUDA, an allocator snapshot when memory runs out (`train.oom_snapshot`).
+"""Opt-in deep looks at a run: a torch profiler trace of a step window (`train.observe.profile_steps`) and,
+on CUDA, an allocator snapshot when memory runs out (`train.observe.oom_snapshot`).
 
 The trace is a Chrome trace per rank, `output_dir/profile/trace_rank{R}.json`: open it in
 chrome://tracing or https://ui.perfetto.dev. The snapshot, `output_dir/memory_snapshot_rank{R}.pickle`,

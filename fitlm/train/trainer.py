@@ -27,27 +27,27 @@ from fitlm.data.tokenizer import Tokenizer
 from fitlm.finetune.apply import apply_finetune, final_weights
 from fitlm.finetune.early_stopping import EarlyStopping
 from fitlm.finetune.init_from import resolve_init_from
-from fitlm.memory.loss_scale import LossScaler
-from fitlm.memory.precision import autocast, compute_dtype
+from fitlm.hardware import device_peak_flops, mfu_warning, peak_memory_bytes
+from fitlm.memory.precision import compute_dtype
+from fitlm.models.flops import flops_per_token
 from fitlm.models.hf import model_from_hf_state_dict, to_hf_state_dict
 from fitlm.models.io import load_model_dir, save_model_dir
 from fitlm.parallel.apply import parallelize
 from fitlm.parallel.layout import layout_problems
 from fitlm.parallel.mesh import env_world_size, init_parallel, shutdown
+from fitlm.parallel_dims import WORLD
 from fitlm.registry import build_model
 from fitlm.train import preflight
 from fitlm.train.balance import InputMonitor
 from fitlm.train.consistency import ConsistencyCheck
-from fitlm.train.guards import GuardEvent, StepGuards, stop_error
+from fitlm.step.guards import GuardEvent, stop_error
+from fitlm.step.optim import lr_at, scale_for_batch, set_lr
+from fitlm.step.train_step import StepOutput, TrainStep
 from fitlm.train.heartbeat import Heartbeat
-from fitlm.train.loss import count_targets, cross_entropy_sum
-from fitlm.train.metrics import (MetricsLog, device_peak_flops, flops_per_token, peak_memory_bytes, report,
-                                 tensorboard_dir)
+from fitlm.train.metrics import MetricsLog, report, tensorboard_dir
 from fitlm.train.oom import oom_guard
-from fitlm.train.optim import build_optimizer, lr_at, scale_for_batch, set_lr
 from fitlm.train.progress import TrainProgress
 from fitlm.train.run_lock import lock_for_run
-from fitlm.train.timing import PhaseTimer
 from fitlm.train.trace import OOMSnapshot, ProfileWindow
 
 
@@ -61,15 +61,6 @@ class TrainResult:
     eval_loss: float | None
     history: list[dict] = field(default_factory=list)
     is_main: bool = True  # False on the ranks of a multi-process run that do not report
-
-
-@dataclass
-class StepOutput:
-    loss: torch.Tensor  # scalar: token-weighted mean over the global batch (same on every rank)
-    grad_norm: torch.Tensor  # scalar: pre-clip global norm; inf when the step overflowed
-    skipped: bool  # the optimizer step was not applied (fp16 overflow, or a guard skipped it)
-    seconds: dict[str, float]  # wall time per phase: data, forward, backward, optimizer, ...
-    guard: GuardEvent | None = None  # what train.guards found in this step (and the action taken)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -137,11 +128,8 @@ class Trainer:
         self.ctx.barrier()
         self.output_dir = Path(t.output_dir)
         self.pm = parallelize(model, cfg, self.ctx)
-        zero1 = self.ctx.group("dp") if cfg.parallel.zero_stage == 1 and self.ctx.dp > 1 else None
-        sharded = cfg.parallel.zero_stage >= 2 and self.ctx.dp > 1  # FSDP2 offloads states itself
-        self.optimizer = build_optimizer(self.pm.modules, t, zero1_group=zero1,
-                                         host_states=cfg.memory.cpu_offload and not sharded)
-        self.scaler = LossScaler(cfg.memory, self.device)
+        # The step (optimizer, loss scaler, guards, phase timer), built as the planner and profiler build it.
+        self.step = TrainStep.create(cfg, self.ctx, self.pm)
         # The schedule actually followed: train.lr_scaling may rescale lr/min_lr/warmup for the batch.
         self.schedule, batch_note = scale_for_batch(t, self.ctx.dp)
         self.console = console
@@ -151,17 +139,16 @@ class Trainer:
         # One peak for every rank: a CPU measures its own at start-up, and ranks sharing cores would
         # otherwise report different MFUs for the same speed.
         peak = device_peak_flops(self.device, compute_dtype(cfg.memory), t.peak_tflops)
-        self.peak_flops = float(self.ctx.all_reduce_max(torch.tensor(peak, dtype=torch.float64, device=self.device)))
+        self.peak_flops = float(self.ctx.all_reduce_max(torch.tensor(peak, dtype=torch.float64, device=self.device),
+                                                        WORLD))
+        self.mfu_warned = False
         # Resumable checkpoints (fitlm.checkpoint): stale temporary saves are removed here; fit resumes and saves.
         self.checkpointer = Checkpointer(cfg, self.ctx, self.output_dir, self.tokenizer.sha256, self.tokenizer.path)
-        self.timer = PhaseTimer(self.device)  # fitlm profile turns on device sync for exact phase times
-        # Observers (docs/troubleshooting.md): NaN/spike guards, replica checksums, input balance, traces.
-        self.guards = StepGuards(t.guards, self.ctx.all_reduce_max)
-        self.guard_event: GuardEvent | None = None  # set by optimizer_step
-        self.consistency = ConsistencyCheck(t.consistency_interval, self.ctx, self.pm.modules, cfg.parallel.zero_stage)
-        self.inputs = InputMonitor(self.ctx, self.train_data.pad_id, t.balance_threshold, t.data_wait_warn)
-        self.profile_window = ProfileWindow(t.profile_steps, self.output_dir, self.ctx.rank, self.device)
-        self.oom_snapshot = OOMSnapshot(t.oom_snapshot, self.output_dir, self.ctx.rank, self.device)
+        # Observers (docs/troubleshooting.md): replica checksums, input balance, traces (the guards are the step's).
+        self.consistency = ConsistencyCheck(t.observe.consistency_interval, self.ctx, self.pm.modules)
+        self.inputs = InputMonitor(self.ctx, self.train_data.pad_id, t.observe.balance_threshold, t.observe.data_wait_warn)
+        self.profile_window = ProfileWindow(t.observe.profile_steps, self.output_dir, self.ctx.rank, self.device)
+        self.oom_snapshot = OOMSnapshot(t.observe.oom_snapshot, self.output_dir, self.ctx.rank, self.device)
 
     def release_lock(self) -> None:
         if self.run_lock is not None:
@@ -170,7 +157,7 @@ class Trainer:
     @contextlib.contextmanager
     def guard(self, phase: str):
         """Out of memory inside `phase` becomes a diagnosis naming the phase, this rank and the remedies
-        (and, with train.oom_snapshot on CUDA, an allocator snapshot)."""
+        (and, with train.observe.oom_snapshot on CUDA, an allocator snapshot)."""
         with oom_guard(self.cfg, phase, self.ctx.rank, self.device), self.oom_snapshot.on_oom():
             yield
 
@@ -180,84 +167,21 @@ class Trainer:
         return SequenceLoader.from_config(data, self.cfg.data, t.micro_batch_size, seed=t.seed,
                                           rank=self.ctx.dp_rank, world_size=self.ctx.dp, shuffle=shuffle)
 
-    def document_inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Per-document positions and ids (block-causal attention), when data.document_mask is on."""
-        if not self.cfg.data.document_mask:
-            return {}
-        return {"position_ids": batch["position_ids"].to(self.device, non_blocking=True),  # [B, T]
-                "document_ids": batch["document_ids"].to(self.device, non_blocking=True)}  # [B, T]
-
-    def forward_backward(self, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-        """Accumulate gradients over micro batches; returns the step's loss.
-
-        The loss is the token-weighted mean over the whole global batch: each micro batch's summed
-        loss is divided by the target count of all micro batches on all data-parallel ranks, not
-        averaged per micro batch. Data-parallel engines average gradients over ranks, so each rank's
-        loss is multiplied by the data-parallel degree to make that average a sum.
-        """
-        n_targets = self.ctx.all_reduce_sum(
-            torch.tensor(float(sum(count_targets(b["labels"]) for b in batches)), device=self.device), "dp")
-        n_targets = max(1.0, n_targets.item())
-        scale = self.ctx.dp / n_targets * self.scaler.scale  # loss scale: 1 unless fp16
-        total = torch.zeros((), device=self.device)
-        every = self.cfg.parallel.reduce_every_micro_batch  # ZeRO-2/3: keep gradients sharded between micro batches
-        for i, batch in enumerate(batches):
-            self.pm.gradient_sync(enabled=every or i == len(batches) - 1)
-            input_ids = batch["input_ids"].to(self.device, non_blocking=True)  # [B, T]
-            labels = batch["labels"].to(self.device, non_blocking=True)  # [B, T]
-            # loss_context: under tensor parallel the loss (and its backward) runs on vocab-sharded logits.
-            with autocast(self.cfg.memory, self.device), self.pm.loss_context():
-                if self.pm.pipeline is not None:
-                    with self.timer("forward_backward"):  # the schedule interleaves both over micro batches
-                        loss_sum = self.pm.pipeline.step(input_ids, labels, scale, **self.document_inputs(batch))
-                else:
-                    with self.timer("forward"):
-                        loss_sum = self.loss_sum(input_ids, labels, **self.document_inputs(batch))
-                    with self.timer("backward"):
-                        (loss_sum * scale).backward()
-            total += loss_sum.detach()
-        self.pm.finish_backward()
-        return self.ctx.all_reduce_sum(total, "dp") / n_targets
-
-    def loss_sum(self, input_ids: torch.Tensor, labels: torch.Tensor, **doc: torch.Tensor) -> torch.Tensor:
-        """Summed token loss of one micro batch through the (non-pipelined) model."""
-        if self.cfg.memory.loss_chunk_size:
-            return self.pm.model(input_ids, labels=labels, **doc)  # chunked head + loss inside forward, no full logits
-        return cross_entropy_sum(self.pm.model(input_ids, **doc), labels)  # logits [B, T, V]
-
     def train_step(self, step: int, batches: Iterator[dict[str, torch.Tensor]]) -> StepOutput:
         """One optimizer step (1-based `step`): read the micro batches, forward/backward, update."""
-        set_lr(self.optimizer, lr_at(step - 1, self.schedule))
+        s = self.step
+        set_lr(s.optimizer, lr_at(step - 1, self.schedule))
         self.heartbeat.mark("data loading", step)
-        with self.guard("data loading"), self.timer("data"):
+        with self.guard("data loading"), s.timer("data"):
             micro = [next(batches) for _ in range(self.cfg.train.gradient_accumulation_steps)]
         self.inputs.observe_batches(micro)
         self.heartbeat.mark("forward/backward", step)
         with self.guard("forward/backward"):
-            loss = self.forward_backward(micro)
+            loss = s.forward_backward(micro)
         self.heartbeat.mark("optimizer", step)
-        with self.guard("the optimizer step"), self.timer("optimizer"):
-            grad_norm, skipped = self.optimizer_step(loss, step)
-        return StepOutput(loss, grad_norm, skipped, self.timer.pop(), self.guard_event)
-
-    def optimizer_step(self, loss: torch.Tensor | None = None, step: int = 0) -> tuple[torch.Tensor, bool]:
-        """Unscale (fp16), clip, step, clear; returns the pre-clip global gradient norm and whether the
-        step was skipped because a gradient overflowed or, given the step's `loss`, because train.guards
-        found it bad (`self.guard_event`); every rank decides the same."""
-        params = [p for m in self.pm.modules for p in m.parameters() if p.grad is not None]
-        overflow = self.scaler.unscale_and_check(params, self.ctx.all_reduce_max)
-        self.guard_event = None
-        if overflow:
-            grad_norm = torch.tensor(float("inf"))
-        else:
-            grad_norm = self.pm.clip_grad_norm(self.cfg.train.grad_clip)
-            if loss is not None:
-                self.guard_event = self.guards.inspect(step, loss, grad_norm)
-            if self.guard_event is None or self.guard_event.applies_update:
-                self.optimizer.step()
-        self.scaler.update(overflow)
-        self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm, overflow or not (self.guard_event is None or self.guard_event.applies_update)
+        with self.guard("the optimizer step"), s.timer("optimizer"):
+            grad_norm, skipped = s.optimizer_step(loss, step)
+        return StepOutput(loss, grad_norm, skipped, s.timer.pop(), s.guard_event)
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -271,14 +195,7 @@ class Trainer:
             m.eval()
         sums = torch.zeros(2, device=self.device)  # [summed loss, targets]
         for _, batch in zip(range(steps), loader):
-            labels = batch["labels"].to(self.device)
-            input_ids = batch["input_ids"].to(self.device)
-            with autocast(self.cfg.memory, self.device), self.pm.loss_context():
-                if self.pm.pipeline is not None:
-                    loss_sum = self.pm.pipeline.eval_step(input_ids, labels, **self.document_inputs(batch))
-                else:
-                    loss_sum = self.loss_sum(input_ids, labels, **self.document_inputs(batch))
-            sums += torch.stack([loss_sum.float().detach().reshape(()), torch.tensor(float(count_targets(labels)))])
+            sums += self.step.eval_sums(batch)
         self.pm.after_eval()
         for m in self.pm.modules:
             m.train()
@@ -297,8 +214,8 @@ class Trainer:
 
     def _fit(self) -> TrainResult:
         t, main = self.cfg.train, self.ctx.is_main
-        start = self.checkpointer.resume(self.pm, self.optimizer, self.stateful())  # 0 without a checkpoint
-        log = MetricsLog(self.output_dir / "metrics.jsonl", tensorboard_dir(self.output_dir, t.tensorboard)) if main else None
+        start = self.checkpointer.resume(self.pm, self.step.optimizer, self.stateful())  # 0 without a checkpoint
+        log = MetricsLog(self.output_dir / "metrics.jsonl", tensorboard_dir(self.output_dir, t.observe.tensorboard)) if main else None
         batches = iter(self.loader)
         history: list[dict] = []
         eval_loss = None
@@ -337,7 +254,7 @@ class Trainer:
                             window_start = time.perf_counter()  # evaluation time is not training time
                     self.heartbeat.mark("checkpoint save", step)
                     with self.guard("checkpoint save"):
-                        self.checkpointer.after_step(step, self.pm, self.optimizer, self.stateful())
+                        self.checkpointer.after_step(step, self.pm, self.step.optimizer, self.stateful())
                     if t.eval_interval and step % t.eval_interval == 0 and stopper.should_stop(eval_loss):
                         if log:  # eval_loss is all-reduced: every rank stops at the same step
                             log.write({"step": step, "early_stop": True, "best_eval_loss": round(stopper.best, 6)})
@@ -359,16 +276,21 @@ class Trainer:
         """Write a log step's metrics record and any input warnings; returns the record (collective: peak memory
         and input stats are reduced over ranks)."""
         tps = tokens / seconds
-        peak = self.ctx.all_reduce_max(torch.tensor(peak_memory_bytes(self.device)))
+        peak = self.ctx.all_reduce_max(torch.tensor(peak_memory_bytes(self.device)), WORLD)
+        mfu = tps * self.flops_per_token / (self.peak_flops * self.ctx.world_size)
         record = {
             "step": step, "loss": round(out.loss.item(), 6), "lr": lr_at(step - 1, self.schedule),
             "grad_norm": round(float(out.grad_norm), 6), "tokens_per_s": round(tps, 1),
-            "mfu": round(tps * self.flops_per_token / (self.peak_flops * self.ctx.world_size), 4),
+            "mfu": round(mfu, 4),
             "peak_bytes": int(peak), "tokens": step * self.tokens_per_step,
         }
-        if self.scaler.enabled:
-            record.update(loss_scale=self.scaler.scale, skipped=out.skipped, skipped_steps=self.scaler.skipped_steps)
+        scaler = self.step.scaler
+        if scaler.enabled:
+            record.update(loss_scale=scaler.scale, skipped=out.skipped, skipped_steps=scaler.skipped_steps)
         inputs, warnings = self.inputs.summary(step)
+        if not self.mfu_warned and (overstated := mfu_warning(mfu, self.device)):
+            self.mfu_warned = True  # once per run: the peak does not change
+            warnings = [*warnings, {"step": step, "warning": "mfu_above_peak", "message": overstated}]
         record.update(inputs)
         if log:
             log.write(record)
@@ -383,13 +305,13 @@ class Trainer:
         position, so the batches of the bad streak are not replayed (as PaLM does after a loss spike)."""
         record, restored = event.record(), None
         if event.action == "rollback":
-            restored = self.checkpointer.rollback(self.pm, self.optimizer, {"scaler": self.scaler})
+            restored = self.checkpointer.rollback(self.pm, self.step.optimizer, {"scaler": self.step.scaler})
             if restored is None:
                 event.action = record["action"] = "stop"
                 event.reason = record["reason"] = event.reason + "; rollback needs a checkpoint and none was written yet"
             else:
                 record["restored_step"] = restored
-                self.guards.rolled_back()
+                self.step.guards.rolled_back()
         report(record, log)
         if event.action == "stop":
             self.checkpointer.finish()  # a pending async save completes: the last checkpoint predates this step
@@ -399,7 +321,7 @@ class Trainer:
 
     def stateful(self) -> dict:
         """Objects besides model and optimizer whose state a checkpoint keeps (state_dict/load_state_dict)."""
-        return {"loader": self.loader, "scaler": self.scaler, "guards": self.guards}
+        return {"loader": self.loader, "scaler": self.step.scaler, "guards": self.step.guards}
 
     def save_final_model(self) -> Path:
         """Gather the full weights (collective) and write output_dir/model on rank 0.

@@ -1,21 +1,18 @@
-"""Rank consistency (train.consistency_interval) on 2 gloo ranks running the real Trainer: a replica whose
+"""Rank consistency (train.observe.consistency_interval) on 2 gloo ranks running the real Trainer: a replica whose
 weights were perturbed is caught, with the ranks, the parameter and the step named; healthy replicas pass."""
 
 from __future__ import annotations
 
 import json
 import os
-import time
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from fitlm.config import validate_dict
 from fitlm.parallel.mesh import exit_process
 from fitlm.train.consistency import RanksDiverged
 from fitlm.train.trainer import Trainer
-from tests.distributed.test_pipeline import free_port
+from tests.distributed.spawn import run_world
 from tests.e2e.helpers import tiny_config
 
 PERTURBED = "lm_head.weight"
@@ -47,20 +44,10 @@ def test_desynchronised_replica_is_caught_and_healthy_replicas_pass(tiny_corpus,
     def cfg(name: str, zero_stage: int) -> dict:
         return tiny_config(tiny_corpus, tmp_path / name, parallel={"data_parallel": 2, "zero_stage": zero_stage},
                            train={"max_steps": 4, "eval_interval": 0, "micro_batch_size": 2,
-                                  "consistency_interval": 2, "tensorboard": False})
+                                  "observe": {"consistency_interval": 2, "tensorboard": False}})
 
     cases = [("ddp-perturbed", cfg("a", 0), True), ("zero1-healthy", cfg("b", 1), False)]
-    mp.get_context("forkserver").set_forkserver_preload([__name__])
-    ctx = mp.start_processes(worker, args=(2, free_port(), cases, str(tmp_path)), nprocs=2, join=False,
-                             start_method="forkserver")
-    deadline = time.monotonic() + 240
-    while not ctx.join(timeout=1.0):  # raises if a worker failed
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            raise TimeoutError("consistency world did not finish in time")
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    results = run_world(worker, __name__, 2, cases, tmp_path, 240, "consistency world")
     for r in results:  # every rank stops with the same verdict
         error = r["ddp-perturbed"]["error"]
         assert error is not None and "step 2" in error and "ranks 0, 1 disagree" in error, error

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from fitlm.train.heartbeat import PHASES, Heartbeat, RankTimeoutError
-from tests.distributed.test_pipeline import free_port
+from tests.distributed.spawn import free_port
 from tests.e2e.helpers import tiny_config, write_config
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the ranks through /proc")
@@ -58,7 +58,7 @@ def kill_all(pids) -> None:
 def test_a_stopped_rank_fails_the_run_naming_it_and_its_phase(tiny_corpus, tmp_path):
     out = tmp_path / "run"
     cfg = tiny_config(tiny_corpus, out, parallel={"data_parallel": 2, "timeout_s": 10},
-                      train={"max_steps": 100000, "eval_interval": 0, "peak_tflops": 1.0, "tensorboard": False})
+                      train={"max_steps": 100000, "eval_interval": 0, "peak_tflops": 1.0, "observe": {"tensorboard": False}})
     cfg_path = write_config(tmp_path / "c.yaml", cfg)
     proc = subprocess.Popen([sys.executable, "-m", "fitlm.cli", "train", str(cfg_path)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)

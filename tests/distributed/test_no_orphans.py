@@ -52,7 +52,7 @@ def wait_for(cond, timeout: float, what: str):
 def start(tiny_corpus, root: Path) -> tuple[subprocess.Popen, Path, Path]:
     out = root / "run"
     cfg = tiny_config(tiny_corpus, out, parallel={"data_parallel": 2}, checkpoint={"interval": 2},
-                      train={"max_steps": 100000, "eval_interval": 0, "micro_batch_size": 2, "tensorboard": False})
+                      train={"max_steps": 100000, "eval_interval": 0, "micro_batch_size": 2, "observe": {"tensorboard": False}})
     path = write_config(root / "orphan-check.yaml", cfg)
     # A session of its own, as a terminal job or a job manager's child would be: killpg reaches exactly it.
     proc = subprocess.Popen([sys.executable, "-m", "fitlm.cli", "train", str(path)], stdout=subprocess.PIPE,
@@ -103,7 +103,7 @@ def test_sigterm_to_the_launcher_checkpoints_every_rank_and_exits_143(tiny_corpu
     out = tmp_path / "run"
     cfg = tiny_config(tiny_corpus, out, parallel={"data_parallel": 2},
                       checkpoint={"interval": 3, "async_save": True},
-                      train={"max_steps": 100000, "eval_interval": 0, "micro_batch_size": 2, "tensorboard": False})
+                      train={"max_steps": 100000, "eval_interval": 0, "micro_batch_size": 2, "observe": {"tensorboard": False}})
     path = write_config(tmp_path / "sigterm-check.yaml", cfg)
     proc = subprocess.Popen([sys.executable, "-m", "fitlm.cli", "train", str(path)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)

@@ -9,14 +9,11 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
-import time
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -24,11 +21,12 @@ from torch.distributed.fsdp import fully_shard
 from fitlm.config import ModelConfig, ParallelConfig
 from fitlm.parallel.mesh import exit_process
 from fitlm.parallel.pipeline import (Pipeline, build_schedule, build_stage_modules, clip_grad_norm_pp,
-                                    gather_full_state_dict, pipeline_eval, pipeline_param_groups, pipeline_problems,
+                                    gather_full_state_dict, pipeline_eval, pipeline_problems,
                                     pipeline_step, split_layers, sync_tied_grads, tag_tied_copies)
 from fitlm.registry import build_model
-from fitlm.train.loss import count_targets, cross_entropy_sum
-from fitlm.train.optim import param_groups
+from fitlm.step.optim import param_groups
+from fitlm.models.loss import count_targets, cross_entropy_sum
+from tests.distributed import spawn
 
 STEPS, LR, WD, CLIP = 3, 1e-3, 0.1, 1.0
 MODELS = {
@@ -100,7 +98,7 @@ def run_case(cid: str, rank: int, arch: str, pp: int, schedule: str, m: int, acc
             fully_shard(mod, mesh=mesh["dp"], reshard_after_forward=False)
         tag_tied_copies(stages)  # fully_shard replaced the Parameters
     sched = build_schedule(stages, group, m, schedule_name=schedule)
-    opt = adamw(pipeline_param_groups(stages, WD))
+    opt = adamw(param_groups([mod for _, mod in stages], WD))
     params = [p for _, mod in stages for p in mod.parameters()]
     ids, labels = batch(4 * dp)
     total = count_targets(labels)  # the whole step's targets over all dp ranks, known before the step
@@ -141,7 +139,7 @@ def run_pipeline_class(rank: int, arch: str, pp: int, schedule: str, m: int, acc
     cfg = SimpleNamespace(parallel=ParallelConfig(pipeline_parallel=pp, pipeline_schedule=schedule, micro_batch_num=m))
     pipe = Pipeline(make_model(arch), cfg, ctx)
     pipe.build_schedule(pipe.stage_modules)
-    opt = adamw(pipeline_param_groups(pipe.stages, WD))
+    opt = adamw(param_groups([mod for _, mod in pipe.stages], WD))
     ids, labels = batch()
     n_targets = count_targets(labels)
     losses, norms = [], []
@@ -172,26 +170,8 @@ def worker(rank: int, world: int, port: int, cases: list, out_dir: str) -> None:
     exit_process(0)  # not a normal exit (an exception above is reported by the spawn wrapper instead)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_world(world: int, cases: list, out_dir, timeout: float = 150.0) -> list[dict]:
-    # A forkserver that has imported this module once forks the workers: a fresh interpreter per rank would
-    # spend most of the test importing torch again (seconds of CPU each, on 2 cores).
-    mp.get_context("forkserver").set_forkserver_preload([__name__])
-    ctx = mp.start_processes(worker, args=(world, free_port(), cases, str(out_dir)), nprocs=world, join=False,
-                             start_method="forkserver")
-    deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=1.0):  # raises if a worker failed
-        if time.monotonic() > deadline:
-            for p in ctx.processes:  # a deadlocked pipeline must fail the test, not hang it
-                if p.is_alive():
-                    p.kill()
-            raise TimeoutError(f"pipeline world of {world} did not finish in {timeout:.0f}s")
-    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)]
+    return spawn.run_world(worker, __name__, world, cases, out_dir, timeout, f"pipeline world of {world}")
 
 
 @pytest.fixture(scope="module")
@@ -265,7 +245,7 @@ def test_stage_modules_own_their_parts():
     assert last.model.embed_tokens is None and last.lm_head is not None and list(last.model.layers) == ["2", "3"]
     assert set(first.state_dict()) | set(last.state_dict()) == set(model.state_dict())
     # The last stage's tied head copy is treated like the embedding: no weight decay, as in the unsplit model.
-    decay, no_decay = pipeline_param_groups([(1, last)], 0.1)
+    decay, no_decay = param_groups(last, 0.1)
     assert any(p is last.lm_head.weight for p in no_decay["params"])
     assert not any(p is last.lm_head.weight for p in decay["params"])
     hidden = first(torch.zeros(2, 5, dtype=torch.long))  # [B,T,C] hidden states in, logits out

@@ -30,7 +30,7 @@ from tests.e2e.helpers import read_metrics, tiny_config, write_config
 def config(tiny_corpus, root: Path, name: str, steps: int) -> Path:
     cfg = tiny_config(tiny_corpus, root / name / "run", parallel={"data_parallel": 2, "zero_stage": 2},
                       checkpoint={"interval": 2, "keep_last": 2},
-                      train={"max_steps": steps, "eval_interval": 0, "micro_batch_size": 2, "tensorboard": False})
+                      train={"max_steps": steps, "eval_interval": 0, "micro_batch_size": 2, "observe": {"tensorboard": False}})
     return write_config(root / f"{name}.yaml", cfg)
 
 

@@ -71,7 +71,7 @@ def run_config(shared: Shared, out: Path, **sections) -> dict:
         "data": {"train": str(shared.train), "seq_length": 32, "prefetch": 0},
         "train": {"micro_batch_size": 2, "max_steps": 2, "lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 0,
                   "log_interval": 1, "eval_interval": 0, "seed": 7, "output_dir": str(out), "progress": False,
-                  "peak_tflops": 1.0, "tensorboard": False},
+                  "peak_tflops": 1.0, "observe": {"tensorboard": False}},
         "checkpoint": {"interval": 2},
     }
     for section, values in sections.items():
@@ -251,10 +251,10 @@ def _(env):
     return ["train", env.config(model={"arch": "gpt2", "num_kv_heads": None, "sliding_window": 8})]
 
 
-@case("config-rollback-without-checkpoints", "config", "`train.guards.nonfinite: rollback` with `checkpoint.interval: 0`",
-      "train.guards.nonfinite", "set checkpoint.interval")
+@case("config-rollback-without-checkpoints", "config", "`train.observe.guards.nonfinite: rollback` with `checkpoint.interval: 0`",
+      "train.observe.guards.nonfinite", "set checkpoint.interval")
 def _(env):
-    return ["train", env.config(train={"guards": {"nonfinite": "rollback"}}, checkpoint={"interval": 0})]
+    return ["train", env.config(train={"observe": {"guards": {"nonfinite": "rollback"}}}, checkpoint={"interval": 0})]
 
 
 @case("config-early-stopping-without-valid", "config", "`train.early_stopping_patience` without `data.valid`",
@@ -263,10 +263,10 @@ def _(env):
     return ["train", env.config(train={"early_stopping_patience": 3, "eval_interval": 1})]
 
 
-@case("config-profile-steps", "config", "`train.profile_steps` with last before first", "train.profile_steps",
+@case("config-profile-steps", "config", "`train.observe.profile_steps` with last before first", "train.observe.profile_steps",
       "[first, last]")
 def _(env):
-    return ["train", env.config(train={"profile_steps": [12, 10]})]
+    return ["train", env.config(train={"observe": {"profile_steps": [12, 10]}})]
 
 
 # ---- layout: the parallel section against the model and the process count

@@ -119,3 +119,31 @@ def test_family_keys_are_validated_with_the_key_and_the_fix():
         assert message in str(err.value), (message, str(err.value))
     ok = validate_dict({"model": {"arch": "gemma3", "head_dim": 32, "sliding_window": 8}})
     assert [ok.model.layer_type(i) for i in range(4)] == ["sliding"] * 4  # 5 sliding, then one global
+
+
+def test_a_moved_key_is_refused_naming_its_new_home_with_the_other_problems():
+    from fitlm.config import ConfigError, validate_dict
+
+    with pytest.raises(ConfigError) as err:
+        validate_dict({"train": {"consistency_interval": 5, "tensorboard": False, "min_lr": 1.0, "lr": 0.1}})
+    text = str(err.value)
+    assert "train.consistency_interval: moved to train.observe.consistency_interval" in text
+    assert "train.tensorboard: moved to train.observe.tensorboard" in text
+    assert "train.min_lr" in text  # the rest of the config is still checked: every problem at once
+    cfg = validate_dict({"train": {"observe": {"consistency_interval": 5}}})
+    assert cfg.train.observe.consistency_interval == 5
+
+
+def test_configs_fitlm_wrote_before_the_move_still_load(tmp_path):
+    """A model directory's or checkpoint's config.yaml from before train.observe: upgraded, not refused."""
+    import yaml
+
+    from fitlm.config import load_config
+
+    old = {"train": {"consistency_interval": 7, "guards": {"spike": "skip"}, "lr": 0.01}}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(old))
+    cfg = load_config(tmp_path / "config.yaml", written_by_fitlm=True)
+    assert cfg.train.observe.consistency_interval == 7 and cfg.train.observe.guards.spike == "skip"
+    assert cfg.train.lr == 0.01
+    with pytest.raises(Exception, match="train.consistency_interval: moved to train.observe.consistency_interval"):
+        load_config(tmp_path / "config.yaml")  # a user's config is told instead

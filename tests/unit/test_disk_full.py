@@ -202,7 +202,8 @@ def test_export_gguf_disk_full_keeps_previous_file(model_dir, tmp_path, monkeypa
     assert "fitlm export --format gguf" in err
     needed = float(err.split("about ")[1].split(" MiB")[0])
     assert needed >= len(before[out.name]) / 2**20 * 0.9  # an f32 file of about the size the first export wrote
-    assert leftovers(tmp_path) == [] and [p.name for p in tmp_path.iterdir()] == ["model.gguf"]
+    # the Ollama Modelfile beside it is the first (successful) export's
+    assert leftovers(tmp_path) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["model.Modelfile", "model.gguf"]
     assert snapshot(out) == before
 
 

@@ -14,7 +14,7 @@ import torch
 from fitlm.config import ModelConfig
 from fitlm.data.tokenizer import train_tokenizer
 from fitlm.export.errors import ExportError
-from fitlm.export.metadata import ExportCompatibilityWarning, build_metadata, check_metadata, read_metadata
+from fitlm.models.metadata import ExportCompatibilityWarning, build_metadata, check_metadata, read_metadata
 from fitlm.export.source import load_for_export
 from fitlm.finetune.lora import LoraError, LoraSpec
 from fitlm.finetune.peft_format import save_adapter

@@ -142,7 +142,7 @@ def test_lora_training_changes_only_adapters_and_saves_merged_model_plus_peft_ad
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     assert changed and all(".lora_" in k for k in changed)  # frozen params unchanged
     assert any(".lora_B." in k for k in changed)
-    state_params = {id(p) for g in trainer.optimizer.param_groups for p in g["params"]}
+    state_params = {id(p) for g in trainer.step.optimizer.param_groups for p in g["params"]}
     named = dict(trainer.pm.model.named_parameters())
     assert {n for n, p in named.items() if id(p) in state_params} == {n for n in named if ".lora_" in n}
     # model/ holds merged full weights (no lora tensors); adapter/ the PEFT adapter.

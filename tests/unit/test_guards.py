@@ -1,4 +1,4 @@
-"""train.guards: NaN/Inf and spiking steps are skipped, stop the run, or roll it back, identically on every rank;
+"""train.observe.guards: NaN/Inf and spiking steps are skipped, stop the run, or roll it back, identically on every rank;
 and the run observers around them (input balance, TensorBoard, profiler window, config rules)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 from fitlm.config import ConfigError, GuardsConfig, validate_dict
 from fitlm.train.balance import InputMonitor, batch_counts
-from fitlm.train.guards import StepGuards, TrainingDiverged
+from fitlm.step.guards import StepGuards, TrainingDiverged
 from fitlm.train.trainer import Trainer
 from tests.e2e.helpers import read_metrics, tiny_config
 
@@ -20,7 +20,9 @@ SPIKE = {"spike": "skip", "warmup_steps": 3, "window": 10, "loss_spike_sigma": 3
 
 
 def make(tiny_corpus, tmp_path, guards=None, checkpoint=None, **train) -> Trainer:
-    train = {"max_steps": STEPS, "eval_interval": 0, "tensorboard": False, "guards": guards or {}, **train}
+    observe = {"tensorboard": False, "guards": guards or {},
+               **{k: train.pop(k) for k in ("tensorboard", "profile_steps") if k in train}}
+    train = {"max_steps": STEPS, "eval_interval": 0, "observe": observe, **train}
     return Trainer(validate_dict(tiny_config(tiny_corpus, tmp_path / "out", train=train, checkpoint=checkpoint or {})))
 
 
@@ -31,7 +33,7 @@ def weights(trainer) -> dict[str, torch.Tensor]:
 def inject(trainer: Trainer, calls: set[int], factor: float) -> dict:
     """Multiply the loss (and so the gradients) of the given train_step calls (1-based) by `factor`;
     records the weights around the first of them."""
-    real_step, real_loss = trainer.train_step, trainer.loss_sum
+    real_step, real_loss = trainer.train_step, trainer.step.loss_sum
     seen = {"call": 0}
 
     def loss_sum(*args, **kwargs):
@@ -48,7 +50,7 @@ def inject(trainer: Trainer, calls: set[int], factor: float) -> dict:
             seen["after"] = weights(trainer)
         return out
 
-    trainer.loss_sum, trainer.train_step = loss_sum, train_step
+    trainer.step.loss_sum, trainer.train_step = loss_sum, train_step
     return seen
 
 
@@ -182,14 +184,14 @@ def test_metrics_carry_input_fields_tensorboard_and_profiler_trace(tiny_corpus, 
 
 def test_observer_config_rules_name_their_keys(monkeypatch, tiny_corpus, tmp_path):
     with pytest.raises(ConfigError) as err:
-        validate_dict({"train": {"guards": {"spike": "rollback", "window": 1}, "profile_steps": [5, 2],
-                                 "balance_threshold": 0.5, "consistency_interval": -1}})
+        validate_dict({"train": {"observe": {"guards": {"spike": "rollback", "window": 1}, "profile_steps": [5, 2],
+                                             "balance_threshold": 0.5, "consistency_interval": -1}}})
     text = str(err.value)
-    for key in ("train.guards.window", "train.guards.spike", "train.profile_steps", "train.balance_threshold",
-                "train.consistency_interval"):
+    for key in ("train.observe.guards.window", "train.observe.guards.spike", "train.observe.profile_steps", "train.observe.balance_threshold",
+                "train.observe.consistency_interval"):
         assert key in text
-    monkeypatch.setattr("fitlm.train.metrics.tensorboard_installed", lambda: False)
-    with pytest.raises(ConfigError, match=r"train.tensorboard: true.*pip install tensorboard"):
+    monkeypatch.setattr("fitlm.rules.tensorboard_installed", lambda: False)
+    with pytest.raises(ConfigError, match=r"train.observe.tensorboard: true.*pip install tensorboard"):
         make(tiny_corpus, tmp_path, tensorboard=True)
 
 
@@ -200,7 +202,7 @@ def test_sections_named_by_messages_exist_in_troubleshooting(tiny_corpus, tmp_pa
     from pathlib import Path
 
     from fitlm.train.consistency import DOCS as CONSISTENCY_DOCS
-    from fitlm.train.guards import GuardEvent
+    from fitlm.step.guards import GuardEvent
     from fitlm.train.oom import TrainingOutOfMemory, oom_guard
 
     headings = {line[3:].strip() for line in (Path(__file__).parents[2] / "docs" / "troubleshooting.md")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fitlm.config import ConfigError, validate_dict
-from fitlm.parallel.layout import ZERO_STAGES, layout_problems, valid_layouts
+from fitlm.parallel.layout import layout_problems, valid_layouts
 
 MODEL = {"hidden_size": 96, "num_layers": 2, "num_heads": 6, "num_kv_heads": 3, "intermediate_size": 192,
          "vocab_size": 512, "max_seq_len": 64}
@@ -41,13 +41,6 @@ def test_micro_batch_must_split_into_pipeline_chunks():
     assert any("train.micro_batch_size: 4 sequences cannot be split" in m for m in out)
 
 
-def test_refused_compositions_name_the_alternative():
-    out = problems({"data_parallel": 2, "tensor_parallel": 3, "zero_stage": 1}, 6)
-    assert any("zero_stage 2 or 3" in m for m in out)
-    out = problems({"sequence_parallel": True}, 1)
-    assert any("sequence_parallel" in m and "tensor_parallel >= 2" in m for m in out)
-
-
 def test_zero_stage_outside_0_to_3_is_a_config_error():
     with pytest.raises(ConfigError, match="parallel.zero_stage: must be 0, 1, 2 or 3"):
         validate_dict({"parallel": {"zero_stage": 4}})
@@ -58,12 +51,6 @@ def test_valid_layouts_only_lists_layouts_that_pass():
     for layout in valid_layouts(cfg, 4):
         assert layout.dp * layout.tp * layout.pp == 4 and layout.tp == 1 and layout.pp <= 2
     assert [str(x) for x in valid_layouts(cfg, 4)] == ["dp4×tp1×pp1", "dp2×tp1×pp2"]
-
-
-def test_every_zero_stage_documents_what_it_stores():
-    assert set(ZERO_STAGES) == {0, 1, 2, 3}
-    assert ZERO_STAGES[0]["optimizer"] == "1" and ZERO_STAGES[1]["optimizer"] == "1/dp"
-    assert ZERO_STAGES[2]["grads"] == "1/dp" and ZERO_STAGES[3]["params"] == "1/dp"
 
 
 def test_explicit_pipeline_layers_must_cover_the_model():

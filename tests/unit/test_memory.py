@@ -1,4 +1,4 @@
-"""Memory options: each trains, and matches its reference (fitlm.memory, fitlm.train.loss)."""
+"""Memory options: each trains, and matches its reference (fitlm.memory, fitlm.models.loss)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fitlm.config import TrainConfig, validate_dict
 from fitlm.memory.offload import HostAdamW
 from fitlm.memory.tracking import peak_live_bytes
-from fitlm.train.loss import IGNORE_INDEX, chunked_cross_entropy_sum, cross_entropy_sum
-from fitlm.train.optim import build_optimizer, scale_for_batch
+from fitlm.models.loss import IGNORE_INDEX, chunked_cross_entropy_sum, cross_entropy_sum
+from fitlm.step.optim import build_optimizer, scale_for_batch
 from fitlm.train.trainer import Trainer
 from tests.e2e.helpers import read_metrics, tiny_config
 
@@ -53,7 +53,7 @@ def test_precision_levels_train_close_to_fp32(tiny_corpus, tmp_path, fp32_losses
 
 def test_o2_gives_fp32_gradients_to_fp32_parameters(tiny_corpus, tmp_path):
     trainer = make_trainer(tiny_corpus, tmp_path, memory={"mixed_precision": "O2"})
-    trainer.forward_backward([next(iter(trainer.loader))])
+    trainer.step.forward_backward([next(iter(trainer.loader))])
     g = grads(trainer.pm.model)
     assert g and all(t.dtype == torch.float32 for t in g.values())
     assert set(trainer.pm.model.state_dict()) == set(make_trainer(tiny_corpus, tmp_path / "b").pm.model.state_dict())
@@ -64,7 +64,7 @@ def test_fp16_overflow_skips_exactly_that_step_and_recovers(tiny_corpus, tmp_pat
                            memory={"mixed_precision": "O2", "half_dtype": "fp16",
                                    "loss_scaling": {"initial_scale": 1024.0, "growth_interval": 2}})
     model = trainer.pm.model
-    real_forward_backward, calls, snapshots = trainer.forward_backward, [], {}
+    real_forward_backward, calls, snapshots = trainer.step.forward_backward, [], {}
 
     def forward_backward(batches):
         loss = real_forward_backward(batches)
@@ -74,7 +74,7 @@ def test_fp16_overflow_skips_exactly_that_step_and_recovers(tiny_corpus, tmp_pat
             next(p for p in model.parameters() if p.grad is not None).grad.view(-1)[0] = float("inf")
         return loss
 
-    trainer.forward_backward = forward_backward
+    trainer.step.forward_backward = forward_backward
     history = trainer.fit().history
     after = {k: v.clone() for k, v in model.state_dict().items()}
     metrics = [r for r in read_metrics(tmp_path / "out") if "loss" in r]
@@ -108,9 +108,9 @@ def test_static_loss_scale_stays_fixed_and_still_skips(tiny_corpus, tmp_path):
 
 def peak_of(trainer, batch) -> int:
     def step():
-        trainer.forward_backward([batch])
-        trainer.optimizer_step()
-    return peak_live_bytes(step, trainer.pm.modules, trainer.optimizer)["total"]
+        trainer.step.forward_backward([batch])
+        trainer.step.optimizer_step()
+    return peak_live_bytes(step, trainer.pm.modules, trainer.step.optimizer)["total"]
 
 
 @pytest.mark.parametrize("memory", [{"recompute": "selective"}, {"recompute": "full", "recompute_every_n_layers": 2}])
@@ -118,7 +118,7 @@ def test_recompute_modes_give_equal_gradients_and_lower_the_peak(tiny_corpus, tm
     plain = make_trainer(tiny_corpus, tmp_path / "a")
     other = make_trainer(tiny_corpus, tmp_path / "b", memory=memory)
     batch = next(iter(plain.loader))
-    assert other.forward_backward([batch]).item() == pytest.approx(plain.forward_backward([batch]).item(), rel=1e-6)
+    assert other.step.forward_backward([batch]).item() == pytest.approx(plain.step.forward_backward([batch]).item(), rel=1e-6)
     ga, gb = grads(plain.pm.model), grads(other.pm.model)
     for name in ga:
         torch.testing.assert_close(gb[name], ga[name], rtol=1e-5, atol=1e-7)
@@ -161,9 +161,9 @@ def test_chunked_loss_equals_plain_without_whole_logits(tiny_corpus, tmp_path):
     chunked = make_trainer(tiny_corpus, tmp_path / "b", memory={"loss_chunk_size": 32})
     batch = next(iter(plain.loader))
     batch["labels"][0, :10] = -100
-    la = plain.forward_backward([batch])
+    la = plain.step.forward_backward([batch])
     with LargestTensor() as seen:
-        lb = chunked.forward_backward([batch])
+        lb = chunked.step.forward_backward([batch])
     assert lb.item() == pytest.approx(la.item(), rel=1e-6)
     ga, gb = grads(plain.pm.model), grads(chunked.pm.model)
     assert ga.keys() == gb.keys()
@@ -228,20 +228,28 @@ def test_compiled_chunked_cross_entropy_equals_eager(dtype):
 
 
 def test_compile_matches_eager(tiny_corpus, tmp_path, fp32_losses):
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()  # no graph cached by an earlier test: this run must capture its own
+    counters.clear()
     compiled = make_trainer(tiny_corpus, tmp_path, train=SHORT, memory={"compile": True})
     assert set(compiled.pm.model.state_dict()) == set(make_trainer(tiny_corpus, tmp_path / "b").pm.model.state_dict())
     assert losses(compiled) == pytest.approx(fp32_losses, rel=1e-5)
+    # Compile really ran (eager equals eager otherwise): dynamo captured the blocks' forward into graphs,
+    # one per distinct block code, and their backward was compiled too.
+    assert counters["stats"]["unique_graphs"] >= 1, dict(counters["stats"])
+    assert counters["aot_autograd"]["total"] >= 1, dict(counters["aot_autograd"])
 
 
 def test_cpu_offload_equals_the_device_optimizer(tiny_corpus, tmp_path, fp32_losses):
     trainer = make_trainer(tiny_corpus, tmp_path, train=SHORT, memory={"cpu_offload": True})
-    assert isinstance(trainer.optimizer, HostAdamW)
+    assert isinstance(trainer.step.optimizer, HostAdamW)
     assert losses(trainer) == fp32_losses  # same AdamW arithmetic, only where it runs differs
-    states = [v for s in trainer.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    states = [v for s in trainer.step.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
     assert states and all(v.device.type == "cpu" for v in states)
     # its state dict is keyed like torch's AdamW and loads back (checkpoints need that)
-    sd = trainer.optimizer.state_dict()
-    fresh = HostAdamW(trainer.optimizer.param_groups)
+    sd = trainer.step.optimizer.state_dict()
+    fresh = HostAdamW(trainer.step.optimizer.param_groups)
     fresh.load_state_dict(sd)
     assert fresh.state_dict()["state"].keys() == sd["state"].keys()
 
@@ -252,14 +260,14 @@ def test_frozen_parameters_hold_no_grads_and_no_optimizer_state(tiny_corpus, tmp
     frozen = [p for n, p in model.named_parameters() if n.startswith("model.layers.0.")]
     for p in frozen:
         p.requires_grad_(False)
-    trainer.optimizer = build_optimizer([model], trainer.cfg.train)
+    trainer.step.optimizer = build_optimizer([model], trainer.cfg.train)
     before = [p.clone() for p in frozen]
-    trainer.forward_backward([next(iter(trainer.loader))])
-    trainer.optimizer_step()
+    trainer.step.forward_backward([next(iter(trainer.loader))])
+    trainer.step.optimizer_step()
     assert all(p.grad is None for p in frozen)
-    assert not any(id(p) in {id(q) for q in trainer.optimizer.state} for p in frozen)
+    assert not any(id(p) in {id(q) for q in trainer.step.optimizer.state} for p in frozen)
     assert all(torch.equal(a, b) for a, b in zip(before, frozen))
-    assert len(trainer.optimizer.state) == sum(1 for p in model.parameters() if p.requires_grad)
+    assert len(trainer.step.optimizer.state) == sum(1 for p in model.parameters() if p.requires_grad)
     # and memory measurement copes with frozen parameters (torch's tracker would hook their grads)
     peak = peak_of(trainer, next(iter(trainer.loader)))
     assert peak > sum(p.numel() * 4 for p in model.parameters())
@@ -286,7 +294,7 @@ def test_out_of_memory_names_the_phase_and_the_remedies(tiny_corpus, tmp_path):
     def out_of_memory(batches):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    trainer.forward_backward = out_of_memory
+    trainer.step.forward_backward = out_of_memory
     with pytest.raises(TrainingOutOfMemory) as e:
         trainer.fit()
     message = str(e.value)

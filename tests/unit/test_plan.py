@@ -56,10 +56,10 @@ def measured_peak(cfg) -> dict[str, int]:
     accum = cfg.train.gradient_accumulation_steps
 
     def step():
-        trainer.forward_backward([next(batches) for _ in range(accum)])
-        trainer.optimizer_step()
+        trainer.step.forward_backward([next(batches) for _ in range(accum)])
+        trainer.step.optimizer_step()
 
-    return peak_live_bytes(step, trainer.pm.modules, trainer.optimizer)
+    return peak_live_bytes(step, trainer.pm.modules, trainer.step.optimizer)
 
 
 def _accuracy_table(tiny_corpus, tmp_path, configs):

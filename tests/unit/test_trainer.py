@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fitlm.config import TrainConfig, validate_dict
-from fitlm.train.optim import lr_at
+from fitlm.step.optim import lr_at
 from fitlm.train.trainer import Trainer
 from tests.e2e.helpers import tiny_config
 
@@ -38,10 +38,10 @@ def test_accumulation_is_the_token_weighted_mean_of_the_whole_batch(tiny_corpus,
     halves = [{k: v[:2] for k, v in batch.items()}, {k: v[2:] for k, v in batch.items()}]
     initial = {k: v.clone() for k, v in trainer.pm.model.state_dict().items()}
 
-    loss_whole = trainer.forward_backward([batch])
+    loss_whole = trainer.step.forward_backward([batch])
     g_whole = grads(trainer.pm.model)
     trainer.pm.model.zero_grad(set_to_none=True)
-    loss_accum = trainer.forward_backward(halves)
+    loss_accum = trainer.step.forward_backward(halves)
     g_accum = grads(trainer.pm.model)
 
     assert loss_accum.item() == pytest.approx(loss_whole.item(), rel=1e-6)
@@ -49,7 +49,7 @@ def test_accumulation_is_the_token_weighted_mean_of_the_whole_batch(tiny_corpus,
         torch.testing.assert_close(g_accum[name], g_whole[name], rtol=1e-5, atol=1e-7)
     # and it differs from the mean of means, so the test can tell the two apart
     trainer.pm.model.zero_grad(set_to_none=True)
-    per_micro = [trainer.forward_backward([h]).item() for h in halves]
+    per_micro = [trainer.step.forward_backward([h]).item() for h in halves]
     assert abs(sum(per_micro) / 2 - loss_whole.item()) > 1e-4
     assert all(torch.equal(v, trainer.pm.model.state_dict()[k]) for k, v in initial.items())
 
@@ -58,7 +58,7 @@ def test_full_recompute_gives_the_same_loss_and_gradients(tiny_corpus, tmp_path)
     plain = make_trainer(tiny_corpus, tmp_path / "a")
     recomputed = make_trainer(tiny_corpus, tmp_path / "b", memory={"recompute": "full"})
     batch = next(iter(plain.loader))
-    la, lb = plain.forward_backward([batch]), recomputed.forward_backward([batch])
+    la, lb = plain.step.forward_backward([batch]), recomputed.step.forward_backward([batch])
     assert la.item() == pytest.approx(lb.item(), rel=1e-6)
     ga, gb = grads(plain.pm.model), grads(recomputed.pm.model)
     assert ga.keys() == gb.keys()
@@ -71,7 +71,7 @@ def test_o1_autocast_trains_close_to_fp32(tiny_corpus, tmp_path):
     fp32 = make_trainer(tiny_corpus, tmp_path / "a")
     o1 = make_trainer(tiny_corpus, tmp_path / "b", memory={"mixed_precision": "O1", "half_dtype": "bf16"})
     batch = next(iter(fp32.loader))
-    l32, l16 = fp32.forward_backward([batch]).item(), o1.forward_backward([batch]).item()
+    l32, l16 = fp32.step.forward_backward([batch]).item(), o1.step.forward_backward([batch]).item()
     assert l16 == pytest.approx(l32, rel=2e-2)
     assert all(p.dtype == torch.float32 for p in o1.pm.model.parameters())
 

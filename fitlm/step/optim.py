@@ -9,9 +9,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from fitlm.config import TrainConfig
+from fitlm.config import Config, TrainConfig
 from fitlm.memory.offload import HostAdamW
-from fitlm.train.metrics import is_embedding
+from fitlm.parallel.mesh import ParallelContext
+from fitlm.models.flops import is_embedding
 
 
 def param_groups(modules: nn.Module | list[nn.Module], weight_decay: float) -> list[dict]:
@@ -49,6 +50,13 @@ def build_optimizer(modules: nn.Module | list[nn.Module], cfg: TrainConfig,
         return HostAdamW(groups, **kwargs)
     # foreach is the fast path on CPU and CUDA; fused exists only for some device/dtype pairs.
     return torch.optim.AdamW(groups, foreach=True, **kwargs)
+
+
+def optimizer_for(cfg: Config, ctx: ParallelContext, modules: list[nn.Module]) -> torch.optim.Optimizer:
+    """The optimizer of this config on this rank's (parallelized) modules: ZeRO-1 shards its states over the
+    data-parallel group; memory.cpu_offload keeps them on the host unless FSDP2 (ZeRO-2/3) offloads itself."""
+    return build_optimizer(modules, cfg.train, zero1_group=ctx.group("dp") if ctx.dims.zero1 else None,
+                           host_states=cfg.memory.cpu_offload and not ctx.dims.fsdp_sharded)
 
 
 def scale_for_batch(cfg: TrainConfig, data_parallel: int) -> tuple[TrainConfig, str | None]:

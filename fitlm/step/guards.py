@@ -1,4 +1,4 @@
-"""Guards (`train.guards`): a step whose loss or gradient norm is NaN/Inf, or spikes far above its
+"""Guards (`train.observe.guards`): a step whose loss or gradient norm is NaN/Inf, or spikes far above its
 running statistics, is skipped, stops the run, or rolls it back to the last checkpoint.
 
 The trainer asks `StepGuards.inspect` after the global gradient norm is known and before the
@@ -31,7 +31,7 @@ SECTIONS = {"nonfinite": "Loss is NaN", "loss_spike": "Loss spikes", "grad_spike
 
 
 class TrainingDiverged(ValueError):
-    """A guard stopped the run (train.guards policy `stop`, or rollback impossible/exhausted)."""
+    """A guard stopped the run (train.observe.guards policy `stop`, or rollback impossible/exhausted)."""
 
 
 @dataclass
@@ -121,7 +121,7 @@ class StepGuards:
             action = "skip"
         if action == "rollback" and self.rollbacks >= self.cfg.max_rollbacks:
             action = "stop"
-            reason += f"; {self.rollbacks} rollback(s) already made (train.guards.max_rollbacks)"
+            reason += f"; {self.rollbacks} rollback(s) already made (train.observe.guards.max_rollbacks)"
         return GuardEvent(step, kind, reason, action)
 
     def _accept(self, loss: float, grad_norm: float) -> None:
@@ -149,5 +149,5 @@ class StepGuards:
 def stop_error(event: GuardEvent, checkpoint: str | None) -> TrainingDiverged:
     where = (f"the last checkpoint ({checkpoint}) holds the weights from before it; fix the cause and resume"
              if checkpoint else "no checkpoint was written yet (checkpoint.interval)")
-    return TrainingDiverged(f"training stopped by train.guards at {event.message()}. The update of step "
+    return TrainingDiverged(f"training stopped by train.observe.guards at {event.message()}. The update of step "
                             f"{event.step} was not applied; {where}.")

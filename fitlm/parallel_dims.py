@@ -1,0 +1,97 @@
+"""The parallel layout's dimensions and every predicate derived from them, written once.
+
+In the manner of torchtitan's ParallelDims: code asks `dims.fsdp_sharded` or `dims.replicated`
+instead of re-deriving "zero_stage >= 2 and dp > 1" where it needs it. Imports nothing from fitlm, so
+the config, the planner and the parallel package can all stand on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Mesh dimensions, outermost to innermost: tensor-parallel ranks are adjacent (same node, fastest links),
+# pipeline stages are furthest apart.
+MESH_DIMS = ("pp", "dp", "tp")
+# The name reductions use for every rank of the job, beside the mesh dimensions.
+WORLD = "world"
+
+
+# What each ZeRO stage keeps per data-parallel rank at rest, in the one place the planner reads it from
+# (ParallelDims.shard_factor); tests/distributed/test_zero_stages.py measures it on the engines.
+# Fractions of the full size: 1 = a full replica on every rank, "1/dp" = sharded over data parallel.
+ZERO_STAGES = {
+    0: {"params": "1", "grads": "1", "optimizer": "1", "engine": "DDP (all-reduce of gradients)"},
+    1: {"params": "1", "grads": "1", "optimizer": "1/dp", "engine": "DDP + ZeroRedundancyOptimizer"},
+    2: {"params": "1/dp", "grads": "1/dp", "optimizer": "1/dp",
+        "engine": "FSDP2 fully_shard(reshard_after_forward=False): parameters gathered once per step "
+                  "and kept through backward"},
+    3: {"params": "1/dp", "grads": "1/dp", "optimizer": "1/dp",
+        "engine": "FSDP2 fully_shard(reshard_after_forward=True): parameters gathered per block in "
+                  "forward and again in backward"},
+}
+
+
+def divisors(n: int) -> list[int]:
+    """The whole numbers that divide n, ascending: the degrees a dimension of size n can be split into."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero_stage: int = 0
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def mesh_shape(self) -> tuple[int, int, int]:
+        """Sizes in MESH_DIMS order."""
+        return (self.pp, self.dp, self.tp)
+
+    @property
+    def fsdp_sharded(self) -> bool:
+        """ZeRO-2/3 over more than one data-parallel rank: FSDP2 shards gradients (and, at 3, parameters),
+        owns the O2 casting policy and the host offload of its shards."""
+        return self.zero_stage >= 2 and self.dp > 1
+
+    @property
+    def zero1(self) -> bool:
+        """ZeRO-1: torch's ZeroRedundancyOptimizer shards optimizer states over the data-parallel group."""
+        return self.zero_stage == 1 and self.dp > 1
+
+    @property
+    def replicated(self) -> bool:
+        """Data-parallel replicas hold whole, identical parameters (DDP, ZeRO 0/1)."""
+        return self.dp > 1 and self.zero_stage <= 1
+
+    @property
+    def ddp(self) -> bool:
+        """Gradients are averaged by torch's DistributedDataParallel (replicas without tensor parallel)."""
+        return self.replicated and self.tp == 1
+
+    @property
+    def pipelined(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def tensor_parallel(self) -> bool:
+        return self.tp > 1
+
+    def shard_factor(self, component: str) -> int:
+        """How many ways `component` (params, grads or optimizer) is split over data-parallel ranks at rest."""
+        return self.dp if ZERO_STAGES[self.zero_stage][component] == "1/dp" else 1
+
+    def reduce_every_micro_batch(self, gradient_sync: str) -> bool:
+        """parallel.gradient_sync resolved: `auto` reduces every micro batch exactly when ZeRO-2/3 shard
+        gradients (they keep only their shard between micro batches); otherwise as the key says."""
+        if gradient_sync == "auto":
+            return self.fsdp_sharded
+        return gradient_sync == "every_micro_batch"
+
+    def name(self) -> str:
+        """A layout's short name, e.g. dp2×tp1×pp1 zero2."""
+        return f"dp{self.dp}×tp{self.tp}×pp{self.pp} zero{self.zero_stage}"

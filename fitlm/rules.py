@@ -1,0 +1,130 @@
+"""What composes with what: every "X does not compose with Y" and "X needs Y" rule, one row each.
+
+A rule reads config values by their dotted keys (`parallel.tensor_parallel`), so the same row checks a
+config when it is loaded (`fitlm.config.semantic_errors`), a run before it starts (`stage="launch"`:
+rules about this machine or this build, checked by the trainer's preflight), and each candidate of
+`fitlm plan --search` (a config with another layout). The README's table of refused combinations is
+rendered from ROWS (`make docs`). Imports nothing from fitlm: the config stands on it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+Values = Mapping[str, Any]  # dotted config key -> value
+
+
+@dataclass(frozen=True)
+class Rule:
+    key: str  # the key the message names first (the one to change)
+    kind: str  # "refused": X does not compose with Y; "needs": X needs Y
+    summary: str  # the README row: what, and the alternative
+    broken: Callable[[Values], bool]
+    message: Callable[[Values], str]
+    stage: str = "config"  # "config": checked whenever a config is validated; "launch": before a run starts
+
+
+def _split(v: Values) -> bool:
+    return v["parallel.tensor_parallel"] > 1 or v["parallel.pipeline_parallel"] > 1
+
+
+def _split_text(v: Values) -> str:
+    return f"tensor_parallel={v['parallel.tensor_parallel']} / pipeline_parallel={v['parallel.pipeline_parallel']}"
+
+
+def _rollback_without_checkpoints(kind: str) -> Rule:
+    key = f"train.observe.guards.{kind}"
+    return Rule(key, "needs", f"`{key}: rollback` needs checkpoints (`checkpoint.interval` > 0)",
+                lambda v: v[key] == "rollback" and v["checkpoint.interval"] == 0
+                and v["checkpoint.resume"] in ("auto", "never"),
+                lambda v: f"{key}: rollback reloads the last checkpoint, but checkpoint.interval is 0; set "
+                          "checkpoint.interval (e.g. 100) or choose skip or stop")
+
+
+def tensorboard_installed() -> bool:
+    return importlib.util.find_spec("tensorboard") is not None
+
+
+ROWS: tuple[Rule, ...] = (
+    Rule("parallel.zero_stage", "refused",
+         "ZeRO-1 (torch's `ZeroRedundancyOptimizer`) with tensor or pipeline parallel: use ZeRO-2/3 (FSDP2)",
+         lambda v: v["parallel.zero_stage"] == 1 and _split(v),
+         lambda v: "parallel.zero_stage: 1 (torch's ZeroRedundancyOptimizer) works with plain data parallel only; "
+                   "with tensor or pipeline parallel use zero_stage 2 or 3 (FSDP2), which also shard the optimizer"),
+    Rule("parallel.zero_stage", "needs", "ZeRO 1-3 need `data_parallel` ≥ 2 (they shard over data-parallel ranks)",
+         lambda v: v["parallel.zero_stage"] > 0 and v["parallel.data_parallel"] == 1,
+         lambda v: f"parallel.zero_stage: {v['parallel.zero_stage']} shards over data-parallel ranks but "
+                   "data_parallel=1; raise data_parallel or set zero_stage: 0"),
+    Rule("parallel.sequence_parallel", "needs", "sequence parallel needs `tensor_parallel` ≥ 2",
+         lambda v: v["parallel.sequence_parallel"] and v["parallel.tensor_parallel"] == 1,
+         lambda v: "parallel.sequence_parallel: shards activations across the tensor-parallel group, which has one "
+                   "rank; set tensor_parallel >= 2 or sequence_parallel: false"),
+    Rule("memory.loss_chunk_size", "refused",
+         "chunked loss with tensor parallel (which already computes the loss on vocab-sharded logits)",
+         lambda v: bool(v["memory.loss_chunk_size"]) and v["parallel.tensor_parallel"] > 1,
+         lambda v: "memory.loss_chunk_size: tensor parallel already computes the loss on vocab-sharded logits; "
+                   "set loss_chunk_size to 0 with tensor_parallel > 1"),
+    Rule("memory.loss_chunk_size", "refused",
+         "chunked loss with pipeline parallel (the last stage computes the loss from its logits)",
+         lambda v: bool(v["memory.loss_chunk_size"]) and v["parallel.pipeline_parallel"] > 1,
+         lambda v: "memory.loss_chunk_size: not supported with pipeline_parallel > 1 (the last stage computes "
+                   "the loss from its logits); set it to 0, or use data parallel / ZeRO"),
+    Rule("memory.loss_chunk_size", "refused", "chunked loss with soft-capped logits (`model.final_logit_softcap`, Gemma 2)",
+         lambda v: bool(v["memory.loss_chunk_size"]) and v["model.final_logit_softcap"] is not None,
+         lambda v: "memory.loss_chunk_size: the chunked loss computes plain logits, but model.final_logit_softcap "
+                   "caps them (Gemma 2); set loss_chunk_size to 0 for this model"),
+    Rule("memory.cpu_offload", "refused", "CPU offload with tensor or pipeline parallel: use data parallel and ZeRO 0-3",
+         lambda v: v["memory.cpu_offload"] and _split(v),
+         lambda v: "memory.cpu_offload: works with data parallel and ZeRO 0-3, not with tensor or pipeline "
+                   "parallel; set it to false or use data_parallel with zero_stage 3"),
+    Rule("finetune.method", "refused",
+         "LoRA or freeze with tensor or pipeline parallel: use data parallel (ZeRO-3 shards the frozen base)",
+         lambda v: v["finetune.method"] != "full" and _split(v),
+         lambda v: f"finetune.method: {v['finetune.method']} runs with data parallel and ZeRO 0-3 only, not with "
+                   f"{_split_text(v)}; set both to 1 and use data_parallel (ZeRO-3 shards the frozen base weights too)",
+         stage="launch"),
+    _rollback_without_checkpoints("nonfinite"),
+    _rollback_without_checkpoints("spike"),
+    Rule("train.early_stopping_patience", "needs", "early stopping needs `data.valid` and `train.eval_interval` > 0",
+         lambda v: bool(v["train.early_stopping_patience"]) and not (v["data.valid"] and v["train.eval_interval"]),
+         lambda v: "train.early_stopping_patience: needs a validation set (data.valid) and train.eval_interval > 0",
+         stage="launch"),
+    Rule("train.observe.tensorboard", "needs", "`train.observe.tensorboard: true` needs the tensorboard package (`auto` skips it)",
+         lambda v: v["train.observe.tensorboard"] is True and not tensorboard_installed(),
+         lambda v: "train.observe.tensorboard: true, but the tensorboard package is not installed; `pip install tensorboard`, "
+                   "or set train.observe.tensorboard to auto or false",
+         stage="launch"),
+)
+
+
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested mapping (a config's dump) as dotted keys: {"parallel": {"zero_stage": 2}} -> {"parallel.zero_stage": 2}."""
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        if isinstance(v, Mapping):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def broken(values: Values, stages: tuple[str, ...] = ("config",)) -> list[Rule]:
+    """The rules of these stages that `values` break, in table order."""
+    return [r for r in ROWS if r.stage in stages and r.broken(values)]
+
+
+def violations(values: Values, stage: str = "config") -> list[str]:
+    """The message of every rule of `stage` that `values` break, in table order."""
+    return [r.message(values) for r in broken(values, (stage,))]
+
+
+def rules_table_markdown() -> str:
+    """The README's table of refused combinations and requirements, one row per rule."""
+    rows = ["| key | rule | checked |", "| --- | --- | --- |"]
+    for r in ROWS:
+        what = ("refused: " if r.kind == "refused" else "") + r.summary
+        when = "when a config is loaded" if r.stage == "config" else "before a run starts"
+        rows.append(f"| `{r.key}` | {what} | {when} |")
+    return "\n".join(rows) + "\n"

@@ -1,0 +1,141 @@
+"""One training step, the same object for the trainer, `fitlm profile` and `fitlm plan --simulate`.
+
+`TrainStep.create(cfg, ctx, pm)` assembles what a step needs from the config: the optimizer (the one
+builder, `fitlm.step.optim.optimizer_for`), the loss scaler, the guards and the phase timer. Its two
+halves are called by the trainer around its own phases (data loading, out-of-memory diagnosis,
+heartbeat): `forward_backward` over the step's micro batches, then `optimizer_step` (unscale, clip,
+guards, update). The planner's simulation calls the very same two on fake tensors, so a new piece
+of state the step needs cannot be forgotten there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from fitlm.config import Config
+from fitlm.memory.loss_scale import LossScaler
+from fitlm.memory.precision import autocast
+from fitlm.models.loss import count_targets, cross_entropy_sum
+from fitlm.parallel.apply import ParallelModel
+from fitlm.parallel.mesh import ParallelContext
+from fitlm.parallel_dims import WORLD
+from fitlm.step.guards import GuardEvent, StepGuards
+from fitlm.step.optim import optimizer_for
+from fitlm.step.timing import PhaseTimer
+
+
+@dataclass
+class StepOutput:
+    loss: torch.Tensor  # scalar: token-weighted mean over the global batch (same on every rank)
+    grad_norm: torch.Tensor  # scalar: pre-clip global norm; inf when the step overflowed
+    skipped: bool  # the optimizer step was not applied (fp16 overflow, or a guard skipped it)
+    seconds: dict[str, float]  # wall time per phase: data, forward, backward, optimizer, ...
+    guard: GuardEvent | None = None  # what train.observe.guards found in this step (and the action taken)
+
+
+class _NoTimer:
+    """Phase timing where wall times mean nothing (a simulation on fake tensors)."""
+
+    def __call__(self, phase: str):
+        return contextlib.nullcontext()
+
+    def pop(self) -> dict[str, float]:
+        return {}
+
+
+class TrainStep:
+    def __init__(self, cfg: Config, ctx: ParallelContext, pm: ParallelModel, optimizer: torch.optim.Optimizer,
+                 scaler: LossScaler, guards: StepGuards, timer: PhaseTimer | _NoTimer):
+        self.cfg, self.ctx, self.pm, self.device = cfg, ctx, pm, ctx.device
+        self.optimizer, self.scaler, self.guards, self.timer = optimizer, scaler, guards, timer
+        self.guard_event: GuardEvent | None = None  # set by optimizer_step
+
+    @classmethod
+    def create(cls, cfg: Config, ctx: ParallelContext, pm: ParallelModel, simulate: bool = False) -> "TrainStep":
+        """The step of this config on a parallelized model. `simulate`: on fake tensors, where a loss-scale
+        overflow check would read a fake flag (and skip every step) and phase wall times mean nothing."""
+        scaler = LossScaler(cfg.memory, ctx.device)
+        scaler.enabled = scaler.enabled and not simulate
+        return cls(cfg, ctx, pm, optimizer_for(cfg, ctx, pm.modules), scaler,
+                   StepGuards(cfg.train.observe.guards, partial(ctx.all_reduce_max, dim=WORLD)),
+                   _NoTimer() if simulate else PhaseTimer(ctx.device))
+
+    def document_inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Per-document positions and ids (block-causal attention), when data.document_mask is on."""
+        if not self.cfg.data.document_mask:
+            return {}
+        return {"position_ids": batch["position_ids"].to(self.device, non_blocking=True),  # [B, T]
+                "document_ids": batch["document_ids"].to(self.device, non_blocking=True)}  # [B, T]
+
+    def forward_backward(self, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """Accumulate gradients over micro batches; returns the step's loss.
+
+        The loss is the token-weighted mean over the whole global batch: each micro batch's summed
+        loss is divided by the target count of all micro batches on all data-parallel ranks, not
+        averaged per micro batch. Data-parallel engines average gradients over ranks, so each rank's
+        loss is multiplied by the data-parallel degree to make that average a sum.
+        """
+        n_targets = self.ctx.all_reduce_sum(
+            torch.tensor(float(sum(count_targets(b["labels"]) for b in batches)), device=self.device), "dp")
+        n_targets = max(1.0, n_targets.item())
+        scale = self.ctx.dp / n_targets * self.scaler.scale  # loss scale: 1 unless fp16
+        total = torch.zeros((), device=self.device)
+        every = self.cfg.parallel.reduce_every_micro_batch  # ZeRO-2/3: keep gradients sharded between micro batches
+        for i, batch in enumerate(batches):
+            self.pm.gradient_sync(enabled=every or i == len(batches) - 1)
+            input_ids = batch["input_ids"].to(self.device, non_blocking=True)  # [B, T]
+            labels = batch["labels"].to(self.device, non_blocking=True)  # [B, T]
+            # loss_context: under tensor parallel the loss (and its backward) runs on vocab-sharded logits.
+            with autocast(self.cfg.memory, self.device), self.pm.loss_context():
+                if self.pm.pipeline is not None:
+                    with self.timer("forward_backward"):  # the schedule interleaves both over micro batches
+                        loss_sum = self.pm.pipeline.step(input_ids, labels, scale, **self.document_inputs(batch))
+                else:
+                    with self.timer("forward"):
+                        loss_sum = self.loss_sum(input_ids, labels, **self.document_inputs(batch))
+                    with self.timer("backward"):
+                        (loss_sum * scale).backward()
+            total += loss_sum.detach()
+        self.pm.finish_backward()
+        return self.ctx.all_reduce_sum(total, "dp") / n_targets
+
+    def loss_sum(self, input_ids: torch.Tensor, labels: torch.Tensor, **doc: torch.Tensor) -> torch.Tensor:
+        """Summed token loss of one micro batch through the (non-pipelined) model."""
+        if self.cfg.memory.loss_chunk_size:
+            return self.pm.model(input_ids, labels=labels, **doc)  # chunked head + loss inside forward, no full logits
+        return cross_entropy_sum(self.pm.model(input_ids, **doc), labels)  # logits [B, T, V]
+
+    @torch.no_grad()
+    def eval_sums(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[summed loss, target count] of one evaluation micro batch (no gradients)."""
+        labels = batch["labels"].to(self.device)  # [B, T]
+        input_ids = batch["input_ids"].to(self.device)  # [B, T]
+        with autocast(self.cfg.memory, self.device), self.pm.loss_context():
+            if self.pm.pipeline is not None:
+                loss_sum = self.pm.pipeline.eval_step(input_ids, labels, **self.document_inputs(batch))
+            else:
+                loss_sum = self.loss_sum(input_ids, labels, **self.document_inputs(batch))
+        return torch.stack([loss_sum.float().detach().reshape(()), torch.tensor(float(count_targets(labels)))])
+
+    def optimizer_step(self, loss: torch.Tensor | None = None, step: int = 0) -> tuple[torch.Tensor, bool]:
+        """Unscale (fp16), clip, step, clear; returns the pre-clip global gradient norm and whether the
+        step was skipped because a gradient overflowed or, given the step's `loss`, because train.observe.guards
+        found it bad (`self.guard_event`); every rank decides the same."""
+        params = [p for m in self.pm.modules for p in m.parameters() if p.grad is not None]
+        overflow = self.scaler.unscale_and_check(params, partial(self.ctx.all_reduce_max, dim=WORLD))
+        self.guard_event = None
+        if overflow:
+            grad_norm = torch.tensor(float("inf"))
+        else:
+            grad_norm = self.pm.clip_grad_norm(self.cfg.train.grad_clip)
+            if loss is not None:
+                self.guard_event = self.guards.inspect(step, loss, grad_norm)
+            if self.guard_event is None or self.guard_event.applies_update:
+                self.optimizer.step()
+        self.scaler.update(overflow)
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm, overflow or not (self.guard_event is None or self.guard_event.applies_update)
