@@ -1,10 +1,13 @@
-"""Data pipeline throughput on this machine: pack tokens/s per worker count, loader samples/s, and the
-rate at which the trainer consumes samples (forward + backward + AdamW of configs/tiny.yaml's model).
+"""Data pipeline on this machine: pack tokens/s per worker count, loader samples/s against the trainer's
+rate (forward + backward + AdamW of configs/tiny.yaml's model); near-duplicate precision and recall per
+script and edit (bench/near_dup.py's labelled benchmark); local against Ray engine throughput; peak RSS
+of a streaming pack as the corpus grows.
 
-Not a test: it prints a table and writes JSON. The loader must outrun the trainer by a wide margin,
+Not a test: it prints tables and writes JSON. The loader must outrun the trainer by a wide margin,
 or the accelerator waits for data; the "loader / trainer" column is that margin.
 
-    python bench/data.py [--copies 8] [--seq 256] [--batch 8] [--out bench/results/data.json]
+    python bench/data.py [--parts throughput,dedup,shingles,engines,rss] [--copies 8] [--seq 256] [--batch 8]
+                         [--originals 1000] [--out bench/results/data.json]
 """
 
 from __future__ import annotations
@@ -86,7 +89,37 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "data.json"))
+    ap.add_argument("--parts", default="throughput,dedup,shingles,engines,rss")
+    ap.add_argument("--originals", type=int, default=1000, help="dedup: distinct documents per script")
+    ap.add_argument("--dup-copies", type=int, default=50, help="dedup: copies per variant and script")
+    ap.add_argument("--rss-scale", type=int, default=20, help="rss: the largest corpus, × the shipped corpora")
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
+    result = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
+              "args": vars(args)}
+    from data_scale import print_dedup, print_engines, print_rss, print_shingles, run_dedup, run_engines, run_rss
+    from near_dup import shingle_choices
+
+    if "dedup" in parts:
+        result["dedup"] = run_dedup(args.originals, args.dup_copies)
+        print_dedup(result["dedup"])
+    if "shingles" in parts:
+        result["shingles"] = shingle_choices()
+        print_shingles(result["shingles"])
+    if "engines" in parts:
+        result["engines"] = run_engines(args.copies)
+        print_engines(result["engines"])
+    if "rss" in parts:
+        result["rss"] = run_rss(args.rss_scale)
+        print_rss(result["rss"])
+    if "throughput" in parts:
+        result.update(throughput(args))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2, default=str) + "\n")
+    print(f"wrote {args.out}")
+
+
+def throughput(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as d:
         root = Path(d)
         files = corpus(root, args.copies)
@@ -98,10 +131,7 @@ def main() -> None:
     train_rate = trainer[0]["samples_per_s"]
     for row in loader:
         row["vs_trainer"] = round(row["samples_per_s"] / train_rate, 1)
-    result = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
-              "args": vars(args), "pack": pack, "loader": loader, "trainer": trainer}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    result = {"pack": pack, "loader": loader, "trainer": trainer}
 
     from rich.console import Console
     from rich.table import Table
@@ -124,7 +154,7 @@ def main() -> None:
         t.add_row(f"trainer step (tiny llama{', document mask' if r['document_mask'] else ''})",
                   str(r["samples_per_s"]), "")
     con.print(t)
-    con.print(f"wrote {args.out}")
+    return result
 
 
 if __name__ == "__main__":

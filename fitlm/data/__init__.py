@@ -1,6 +1,7 @@
 """Data pipeline: clean text, train or import a tokenizer, pack documents into shards, read them back as batches.
 
-    clean_corpus(inputs, out_dir, CleanOptions(...))     -> cleaned .jsonl + report   (clean.py, dedup.py)
+    clean_corpus(inputs, out_dir, CleanOptions(...))     -> cleaned .jsonl + report   (clean.py, dedup.py, shingles.py)
+    ... engine="ray" on clean_corpus / train_tokenizer / pack_corpus: Ray Data (engine.py, clean_ray.py, pack_ray.py)
     train_tokenizer(files, vocab_size, out_path)         -> tokenizer.json            (tokenizer.py)
     pack_corpus(inputs, tokenizer_path, out_dir, ...)    -> packed directory          (pack.py; format.py documents it)
     merge_packed(parts, out_dir)                         -> one packed directory      (merge.py)

@@ -2,9 +2,10 @@
 
 Order (cheap first, so expensive steps see fewer documents): Unicode NFKC and control-character removal
 -> too short -> garbled -> symbols -> letters -> repetition -> code / boilerplate (optional) -> exact
-duplicate -> near duplicate. Every measure counts characters, never words, so text written without
+duplicate -> near duplicate (`fitlm.data.dedup`: a copy of an earlier document, in input order). Every measure counts characters, never words, so text written without
 spaces (Chinese, Japanese, Thai) is judged like any other. Output: `clean-00000.jsonl`, ... ({"text"}
-per line) and `report.json` with the count per filter; the directory appears atomically.
+per line) and `report.json` with the count per filter; the directory appears atomically. `--engine ray`
+(fitlm.data.clean_ray) runs the same per-document steps and the same duplicate rule on Ray Data.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from fitlm import __version__
-from fitlm.data.dedup import MinHashLSH, exact_key
+from fitlm.data.dedup import DEFAULT_JACCARD, DEFAULT_NUM_PERM, MinHashLSH, exact_key
+from fitlm.data.engine import check_engine
 from fitlm.data.errors import DataError
 from fitlm.data.pack import _Progress, atomic_dir, check_out_dir
-from fitlm.data.sources import DEFAULT_MIN_DOC_CHARS, ReadStats, Split, expand_inputs, iter_documents
+from fitlm.data.sources import (DEFAULT_MIN_DOC_CHARS, ReadStats, Split, check_split, expand_inputs,
+                                iter_documents)
 
 DOCS_PER_FILE = 100_000
 FILTERS = ("too_short", "garbled", "symbols", "few_letters", "repetition", "code", "boilerplate",
@@ -53,9 +56,9 @@ class CleanOptions:
     max_boilerplate: float = 0.5
     exact_dedup: bool = True
     near_dedup: bool = True
-    jaccard: float = 0.8             # near duplicate: estimated Jaccard of character 5-gram sets >= this
-    num_perm: int = 128
-    ngram: int = 5
+    jaccard: float = DEFAULT_JACCARD  # near duplicate: estimated Jaccard of per-line character n-gram sets >= this
+    num_perm: int = DEFAULT_NUM_PERM
+    ngram: int | None = None         # None: by script (5 spaced, 3 Chinese/Japanese/Thai...; fitlm.data.shingles)
 
 
 def _strip_controls(text: str, chars: Counter[str]) -> tuple[str, int]:
@@ -125,78 +128,139 @@ def check_document(text: str, o: CleanOptions) -> tuple[str | None, str]:
     return None, text
 
 
-def clean_corpus(inputs: Sequence[Path | str], out_dir: Path | str, options: CleanOptions | None = None,
-                 split: Split = "blank-lines", min_doc_chars: int = DEFAULT_MIN_DOC_CHARS,
-                 show_progress: bool = True, overwrite: bool = False) -> dict[str, Any]:
-    """Clean `inputs` into `out_dir` (jsonl files + report.json); return the report."""
-    o = options or CleanOptions()
+def prepare_document(text: str, o: CleanOptions) -> tuple[str | None, str, bool, int]:
+    """(reason it is dropped or None, cleaned text, whether normalisation changed it, control characters
+    removed): everything before deduplication, for one document (the same in every engine)."""
+    normalized = False
+    if o.normalize != "none":
+        norm = unicodedata.normalize(o.normalize, text)
+        normalized, text = norm != text, norm
+    text, removed = _strip_controls(text, Counter(text))
+    reason, text = check_document(text, o)
+    return reason, text, normalized, removed
+
+
+def check_options(o: CleanOptions) -> None:
     if o.normalize not in ("NFKC", "NFC", "none"):
         raise DataError(f"--normalize {o.normalize!r} is not known; use NFKC (default), NFC or none")
     if not 0.0 < o.jaccard <= 1.0:
-        raise DataError(f"--jaccard {o.jaccard} must be in (0, 1]; 0.8 is a common choice")
+        raise DataError(f"--jaccard {o.jaccard} must be in (0, 1]; {DEFAULT_JACCARD} (the default) finds copies "
+                        "with up to 3% of their characters edited")
+    if o.num_perm < 2:
+        raise DataError(f"--num-perm {o.num_perm} must be at least 2; {DEFAULT_NUM_PERM} is the default")
+    if o.ngram is not None and o.ngram < 1:
+        raise DataError(f"--ngram {o.ngram} must be at least 1 (or left out: 5 for spaced scripts, 3 for Chinese, "
+                        "Japanese, Thai, ...)")
+
+
+class Tally:
+    """The counts of report.json, added up document by document (either engine)."""
+
+    def __init__(self) -> None:
+        self.dropped = dict.fromkeys(FILTERS, 0)
+        self.n_in = self.kept = self.chars_in = self.chars_out = self.controls = self.normalized = 0
+
+    def add(self, raw_chars: int, reason: str | None, text: str, normalized: bool, controls: int) -> None:
+        self.n_in += 1
+        self.chars_in += raw_chars
+        self.controls += controls
+        self.normalized += normalized
+        if reason is not None:
+            self.dropped[reason] += 1
+        else:
+            self.kept += 1
+            self.chars_out += len(text)
+
+    def report(self, files: Sequence[Path], stats: ReadStats, outputs: list[str], o: CleanOptions,
+               engine: str) -> dict[str, Any]:
+        if self.kept == 0:
+            why = ", ".join(f"{k}={v}" for k, v in self.dropped.items() if v) or "no text in the input"
+            raise DataError(f"empty after cleaning: all {self.n_in} document(s) of {', '.join(map(str, files))} were "
+                            f"removed ({why}); loosen the thresholds (e.g. --min-chars, --min-letters) or check "
+                            "the input")
+        return {"inputs": [str(f) for f in files], "documents_in": self.n_in, "documents_out": self.kept,
+                "chars_in": self.chars_in, "chars_out": self.chars_out, "dropped": self.dropped,
+                "replaced_invalid_utf8": sum(stats.replaced.values()), "replaced_by_file": stats.replaced,
+                "control_chars_removed": self.controls, "documents_normalized": self.normalized, "files": outputs,
+                "options": asdict(o), "engine": engine, "created_by": f"fitlm {__version__}"}
+
+
+class CleanWriter:
+    """clean-00000.jsonl, ... with DOCS_PER_FILE documents each, in the order they are given."""
+
+    def __init__(self, root: Path):
+        self.root, self.files, self.count = root, [], 0
+        self._f = None
+
+    def write(self, text: str) -> None:
+        if self._f is None or self.count % DOCS_PER_FILE == 0:
+            self.close()
+            self.files.append(f"clean-{len(self.files):05d}.jsonl")
+            self._f = open(self.root / self.files[-1], "w", encoding="utf-8")
+        self._f.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
+        self.count += 1
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+
+def write_report(tmp: Path, report: dict[str, Any]) -> dict[str, Any]:
+    (tmp / "report.json").write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    return report
+
+
+def clean_corpus(inputs: Sequence[Path | str], out_dir: Path | str, options: CleanOptions | None = None,
+                 split: Split = "blank-lines", min_doc_chars: int = DEFAULT_MIN_DOC_CHARS,
+                 show_progress: bool = True, overwrite: bool = False, engine: str = "local",
+                 ray_address: str | None = None) -> dict[str, Any]:
+    """Clean `inputs` into `out_dir` (jsonl files + report.json); return the report.
+
+    engine "ray" runs the same steps on Ray Data (fitlm.data.clean_ray) and keeps the same documents."""
+    o = options or CleanOptions()
+    check_options(o)
+    check_engine(engine)
     if not inputs:
         raise DataError("no inputs to clean: pass one or more .txt/.jsonl/.parquet files or directories")
     files = expand_inputs(inputs)
+    check_split(split)
     out_dir = Path(out_dir)
     check_out_dir(out_dir, files, overwrite)
+    if engine == "ray":
+        from fitlm.data.clean_ray import clean_on_ray
+        return atomic_dir(out_dir, lambda tmp: clean_on_ray(files, tmp, o, split, min_doc_chars, show_progress,
+                                                            ray_address))
 
     def write(tmp: Path) -> dict:
         stats = ReadStats()
-        dropped = dict.fromkeys(FILTERS, 0)
-        n_in = kept = chars_in = chars_out = controls = normalized = 0
+        tally = Tally()
         exact: set[bytes] = set()
         lsh = MinHashLSH(o.jaccard, o.num_perm, o.ngram) if o.near_dedup else None
-        outputs: list[str] = []
-        out_f = None
-        with _Progress(show_progress, sum(f.stat().st_size for f in files), "cleaning") as advance:
-            for doc in iter_documents(files, split, min_doc_chars, stats):
-                advance(doc.nbytes)
-                if not doc.text:
-                    continue
-                n_in += 1
-                chars_in += len(doc.text)
-                text = doc.text
-                if o.normalize != "none":
-                    norm = unicodedata.normalize(o.normalize, text)
-                    normalized += norm != text
-                    text = norm
-                text, removed = _strip_controls(text, Counter(text))
-                controls += removed
-                reason, text = check_document(text, o)
-                if reason is None and o.exact_dedup:
-                    key = exact_key(text)
-                    if key in exact:
-                        reason = "exact_duplicate"
-                    exact.add(key)
-                if reason is None and lsh is not None and lsh.seen(text):
-                    reason = "near_duplicate"
-                if reason is not None:
-                    dropped[reason] += 1
-                    continue
-                if out_f is None or kept % DOCS_PER_FILE == 0:
-                    if out_f is not None:
-                        out_f.close()
-                    outputs.append(f"clean-{len(outputs):05d}.jsonl")
-                    out_f = open(tmp / outputs[-1], "w", encoding="utf-8")
-                out_f.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
-                kept += 1
-                chars_out += len(text)
-        if out_f is not None:
-            out_f.close()
-        report = {"inputs": [str(f) for f in files], "documents_in": n_in, "documents_out": kept,
-                  "chars_in": chars_in, "chars_out": chars_out, "dropped": dropped,
-                  "replaced_invalid_utf8": sum(stats.replaced.values()), "replaced_by_file": stats.replaced,
-                  "control_chars_removed": controls, "documents_normalized": normalized, "files": outputs,
-                  "options": asdict(o), "created_by": f"fitlm {__version__}"}
-        if kept == 0:
-            why = ", ".join(f"{k}={v}" for k, v in dropped.items() if v) or "no text in the input"
-            raise DataError(f"empty after cleaning: all {n_in} document(s) of {', '.join(map(str, files))} were "
-                            f"removed ({why}); loosen the thresholds (e.g. --min-chars, --min-letters) or check "
-                            "the input")
-        (tmp / "report.json").write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-        return report
+        out = CleanWriter(tmp)
+        try:
+            with _Progress(show_progress, sum(f.stat().st_size for f in files), "cleaning") as advance:
+                for doc in iter_documents(files, split, min_doc_chars, stats):
+                    advance(doc.nbytes)
+                    if not doc.text:
+                        continue
+                    reason, text, normalized, removed = prepare_document(doc.text, o)
+                    if reason is None and o.exact_dedup:
+                        key = exact_key(text)
+                        if key in exact:
+                            reason = "exact_duplicate"
+                        exact.add(key)
+                    if reason is None and lsh is not None and lsh.seen(text):
+                        reason = "near_duplicate"
+                    tally.add(len(doc.text), reason, text, normalized, removed)
+                    if reason is None:
+                        out.write(text)
+        finally:
+            out.close()
+        return write_report(tmp, tally.report(files, stats, out.files, o, "local"))
 
     return atomic_dir(out_dir, write)
 
 
-__all__ = ["CleanOptions", "FILTERS", "check_document", "clean_corpus"]
+__all__ = ["CleanOptions", "CleanWriter", "FILTERS", "Tally", "check_document", "check_options", "clean_corpus",
+           "prepare_document", "write_report"]

@@ -6,7 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from fitlm.cli import emit_json, print_table
+from fitlm.cli_common import emit_json, print_table
+from fitlm.data.dedup import DEFAULT_JACCARD, DEFAULT_NUM_PERM
 
 
 def add_commands(sub) -> None:
@@ -16,8 +17,7 @@ def add_commands(sub) -> None:
     q = dsub.add_parser("clean", help="normalise, filter and deduplicate text into cleaned .jsonl")
     q.add_argument("inputs", nargs="+", help=".txt/.jsonl/.parquet files or directories")
     q.add_argument("--out", required=True, help="output directory (clean-00000.jsonl ... + report.json)")
-    q.add_argument("--split", choices=["blank-lines", "file"], default="blank-lines",
-                   help="how .txt files are cut into documents (default blank-lines)")
+    _split_option(q)
     q.add_argument("--min-doc-chars", type=int, default=2000, help="blank-line blocks are joined up to this size")
     q.add_argument("--normalize", default="NFKC", help="Unicode normal form: NFKC (default), NFC or none")
     q.add_argument("--min-chars", type=int, default=50, help="drop documents shorter than this")
@@ -30,8 +30,14 @@ def add_commands(sub) -> None:
     q.add_argument("--drop-boilerplate", action="store_true", help="remove boilerplate lines (cookies, log in, ...)")
     q.add_argument("--no-exact-dedup", action="store_true", help="keep exact duplicates")
     q.add_argument("--no-near-dedup", action="store_true", help="keep near duplicates")
-    q.add_argument("--jaccard", type=float, default=0.8, help="near-duplicate threshold on character 5-gram sets")
-    q.add_argument("--num-perm", type=int, default=128, help="MinHash permutations")
+    q.add_argument("--jaccard", type=float, default=DEFAULT_JACCARD,
+                   help=f"near-duplicate threshold: estimated Jaccard of per-line character n-gram sets (default "
+                        f"{DEFAULT_JACCARD}: finds copies with up to 3%% of their characters edited)")
+    q.add_argument("--num-perm", type=int, default=DEFAULT_NUM_PERM,
+                   help=f"MinHash permutations (default {DEFAULT_NUM_PERM})")
+    q.add_argument("--ngram", type=int, help="shingle size in characters (default: 5 in spaced scripts, 3 in Chinese, "
+                                             "Japanese, Thai, ...)")
+    _engine_options(q)
     q.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     q.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     q.set_defaults(func=cmd_data_clean)
@@ -43,6 +49,7 @@ def add_commands(sub) -> None:
     for k in ("bos", "eos", "pad"):
         q.add_argument(f"--{k}", help=f"name of an existing token to use as {k.upper()} (import)")
     q.add_argument("--overwrite", action="store_true", help="replace an existing tokenizer.json")
+    _engine_options(q)
     q.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
     q.set_defaults(func=cmd_data_tokenizer)
 
@@ -56,13 +63,13 @@ def add_commands(sub) -> None:
     q.add_argument("--max-length", type=int, help="chat: longest conversation in tokens (e.g. data.seq_length + 1)")
     q.add_argument("--overlong", choices=["truncate", "drop"], default="truncate",
                    help="chat: what to do with a conversation over --max-length (default truncate)")
-    q.add_argument("--split", choices=["blank-lines", "file"], default="blank-lines",
-                   help="how .txt files are cut into documents (default blank-lines)")
-    q.add_argument("--workers", type=int, default=1, help="tokenizer processes (default 1)")
+    _split_option(q)
+    q.add_argument("--workers", type=int, default=1, help="tokenizer processes (default 1; Ray: concurrent tasks)")
     q.add_argument("--shard-tokens", type=int, default=1 << 28, help="tokens per shard file (default 2^28)")
     q.add_argument("--shard-index", type=int, help="pack only every num-shards-th input file, from this index")
     q.add_argument("--num-shards", type=int, help="number of parts the inputs are split into (one per machine)")
     q.add_argument("--overwrite", action="store_true", help="replace an existing packed directory")
+    _engine_options(q)
     q.add_argument("--json", action="store_true", help="print the manifest as JSON on stdout")
     q.set_defaults(func=cmd_data_pack)
 
@@ -83,6 +90,19 @@ def add_commands(sub) -> None:
     q.set_defaults(func=cmd_data_inspect)
 
 
+def _split_option(q: argparse.ArgumentParser) -> None:
+    q.add_argument("--split", choices=["blank-lines", "file", "line"], default="blank-lines",
+                   help="how .txt files are cut into documents: blank-line blocks (default), whole file, or one "
+                        "document per line (review and web-text dumps)")
+
+
+def _engine_options(q: argparse.ArgumentParser) -> None:
+    q.add_argument("--engine", choices=["local", "ray"], default="local",
+                   help="local (default: this machine's processes) or ray (Ray Data; pip install 'fitlm[ray]')")
+    q.add_argument("--ray-address", help="with --engine ray: a Ray cluster to run on (e.g. ray://head:10001 or auto; "
+                                         "default: a local Ray on this machine)")
+
+
 def cmd_data_clean(args: argparse.Namespace) -> int:
     from fitlm.data.clean import CleanOptions, clean_corpus
 
@@ -90,9 +110,11 @@ def cmd_data_clean(args: argparse.Namespace) -> int:
                         max_symbols=args.max_symbols, min_letters=args.min_letters, max_dup_lines=args.max_dup_lines,
                         min_compress=args.min_compress, drop_code=args.drop_code,
                         drop_boilerplate=args.drop_boilerplate, exact_dedup=not args.no_exact_dedup,
-                        near_dedup=not args.no_near_dedup, jaccard=args.jaccard, num_perm=args.num_perm)
+                        near_dedup=not args.no_near_dedup, jaccard=args.jaccard, num_perm=args.num_perm,
+                        ngram=args.ngram)
     report = clean_corpus(args.inputs, args.out, opts, split=args.split, min_doc_chars=args.min_doc_chars,
-                          show_progress=not args.json, overwrite=args.overwrite)
+                          show_progress=not args.json, overwrite=args.overwrite, engine=args.engine,
+                          ray_address=args.ray_address)
     if args.json:
         emit_json(report)
     else:
@@ -120,7 +142,8 @@ def cmd_data_tokenizer(args: argparse.Namespace) -> int:
             raise DataError("--vocab-size is required to train a tokenizer (e.g. --vocab-size 32000); to import one, "
                             "pass a single tokenizer.json or SentencePiece .model")
         path = train_tokenizer(expand_inputs(inputs), args.vocab_size, Path(args.out),
-                               show_progress=not args.json, overwrite=args.overwrite)
+                               show_progress=not args.json, overwrite=args.overwrite, engine=args.engine,
+                               ray_address=args.ray_address)
     tok = Tokenizer.from_file(path)
     summary = {"path": str(path), "vocab_size": tok.vocab_size, "bos_id": tok.bos_id, "eos_id": tok.eos_id,
                "pad_id": tok.pad_id, "sha256": tok.sha256}
@@ -135,7 +158,7 @@ def cmd_data_pack(args: argparse.Namespace) -> int:
                            show_progress=not args.json, overwrite=args.overwrite, data_format=args.format,
                            template=args.template, workers=args.workers, shard_tokens=args.shard_tokens,
                            shard_index=args.shard_index, num_shards=args.num_shards, max_length=args.max_length,
-                           overlong=args.overlong)
+                           overlong=args.overlong, engine=args.engine, ray_address=args.ray_address)
     _print_manifest(args, manifest, f"packed into {args.out}")
     return 0
 

@@ -23,12 +23,14 @@ from typing import Any
 import numpy as np
 
 from fitlm import __version__
-from fitlm.atomic import atomic_dir as atomic_output_dir
-from fitlm.diskspace import disk_full_guard
 from fitlm.data.errors import DataError
 from fitlm.data.format import (FORMAT, FORMAT_VERSION, MANIFEST_FILE, OFFSETS_FILE, TOKENS_FILE, sha256_file,
                                shard_files, token_dtype)
-from fitlm.data.sources import (DEFAULT_MIN_DOC_CHARS, JSONL_SUFFIXES, Document, ReadStats, Split, expand_inputs,
+from fitlm.data.output import Progress as _Progress
+from fitlm.data.output import atomic_dir, base_manifest, check_out_dir
+from fitlm.data.engine import check_engine
+from fitlm.data.sources import (DEFAULT_MIN_DOC_CHARS, JSONL_SUFFIXES, Document, ReadStats, Split, check_split,
+                                expand_inputs, input_kind,
                                 iter_documents, iter_jsonl_records)
 from fitlm.data.tokenizer import TOKENIZER_FILE, Tokenizer
 
@@ -91,12 +93,12 @@ def _encode_batch(batch: list[Any], max_length: int | None, overlong: str) -> di
 # --------------------------------------------------------------------------- reading items
 
 
-def _iter_chat(files: Sequence[Path], stats: ReadStats) -> Iterator[tuple[Any, int]]:
+def iter_chat(files: Sequence[Path], stats: ReadStats) -> Iterator[tuple[Any, int]]:
     """(validated messages or None, raw bytes) per line of chat .jsonl files."""
     from fitlm.data.chat import check_messages
 
     for path in files:
-        if path.suffix.lower() not in JSONL_SUFFIXES:
+        if input_kind(path) not in JSONL_SUFFIXES:
             raise DataError(f"{path}: chat data must be .jsonl with one {{\"messages\": [...]}} object per line")
         for record, n, lineno in iter_jsonl_records(path, stats, what='"messages" list'):
             if record is None:
@@ -214,59 +216,6 @@ class ShardWriter:
         self._open = False
 
 
-class _Progress:
-    """A rich progress bar over input bytes, on stderr (stdout is reserved for --json output)."""
-
-    def __init__(self, enabled: bool, total: int, label: str = "packing"):
-        self._bar = None
-        if enabled:
-            from rich.console import Console
-            from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                                       TransferSpeedColumn)
-            self._bar = Progress(TextColumn(label), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                                 TimeRemainingColumn(), console=Console(stderr=True), transient=True)
-            self._task = self._bar.add_task(label, total=total)
-
-    def __enter__(self) -> Callable[[int], None]:
-        if self._bar is None:
-            return lambda n: None
-        self._bar.__enter__()
-        return lambda n: self._bar.advance(self._task, n)
-
-    def __exit__(self, *exc) -> None:
-        if self._bar is not None:
-            self._bar.__exit__(*exc)
-
-
-def check_out_dir(out_dir: Path, files: Sequence[Path], overwrite: bool) -> None:
-    if out_dir.exists() and not out_dir.is_dir():
-        raise DataError(f"output {out_dir} exists and is not a directory; choose a directory path for --out")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
-        raise DataError(f"output directory {out_dir} is not empty; choose a new or empty directory, "
-                        "or pass --overwrite to replace its contents")
-    root = out_dir.resolve()
-    for f in files:
-        if root == f.resolve() or root in f.resolve().parents:
-            raise DataError(f"input {f} lies inside the output directory {out_dir}; "
-                            "write the packed data somewhere else")
-
-
-def atomic_dir(out_dir: Path, write: Callable[[Path], dict], what: str = "fitlm data",
-               needed: int | Callable[[], int | None] | None = None) -> dict:
-    """Run `write(tmp)` in a temporary sibling of `out_dir`, then move it into place (fitlm.atomic).
-
-    A full disk (ENOSPC/EDQUOT) becomes a DiskFullError naming `out_dir` and `needed` bytes, raised after
-    the temporary directory is gone and any previous `out_dir` is back in place."""
-    with disk_full_guard(out_dir, needed, what), atomic_output_dir(out_dir) as tmp:
-        return write(tmp)
-
-
-def base_manifest(tok: Tokenizer, dtype: np.dtype, data_format: str) -> dict[str, Any]:
-    return {"format": FORMAT, "format_version": FORMAT_VERSION, "data_format": data_format, "dtype": dtype.name,
-            "vocab_size": tok.vocab_size, "tokenizer_sha256": tok.sha256, "bos_id": tok.bos_id,
-            "eos_id": tok.eos_id, "pad_id": tok.pad_id, "special_tokens": tok.special_tokens}
-
-
 def pack_corpus(
     inputs: Sequence[Path | str],
     tokenizer_path: Path | str,
@@ -283,15 +232,18 @@ def pack_corpus(
     num_shards: int | None = None,
     max_length: int | None = None,
     overlong: str = "truncate",
+    engine: str = "local",
+    ray_address: str | None = None,
 ) -> dict:
     """Tokenize `inputs` into a packed directory at `out_dir`; return its manifest.
 
     data_format "chat": .jsonl conversations rendered with `template` (see fitlm.data.chat), loss mask on
     assistant tokens; samples without an assistant turn are skipped and counted; conversations longer than
-    `max_length` tokens are truncated or dropped (`overlong`) and counted.
+    `max_length` tokens are truncated or dropped (`overlong`) and counted. engine "ray": read and tokenize
+    on Ray Data (fitlm.data.pack_ray), `workers` tokenizer actors; the same shards as the local engine.
     """
-    if split not in ("blank-lines", "file"):
-        raise DataError(f"--split {split!r} is not known; use 'blank-lines' (default) or 'file'")
+    check_split(split)
+    check_engine(engine)
     if data_format not in ("text", "chat"):
         raise DataError(f"--format {data_format!r} is not known; use text or chat")
     if overlong not in OVERLONG:
@@ -359,19 +311,25 @@ def pack_corpus(
                 seen["read"] += n
                 bar(n)
 
-            if chat:
+            if chat and engine == "local":
                 def items() -> Iterator[tuple[Any, int]]:
-                    for m, n in _iter_chat(files, stats):
+                    for m, n in iter_chat(files, stats):
                         counts["conversations"] += m is not None
                         yield m, n
                 source = items()
             else:
                 source = ((d.text, d.nbytes) for d in iter_documents(files, split, min_doc_chars, stats))
             init = (str(tok.path), tok.special_tokens, tmpl)
-            for enc in _encoded(marked(_batches(source, advance)), workers, init, max_length, overlong):
+            if engine == "ray":
+                from fitlm.data.pack_ray import encode_on_ray
+                stream = encode_on_ray(files, split, min_doc_chars, chat, init, max_length, overlong, workers, stats,
+                                       counts, advance, ray_address, show_progress)
+            else:
+                stream = _encoded(marked(_batches(source, advance)), workers, init, max_length, overlong)
+            for enc in stream:
                 for k, v in enc["counts"].items():
                     counts[k] += v
-                seen["done"] = marks.popleft()
+                seen["done"] = marks.popleft() if engine == "local" else seen["read"]
                 seen["tokens"] += len(enc["ids"])
                 seen["docs"] += len(enc["lengths"])
                 writer.add(enc["ids"], enc["lengths"], enc.get("mask"))
@@ -389,6 +347,7 @@ def pack_corpus(
             "sources": [str(f) for f in files], "part": part,
             "split": split if not chat else None,
             "min_doc_chars": min_doc_chars if split == "blank-lines" and not chat else None,
+            "engine": engine,
             "chat_template": tmpl[0] if tmpl else None,
             "chat": ({**counts, "max_length": max_length, "overlong": overlong} if chat else None),
             "doc_tokens": {"min": int(lengths.min()), "max": int(lengths.max()), "mean": float(lengths.mean())},

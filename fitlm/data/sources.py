@@ -1,10 +1,12 @@
-"""Input readers: .txt (one document per file or per blank-line block), .jsonl (a `text` field, or
-`messages` for chat), .parquet (a `text` column; needs the optional pyarrow extra). Everything streams:
-a corpus is never loaded whole, and bad UTF-8 is replaced with U+FFFD and counted, never fatal.
+"""Input readers: .txt (one document per file, per blank-line block or per line), .jsonl (a `text`
+field, or `messages` for chat), .parquet (a `text` column; needs the optional pyarrow extra); .txt and
+.jsonl may be gzip-compressed (.txt.gz, .jsonl.gz). Everything streams: a corpus is never loaded whole,
+and bad UTF-8 is replaced with U+FFFD and counted, never fatal.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -17,18 +19,41 @@ TEXT_SUFFIXES = (".txt",)
 JSONL_SUFFIXES = (".jsonl",)
 PARQUET_SUFFIXES = (".parquet",)
 DEFAULT_MIN_DOC_CHARS = 2000
-Split = Literal["blank-lines", "file"]
+Split = Literal["blank-lines", "file", "line"]
+SPLITS = ("blank-lines", "file", "line")
+
+
+def check_split(split: str) -> None:
+    if split not in SPLITS:
+        raise DataError(f"--split {split!r} is not known; use 'blank-lines' (default), 'file' or 'line' "
+                        "(one document per line)")
+
+
+def input_kind(path: Path) -> str:
+    """The reader a file needs, from its suffix without .gz: ".txt", ".jsonl", ".parquet" (else the suffix)."""
+    suffixes = [x.lower() for x in path.suffixes]
+    if suffixes and suffixes[-1] == ".gz":
+        suffixes = suffixes[:-1]
+    return suffixes[-1] if suffixes else ""
+
+
+def _is_input(path: Path) -> bool:
+    kind = input_kind(path)
+    if path.suffix.lower() == ".gz":
+        return kind in TEXT_SUFFIXES + JSONL_SUFFIXES
+    return kind in TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES
 
 
 def expand_inputs(inputs: Sequence[Path | str]) -> list[Path]:
-    """Files named directly, plus every .txt/.jsonl file under named directories (sorted, no duplicates)."""
+    """Files named directly, plus every .txt/.jsonl/.parquet (and .txt.gz/.jsonl.gz) file under named
+    directories (sorted, no duplicates)."""
     files: list[Path] = []
     for item in inputs:
         p = Path(item)
         if p.is_dir():
             found = sorted(
                 f for f in p.rglob("*")
-                if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES
+                if f.is_file() and _is_input(f)
                 and not any(part.startswith(".") for part in f.relative_to(p).parts)
             )
             if not found:
@@ -69,7 +94,8 @@ class ReadStats:
 
 def _iter_lines(path: Path, stats: ReadStats) -> Iterator[tuple[str, int]]:
     """(line, raw byte length) pairs. Bad UTF-8 is replaced and counted, never fatal."""
-    with open(path, "rb") as f:
+    opener = gzip.open if path.suffix.lower() == ".gz" else open
+    with opener(path, "rb") as f:
         for i, raw in enumerate(f):
             data = raw[3:] if i == 0 and raw.startswith(b"\xef\xbb\xbf") else raw  # drop a UTF-8 BOM
             try:
@@ -143,28 +169,37 @@ def iter_documents(files: Sequence[Path], split: Split = "blank-lines", min_doc_
                    stats: ReadStats | None = None) -> Iterator[Document]:
     """Stream the documents of `files` in order, skipping empty ones.
 
-    .jsonl: one document per line; .parquet: one per row of its `text` column. Text files: `split="file"` makes each file one document;
-    `split="blank-lines"` groups blank-line separated blocks until a document has `min_doc_chars`.
+    .jsonl: one document per line; .parquet: one per row of its `text` column. Text files: `split="file"` makes
+    each file one document; `split="line"` each line (review and web-text dumps); `split="blank-lines"`
+    groups blank-line separated blocks until a document has `min_doc_chars`.
     """
-    if split not in ("blank-lines", "file"):
-        raise DataError(f"--split {split!r} is not known; use 'blank-lines' (default) or 'file'")
+    check_split(split)
     stats = stats if stats is not None else ReadStats()
     for index, path in enumerate(files):
-        if path.suffix.lower() in JSONL_SUFFIXES:
-            pieces = _iter_jsonl(path, stats)
-        elif path.suffix.lower() in PARQUET_SUFFIXES:
-            pieces = iter_parquet(path, "text")
-        else:
-            min_chars = float("inf") if split == "file" else max(0, min_doc_chars)
-            pieces = _split_text(_iter_lines(path, stats), min_chars)
-        pending = 0
-        for text, nbytes in pieces:
-            pending += nbytes
-            if text.strip():
-                yield Document(text, index, pending)
-                pending = 0
-        if pending:
-            yield Document("", index, pending)  # lets progress reach 100%; empty docs are never packed
+        yield from iter_file_documents(path, index, split, min_doc_chars, stats)
+
+
+def iter_file_documents(path: Path, index: int, split: Split, min_doc_chars: int,
+                        stats: ReadStats) -> Iterator[Document]:
+    """The documents of one file (`index` is its place in the input list): what each engine's reader runs."""
+    kind = input_kind(path)
+    if kind in JSONL_SUFFIXES:
+        pieces = _iter_jsonl(path, stats)
+    elif kind in PARQUET_SUFFIXES:
+        pieces = iter_parquet(path, "text")
+    elif split == "line":
+        pieces = ((line.rstrip("\n"), n) for line, n in _iter_lines(path, stats))
+    else:
+        min_chars = float("inf") if split == "file" else max(0, min_doc_chars)
+        pieces = _split_text(_iter_lines(path, stats), min_chars)
+    pending = 0
+    for text, nbytes in pieces:
+        pending += nbytes
+        if text.strip():
+            yield Document(text, index, pending)
+            pending = 0
+    if pending:
+        yield Document("", index, pending)  # lets progress reach 100%; empty docs are never packed
 
 
 def _require_pyarrow(path: Path):
@@ -194,5 +229,6 @@ def iter_parquet(path: Path, column: str) -> Iterator[tuple[Any, int]]:
             yield v if v is not None else "", max(1, total // rows)
 
 
-__all__ = ["DEFAULT_MIN_DOC_CHARS", "Document", "JSONL_SUFFIXES", "PARQUET_SUFFIXES", "ReadStats", "Split",
-           "TEXT_SUFFIXES", "expand_inputs", "iter_documents", "iter_jsonl_records", "iter_parquet"]
+__all__ = ["DEFAULT_MIN_DOC_CHARS", "Document", "JSONL_SUFFIXES", "PARQUET_SUFFIXES", "ReadStats", "SPLITS", "Split",
+           "TEXT_SUFFIXES", "check_split", "expand_inputs", "input_kind", "iter_documents", "iter_file_documents",
+           "iter_jsonl_records", "iter_parquet"]

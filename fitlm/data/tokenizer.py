@@ -43,12 +43,19 @@ def train_tokenizer(
     min_frequency: int = 2,
     show_progress: bool = False,
     overwrite: bool = False,
+    engine: str = "local",
+    ray_address: str | None = None,
 ) -> Path:
     """Train a byte-level BPE on `files` (.txt / .jsonl files or directories of them); return the tokenizer.json path.
 
     Special tokens get ids 0, 1, 2 (bos, eos, pad). The initial alphabet holds all 256 bytes, so any text
     encodes without an unknown token. Files are streamed document by document, never read whole.
+    engine "ray": Ray Data reads the files in parallel and streams the documents, in input order, to
+    the trainer here (BPE merges are learned in one place), so the tokenizer is the local engine's.
     """
+    from fitlm.data.engine import check_engine
+
+    check_engine(engine)
     # Imported here because pack.py imports this module; the text readers live with the packer.
     from fitlm.data.sources import expand_inputs, iter_documents
 
@@ -87,7 +94,12 @@ def train_tokenizer(
                 seen["docs"] += 1
                 yield doc.text
 
-    tok.train_from_iterator(texts(), trainer=trainer)
+    if engine == "ray":
+        from fitlm.data.ray_read import ray_texts
+        with ray_texts(paths, ray_address, show_progress) as stream:
+            tok.train_from_iterator(_counted(stream, seen), trainer=trainer)
+    else:
+        tok.train_from_iterator(texts(), trainer=trainer)
     if seen["docs"] == 0:
         names = ", ".join(str(p) for p in paths)
         raise DataError(f"empty corpus: {names} contain(s) no text (only whitespace or nothing); "
@@ -99,6 +111,12 @@ def train_tokenizer(
     write_bytes_atomic(json_path, tok.to_str(pretty=True).encode("utf-8"))
     write_bytes_atomic(json_path.with_name(TOKENIZER_CONFIG_FILE), json.dumps(_hf_config(), indent=2).encode("utf-8"))
     return json_path
+
+
+def _counted(texts: Iterable[str], seen: dict[str, int]) -> Iterable[str]:
+    for t in texts:
+        seen["docs"] += 1
+        yield t
 
 
 def _hf_config() -> dict:

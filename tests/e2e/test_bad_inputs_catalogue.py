@@ -982,6 +982,29 @@ def _(env):
     return ["data", "clean", PLAYS / "macbeth_gut.txt", "--out", env.tmp / "clean", "--jaccard", "0"]
 
 
+@case("cli-clean-ngram", "command line", "`data clean --ngram 0`", "--ngram 0 must be at least 1")
+def _(env):
+    return ["data", "clean", PLAYS / "macbeth_gut.txt", "--out", env.tmp / "clean", "--ngram", "0"]
+
+
+@case("cli-clean-num-perm", "command line", "`data clean --num-perm 1`", "--num-perm 1 must be at least 2")
+def _(env):
+    return ["data", "clean", PLAYS / "macbeth_gut.txt", "--out", env.tmp / "clean", "--num-perm", "1"]
+
+
+@case("cli-clean-ray-address", "command line", "`data clean --engine ray --ray-address` where no Ray head listens",
+      "nothing answers there")
+def _(env):
+    return ["data", "clean", PLAYS / "macbeth_gut.txt", "--out", env.tmp / "clean", "--engine", "ray",
+            "--ray-address", "127.0.0.1:1"]
+
+
+@case("cli-pack-split", "command line", "`data pack --split lines` (not a choice)", "invalid choice: 'lines'")
+def _(env):
+    return ["data", "pack", PLAYS / "macbeth_gut.txt", "--tokenizer", env.tmp / "tok.json", "--out", env.tmp / "p",
+            "--split", "lines"]
+
+
 # --------------------------------------------------------------------------- running a case
 
 
