@@ -59,7 +59,16 @@ def fsdp_mixed_precision(cfg: MemoryConfig):
     return MixedPrecisionPolicy()
 
 
-def apply_precision(model: nn.Module, cfg: MemoryConfig, sharded: bool) -> nn.Module:
+def recasts_in_backward(level: str, recompute: str, compiled: bool, sharded: bool, tensor_parallel: int) -> bool:
+    """Whether O2's half weight casts are made again in backward instead of being kept from forward
+    (2 bytes per parameter less during backward, for one more cast of each weight).
+
+    Only where nothing else hooks the saved tensors: recompute (torch.utils.checkpoint) and compile
+    take them over, FSDP2 casts by its own policy, and tensor-parallel weights are DTensors."""
+    return level == "O2" and recompute == "none" and not compiled and not sharded and tensor_parallel == 1
+
+
+def apply_precision(model: nn.Module, cfg: MemoryConfig, sharded: bool, tensor_parallel: int = 1) -> nn.Module:
     """Set up the level's storage and compute dtypes. Apply after tensor parallel, before recompute
     (so a recomputed block casts again rather than keeping half copies alive) and before data parallel.
 
@@ -69,19 +78,48 @@ def apply_precision(model: nn.Module, cfg: MemoryConfig, sharded: bool) -> nn.Mo
         return model.to(half_dtype(cfg))
     if cfg.mixed_precision == "O2" and not sharded:
         dtype = half_dtype(cfg)
+        recast = recasts_in_backward("O2", cfg.recompute, cfg.compile, sharded, tensor_parallel)
         for module in model.modules():
             if any(True for _ in module.parameters(recurse=False)):
-                _cast_own_parameters(module, dtype)
+                _cast_own_parameters(module, dtype, recast)
     return model
 
 
-def _cast_own_parameters(module: nn.Module, dtype: torch.dtype) -> None:
+class _Recast:
+    """What a saved half weight is packed into: the fp32 parameter and the view to rebuild (no bytes held)."""
+
+    __slots__ = ("param", "dtype", "size", "stride", "offset")
+
+    def __init__(self, param: torch.Tensor, dtype: torch.dtype, view: torch.Tensor):
+        self.param, self.dtype = param, dtype
+        self.size, self.stride, self.offset = view.size(), view.stride(), view.storage_offset()
+
+
+def _pack(casts: dict[int, tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype, t: torch.Tensor):
+    """A tensor autograd saves: one of this module's half weight casts (or a view of one) is replaced by
+    a recipe to cast it again; anything else is kept as it is."""
+    base = t if t._base is None else t._base
+    hit = casts.get(id(base))
+    if hit is None or hit[0] is not base:
+        return t
+    return _Recast(hit[1], dtype, t)
+
+
+def _unpack(saved):
+    if not isinstance(saved, _Recast):
+        return saved
+    # The same cast of the same fp32 values: bit-identical to the half weight forward used.
+    return saved.param.detach().to(saved.dtype).as_strided(saved.size, saved.stride, saved.offset)
+
+
+def _cast_own_parameters(module: nn.Module, dtype: torch.dtype, recast: bool = False) -> None:
     """Run `module.forward` with its own parameters replaced by half casts of them.
 
     The cast is part of the autograd graph, so the fp32 parameter receives an fp32 gradient and the
     optimizer, DDP, tensor parallel and checkpoints all keep seeing the one fp32 parameter. Only the
     module's direct parameters are cast, each right before it is used, so at most one half copy of
-    a weight exists beyond what backward saves anyway.
+    a weight exists beyond what backward saves anyway. With `recast` (see recasts_in_backward) backward
+    does not keep even that: the matmuls' saved half weights are packed as "cast the parameter again".
     """
     inner = module.forward
     names = [name for name, _ in module.named_parameters(recurse=False)]
@@ -89,11 +127,20 @@ def _cast_own_parameters(module: nn.Module, dtype: torch.dtype) -> None:
     @functools.wraps(inner)
     def forward(*args, **kwargs):
         originals = {name: module._parameters[name] for name in names}
+        casts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(half cast) -> (cast, fp32 parameter)
         try:
             for name, p in originals.items():
-                module._parameters[name] = p.to(dtype)
-            return inner(*args, **kwargs)
+                cast = p.to(dtype)
+                module._parameters[name] = cast
+                if recast and cast is not p:  # a weight stored in half already (frozen at O2) is saved as is
+                    casts[id(cast)] = (cast, p)
+            if not casts:
+                return inner(*args, **kwargs)
+            with torch.autograd.graph.saved_tensors_hooks(functools.partial(_pack, casts, dtype), _unpack):
+                return inner(*args, **kwargs)
         finally:
             module._parameters.update(originals)
+            # autograd keeps the pack hook (and so this dict) with every tensor it saved: let go of the casts.
+            casts.clear()
 
     module.forward = forward

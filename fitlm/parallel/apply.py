@@ -102,7 +102,7 @@ def parallelize(model: nn.Module, cfg: Config, ctx: ParallelContext) -> Parallel
             stage = apply_tensor_parallel(stage, ctx.submesh("tp"), sequence_parallel=p.sequence_parallel)
             loss_context = lambda stage=stage: tp_loss_context(stage)  # noqa: E731
         # Under FSDP2 (ZeRO-2/3) the sharding owns casting (O2) and offload.
-        stage = apply_precision(stage, cfg.memory, sharded=ctx.dims.fsdp_sharded)
+        stage = apply_precision(stage, cfg.memory, sharded=ctx.dims.fsdp_sharded, tensor_parallel=ctx.tp)
         apply_recompute(stage, cfg.memory.recompute, cfg.memory.recompute_every_n_layers)
         apply_compile(stage, cfg.memory.compile)
         apply_chunked_loss(stage, cfg.memory.loss_chunk_size, compiled=cfg.memory.compile)

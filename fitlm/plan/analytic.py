@@ -11,8 +11,10 @@ f MLP width, D head dim, H heads. At O0 one block keeps, in fp32:
   - SwiGLU: gate, silu(gate), up, their product (down's input)                                4f
   - SDPA log-sum-exp (fp32) 4H and two rsqrt rows (8 bytes)
 Half levels keep most of these in 2 bytes, but RMSNorm's fp32 statistics keep an fp32 copy of its
-input (and O1 keeps the residual stream in fp32), and RoPE keeps half casts of cos/sin (8D). O1/O2 also
-keep, per block, the half casts of its weights that the matmuls saved (2 bytes per parameter).
+input (and O1 keeps the residual stream in fp32), and RoPE keeps half casts of cos/sin (8D). O1 also
+keeps, per block, the half casts of its weights that the matmuls saved (2 bytes per parameter); O2
+casts them again in backward instead, except where recompute, compile, FSDP2 or tensor parallel take over
+(fitlm.memory.precision.recasts_in_backward).
 Korthikanti et al.'s GPT constant (34·s·b·h) does not transfer: no dropout masks, a 3-matrix MLP, GQA.
 Fine-tuning (LoRA, freeze) changes what trains and what a block saves: see fitlm.plan.finetune.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fitlm.memory.precision import recasts_in_backward
 from fitlm.plan import finetune as ft
 from fitlm.plan.setup import LEVELS, Setup, embedding_params, head_params, layer_params, stage_layers
 
@@ -61,6 +64,7 @@ class Breakdown:
     other: int
     phase: str  # when the peak happens: "forward/backward" or "optimizer step"
     host: int = 0  # bytes kept in host memory by offload
+    other_parts: tuple[tuple[str, int], ...] = ()  # what `other` holds, by name; they sum to `other`
 
     @property
     def total(self) -> int:
@@ -128,6 +132,8 @@ def activations(s: Setup, tokens: float, layers: int, in_flight: float) -> tuple
     casts = WEIGHT_CAST[s.level] * layer_params(s) / s.tp
     if s.level == "O2" and s.dims.fsdp_sharded:
         casts = 0  # FSDP2's policy gathers half parameters instead (counted under `other`)
+    elif recasts(s):
+        casts = 0  # the saved half weights are cast again in backward, not kept (fitlm.memory.precision)
     if s.method != "full":  # frozen blocks keep less; fine-tuning runs unsplit (no tp/pp), so sum per block
         saved = sum(ft.block_savings(s, b) for b in range(layers)) / layers
         kept -= in_flight * plain * tokens * saved
@@ -188,6 +194,17 @@ def model_states(s: Setup, n: float, trained: float | None = None) -> tuple[floa
     return params, grads, opt, host
 
 
+def recasts(s: Setup) -> bool:
+    """fitlm.memory.precision.recasts_in_backward for this variant."""
+    return recasts_in_backward(s.level, s.recompute, s.cfg.memory.compile, s.dims.fsdp_sharded, s.tp)
+
+
+def foreach_adamw(s: Setup) -> bool:
+    """fitlm.step.optim.uses_fused, by layout: sharded DTensor parameters (FSDP2, tensor parallel) step with
+    foreach AdamW, plain tensors (one device, DDP, ZeRO-1, pipeline stages) with the fused kernel."""
+    return s.dims.fsdp_sharded or s.tp > 1
+
+
 def breakdown(s: Setup) -> Breakdown:
     """The most loaded rank's peak: the larger of the forward/backward peak and the optimizer-step peak,
     on the first pipeline stage (embedding + most in-flight chunks) or the last (logits), whichever is higher."""
@@ -216,14 +233,15 @@ def _stage(s: Setup, first: bool) -> Breakdown:
     outside = in_flight * outside_bytes(s, tokens) * (1 if has_logits else 0.5)
     logit = logits_bytes(s, tokens) if has_logits else 0.0
     rope = s.counts.rope_tables * 2 * s.max_seq_len * s.head_dim * 4  # RoPE cos/sin tables (buffers)
-    other = rope
-    if s.doc_mask:
-        other += s.mbs * s.seq * s.seq  # the block-causal mask, bool [B,1,T,T], shared by all blocks
+    parts = {"RoPE cos/sin tables": rope}
+    if s.doc_mask:  # the block-causal mask, bool [B,1,T,T], shared by all blocks
+        parts["document mask"] = s.mbs * s.seq * s.seq
     sharded = s.dims.fsdp_sharded
     unsharded = n * (2 if s.level == "O2" else param_bytes(s))
     staging = 0.0
     if sharded and s.zero == 2:
-        other += unsharded  # ZeRO-2 keeps the gathered (separate, full) parameters from forward to backward
+        # ZeRO-2 keeps the gathered (separate, full) parameters from forward to backward
+        parts["ZeRO-2 gathered parameters"] = unsharded
     elif sharded:
         staging = 2 * unsharded / max(1, layers)  # ZeRO-3 in backward: the regathered block and the prefetched next
     # Two candidate moments in backward: the loss (logits alive; measured: no ZeRO-3 block gathered yet)
@@ -232,19 +250,27 @@ def _stage(s: Setup, first: bool) -> Breakdown:
     head_grad = s.vocab * s.h * param_bytes(s) / s.tp if has_logits and ft.head_trains(s) else 0.0
     if working + staging + head_grad > outside + logit:
         act, logit, grads_extra = kept + working, 0.0, head_grad
-        other += staging
+        if staging:
+            parts["ZeRO-3 gathered blocks"] = staging
     else:
         act, grads_extra = kept + outside, 0.0
-    buckets = trained * param_bytes(s) if s.dims.ddp and s.pp == 1 else 0.0
-    other += buckets  # DDP's gradient buckets (flat copies of every gradient)
     # Gradients present during forward: none at accumulation step 1 (zero_grad frees them); with
     # accumulation the earlier micro batches' gradients: unsharded while FSDP2 skips the sync
     # (parallel.gradient_sync: last_micro_batch), their shards when it reduces every micro batch.
     held = unsharded * trained / n if sharded and not s.sync_every else grads_full
-    grads_fb = (0.0 if s.accum == 1 else held) + grads_extra
-    fb = Breakdown(int(params), int(grads_fb), int(opt), int(act), int(logit), int(other), "forward/backward", int(host))
-    # Optimizer step: gradients complete, plus foreach AdamW's one state-sized temporary (sqrt of v).
-    step_tmp = 0.0 if s.offload else opt / 2
-    step_other = rope + buckets + step_tmp
-    st = Breakdown(int(params), int(grads_full), int(opt), 0, 0, int(step_other), "optimizer step", int(host))
+    # DDP's gradients are views into its buckets, which live for the whole run (zero_grad only drops the views).
+    grads_fb = (grads_full if s.dims.ddp and s.pp == 1 else 0.0 if s.accum == 1 else held) + grads_extra
+    fb = _with_parts(params, grads_fb, opt, act, logit, parts, "forward/backward", host)
+    # Optimizer step: gradients complete (DDP's are views into its buckets: no second copy), plus foreach
+    # AdamW's one state-sized temporary (sqrt of v) where sharded DTensors keep it off the fused kernel.
+    step_tmp = opt / 2 if not s.offload and foreach_adamw(s) else 0.0
+    step_parts = {"RoPE cos/sin tables": rope, "optimizer temporaries": step_tmp}
+    st = _with_parts(params, grads_full, opt, 0, 0, step_parts, "optimizer step", host)
     return max((fb, st), key=lambda b: b.total)
+
+
+def _with_parts(params: float, grads: float, opt: float, act: float, logit: float, parts: dict[str, float],
+                phase: str, host: float) -> Breakdown:
+    named = tuple((k, int(v)) for k, v in parts.items() if v)
+    return Breakdown(int(params), int(grads), int(opt), int(act), int(logit), sum(v for _, v in named), phase,
+                     int(host), named)

@@ -70,7 +70,8 @@ def plan(cfg: Config, dev: Device, num_devices: int | None = None, simulate: boo
         "device": {"name": dev.name, "memory_bytes": dev.memory_bytes, "usable_bytes": dev.usable_bytes,
                    "tflops": dev.tflops, "efficiency": dev.efficiency, "num_devices": n, "source": dev.source},
         "layout": _layout(s), "memory_options": _memory_opts(s),
-        "per_device": mem.as_dict(), "peak_phase": mem.phase, "host_bytes_per_device": mem.host,
+        "per_device": mem.as_dict(), "other_parts": dict(mem.other_parts), "peak_phase": mem.phase,
+        "host_bytes_per_device": mem.host,
         "fits": fits, "step_time_s": t.step_s, "tokens_per_s": t.tokens_per_s, "mfu": t.mfu,
         "flops_per_token": t.flops_per_token,
         "time_breakdown_s": {"compute": t.compute_s, "tensor_parallel_comm": t.tp_comm_s,
@@ -141,6 +142,9 @@ def render(result: dict[str, Any]) -> None:
     for key, value in result["per_device"].items():
         row = [key, gib(value)] + ([gib(sim[key])] if sim else [])
         table.add_row(*row, style="bold" if key == "total" else None)
+        if key == "other":  # every byte of `other` by name (the simulation cannot tell them apart)
+            for part, nbytes in result.get("other_parts", {}).items():
+                table.add_row(f"  {part}", gib(nbytes), *([""] if sim else []), style="dim")
     console.print(table)
     verdict = "[green]fits[/green]" if result["fits"] else "[red]does not fit[/red]"
     console.print(f"{verdict}: {gib(result['per_device']['total'])} of {gib(d['usable_bytes'])} usable "

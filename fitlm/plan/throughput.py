@@ -69,7 +69,7 @@ def timing(s: Setup, dev: Device) -> Timing:
         hw += frac * block_fwd * (1.0 if s.recompute == "full" else 0.1)  # selective reruns element-wise work
     compute = tokens_replica * hw / (s.tp * s.pp) / peak
     if s.offload:  # host AdamW: gradients down, parameters up over PCIe (~25 GB/s), states on the CPU
-        n_dev = ft.trainable_params(s) / (s.tp * s.pp) / (s.dp if s.zero >= 1 else 1)
+        n_dev = ft.trainable_params(s) / (s.tp * s.pp) / s.dims.shard_factor("optimizer")
         compute += n_dev * (4 + 4) / 25e9 + n_dev * 16 / (100e9)
     # Tensor parallel: two all-reduces (or all-gather + reduce-scatter under SP) per block forward and
     # two in backward, of the block's activations [b, s, h]; plus the embedding's.

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 
 from fitlm.config import Config, TrainConfig
 from fitlm.memory.offload import HostAdamW
@@ -43,13 +44,28 @@ def build_optimizer(modules: nn.Module | list[nn.Module], cfg: TrainConfig,
     if not groups:
         raise ValueError("no trainable parameters: every parameter has requires_grad=False")
     kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
-    optimizer_class = HostAdamW if host_states else torch.optim.AdamW
+    if host_states:
+        optimizer_class = HostAdamW
+    else:
+        optimizer_class = torch.optim.AdamW
+        kwargs.update(implementation([p for g in groups for p in g["params"]]))
     if zero1_group is not None:
         return ZeroRedundancyOptimizer(groups, optimizer_class=optimizer_class, process_group=zero1_group, **kwargs)
-    if host_states:
-        return HostAdamW(groups, **kwargs)
-    # foreach is the fast path on CPU and CUDA; fused exists only for some device/dtype pairs.
-    return torch.optim.AdamW(groups, foreach=True, **kwargs)
+    return optimizer_class(groups, **kwargs)
+
+
+def implementation(params: list[torch.Tensor]) -> dict[str, bool]:
+    """AdamW's kernel: fused (one pass per tensor, no temporaries) where torch has it for these parameters,
+    else foreach (batched, with one state-sized temporary: the planner counts it, fitlm.plan.analytic).
+
+    Fused AdamW exists for CPU and CUDA floating tensors; sharded DTensors (FSDP2, tensor parallel) keep
+    foreach, the path torch's FSDP2 and TP are tested with."""
+    return {"fused": True} if uses_fused(params) else {"foreach": True}
+
+
+def uses_fused(params: list[torch.Tensor]) -> bool:
+    return all(not isinstance(p, DTensor) and p.device.type in ("cpu", "cuda") and p.is_floating_point()
+               for p in params)
 
 
 def optimizer_for(cfg: Config, ctx: ParallelContext, modules: list[nn.Module]) -> torch.optim.Optimizer:

@@ -35,6 +35,8 @@ CONFIGS = [
                                       "memory": {"recompute": "full", "recompute_every_n_layers": 2}}, 1),
     ("dp2 zero2", {"parallel": {"data_parallel": 2, "zero_stage": 2}, "train": {"micro_batch_size": 2}}, 2),
     ("dp2 zero1", {"parallel": {"data_parallel": 2, "zero_stage": 1}, "train": {"micro_batch_size": 2}}, 2),
+    ("dp2 ddp O2", {"parallel": {"data_parallel": 2}, "memory": {"mixed_precision": "O2"},
+                    "train": {"micro_batch_size": 2}}, 2),
     ("dp2 zero2 accum 2, sync every", {"parallel": {"data_parallel": 2, "zero_stage": 2},
                                        "train": {"micro_batch_size": 2, "gradient_accumulation_steps": 2}}, 2),
     ("dp2 zero2 accum 2, sync last", {"parallel": {"data_parallel": 2, "zero_stage": 2,

@@ -321,3 +321,36 @@ def test_out_of_memory_in_host_phases_names_the_phase_and_its_advice(tiny_corpus
     assert f"out of memory on rank 0 during {phase}" in message
     assert ("data.prefetch" if phase == "data loading" else "checkpoint.async_save") in message
     assert "docs/troubleshooting.md" in message
+
+
+def _live_after_forward(recompute: str) -> tuple[float, torch.Tensor]:
+    """Live bytes per parameter right after an O2 forward of 8 Linears, and the first layer's gradient."""
+    from fitlm.config import MemoryConfig
+    from fitlm.memory.precision import apply_precision
+    from fitlm.memory.tracking import tracker_for
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
+    n = sum(p.numel() for p in model.parameters())
+    apply_precision(model, MemoryConfig(mixed_precision="O2", recompute=recompute), sharded=False)
+    x = torch.randn(4, 256, dtype=torch.bfloat16, requires_grad=True)
+    tracker = tracker_for([model], None)
+    with tracker:
+        out = model(x).float().sum()
+        live = sum(v for dev in tracker.get_tracker_snapshot().values() for k, v in dev.items() if k == "Total")
+        out.backward()
+    return live / n, model[0].weight.grad
+
+
+def test_o2_casts_weights_again_in_backward_instead_of_keeping_them():
+    recast, grad = _live_after_forward("none")
+    kept, grad_kept = _live_after_forward("full")  # recompute owns saved tensors: casts are kept as before
+    assert recast < 4.2 and kept > 5.8, (recast, kept)  # fp32 params (4 B) alone vs + half casts (2 B)
+    assert torch.equal(grad, grad_kept)  # the same half weight, cast twice: identical gradients
+
+
+def test_o2_training_is_unchanged_by_the_recast(tiny_corpus, tmp_path, monkeypatch):
+    o2 = {"mixed_precision": "O2"}
+    recast = losses(make_trainer(tiny_corpus, tmp_path / "a", train=SHORT, memory=o2))
+    monkeypatch.setattr("fitlm.memory.precision.recasts_in_backward", lambda *a: False)
+    assert losses(make_trainer(tiny_corpus, tmp_path / "b", train=SHORT, memory=o2)) == recast

@@ -289,3 +289,15 @@ def test_oom_remedies_offer_lora_and_freeze_when_fine_tuning_a_pretrained_model(
     assert "finetune.method: lora" in oom_message(validate_dict(base), "backward", 0)
     pretraining = from_config(validate_dict({**base, "model": LLAMA_7B}))
     assert not any(r.change.startswith("finetune.") for r in remedies(pretraining))
+
+
+@pytest.mark.parametrize("overrides", [[], ["parallel.zero_stage=2"], ["parallel.zero_stage=3", "memory.recompute=none"],
+                                       ["parallel.zero_stage=0", "train.gradient_accumulation_steps=1"]])
+def test_other_is_named_to_the_last_byte(overrides):
+    from fitlm.plan.report import plan
+
+    cfg = load_config(CONFIGS / "llama2-7b.yaml", overrides)
+    out = plan(cfg, CATALOG["a100-80g"], 8)
+    assert out["other_parts"] and sum(out["other_parts"].values()) == out["per_device"]["other"], out["other_parts"]
+    step = breakdown(replace(from_config(cfg), accum=1))
+    assert sum(v for _, v in step.other_parts) == step.other
