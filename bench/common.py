@@ -90,7 +90,7 @@ def bf16_matmul_fast(device: str = "cpu") -> bool:
 
 
 def gemm_peak(dtype_name: str, device: str = "cpu", n: int | None = None) -> float:
-    """Measured peak FLOP/s of a square GEMM (fitlm.train.metrics.measure_gemm_flops, cached per dtype).
+    """Measured peak FLOP/s of a square GEMM (fitlm.hardware.measure_gemm_flops, cached per dtype).
 
     Half precision without a fast path on this CPU runs ~100x slower than fp32: a smaller matrix keeps
     the measurement to seconds (it is the same slow kernel at any size).

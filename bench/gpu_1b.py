@@ -11,7 +11,7 @@ process group (nccl on CUDA, gloo on CPU) and builds, in fitlm's documented orde
 
 then trains on packed data (Macbeth, bench/common.prepare_data; the 32K vocabulary is the model's) for
 `--warmup` untimed steps (compilation) and `--steps` timed ones, and reports tokens/s, MFU against the
-device's bf16 peak (datasheet on GPU, fitlm.train.metrics.device_peak_flops), the allocator peak
+device's bf16 peak (datasheet on GPU, fitlm.hardware.device_peak_flops), the allocator peak
 (torch.cuda.max_memory_allocated), the compile time, and `fitlm plan`'s prediction for the same run
 (fitlm.plan.report.plan: per-device memory, step time, tokens/s, MFU) beside the measurement.
 On one rank FSDP2 shards nothing; it is here so the exact multi-GPU code path (gather, bf16 cast,
