@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from fitlm.atomic import atomic_file
+
 # Dense half-precision peaks in TFLOP/s (vendor datasheets; see ../shared/REFERENCES.md).
 GPU_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "4090": 165.0, "3090": 71.0, "L40S": 362.0}
 
@@ -84,17 +86,17 @@ def remember_peak(what: str, measured: float) -> float:
             cached = {}
     except (OSError, ValueError):
         cached = {}
-    best = max(measured, float(cached.get(key, 0.0) or 0.0))
-    if best > float(cached.get(key, 0.0) or 0.0):
-        cached[key] = best
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    before = float(cached.get(key, 0.0) or 0.0)
+    if measured <= before:
+        return before
+    cached[key] = measured
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_file(path) as tmp:  # ranks starting together each replace the whole file
             tmp.write_text(json.dumps(cached, indent=1, sort_keys=True))
-            os.replace(tmp, path)
-        except OSError:
-            pass
-    return best
+    except OSError:
+        pass
+    return measured
 
 
 def mfu_warning(mfu: float, device: torch.device) -> str | None:

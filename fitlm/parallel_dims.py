@@ -73,14 +73,6 @@ class ParallelDims:
         """Gradients are averaged by torch's DistributedDataParallel (replicas without tensor parallel)."""
         return self.replicated and self.tp == 1
 
-    @property
-    def pipelined(self) -> bool:
-        return self.pp > 1
-
-    @property
-    def tensor_parallel(self) -> bool:
-        return self.tp > 1
-
     def shard_factor(self, component: str) -> int:
         """How many ways `component` (params, grads or optimizer) is split over data-parallel ranks at rest."""
         return self.dp if ZERO_STAGES[self.zero_stage][component] == "1/dp" else 1
@@ -91,7 +83,3 @@ class ParallelDims:
         if gradient_sync == "auto":
             return self.fsdp_sharded
         return gradient_sync == "every_micro_batch"
-
-    def name(self) -> str:
-        """A layout's short name, e.g. dp2×tp1×pp1 zero2."""
-        return f"dp{self.dp}×tp{self.tp}×pp{self.pp} zero{self.zero_stage}"
