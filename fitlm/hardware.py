@@ -116,3 +116,25 @@ def peak_memory_bytes(device: torch.device) -> int:
         return int(torch.cuda.max_memory_allocated(device))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def host_peak_rss() -> int:
+    """This process's peak resident set in bytes since it started or since `reset_host_peak` (Linux VmHWM)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return peak_memory_bytes(torch.device("cpu"))
+
+
+def reset_host_peak() -> bool:
+    """Restart the peak resident set from the current one (Linux clear_refs); False where not supported."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False

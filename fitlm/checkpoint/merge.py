@@ -10,7 +10,6 @@ tensors, so no weights are read to plan the file. Peak memory is about one block
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from pathlib import Path
 from typing import Iterator
@@ -23,12 +22,12 @@ from fitlm import __version__
 from fitlm.atomic import atomic_dir, atomic_file
 from fitlm.checkpoint import store
 from fitlm.checkpoint.errors import CheckpointError
-from fitlm.checkpoint.safetensors_stream import StreamingSafetensorsWriter
+from fitlm.models.safetensors_io import StreamingSafetensorsWriter
 from fitlm.config import Config, ConfigError, validate_dict
-from fitlm.models.hf import config_to_hf, to_hf_state_dict
+from fitlm.models.hf import config_to_hf
+from fitlm.models.streaming import grouped, stream_to_hf
 
 FORMATS = ("safetensors", "hf", "fitlm")
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -54,11 +53,6 @@ def checkpoint_config(ckpt: Path, meta: dict) -> Config:
         raise CheckpointError(f"{ckpt / store.META_FILE} holds no valid config ({e}); the checkpoint is damaged") from None
 
 
-def _group(name: str) -> str:
-    m = _LAYER.match(name)
-    return m.group(1) if m else "top"
-
-
 def stream_hf_tensors(ckpt: Path, cfg: Config) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]]],
                                                        Iterator[tuple[str, torch.Tensor]]]:
     """(HF name -> (dtype, shape), iterator of (HF name, tensor)) reading one block's tensors at a time."""
@@ -67,25 +61,17 @@ def stream_hf_tensors(ckpt: Path, cfg: Config) -> tuple[dict[str, tuple[torch.dt
                if k.startswith("model.") and isinstance(e, TensorStorageMetadata)}
     if not entries:
         raise CheckpointError(f"{ckpt} holds no model tensors; it is not a fitlm training checkpoint")
-    meta_sd = {k: torch.empty(tuple(e.size), dtype=e.properties.dtype, device="meta") for k, e in entries.items()}
-    specs = {k: (v.dtype, tuple(v.shape)) for k, v in to_hf_state_dict(meta_sd, cfg.model).items()}
-    groups: dict[str, list[str]] = {}
-    for k in entries:
-        groups.setdefault(_group(k), []).append(k)
     reader = store.SafeReader(ckpt)
 
-    def produce() -> Iterator[tuple[str, torch.Tensor]]:
-        for keys in groups.values():
+    def blocks() -> Iterator[dict[str, torch.Tensor]]:
+        for keys in grouped(entries).values():
             real = {k: torch.empty(tuple(entries[k].size), dtype=entries[k].properties.dtype) for k in keys}
             with store.quiet_single_process():
                 dcp.load({"model": real}, storage_reader=reader, no_dist=True)
-            # The adapter sees real tensors for this group and meta ones elsewhere; keep what is real.
-            for name, t in to_hf_state_dict({**meta_sd, **real}, cfg.model).items():
-                if t.device.type != "meta":
-                    yield name, t
-            del real
+            yield real
 
-    return specs, produce()
+    specs = {k: (e.properties.dtype, tuple(e.size)) for k, e in entries.items()}
+    return stream_to_hf(specs, cfg.model, blocks())
 
 
 def merge_checkpoint(path: str | Path, out: str | Path, fmt: str = "safetensors") -> dict:

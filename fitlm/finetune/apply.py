@@ -2,15 +2,15 @@
 trained state into the final weights.
 
 `apply_finetune` runs on the plain model before `parallelize` (so every wrapper sees ordinary
-modules with their usual names). `final_weights` runs on rank 0 with the gathered state dict: for
-LoRA it writes the adapter in PEFT format to `output_dir/adapter/` and returns base + scale·BA, so
-`output_dir/model/` is a plain model that needs no adapter code.
+modules with their usual names). `final_weights` runs on rank 0 on the trained weights as they are
+gathered block by block: for LoRA it writes the adapter in PEFT format to `output_dir/adapter/` and
+gives base + scale·BA, so `output_dir/model/` is a plain model that needs no adapter code.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Mapping
+from typing import Iterable, Iterator, Mapping
 
 import torch
 import torch.nn as nn
@@ -61,21 +61,33 @@ def spec_from_config(cfg: Config, adapter: Mapping[str, torch.Tensor]) -> LoraSp
     return LoraSpec(r=lora.r, alpha=lora.alpha, dropout=lora.dropout, modules=lora_modules_of(adapter))
 
 
-def final_weights(full: dict[str, torch.Tensor], cfg: Config, output_dir: str | Path) -> dict[str, torch.Tensor]:
-    """The plain model's weights from a gathered training state dict (rank 0 only).
+def final_weights(specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
+                  blocks: Iterable[dict[str, torch.Tensor] | None], cfg: Config, output_dir: str | Path
+                  ) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]]], Iterator[dict[str, torch.Tensor]]]:
+    """The plain model's weights from the trained ones, block by block (rank 0, from
+    `fitlm.parallel.gather.full_groups`): (specs, blocks) of what `output_dir/model/` holds.
 
-    LoRA: the adapter goes to `output_dir/adapter/` (PEFT format) and the returned weights are merged,
-    in fp32. Under O2 the frozen base was held in half, so the merged base carries that rounding; merge
-    the adapter onto the original weights with `fitlm merge BASE --adapter output_dir/adapter` for an
-    exact fp32 result.
+    LoRA: each block's adapters are merged into its weights, in fp32 (a block holds both, so no more
+    than one block is in memory), and once the last block has passed the adapter goes to
+    `output_dir/adapter/` in PEFT format. Under O2 the frozen base was held in half, so the merged
+    base carries that rounding; merge the adapter onto the original weights with
+    `fitlm merge BASE --adapter output_dir/adapter` for an exact fp32 result.
     """
     if cfg.finetune.method != "lora":
-        return full
-    base, adapter = split_lora_state_dict(full)
-    spec = spec_from_config(cfg, adapter)
-    save_adapter(adapter, spec, Path(output_dir) / ADAPTER_DIR, base_model=cfg.model.init_from)
-    merged = merge_lora(base, adapter, spec.scaling)
-    return {k: v.float() if v.is_floating_point() else v for k, v in merged.items()}
+        return dict(specs), (b for b in blocks if b is not None)
+    base_specs, adapter_specs = split_lora_state_dict(specs)
+    spec = spec_from_config(cfg, adapter_specs)
+    plain = {k: (torch.float32 if dtype.is_floating_point else dtype, shape) for k, (dtype, shape) in base_specs.items()}
+
+    def merged() -> Iterator[dict[str, torch.Tensor]]:
+        adapter: dict[str, torch.Tensor] = {}
+        for block in blocks:
+            base, ours = split_lora_state_dict(block)
+            adapter.update(ours)
+            yield {k: v.float() if v.is_floating_point() else v for k, v in merge_lora(base, ours, spec.scaling).items()}
+        save_adapter(adapter, spec, Path(output_dir) / ADAPTER_DIR, base_model=cfg.model.init_from)
+
+    return plain, merged()
 
 
 def attach_adapter(model: nn.Module, adapter_dir: str | Path) -> LoraSpec:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Iterable, Iterator, Mapping
 
 import torch
 import torch.nn as nn
@@ -80,13 +80,19 @@ def _lora_hook(module: nn.Linear, args: tuple, output: torch.Tensor) -> torch.Te
     return output + module.lora_B(module.lora_A(x)) * module.lora_scaling
 
 
+def new_adapter(in_features: int, out_features: int, r: int, device) -> tuple[nn.Linear, nn.Linear]:
+    """(A [r, in], B [out, r]): A Kaiming-uniform (PEFT's default), B zero, fp32. On the meta device nothing
+    is drawn; `lora_weights` draws the same numbers later, on the CPU."""
+    a = nn.Linear(in_features, r, bias=False, device=device, dtype=torch.float32)
+    b = nn.Linear(r, out_features, bias=False, device=device, dtype=torch.float32)
+    nn.init.kaiming_uniform_(a.weight, a=math.sqrt(5))
+    nn.init.zeros_(b.weight)
+    return a, b
+
+
 def add_lora(linear: nn.Linear, r: int, alpha_scaling: float, dropout: float) -> None:
-    """Give one Linear its adapter: A Kaiming-uniform (PEFT's default), B zero, fp32 on the weight's device."""
-    dev = linear.weight.device
-    linear.lora_A = nn.Linear(linear.in_features, r, bias=False, device=dev, dtype=torch.float32)
-    linear.lora_B = nn.Linear(r, linear.out_features, bias=False, device=dev, dtype=torch.float32)
-    nn.init.kaiming_uniform_(linear.lora_A.weight, a=math.sqrt(5))
-    nn.init.zeros_(linear.lora_B.weight)
+    """Give one Linear its adapter (`new_adapter`), on the weight's device."""
+    linear.lora_A, linear.lora_B = new_adapter(linear.in_features, linear.out_features, r, linear.weight.device)
     linear.lora_scaling = alpha_scaling
     linear.lora_dropout = dropout
     linear.register_forward_hook(_lora_hook)
@@ -105,6 +111,23 @@ def inject_lora(model: nn.Module, spec: LoraSpec) -> list[str]:
             raise LoraError(f"{name} already has a LoRA adapter; merge it first (`fitlm merge`) to stack another")
         add_lora(m, spec.r, spec.scaling, spec.dropout)
     return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+def lora_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every adapter weight of a model whose adapters were injected on the meta device,
+    drawn as `inject_lora` draws them on a real device: same order, same numbers, one module at a time.
+    The adapted modules are listed now (before wrappers rename them); the numbers are drawn when iterated."""
+    adapted = [(name, m.in_features, m.out_features, m.lora_A.out_features) for name, m in model.named_modules()
+               if isinstance(m, nn.Linear) and hasattr(m, "lora_A")]
+
+    def draw() -> Iterator[tuple[str, torch.Tensor]]:
+        with torch.no_grad():
+            for name, fan_in, fan_out, r in adapted:
+                a, b = new_adapter(fan_in, fan_out, r, "cpu")
+                yield f"{name}.lora_A.weight", a.weight.detach()
+                yield f"{name}.lora_B.weight", b.weight.detach()
+
+    return draw()
 
 
 def apply_lora(model: nn.Module, r: int, alpha: float, dropout: float, target_modules: Iterable[str]) -> LoraSpec:

@@ -56,16 +56,24 @@ class _StepTracker(MemTracker):
             stats.snapshots.setdefault(_ModState.PRE_FW, []).append(self.get_tracker_snapshot())
 
 
+    def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
+        # MemTracker hooks every parameter's gradient, which torch refuses for frozen ones (LoRA, freeze):
+        # mark those as already hooked, with handles whose removal does nothing. Checked at every module
+        # entry, not once: FSDP2 swaps in new unsharded parameter objects at each ZeRO-3 gather.
+        for p in module.parameters():
+            if not p.requires_grad and self._param_to_grad_hook_handles.get(p) is None:
+                self._param_to_grad_hook_handles[p] = (_NoHandle(), _NoHandle())
+        return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+
 def tracker_for(modules: list[nn.Module], optimizer: torch.optim.Optimizer | None) -> MemTracker:
     """A MemTracker that files `modules`' parameters and `optimizer`'s states, frozen parameters included."""
     tracker = _StepTracker()
-    tracker.track_external(*modules, *([optimizer] if optimizer is not None else []))
-    # MemTracker hooks every parameter's gradient, which torch refuses for frozen ones (LoRA, freeze):
-    # mark those as already hooked, with handles whose removal does nothing.
-    for module in modules:
+    for module in modules:  # frozen parameters first (see _track_module_params_and_buffers)
         for p in module.parameters():
             if not p.requires_grad:
                 tracker._param_to_grad_hook_handles[p] = (_NoHandle(), _NoHandle())
+    tracker.track_external(*modules, *([optimizer] if optimizer is not None else []))
     return tracker
 
 

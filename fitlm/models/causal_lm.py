@@ -27,7 +27,8 @@ class CausalLMMixin:
 
     def tie_weights(self) -> None:
         """With tie_embeddings, lm_head.weight is the embedding Parameter itself (one tensor, one grad)."""
-        if self.config.tie_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
+        if self.config.tie_embeddings and self.lm_head is not None and self.model.embed_tokens is not None \
+                and self.lm_head.weight is not self.model.embed_tokens.weight:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @torch.no_grad()
@@ -38,18 +39,23 @@ class CausalLMMixin:
         moved with `to_empty(device=...)` becomes usable by calling this (pass buffer_device).
         """
         self.tie_weights()  # `to_empty()` after meta-device construction unties them
-        std = self.config.init_std
         for module in self.modules():
-            if isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, 0.0, std)
-            elif isinstance(module, nn.Linear):
-                if not (module is self.lm_head and self.config.tie_embeddings):
-                    nn.init.normal_(module.weight, 0.0, std)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif module is not self and hasattr(module, "reset_parameters") and not list(module.children()):
-                module.reset_parameters()  # norms: ones (and zero bias for LayerNorm)
+            if module is not self:
+                self.init_leaf(module, tied_head=module is self.lm_head and self.config.tie_embeddings)
         self.init_buffers(buffer_device)
+
+    @torch.no_grad()
+    def init_leaf(self, module: nn.Module, tied_head: bool = False) -> None:
+        """One module's share of `init_weights` (fitlm.models.init_replay replays it module by module)."""
+        if isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, 0.0, self.config.init_std)
+        elif isinstance(module, nn.Linear):
+            if not tied_head:
+                nn.init.normal_(module.weight, 0.0, self.config.init_std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif hasattr(module, "reset_parameters") and not list(module.children()):
+            module.reset_parameters()  # norms: ones (and zero bias for LayerNorm)
 
     def reset_parameters(self, buffer_device: torch.device | str | None = None) -> None:
         self.init_weights(buffer_device)

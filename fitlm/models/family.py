@@ -117,6 +117,9 @@ class Family:
     # it in every other layout except LoRA, so checkpoints reshard. Names then differ from HF's: `to_hf`
     # accepts both forms.
     prepare_tensor_parallel: Callable[[Any], None] | None = None
+    # The same surgery on weights: (state dict under the module's names, cfg) -> the prepared module's names.
+    # A model built on the meta device is prepared before it holds weights, so its weights arrive through this.
+    prepare_state_dict: Callable[[StateDict, ModelConfig], StateDict] | None = None
     pipeline_parallel: bool = True
 
 

@@ -7,6 +7,7 @@ refused with instructions, and nothing in a model directory is ever imported or 
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -14,10 +15,11 @@ from typing import Any, Mapping
 
 import torch
 import torch.nn as nn
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from fitlm import registry
 from fitlm.config import ModelConfig, RopeScalingConfig
+from fitlm.models.safetensors_io import write_safetensors_stream
 
 StateDict = dict[str, torch.Tensor]
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3  # the size Hugging Face shards at
@@ -222,9 +224,15 @@ def no_leftovers(src: StateDict, source: str) -> None:
 
 def model_keys(cfg: ModelConfig) -> list[str]:
     """Every weight name of the family's module for `cfg` (built on the meta device: no memory, no init)."""
+    return list(_model_keys(cfg.model_dump_json()))
+
+
+@functools.lru_cache(maxsize=16)
+def _model_keys(cfg_json: str) -> tuple[str, ...]:
+    # Cached: a streamed load converts one tensor at a time, each through the family's whole adapter.
     with torch.device("meta"):
-        model = registry.build_model(cfg)
-    return list(model.state_dict())
+        model = registry.build_model(ModelConfig.model_validate_json(cfg_json))
+    return tuple(model.state_dict())
 
 
 def head_to_hf(src: StateDict, out: StateDict, cfg: ModelConfig, source: str) -> StateDict:
@@ -373,36 +381,17 @@ def _plain_tensor(t: torch.Tensor) -> torch.Tensor:
 def write_safetensors(sd: Mapping[str, torch.Tensor], out_dir: str | Path,
                       max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[Path]:
     """Write HF-named tensors as model.safetensors, or as shards plus an index when they exceed the limit."""
+    clear_weights(out_dir)
+    specs = {k: (v.dtype, tuple(v.shape)) for k, v in sd.items()}
+    return write_safetensors_stream(specs, ((k, _plain_tensor(v)) for k, v in sd.items()), out_dir, max_shard_bytes)
+
+
+def clear_weights(out_dir: str | Path) -> None:
+    """Remove the weights of an earlier save (single file vs shards would shadow or mix with new ones)."""
     out_dir = Path(out_dir)
-    # Stale weights from an earlier save (single file vs shards) would shadow or mix with the new ones.
     for old in [*out_dir.glob("model-*-of-*.safetensors"), out_dir / "model.safetensors",
                 out_dir / "model.safetensors.index.json"]:
         old.unlink(missing_ok=True)
-    tensors = {k: _plain_tensor(v) for k, v in sd.items()}
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for k, t in tensors.items():
-        n = t.numel() * t.element_size()
-        if shards[-1] and size + n > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][k] = t
-        size += n
-    meta = {"format": "pt"}  # transformers refuses safetensors files without it
-    if len(shards) == 1:
-        files = [out_dir / "model.safetensors"]
-        save_file(shards[0], str(files[0]), metadata=meta)
-        return files
-    files, weight_map = [], {}
-    for i, shard in enumerate(shards, 1):
-        f = out_dir / f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(f), metadata=meta)
-        files.append(f)
-        weight_map.update({k: f.name for k in shard})
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    return files
 
 
 def _dtype_name(model: nn.Module) -> str:

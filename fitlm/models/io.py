@@ -20,16 +20,18 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable, Mapping
 
 import torch
 import torch.nn as nn
 
 from fitlm import __version__, faults
 from fitlm.atomic import atomic_dir
-from fitlm.diskspace import disk_full_guard, tensor_bytes
+from fitlm.diskspace import disk_full_guard
 from fitlm.config import Config, DataConfig, ModelConfig, load_config, validate_dict
-from fitlm.models.hf import HFFormatError, read_hf_config, load_hf_dir, model_from_hf_state_dict, read_safetensors_dir, \
-    to_hf_state_dict, write_safetensors
+from fitlm.models.hf import DEFAULT_MAX_SHARD_BYTES, HFFormatError, read_hf_config, load_hf_dir, \
+    model_from_hf_state_dict, read_safetensors_dir, to_hf_state_dict
+from fitlm.models.safetensors_io import spec_bytes, write_safetensors_stream
 
 FORMAT_VERSION = 1
 MARKER = "fitlm.json"
@@ -122,6 +124,17 @@ def save_model_dir(model: nn.Module, cfg: Config | ModelConfig, out_dir: str | P
 
     A full disk raises fitlm.diskspace.DiskFullError (its text starts with `what`), after the partial
     directory is removed; a previous directory at `out_dir` is left as it was."""
+    sd = to_hf_state_dict(model, cfg.model if isinstance(cfg, Config) else cfg)
+    specs = {k: (v.dtype, tuple(v.shape)) for k, v in sd.items()}
+    return write_model_dir(specs, sd.items(), cfg, out_dir, tokenizer_path, what)
+
+
+def write_model_dir(specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
+                    tensors: Iterable[tuple[str, torch.Tensor]], cfg: Config | ModelConfig, out_dir: str | Path,
+                    tokenizer_path: str | Path | None = None, what: str = "model save",
+                    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+    """`save_model_dir` from HF-named tensors that arrive one at a time (`specs`: each one's dtype and shape),
+    so no process needs the whole model in memory (the final save of a sharded run streams block by block)."""
     if isinstance(cfg, ModelConfig):
         cfg = default_config(cfg)
     # Refuse now what load_config would refuse later: never write a directory that cannot be loaded.
@@ -129,12 +142,11 @@ def save_model_dir(model: nn.Module, cfg: Config | ModelConfig, out_dir: str | P
     out_dir = Path(out_dir).expanduser().absolute()
     _check_writable_target(out_dir)
     tok = _tokenizer_files(tokenizer_path) if tokenizer_path is not None else {}
-    sd = to_hf_state_dict(model, cfg.model)
-    needed = tensor_bytes(sd.values()) + sum(src.stat().st_size for src in tok.values()) + 64 * 1024
+    needed = sum(spec_bytes(s) for s in specs.values()) + sum(src.stat().st_size for src in tok.values()) + 64 * 1024
     # The guard outside the atomic block: the partial directory is gone before the error is raised.
     with disk_full_guard(out_dir, needed, what), \
             atomic_dir(out_dir, durable=True) as tmp:  # a previous model directory survives a failed write
-        write_safetensors(sd, tmp)
+        write_safetensors_stream(dict(specs), tensors, tmp, max_shard_bytes)
         faults.maybe_die("final", 0, 0)  # recovery tests: a power loss half-way through the save
         (tmp / "config.yaml").write_text(cfg.to_yaml())
         for name, src in tok.items():
@@ -197,4 +209,4 @@ def load_model_dir(path: str | Path, device: str | torch.device = "cpu",
 
 
 __all__ = ["LoadedModel", "ModelDirError", "HFFormatError", "default_config", "is_fitlm_model_dir",
-           "resolve_model_path", "read_model_config", "save_model_dir", "load_model_dir"]
+           "resolve_model_path", "read_model_config", "save_model_dir", "write_model_dir", "load_model_dir"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -77,10 +77,20 @@ class ParallelModel:
         return sd if self.ctx.is_main else None
 
 
-def parallelize(model: nn.Module, cfg: Config, ctx: ParallelContext) -> ParallelModel:
+def prepares_for_tensor_parallel(cfg: Config) -> bool:
+    """Whether `parallelize` runs the family's module surgery (then weights arrive through
+    `Family.prepare_state_dict`)."""
+    return cfg.model.family.prepare_tensor_parallel is not None and cfg.finetune.method != "lora"
+
+
+def parallelize(model: nn.Module, cfg: Config, ctx: ParallelContext,
+                materialize: Callable[[list[nn.Module]], None] | None = None) -> ParallelModel:
+    """`materialize(parts)`, for a model built on the meta device: called once, on the parts this rank
+    holds, after they are split and sharded (pipeline, tensor parallel, FSDP2) -- so only this rank's
+    share is ever allocated -- but before DDP, which starts from real weights."""
     p = cfg.parallel
     prepare = cfg.model.family.prepare_tensor_parallel
-    if prepare is not None and cfg.finetune.method != "lora":
+    if prepares_for_tensor_parallel(cfg):
         # The module surgery tensor parallel needs (Phi-3 splits its fused projections) happens in every layout,
         # so parameter names -- and checkpoints -- are the same whatever the layout and reshard between them.
         # LoRA keeps HF's fused names, which its adapters (PEFT format) target; LoRA refuses tensor parallel.
@@ -104,9 +114,17 @@ def parallelize(model: nn.Module, cfg: Config, ctx: ParallelContext) -> Parallel
         # Under FSDP2 (ZeRO-2/3) the sharding owns casting (O2) and offload.
         stage = apply_precision(stage, cfg.memory, sharded=ctx.dims.fsdp_sharded, tensor_parallel=ctx.tp)
         apply_recompute(stage, cfg.memory.recompute, cfg.memory.recompute_every_n_layers)
-        apply_compile(stage, cfg.memory.compile)
+        apply_compile(stage, cfg.memory, ctx.dims)
         apply_chunked_loss(stage, cfg.memory.loss_chunk_size, compiled=cfg.memory.compile)
-        parts.append(apply_data_parallel(stage, ctx, cfg.memory))
+        parts.append(stage)
+    # DDP starts from real weights (it broadcasts them); FSDP2 shards meta parameters, then they are allocated.
+    ddp = ctx.dims.ddp
+    if not ddp:
+        parts = [apply_data_parallel(stage, ctx, cfg.memory) for stage in parts]
+    if materialize is not None:
+        materialize(parts)
+    if ddp:
+        parts = [apply_data_parallel(stage, ctx, cfg.memory) for stage in parts]
     if pipeline is not None:
         pipeline.build_schedule(parts)
     return ParallelModel(ctx, parts, pipeline, loss_context)

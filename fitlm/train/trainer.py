@@ -13,7 +13,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -27,12 +27,15 @@ from fitlm.data.tokenizer import Tokenizer
 from fitlm.finetune.apply import apply_finetune, final_weights
 from fitlm.finetune.early_stopping import EarlyStopping
 from fitlm.finetune.init_from import resolve_init_from
+from fitlm.finetune.start import initial_weights
 from fitlm.hardware import device_peak_flops, mfu_warning, peak_memory_bytes
 from fitlm.memory.precision import compute_dtype
 from fitlm.models.flops import flops_per_token
-from fitlm.models.hf import model_from_hf_state_dict, to_hf_state_dict
-from fitlm.models.io import load_model_dir, save_model_dir
-from fitlm.parallel.apply import parallelize
+from fitlm.models.streaming import stream_to_hf
+from fitlm.models.io import write_model_dir
+from fitlm.parallel.apply import parallelize, prepares_for_tensor_parallel
+from fitlm.parallel.gather import full_groups, weight_specs
+from fitlm.parallel.materialize import materialize, tied_aliases
 from fitlm.parallel.layout import layout_problems
 from fitlm.parallel.mesh import env_world_size, init_parallel, shutdown
 from fitlm.parallel_dims import WORLD
@@ -44,6 +47,7 @@ from fitlm.step.guards import GuardEvent, stop_error
 from fitlm.step.optim import lr_at, scale_for_batch, set_lr
 from fitlm.step.train_step import StepOutput, TrainStep
 from fitlm.train.heartbeat import Heartbeat
+from fitlm.train.host_memory import HostMemory
 from fitlm.train.metrics import MetricsLog, report, tensorboard_dir
 from fitlm.train.oom import oom_guard
 from fitlm.train.progress import TrainProgress
@@ -86,11 +90,21 @@ def open_data(cfg: Config) -> tuple[PackedDataset, PackedDataset | None, Tokeniz
     return train, valid, tok
 
 
-def build_or_load_model(cfg: Config, device: torch.device) -> nn.Module:
-    torch.manual_seed(cfg.train.seed)
-    if not cfg.model.init_from:
-        return build_model(cfg.model).to(device)
-    return load_model_dir(cfg.model.init_from, device=str(device)).model.train()
+def meta_model(cfg: Config) -> nn.Module:
+    """The model as a structure only (meta device: no storage); `parallelize` gives it this rank's weights."""
+    with torch.device("meta"):
+        return build_model(cfg.model).train()
+
+
+def materializer(cfg: Config, model: nn.Module, ctx) -> Callable[[list[nn.Module]], None]:
+    """What `parallelize` calls on this rank's parts: allocate them and fill them with their slices of the
+    run's initial weights (seeded, or read from model.init_from, then LoRA's adapters)."""
+    prepare = cfg.model.family.prepare_state_dict if prepares_for_tensor_parallel(cfg) else None
+    weights = initial_weights(cfg, model, prepare)
+    aliases = tied_aliases(model)
+    # FSDP2's CPU offload keeps the shards in host memory: allocate them there.
+    device = torch.device("cpu") if cfg.memory.cpu_offload and ctx.dims.fsdp_sharded else ctx.device
+    return lambda parts: materialize(parts, weights, device, aliases)
 
 
 class FinalSaveFailed(ValueError):
@@ -112,7 +126,9 @@ class Trainer:
         self.train_data, self.valid_data, self.tokenizer = open_data(cfg)
         # Everything that can fail on bad input runs before the output directory is touched.
         self.loader = self._loader(self.train_data, shuffle=True)
-        model = build_or_load_model(cfg, self.device)  # same seed on every rank: identical replicas
+        # Built on meta: no rank holds the whole model; `parallelize` gives each its share (same values on every
+        # layout: the single process's seeded or loaded weights).
+        model = meta_model(cfg)
         self.flops_per_token = flops_per_token(model, cfg.model, cfg.data.seq_length)
         apply_finetune(model, cfg)  # LoRA adapters / frozen layers on the plain model, before any wrapper
         problem = preflight.output_dir_problem(cfg, overwrite)  # checked on every rank, so all stop together
@@ -127,7 +143,9 @@ class Trainer:
             preflight.prepare_output_dir(cfg, overwrite=overwrite)
         self.ctx.barrier()
         self.output_dir = Path(t.output_dir)
-        self.pm = parallelize(model, cfg, self.ctx)
+        self.pm = parallelize(model, cfg, self.ctx, materialize=materializer(cfg, model, self.ctx))
+        self.host_memory = HostMemory(self.ctx)
+        self.host_memory.mark("load")  # building, loading and sharding the model is the first phase
         # The step (optimizer, loss scaler, guards, phase timer), built as the planner and profiler build it.
         self.step = TrainStep.create(cfg, self.ctx, self.pm)
         # The schedule actually followed: train.lr_scaling may rescale lr/min_lr/warmup for the batch.
@@ -264,9 +282,12 @@ class Trainer:
             if log:
                 log.close()
         self.heartbeat.mark("final save", step)
+        self.host_memory.mark("step")
         with self.guard("checkpoint save"):
             self.checkpointer.finish()
             model_dir = self.save_final_model()
+        self.host_memory.mark("save")
+        self.host_memory.write(self.output_dir)
         self.heartbeat.close()
         shutdown(self.ctx)
         first, last = (history[0]["loss"], history[-1]["loss"]) if history else (float("nan"), float("nan"))
@@ -324,25 +345,28 @@ class Trainer:
         return {"loader": self.loader, "scaler": self.step.scaler, "guards": self.step.guards}
 
     def save_final_model(self) -> Path:
-        """Gather the full weights (collective) and write output_dir/model on rank 0.
+        """Write output_dir/model from the trained weights, gathered block by block to rank 0 (collective:
+        no rank holds the whole model; fitlm.parallel.gather).
 
         A failed write (a full disk: fitlm.diskspace.DiskFullError, naming model/ and the bytes needed, after
         the partial directory is removed and a previous model/ is back) is raised on rank 0 once every rank
         knows of it: the others stop with FinalSaveFailed instead of waiting at a barrier for rank 0."""
-        full = self.pm.full_state_dict()
+        specs = weight_specs(self.pm)
+        blocks = full_groups(self.pm)
         model_dir = self.output_dir / "model"
         failed: Exception | None = None
         if self.ctx.is_main:
             try:
-                full = final_weights(full, self.cfg, self.output_dir)  # LoRA: adapter/ written, weights merged
-                # Through HF's names and back: the family's own layout again, whatever the layout changed
-                # (Phi-3's projections, split for sharding, fused as the module and HF store them).
-                plain = model_from_hf_state_dict(to_hf_state_dict(full, self.cfg.model), self.cfg.model,
-                                                 "the trained weights", "cpu", None)
-                save_model_dir(plain, self.cfg, model_dir, tokenizer_path=self.tokenizer.path,
-                               what="final model save")
+                specs, plain = final_weights(specs, blocks, self.cfg, self.output_dir)  # LoRA: merged, adapter/
+                # HF's names and layouts, whatever the layout changed (Phi-3's projections, split for sharding,
+                # are fused again as the module and HF store them).
+                hf_specs, tensors = stream_to_hf(specs, self.cfg.model, plain)
+                write_model_dir(hf_specs, tensors, self.cfg, model_dir, tokenizer_path=self.tokenizer.path,
+                                what="final model save")
             except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks are told
                 failed = exc
+        for _ in blocks:  # the rest of the walk: the other ranks' gathers need this rank to the end
+            pass
         # In place of a barrier: every rank learns whether rank 0 succeeded.
         if self.ctx.any_rank(failed is not None) and failed is None:
             raise FinalSaveFailed(f"rank 0 could not write the final model to {model_dir} (its message says "

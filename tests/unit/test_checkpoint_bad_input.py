@@ -155,7 +155,7 @@ def test_merge_refuses_to_overwrite_a_directory(capsys, tmp_path, run):
 @pytest.mark.parametrize("fmt,name", [("safetensors", "w.safetensors"), ("hf", "hf")])
 def test_interrupted_merge_leaves_nothing_behind(monkeypatch, tmp_path, run, fmt, name):
     from fitlm.checkpoint import merge
-    from fitlm.checkpoint.safetensors_stream import StreamingSafetensorsWriter
+    from fitlm.models.safetensors_io import StreamingSafetensorsWriter
 
     def fail_half_way(self, tensors):
         next(iter(tensors))  # some bytes are written, then the process "dies"

@@ -83,6 +83,19 @@ def half_then_enospc(serialize):
     return save
 
 
+def fill_streaming_writer(monkeypatch) -> None:
+    """Model weights are written tensor by tensor (fitlm.models.safetensors_io): the disk fills half-way
+    through the first tensor."""
+    from fitlm.models.safetensors_io import StreamingSafetensorsWriter
+
+    def write(self, name, tensor):
+        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        self._f.write(memoryview(data)[: max(data.nbytes // 2, 1)])
+        raise enospc()
+
+    monkeypatch.setattr(StreamingSafetensorsWriter, "write", write)
+
+
 def snapshot(path: Path) -> dict[str, bytes]:
     """Every file under `path` (or `path` itself), by relative name, with its bytes."""
     if path.is_file():
@@ -158,8 +171,6 @@ def model_dir(tmp_path_factory, tiny_corpus) -> Path:
 
 
 def test_export_hf_disk_full_keeps_previous_export(model_dir, tmp_path, monkeypatch, capsys):
-    from safetensors.torch import save
-
     out = tmp_path / "hf"
     args = ["export", str(model_dir), "--format", "hf", "--out", str(out)]
     assert main(args) == 0
@@ -167,7 +178,7 @@ def test_export_hf_disk_full_keeps_previous_export(model_dir, tmp_path, monkeypa
     before = snapshot(out)
     capsys.readouterr()
 
-    monkeypatch.setattr("fitlm.models.hf.save_file", half_then_enospc(lambda sd, metadata=None: save(sd, metadata)))
+    fill_streaming_writer(monkeypatch)
     code = main(args)
     err = capsys.readouterr().err
     assert_disk_full(code, err, out)
@@ -252,7 +263,7 @@ def test_merge_and_adapter_save_disk_full_keep_previous_results(model_dir, tmp_p
     capsys.readouterr()
 
     fill = half_then_enospc(lambda sd, metadata=None: save(sd, metadata))
-    monkeypatch.setattr("fitlm.models.hf.save_file", fill)
+    fill_streaming_writer(monkeypatch)
     code = main(args)
     err = capsys.readouterr().err
     assert_disk_full(code, err, out)
@@ -269,15 +280,12 @@ def test_merge_and_adapter_save_disk_full_keep_previous_results(model_dir, tmp_p
 
 
 def test_final_model_save_disk_full_keeps_previous_model(tiny_corpus, tmp_path, monkeypatch, capsys):
-    from safetensors.torch import save
-
     run, model = tmp_path / "run", tmp_path / "run" / "model"
     small = {"max_steps": 2, "eval_interval": 0, "gradient_accumulation_steps": 1, "micro_batch_size": 2}
     config = write_config(tmp_path / "run.yaml", tiny_config(tiny_corpus, run, train=small, checkpoint={"interval": 1}))
-    fill = half_then_enospc(lambda sd, metadata=None: save(sd, metadata))
 
     # The disk fills while the trained model is written: no model/ and no partial directory are left.
-    monkeypatch.setattr("fitlm.models.hf.save_file", fill)
+    fill_streaming_writer(monkeypatch)
     code = main(["train", str(config)])
     err = capsys.readouterr().err
     assert_disk_full(code, err, model)
@@ -294,7 +302,7 @@ def test_final_model_save_disk_full_keeps_previous_model(tiny_corpus, tmp_path, 
     # The run extended by a step (checkpoint.resume: auto) finds the disk full: the previous model/ stays.
     longer = write_config(tmp_path / "longer.yaml", tiny_config(tiny_corpus, run, train={**small, "max_steps": 3},
                                                                 checkpoint={"interval": 1}))
-    monkeypatch.setattr("fitlm.models.hf.save_file", fill)
+    fill_streaming_writer(monkeypatch)
     code = main(["train", str(longer)])
     err = capsys.readouterr().err
     assert_disk_full(code, err, model)

@@ -5,7 +5,7 @@ from fitlm.models.family import Family, GGUFNames, TPBlockPlan, llama_ffn
 from fitlm.models.hf import same_names_from_hf, same_names_to_hf
 from fitlm.models.llama import GGUF_TOP
 from fitlm.models.phi3 import hf
-from fitlm.models.phi3.model import Phi3ForCausalLM, fuse_state_dict, split_fused
+from fitlm.models.phi3.model import Phi3ForCausalLM, fuse_state_dict, split_fused, split_state_dict
 from fitlm.registry import register_family
 
 LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -28,6 +28,6 @@ FAMILY = register_family(Family(
     config_from_hf=hf.config_from_hf, config_to_hf=hf.config_to_hf, to_hf=_to_hf,
     from_hf=same_names_from_hf, default_ffn=llama_ffn, planner=counts.rope_planner(fused=True),
     # Tensor parallel splits the fused matrices first (split_fused): a row shard of [q; k; v] would mix heads.
-    tp_plan=TPBlockPlan(), prepare_tensor_parallel=split_fused,
+    tp_plan=TPBlockPlan(), prepare_tensor_parallel=split_fused, prepare_state_dict=split_state_dict,
     lora_linears=LINEARS, validate=_layer_types_uniform, gguf=GGUFNames("phi3", GGUF_LAYER, GGUF_TOP),
     features=("fused qkv_proj and gate_up_proj (HF/PEFT names)", "LongRoPE"),))

@@ -50,6 +50,24 @@ def split_fused(model: nn.Module) -> None:
             _split_linear(block.mlp, "gate_up_proj", {"gate_proj": cfg.ffn_size, "up_proj": cfg.ffn_size})
 
 
+def split_state_dict(sd: StateDict, cfg: ModelConfig) -> StateDict:
+    """Fused weights under the names `split_fused` gives (what a model split before sharding loads)."""
+    d, out = cfg.head_size, {}
+    parts = {"self_attn.qkv_proj.weight": {"self_attn.q_proj.weight": cfg.num_heads * d,
+                                           "self_attn.k_proj.weight": cfg.kv_heads * d,
+                                           "self_attn.v_proj.weight": cfg.kv_heads * d},
+             "mlp.gate_up_proj.weight": {"mlp.gate_proj.weight": cfg.ffn_size, "mlp.up_proj.weight": cfg.ffn_size}}
+    for key, t in sd.items():
+        fused = next((f for f in parts if key.endswith(f)), None)
+        if fused is None:
+            out[key] = t
+            continue
+        prefix = key.removesuffix(fused)
+        for (name, _), rows in zip(parts[fused].items(), t.split(list(parts[fused].values()), dim=0)):
+            out[prefix + name] = rows
+    return out
+
+
 def fuse_state_dict(sd: StateDict) -> StateDict:
     """Weights of a split model (tensor parallel runs) under HF's fused names; a fused state dict passes."""
     out = dict(sd)

@@ -1,0 +1,90 @@
+"""A parallelized model's full weights, one block at a time, on global rank 0.
+
+Why: gathering the whole state dict on rank 0 for the final save puts the whole model in one
+process's memory, the very thing sharding avoided. Here every rank walks its parameters block by
+block (`fitlm.models.streaming.layer_group`): the shards of one block are gathered (`full_tensor`,
+a collective over the ranks that hold them), handed to rank 0 -- sent by the other pipeline stages --
+and dropped before the next block. The consumer on rank 0 (`fitlm.models.io.write_model_dir`)
+writes each block as it arrives, so a rank's peak is its shard plus one block.
+
+Every rank must drain `full_groups` to the end, rank 0 included: the walk is a sequence of
+collectives, and a rank that stops early leaves the others waiting.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from fitlm.models.streaming import grouped
+from fitlm.parallel.apply import ParallelModel
+from fitlm.parallel.data_parallel import unwrap
+from fitlm.parallel.materialize import plain_name
+
+Specs = dict[str, tuple[torch.dtype, tuple[int, ...]]]
+
+
+def _local_modules(pm: ParallelModel) -> list[nn.Module]:
+    if pm.pipeline is not None:
+        return [m for _, m in pm.pipeline._bare()]
+    return [unwrap(pm.model)]
+
+
+def _state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Plain names -> tensors (DTensors stay sharded), the tied head once under each name it has."""
+    return {plain_name(k): v for k, v in module.state_dict().items()}
+
+
+def weight_specs(pm: ParallelModel) -> Specs:
+    """Every weight of the whole model, plain name -> (dtype, global shape). Collective under pipeline
+    parallel (each stage knows its own blocks only)."""
+    mine = {k: (v.dtype, tuple(v.shape)) for m in _local_modules(pm) for k, v in _state(m).items()}
+    if pm.pipeline is None:
+        return mine
+    everyone: list = [None] * dist.get_world_size(pm.pipeline.group)
+    dist.all_gather_object(everyone, mine, group=pm.pipeline.group)
+    return {k: v for stage in everyone for k, v in stage.items()}
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
+
+
+def _blocks(pm: ParallelModel) -> Iterator[dict[str, torch.Tensor]]:
+    """This rank's blocks, gathered over the ranks that shard them (every rank of a stage calls the same)."""
+    for module in _local_modules(pm):
+        state = _state(module)
+        for names in grouped(state).values():
+            yield {n: _full(state[n]) for n in names}
+
+
+def full_groups(pm: ParallelModel) -> Iterator[dict[str, torch.Tensor] | None]:
+    """One block's full weights at a time on global rank 0; None on the other ranks. Collective: drain it
+    on every rank."""
+    ctx = pm.ctx
+    if pm.pipeline is None:
+        for block in _blocks(pm):
+            yield block if ctx.is_main else None
+        return
+    # Pipeline: the first data/tensor-parallel replica of each stage sends its blocks to pp rank 0 in turn.
+    group, first = pm.pipeline.group, ctx.dp_rank == 0 and ctx.tp_rank == 0
+    for stage in range(ctx.pp):
+        if ctx.pp_rank == stage:
+            for block in _blocks(pm):
+                if first and stage == 0:
+                    yield block if ctx.is_main else None
+                elif first:
+                    dist.send_object_list([block], group_dst=0, group=group)
+            if first and stage != 0:
+                dist.send_object_list([None], group_dst=0, group=group)  # this stage is done
+        elif ctx.pp_rank == 0 and first:
+            while True:
+                box: list = [None]
+                dist.recv_object_list(box, group_src=stage, group=group)
+                if box[0] is None:
+                    break
+                yield box[0] if ctx.is_main else None

@@ -1,0 +1,102 @@
+"""Give a model that was built on the meta device and then parallelized its weights, this rank's share only.
+
+Why: building (or loading) the whole fp32 model on every rank before sharding it costs each rank the
+whole model in host memory first -- a 7B model needs ~28 GB per rank before ZeRO-3 or tensor
+parallel can help. So the trainer builds on meta (no storage), lets `fitlm.parallel.apply` split and
+shard it as usual, and only then calls `materialize`: every module gets uninitialised storage for
+its own parameters (`to_empty`: FSDP2 allocates the local shards, tensor parallel its slices, a
+pipeline stage its blocks), then each full weight arrives once, from a stream that holds one tensor
+at a time (`fitlm.models.init_replay` for a seeded initialisation, `fitlm.models.streaming` for
+files), and each rank copies out the slice its parameter holds. The values equal the single-process
+model's, so every layout still trains exactly as the single process does.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable, Iterable
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from fitlm.models.streaming import layer_group
+
+# Levels that wrappers insert into parameter names: DDP's module., torch.compile, checkpoint_wrapper.
+_WRAPPERS = re.compile(r"(?<![^.])(module|_orig_mod|_checkpoint_wrapped_module|_fsdp_wrapped_module)\.")
+
+
+class MaterializeError(ValueError):
+    """The weights do not fit the model built from the config (a name or a shape); the message names it."""
+
+
+def plain_name(name: str) -> str:
+    """A parameter's name in the unwrapped model (what the weight streams use)."""
+    return _WRAPPERS.sub("", name)
+
+
+def tied_aliases(model: nn.Module) -> dict[str, list[str]]:
+    """First name -> the other names of each parameter registered under several (a tied head)."""
+    first: dict[int, str] = {}
+    aliases: dict[str, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases.setdefault(first[id(p)], []).append(name)
+        else:
+            first[id(p)] = name
+    return aliases
+
+
+def _fill(param: torch.Tensor, full: torch.Tensor, name: str) -> None:
+    """Copy this rank's part of the full weight into `param` (a plain tensor or a DTensor of any placement)."""
+    if tuple(full.shape) != tuple(param.shape):
+        raise MaterializeError(f"weight {name}: the weights hold {list(full.shape)} but the model built from the "
+                               f"config needs {list(param.shape)}; the config does not match the weights")
+    full = full.to(param.dtype)
+    if isinstance(param, DTensor):
+        # src_data_rank=None: every rank has the full tensor, so each slices locally, without communication.
+        local = distribute_tensor(full.to(param.device), param.device_mesh, param.placements,
+                                  src_data_rank=None).to_local()
+        param.to_local().copy_(local)
+    else:
+        param.copy_(full)
+
+
+@torch.no_grad()
+def materialize(modules: list[nn.Module], weights: Callable[[set[str]], Iterable[tuple[str, torch.Tensor]]],
+                device: torch.device | str, aliases: dict[str, list[str]] | None = None) -> None:
+    """Allocate `modules` (this rank's parts, built on meta) on `device` and fill them from
+    `weights(groups)`: (plain name, full tensor) pairs, each name once; `groups` are the blocks
+    (`fitlm.models.streaming.layer_group`) these modules hold, so a stream may skip the others.
+    `aliases`: the other names of tied weights (`tied_aliases` of the unsplit model): a pipeline's last
+    stage holds the tied head as its own copy. Raises MaterializeError naming the first weight the
+    model has but the stream never gave."""
+    aliases = aliases or {}
+    targets: dict[str, list[torch.Tensor]] = {}
+    for module in modules:
+        module.to_empty(device=device)
+        for m in module.modules():
+            if hasattr(m, "tie_weights"):
+                m.tie_weights()  # to_empty gives each registration its own storage: share the tied head again
+        seen: set[int] = set()
+        for name, p in module.named_parameters(remove_duplicate=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                targets.setdefault(plain_name(name), []).append(p)
+    filled: set[str] = set()
+    back = {alias: name for name, names in aliases.items() for alias in names}
+    groups = {layer_group(back.get(n, n)) for n in targets}
+    for name, full in weights(groups):
+        for n in (name, *aliases.get(name, ())):
+            for p in targets.get(n, ()):
+                _fill(p, full, n)
+                filled.add(n)
+    missing = [n for n in targets if n not in filled]
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise MaterializeError(f"the weights give no value for {', '.join(missing[:3])}{more}; they do not match "
+                               f"the model built from the config")
+    for module in modules:
+        for m in module.modules():
+            if hasattr(m, "reset_rope"):
+                m.reset_rope(device)  # non-persistent buffers (RoPE tables) are computed, not stored
