@@ -112,7 +112,7 @@ def run(args) -> dict:
     # fitlm.parallel.apply's order: precision (FSDP2 owns O2's casts) -> recompute -> compile -> chunked loss -> FSDP2.
     apply_precision(model, cfg.memory, sharded=True)
     apply_recompute(model, cfg.memory.recompute, cfg.memory.recompute_every_n_layers)
-    apply_compile(model, cfg.memory.compile)
+    apply_compile(model, cfg.memory)  # per block: FSDP2 wraps the blocks below
     apply_chunked_loss(model, cfg.memory.loss_chunk_size, compiled=cfg.memory.compile)
     policy = dict(mesh=mesh, mp_policy=fsdp_mixed_precision(cfg.memory), reshard_after_forward=True)
     for block in transformer_blocks(model):

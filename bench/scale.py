@@ -8,13 +8,14 @@ device, read tensor by tensor, keep this rank's slices), the training steps and 
 (gathered block by block) to output_dir/host_memory.json; this script prints them beside the
 model's fp32 size and what `fitlm plan` predicts for the host.
 
-    python bench/scale.py [--out bench/results/scale.json] [--markdown] [--layers 12]
+    python bench/scale.py [--out bench/results/scale.json] [--markdown] [--layers 12] [--mmap-threshold 65536]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -24,11 +25,12 @@ import yaml
 from bytes_per_param import ROOT, fitlm, prepare  # run as a script: bench/ is on sys.path
 
 GIB = 2**30
-RUNS = [  # (name, finetune, parallel)
-    ("LoRA, dp2 ZeRO-3", {"method": "lora", "lora": {"r": 16, "alpha": 32, "target_modules": ["all-linear"]}},
-     {"data_parallel": 2, "zero_stage": 3}),
-    ("full, dp2 ZeRO-3", {"method": "full"}, {"data_parallel": 2, "zero_stage": 3}),
-    ("full, tp2", {"method": "full"}, {"tensor_parallel": 2}),
+LORA = {"method": "lora", "lora": {"r": 16, "alpha": 32, "target_modules": ["all-linear"]}}
+RUNS = [  # (name, finetune, parallel, memory)
+    ("LoRA, dp2 ZeRO-3", LORA, {"data_parallel": 2, "zero_stage": 3}, {}),
+    ("LoRA O2 (bf16), dp2 ZeRO-3", LORA, {"data_parallel": 2, "zero_stage": 3}, {"mixed_precision": "O2"}),
+    ("full, dp2 ZeRO-3", {"method": "full"}, {"data_parallel": 2, "zero_stage": 3}, {}),
+    ("full, tp2", {"method": "full"}, {"tensor_parallel": 2}, {}),
 ]
 
 
@@ -47,8 +49,9 @@ def make_hf_model(path: Path, layers: int) -> int:
     return n
 
 
-def config(tmp: Path, name: str, hf: Path, data: Path, tok: Path, finetune: dict, parallel: dict) -> Path:
-    cfg = {"model": {"init_from": str(hf)}, "finetune": finetune, "parallel": parallel,
+def config(tmp: Path, name: str, hf: Path, data: Path, tok: Path, finetune: dict, parallel: dict,
+           memory: dict) -> Path:
+    cfg = {"model": {"init_from": str(hf)}, "finetune": finetune, "parallel": parallel, "memory": memory,
            "data": {"train": str(data), "tokenizer": str(tok), "seq_length": 128},
            "train": {"micro_batch_size": 1, "gradient_accumulation_steps": 1, "max_steps": 2, "eval_interval": 0,
                      "warmup_steps": 0, "log_interval": 1, "progress": False, "output_dir": str(tmp / name),
@@ -76,7 +79,11 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--only", type=int, help="run only RUNS[N]")
+    ap.add_argument("--mmap-threshold", type=int, help="glibc's MALLOC_MMAP_THRESHOLD_ for the runs (bytes): "
+                    "allocations above it are returned to the system when freed instead of kept in the heap")
     args = ap.parse_args()
+    if args.mmap_threshold:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)  # inherited by torchrun and the ranks
     rows = []
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
@@ -84,11 +91,11 @@ def main() -> None:
         params = make_hf_model(hf, args.layers)
         tok, data = prepare(tmp)
         fp32 = params * 4
-        for i, (name, finetune, parallel) in enumerate(RUNS):
+        for i, (name, finetune, parallel, memory) in enumerate(RUNS):
             if args.only is not None and i != args.only:
                 continue
             slug = f"run{i}"
-            cfg = config(tmp, slug, hf, data, tok, finetune, parallel)
+            cfg = config(tmp, slug, hf, data, tok, finetune, parallel, memory)
             start = time.perf_counter()
             proc = fitlm("train", str(cfg), "--nproc", "2")
             seconds = time.perf_counter() - start
@@ -101,7 +108,8 @@ def main() -> None:
                          "peaks": host, "plan": plan_host(cfg),
                          "max_peak_over_half_fp32": max(max(v) for v in host.values()) - fp32 / 2})
             print(json.dumps(rows[-1]), file=sys.stderr)
-    out = {"machine": {"python": sys.version.split()[0]}, "layers": args.layers, "rows": rows}
+    out = {"machine": {"python": sys.version.split()[0]}, "layers": args.layers,
+           "mmap_threshold": args.mmap_threshold, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     if args.markdown:

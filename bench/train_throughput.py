@@ -12,12 +12,15 @@ Not a test: it prints a table (stderr with --json) and writes JSON. For each mod
   and one step of a minimal hand-written loop (`loop`: the HF model, F.cross_entropy, AdamW foreach, clip)
   — the contenders are interleaved step by step, so a shared machine slows them alike;
 * **best settings**: the HF Trainer with `torch_compile=True` and bf16 (`bf16=True`, autocast) where bf16
-  matmuls have a fast path, interleaved the same way with fitlm's best (`--fitlm-best`; default: compile
-  per block + chunked loss, precision O2 bf16 where bf16 is fast, else O0). On a CPU without AVX512-BF16/AMX
+  matmuls have a fast path, interleaved the same way with fitlm's best (`--fitlm-best`; default:
+  memory.compile, which takes the whole model with its chunked loss in one process, + chunked loss,
+  precision O2 bf16 where bf16 is fast, else O0). On a CPU without AVX512-BF16/AMX
   (oneDNN reports no bf16 support) bf16 GEMMs run ~100x slower than fp32, so there both "best" runs use fp32
   (override with --hf-best-precision bf16 / --fitlm-best "O3,compile,chunk=1024");
 * compile time is the first step's excess over the median step, reported apart; steps after `--warmup`
   are timed (median);
+* `--rounds` (3) repeats both runs of a size; tokens/s are medians over rounds of each round's median step,
+  and each ratio is taken within a round (same load for both contenders), then its median over rounds;
 * memory at identical settings, each framework in its own child process: peak bytes held by live tensors
   over one training step (torch's MemTracker, fitlm.memory.tracking.peak_live_bytes: parameters, grads,
   optimizer states, activations, temporaries) for fitlm's Trainer and for the HF Trainer's
@@ -26,7 +29,7 @@ Not a test: it prints a table (stderr with --json) and writes JSON. For each mod
 fitlm's identical-settings run uses fitlm's chunked loss (`--identical-chunk`, exact same math, no full
 [tokens x vocab] logits); `fitlm_plain_*` fields give fitlm with loss_chunk_size 0 for comparison.
 
-    python bench/train_throughput.py [--json] [--sizes s-2k m-8k l-32k] [--steps 4] [--warmup 2]
+    python bench/train_throughput.py [--json] [--sizes s-2k m-8k l-32k] [--steps 4] [--warmup 2] [--rounds 3]
                                      [--batch 8] [--seq 256] [--profile] [--no-compile]
                                      [--out bench/results/train_throughput.json]
     python bench/train_throughput.py --markdown [bench/results/train_throughput.json]   # RESULTS.md tables
@@ -279,7 +282,9 @@ def profile_step(step, label: str, rows: int = 12) -> list[dict]:
     return top
 
 
-def run_size(size: str, data_dir: Path, tmp: Path, args, best_mem: dict, hf_prec: str) -> dict:
+def measure_round(size: str, data_dir: Path, tmp: Path, args, best_mem: dict, hf_prec: str, r: int) -> dict:
+    """One round: the identical-settings run, then the best-settings run, each interleaved step by step.
+    Returns every contender's step times, the FLOPs per token and (with --profile) the top ops."""
     import torch
 
     from fitlm.registry import build_model
@@ -288,25 +293,26 @@ def run_size(size: str, data_dir: Path, tmp: Path, args, best_mem: dict, hf_prec
     model_cfg = SIZES[size]
     steps = args.warmup + args.steps
     id_mem = {"loss_chunk_size": args.identical_chunk} if args.identical_chunk else {}
-    cfg = fitlm_config(model_cfg, data_dir, tmp / size / "fitlm", args.batch, args.seq, id_mem)
-    tokens = args.batch * args.seq
+    root = tmp / size / f"round{r}"
+    cfg = fitlm_config(model_cfg, data_dir, root / "fitlm", args.batch, args.seq, id_mem)
     batches = batches_for(cfg, steps + 2)
 
-    def hf_copy():
+    def hf_copy(attn: str = "sdpa"):
         torch.manual_seed(cfg.train.seed)  # the seed fitlm's Trainer builds its model with: same weights
-        return hf_model_from_fitlm(build_model(cfg.model), cfg.model)
+        return hf_model_from_fitlm(build_model(cfg.model), cfg.model, attn)
 
     # Identical settings: HF Trainer fp32 eager drives; fitlm (fp32 eager) and the loop step in between.
-    log(f"[{size}] identical settings (fp32, eager): HF Trainer, fitlm, loop interleaved, {steps} steps each")
+    log(f"[{size}] round {r + 1}/{args.rounds} identical settings (fp32, eager): HF Trainer, fitlm, loop "
+        f"interleaved, {steps} steps each")
     fit_id = Trainer(cfg)
     contenders = {"fitlm": fitlm_step(fit_id), "loop": loop_step(hf_copy(), batches)}
     if args.plain:
-        plain = Trainer(fitlm_config(model_cfg, data_dir, tmp / size / "plain", args.batch, args.seq, {}))
+        plain = Trainer(fitlm_config(model_cfg, data_dir, root / "plain", args.batch, args.seq, {}))
         contenders["fitlm_plain"] = fitlm_step(plain)
-    hf_id = hf_trainer(hf_copy(), batches, tmp / size / "hf", steps, "fp32", False)
-    t_id = interleaved(hf_id, contenders)
+    hf_id = hf_trainer(hf_copy(), batches, root / "hf", steps, "fp32", False)
+    times = interleaved(hf_id, contenders)
     prof = {}
-    if args.profile:
+    if args.profile and r == 0:
         prof["fitlm"] = profile_step(contenders["fitlm"], f"{size} fitlm identical")
         prof["loop"] = profile_step(contenders["loop"], f"{size} loop (HF model)")
     flops_per_token = fit_id.flops_per_token
@@ -314,35 +320,54 @@ def run_size(size: str, data_dir: Path, tmp: Path, args, best_mem: dict, hf_prec
     gc.collect()
 
     # Best settings: HF Trainer (compile + bf16 where fast) drives; fitlm's best steps in between.
-    hf_desc = hf_prec + (" + torch_compile" if args.compile else "")
-    log(f"[{size}] best settings: HF Trainer ({hf_desc}) vs fitlm ({describe(best_mem)})")
-    fit_best = Trainer(fitlm_config(model_cfg, data_dir, tmp / size / "best", args.batch, args.seq, best_mem))
+    log(f"[{size}] round {r + 1}/{args.rounds} best settings: HF Trainer ({hf_best_desc(hf_prec, args)}) vs "
+        f"fitlm ({describe(best_mem)})")
+    # Both compile afresh, as each would in its own process: dynamo's cache per code object fills across rounds and
+    # sizes otherwise, and the accelerate forward every HF model shares hit its recompile_limit and ran eager.
+    torch._dynamo.reset()
+    fit_best = Trainer(fitlm_config(model_cfg, data_dir, root / "best", args.batch, args.seq, best_mem))
     best_step = fitlm_step(fit_best)
-    hf_best = hf_trainer(hf_copy(), batches, tmp / size / "hf_best", steps, hf_prec, args.compile)
+    hf_best = hf_trainer(hf_copy(args.hf_best_attn), batches, root / "hf_best", steps, hf_prec, args.compile)
     t_best = interleaved(hf_best, {"fitlm_best": best_step})
-    if args.profile:
+    times.update(fitlm_best=t_best["fitlm_best"], hf_trainer_best=t_best["hf"], hf_trainer=times.pop("hf"))
+    if args.profile and r == 0:
         prof["fitlm_best"] = profile_step(best_step, f"{size} fitlm best")
     del fit_best, hf_best, best_step
     gc.collect()
+    return {"times": times, "flops_per_token": flops_per_token, "profile": prof}
 
+
+def hf_best_desc(hf_prec: str, args) -> str:
+    attn = "" if args.hf_best_attn == "sdpa" else f" + {args.hf_best_attn} attention"
+    return hf_prec + (" + torch_compile" if args.compile else "") + attn
+
+
+def run_size(size: str, data_dir: Path, tmp: Path, args, best_mem: dict, hf_prec: str) -> dict:
+    """`args.rounds` rounds of `measure_round`; every figure is the median over rounds of that round's median
+    step (or ratio), so a burst of another job's work that hits one round moves the result little."""
+    rounds = [measure_round(size, data_dir, tmp, args, best_mem, hf_prec, r) for r in range(args.rounds)]
+    model_cfg = SIZES[size]
+    tokens = args.batch * args.seq
+    id_mem = {"loss_chunk_size": args.identical_chunk} if args.identical_chunk else {}
     r = {"size": size, "model": model_cfg, "vocab_size": model_cfg["vocab_size"], "batch": args.batch,
-         "seq": args.seq, "tokens_per_step": tokens, "flops_per_token": flops_per_token,
-         "fitlm_settings": describe(id_mem), "fitlm_best_settings": describe(best_mem),
-         "hf_trainer_best_settings": hf_desc, "loop_model": "transformers LlamaForCausalLM"}
-    for key, times in (("fitlm", t_id["fitlm"]), ("hf_trainer", t_id["hf"]), ("loop", t_id["loop"]),
-                       ("fitlm_plain", t_id.get("fitlm_plain")), ("fitlm_best", t_best["fitlm_best"]),
-                       ("hf_trainer_best", t_best["hf"])):
-        if not times:
+         "seq": args.seq, "tokens_per_step": tokens, "flops_per_token": rounds[0]["flops_per_token"],
+         "rounds": args.rounds, "fitlm_settings": describe(id_mem), "fitlm_best_settings": describe(best_mem),
+         "hf_trainer_best_settings": hf_best_desc(hf_prec, args), "loop_model": "transformers LlamaForCausalLM"}
+    for key in ("fitlm", "hf_trainer", "loop", "fitlm_plain", "fitlm_best", "hf_trainer_best"):
+        per_round = [x["times"][key] for x in rounds if x["times"].get(key)]
+        if not per_round:
             continue
-        med, first = steady(times, args.warmup)
+        meds = [steady(times, args.warmup)[0] for times in per_round]
+        med = median(meds)
         r[f"{key}_tokens_per_s"] = round(tokens / med, 1)
         r[f"{key}_step_s"] = round(med, 4)
-        r[f"{key}_min_step_s"] = round(min(times[args.warmup:]), 4)  # robust to another job's bursts
-        r[f"{key}_step_times_s"] = [round(t, 4) for t in times]
-        if key.endswith("best"):
-            r[f"{key}_compile_s"] = round(first, 2)
-    if prof:
-        r["profile"] = prof
+        r[f"{key}_round_step_s"] = [round(m, 4) for m in meds]
+        r[f"{key}_min_step_s"] = round(min(t for times in per_round for t in times[args.warmup:]), 4)
+        r[f"{key}_step_times_s"] = [round(t, 4) for times in per_round for t in times]
+        if key.endswith("best"):  # the first round compiles; later rounds find the graphs in torch's caches
+            r[f"{key}_compile_s"] = round(steady(per_round[0], args.warmup)[1], 2)
+    if rounds[0]["profile"]:
+        r["profile"] = rounds[0]["profile"]
     if args.memory:
         log(f"[{size}] memory at identical settings (child processes)")
         fm = memory_in_child("fitlm", size, data_dir, args)
@@ -354,12 +379,15 @@ def run_size(size: str, data_dir: Path, tmp: Path, args, best_mem: dict, hf_prec
             pm = memory_in_child("fitlm_plain", size, data_dir, args)
             r.update(fitlm_plain_peak_bytes=pm["peak_live_bytes"]["total"], fitlm_plain_rss_bytes=pm["rss_bytes"])
         r["memory_ratio"] = round(r["fitlm_peak_bytes"] / r["hf_trainer_peak_bytes"], 3)
-    r["identical_ratio"] = round(r["fitlm_tokens_per_s"] / r["hf_trainer_tokens_per_s"], 3)
-    r["best_ratio"] = round(r["fitlm_best_tokens_per_s"] / r["hf_trainer_best_tokens_per_s"], 3)
-    # The same ratios from the fastest timed step of each: on a shared machine the median can catch bursts
-    # of another job in one contender's steps and not in the other's; the minimum rarely does.
-    r["identical_ratio_min_step"] = round(r["hf_trainer_min_step_s"] / r["fitlm_min_step_s"], 3)
-    r["best_ratio_min_step"] = round(r["hf_trainer_best_min_step_s"] / r["fitlm_best_min_step_s"], 3)
+    # Each ratio is taken within a round (the contenders stepped in turn, under the same load), then the
+    # median over rounds.
+    for name, (ours, theirs) in {"identical": ("fitlm", "hf_trainer"), "best": ("fitlm_best", "hf_trainer_best")}.items():
+        per_round = [b / a for a, b in zip(r[f"{ours}_round_step_s"], r[f"{theirs}_round_step_s"])]
+        r[f"{name}_ratio_rounds"] = [round(x, 3) for x in per_round]
+        r[f"{name}_ratio"] = round(median(per_round), 3)
+        # From the fastest timed step of each: the median can catch bursts of another job in one contender's
+        # steps and not in the other's; the minimum rarely does.
+        r[f"{name}_ratio_min_step"] = round(r[f"{theirs}_min_step_s"] / r[f"{ours}_min_step_s"], 3)
     return r
 
 
@@ -379,8 +407,9 @@ def table(report: dict) -> str:
              f"{m.get('load_avg_1m', '?')}; Python {m['python']}, torch {m['torch']}, transformers {m.get('transformers', '-')}",
              f"- Command: `{report.get('command', 'python bench/train_throughput.py')}` ({report.get('wall_s', 0):.0f} s)",
              "- Measured GEMM peak: " + ", ".join(f"{k} {v / 1e9:,.0f} GFLOP/s" for k, v in report["gemm_peak_flops"].items()),
-             f"- Batch {res[0]['batch']} × sequence {res[0]['seq']}; tokens/s of the median step after warm-up; "
-             "ratios > 1 favour fitlm, in brackets from the fastest step of each",
+             f"- Batch {res[0]['batch']} × sequence {res[0]['seq']}; tokens/s of the median step after warm-up, "
+             f"median over {res[0].get('rounds', 1)} rounds; ratios > 1 favour fitlm: each round's ratio of median "
+             "steps (contenders interleaved step by step), median over rounds; in brackets from the fastest step of each",
              "",
              "| size | vocab | fitlm | HF Trainer | loop | fitlm / HF (min step) | fitlm best | HF best "
              "| best ratio (min step) | fitlm best MFU | compile s fitlm / HF |",
@@ -415,10 +444,15 @@ def main() -> None:
     ap.add_argument("--sizes", nargs="+", default=["s-2k", "m-8k", "l-32k"], choices=list(SIZES))
     ap.add_argument("--steps", type=int, default=4, help="timed steps per contender (median reported)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed first steps (compile, optimizer states)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="repeat each size's identical and best runs; medians and ratios over rounds")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--fitlm-best", default="auto", help="e.g. 'O0,compile,chunk=1024' or 'O3,compile,chunk=1024'")
     ap.add_argument("--hf-best-precision", default="auto", choices=["auto", "bf16", "fp32"])
+    ap.add_argument("--hf-best-attn", default="sdpa", choices=["sdpa", "eager"],
+                    help="the HF model's attn_implementation in the best run (sdpa: transformers' default, the "
+                         "kernel fitlm calls too)")
     ap.add_argument("--identical-chunk", type=int, default=1024,
                     help="fitlm's loss_chunk_size at identical settings (0 = full logits like HF)")
     ap.add_argument("--plain", action="store_true", help="also time fitlm with loss_chunk_size 0 at identical settings")

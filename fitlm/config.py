@@ -190,11 +190,11 @@ class ParallelConfig(_Section):
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
     """Pipeline schedule."""
     micro_batch_num: int = 1
-    """Pipeline chunks each micro batch is split into; at least pipeline_parallel."""
+    """Pipeline chunks each micro batch is split into. All micro batches of a step go through one schedule run of micro_batch_num × gradient_accumulation_steps chunks, which must be at least pipeline_parallel; the bubble is (p-1)/(chunks+p-1) of the step."""
     pipeline_layers: list[int] | None = None
     """Blocks per pipeline stage, e.g. [5, 5, 5, 3] (one entry per virtual stage under interleaved_1f1b); null = balanced."""
     gradient_sync: Literal["auto", "every_micro_batch", "last_micro_batch"] = "auto"
-    """With gradient accumulation, when data-parallel gradients are reduced: `last_micro_batch` once per step (least traffic, but ZeRO-2/3 then hold whole unsharded gradients until the last micro batch); `every_micro_batch` (ZeRO-2/3 keep only their gradient shard, for accumulation × the reduce-scatter traffic); `auto` = every micro batch under ZeRO-2/3, the last otherwise."""
+    """With gradient accumulation, when data-parallel gradients are reduced: `last_micro_batch` once per step (least traffic, but ZeRO-2/3 then hold whole unsharded gradients until the last micro batch); `every_micro_batch` (ZeRO-2/3 keep only their gradient shard, for accumulation × the reduce-scatter traffic); `auto` = every micro batch under ZeRO-2/3, the last otherwise. Under pipeline parallel gradients are reduced once per step whatever this says (the step's micro batches share one schedule run)."""
     timeout_s: int = 1800
     """Seconds a collective or barrier waits for the other ranks (gloo and nccl); past it the run stops with an error naming the rank that stopped responding and its phase. Raise it when one rank legitimately works alone that long (a large final save, a slow filesystem)."""
 
@@ -241,7 +241,7 @@ class MemoryConfig(_Section):
     cpu_offload: bool = False
     """Keep optimizer states (and with ZeRO-2/3 parameters and gradients too) in host memory; the optimizer steps on the CPU."""
     compile: bool = False
-    """Wrap each block with torch.compile (eager is the default, easier to debug)."""
+    """torch.compile the whole model with its loss (one process, DDP, ZeRO-1), or each block where FSDP2 (ZeRO-2/3), recompute, tensor or pipeline parallel wrap blocks (eager is the default, easier to debug)."""
     loss_chunk_size: int = 0
     """Tokens per chunk of the fused output-layer + cross-entropy, so the [tokens, vocab] logits never exist whole; 0 = plain."""
 

@@ -79,7 +79,11 @@ class ParallelDims:
 
     def reduce_every_micro_batch(self, gradient_sync: str) -> bool:
         """parallel.gradient_sync resolved: `auto` reduces every micro batch exactly when ZeRO-2/3 shard
-        gradients (they keep only their shard between micro batches); otherwise as the key says."""
+        gradients (they keep only their shard between micro batches); otherwise as the key says. Under
+        pipeline parallel never: all micro batches of a step share one schedule run, which reduces once,
+        after its last backward (torch's PipelineStage drives FSDP2's sync itself)."""
+        if self.pp > 1:
+            return False
         if gradient_sync == "auto":
             return self.fsdp_sharded
         return gradient_sync == "every_micro_batch"

@@ -15,7 +15,8 @@ from fitlm.models.loss import chunked_cross_entropy_sum
 
 
 def apply_chunked_loss(model: nn.Module, chunk_size: int, compiled: bool = False) -> nn.Module:
-    """`compiled` (memory.compile): each chunk's softmax/gradient arithmetic is fused by torch.compile."""
+    """`compiled` (memory.compile): each chunk's softmax/gradient arithmetic is fused by torch.compile, in
+    the model's own graph when the whole model is compiled (fitlm.memory.compile)."""
     if not chunk_size:
         return model
     inner = model.forward

@@ -42,7 +42,7 @@ def _chunk(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, need_grad: bo
 
     h [c,C], weight [V,C], y [c]. One [c,V] buffer, updated in place: logits -> shifted -> exp -> softmax
     -> gradient (the textbook logsumexp / exp(logits - lse) / one-hot / mask made four [c,V] passes more
-    and held three such blocks at once). A pure function of tensors, so `memory.compile` can fuse it.
+    and held three such blocks at once): the eager form; memory.compile runs `_fused_chunk` instead.
     """
     valid = y != IGNORE_INDEX
     target = torch.where(valid, y, 0)[:, None]  # [c,1]
@@ -59,14 +59,38 @@ def _chunk(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, need_grad: bo
     grad.scatter_add_(1, target, torch.full_like(target, -1.0, dtype=grad.dtype))
     grad *= valid[:, None]
     del logits, probs
-    grad = grad.to(h.dtype)  # [c,V] as the plain path's backward would see it
+    return total, _backprop(grad.to(h.dtype), h, weight, grad_weight)  # [c,V] as the plain path's backward sees it
+
+
+def _fused_chunk(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, need_grad: bool,
+                 grad_weight: torch.Tensor | None):
+    """`_chunk`'s arithmetic written for torch.compile (memory.compile): out of place, the one-hot as a
+    comparison with the column index, so inductor fuses log-sum-exp, softmax, one-hot and mask into passes
+    over the [c,V] logits that store nothing but the half gradient. Compiled, the in-place form's scatter
+    and in-place chain took 1.75x as long (a [2,048 x 32,000] chunk, one thread of the 2-core CPU: 247 vs
+    141 ms)."""
+    valid = y != IGNORE_INDEX
+    target = torch.where(valid, y, 0)[:, None]  # [c,1]
+    logits = (h @ weight.t()).float()  # [c,V]
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [c,1]
+    total = ((lse - logits.gather(1, target)).squeeze(1) * valid).sum()
+    if not need_grad:
+        return total, None
+    onehot = torch.arange(logits.shape[1], device=logits.device) == target  # [c,V], fused away
+    grad = ((logits - lse).exp() - onehot.float()) * valid[:, None]
+    return total, _backprop(grad.to(h.dtype), h, weight, grad_weight)
+
+
+def _backprop(grad: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, grad_weight: torch.Tensor | None):
+    """Given d(sum CE)/d logits [c,V]: accumulate the weight's gradient into `grad_weight` (when given) and
+    return d(sum CE)/d h [c,C]."""
     if grad_weight is None:
         pass
     elif grad_weight.dtype == grad.dtype:
         grad_weight.addmm_(grad.t(), h)
     else:
         grad_weight += (grad.t() @ h).float()
-    return total, grad @ weight
+    return grad @ weight
 
 
 _compiled_chunk = None
@@ -76,8 +100,12 @@ def _chunk_fn(compiled: bool):
     global _compiled_chunk
     if not compiled:
         return _chunk
+    if torch.compiler.is_compiling():
+        # Traced into a whole-model graph (fitlm.memory.compile): fused there. Reading the global below
+        # while tracing would guard on its lazy creation, and that guard fails (a recompile) once it exists.
+        return _fused_chunk
     if _compiled_chunk is None:  # one compiled function for every model in the process
-        _compiled_chunk = torch.compile(_chunk, dynamic=False)
+        _compiled_chunk = torch.compile(_fused_chunk, dynamic=False)
     return _compiled_chunk
 
 

@@ -2,8 +2,8 @@
 
 A layout is (data_parallel, tensor_parallel, pipeline_parallel) plus the ZeRO stage. The rules:
 dp × tp × pp = world size; tp divides the head counts, the MLP width and the vocabulary; pp at most
-the number of layers; at least pp pipeline micro-batches. Which features compose with which is
-fitlm.rules' table, checked with the config.
+the number of layers; at least pp pipeline chunks per step (micro_batch_num × gradient accumulation).
+Which features compose with which is fitlm.rules' table, checked with the config.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ def tp_problems(cfg: Config, tp: int) -> list[str]:
 def pp_problems(cfg: Config) -> list[str]:
     from fitlm.parallel.pipeline import pipeline_problems  # rules live beside the code they protect
 
-    return pipeline_problems(cfg.model, cfg.parallel, cfg.train.micro_batch_size)
+    t = cfg.train
+    return pipeline_problems(cfg.model, cfg.parallel, t.micro_batch_size, t.gradient_accumulation_steps)
 
 
 def valid_layouts(cfg: Config, world_size: int) -> list[Layout]:

@@ -1,17 +1,16 @@
 """Pipeline parallel on `torch.distributed.pipelining`: carve stages out of a full model, schedule them.
 
-Per optimizer step (see `pipeline_step`): each pp rank runs the schedule over the same micro batch, split
-into `micro_batch_num` chunks; the last stage computes `cross_entropy_sum(chunk) / total_targets` where
-`total_targets` counts the targets of the whole step, and the schedule does not rescale gradients, so
-the accumulated gradient is exactly the single-process token-weighted mean's.
+One schedule run per optimizer step (see `Pipeline.step`): every pp rank feeds the schedule the step's
+accumulation micro batches concatenated along the batch dimension, [G·B, T], which it splits into
+`micro_batch_num × G` chunks of B / micro_batch_num rows, so the pipeline fills and drains once per step
+and its bubble is (p-1)/(m·G+p-1), not (p-1)/(m+p-1) paid G times. The last stage computes
+`cross_entropy_sum(chunk) / total_targets`, where `total_targets` counts the targets of the whole step,
+and the schedule does not rescale gradients, so the accumulated gradient is exactly the single-process
+token-weighted mean's.
 
 Stage ids: rank r holds stage r (gpipe, 1f1b) or stages r and r + pp (interleaved_1f1b, v = 2), which is
-the placement torch's schedules assume (stage i lives on pp rank i % pp).
-
-Tied embeddings (`model.tie_embeddings`) across pp ranks: the first stage keeps `embed_tokens.weight`,
-the last stage a copy as `lm_head.weight`. `sync_tied_grads` adds the two gradients together (what a
-single shared Parameter would get); both copies start equal and receive equal updates, provided the
-optimizer treats them alike (`fitlm.step.optim.param_groups`). The copy is counted once in `clip_grad_norm_pp`.
+the placement torch's schedules assume (stage i lives on pp rank i % pp). Tied embeddings, the global
+gradient norm and the state dict gather live in fitlm.parallel.pipeline_state.
 
 The functions are the building blocks; `Pipeline` bundles them the way fitlm.parallel.apply and the
 trainer use them.
@@ -26,14 +25,19 @@ from typing import Callable, Iterable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-from torch.distributed.tensor import DTensor
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                          ScheduleLoopedBFS)
 
 from fitlm.models.loss import cross_entropy_sum
+from fitlm.parallel.pipeline_state import (TIED_COPY, _as_group, clip_grad_norm_pp,  # noqa: F401 (re-exported)
+                                           gather_full_state_dict, sync_tied_grads, tag_tied_copies)
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 VIRTUAL_STAGES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2}
-TIED_COPY = "_fitlm_pp_tied_copy"  # attribute set on the last stage's copy of a tied embedding
+# Forward-only runs (evaluation, one micro batch at a time) go fill-drain: without a backward there is nothing
+# for 1F1B or interleaving to overlap, and these take any chunk count, where 1F1B refuses fewer chunks than
+# stages -- which one eval micro batch may now have, since the chunk rule counts the whole training step.
+EVAL_SCHEDULES = {1: ScheduleGPipe, 2: ScheduleLoopedBFS}  # by stages per rank
 
 
 # --------------------------------------------------------------------------- splitting
@@ -104,17 +108,6 @@ def build_stage_modules(model: nn.Module, pp_rank: int, pp_size: int, schedule: 
     return out
 
 
-def tag_tied_copies(stage_modules: list[tuple[int, nn.Module]]) -> None:
-    """Mark a last stage's head that copies a tied embedding (held by the first stage).
-
-    build_stage_modules does this; call it again after anything that replaces Parameters
-    (FSDP2's fully_shard does), or clip_grad_norm_pp will count that copy twice.
-    """
-    for _, mod in stage_modules:
-        if getattr(mod.config, "tie_embeddings", False) and mod.lm_head is not None and mod.model.embed_tokens is None:
-            setattr(mod.lm_head.weight, TIED_COPY, True)
-
-
 # --------------------------------------------------------------------------- schedule
 
 
@@ -141,15 +134,11 @@ class PipelineSchedule:
         return any(s.is_last for s in self.stages)
 
 
-def _as_group(pp_group) -> dist.ProcessGroup:
-    # A 1-D DeviceMesh (e.g. mesh["pp"]) or a ProcessGroup.
-    return pp_group.get_group() if hasattr(pp_group, "get_group") else pp_group
-
-
 def build_schedule(stages: list[tuple[int, nn.Module]], pp_group, n_microbatches: int,
                    loss_fn: Callable | None = None, schedule_name: str = "1f1b",
-                   device: torch.device | str = "cpu") -> PipelineSchedule:
-    """PipelineStage objects for this rank's (stage_id, module) pairs and the named schedule.
+                   device: torch.device | str = "cpu", forward_only: bool = False) -> PipelineSchedule:
+    """PipelineStage objects for this rank's (stage_id, module) pairs and the named schedule over
+    `n_microbatches` chunks per run. `forward_only`: an evaluation schedule (EVAL_SCHEDULES, any count).
 
     `loss_fn(logits, labels, total_targets)` defaults to `token_mean_loss`; `scale_grads=False`
     because that loss already divides by the whole step's targets (torch's default would divide the
@@ -159,7 +148,7 @@ def build_schedule(stages: list[tuple[int, nn.Module]], pp_group, n_microbatches
     pp_size = dist.get_world_size(group)
     expected = stage_ids(dist.get_rank(group), pp_size, schedule_name)
     num_stages = pp_size * len(expected)
-    problem = _micro_batch_problem(pp_size, n_microbatches, schedule_name)
+    problem = None if forward_only else _micro_batch_problem(pp_size, n_microbatches, schedule_name)
     if problem:
         raise ValueError(problem)
     if [sid for sid, _ in stages] != expected:
@@ -169,11 +158,9 @@ def build_schedule(stages: list[tuple[int, nn.Module]], pp_group, n_microbatches
     device = torch.device(device)
     pstages = [PipelineStage(mod, sid, num_stages, device, group=group) for sid, mod in stages]
     loss_fn = loss_fn or token_mean_loss
-    cls = SCHEDULES[schedule_name]
-    if VIRTUAL_STAGES[schedule_name] == 1:
-        sched = cls(pstages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
-    else:
-        sched = cls(pstages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    cls = EVAL_SCHEDULES[len(pstages)] if forward_only else SCHEDULES[schedule_name]
+    sched = cls(pstages[0] if len(pstages) == 1 else pstages, n_microbatches=n_microbatches, loss_fn=loss_fn,
+                scale_grads=False)
     return PipelineSchedule(sched, pstages, group, n_microbatches, device)
 
 
@@ -203,18 +190,23 @@ def _stage_args(pp: PipelineSchedule, input_ids: torch.Tensor, doc: dict[str, to
     return (input_ids.to(pp.device), doc["position_ids"].to(pp.device), doc["document_ids"].to(pp.device))
 
 
+def _check_split(pp: PipelineSchedule, rows: int, what: str) -> None:
+    if rows % pp.n_microbatches:
+        raise ValueError(f"{what} of {rows} sequences cannot be split into {pp.n_microbatches} equal pipeline chunks "
+                         f"(parallel.micro_batch_num per micro batch); make train.micro_batch_size a multiple of "
+                         "parallel.micro_batch_num")
+
+
 def pipeline_step(pp: PipelineSchedule, input_ids: torch.Tensor, labels: torch.Tensor,
                   total_targets: int | torch.Tensor, **doc: torch.Tensor) -> torch.Tensor:
-    """Forward + backward of one micro batch [B,T] through the pipeline; gradients accumulate into .grad.
+    """Forward + backward of a batch [N,T] through one schedule run (fill and drain once), in
+    `pp.n_microbatches` chunks of N / n_microbatches rows; gradients accumulate into .grad.
 
     Call it on every pp rank with the same batch. Returns this batch's contribution to the step's
     loss (sum of the chunks' token_mean_loss), all-reduced so every pp rank holds it. Nothing is
     zeroed: several calls before one optimizer step accumulate, like loss.backward() does.
     """
-    if input_ids.shape[0] % pp.n_microbatches:
-        raise ValueError(f"a micro batch of {input_ids.shape[0]} sequences cannot be split into "
-                         f"parallel.micro_batch_num={pp.n_microbatches} equal chunks; make train.micro_batch_size "
-                         f"a multiple of {pp.n_microbatches}")
+    _check_split(pp, input_ids.shape[0], "a batch")
     args = _stage_args(pp, input_ids, doc)
     target = labels.to(pp.device) if pp.has_last else None
     losses: list[torch.Tensor] | None = [] if pp.has_last else None
@@ -229,9 +221,7 @@ def pipeline_step(pp: PipelineSchedule, input_ids: torch.Tensor, labels: torch.T
 def pipeline_eval(pp: PipelineSchedule, input_ids: torch.Tensor, labels: torch.Tensor,
                   **doc: torch.Tensor) -> torch.Tensor:
     """Forward only: the batch's token-summed CE (divide by count_targets yourself), on every pp rank."""
-    if input_ids.shape[0] % pp.n_microbatches:
-        raise ValueError(f"an eval batch of {input_ids.shape[0]} sequences cannot be split into "
-                         f"parallel.micro_batch_num={pp.n_microbatches} equal chunks")
+    _check_split(pp, input_ids.shape[0], "an eval batch")
     args = _stage_args(pp, input_ids, doc)
     losses: list[torch.Tensor] | None = [] if pp.has_last else None
     # eval() forwards extra keywords to step(), whose loss_kwargs reach the loss: divide by 1 = keep sums.
@@ -240,102 +230,6 @@ def pipeline_eval(pp: PipelineSchedule, input_ids: torch.Tensor, labels: torch.T
     loss = torch.stack(losses).sum().float() if losses else torch.zeros((), device=pp.device)
     dist.all_reduce(loss, group=pp.group)
     return loss
-
-
-# --------------------------------------------------------------------------- optimizer helpers
-
-
-def sync_tied_grads(stage_modules: list[tuple[int, nn.Module]], pp_group) -> None:
-    """With tied embeddings split across pp ranks, give both copies the sum of their gradients.
-
-    Call after the step's backward passes, before clipping. Only pp ranks 0 and pp-1 communicate
-    (point to point); other ranks return at once. A no-op without tying.
-    """
-    group = _as_group(pp_group)
-    pp_size = dist.get_world_size(group)
-    for sid, mod in stage_modules:
-        if pp_size == 1 or not getattr(mod.config, "tie_embeddings", False):
-            return
-        if sid == 0 and mod.model.embed_tokens is not None:
-            param, peer = mod.model.embed_tokens.weight, pp_size - 1
-        elif mod.lm_head is not None and mod.model.embed_tokens is None:
-            param, peer = mod.lm_head.weight, 0
-        else:
-            continue
-        if param.grad is None:
-            param.grad = torch.zeros_like(param)
-        mine = param.grad._local_tensor if isinstance(param.grad, DTensor) else param.grad  # dp/tp shards match
-        theirs = torch.empty_like(mine)
-        ops = [dist.P2POp(dist.isend, mine.contiguous(), group=group, group_peer=peer),
-               dist.P2POp(dist.irecv, theirs, group=group, group_peer=peer)]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-        mine.add_(theirs)
-
-
-def _squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """Sum of squares of `grads`; DTensor grads are reduced over their own mesh (tp/dp shards)."""
-    total = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
-    buckets: dict[object, list[torch.Tensor]] = {}
-    for g in grads:  # one norm per kind: foreach kernels cannot mix plain tensors and meshes
-        buckets.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
-    for gs in buckets.values():
-        n = torch.nn.utils.get_total_norm(gs, 2.0)
-        if isinstance(n, DTensor):
-            n = n.full_tensor()
-        total = total + n.float().to(total.device) ** 2
-    return total
-
-
-def clip_grad_norm_pp(parameters: Iterable[torch.Tensor], max_norm: float, pp_group) -> torch.Tensor:
-    """Clip by the gradient norm over all pipeline stages; returns that (pre-clip) norm on every rank.
-
-    Sum of squares per rank, all-reduced over the pp group. A tied head copy (see sync_tied_grads) is
-    clipped but not counted: the unsplit model holds that Parameter once.
-    """
-    group = _as_group(pp_group)
-    params = [p for p in parameters if p.grad is not None]
-    counted = [p.grad for p in params if not getattr(p, TIED_COPY, False)]
-    sq = _squared_norm(counted)
-    # A rank without gradients (a frozen stage) still joins the all-reduce, on the backend's device.
-    device = params[0].grad.device if params else (
-        torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else sq.device)
-    sq = sq.to(device)
-    dist.all_reduce(sq, group=group)
-    total = sq.sqrt()
-    if params and max_norm and max_norm != float("inf"):
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-    return total
-
-
-# --------------------------------------------------------------------------- state dict
-
-
-@torch.no_grad()
-def gather_full_state_dict(stage_modules: list[tuple[int, nn.Module]], pp_group,
-                           gather: bool = True) -> dict[str, torch.Tensor] | None:
-    """The unsplit model's state_dict (same keys, same order, CPU tensors) on pp rank 0; None elsewhere.
-
-    DTensor entries (tp/FSDP) are materialised with full_tensor(), a collective over their mesh, so
-    every rank of the stage must call this.
-    `gather=False` materialises only (for replicas whose pp group need not gather). Goes through
-    gather_object: fine for a final export; use torch.distributed.checkpoint for resumable checkpoints.
-    """
-    group = _as_group(pp_group)
-    local = [(sid, {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
-                    for k, v in mod.state_dict().items()}) for sid, mod in stage_modules]
-    if not gather:
-        return None
-    gathered: list | None = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
-    dist.gather_object(local, gathered, group=group, group_dst=0)
-    if gathered is None:
-        return None
-    # Stage order = module order of the unsplit model (embeddings, layers 0..L-1, norm, head).
-    parts = sorted((pair for rank_parts in gathered for pair in rank_parts), key=lambda p: p[0])
-    full: dict[str, torch.Tensor] = {}
-    for _, sd in parts:
-        full.update(sd)
-    return full
 
 
 # --------------------------------------------------------------------------- trainer-facing bundle
@@ -351,11 +245,15 @@ class Pipeline:
     def __init__(self, model: nn.Module, cfg, ctx):
         p = cfg.parallel
         self.ctx, self.group = ctx, ctx.group("pp")
-        self.schedule_name, self.n_microbatches = p.pipeline_schedule, p.micro_batch_num
+        self.schedule_name, self.chunks = p.pipeline_schedule, p.micro_batch_num  # chunks per micro batch
+        train = getattr(cfg, "train", None)
+        self.accumulation = train.gradient_accumulation_steps if train is not None else 1  # micro batches per step
         self.document_mask = bool(getattr(getattr(cfg, "data", None), "document_mask", False))
         self.stages = build_stage_modules(model, ctx.pp_rank, ctx.pp, self.schedule_name, p.pipeline_layers)
         self.stage_modules = [m for _, m in self.stages]
-        self.schedule: PipelineSchedule | None = None
+        self.schedule: PipelineSchedule | None = None  # the training step's: chunks × accumulation per run
+        self._schedules: dict[int, PipelineSchedule] = {}  # training schedules by micro batches per run
+        self._eval: PipelineSchedule | None = None
 
     def build_schedule(self, parts: list[nn.Module]) -> None:
         """`parts`: the wrapped stage modules, in `stage_modules` order."""
@@ -365,25 +263,39 @@ class Pipeline:
             last = self.ctx.pp * VIRTUAL_STAGES[self.schedule_name] - 1
             for sid, part in self.stages:
                 carry_document_inputs(part, last=sid == last)
-        self.schedule = build_schedule(self.stages, self.group, self.n_microbatches, None, self.schedule_name,
-                                       self.ctx.device)
+        self.schedule = self._training(self.accumulation)  # built (and its chunk count checked) before step 1
 
-    def _bare(self) -> list[tuple[int, nn.Module]]:
-        return [(sid, getattr(m, "module", m) if isinstance(m, nn.parallel.DistributedDataParallel) else m)
-                for sid, m in self.stages]
+    def _training(self, micro_batches: int) -> PipelineSchedule:
+        # A torch schedule fixes its chunk count when built. The trainer always runs `accumulation` micro
+        # batches per run; another count (a caller stepping micro batch by micro batch) gets its own schedule
+        # over the same modules.
+        if micro_batches not in self._schedules:
+            self._schedules[micro_batches] = build_schedule(self.stages, self.group, self.chunks * micro_batches,
+                                                            None, self.schedule_name, self.ctx.device)
+        return self._schedules[micro_batches]
 
-    def step(self, input_ids: torch.Tensor, labels: torch.Tensor, scale: float, **doc: torch.Tensor) -> torch.Tensor:
-        """Backward of (summed CE × scale) for one micro batch; returns the summed CE on every pp rank.
-        `doc`: position_ids and document_ids [B,T] when data.document_mask is on."""
-        return pipeline_step(self.schedule, input_ids, labels, 1.0 / scale, **doc) / scale
+    def step(self, input_ids: torch.Tensor, labels: torch.Tensor, scale: float, micro_batches: int = 1,
+             **doc: torch.Tensor) -> torch.Tensor:
+        """Backward of (summed CE × scale) for `micro_batches` accumulation micro batches concatenated along
+        the batch dimension, input_ids/labels [micro_batches·B, T], in one schedule run; returns the summed CE
+        on every pp rank. `doc`: position_ids and document_ids [micro_batches·B, T] when data.document_mask is on."""
+        return pipeline_step(self._training(micro_batches), input_ids, labels, 1.0 / scale, **doc) / scale
 
     def eval_step(self, input_ids: torch.Tensor, labels: torch.Tensor, **doc: torch.Tensor) -> torch.Tensor:
-        return pipeline_eval(self.schedule, input_ids, labels, **doc)
+        """Summed CE of one eval micro batch [B, T], forward only, in micro_batch_num chunks as in training."""
+        if self._eval is None:  # its own PipelineStages: the training schedule keeps its buffers and set-up
+            self._eval = build_schedule(self.stages, self.group, self.chunks, None, self.schedule_name,
+                                        self.ctx.device, forward_only=True)
+        return pipeline_eval(self._eval, input_ids, labels, **doc)
 
     def clip_grad_norm(self, params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
         """Once per optimizer step, after all backward passes: tied-copy sync, then the global clip."""
         sync_tied_grads(self._bare(), self.group)
         return clip_grad_norm_pp(params, max_norm if max_norm > 0 else float("inf"), self.group)
+
+    def _bare(self) -> list[tuple[int, nn.Module]]:
+        return [(sid, getattr(m, "module", m) if isinstance(m, nn.parallel.DistributedDataParallel) else m)
+                for sid, m in self.stages]
 
     def gather_full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The full HF-named state dict on global rank 0 (None elsewhere). Collective: call on all ranks.
@@ -401,22 +313,29 @@ class Pipeline:
 # --------------------------------------------------------------------------- validation
 
 
-def _micro_batch_problem(pp: int, m: int, sched: str) -> str | None:
-    # One chunk per pp rank at least (1F1B's warm-up fills every rank); interleaved_1f1b runs
-    # rounds of pp chunks through its 2·pp virtual stages, so m may be below 2·pp.
-    if m < pp:
-        return (f"parallel.micro_batch_num: {m} is below parallel.pipeline_parallel={pp}; each micro batch must be "
-                f"split into at least one chunk per stage: set parallel.micro_batch_num >= {pp} "
-                f"(more chunks also shrink the pipeline bubble)")
-    rounds = max(1, m // pp)
-    if sched == "interleaved_1f1b" and m % rounds:
-        return (f"parallel.micro_batch_num: interleaved_1f1b cuts the {m} chunks into {rounds} equal rounds, which "
-                f"{m} does not allow; use a multiple of parallel.pipeline_parallel={pp}")
+def _micro_batch_problem(pp: int, m: int, sched: str, accumulation: int = 1) -> str | None:
+    # Counted over the whole step, n = m chunks per micro batch × accumulation micro batches: one schedule run
+    # takes them all. One chunk per pp rank at least (1F1B's warm-up fills every rank); interleaved_1f1b runs
+    # rounds of pp chunks through its 2·pp virtual stages, so n may be below 2·pp.
+    n = m * accumulation
+    count = f"{m}" if accumulation == 1 else f"{m} × train.gradient_accumulation_steps={accumulation} = {n}"
+    if n < pp:
+        return (f"parallel.micro_batch_num: {count} is below parallel.pipeline_parallel={pp}; a step's one schedule "
+                "run (micro_batch_num × gradient_accumulation_steps chunks) needs at least one chunk per stage: set "
+                f"parallel.micro_batch_num >= {-(-pp // accumulation)} or raise train.gradient_accumulation_steps "
+                "(more chunks per step also shrink the pipeline bubble)")
+    rounds = max(1, n // pp)
+    if sched == "interleaved_1f1b" and n % rounds:
+        return (f"parallel.micro_batch_num: interleaved_1f1b cuts the {count} chunks of a step into {rounds} equal "
+                f"rounds, which {n} does not allow; make the chunks per step a multiple of "
+                f"parallel.pipeline_parallel={pp}")
     return None
 
 
-def pipeline_problems(model_cfg, parallel_cfg, micro_batch_size: int | None = None) -> list[str]:
-    """Layout problems a pipeline run would hit, each naming the key and the fix ([] when fine)."""
+def pipeline_problems(model_cfg, parallel_cfg, micro_batch_size: int | None = None,
+                      accumulation: int = 1) -> list[str]:
+    """Layout problems a pipeline run would hit, each naming the key and the fix ([] when fine).
+    `accumulation`: train.gradient_accumulation_steps, whose micro batches share the step's one schedule run."""
     pp, m, sched = parallel_cfg.pipeline_parallel, parallel_cfg.micro_batch_num, parallel_cfg.pipeline_schedule
     L = model_cfg.num_layers
     if pp <= 1:
@@ -436,7 +355,7 @@ def pipeline_problems(model_cfg, parallel_cfg, micro_batch_size: int | None = No
             split_layers(L, stages, layers)
         except ValueError as e:
             errs.append(f"parallel.pipeline_layers: {e}")
-    problem = _micro_batch_problem(pp, m, sched)
+    problem = _micro_batch_problem(pp, m, sched, accumulation)
     if problem:
         errs.append(problem)
     if micro_batch_size is not None and micro_batch_size % m:

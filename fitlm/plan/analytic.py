@@ -34,9 +34,10 @@ from fitlm.plan.setup import LEVELS, Setup, embedding_params, head_params, layer
 # Plain loss path, bytes per token per vocabulary entry: logits, their fp32 log-softmax, and the logits
 # gradient that exists at the start of backward (the peak): 3 fp32-sized values in every level.
 LOGIT_BYTES = 12
-# Under tensor parallel the loss runs on vocab-sharded logits (torch's loss_parallel), whose backward
-# keeps two more fp32 values per local logit (measured with the simulate engine): 20 bytes.
-LOGIT_BYTES_TP = 20
+# Under tensor parallel the loss runs on vocab-sharded logits (torch's loss_parallel), whose backward keeps
+# one more fp32 value per local logit (its one-hot gradient beside exp(log-softmax) and their sum): 16 bytes.
+# (20 was fitted to a simulation that also counted DTensor's global-shape metadata run: fitlm.plan.fake_world.)
+LOGIT_BYTES_TP = 16
 WEIGHT_CAST = {"O0": 0, "O1": 2, "O2": 2, "O3": 0}  # half weight copies saved by the matmuls, per parameter
 
 
@@ -186,11 +187,12 @@ def model_states(s: Setup, n: float, trained: float | None = None) -> tuple[floa
     grads, opt = trained * pb / d.shard_factor("grads"), 2 * trained * pb / opt_shard
     host = 0.0
     if s.offload:
-        host = opt + trained * 4 / opt_shard  # moments + fp32 master copy (HostAdamW) or FSDP2's CPU shards
-        opt = 0.0
-        if s.dims.fsdp_sharded:
+        host, opt = opt, 0.0  # AdamW's moments
+        if s.dims.fsdp_sharded:  # FSDP2's CPU shards: the fp32 parameters (the master itself) and gradients
             host += params + grads
             params = grads = 0.0
+        else:
+            host += trained * 4 / opt_shard  # HostAdamW's fp32 master copy; the device keeps its parameters
     return params, grads, opt, host
 
 
@@ -217,15 +219,19 @@ def _stage(s: Setup, first: bool) -> Breakdown:
     trained = n if s.method == "full" else n * ft.trainable_params(s) / stage_params(s, first)
     params, grads_full, opt, host = model_states(s, n, trained)
     if s.pp > 1:
-        chunks = max(1, s.chunks)
-        tokens = s.mbs / chunks * s.seq
+        tokens = s.mbs / max(1, s.chunks) * s.seq  # one pipeline chunk
         layers = stage_layers(s) if s.schedule != "interleaved_1f1b" else 2 * -(-s.layers // (2 * s.pp))
+        step_chunks = s.step_chunks  # one schedule run per step: its warm-up counts the chunks of every micro batch
         if s.schedule == "gpipe":
-            in_flight = chunks
-        elif s.schedule == "interleaved_1f1b":
-            in_flight = min(chunks, s.pp) * (1 + (s.pp - 1) / (s.pp * chunks))
+            in_flight = step_chunks
+        elif s.schedule == "interleaved_1f1b":  # rank r's forwards before its first backward (torch's
+            # _get_warmup_ops: one round per extra local stage, two per hop from the last rank), then one more;
+            # counted in (chunk, local stage) pairs over the rank's 2 stages
+            rank = 0 if first else s.pp - 1
+            per_round = step_chunks // max(1, step_chunks // s.pp)
+            in_flight = min(per_round + 2 * (s.pp - 1 - rank) + 1, 2 * step_chunks) / 2
         else:
-            in_flight = min(chunks, s.pp) if first else 1
+            in_flight = min(step_chunks, s.pp) if first else 1
         has_logits = not first
     else:
         tokens, layers, in_flight, has_logits = s.mbs * s.seq, s.layers, 1, True
@@ -234,7 +240,11 @@ def _stage(s: Setup, first: bool) -> Breakdown:
     logit = logits_bytes(s, tokens) if has_logits else 0.0
     rope = s.counts.rope_tables * 2 * s.max_seq_len * s.head_dim * 4  # RoPE cos/sin tables (buffers)
     parts = {"RoPE cos/sin tables": rope}
-    if s.doc_mask:  # the block-causal mask, bool [B,1,T,T], shared by all blocks
+    if s.pp > 1:
+        extra_act, extra_logit, pipe_parts = _pipeline_terms(s, tokens, in_flight, first)
+        outside, logit = outside + extra_act, logit + extra_logit
+        parts.update(pipe_parts)
+    elif s.doc_mask:  # the block-causal mask, bool [B,1,T,T], shared by all blocks
         parts["document mask"] = s.mbs * s.seq * s.seq
     sharded = s.dims.fsdp_sharded
     unsharded = n * (2 if s.level == "O2" else param_bytes(s))
@@ -258,8 +268,16 @@ def _stage(s: Setup, first: bool) -> Breakdown:
     # accumulation the earlier micro batches' gradients: unsharded while FSDP2 skips the sync
     # (parallel.gradient_sync: last_micro_batch), their shards when it reduces every micro batch.
     held = unsharded * trained / n if sharded and not s.sync_every else grads_full
-    # DDP's gradients are views into its buckets, which live for the whole run (zero_grad only drops the views).
-    grads_fb = (grads_full if s.dims.ddp and s.pp == 1 else 0.0 if s.accum == 1 else held) + grads_extra
+    if s.pp > 1:  # one schedule run per step: gradients exist once this stage has run a backward
+        grads_fb = held * _backward_before_peak(s, first) + grads_extra
+    elif s.dims.ddp:
+        # DDP's gradients are views into its buckets, which live for the whole run (zero_grad only drops the
+        # views); micro batches that skip the sync accumulate into gradients of their own beside the buckets.
+        grads_fb = grads_full + grads_extra
+        if s.accum > 1 and not s.sync_every:
+            parts["DDP buckets beside unsynced gradients"] = grads_full
+    else:
+        grads_fb = (0.0 if s.accum == 1 else held) + grads_extra
     fb = _with_parts(params, grads_fb, opt, act, logit, parts, "forward/backward", host)
     # Optimizer step: gradients complete (DDP's are views into its buckets: no second copy), plus foreach
     # AdamW's one state-sized temporary (sqrt of v) where sharded DTensors keep it off the fused kernel.
@@ -267,6 +285,37 @@ def _stage(s: Setup, first: bool) -> Breakdown:
     step_parts = {"RoPE cos/sin tables": rope, "optimizer temporaries": step_tmp}
     st = _with_parts(params, grads_full, opt, 0, 0, step_parts, "optimizer step", host)
     return max((fb, st), key=lambda b: b.total)
+
+
+def _pipeline_terms(s: Setup, tokens: float, in_flight: float, first: bool) -> tuple[float, float, dict[str, float]]:
+    """What a pipeline stage holds beyond its blocks' saved tensors, for chunks of `tokens` tokens: (activations,
+    logits, named parts). Counted from torch's schedules (fitlm.plan.simulate runs them):
+    - each in-flight chunk's stage output, kept by the schedule until that chunk's backward: the hidden state
+      (first stages) or the logits (the last);
+    - receive buffers, allocated once for every chunk of the step: activations into every stage but the
+      first, gradients into every stage but the last;
+    - the first stage's peak falls in its first backward (no logits there): with every in-flight chunk still
+      saved, the MLP backward's three [tokens, f] gradients;
+    - the last stage's in-flight chunks (GPipe: all of them) each keep the log-softmax their loss saved."""
+    hidden = tokens * s.h * residual_bytes(s)  # the residual stream crossing a stage boundary, full width
+    chunks = s.step_chunks
+    local = 2 if s.schedule == "interleaved_1f1b" else 1  # stages per rank: each in-flight pair keeps an output
+    parts = {"pipeline receive buffers": chunks * hidden}  # first: gradients in; last: activations in
+    if s.doc_mask:  # per chunk: an additive mask [b, 1, T, T] in the activation dtype, kept for its backward
+        parts["document masks (in-flight chunks)"] = in_flight * tokens * s.seq * act_bytes(s)
+    if first:
+        return local * in_flight * hidden + tokens * 3 * s.ffn * act_bytes(s) / s.tp, 0.0, parts
+    held = in_flight if s.schedule == "gpipe" else 1  # the last stage's chunks between forward and backward
+    return (local - 1) * in_flight * hidden, tokens * s.vocab / s.tp * (held * act_bytes(s) + (held - 1) * 4), parts
+
+
+def _backward_before_peak(s: Setup, first: bool) -> float:
+    """The share of this stage's gradients that exists when its peak recurs (a backward has run): GPipe peaks at
+    its first backward; 1F1B-style schedules in their steady state, which the first stage reaches only with more
+    chunks per step than stages, the last from its second chunk on (interleaved: only its last local stage has)."""
+    if s.schedule == "gpipe" or (first and s.step_chunks <= s.pp) or s.step_chunks == 1:
+        return 0.0
+    return 0.5 if s.schedule == "interleaved_1f1b" and not first else 1.0
 
 
 def _with_parts(params: float, grads: float, opt: float, act: float, logit: float, parts: dict[str, float],

@@ -28,6 +28,8 @@ def add_commands(sub) -> None:
     p.add_argument("--device-tflops", type=float, default=None, metavar="T", help="dense half-precision peak TFLOP/s")
     p.add_argument("--device-bandwidth", type=float, default=None, metavar="GB/S",
                    help="intra-node link bandwidth per device, one direction, GB/s")
+    p.add_argument("--host-memory", default=None, metavar="SIZE",
+                   help="RAM of one node's host, e.g. 512GB (default: the catalog's node, or this machine's)")
     p.add_argument("--efficiency", type=float, default=None, metavar="F",
                    help="achieved fraction of peak (e.g. the MFU `fitlm profile` measured); default per device")
     p.add_argument("--calibrate", default=None, metavar="PROFILE",
@@ -106,7 +108,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if args.efficiency is not None:
             raise CalibrationError("--calibrate and --efficiency both set the device efficiency; give one of them")
         rate, calibration = sustained_tflops(args.calibrate)
-    dev = get_device(args.device, args.device_memory, args.device_tflops, args.device_bandwidth, args.efficiency)
+    dev = get_device(args.device, args.device_memory, args.device_tflops, args.device_bandwidth, args.efficiency,
+                     args.host_memory)
     if calibration:
         dev = replace(dev, efficiency=calibrated_efficiency(rate, dev.tflops))
         calibration += f": efficiency {dev.efficiency:.1%} of {dev.name}'s {dev.tflops:.3g} TFLOP/s"

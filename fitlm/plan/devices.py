@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 GiB = 1024**3
 
@@ -29,6 +30,11 @@ class Device:
     reserved_bytes: int = 1 * GiB  # runtime context, kernels, allocator slack: not for tensors
     efficiency: float = 0.5  # achieved fraction of peak on a dense transformer step
     source: str = ""
+    host_memory_bytes: int = 1 * 10**12  # RAM of one node (node_size devices), fitlm.plan.host checks it
+    # A rank's process on the host before any tensor: interpreter, torch, the accelerator runtime's host side
+    # (CUDA context, cuBLAS/cuDNN or CANN libraries): about 2-3 GiB resident per GPU process.
+    host_runtime_bytes: int = 3 * GiB
+    host_source: str = ""
 
     @property
     def usable_bytes(self) -> int:
@@ -41,15 +47,37 @@ class Device:
 # 1,008 GB/s); Ampere GA102 whitepaper (RTX 3090: 71 TFLOP/s fp16 tensor dense, 936 GB/s); consumer cards
 # talk over PCIe 4.0 x16 (~25 GB/s usable one way); Huawei Atlas 800T A2 (Ascend 910B: 64 GB HBM,
 # ~313 TFLOP/s fp16 -- varies by SKU --, HCCS ~196 GB/s one way, 200 Gb/s RoCE per NPU).
+# Host RAM per node (node_size devices): DGX A100 320 GB 1 TB, DGX A100 640 GB 2 TB, DGX H100 / H200 2 TB (NVIDIA
+# DGX user guides); consumer cards: a typical 8-GPU RTX server, 256 GB (configurations vary); Atlas 800T A2 as
+# commonly configured, 1 TB. `fitlm plan --host-memory` sets yours.
+_TB = 10**12
 CATALOG: dict[str, Device] = {d.name: d for d in [
-    Device("a100-40g", 40 * GiB, 312.0, 1555.0, 300.0, 25.0, source="NVIDIA A100 datasheet"),
-    Device("a100-80g", 80 * GiB, 312.0, 2039.0, 300.0, 25.0, source="NVIDIA A100 datasheet"),
-    Device("h100-80g", 80 * GiB, 989.0, 3350.0, 450.0, 50.0, efficiency=0.45, source="NVIDIA H100 SXM datasheet"),
-    Device("h200", 141 * 10**9, 989.0, 4800.0, 450.0, 50.0, efficiency=0.45, source="NVIDIA H200 datasheet"),
-    Device("rtx4090", 24 * GiB, 165.0, 1008.0, 25.0, 3.0, node_size=8, source="NVIDIA Ada whitepaper"),
-    Device("rtx3090", 24 * GiB, 71.0, 936.0, 25.0, 3.0, node_size=8, source="NVIDIA GA102 whitepaper"),
-    Device("ascend-910b", 64 * GiB, 313.0, 1600.0, 196.0, 25.0, efficiency=0.4, source="Huawei Atlas 800T A2"),
+    Device("a100-40g", 40 * GiB, 312.0, 1555.0, 300.0, 25.0, source="NVIDIA A100 datasheet",
+           host_memory_bytes=1 * _TB, host_source="DGX A100 320 GB: 1 TB"),
+    Device("a100-80g", 80 * GiB, 312.0, 2039.0, 300.0, 25.0, source="NVIDIA A100 datasheet",
+           host_memory_bytes=2 * _TB, host_source="DGX A100 640 GB: 2 TB"),
+    Device("h100-80g", 80 * GiB, 989.0, 3350.0, 450.0, 50.0, efficiency=0.45, source="NVIDIA H100 SXM datasheet",
+           host_memory_bytes=2 * _TB, host_source="DGX H100: 2 TB"),
+    Device("h200", 141 * 10**9, 989.0, 4800.0, 450.0, 50.0, efficiency=0.45, source="NVIDIA H200 datasheet",
+           host_memory_bytes=2 * _TB, host_source="DGX H200: 2 TB"),
+    Device("rtx4090", 24 * GiB, 165.0, 1008.0, 25.0, 3.0, node_size=8, source="NVIDIA Ada whitepaper",
+           host_memory_bytes=256 * 10**9, host_source="an 8-GPU RTX server, 256 GB (typical; set --host-memory)"),
+    Device("rtx3090", 24 * GiB, 71.0, 936.0, 25.0, 3.0, node_size=8, source="NVIDIA GA102 whitepaper",
+           host_memory_bytes=256 * 10**9, host_source="an 8-GPU RTX server, 256 GB (typical; set --host-memory)"),
+    Device("ascend-910b", 64 * GiB, 313.0, 1600.0, 196.0, 25.0, efficiency=0.4, source="Huawei Atlas 800T A2",
+           host_memory_bytes=1 * _TB, host_source="Atlas 800T A2, 1 TB (as commonly configured)"),
 ]}
+
+
+def this_host_ram() -> int:
+    """This machine's RAM (MemTotal of /proc/meminfo; the physical pages where that file does not exist)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 _cpu_cache: dict[str, Device] = {}
 
@@ -68,21 +96,26 @@ def measure_cpu() -> Device:
         t0 = time.perf_counter()
         b.copy_(a)
         bw = 2 * a.numel() * 4 / (time.perf_counter() - t0) / 1e9  # read + write
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        # Processes on one host exchange through shared memory (gloo): about a memory copy's speed.
+        memory = this_host_ram()
+        # Processes on one host exchange through shared memory (gloo): about a memory copy's speed. A CPU rank's
+        # process (interpreter, torch, fitlm) is ~0.4 GiB resident before its tensors (measured by fitlm profile).
         _cpu_cache["cpu"] = Device("cpu", memory, flops / 1e12, bw, bw / 2, bw / 2, node_size=10**6,
                                    reserved_bytes=int(0.1 * memory), efficiency=0.6,
-                                   source="measured on this machine (fp32 GEMM, memory copy)")
+                                   source="measured on this machine (fp32 GEMM, memory copy)",
+                                   host_memory_bytes=memory, host_runtime_bytes=GiB // 2,
+                                   host_source="this machine (/proc/meminfo)")
     return _cpu_cache["cpu"]
 
 
 def get_device(name: str | None = None, memory: str | None = None, tflops: float | None = None,
-               bandwidth: float | None = None, efficiency: float | None = None) -> Device:
-    """A catalog device (default a100-80g), with any custom number from the flags replacing its own."""
+               bandwidth: float | None = None, efficiency: float | None = None, host_memory: str | None = None) -> Device:
+    """A catalog device (default a100-80g), with any custom number from the flags replacing its own. A custom
+    device is taken to be in this machine (its RAM is the host's) unless `host_memory` says otherwise."""
     if name == "cpu":
         dev = measure_cpu()
     elif name is None and memory is not None and tflops is not None:
-        dev = Device("custom", parse_bytes(memory), tflops, 2000.0, bandwidth or 100.0, source="command-line flags")
+        dev = Device("custom", parse_bytes(memory), tflops, 2000.0, bandwidth or 100.0, source="command-line flags",
+                     host_memory_bytes=this_host_ram(), host_source="this machine (/proc/meminfo)")
     elif name is None:
         dev = CATALOG["a100-80g"]
     elif name in CATALOG:
@@ -99,6 +132,9 @@ def get_device(name: str | None = None, memory: str | None = None, tflops: float
         changes["link_gbs"] = float(bandwidth)
     if efficiency is not None:
         changes["efficiency"] = float(efficiency)
+    if host_memory is not None:
+        changes["host_memory_bytes"] = parse_bytes(host_memory, "--host-memory")
+        changes["host_source"] = "--host-memory"
     return replace(dev, **changes) if changes else dev
 
 
@@ -110,11 +146,11 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
           "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
-def parse_bytes(text: str) -> int:
+def parse_bytes(text: str, flag: str = "--device-memory") -> int:
     """'80GiB', '40GB', '24g', '1e9' -> bytes (GB = 10^9, GiB = 2^30)."""
     s = str(text).strip().lower().replace(" ", "")
     num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = s[len(num):]
     if unit not in _UNITS or not num:
-        raise DeviceError(f"--device-memory {text!r}: write a size such as 80GiB, 40GB or 24e9")
+        raise DeviceError(f"{flag} {text!r}: write a size such as 80GiB, 40GB or 24e9")
     return int(float(num) * _UNITS[unit])

@@ -19,6 +19,7 @@ from fitlm.plan.analytic import breakdown
 from fitlm.plan.devices import Device
 from fitlm.plan.diagnose import dominant, remedies
 from fitlm.plan.finetune import adapter_params, lora_targets, trainable_params
+from fitlm.plan.host import host_peaks, host_report, source_tensor
 from fitlm.plan.setup import Setup, from_config, to_overrides, total_params
 from fitlm.plan.throughput import timing
 
@@ -63,7 +64,10 @@ def plan(cfg: Config, dev: Device, num_devices: int | None = None, simulate: boo
     s = from_config(cfg)
     mem = breakdown(s)
     t = timing(s, dev)
-    fits = mem.total <= dev.usable_bytes
+    fits_device = mem.total <= dev.usable_bytes
+    source = source_tensor(s)
+    host = host_peaks(s, mem, dev, source)
+    fits = fits_device and host.fits  # a run the host cannot hold (at load, step or save) does not fit either
     out: dict[str, Any] = {
         "model": {"arch": s.arch, "params": total_params(s), "layers": s.layers, "hidden_size": s.h},
         "finetune": _finetune(s),
@@ -71,8 +75,8 @@ def plan(cfg: Config, dev: Device, num_devices: int | None = None, simulate: boo
                    "tflops": dev.tflops, "efficiency": dev.efficiency, "num_devices": n, "source": dev.source},
         "layout": _layout(s), "memory_options": _memory_opts(s),
         "per_device": mem.as_dict(), "other_parts": dict(mem.other_parts), "peak_phase": mem.phase,
-        "host_bytes_per_device": mem.host,
-        "fits": fits, "step_time_s": t.step_s, "tokens_per_s": t.tokens_per_s, "mfu": t.mfu,
+        "host_bytes_per_device": mem.host, "host": host_report(host, source, dev.host_source),
+        "fits": fits, "fits_device": fits_device, "step_time_s": t.step_s, "tokens_per_s": t.tokens_per_s, "mfu": t.mfu,
         "flops_per_token": t.flops_per_token,
         "time_breakdown_s": {"compute": t.compute_s, "tensor_parallel_comm": t.tp_comm_s,
                              "data_parallel_comm_exposed": t.dp_comm_s, "pipeline_comm": t.pp_comm_s,
@@ -80,7 +84,7 @@ def plan(cfg: Config, dev: Device, num_devices: int | None = None, simulate: boo
     }
     if note:
         out["notes"] = [note]
-    if not fits:
+    if not fits_device:
         fixes = remedies(s)
         out["diagnosis"] = {
             "dominant": dominant(mem), "over_by_bytes": mem.total - dev.usable_bytes,
@@ -103,8 +107,8 @@ def plan(cfg: Config, dev: Device, num_devices: int | None = None, simulate: boo
         best = best_per_layout(found, top)
         out["search"] = {"num_devices": n, "fitting_candidates": len(found), "top": [
             {"layout": _layout(c.setup), "memory_options": _memory_opts(c.setup), "per_device_total": c.memory.total,
-             "tokens_per_s": c.timing.tokens_per_s, "mfu": c.timing.mfu, "step_time_s": c.timing.step_s,
-             "why": c.why(dev)} for c in best]}
+             "host_per_node": c.host.worst[1], "tokens_per_s": c.timing.tokens_per_s, "mfu": c.timing.mfu,
+             "step_time_s": c.timing.step_s, "why": c.why(dev)} for c in best]}
         if best and best_out:
             out["search"]["best_yaml"] = write_best(cfg, best[0].setup, best_out)
     return out
@@ -116,6 +120,17 @@ def write_best(cfg: Config, s: Setup, path: str) -> str:
         data[section].update(values)
     Path(path).write_text(yaml.safe_dump(data, sort_keys=False))
     return str(path)
+
+
+def _render_host(console, h: dict[str, Any]) -> None:
+    r, node = h["per_rank"], h["per_node"]
+    console.print(f"host per rank: load {gib(r['load'])}, step {gib(r['step'])}, save {gib(r['save'])} (rank 0); "
+                  f"per node ({h['ranks_per_node']} rank{'s' if h['ranks_per_node'] != 1 else ''}): {gib(node[h['peak_moment']])} at {h['peak_moment']} of "
+                  f"{gib(h['usable_bytes'])} usable ({h['ram_source'] or 'host RAM'})")
+    if not h["fits"]:
+        console.print(f"[red]warning: host memory[/red]: the {h['peak_moment']} needs {gib(node[h['peak_moment']])} "
+                      f"per node, {gib(h['over_by_bytes'])} over the host's usable RAM; give fewer ranks per node, "
+                      "a host with more RAM (--host-memory), or less offload")
 
 
 def gib(n: float) -> str:
@@ -146,10 +161,11 @@ def render(result: dict[str, Any]) -> None:
             for part, nbytes in result.get("other_parts", {}).items():
                 table.add_row(f"  {part}", gib(nbytes), *([""] if sim else []), style="dim")
     console.print(table)
-    verdict = "[green]fits[/green]" if result["fits"] else "[red]does not fit[/red]"
+    verdict = "[green]fits[/green]" if result["fits_device"] else "[red]does not fit[/red]"
     console.print(f"{verdict}: {gib(result['per_device']['total'])} of {gib(d['usable_bytes'])} usable "
                   f"({gib(d['memory_bytes'])} minus runtime reserve); peak during {result['peak_phase']}"
                   + (f"; {gib(result['host_bytes_per_device'])} in host memory" if result["host_bytes_per_device"] else ""))
+    _render_host(console, result["host"])
     for note in result.get("notes", []):
         console.print(f"note: {note}")
     if "error" in result.get("simulated", {}):

@@ -17,6 +17,7 @@ from fitlm.config import Config
 from fitlm.parallel.layout import Layout, valid_layouts
 from fitlm.plan.analytic import Breakdown, breakdown
 from fitlm.plan.devices import Device
+from fitlm.plan.host import HostPeaks, host_peaks, source_tensor
 from fitlm.plan.setup import Setup, from_config
 from fitlm.plan.throughput import Timing, timing
 from fitlm.parallel_dims import ParallelDims, divisors
@@ -29,6 +30,7 @@ class Candidate:
     setup: Setup
     memory: Breakdown
     timing: Timing
+    host: HostPeaks
 
     def why(self, dev: Device) -> str:
         s, t = self.setup, self.timing
@@ -55,7 +57,7 @@ STAGES = ("config", "launch")  # fitlm.rules' stages a candidate must pass
 
 
 def candidates(cfg: Config, n: int, dev: Device, max_micro_batch: int = 64) -> list[Candidate]:
-    """Every fitting candidate (within SAFETY of usable memory), fastest first."""
+    """Every fitting candidate (within SAFETY of usable device memory, and within the host's RAM), fastest first."""
     base = from_config(cfg)
     # A candidate is a config with another layout: it must not break a rule of fitlm.rules that the
     # config itself keeps (a rule about this machine, e.g. tensorboard missing, is not the layout's doing).
@@ -63,13 +65,14 @@ def candidates(cfg: Config, n: int, dev: Device, max_micro_batch: int = 64) -> l
     kept = set(rules.ROWS) - set(rules.broken(values, STAGES))
     out: list[Candidate] = []
     limit = dev.usable_bytes * SAFETY
+    source = source_tensor(base)  # the largest tensor a load reads: the same for every candidate
     for lay in _layouts(cfg, n):
         per_replica = max(1, round(base.global_batch / lay.dp))
         for mbs in [d for d in divisors(per_replica) if d <= max_micro_batch]:
             for zero in (0, 1, 2, 3):
                 accum = per_replica // mbs
                 options = itertools.product((False, True) if lay.tp > 1 else (False,),  # sequence parallel
-                                            _pipeline_options(lay.pp, mbs, base.layers),
+                                            _pipeline_options(lay.pp, mbs, base.layers, accum),
                                             ("none", "selective", "full"), (0, 4096), (False, True),
                                             _sync_options(zero, lay.dp, accum))
                 for sp, (sched, chunks), recompute, chunk, offload, sync in options:
@@ -79,8 +82,11 @@ def candidates(cfg: Config, n: int, dev: Device, max_micro_batch: int = 64) -> l
                                 chunks=chunks, mbs=mbs, accum=accum, recompute=recompute, recompute_every=1,
                                 loss_chunk=chunk, offload=offload, gradient_sync=sync)
                     mem = breakdown(s)
-                    if mem.total <= limit:
-                        out.append(Candidate(s, mem, timing(s, dev)))
+                    if mem.total > limit:
+                        continue
+                    host = host_peaks(s, mem, dev, source)
+                    if host.fits:  # the host must hold every rank of a node at load, step and save too
+                        out.append(Candidate(s, mem, timing(s, dev), host))
     out.sort(key=lambda c: (-c.timing.tokens_per_s, c.memory.total))
     return out
 
@@ -100,14 +106,15 @@ def _sync_options(zero: int, dp: int, accum: int) -> tuple[str, ...]:
     return ("auto",)
 
 
-def _pipeline_options(pp: int, mbs: int, layers: int) -> list[tuple[str, int]]:
+def _pipeline_options(pp: int, mbs: int, layers: int, accum: int) -> list[tuple[str, int]]:
+    # Chunks are counted per step (m × accum share one schedule run), as fitlm.parallel.pipeline checks them.
     if pp == 1:
         return [("1f1b", 1)]
     opts = []
     for m in divisors(mbs):
-        if m >= pp:
+        if m * accum >= pp:
             opts.append(("1f1b", m))
-            if m % pp == 0 and layers >= 2 * pp:
+            if m * accum % pp == 0 and layers >= 2 * pp:
                 opts.append(("interleaved_1f1b", m))
     return opts[:4]
 

@@ -163,6 +163,11 @@ class Setup:
         return self.dims.reduce_every_micro_batch(self.gradient_sync)
 
     @property
+    def step_chunks(self) -> int:
+        """Pipeline chunks per optimizer step: all micro batches of a step share one schedule run."""
+        return max(1, self.chunks) * self.accum
+
+    @property
     def kv(self) -> int:
         return self.kv_heads * self.head_dim
 

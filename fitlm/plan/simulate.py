@@ -1,74 +1,54 @@
 """The simulate engine: run fitlm's real training step on fake tensors and record peak live bytes.
 
 Why: a closed form is only as good as its author's list of saved tensors. Here nothing is listed:
-the model is built by the registry, wrapped by `fitlm.parallel.apply.parallelize` (tensor parallel,
-precision, recompute, chunked loss, DDP/ZeRO/FSDP2) and stepped by the trainer's own step object
-(`fitlm.step.train_step.TrainStep`, built by the same `TrainStep.create`), under torch's `FakeTensorMode` (shapes and dtypes, no storage),
-while torch's `MemTracker` files every live storage as parameter, gradient, optimizer state,
-activation or temporary. A 70B model costs no memory, only Python time per op.
+the model is built by the registry, wrapped by `fitlm.parallel.apply.parallelize` (pipeline stages,
+tensor parallel, precision, recompute, chunked loss, DDP/ZeRO/FSDP2) and stepped by the trainer's own
+step object (`fitlm.step.train_step.TrainStep`, built by the same `TrainStep.create`; a pipeline runs
+torch's own schedule over the step's micro batches), under torch's `FakeTensorMode` (shapes and dtypes,
+no storage), while torch's `MemTracker` files every live storage as parameter, gradient, optimizer
+state, activation or temporary. A 70B model costs no memory, only Python time per op.
 
-World sizes above one run from this one process on torch's fake process group
-(`torch.testing._internal.distributed.fake_pg`): collectives return at once, shapes are right, and
-this process plays global rank 0 (the first pipeline stage, the most loaded rank).
+World sizes above one run from this one process on torch's fake process group (fitlm.plan.fake_world:
+collectives return at once, shapes are right, and what DDP and pipelining would learn from their peers
+is answered as every real rank learns it). The process plays global rank 0; under pipeline parallel it
+plays the first replica of every stage in turn (the first stage holds the embedding and the most
+in-flight chunks, the last the head and the logits) and reports the most loaded.
 
 Data-dependent scalars (`.item()`, `bool(tensor)`) have no value on fake tensors: `_ScalarStub`
 answers them (True for masks, 1 for counts and Adam's step), which never changes a shape; fp16 loss
 scaling's overflow check is switched off in the simulation (it unscales gradients in place: no bytes).
-Not simulated: pipeline parallel (torch's pipelining schedule needs real point-to-point traffic between
-stages) and DDP (ZeRO 0/1 with data parallel: DDP verifies real parameter storage across ranks).
 """
 
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fitlm.config import Config
 from fitlm.finetune.apply import apply_finetune
 from fitlm.memory.precision import half_dtype
-from fitlm.memory.tracking import peak_by_category, plan_components, tracker_for
+from fitlm.memory.tracking import plan_components, track_step
 from fitlm.parallel.apply import parallelize
-from fitlm.parallel.mesh import ParallelContext, context_on_mesh
-from fitlm.parallel_dims import MESH_DIMS
+from fitlm.plan.fake_world import SimulationUnsupported, answer_ddp, fake_world, peers_answered, pipeline_ranks
 from fitlm.registry import build_model
 from fitlm.step.train_step import TrainStep
 
-
-class SimulationUnsupported(ValueError):
-    """This layout cannot be simulated from one process (the analytic engine still answers)."""
+__all__ = ["SimulationUnsupported", "run_step"]
 
 
 class _ScalarStub(TorchDispatchMode):
-    """Answer `.item()` on fake tensors: masks are 'any true', numbers 1."""
+    """Answer `.item()` on fake tensors: masks are 'any true', numbers 1 (real tensors keep their values)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
+        if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
             t = args[0]
             return True if t.dtype == torch.bool else 1.0 if t.is_floating_point() else 1
         return func(*args, **(kwargs or {}))
-
-
-@contextlib.contextmanager
-def _fake_world(cfg: Config):
-    """A fake process group and the mesh of the layout, as rank 0; torn down after."""
-    dims = cfg.parallel.dims
-    if dims.world_size == 1:
-        yield ParallelContext()
-        return
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        raise SimulationUnsupported("a process group already exists in this process; simulate in a fresh one")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=dims.world_size)
-    try:
-        mesh = init_device_mesh("cpu", dims.mesh_shape, mesh_dim_names=MESH_DIMS)
-        yield context_on_mesh(mesh, dims, torch.device("cpu"))
-    finally:
-        dist.destroy_process_group()
 
 
 def _batch(cfg: Config) -> dict[str, torch.Tensor]:
@@ -79,22 +59,52 @@ def _batch(cfg: Config) -> dict[str, torch.Tensor]:
 
 
 def run_step(cfg: Config, fake: bool = True) -> dict[str, int]:
-    """Peak live bytes of the second training step (optimizer states exist), by component.
+    """Peak live bytes of a steady training step (after an untracked first step, in which optimizer states
+    appear, and a tracked warm-up, as `fitlm profile` measures), by component, on the most loaded rank.
 
     `fake=False` runs the same thing on real CPU tensors (a cross-check of the harness itself).
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    boundary: dict[str, Any] = {}  # what the first pipeline stage sends on, for the later stages' simulations
+    peaks = []
+    for rank in pipeline_ranks(cfg):
+        peak, heavier = _run_rank(cfg, rank, fake, boundary)
+        peaks.append(peak)
+        if heavier is not None:  # ZeRO-1 gives the data-parallel ranks unequal shares: the largest one too
+            peaks.append(_run_rank(cfg, heavier, fake, boundary)[0])
+    return max(peaks, key=lambda p: p["total"])
 
-    p = cfg.parallel
-    if p.pipeline_parallel > 1:
-        raise SimulationUnsupported("pipeline_parallel > 1 is not simulated (torch's pipelining schedule needs real "
-                                    "point-to-point traffic); the analytic engine covers it")
-    if fake and p.dims.ddp:
-        raise SimulationUnsupported("data parallel with ZeRO 0/1 is DDP, which checks real parameter storage across "
-                                    "ranks and cannot take fake tensors; the analytic engine covers it (a DDP rank "
-                                    "holds the single-process peak plus one flat gradient-bucket copy)")
+
+def _heaviest_zero1_rank(optimizer: torch.optim.Optimizer, ctx) -> int | None:
+    """The global rank (same pipeline and tensor position) whose ZeRO-1 share of parameters is largest, if not
+    this one. ZeroRedundancyOptimizer hands whole parameters to ranks, largest first, each to the least loaded."""
+    partition = getattr(optimizer, "_partition_parameters", None)
+    if not isinstance(optimizer, ZeroRedundancyOptimizer) or partition is None:
+        return None
+    sizes = [sum(p.numel() for group in part for p in group["params"]) for part in partition()]
+    dp_rank = max(range(len(sizes)), key=sizes.__getitem__)
+    return None if sizes[dp_rank] == sizes[ctx.dp_rank] else ctx.rank + (dp_rank - ctx.dp_rank) * ctx.tp
+
+
+def _made_before_tracking(cfg: Config) -> bool:
+    """Whether the layout keeps storages for the whole run that are made before a step's tracker starts."""
+    d = cfg.parallel.dims
+    return d.ddp or d.zero1 or d.pp > 1
+
+
+def _micro_batches(cfg: Config) -> int:
+    accum = cfg.train.gradient_accumulation_steps
+    if cfg.parallel.pipeline_parallel > 1:
+        return accum  # one schedule run takes all of them: its chunk count (and GPipe's in-flight chunks) follows
+    # Two micro batches stand for any accumulation >= 2: from the second on, each meets the same state
+    # (the earlier ones' gradients, unsharded or reduced as parallel.gradient_sync says).
+    return min(2, accum)
+
+
+def _run_rank(cfg: Config, rank: int, fake: bool, boundary: dict[str, Any]) -> tuple[dict[str, int], int | None]:
+    """The peak of global `rank`, and a heavier ZeRO-1 rank to run as well (None when there is none)."""
     with contextlib.ExitStack() as stack:
-        ctx = stack.enter_context(_fake_world(cfg))
+        ctx = stack.enter_context(fake_world(cfg, rank))
+        stack.enter_context(peers_answered(boundary, fake_tensors=fake, pipeline=cfg.parallel.pipeline_parallel > 1))
         if fake:
             stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
             stack.enter_context(_ScalarStub())
@@ -106,21 +116,22 @@ def run_step(cfg: Config, fake: bool = True) -> dict[str, int]:
         if fake and cfg.memory.mixed_precision == "O3":
             _adapters_to_half(model, cfg)
         pm = parallelize(model, _as_built(cfg) if fake else cfg, ctx)
+        answer_ddp(pm.modules)
         train_step = TrainStep.create(cfg, ctx, pm, simulate=fake)  # the trainer's own step, optimizer and all
-        # Two micro batches stand for any accumulation >= 2: from the second on, each meets the same state
-        # (the earlier ones' gradients, unsharded or reduced as parallel.gradient_sync says).
-        batches = [_batch(cfg)] * min(2, cfg.train.gradient_accumulation_steps)
+        batches = [_batch(cfg)] * _micro_batches(cfg)
 
         def step() -> None:  # every micro batch, synced as the config says (parallel.gradient_sync)
             train_step.forward_backward(batches)
             train_step.optimizer_step()
 
         step()  # optimizer states appear
-        tracker = tracker_for(pm.modules, train_step.optimizer)  # follows the model across its micro-batch calls
-        with tracker:
-            step()
-        peak = peak_by_category(tracker)
-    return plan_components(peak)
+        # Then what `fitlm profile` measures. Its burst tracks a warm-up step before the measured one, which meets
+        # what lives for the whole run but was made before the tracker (DDP's buckets, ZeRO-1's local optimizer
+        # states, a pipeline's receive buffers): the measured step starts with them. Other layouts have none, and
+        # are spared that third simulated step.
+        peak = track_step(step, pm.modules, train_step.optimizer, warmup_steps=int(_made_before_tracking(cfg))).peak
+        heavier = _heaviest_zero1_rank(train_step.optimizer, ctx)
+    return plan_components(peak), heavier
 
 
 def _build_in(cfg: Config, build) -> torch.nn.Module:

@@ -7,8 +7,9 @@ Frozen weights (LoRA, freeze) skip their weight gradients, so their model FLOPs 
 Communication uses ring costs (all-reduce 2(n-1)/n·S/B, all-gather and reduce-scatter (n-1)/n·S/B)
 on the intra-node link when a group fits in a node, else the network; a latency of 10 µs per call.
 Tensor-parallel collectives sit on the critical path; data-parallel gradient traffic overlaps with
-the backward pass (half of it hidden at most). The pipeline bubble is (p-1)/(m+p-1) per micro batch
-(halved by interleaving with 2 virtual stages).
+the backward pass (half of it hidden at most). The pipeline bubble is (p-1)/(n+p-1) of the step, n =
+micro_batch_num × accumulation: one schedule run takes all of a step's chunks (halved by interleaving
+with 2 virtual stages).
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ def timing(s: Setup, dev: Device) -> Timing:
     bw_pp = _bandwidth(dev, s.pp, s.dp * s.tp)
     chunks = max(1, s.chunks) if s.pp > 1 else 1
     pp_comm = s.accum * 2 * chunks * (msg / chunks / bw_pp + LATENCY_S) if s.pp > 1 else 0.0
-    bubble_frac = (s.pp - 1) / (chunks + s.pp - 1) if s.pp > 1 else 0.0
+    bubble_frac = (s.pp - 1) / (s.step_chunks + s.pp - 1) if s.pp > 1 else 0.0
     if s.schedule == "interleaved_1f1b":
         bubble_frac /= 2
     busy = compute + tp_comm + pp_comm

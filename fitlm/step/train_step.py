@@ -83,25 +83,46 @@ class TrainStep:
             torch.tensor(float(sum(count_targets(b["labels"]) for b in batches)), device=self.device), "dp")
         n_targets = max(1.0, n_targets.item())
         scale = self.ctx.dp / n_targets * self.scaler.scale  # loss scale: 1 unless fp16
-        total = torch.zeros((), device=self.device)
-        every = self.cfg.parallel.reduce_every_micro_batch  # ZeRO-2/3: keep gradients sharded between micro batches
-        for i, batch in enumerate(batches):
-            self.pm.gradient_sync(enabled=every or i == len(batches) - 1)
-            input_ids = batch["input_ids"].to(self.device, non_blocking=True)  # [B, T]
-            labels = batch["labels"].to(self.device, non_blocking=True)  # [B, T]
-            # loss_context: under tensor parallel the loss (and its backward) runs on vocab-sharded logits.
-            with autocast(self.cfg.memory, self.device), self.pm.loss_context():
-                if self.pm.pipeline is not None:
-                    with self.timer("forward_backward"):  # the schedule interleaves both over micro batches
-                        loss_sum = self.pm.pipeline.step(input_ids, labels, scale, **self.document_inputs(batch))
-                else:
+        if self.pm.pipeline is not None:
+            total = self._pipeline_loss_sum(batches, scale)
+        else:
+            total = torch.zeros((), device=self.device)
+            every = self.cfg.parallel.reduce_every_micro_batch  # ZeRO-2/3: keep gradients sharded between micro batches
+            for i, batch in enumerate(batches):
+                self.pm.gradient_sync(enabled=every or i == len(batches) - 1)
+                input_ids = batch["input_ids"].to(self.device, non_blocking=True)  # [B, T]
+                labels = batch["labels"].to(self.device, non_blocking=True)  # [B, T]
+                # loss_context: under tensor parallel the loss (and its backward) runs on vocab-sharded logits.
+                with autocast(self.cfg.memory, self.device), self.pm.loss_context():
                     with self.timer("forward"):
                         loss_sum = self.loss_sum(input_ids, labels, **self.document_inputs(batch))
                     with self.timer("backward"):
                         (loss_sum * scale).backward()
-            total += loss_sum.detach()
+                total += loss_sum.detach()
         self.pm.finish_backward()
         return self.ctx.all_reduce_sum(total, "dp") / n_targets
+
+    def _pipeline_loss_sum(self, batches: list[dict[str, torch.Tensor]], scale: float) -> torch.Tensor:
+        """All of the step's micro batches through ONE pipeline schedule run (it fills and drains once per step,
+        not once per micro batch); returns their summed loss on every pp rank.
+
+        Concatenated along the batch dimension, [G·B, T], the schedule cuts them into exactly the chunks G
+        separate runs would have made (B / micro_batch_num rows each, in the same order), each divided by the
+        same whole-step target count, so losses and gradients are those of G runs. The copy is of integer ids
+        only (G·B·T values); activations stay bounded by what the schedule keeps in flight: about pp chunks
+        under 1F1B and interleaving, whatever G (GPipe, by its definition, keeps all of the step's chunks).
+        The schedule also defers data-parallel gradient reduction (FSDP2) to its last backward, so under
+        pipeline parallel gradients are reduced once per step.
+        """
+        def joined(key: str) -> torch.Tensor:  # [G·B, T]
+            return torch.cat([b[key].to(self.device, non_blocking=True) for b in batches])
+
+        doc = {k: joined(k) for k in ("position_ids", "document_ids")} if self.cfg.data.document_mask else {}
+        # the timer's phase is forward_backward: the schedule interleaves both over the chunks
+        with autocast(self.cfg.memory, self.device), self.pm.loss_context(), self.timer("forward_backward"):
+            loss_sum = self.pm.pipeline.step(joined("input_ids"), joined("labels"), scale,
+                                             micro_batches=len(batches), **doc)
+        return loss_sum.detach()
 
     def loss_sum(self, input_ids: torch.Tensor, labels: torch.Tensor, **doc: torch.Tensor) -> torch.Tensor:
         """Summed token loss of one micro batch through the (non-pipelined) model."""

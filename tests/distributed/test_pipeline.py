@@ -6,6 +6,7 @@ their numbers to JSON, and the parametrized tests below judge them one case at a
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -17,14 +18,18 @@ import torch.distributed as dist
 
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
-from fitlm.config import ModelConfig, ParallelConfig
-from fitlm.parallel.mesh import exit_process
+from fitlm.config import ModelConfig, ParallelConfig, validate_dict
+from fitlm.parallel.apply import parallelize
+from fitlm.parallel.mesh import ParallelContext, context_on_mesh, exit_process
+from fitlm.parallel_dims import MESH_DIMS
 from fitlm.parallel.pipeline import (Pipeline, build_schedule, build_stage_modules, clip_grad_norm_pp,
                                     gather_full_state_dict, pipeline_eval, pipeline_problems,
                                     pipeline_step, split_layers, sync_tied_grads, tag_tied_copies)
 from fitlm.registry import build_model
 from fitlm.step.optim import param_groups
+from fitlm.step.train_step import TrainStep
 from fitlm.models.loss import count_targets, cross_entropy_sum
 from tests.distributed import spawn
 
@@ -41,6 +46,10 @@ CASES_2 = [(f"{a}-{s}-m{m}", a, 2, s, m, 1, 1) for a in MODELS for s in ("gpipe"
            for m in (2, 4)] + [("llama-1f1b-m2-accum2", "llama", 2, "1f1b", 2, 2, 1),
                                # through the Pipeline class that fitlm.parallel.apply and the trainer use
                                ("gpt2-interleaved_1f1b-m2-class", "gpt2", 2, "interleaved_1f1b", 2, 2, 1)]
+# The trainer's own step (TrainStep over parallelize) with 4 accumulation micro batches and document masks; one
+# micro_batch_num=1 case, which only the whole step's chunk count (1 × 4 >= 2 stages) makes a valid layout.
+TRAIN_STEP_CASES = [("llama-1f1b-m2-accum4-trainstep", "llama", 2, "1f1b", 2, 4, 1),
+                    ("gpt2-interleaved_1f1b-m1-accum4-trainstep", "gpt2", 2, "interleaved_1f1b", 1, 4, 1)]
 CASES_4 = [("gpt2-1f1b-m4-pp4", "gpt2", 4, "1f1b", 4, 1, 1), ("llama-gpipe-m4-pp4", "llama", 4, "gpipe", 4, 1, 1),
            # pp2 x dp2, FSDP2 on each stage: DTensor grads in the clip, sync and state-dict gather
            ("gpt2-interleaved_1f1b-m2-dp2-fsdp", "gpt2", 2, "interleaved_1f1b", 2, 1, 2)]
@@ -84,6 +93,8 @@ def reference(arch: str, rows: int) -> dict:
 
 
 def run_case(cid: str, rank: int, arch: str, pp: int, schedule: str, m: int, accum: int, dp: int) -> dict:
+    if cid.endswith("-trainstep"):
+        return run_train_step(rank, arch, pp, schedule, m, accum)
     group, dp_rank = dist.group.WORLD, 0
     if dp > 1:
         mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
@@ -155,6 +166,77 @@ def run_pipeline_class(rank: int, arch: str, pp: int, schedule: str, m: int, acc
     return compare(out, pipe.gather_full_state_dict(), arch, 4)
 
 
+def doc_batches(accum: int) -> list[dict[str, torch.Tensor]]:
+    """batch(8) as `accum` micro batches, with two documents per row (the second starts at r + 3, where positions
+    restart) and its uneven -100s: a per-micro-batch or per-chunk mean would differ from the step's token mean."""
+    ids, labels = batch(8)
+    start = torch.arange(8)[:, None] + 3  # [8,1]
+    t = torch.arange(16)[None, :]  # [1,16]
+    document_ids = (t >= start).long()  # [8,16]
+    position_ids = torch.where(t >= start, t - start, t)  # [8,16]
+    parts = [x.chunk(accum) for x in (ids, labels, position_ids, document_ids)]
+    keys = ("input_ids", "labels", "position_ids", "document_ids")
+    return [dict(zip(keys, rows)) for rows in zip(*parts)]
+
+
+@contextlib.contextmanager
+def schedule_runs(runs: list[int]):
+    """Append each training schedule run's chunk count to `runs` (torch's step(); eval runs are not counted)."""
+    originals = {cls: cls.step for cls in (PipelineScheduleSingle, PipelineScheduleMulti)}
+
+    def counted(original):
+        def step(self, *args, **kwargs):
+            if self._has_backward:
+                runs.append(self._n_microbatches)
+            return original(self, *args, **kwargs)
+        return step
+
+    for cls, original in originals.items():
+        cls.step = counted(original)
+    try:
+        yield
+    finally:
+        for cls, original in originals.items():
+            cls.step = original
+
+
+def train_steps(cfg, ctx: ParallelContext) -> dict:
+    """STEPS optimizer steps of TrainStep on doc_batches, then the eval sum; the schedule runs of each step."""
+    torch.manual_seed(0)
+    pm = parallelize(build_model(cfg.model), cfg, ctx)
+    step, batches = TrainStep.create(cfg, ctx, pm), doc_batches(cfg.train.gradient_accumulation_steps)
+    out: dict = {"loss": [], "norm": [], "runs": []}
+    for _ in range(STEPS):
+        runs: list[int] = []
+        with schedule_runs(runs):
+            out["loss"].append(float(step.forward_backward(batches)))
+        out["runs"].append(runs)
+        out["norm"].append(float(step.optimizer_step()[0]))
+    out["eval"] = sum(float(step.eval_sums(b)[0]) for b in batches)
+    return {**out, "state": pm.full_state_dict()}
+
+
+def run_train_step(rank: int, arch: str, pp: int, schedule: str, m: int, accum: int) -> dict:
+    """The pipelined TrainStep on two ranks against the same TrainStep in one process (rank 0 alone)."""
+    sections = {"model": MODELS[arch], "data": {"seq_length": 16, "document_mask": True},
+                "train": {"micro_batch_size": 8 // accum, "gradient_accumulation_steps": accum, "lr": LR,
+                          "weight_decay": WD, "grad_clip": CLIP, "warmup_steps": 0}}
+    try:  # a layout the old per-micro-batch chunk rule refused must fail only its own tests
+        cfg = validate_dict({**sections, "parallel": {"pipeline_parallel": pp, "pipeline_schedule": schedule,
+                                                      "micro_batch_num": m}})
+        mesh = init_device_mesh("cpu", cfg.parallel.dims.mesh_shape, mesh_dim_names=MESH_DIMS)
+        out = train_steps(cfg, context_on_mesh(mesh, cfg.parallel.dims, torch.device("cpu")))
+    except ValueError as e:
+        return {"error": str(e)}
+    full = out.pop("state")
+    if full is not None:
+        ref = train_steps(validate_dict(sections), ParallelContext())
+        out.update(ref_loss=ref["loss"], ref_norm=ref["norm"], ref_eval=ref["eval"],
+                   keys_match=list(full) == list(ref["state"]),
+                   max_diff=max(float((full[k] - v).abs().max()) for k, v in ref["state"].items() if k in full))
+    return out
+
+
 def worker(rank: int, world: int, port: int, cases: list, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # 2 cores, 2+ processes
@@ -176,7 +258,7 @@ def run_world(world: int, cases: list, out_dir, timeout: float = 150.0) -> list[
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
-    return run_world(2, CASES_2, tmp_path_factory.mktemp("pp2"))
+    return run_world(2, CASES_2 + TRAIN_STEP_CASES, tmp_path_factory.mktemp("pp2"))
 
 
 @pytest.fixture(scope="module")
@@ -207,6 +289,28 @@ def test_pp2_matches_single_process(world2, cid):
 @pytest.mark.parametrize("cid", [c[0] for c in CASES_4])
 def test_pp4_matches_single_process(world4, cid):
     check(world4, cid)
+
+
+@pytest.mark.parametrize("cid, m, accum", [(c[0], c[4], c[5]) for c in TRAIN_STEP_CASES])
+def test_one_schedule_run_per_optimizer_step(world2, cid, m, accum):
+    """All accumulation micro batches of a step go through one schedule run of m × accum chunks (the pipeline
+    fills and drains once per step), not one run of m chunks per micro batch."""
+    for r in world2:
+        assert "error" not in r[cid], r[cid]["error"]
+        assert r[cid]["runs"] == [[m * accum]] * STEPS, r[cid]["runs"]
+
+
+@pytest.mark.parametrize("cid", [c[0] for c in TRAIN_STEP_CASES])
+def test_train_step_through_the_pipeline_matches_one_process(world2, cid):
+    """TrainStep's pipelined step: the whole step's token-weighted mean (document masks, -100s), its clipped
+    gradient norm, the eval sum and the weights after STEPS updates equal the same step in one process."""
+    r0 = world2[0][cid]
+    assert "error" not in r0, r0["error"]
+    for r in world2:
+        assert r[cid]["loss"] == pytest.approx(r0["ref_loss"], rel=1e-5)
+        assert r[cid]["norm"] == pytest.approx(r0["ref_norm"], rel=1e-5)
+        assert r[cid]["eval"] == pytest.approx(r0["ref_eval"], rel=1e-5)
+    assert r0["keys_match"] and r0["max_diff"] < 1e-4, r0["max_diff"]
 
 
 def test_interleaved_places_two_stages_per_rank(world2):
@@ -276,3 +380,16 @@ def test_pipeline_problems_accepts_good_layouts():
     assert pipeline_problems(ModelConfig(num_layers=4), ParallelConfig(
         pipeline_parallel=2, micro_batch_num=2, pipeline_schedule="interleaved_1f1b"), 4) == []
     assert pipeline_problems(ModelConfig(num_layers=1), ParallelConfig(micro_batch_num=3), 8) == []  # pp = 1
+
+
+def test_pipeline_problems_count_chunks_over_the_whole_step():
+    """The step's one schedule run holds micro_batch_num × gradient_accumulation_steps chunks: that is what must
+    reach pipeline_parallel (and divide into interleaved rounds)."""
+    model = ModelConfig(num_layers=8)
+    assert pipeline_problems(model, ParallelConfig(pipeline_parallel=2, micro_batch_num=1), 2, accumulation=4) == []
+    assert pipeline_problems(model, ParallelConfig(pipeline_parallel=2, micro_batch_num=5,
+                                                   pipeline_schedule="interleaved_1f1b"), 10, accumulation=2) == []
+    (msg,) = pipeline_problems(model, ParallelConfig(pipeline_parallel=4, micro_batch_num=1), 2, accumulation=2)
+    assert msg.startswith("parallel.micro_batch_num: 1 × train.gradient_accumulation_steps=2 = 2 is below "
+                          "parallel.pipeline_parallel=4")
+    assert "set parallel.micro_batch_num >= 2" in msg

@@ -45,8 +45,8 @@ def throughput(tmp_path_factory) -> dict:
     pytest.importorskip("transformers")
     out = tmp_path_factory.mktemp("bench") / "throughput.json"
     report = run_script("train_throughput.py", "--sizes", "tiny", "--steps", "1", "--warmup", "1", "--batch", "2",
-                        "--seq", "32", "--no-compile", "--fitlm-best", "O3,chunk=16", "--identical-chunk", "0",
-                        "--out", out)
+                        "--seq", "32", "--rounds", "1", "--no-compile", "--fitlm-best", "O3,chunk=16",
+                        "--identical-chunk", "0", "--out", out)
     assert json.loads(out.read_text()) == report
     return report
 

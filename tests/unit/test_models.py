@@ -397,7 +397,7 @@ def test_save_replaces_a_model_dir_and_a_crash_keeps_the_old_one(tmp_path, monke
     def boom(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(mio, "write_safetensors", boom)
+    monkeypatch.setattr(mio, "write_safetensors_stream", boom)
     with pytest.raises(OSError, match="disk full"):
         save_model_dir(make(cfg, seed=3), cfg, target)
     assert _siblings(target) == ["m"]

@@ -16,6 +16,7 @@ from fitlm.plan.analytic import breakdown, model_states
 from fitlm.plan.budget import compute_optimal
 from fitlm.plan.devices import CATALOG, get_device, parse_bytes
 from fitlm.plan.setup import from_config, total_params
+from fitlm.plan.throughput import timing
 from fitlm.train.trainer import Trainer
 from tests.e2e.helpers import tiny_config, write_config
 
@@ -127,15 +128,33 @@ def test_planner_counts_the_parameters_finetune_trains(finetune):
     assert total_params(s) + adapter_params(s) == sum(p.numel() for p in model.parameters())
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("parallel", [{"data_parallel": 2, "zero_stage": 3}, {"data_parallel": 2, "zero_stage": 2},
-                                      {"tensor_parallel": 2}])
+@pytest.mark.parametrize("parallel", [
+    {"pipeline_parallel": 2, "micro_batch_num": 2}, {"data_parallel": 2},  # torch's schedule, torch's DDP
+    *(pytest.param(p, marks=pytest.mark.slow) for p in (
+        {"data_parallel": 2, "zero_stage": 3}, {"data_parallel": 2, "zero_stage": 2}, {"data_parallel": 2, "zero_stage": 1},
+        {"tensor_parallel": 2}, {"pipeline_parallel": 2, "micro_batch_num": 2, "pipeline_schedule": "gpipe"},
+        {"data_parallel": 2, "tensor_parallel": 2, "zero_stage": 3}))])
 def test_multi_rank_simulation_on_fake_process_group_agrees_with_analytic(tiny_corpus, tmp_path, parallel):
     from fitlm.plan.simulate import run_step
 
-    cfg = _cfg(tiny_corpus, tmp_path, {"parallel": parallel, "data": {"document_mask": False}})
+    cfg = _cfg(tiny_corpus, tmp_path, {"parallel": parallel, "data": {"document_mask": False},
+                                       "train": {"micro_batch_size": 2 if parallel.get("data_parallel") else 4}})
     sim = run_step(cfg)
     assert abs(breakdown(from_config(cfg)).total / sim["total"] - 1) <= 0.05
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", [{"pipeline_parallel": 2, "micro_batch_num": 2}, {"tensor_parallel": 2},
+                                      {"data_parallel": 2}])
+def test_fake_tensors_hold_what_real_tensors_hold_on_the_fake_process_group(tiny_corpus, tmp_path, parallel):
+    """The simulation's fake-tensor answers (deep copies of pipeline stages, DTensor's sharding propagation) keep
+    the bytes of the same step on real tensors; tests/distributed/test_plan_accuracy.py holds both against the
+    measured run of every layout."""
+    from fitlm.plan.simulate import run_step
+
+    cfg = _cfg(tiny_corpus, tmp_path, {"parallel": parallel})
+    fake, real = run_step(cfg), run_step(cfg, fake=False)
+    assert abs(fake["total"] / real["total"] - 1) <= 0.001, (fake, real)
 
 
 def test_model_states_follow_the_zero_arithmetic():
@@ -301,3 +320,14 @@ def test_other_is_named_to_the_last_byte(overrides):
     assert out["other_parts"] and sum(out["other_parts"].values()) == out["per_device"]["other"], out["other_parts"]
     step = breakdown(replace(from_config(cfg), accum=1))
     assert sum(v for _, v in step.other_parts) == step.other
+
+
+def test_pipeline_bubble_is_paid_once_per_step():
+    """One schedule run per optimizer step takes all micro_batch_num × accumulation chunks: the bubble is
+    (p-1)/(m·G+p-1) of the step, not (p-1)/(m+p-1) paid G times."""
+    s = from_config(validate_dict({"model": {"num_layers": 4},
+                                   "parallel": {"pipeline_parallel": 2, "micro_batch_num": 2},
+                                   "train": {"micro_batch_size": 4, "gradient_accumulation_steps": 4}}))
+    for accum in (1, 4):
+        t = timing(replace(s, accum=accum), get_device())
+        assert t.bubble_s / t.step_s == pytest.approx(1 / (2 * accum + 1))  # dp = 1: the step is busy time + bubble

@@ -1,0 +1,131 @@
+"""What crosses pipeline stages outside the schedule: tied-embedding gradients, the global gradient
+norm and the unsplit state dict (see fitlm.parallel.pipeline for the stages themselves).
+
+Tied embeddings (`model.tie_embeddings`) across pp ranks: the first stage keeps `embed_tokens.weight`,
+the last stage a copy as `lm_head.weight`. `sync_tied_grads` adds the two gradients together (what a
+single shared Parameter would get); both copies start equal and receive equal updates, provided the
+optimizer treats them alike (`fitlm.step.optim.param_groups`). The copy is counted once in `clip_grad_norm_pp`.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+TIED_COPY = "_fitlm_pp_tied_copy"  # attribute set on the last stage's copy of a tied embedding
+
+
+def _as_group(pp_group) -> dist.ProcessGroup:
+    # A 1-D DeviceMesh (e.g. mesh["pp"]) or a ProcessGroup.
+    return pp_group.get_group() if hasattr(pp_group, "get_group") else pp_group
+
+
+def tag_tied_copies(stage_modules: list[tuple[int, nn.Module]]) -> None:
+    """Mark a last stage's head that copies a tied embedding (held by the first stage).
+
+    build_stage_modules does this; call it again after anything that replaces Parameters
+    (FSDP2's fully_shard does), or clip_grad_norm_pp will count that copy twice.
+    """
+    for _, mod in stage_modules:
+        if getattr(mod.config, "tie_embeddings", False) and mod.lm_head is not None and mod.model.embed_tokens is None:
+            setattr(mod.lm_head.weight, TIED_COPY, True)
+
+
+# --------------------------------------------------------------------------- optimizer helpers
+
+
+def sync_tied_grads(stage_modules: list[tuple[int, nn.Module]], pp_group) -> None:
+    """With tied embeddings split across pp ranks, give both copies the sum of their gradients.
+
+    Call after the step's backward passes, before clipping. Only pp ranks 0 and pp-1 communicate
+    (point to point); other ranks return at once. A no-op without tying.
+    """
+    group = _as_group(pp_group)
+    pp_size = dist.get_world_size(group)
+    for sid, mod in stage_modules:
+        if pp_size == 1 or not getattr(mod.config, "tie_embeddings", False):
+            return
+        if sid == 0 and mod.model.embed_tokens is not None:
+            param, peer = mod.model.embed_tokens.weight, pp_size - 1
+        elif mod.lm_head is not None and mod.model.embed_tokens is None:
+            param, peer = mod.lm_head.weight, 0
+        else:
+            continue
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        mine = param.grad._local_tensor if isinstance(param.grad, DTensor) else param.grad  # dp/tp shards match
+        theirs = torch.empty_like(mine)
+        ops = [dist.P2POp(dist.isend, mine.contiguous(), group=group, group_peer=peer),
+               dist.P2POp(dist.irecv, theirs, group=group, group_peer=peer)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        mine.add_(theirs)
+
+
+def _squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Sum of squares of `grads`; DTensor grads are reduced over their own mesh (tp/dp shards)."""
+    total = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
+    buckets: dict[object, list[torch.Tensor]] = {}
+    for g in grads:  # one norm per kind: foreach kernels cannot mix plain tensors and meshes
+        buckets.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    for gs in buckets.values():
+        n = torch.nn.utils.get_total_norm(gs, 2.0)
+        if isinstance(n, DTensor):
+            n = n.full_tensor()
+        total = total + n.float().to(total.device) ** 2
+    return total
+
+
+def clip_grad_norm_pp(parameters: Iterable[torch.Tensor], max_norm: float, pp_group) -> torch.Tensor:
+    """Clip by the gradient norm over all pipeline stages; returns that (pre-clip) norm on every rank.
+
+    Sum of squares per rank, all-reduced over the pp group. A tied head copy (see sync_tied_grads) is
+    clipped but not counted: the unsplit model holds that Parameter once.
+    """
+    group = _as_group(pp_group)
+    params = [p for p in parameters if p.grad is not None]
+    counted = [p.grad for p in params if not getattr(p, TIED_COPY, False)]
+    sq = _squared_norm(counted)
+    # A rank without gradients (a frozen stage) still joins the all-reduce, on the backend's device.
+    device = params[0].grad.device if params else (
+        torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else sq.device)
+    sq = sq.to(device)
+    dist.all_reduce(sq, group=group)
+    total = sq.sqrt()
+    if params and max_norm and max_norm != float("inf"):
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+# --------------------------------------------------------------------------- state dict
+
+
+@torch.no_grad()
+def gather_full_state_dict(stage_modules: list[tuple[int, nn.Module]], pp_group,
+                           gather: bool = True) -> dict[str, torch.Tensor] | None:
+    """The unsplit model's state_dict (same keys, same order, CPU tensors) on pp rank 0; None elsewhere.
+
+    DTensor entries (tp/FSDP) are materialised with full_tensor(), a collective over their mesh, so
+    every rank of the stage must call this.
+    `gather=False` materialises only (for replicas whose pp group need not gather). Goes through
+    gather_object: fine for a final export; use torch.distributed.checkpoint for resumable checkpoints.
+    """
+    group = _as_group(pp_group)
+    local = [(sid, {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+                    for k, v in mod.state_dict().items()}) for sid, mod in stage_modules]
+    if not gather:
+        return None
+    gathered: list | None = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
+    dist.gather_object(local, gathered, group=group, group_dst=0)
+    if gathered is None:
+        return None
+    # Stage order = module order of the unsplit model (embeddings, layers 0..L-1, norm, head).
+    parts = sorted((pair for rank_parts in gathered for pair in rank_parts), key=lambda p: p[0])
+    full: dict[str, torch.Tensor] = {}
+    for _, sd in parts:
+        full.update(sd)
+    return full
