@@ -16,7 +16,8 @@ Not a test: it prints a table (stderr with --json) and writes JSON. For each mod
   memory.compile, which takes the whole model with its chunked loss in one process, + chunked loss,
   precision O2 bf16 where bf16 is fast, else O0). On a CPU without AVX512-BF16/AMX
   (oneDNN reports no bf16 support) bf16 GEMMs run ~100x slower than fp32, so there both "best" runs use fp32
-  (override with --hf-best-precision bf16 / --fitlm-best "O3,compile,chunk=1024");
+  (override with --hf-best-precision bf16 / --fitlm-best "O3,compile,chunk=1024"); both call torch's SDPA
+  for attention (--hf-best-attn eager gives the HF model its matmul attention instead);
 * compile time is the first step's excess over the median step, reported apart; steps after `--warmup`
   are timed (median);
 * `--rounds` (3) repeats both runs of a size; tokens/s are medians over rounds of each round's median step,
