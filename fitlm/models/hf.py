@@ -275,6 +275,12 @@ def same_names_from_hf(sd: StateDict, cfg: ModelConfig, source: str) -> StateDic
 _WRAPPER_PARTS = re.compile(r"(?<![^.])(_orig_mod|_checkpoint_wrapped_module|_fsdp_wrapped_module)\.")
 
 
+def strip_wrappers(name: str) -> str:
+    """A parameter's name in the unwrapped model: without the levels torch.compile, checkpoint_wrapper or
+    FSDP1 insert."""
+    return _WRAPPER_PARTS.sub("", name)
+
+
 def _model_cfg(cfg: Any) -> ModelConfig:
     return cfg.model if hasattr(cfg, "model") and isinstance(cfg.model, ModelConfig) else cfg
 
@@ -284,7 +290,7 @@ def to_hf_state_dict(model_or_sd: nn.Module | Mapping[str, torch.Tensor], cfg: M
     cfg = _model_cfg(cfg)
     sd = dict(model_or_sd.state_dict() if isinstance(model_or_sd, nn.Module) else model_or_sd)
     # Wrappers applied from outside (torch.compile, checkpoint_wrapper) insert a level into the names.
-    sd = {_WRAPPER_PARTS.sub("", k): v for k, v in sd.items()}
+    sd = {strip_wrappers(k): v for k, v in sd.items()}
     return cfg.family.to_hf(sd, cfg)
 
 

@@ -13,17 +13,15 @@ model's, so every layout still trains exactly as the single process does.
 
 from __future__ import annotations
 
-import re
 from typing import Callable, Iterable
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from fitlm.models.hf import strip_wrappers
 from fitlm.models.streaming import layer_group
 
-# Levels that wrappers insert into parameter names: DDP's module., torch.compile, checkpoint_wrapper.
-_WRAPPERS = re.compile(r"(?<![^.])(module|_orig_mod|_checkpoint_wrapped_module|_fsdp_wrapped_module)\.")
 
 
 class MaterializeError(ValueError):
@@ -31,8 +29,9 @@ class MaterializeError(ValueError):
 
 
 def plain_name(name: str) -> str:
-    """A parameter's name in the unwrapped model (what the weight streams use)."""
-    return _WRAPPERS.sub("", name)
+    """A parameter's name in the unwrapped model (what the weight streams use). DDP's `module.` never occurs:
+    materialize runs before DDP wraps, and the final save's walk unwraps it."""
+    return strip_wrappers(name)
 
 
 def tied_aliases(model: nn.Module) -> dict[str, list[str]]:
