@@ -193,6 +193,8 @@ class ParallelConfig(_Section):
     """Pipeline chunks each micro batch is split into. All micro batches of a step go through one schedule run of micro_batch_num × gradient_accumulation_steps chunks, which must be at least pipeline_parallel; the bubble is (p-1)/(chunks+p-1) of the step."""
     pipeline_layers: list[int] | None = None
     """Blocks per pipeline stage, e.g. [5, 5, 5, 3] (one entry per virtual stage under interleaved_1f1b); null = balanced."""
+    context_parallel: int = 1
+    """Ranks each sequence is split over (long context): every rank holds 2 of 2 × context_parallel load-balanced chunks of each sequence (chunks r and 2C−1−r, so causal attention costs every rank the same) and attention all-gathers keys and values over the group, so document masks, sliding windows and global RoPE positions stay exact. data.seq_length must be a multiple of 2 × context_parallel. Composes with data parallel, ZeRO 0–3 (sharded over data_parallel × context_parallel) and tensor parallel, not with pipeline parallel; the global batch is still micro_batch_size × data_parallel × accumulation sequences."""
     gradient_sync: Literal["auto", "every_micro_batch", "last_micro_batch"] = "auto"
     """With gradient accumulation, when data-parallel gradients are reduced: `last_micro_batch` once per step (least traffic, but ZeRO-2/3 then hold whole unsharded gradients until the last micro batch); `every_micro_batch` (ZeRO-2/3 keep only their gradient shard, for accumulation × the reduce-scatter traffic); `auto` = every micro batch under ZeRO-2/3, the last otherwise. Under pipeline parallel gradients are reduced once per step whatever this says (the step's micro batches share one schedule run)."""
     timeout_s: int = 1800
@@ -202,7 +204,7 @@ class ParallelConfig(_Section):
     def dims(self) -> ParallelDims:
         """The layout's dimensions and their derived predicates (fitlm.parallel_dims)."""
         return ParallelDims(dp=self.data_parallel, tp=self.tensor_parallel, pp=self.pipeline_parallel,
-                            zero_stage=self.zero_stage)
+                            zero_stage=self.zero_stage, cp=self.context_parallel)
 
     @property
     def world_size(self) -> int:
@@ -240,6 +242,8 @@ class MemoryConfig(_Section):
     """Recompute every n-th block only (1 = every block); trades memory for less recompute time."""
     cpu_offload: bool = False
     """Keep optimizer states (and with ZeRO-2/3 parameters and gradients too) in host memory; the optimizer steps on the CPU."""
+    activation_offload: Literal[False, True, "blocks", "model"] = False
+    """Move the tensors the forward saves for backward to host memory and back when backward needs them: `true`/`blocks` those of every decoder block (the bulk), `model` everything the forward saves (embedding and loss included). On CUDA the copies go to pinned memory on a side stream, overlapping compute; on a CPU device there is no other memory to move to and nothing changes. With recompute, only what recompute keeps (each block's input) is offloaded."""
     compile: bool = False
     """torch.compile the whole model with its loss (one process, DDP, ZeRO-1), or each block where FSDP2 (ZeRO-2/3), recompute, tensor or pipeline parallel wrap blocks (eager is the default, easier to debug)."""
     loss_chunk_size: int = 0
@@ -484,7 +488,7 @@ def semantic_errors(cfg: Config) -> list[str]:
         "train.micro_batch_size": t.micro_batch_size, "train.gradient_accumulation_steps": t.gradient_accumulation_steps,
         "train.max_steps": t.max_steps, "train.log_interval": t.log_interval, "parallel.data_parallel": p.data_parallel,
         "parallel.tensor_parallel": p.tensor_parallel, "parallel.pipeline_parallel": p.pipeline_parallel,
-        "parallel.micro_batch_num": p.micro_batch_num, "checkpoint.keep_last": cfg.checkpoint.keep_last,
+        "parallel.context_parallel": p.context_parallel, "parallel.micro_batch_num": p.micro_batch_num, "checkpoint.keep_last": cfg.checkpoint.keep_last,
     }
     for key, v in positive.items():
         if v < 1:
@@ -515,6 +519,11 @@ def semantic_errors(cfg: Config) -> list[str]:
         errs.append(f"model.arch: unknown family {m.arch!r}; registered: {', '.join(registry.model_names())}")
     elif m.num_heads >= 1 and m.num_layers >= 1:
         errs += m.family.validate(m)  # what the family itself cannot build (e.g. gpt2 has no GQA)
+    cp = p.context_parallel
+    if cp > 1 and d.seq_length % (2 * cp):
+        errs.append(f"data.seq_length: {d.seq_length} cannot be split into the 2 × parallel.context_parallel = {2 * cp} "
+                    f"equal chunks context parallel balances over its ranks; use a multiple of {2 * cp} "
+                    f"(e.g. {max(2 * cp, d.seq_length // (2 * cp) * 2 * cp)}) or another context_parallel")
     if d.seq_length > m.max_seq_len:
         errs.append(f"data.seq_length: {d.seq_length} exceeds model.max_seq_len={m.max_seq_len}; "
                     f"lower data.seq_length or raise model.max_seq_len")

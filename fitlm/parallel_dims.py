@@ -10,15 +10,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # Mesh dimensions, outermost to innermost: tensor-parallel ranks are adjacent (same node, fastest links),
-# pipeline stages are furthest apart.
-MESH_DIMS = ("pp", "dp", "tp")
+# then context-parallel ranks (a key/value all-gather per layer), pipeline stages are furthest apart.
+MESH_DIMS = ("pp", "dp", "cp", "tp")
+# The flattened dp x cp dimension (made only when cp > 1): the ranks that split the global batch's tokens
+# between them, so they sum losses and target counts and average gradients; FSDP2 shards over it.
+DP_CP = "dp_cp"
 # The name reductions use for every rank of the job, beside the mesh dimensions.
 WORLD = "world"
 
 
 # What each ZeRO stage keeps per data-parallel rank at rest, in the one place the planner reads it from
 # (ParallelDims.shard_factor); tests/distributed/test_zero_stages.py measures it on the engines.
-# Fractions of the full size: 1 = a full replica on every rank, "1/dp" = sharded over data parallel.
+# Fractions of the full size: 1 = a full replica on every rank, "1/dp" = sharded over data parallel
+# (over data_parallel x context_parallel ranks when context parallel splits sequences too).
 ZERO_STAGES = {
     0: {"params": "1", "grads": "1", "optimizer": "1", "engine": "DDP (all-reduce of gradients)"},
     1: {"params": "1", "grads": "1", "optimizer": "1/dp", "engine": "DDP + ZeroRedundancyOptimizer"},
@@ -42,31 +46,44 @@ class ParallelDims:
     tp: int = 1
     pp: int = 1
     zero_stage: int = 0
+    cp: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     @property
-    def mesh_shape(self) -> tuple[int, int, int]:
+    def mesh_shape(self) -> tuple[int, int, int, int]:
         """Sizes in MESH_DIMS order."""
-        return (self.pp, self.dp, self.tp)
+        return (self.pp, self.dp, self.cp, self.tp)
+
+    @property
+    def dp_cp(self) -> int:
+        """Ranks that hold the same parameters (or ZeRO shards of them) and split the batch's tokens: data
+        parallel replicas times the context-parallel ranks each sequence is split over. Gradients are
+        averaged, and ZeRO shards, over these."""
+        return self.dp * self.cp
+
+    @property
+    def token_dim(self) -> str:
+        """The mesh dimension of those ranks: "dp", or the flattened "dp_cp" under context parallel."""
+        return DP_CP if self.cp > 1 else "dp"
 
     @property
     def fsdp_sharded(self) -> bool:
-        """ZeRO-2/3 over more than one data-parallel rank: FSDP2 shards gradients (and, at 3, parameters),
-        owns the O2 casting policy and the host offload of its shards."""
-        return self.zero_stage >= 2 and self.dp > 1
+        """ZeRO-2/3 over more than one data-parallel (x context-parallel) rank: FSDP2 shards gradients (and,
+        at 3, parameters), owns the O2 casting policy and the host offload of its shards."""
+        return self.zero_stage >= 2 and self.dp_cp > 1
 
     @property
     def zero1(self) -> bool:
         """ZeRO-1: torch's ZeroRedundancyOptimizer shards optimizer states over the data-parallel group."""
-        return self.zero_stage == 1 and self.dp > 1
+        return self.zero_stage == 1 and self.dp_cp > 1
 
     @property
     def replicated(self) -> bool:
-        """Data-parallel replicas hold whole, identical parameters (DDP, ZeRO 0/1)."""
-        return self.dp > 1 and self.zero_stage <= 1
+        """Data-parallel (or context-parallel) ranks hold whole, identical parameters (DDP, ZeRO 0/1)."""
+        return self.dp_cp > 1 and self.zero_stage <= 1
 
     @property
     def ddp(self) -> bool:
@@ -75,7 +92,7 @@ class ParallelDims:
 
     def shard_factor(self, component: str) -> int:
         """How many ways `component` (params, grads or optimizer) is split over data-parallel ranks at rest."""
-        return self.dp if ZERO_STAGES[self.zero_stage][component] == "1/dp" else 1
+        return self.dp_cp if ZERO_STAGES[self.zero_stage][component] == "1/dp" else 1
 
     def reduce_every_micro_batch(self, gradient_sync: str) -> bool:
         """parallel.gradient_sync resolved: `auto` reduces every micro batch exactly when ZeRO-2/3 shard

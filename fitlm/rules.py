@@ -53,10 +53,16 @@ ROWS: tuple[Rule, ...] = (
          lambda v: v["parallel.zero_stage"] == 1 and _split(v),
          lambda v: "parallel.zero_stage: 1 (torch's ZeroRedundancyOptimizer) works with plain data parallel only; "
                    "with tensor or pipeline parallel use zero_stage 2 or 3 (FSDP2), which also shard the optimizer"),
-    Rule("parallel.zero_stage", "needs", "ZeRO 1-3 need `data_parallel` ≥ 2 (they shard over data-parallel ranks)",
-         lambda v: v["parallel.zero_stage"] > 0 and v["parallel.data_parallel"] == 1,
+    Rule("parallel.zero_stage", "needs",
+         "ZeRO 1-3 need `data_parallel` × `context_parallel` ≥ 2 (they shard over those ranks)",
+         lambda v: v["parallel.zero_stage"] > 0 and v["parallel.data_parallel"] * v["parallel.context_parallel"] == 1,
          lambda v: f"parallel.zero_stage: {v['parallel.zero_stage']} shards over data-parallel ranks but "
-                   "data_parallel=1; raise data_parallel or set zero_stage: 0"),
+                   "data_parallel=1; raise data_parallel (or context_parallel) or set zero_stage: 0"),
+    Rule("parallel.context_parallel", "refused", "context parallel with pipeline parallel: use tensor or data parallel",
+         lambda v: v["parallel.context_parallel"] > 1 and v["parallel.pipeline_parallel"] > 1,
+         lambda v: f"parallel.context_parallel: {v['parallel.context_parallel']} splits sequences inside each "
+                   f"attention layer, which pipeline_parallel={v['parallel.pipeline_parallel']} stages do not support; "
+                   "set pipeline_parallel: 1 and combine context parallel with tensor_parallel or data_parallel/ZeRO"),
     Rule("parallel.sequence_parallel", "needs", "sequence parallel needs `tensor_parallel` ≥ 2",
          lambda v: v["parallel.sequence_parallel"] and v["parallel.tensor_parallel"] == 1,
          lambda v: "parallel.sequence_parallel: shards activations across the tensor-parallel group, which has one "

@@ -278,8 +278,9 @@ class Checkpointer:
         return {
             "format": store.FORMAT, "format_version": store.FORMAT_VERSION, "step": step,
             "layout": {"world_size": c.world_size, "data_parallel": c.dp, "tensor_parallel": c.tp,
-                       "pipeline_parallel": c.pp, "zero_stage": p.zero_stage,
-                       "name": f"dp{c.dp}×tp{c.tp}×pp{c.pp} zero{p.zero_stage}"},
+                       "pipeline_parallel": c.pp, "context_parallel": c.cp, "zero_stage": p.zero_stage,
+                       "name": f"dp{c.dp}×tp{c.tp}×pp{c.pp}" + (f"×cp{c.cp}" if c.cp > 1 else "")
+                               + f" zero{p.zero_stage}"},
             "tokenizer_sha256": self.tokenizer_sha256, "fitlm_version": __version__,
             "torch_version": torch.__version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "extras": extras, "config": self.cfg.to_dict(),

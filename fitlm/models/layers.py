@@ -99,7 +99,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start:
         mask = mask if attn_mask is None else attn_mask & mask
         if softcap is None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
-        return _softcapped_attention(q, k, v, mask, scale, softcap)
+        return softcapped_attention(q, k, v, mask, scale, softcap)
     if attn_mask is not None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=gqa)
     if t == s:
@@ -122,7 +122,7 @@ def _band_mask(t: int, s: int, q_start: int, window: int | None, device: torch.d
     return allowed
 
 
-def _softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                           scale: float | None, cap: float) -> torch.Tensor:
     """Eager attention with tanh-capped scores; softmax in fp32 like the reference. Returns [B,H,T,D]."""
     group = q.shape[1] // k.shape[1]
@@ -244,6 +244,9 @@ class SelfAttention(nn.Module):
         self.window = cfg.sliding_window if self.attention_type == "sliding" else None
         self.scale = cfg.query_pre_attn_scalar ** -0.5 if cfg.query_pre_attn_scalar else None
         self.softcap = cfg.attn_logit_softcap
+        # The attention core: causal_attention, or context parallel's (fitlm.parallel.context_parallel), which
+        # gathers the other ranks' keys and values and masks by global position, under the same contract.
+        self.attend = causal_attention
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B,T,C] -> q [B,T,H,D], k and v [B,T,K,D] (head counts from the possibly sharded weights)."""
@@ -267,7 +270,7 @@ class SelfAttention(nn.Module):
         if kv_cache is not None:
             start = kv_cache.length
             k, v = kv_cache.update(self.layer_idx, k, v)  # [B,K,S,D]
-        out = causal_attention(q, k, v, start, attn_mask, self.window, self.scale, self.softcap)  # [B,H,T,D]
+        out = self.attend(q, k, v, start, attn_mask, self.window, self.scale, self.softcap)  # [B,H,T,D]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))  # [B,T,C]
 
 

@@ -1,6 +1,6 @@
 """Turn one plain model into what this rank runs, in the documented order:
 
-    pipeline split -> tensor parallel -> precision -> activation recompute -> compile
+    pipeline split -> tensor parallel -> context parallel -> precision -> activation recompute -> compile
         -> chunked loss -> data parallel / ZeRO (FSDP2 or DDP, with the precision and offload policies)
 
 The model code never changes; each step is a small `apply_*` function from its own module.
@@ -36,6 +36,7 @@ class ParallelModel:
     modules: list[nn.Module]  # what this rank holds and optimises: the whole model, or its pipeline stages
     pipeline: Any | None = None  # fitlm.parallel.pipeline.Pipeline when pipeline_parallel > 1
     loss_context: Any = field(default=contextlib.nullcontext)  # tensor parallel: loss on vocab-sharded logits
+    context_parallel: Any | None = None  # fitlm.parallel.context_parallel.ContextParallel when context_parallel > 1
 
     @property
     def model(self) -> nn.Module:
@@ -104,6 +105,11 @@ def parallelize(model: nn.Module, cfg: Config, ctx: ParallelContext,
     else:
         stages = [model]
     loss_context = contextlib.nullcontext
+    context_parallel = None
+    if p.context_parallel > 1:
+        from fitlm.parallel.context_parallel import ContextParallel
+
+        context_parallel = ContextParallel(ctx.group("cp"), p.context_parallel, ctx.cp_rank)
     parts = []
     for stage in stages:
         if p.tensor_parallel > 1:
@@ -111,6 +117,10 @@ def parallelize(model: nn.Module, cfg: Config, ctx: ParallelContext,
 
             stage = apply_tensor_parallel(stage, ctx.submesh("tp"), sequence_parallel=p.sequence_parallel)
             loss_context = lambda stage=stage: tp_loss_context(stage)  # noqa: E731
+        if context_parallel is not None:
+            from fitlm.parallel.context_parallel import apply_context_parallel
+
+            apply_context_parallel(stage, context_parallel)
         # Under FSDP2 (ZeRO-2/3) the sharding owns casting (O2) and offload.
         stage = apply_precision(stage, cfg.memory, sharded=ctx.dims.fsdp_sharded, tensor_parallel=ctx.tp)
         apply_recompute(stage, cfg.memory.recompute, cfg.memory.recompute_every_n_layers)
@@ -127,4 +137,4 @@ def parallelize(model: nn.Module, cfg: Config, ctx: ParallelContext,
         parts = [apply_data_parallel(stage, ctx, cfg.memory) for stage in parts]
     if pipeline is not None:
         pipeline.build_schedule(parts)
-    return ParallelModel(ctx, parts, pipeline, loss_context)
+    return ParallelModel(ctx, parts, pipeline, loss_context, context_parallel)

@@ -22,16 +22,18 @@ _MANUAL_SYNC = "_fitlm_dp_all_reduce"  # set on modules whose gradients the trai
 
 
 def apply_data_parallel(model: nn.Module, ctx: ParallelContext, memory: MemoryConfig | None = None) -> nn.Module:
-    """Wrap for data parallel over the mesh's "dp" dimension. Apply after tensor parallel and recompute.
+    """Wrap for data parallel over the mesh's "dp" dimension ("dp_cp" under context parallel, whose ranks hold the
+    same parameters and each compute the gradient of their part of every sequence). Apply after tensor parallel
+    and recompute.
 
     ZeRO 2/3 shard each block, then the root (embeddings, final norm, head), with FSDP2. ZeRO 0/1 use
     DDP where it applies (no tensor or pipeline parallel); beside those, whose parameters DDP cannot
     take, gradients are all-reduced by `sync_gradients` after backward instead. `memory` gives FSDP2
     its mixed-precision policy (O2: half all-gather, fp32 reduce) and CPU offload policy.
     """
-    if ctx.dp == 1:
+    if ctx.dims.dp_cp == 1:
         return model
-    dp_mesh = ctx.submesh("dp")
+    dp_mesh = ctx.submesh(ctx.dims.token_dim)
     if ctx.dims.fsdp_sharded:
         memory = memory or MemoryConfig()
         policies = dict(mesh=dp_mesh, mp_policy=fsdp_mixed_precision(memory),
@@ -47,7 +49,7 @@ def apply_data_parallel(model: nn.Module, ctx: ParallelContext, memory: MemoryCo
     if ctx.tp == 1 and ctx.pp == 1:
         # Gradients as views into DDP's communication buckets: no second, flat copy of every gradient
         # (4 bytes per fp32 parameter at the optimizer step's peak).
-        return DistributedDataParallel(model, process_group=ctx.group("dp"), gradient_as_bucket_view=True)
+        return DistributedDataParallel(model, process_group=ctx.group(ctx.dims.token_dim), gradient_as_bucket_view=True)
     setattr(model, _MANUAL_SYNC, True)
     return model
 
@@ -73,8 +75,9 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def sync_gradients(modules: list[nn.Module], ctx: ParallelContext) -> None:
-    """Average gradients over "dp" for modules that no engine syncs (tensor/pipeline parallel with ZeRO 0)."""
-    group = ctx.group("dp")
+    """Average gradients over "dp" (or "dp_cp") for modules that no engine syncs (tensor/pipeline parallel with
+    ZeRO 0)."""
+    group = ctx.group(ctx.dims.token_dim)
     for module in modules:
         if not getattr(module, _MANUAL_SYNC, False):
             continue
@@ -84,7 +87,7 @@ def sync_gradients(modules: list[nn.Module], ctx: ParallelContext) -> None:
             # A DTensor gradient (tensor parallel) is averaged shard by shard: dp replicas hold equal shards.
             local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
             dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
-            local.div_(ctx.dp)
+            local.div_(ctx.dims.dp_cp)
 
 
 def set_gradient_sync(modules: list[nn.Module], enabled: bool):

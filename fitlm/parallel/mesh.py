@@ -1,6 +1,7 @@
 """The process group and the one DeviceMesh every parallel feature takes its sub-groups from.
 
-Mesh dimensions are fitlm.parallel_dims.MESH_DIMS ("pp", "dp", "tp"), outermost to innermost. A single
+Mesh dimensions are fitlm.parallel_dims.MESH_DIMS ("pp", "dp", "cp", "tp"), outermost to innermost, plus the
+flattened "dp_cp" under context parallel (`dims.token_dim`: who sums losses and averages gradients). A single
 process gets a context with no process group at all, so the single-device path has no distributed code in
 it. Every predicate about the layout (sharded, replicated, pipelined) is asked of `ctx.dims`.
 """
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fitlm.config import ParallelConfig
-from fitlm.parallel_dims import MESH_DIMS, WORLD, ParallelDims
+from fitlm.parallel_dims import DP_CP, MESH_DIMS, WORLD, ParallelDims
 
 
 def launched_by_torchrun() -> bool:
@@ -39,10 +40,15 @@ class ParallelContext:
     dp_rank: int = 0
     tp_rank: int = 0
     pp_rank: int = 0
+    cp_rank: int = 0
 
     @property
     def dp(self) -> int:
         return self.dims.dp
+
+    @property
+    def cp(self) -> int:
+        return self.dims.cp
 
     @property
     def tp(self) -> int:
@@ -61,17 +67,22 @@ class ParallelContext:
         return self.rank == 0
 
     def group(self, dim: str) -> dist.ProcessGroup | None:
-        return self.mesh.get_group(dim) if self.mesh is not None else None
+        return self.mesh.get_group(self._dim(dim)) if self.mesh is not None else None
 
     def submesh(self, dim: str) -> DeviceMesh | None:
-        return self.mesh[dim] if self.mesh is not None else None
+        return self.mesh[self._dim(dim)] if self.mesh is not None else None
+
+    def _dim(self, dim: str) -> str:
+        # "dp_cp" is made only under context parallel; without it, it names the same ranks as "dp"
+        return "dp" if dim == DP_CP and self.cp == 1 else dim
 
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier()
 
     def all_reduce_sum(self, value: torch.Tensor, dim: str) -> torch.Tensor:
-        """Sum over one mesh dimension, or over every rank with dim="world" (in place; returns `value`)."""
+        """Sum over one mesh dimension (or "dp_cp", see dims.token_dim), or over every rank with dim="world"
+        (in place; returns `value`)."""
         return self._all_reduce(value, dim, dist.ReduceOp.SUM)
 
     def all_reduce_max(self, value: torch.Tensor, dim: str) -> torch.Tensor:
@@ -80,10 +91,11 @@ class ParallelContext:
         return self._all_reduce(value, dim, dist.ReduceOp.MAX)
 
     def _all_reduce(self, value: torch.Tensor, dim: str, op) -> torch.Tensor:
-        if dim != WORLD and dim not in MESH_DIMS:
-            raise ValueError(f"unknown reduction dimension {dim!r}: one of {MESH_DIMS} or {WORLD!r}")
+        if dim != WORLD and dim not in MESH_DIMS + (DP_CP,):
+            raise ValueError(f"unknown reduction dimension {dim!r}: one of {MESH_DIMS}, {DP_CP!r} or {WORLD!r}")
         if self.mesh is None:
             return value
+        dim = self._dim(dim)
         if dim == WORLD:
             dist.all_reduce(value, op=op)
         elif self.mesh[dim].size() > 1:  # a one-rank dimension has nothing to reduce
@@ -117,16 +129,20 @@ def init_parallel(cfg: ParallelConfig, device_kind: str) -> ParallelContext:
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device_kind == "cuda" else "gloo", timeout=timeout)
     mesh = init_device_mesh(device_kind, cfg.dims.mesh_shape, mesh_dim_names=MESH_DIMS)
-    for dim in MESH_DIMS:
+    ctx = context_on_mesh(mesh, cfg.dims, device)
+    for dim in MESH_DIMS + ((DP_CP,) if cfg.dims.cp > 1 else ()):
         mesh.get_group(dim).set_timeout(timeout)
-    return context_on_mesh(mesh, cfg.dims, device)
+    return ctx
 
 
 def context_on_mesh(mesh: DeviceMesh, dims: ParallelDims, device: torch.device) -> ParallelContext:
-    """This process's place in a built mesh (a real job's, or the planner's fake world as rank 0)."""
+    """This process's place in a built mesh (a real job's, or the planner's fake world as rank 0). Under context
+    parallel it also flattens dp x cp into "dp_cp" (collective: every rank builds it)."""
+    if dims.cp > 1:
+        mesh["dp", "cp"]._flatten(DP_CP)
     return ParallelContext(world_size=dist.get_world_size(), rank=dist.get_rank(), device=device, mesh=mesh,
                            dims=dims, dp_rank=mesh["dp"].get_local_rank(), tp_rank=mesh["tp"].get_local_rank(),
-                           pp_rank=mesh["pp"].get_local_rank())
+                           pp_rank=mesh["pp"].get_local_rank(), cp_rank=mesh["cp"].get_local_rank())
 
 
 def shutdown(ctx: ParallelContext) -> None:

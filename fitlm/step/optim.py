@@ -71,7 +71,7 @@ def uses_fused(params: list[torch.Tensor]) -> bool:
 def optimizer_for(cfg: Config, ctx: ParallelContext, modules: list[nn.Module]) -> torch.optim.Optimizer:
     """The optimizer of this config on this rank's (parallelized) modules: ZeRO-1 shards its states over the
     data-parallel group; memory.cpu_offload keeps them on the host unless FSDP2 (ZeRO-2/3) offloads itself."""
-    return build_optimizer(modules, cfg.train, zero1_group=ctx.group("dp") if ctx.dims.zero1 else None,
+    return build_optimizer(modules, cfg.train, zero1_group=ctx.group(ctx.dims.token_dim) if ctx.dims.zero1 else None,
                            host_states=cfg.memory.cpu_offload and not ctx.dims.fsdp_sharded)
 
 

@@ -77,12 +77,14 @@ class TrainStep:
         The loss is the token-weighted mean over the whole global batch: each micro batch's summed
         loss is divided by the target count of all micro batches on all data-parallel ranks, not
         averaged per micro batch. Data-parallel engines average gradients over ranks, so each rank's
-        loss is multiplied by the data-parallel degree to make that average a sum.
+        loss is multiplied by the data-parallel degree to make that average a sum. Under context parallel
+        every rank of a "cp" group holds the same batches (counted once, over "dp") and sums the loss of its
+        part of each sequence; gradients are averaged over dp x cp ranks, hence that factor.
         """
         n_targets = self.ctx.all_reduce_sum(
             torch.tensor(float(sum(count_targets(b["labels"]) for b in batches)), device=self.device), "dp")
         n_targets = max(1.0, n_targets.item())
-        scale = self.ctx.dp / n_targets * self.scaler.scale  # loss scale: 1 unless fp16
+        scale = self.ctx.dims.dp_cp / n_targets * self.scaler.scale  # loss scale: 1 unless fp16
         if self.pm.pipeline is not None:
             total = self._pipeline_loss_sum(batches, scale)
         else:
@@ -90,17 +92,16 @@ class TrainStep:
             every = self.cfg.parallel.reduce_every_micro_batch  # ZeRO-2/3: keep gradients sharded between micro batches
             for i, batch in enumerate(batches):
                 self.pm.gradient_sync(enabled=every or i == len(batches) - 1)
-                input_ids = batch["input_ids"].to(self.device, non_blocking=True)  # [B, T]
-                labels = batch["labels"].to(self.device, non_blocking=True)  # [B, T]
+                input_ids, labels, doc, shard = self.model_inputs(batch)
                 # loss_context: under tensor parallel the loss (and its backward) runs on vocab-sharded logits.
-                with autocast(self.cfg.memory, self.device), self.pm.loss_context():
+                with autocast(self.cfg.memory, self.device), self.pm.loss_context(), shard:
                     with self.timer("forward"):
-                        loss_sum = self.loss_sum(input_ids, labels, **self.document_inputs(batch))
+                        loss_sum = self.loss_sum(input_ids, labels, **doc)
                     with self.timer("backward"):
                         (loss_sum * scale).backward()
                 total += loss_sum.detach()
         self.pm.finish_backward()
-        return self.ctx.all_reduce_sum(total, "dp") / n_targets
+        return self.ctx.all_reduce_sum(total, self.ctx.dims.token_dim) / n_targets
 
     def _pipeline_loss_sum(self, batches: list[dict[str, torch.Tensor]], scale: float) -> torch.Tensor:
         """All of the step's micro batches through ONE pipeline schedule run (it fills and drains once per step,
@@ -124,6 +125,17 @@ class TrainStep:
                                              micro_batches=len(batches), **doc)
         return loss_sum.detach()
 
+    def model_inputs(self, batch: dict[str, torch.Tensor]):
+        """(input_ids [B, T], labels [B, T], document kwargs, context) of one micro batch on this device; under
+        context parallel this rank's part of each row ([B, T/C], global positions) and the context to run its
+        forward and backward in."""
+        cp = self.pm.context_parallel
+        if cp is not None:
+            input_ids, labels, doc, shard = cp.split(batch, self.cfg.data.document_mask, self.device)
+            return input_ids, labels, doc, cp.using(shard)
+        return (batch["input_ids"].to(self.device, non_blocking=True), batch["labels"].to(self.device, non_blocking=True),
+                self.document_inputs(batch), contextlib.nullcontext())
+
     def loss_sum(self, input_ids: torch.Tensor, labels: torch.Tensor, **doc: torch.Tensor) -> torch.Tensor:
         """Summed token loss of one micro batch through the (non-pipelined) model."""
         if self.cfg.memory.loss_chunk_size:
@@ -132,14 +144,14 @@ class TrainStep:
 
     @torch.no_grad()
     def eval_sums(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """[summed loss, target count] of one evaluation micro batch (no gradients)."""
-        labels = batch["labels"].to(self.device)  # [B, T]
-        input_ids = batch["input_ids"].to(self.device)  # [B, T]
-        with autocast(self.cfg.memory, self.device), self.pm.loss_context():
+        """[summed loss, target count] of one evaluation micro batch (no gradients); under context parallel,
+        of this rank's part of it (summed over "dp_cp" by the caller)."""
+        input_ids, labels, doc, shard = self.model_inputs(batch)  # [B, T] (or [B, T/C])
+        with autocast(self.cfg.memory, self.device), self.pm.loss_context(), shard:
             if self.pm.pipeline is not None:
-                loss_sum = self.pm.pipeline.eval_step(input_ids, labels, **self.document_inputs(batch))
+                loss_sum = self.pm.pipeline.eval_step(input_ids, labels, **doc)
             else:
-                loss_sum = self.loss_sum(input_ids, labels, **self.document_inputs(batch))
+                loss_sum = self.loss_sum(input_ids, labels, **doc)
         return torch.stack([loss_sum.float().detach().reshape(()), torch.tensor(float(count_targets(labels)))])
 
     def optimizer_step(self, loss: torch.Tensor | None = None, step: int = 0) -> tuple[torch.Tensor, bool]:

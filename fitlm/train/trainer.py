@@ -230,7 +230,7 @@ class Trainer:
         self.pm.after_eval()
         for m in self.pm.modules:
             m.train()
-        sums = self.ctx.all_reduce_sum(sums, "dp")
+        sums = self.ctx.all_reduce_sum(sums, self.ctx.dims.token_dim)  # context parallel: each rank scored part
         return (sums[0] / sums[1].clamp(min=1)).item()
 
     def fit(self) -> TrainResult:

@@ -21,6 +21,7 @@ MODEL = {"hidden_size": 96, "num_layers": 2, "num_heads": 6, "num_kv_heads": 3, 
 BREAKS = [
     {"parallel": {"data_parallel": 1, "tensor_parallel": 2, "zero_stage": 1}},
     {"parallel": {"zero_stage": 2}},
+    {"parallel": {"context_parallel": 2, "pipeline_parallel": 2, "micro_batch_num": 2}},
     {"parallel": {"sequence_parallel": True}},
     {"parallel": {"tensor_parallel": 2}, "memory": {"loss_chunk_size": 32}},
     {"parallel": {"pipeline_parallel": 2, "micro_batch_num": 2}, "memory": {"loss_chunk_size": 32}},
