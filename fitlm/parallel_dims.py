@@ -40,6 +40,11 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def layout_name(dp: int, tp: int, pp: int, cp: int = 1) -> str:
+    """The one spelling of a layout in reports, logs and checkpoints: dp2×tp2×pp1 (×cp2 when context parallel)."""
+    return f"dp{dp}×tp{tp}×pp{pp}" + (f"×cp{cp}" if cp > 1 else "")
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     dp: int = 1
@@ -56,6 +61,10 @@ class ParallelDims:
     def mesh_shape(self) -> tuple[int, int, int, int]:
         """Sizes in MESH_DIMS order."""
         return (self.pp, self.dp, self.cp, self.tp)
+
+    @property
+    def name(self) -> str:
+        return layout_name(self.dp, self.tp, self.pp, self.cp)
 
     @property
     def dp_cp(self) -> int:

@@ -32,6 +32,7 @@ from fitlm.checkpoint import checksums, state, store
 from fitlm.checkpoint.errors import CheckpointError, TrainingInterrupted
 from fitlm.checkpoint.resume import check_resumable, resume_source, trim_metrics
 from fitlm.diskspace import DiskFullError, is_disk_full
+from fitlm.parallel_dims import layout_name
 
 
 class Stateful(Protocol):
@@ -279,8 +280,7 @@ class Checkpointer:
             "format": store.FORMAT, "format_version": store.FORMAT_VERSION, "step": step,
             "layout": {"world_size": c.world_size, "data_parallel": c.dp, "tensor_parallel": c.tp,
                        "pipeline_parallel": c.pp, "context_parallel": c.cp, "zero_stage": p.zero_stage,
-                       "name": f"dp{c.dp}×tp{c.tp}×pp{c.pp}" + (f"×cp{c.cp}" if c.cp > 1 else "")
-                               + f" zero{p.zero_stage}"},
+                       "name": f"{layout_name(c.dp, c.tp, c.pp, c.cp)} zero{p.zero_stage}"},
             "tokenizer_sha256": self.tokenizer_sha256, "fitlm_version": __version__,
             "torch_version": torch.__version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "extras": extras, "config": self.cfg.to_dict(),

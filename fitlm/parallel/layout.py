@@ -1,7 +1,7 @@
 """Which parallel layouts are valid, checked before any process group exists.
 
-A layout is (data_parallel, tensor_parallel, pipeline_parallel) plus the ZeRO stage. The rules:
-dp × tp × pp = world size; tp divides the head counts, the MLP width and the vocabulary; pp at most
+A layout is (data_parallel, tensor_parallel, pipeline_parallel, context_parallel) plus the ZeRO stage. The
+rules: dp × cp × tp × pp = world size; cp splits data.seq_length into 2·cp equal chunks; tp divides the head counts, the MLP width and the vocabulary; pp at most
 the number of layers; at least pp pipeline chunks per step (micro_batch_num × gradient accumulation).
 Which features compose with which is fitlm.rules' table, checked with the config.
 """
@@ -11,16 +11,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fitlm.config import Config
-from fitlm.parallel_dims import divisors
+from fitlm.parallel_dims import divisors, layout_name
 
 @dataclass(frozen=True)
 class Layout:
     dp: int
     tp: int
     pp: int
+    cp: int = 1
 
     def __str__(self) -> str:
-        return f"dp{self.dp}×tp{self.tp}×pp{self.pp}"
+        return layout_name(self.dp, self.tp, self.pp, self.cp)
 
 
 def tp_problems(cfg: Config, tp: int) -> list[str]:
@@ -37,17 +38,21 @@ def pp_problems(cfg: Config) -> list[str]:
     return pipeline_problems(cfg.model, cfg.parallel, t.micro_batch_size, t.gradient_accumulation_steps)
 
 
-def valid_layouts(cfg: Config, world_size: int) -> list[Layout]:
-    """Every (dp, tp, pp) with dp·tp·pp = world_size that passes the model-dependent rules."""
+def valid_layouts(cfg: Config, world_size: int, context_parallel: bool = False) -> list[Layout]:
+    """Every (dp, tp, pp) with dp·tp·pp = world_size that passes the model-dependent rules; with
+    `context_parallel`, also every cp > 1 (without pipeline parallel) that splits data.seq_length evenly."""
     out = []
-    for tp in divisors(world_size):
-        for pp in divisors(world_size // tp):
-            dp = world_size // (tp * pp)
-            trial = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={
-                "data_parallel": dp, "tensor_parallel": tp, "pipeline_parallel": pp,
-                "micro_batch_num": max(cfg.parallel.micro_batch_num, pp)})})
-            if not tp_problems(cfg, tp) and not pp_problems(trial):
-                out.append(Layout(dp, tp, pp))
+    for cp in divisors(world_size) if context_parallel else [1]:
+        if cp > 1 and cfg.data.seq_length % (2 * cp):
+            continue
+        for tp in divisors(world_size // cp):
+            for pp in divisors(world_size // (cp * tp)) if cp == 1 else [1]:
+                dp = world_size // (cp * tp * pp)
+                trial = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={
+                    "data_parallel": dp, "tensor_parallel": tp, "pipeline_parallel": pp, "context_parallel": cp,
+                    "micro_batch_num": max(cfg.parallel.micro_batch_num, pp)})})
+                if not tp_problems(cfg, tp) and not pp_problems(trial):
+                    out.append(Layout(dp, tp, pp, cp))
     return out
 
 
@@ -57,7 +62,9 @@ def layout_problems(cfg: Config, world_size: int) -> list[str]:
     out = []
     if p.world_size != world_size:
         layouts = ", ".join(str(x) for x in valid_layouts(cfg, world_size)) or "none for this model"
-        out.append(f"parallel: data_parallel × tensor_parallel × pipeline_parallel = {p.data_parallel} × "
+        cp = f" × context_parallel" if p.context_parallel > 1 else ""
+        cpv = f" × {p.context_parallel}" if p.context_parallel > 1 else ""
+        out.append(f"parallel: data_parallel{cp} × tensor_parallel × pipeline_parallel = {p.data_parallel}{cpv} × "
                    f"{p.tensor_parallel} × {p.pipeline_parallel} = {p.world_size}, but {world_size} processes run; "
                    f"valid layouts for {world_size}: {layouts}")
     out += tp_problems(cfg, p.tensor_parallel)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from fitlm.config import Config
+from fitlm.parallel_dims import layout_name
 from fitlm.profile.compare import COMPONENTS, comparable, hold_against
 
 MiB = 2**20
@@ -19,7 +20,8 @@ TOP = 10  # rows in the by-module and by-operator tables
 
 def layout(cfg: Config) -> str:
     p = cfg.parallel
-    parts = [f"dp{p.data_parallel}×tp{p.tensor_parallel}×pp{p.pipeline_parallel}", f"zero{p.zero_stage}"]
+    parts = [layout_name(p.data_parallel, p.tensor_parallel, p.pipeline_parallel, p.context_parallel),
+             f"zero{p.zero_stage}"]
     if p.sequence_parallel:
         parts.append("sp")
     if p.pipeline_parallel > 1:

@@ -10,6 +10,7 @@ from fitlm.config import Config, ConfigError
 from fitlm.data.dataset import SequenceLoader
 from fitlm.finetune.init_from import resolve_init_from
 from fitlm.parallel.layout import layout_problems
+from fitlm.parallel_dims import layout_name
 from fitlm.registry import build_model
 from fitlm.train import preflight
 from fitlm.models.flops import flops_per_token
@@ -32,13 +33,14 @@ def dry_run(cfg: Config, world_size: int | None = None, overwrite: bool = False)
     with torch.device("meta"):  # count parameters without allocating them
         model = build_model(cfg.model)
     params = sum(p.numel() for p in model.parameters())
+    p = cfg.parallel
     tokens_per_step = t.micro_batch_size * t.gradient_accumulation_steps * cfg.data.seq_length * cfg.parallel.data_parallel
     out = Path(t.output_dir)
     return {
         "model": cfg.model.arch, "hidden_size": cfg.model.hidden_size, "layers": cfg.model.num_layers,
         "params": params, "processes": world_size,
-        "layout": f"dp{cfg.parallel.data_parallel}×tp{cfg.parallel.tensor_parallel}×pp{cfg.parallel.pipeline_parallel}"
-                  f" zero{cfg.parallel.zero_stage}", "train_tokens": train.num_tokens,
+        "layout": f"{layout_name(p.data_parallel, p.tensor_parallel, p.pipeline_parallel, p.context_parallel)}"
+                  f" zero{p.zero_stage}", "train_tokens": train.num_tokens,
         "valid_tokens": valid.num_tokens if valid else 0, "tokenizer": str(tok.path), "vocab_size": tok.vocab_size,
         "global_batch_sequences": t.micro_batch_size * t.gradient_accumulation_steps * cfg.parallel.data_parallel,
         "tokens_per_step": tokens_per_step, "total_tokens": tokens_per_step * t.max_steps,

@@ -17,10 +17,10 @@ REFERENCE = {"micro_batch_size": 4, "gradient_accumulation_steps": 2}
 
 
 def run(tiny_corpus, root, name, parallel: dict, train: dict, *extra: str, memory: dict | None = None,
-        model: dict | None = None):
+        model: dict | None = None, data: dict | None = None):
     train = {"max_steps": STEPS, "eval_interval": STEPS, **train}
     cfg = tiny_config(tiny_corpus, root / name, train=train, parallel=parallel,
-                      model={"tie_embeddings": False, **(model or {})}, memory=memory or {})
+                      model={"tie_embeddings": False, **(model or {})}, memory=memory or {}, data=data or {})
     proc = fitlm("train", write_config(root / f"{name}.yaml", cfg), "--json", *extra)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -31,8 +31,8 @@ def run(tiny_corpus, root, name, parallel: dict, train: dict, *extra: str, memor
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_corpus, tmp_path_factory):
-    return run(tiny_corpus, tmp_path_factory.mktemp("ref"), "single", {}, REFERENCE)
+def reference(single_process_reference):
+    return single_process_reference(True)  # data.document_mask's default
 
 
 def assert_same_training(result, reference):
