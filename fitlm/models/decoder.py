@@ -14,7 +14,8 @@ import torch
 import torch.nn as nn
 
 from fitlm.config import ModelConfig
-from fitlm.models.layers import GatedMLP, KVCache, RMSNorm, SelfAttention, attention_inputs, check_inputs, make_blocks
+from fitlm.models.layers import GatedMLP, KVCache, RMSNorm, SelfAttention, attention_inputs, check_inputs, make_blocks, \
+    shared_mask
 from fitlm.models.rope import RotaryEmbedding
 
 
@@ -34,7 +35,8 @@ class PreNormBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: KVCache | None = None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """x [B,T,C]; cos/sin [B,T,D] from the body's rotary table; attn_mask bool [B,1,T,T] or None (causal)."""
+        """x [B,T,C]; cos/sin [B,T,D] from the body's rotary table; attn_mask [B,1,T,T] (bool or additive) or
+        None (causal)."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attn_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -83,6 +85,7 @@ class DecoderModel(nn.Module):
                 h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
         else:
             h = input_ids
+        mask = shared_mask(mask, h)  # [B,1,T,T] additive, converted once for every layer (see additive_mask)
         for name, layer in self.layers.items():
             cos, sin = rope[self.layer_rope[name]]
             h = layer(h, cos, sin, kv_cache, mask)

@@ -87,16 +87,16 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start:
 
     q [B,H,T,D]; k, v [B,K,S,D] with S = q_start + T and K dividing H (grouped-query attention:
     query head h reads key/value head h // (H/K)). Returns [B,H,T,D].
-    `attn_mask` (bool [B,1,T,S], True = may attend, from `document_causal_mask`) replaces the causal
-    rule when given; it broadcasts over heads, so tensor-parallel head shards use it unchanged.
+    `attn_mask` (bool [B,1,T,S], True = may attend, from `document_causal_mask`, or its `additive_mask`
+    form, 0 / -inf in the attention's dtype) replaces the causal rule when given; it broadcasts over heads,
+    so tensor-parallel head shards use it unchanged.
     `window` (sliding-window layers): query i sees only keys i-window+1..i. `scale` replaces 1/sqrt(D);
     `softcap` bounds the scores as cap·tanh(score/cap) (Gemma 2), which SDPA cannot do: eager path.
     """
     t, s = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
     if window is not None or softcap is not None:
-        mask = _band_mask(t, s, q_start, window, q.device)  # [T,S]
-        mask = mask if attn_mask is None else attn_mask & mask
+        mask = _restrict(attn_mask, _band_mask(t, s, q_start, window, q.device))  # [T,S] or [B,1,T,S]
         if softcap is None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
         return softcapped_attention(q, k, v, mask, scale, softcap)
@@ -110,6 +110,38 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start:
     # Several new tokens after a cached prefix: is_causal would align the mask top-left, so build it.
     mask = _band_mask(t, s, q_start, None, q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True = may attend) in SDPA's additive form: 0 where allowed, -inf elsewhere, in `dtype`.
+
+    Why the bodies convert once per forward: SDPA converts a boolean mask to this form on every call and
+    keeps the converted copy for backward, so every layer held its own float [B,1,T,T] (measured on CPU at
+    T = 8192: 256 MiB per layer, 3x the layers' other activations at width 128). One shared tensor in the
+    attention's dtype (see `attention_dtype`) is kept once, and SDPA computes exactly what it computed before.
+    """
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+def attention_dtype(h: torch.Tensor) -> torch.dtype:
+    """The dtype attention runs in for hidden states `h`: autocast's when it is on for h's device, else h's."""
+    kind = h.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else h.dtype
+
+
+def shared_mask(mask: torch.Tensor | None, h: torch.Tensor) -> torch.Tensor | None:
+    """The mask every layer of one forward over hidden states `h` shares: `mask` (from `attention_inputs`) in
+    additive form, converted once; None stays None (plain causal attention, no mask)."""
+    return None if mask is None else additive_mask(mask, attention_dtype(h))
+
+
+def _restrict(attn_mask: torch.Tensor | None, allowed: torch.Tensor) -> torch.Tensor:
+    """An incoming mask (boolean or additive) further limited to `allowed` (bool), in the incoming form."""
+    if attn_mask is None:
+        return allowed
+    if attn_mask.dtype == torch.bool:
+        return attn_mask & allowed
+    return attn_mask.masked_fill(~allowed, float("-inf"))
 
 
 def _band_mask(t: int, s: int, q_start: int, window: int | None, device: torch.device) -> torch.Tensor:
@@ -131,7 +163,7 @@ def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     scores = (q @ k.transpose(-1, -2)) * scale  # [B,H,T,S]
     scores = torch.tanh(scores / cap) * cap
-    scores = scores.masked_fill(~mask, float("-inf"))
+    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return probs @ v
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from fitlm.config import ModelConfig
 from fitlm.models.causal_lm import CausalLMMixin
-from fitlm.models.layers import KVCache, SelfAttention, attention_inputs, check_inputs, make_blocks
+from fitlm.models.layers import KVCache, SelfAttention, attention_inputs, check_inputs, make_blocks, shared_mask
 
 
 class GPT2MLP(nn.Module):
@@ -51,7 +51,7 @@ class GPT2Block(nn.Module):
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None,
                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """x [B,T,C] -> [B,T,C]; attn_mask bool [B,1,T,T] or None (causal)."""
+        """x [B,T,C] -> [B,T,C]; attn_mask [B,1,T,T] (bool or additive) or None (causal)."""
         x = x + self.self_attn(self.input_layernorm(x), kv_cache=kv_cache, attn_mask=attn_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -76,6 +76,7 @@ class GPT2Model(nn.Module):
             h = self.embed_tokens(input_ids) + self.embed_positions(position_ids)  # [B,T,C]
         else:  # a later pipeline stage: hidden states [B,T,C] come in
             h = input_ids
+        mask = shared_mask(mask, h)  # [B,1,T,T] additive, converted once for every layer (see additive_mask)
         for layer in self.layers.values():
             h = layer(h, kv_cache, mask)
         if kv_cache is not None:
