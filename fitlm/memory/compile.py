@@ -26,9 +26,11 @@ from fitlm.parallel_dims import ParallelDims
 
 def compiles_whole_model(memory: MemoryConfig, dims: ParallelDims) -> bool:
     """Whether memory.compile takes the whole model (one process, DDP, ZeRO-1) rather than each block:
-    only where nothing wraps or splits blocks after compile (no FSDP2, recompute, tensor or pipeline parallel)."""
+    only where nothing wraps or splits blocks after compile (no FSDP2, recompute, tensor or pipeline parallel)
+    and no activation offload, whose hooks need a block's saved tensors back one block at a time (a whole
+    compiled backward unpacks every saved tensor at once)."""
     return (memory.compile and memory.recompute == "none" and not dims.fsdp_sharded and dims.tp == 1
-            and dims.pp == 1)
+            and dims.pp == 1 and memory.activation_offload is False)
 
 
 def apply_compile(model: nn.Module, memory: MemoryConfig, dims: ParallelDims | None = None,

@@ -1,6 +1,7 @@
 """Turn one plain model into what this rank runs, in the documented order:
 
-    pipeline split -> tensor parallel -> context parallel -> precision -> activation recompute -> compile
+    pipeline split -> tensor parallel -> context parallel -> precision -> activation recompute
+        -> activation offload -> compile
         -> chunked loss -> data parallel / ZeRO (FSDP2 or DDP, with the precision and offload policies)
 
 The model code never changes; each step is a small `apply_*` function from its own module.
@@ -20,6 +21,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from fitlm.config import Config
+from fitlm.memory.activation_offload import apply_activation_offload
 from fitlm.memory.chunked_loss import apply_chunked_loss
 from fitlm.memory.compile import apply_compile
 from fitlm.memory.precision import apply_precision
@@ -124,6 +126,7 @@ def parallelize(model: nn.Module, cfg: Config, ctx: ParallelContext,
         # Under FSDP2 (ZeRO-2/3) the sharding owns casting (O2) and offload.
         stage = apply_precision(stage, cfg.memory, sharded=ctx.dims.fsdp_sharded, tensor_parallel=ctx.tp)
         apply_recompute(stage, cfg.memory.recompute, cfg.memory.recompute_every_n_layers)
+        apply_activation_offload(stage, cfg.memory.activation_offload, ctx.device)
         apply_compile(stage, cfg.memory, ctx.dims)
         apply_chunked_loss(stage, cfg.memory.loss_chunk_size, compiled=cfg.memory.compile)
         parts.append(stage)

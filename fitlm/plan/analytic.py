@@ -21,10 +21,12 @@ Fine-tuning (LoRA, freeze) changes what trains and what a block saves: see fitlm
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fitlm.memory.precision import recasts_in_backward
+from fitlm.plan import context as cp
 from fitlm.plan import finetune as ft
+from fitlm.plan.activation_offload import RESIDENT_BLOCKS, offload
 from fitlm.plan.setup import LEVELS, Setup, embedding_params, head_params, layer_params, stage_layers
 
 # Per-level block constants live with each family (fitlm.models.counts, PlannerCounts.block_bytes):
@@ -66,6 +68,10 @@ class Breakdown:
     phase: str  # when the peak happens: "forward/backward" or "optimizer step"
     host: int = 0  # bytes kept in host memory by offload
     other_parts: tuple[tuple[str, int], ...] = ()  # what `other` holds, by name; they sum to `other`
+    # Named shares of `activations` (the rest is the blocks' and the embedding's saved tensors), e.g. context
+    # parallel's gathered K/V; and the activations memory.activation_offload keeps on the host (within `host`).
+    activation_parts: tuple[tuple[str, int], ...] = ()
+    host_activations: int = 0
 
     @property
     def total(self) -> int:
@@ -100,12 +106,13 @@ def block_act_per_token(s: Setup) -> float:
     if s.sp:  # the all-gathered inputs of q/k/v and gate/up stay full width (2 of the 6 replicated tensors)
         rep_h += 2 * act_bytes(s) * s.h * (1 - 1 / t)
     masked = s.doc_mask or s.sliding  # a masked SDPA expands k, v to every query head
-    gqa_repeat = 2 * act_bytes(s) * (s.q - s.kv) if masked and s.kv < s.q else 0
+    # (not context parallel's: its gathered k, v are attended unexpanded and counted per layer, fitlm.plan.context)
+    gqa_repeat = 2 * act_bytes(s) * (s.q - s.kv) if masked and s.kv < s.q and s.cp == 1 else 0
     # Soft-capped eager attention keeps, per score, tanh's output and the fp32 softmax (8 bytes; the half
     # cast of the probabilities at half levels replaces nothing: 2 + 4 + 2).
     scores = 8 * s.heads * s.seq if s.softcap else 0
     return rep_h + (shard * s.q + kv * s.kv + f * s.ffn + gqa_repeat + scores + 4 * s.heads) / t \
-        + d * s.head_dim + 8
+        + d * s.head_dim + 8 - cp.local_kv_per_token(s)
 
 
 def block_act_recompute(s: Setup, tokens: float) -> float:
@@ -118,18 +125,19 @@ def block_act_recompute(s: Setup, tokens: float) -> float:
         e, t = act_bytes(s), s.tp
         width = s.h / (t if s.sp else 1)
         return tokens * (residual_bytes(s) * width + e * (2 * s.q + 2 * s.kv + 2 * s.ffn) / t
-                         + 2 * e * width + 4 * s.heads / t)
+                         + 2 * e * width + 4 * s.heads / t - cp.local_kv_per_token(s))
     return tokens * per_token
 
 
-def activations(s: Setup, tokens: float, layers: int, in_flight: float) -> tuple[float, float]:
-    """(kept, working): saved activations of `layers` blocks for `in_flight` micro-chunks of `tokens`
-    tokens each, and -- under recompute -- the extra working set of the one block rebuilt in backward
-    (a second peak candidate, after the logits are freed)."""
+def activations(s: Setup, tokens: float, layers: int, in_flight: float) -> tuple[float, float, float]:
+    """(kept, casts, working): saved activations of `layers` blocks for `in_flight` micro-chunks of `tokens`
+    tokens each, the saved half weight copies among them, and -- under recompute -- the extra working set of
+    the one block rebuilt in backward (a second peak candidate, after the logits are freed)."""
     every = max(1, s.recompute_every)
     recomputed = 0 if s.recompute == "none" else -(-layers // every)
     plain = layers - recomputed
     kept = in_flight * (plain * tokens * block_act_per_token(s) + recomputed * block_act_recompute(s, tokens))
+    kept += in_flight * gathered_layers(s, layers) * cp.gathered_kv(s)  # context parallel: full-length K/V
     casts = WEIGHT_CAST[s.level] * layer_params(s) / s.tp
     if s.level == "O2" and s.dims.fsdp_sharded:
         casts = 0  # FSDP2's policy gathers half parameters instead (counted under `other`)
@@ -140,9 +148,16 @@ def activations(s: Setup, tokens: float, layers: int, in_flight: float) -> tuple
         kept -= in_flight * plain * tokens * saved
         if casts:
             casts = WEIGHT_CAST[s.level] * sum(ft.block_cast_params(s, b) for b in range(layers)) / layers
-    kept += plain * casts  # saved half weights are shared by the in-flight chunks
-    working = tokens * block_act_per_token(s) + casts if recomputed else 0.0
-    return kept, working
+    working = tokens * block_act_per_token(s) + casts + cp.gathered_kv(s) if recomputed else 0.0
+    return kept + plain * casts, plain * casts, working  # saved half weights are shared by the in-flight chunks
+
+
+def gathered_layers(s: Setup, layers: int) -> int:
+    """Blocks whose gathered K/V (context parallel) stay from forward to backward: all but those full recompute
+    rebuilds (selective recompute keeps the attention inputs)."""
+    if s.recompute != "full":
+        return layers
+    return layers - -(-layers // max(1, s.recompute_every))
 
 
 def logits_bytes(s: Setup, tokens: float) -> float:
@@ -198,7 +213,8 @@ def model_states(s: Setup, n: float, trained: float | None = None) -> tuple[floa
 
 def recasts(s: Setup) -> bool:
     """fitlm.memory.precision.recasts_in_backward for this variant."""
-    return recasts_in_backward(s.level, s.recompute, s.cfg.memory.compile, s.dims.fsdp_sharded, s.tp)
+    return recasts_in_backward(s.level, s.recompute, s.cfg.memory.compile, s.dims.fsdp_sharded, s.tp,
+                               offload=s.cfg.memory.activation_offload is not False)
 
 
 def foreach_adamw(s: Setup) -> bool:
@@ -234,9 +250,14 @@ def _stage(s: Setup, first: bool) -> Breakdown:
             in_flight = min(step_chunks, s.pp) if first else 1
         has_logits = not first
     else:
-        tokens, layers, in_flight, has_logits = s.mbs * s.seq, s.layers, 1, True
-    kept, working = activations(s, tokens, layers, in_flight)
+        tokens, layers, in_flight, has_logits = s.mbs * s.local_seq, s.layers, 1, True  # T/C under context parallel
+    kept, casts, working = activations(s, tokens, layers, in_flight)
     outside = in_flight * outside_bytes(s, tokens) * (1 if has_logits else 0.5)
+    moved = offload(s, kept - casts, layers, outside)  # memory.activation_offload (fitlm.plan.activation_offload)
+    kept, outside, host_act = moved.blocks + casts, moved.outside, moved.host
+    act_parts = {cp.GATHERED: in_flight * gathered_layers(s, layers) * cp.gathered_kv(s)}
+    if host_act:
+        act_parts[cp.GATHERED] *= min(layers, RESIDENT_BLOCKS) / layers  # the rest went to the host with its blocks
     logit = logits_bytes(s, tokens) if has_logits else 0.0
     rope = s.counts.rope_tables * 2 * s.max_seq_len * s.head_dim * 4  # RoPE cos/sin tables (buffers)
     parts = {"RoPE cos/sin tables": rope}
@@ -244,6 +265,8 @@ def _stage(s: Setup, first: bool) -> Breakdown:
         extra_act, extra_logit, pipe_parts = _pipeline_terms(s, tokens, in_flight, first)
         outside, logit = outside + extra_act, logit + extra_logit
         parts.update(pipe_parts)
+    elif s.cp > 1:  # the global-position mask (fitlm.plan.context); the gathered K/V are activations
+        parts.update(cp.parts(s))
     elif s.doc_mask:  # the block-causal mask, bool [B,1,T,T], shared by all blocks
         parts["document mask"] = s.mbs * s.seq * s.seq
     sharded = s.dims.fsdp_sharded
@@ -258,8 +281,10 @@ def _stage(s: Setup, first: bool) -> Breakdown:
     # or the first block's backward (logits freed, the head's gradient present, the block gathered or
     # rebuilt by recompute).
     head_grad = s.vocab * s.h * param_bytes(s) / s.tp if has_logits and ft.head_trains(s) else 0.0
-    if working + staging + head_grad > outside + logit:
-        act, logit, grads_extra = kept + working, 0.0, head_grad
+    cp_backward = cp.backward_bytes(s)  # context parallel: full-length K/V gradients in a block's backward
+    if working + cp_backward + staging + head_grad > outside + logit:
+        act, logit, grads_extra = kept + working + cp_backward, 0.0, head_grad
+        act_parts[cp.BACKWARD] = cp_backward
         if staging:
             parts["ZeRO-3 gathered blocks"] = staging
     else:
@@ -278,12 +303,14 @@ def _stage(s: Setup, first: bool) -> Breakdown:
             parts["DDP buckets beside unsynced gradients"] = grads_full
     else:
         grads_fb = (0.0 if s.accum == 1 else held) + grads_extra
-    fb = _with_parts(params, grads_fb, opt, act, logit, parts, "forward/backward", host)
+    fb = _with_parts(params, grads_fb, opt, act, logit, parts, "forward/backward", host + host_act)
+    fb = replace(fb, activation_parts=tuple((k, int(v)) for k, v in act_parts.items() if v), host_activations=int(host_act))
     # Optimizer step: gradients complete (DDP's are views into its buckets: no second copy), plus foreach
     # AdamW's one state-sized temporary (sqrt of v) where sharded DTensors keep it off the fused kernel.
     step_tmp = opt / 2 if not s.offload and foreach_adamw(s) else 0.0
     step_parts = {"RoPE cos/sin tables": rope, "optimizer temporaries": step_tmp}
-    st = _with_parts(params, grads_full, opt, 0, 0, step_parts, "optimizer step", host)
+    st = _with_parts(params, grads_full, opt, 0, 0, step_parts, "optimizer step", host + host_act)
+    st = replace(st, host_activations=int(host_act))  # pinned buffers stay allocated for the next step
     return max((fb, st), key=lambda b: b.total)
 
 

@@ -39,6 +39,9 @@ def add_commands(sub) -> None:
     p.add_argument("--search", action="store_true", help="rank every fitting layout × memory option for N devices")
     p.add_argument("--top", type=int, default=5, metavar="K", help="candidates to show with --search (default 5)")
     p.add_argument("--best-out", default=None, metavar="FILE", help="with --search: write the best layout as a config YAML")
+    p.add_argument("--max-seq", action="store_true",
+                   help="also find the longest data.seq_length (a multiple of 2 × context_parallel, at most "
+                        "model.max_seq_len) that fits the layout on the device (JSON key max_seq)")
     p.add_argument("--simulate", action="store_true",
                    help="also run the real training step on fake tensors and report its peak per component")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -115,7 +118,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         calibration += f": efficiency {dev.efficiency:.1%} of {dev.name}'s {dev.tflops:.3g} TFLOP/s"
         sys.stderr.write(f"fitlm plan: {calibration}\n")
     result = plan(cfg, dev, args.num_devices, simulate=args.simulate, search=args.search, top=args.top,
-                  best_out=args.best_out)
+                  best_out=args.best_out, longest=args.max_seq)
     if calibration:
         result["device"]["calibration"] = calibration
     if args.json:

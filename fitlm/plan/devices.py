@@ -35,6 +35,9 @@ class Device:
     # (CUDA context, cuBLAS/cuDNN or CANN libraries): about 2-3 GiB resident per GPU process.
     host_runtime_bytes: int = 3 * GiB
     host_source: str = ""
+    # Device <-> host copies (activation offload), one direction, GB/s: PCIe 4.0 x16 (~25 usable) unless the
+    # catalog knows better (H100/H200 SXM: PCIe 5.0 x16, ~50 usable).
+    host_link_gbs: float = 25.0
 
     @property
     def usable_bytes(self) -> int:
@@ -57,9 +60,9 @@ CATALOG: dict[str, Device] = {d.name: d for d in [
     Device("a100-80g", 80 * GiB, 312.0, 2039.0, 300.0, 25.0, source="NVIDIA A100 datasheet",
            host_memory_bytes=2 * _TB, host_source="DGX A100 640 GB: 2 TB"),
     Device("h100-80g", 80 * GiB, 989.0, 3350.0, 450.0, 50.0, efficiency=0.45, source="NVIDIA H100 SXM datasheet",
-           host_memory_bytes=2 * _TB, host_source="DGX H100: 2 TB"),
+           host_memory_bytes=2 * _TB, host_source="DGX H100: 2 TB", host_link_gbs=50.0),
     Device("h200", 141 * 10**9, 989.0, 4800.0, 450.0, 50.0, efficiency=0.45, source="NVIDIA H200 datasheet",
-           host_memory_bytes=2 * _TB, host_source="DGX H200: 2 TB"),
+           host_memory_bytes=2 * _TB, host_source="DGX H200: 2 TB", host_link_gbs=50.0),
     Device("rtx4090", 24 * GiB, 165.0, 1008.0, 25.0, 3.0, node_size=8, source="NVIDIA Ada whitepaper",
            host_memory_bytes=256 * 10**9, host_source="an 8-GPU RTX server, 256 GB (typical; set --host-memory)"),
     Device("rtx3090", 24 * GiB, 71.0, 936.0, 25.0, 3.0, node_size=8, source="NVIDIA GA102 whitepaper",

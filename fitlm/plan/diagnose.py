@@ -53,6 +53,12 @@ def remedies(s: Setup) -> list[Remedy]:
                        replace(s, mbs=s.mbs // 2, accum=s.accum * 2)))
     if not s.offload:
         trials.append(("memory.cpu_offload: true", replace(s, offload=True)))
+    if not s.act_offload and s.device_kind != "cpu":
+        trials.append(("memory.activation_offload: true", replace(s, act_offload=True)))
+    cp = s.cp * 2  # context parallel instead of half the data-parallel replicas: each sequence over twice the ranks
+    if s.dp % 2 == 0 and s.pp == 1 and s.seq % (2 * cp) == 0 and s.method == "full":
+        trials.append((f"parallel.context_parallel: {cp} (data_parallel: {s.dp // 2})",
+                       replace(s, cp=cp, dp=s.dp // 2, accum=s.accum * 2)))
     if s.dp % 2 == 0 and _tp_ok(s, s.tp * 2) and s.method == "full":  # LoRA/freeze: no tensor parallel
         trials.append((f"parallel.tensor_parallel: {s.tp * 2} (data_parallel: {s.dp // 2})",
                        replace(s, tp=s.tp * 2, dp=s.dp // 2, zero=s.zero if s.zero != 1 else 2,

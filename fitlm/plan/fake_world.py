@@ -58,10 +58,10 @@ class SimulationUnsupported(ValueError):
 
 
 def pipeline_ranks(cfg: Config) -> list[int]:
-    """Global ranks of the first replica of every pipeline position: (pp, dp, tp) mesh, row-major; dp and tp
-    positions of one stage hold the same bytes."""
+    """Global ranks of the first replica of every pipeline position: (pp, dp, cp, tp) mesh, row-major; dp, cp and
+    tp positions of one stage hold the same bytes."""
     d = cfg.parallel.dims
-    return [r * d.dp * d.tp for r in range(d.pp)]
+    return [r * d.dp_cp * d.tp for r in range(d.pp)]
 
 
 @contextlib.contextmanager

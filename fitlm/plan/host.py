@@ -17,7 +17,8 @@ gradients and optimizer states are released (the last checkpoint holds them). So
 `runtime` is the interpreter, torch and the accelerator runtime's host side (Device.host_runtime_bytes).
 Resident on the host: everything on a CPU device (its peak, parameters at load); on an accelerator what
 `memory.cpu_offload` keeps there (HostAdamW's states and fp32 master, or FSDP2's CPU shards, parameters
-among them at load). A node runs min(world, node size) ranks: its peak is the sum of theirs, checked
+among them at load), and at the step the saved activations `memory.activation_offload` moved there (pinned;
+fitlm.plan.activation_offload: on a CPU device none move). A node runs min(world, node size) ranks: its peak is the sum of theirs, checked
 against 90% of the host's RAM (the rest for the OS and the page cache the data is read through).
 """
 
@@ -131,7 +132,8 @@ def host_peaks(s: Setup, mem: Breakdown, dev: Device, source: SourceTensor) -> H
         "load": {"runtime": runtime, "parameters on the host": int(params_at_load),
                  "largest source tensor (file dtype)": source.numel * source.file_bytes,
                  "its training-dtype copy": source.numel * convert},
-        "step": {"runtime": runtime, "training state on the host": int(state)},
+        "step": {"runtime": runtime, "training state on the host": int(state - mem.host_activations),
+                 "offloaded activations (pinned)": mem.host_activations},
         "save": {"runtime": runtime, "parameters on the host": int(state_at_save),
                  "largest group, gathered": gathered, "largest group, converted for the file": gathered},
     }

@@ -15,12 +15,15 @@ import yaml
 from fitlm.config import Config, ConfigError
 from fitlm.finetune.init_from import resolve_if_readable
 from fitlm.parallel.layout import layout_problems
+from fitlm.parallel_dims import layout_name
+from fitlm.plan.activation_offload import note as offload_note
 from fitlm.plan.analytic import breakdown
 from fitlm.plan.devices import Device
 from fitlm.plan.diagnose import dominant, remedies
 from fitlm.plan.finetune import adapter_params, lora_targets, trainable_params
 from fitlm.plan.host import host_peaks, host_report, source_tensor
-from fitlm.plan.setup import Setup, from_config, to_overrides, total_params
+from fitlm.plan.max_seq import max_seq
+from fitlm.plan.setup import Setup, from_config, on_device, to_overrides, total_params
 from fitlm.plan.throughput import timing
 
 GiB = 1024**3
@@ -28,7 +31,7 @@ GiB = 1024**3
 
 def _layout(s: Setup) -> str:
     extra = [f"zero{s.zero}"] + (["sp"] if s.sp else []) + ([f"{s.schedule}×{s.chunks}"] if s.pp > 1 else [])
-    return f"dp{s.dp}×tp{s.tp}×pp{s.pp} " + " ".join(extra)
+    return layout_name(s.dp, s.tp, s.pp, s.cp) + " " + " ".join(extra)
 
 
 def _memory_opts(s: Setup) -> str:
@@ -37,6 +40,8 @@ def _memory_opts(s: Setup) -> str:
         opts.append(f"loss_chunk={s.loss_chunk}")
     if s.offload:
         opts.append("offload")
+    if s.act_offload:
+        opts.append(f"activation_offload={'blocks' if s.act_offload is True else s.act_offload}")
     if s.accum > 1 and s.dims.fsdp_sharded:
         opts.append("sync=every" if s.sync_every else "sync=last")  # parallel.gradient_sync
     return " ".join(opts) + f" mbs={s.mbs}×accum{s.accum}"
@@ -53,7 +58,8 @@ def _finetune(s: Setup) -> dict[str, Any]:
 
 
 def plan(cfg: Config, dev: Device, num_devices: int | None = None, simulate: bool = False,
-         search: bool = False, top: int = 5, best_out: str | None = None) -> dict[str, Any]:
+         search: bool = False, top: int = 5, best_out: str | None = None, longest: bool = False) -> dict[str, Any]:
+    """The plan's JSON; `longest` adds `max_seq` (fitlm plan --max-seq)."""
     # With model.init_from the weights define the network, as in training (the same resolver).
     cfg, note = resolve_if_readable(cfg)
     n = num_devices or cfg.parallel.world_size
@@ -61,7 +67,7 @@ def plan(cfg: Config, dev: Device, num_devices: int | None = None, simulate: boo
         problems = layout_problems(cfg, n)
         if problems:
             raise ConfigError(problems)
-    s = from_config(cfg)
+    s = on_device(from_config(cfg), dev.name)
     mem = breakdown(s)
     t = timing(s, dev)
     fits_device = mem.total <= dev.usable_bytes
@@ -74,16 +80,22 @@ def plan(cfg: Config, dev: Device, num_devices: int | None = None, simulate: boo
         "device": {"name": dev.name, "memory_bytes": dev.memory_bytes, "usable_bytes": dev.usable_bytes,
                    "tflops": dev.tflops, "efficiency": dev.efficiency, "num_devices": n, "source": dev.source},
         "layout": _layout(s), "memory_options": _memory_opts(s),
-        "per_device": mem.as_dict(), "other_parts": dict(mem.other_parts), "peak_phase": mem.phase,
-        "host_bytes_per_device": mem.host, "host": host_report(host, source, dev.host_source),
+        "per_device": mem.as_dict(), "other_parts": dict(mem.other_parts),
+        "activation_parts": dict(mem.activation_parts), "peak_phase": mem.phase,
+        "host_bytes_per_device": mem.host, "host_activation_bytes": mem.host_activations,
+        "host": host_report(host, source, dev.host_source),
         "fits": fits, "fits_device": fits_device, "step_time_s": t.step_s, "tokens_per_s": t.tokens_per_s, "mfu": t.mfu,
         "flops_per_token": t.flops_per_token,
         "time_breakdown_s": {"compute": t.compute_s, "tensor_parallel_comm": t.tp_comm_s,
                              "data_parallel_comm_exposed": t.dp_comm_s, "pipeline_comm": t.pp_comm_s,
-                             "pipeline_bubble": t.bubble_s},
+                             "pipeline_bubble": t.bubble_s, "context_parallel_comm": t.cp_comm_s,
+                             "activation_offload_copies": t.offload_s},
     }
-    if note:
-        out["notes"] = [note]
+    notes = [n for n in (note, offload_note(s)) if n]
+    if notes:
+        out["notes"] = notes
+    if longest:
+        out["max_seq"] = max_seq(s, dev, source).as_dict()
     if not fits_device:
         fixes = remedies(s)
         out["diagnosis"] = {
@@ -96,8 +108,10 @@ def plan(cfg: Config, dev: Device, num_devices: int | None = None, simulate: boo
 
         try:
             sim = run_step(cfg)
-            out["simulated"] = {"per_device": sim, "fits": sim["total"] <= dev.usable_bytes,
-                                "note": "logits are counted inside activations by the simulation"}
+            note = "logits are counted inside activations by the simulation"
+            if s.offload_mode != "none":  # fake tensors on the CPU: nothing to offload to
+                note += "; it runs on CPU tensors, where memory.activation_offload moves nothing"
+            out["simulated"] = {"per_device": sim, "fits": sim["total"] <= dev.usable_bytes, "note": note}
         except SimulationUnsupported as e:
             out["simulated"] = {"error": str(e)}
     if search:
@@ -157,8 +171,9 @@ def render(result: dict[str, Any]) -> None:
     for key, value in result["per_device"].items():
         row = [key, gib(value)] + ([gib(sim[key])] if sim else [])
         table.add_row(*row, style="bold" if key == "total" else None)
-        if key == "other":  # every byte of `other` by name (the simulation cannot tell them apart)
-            for part, nbytes in result.get("other_parts", {}).items():
+        named = {"other": "other_parts", "activations": "activation_parts"}.get(key)
+        if named:  # the named parts of `other` and `activations` (the simulation cannot tell them apart)
+            for part, nbytes in result.get(named, {}).items():
                 table.add_row(f"  {part}", gib(nbytes), *([""] if sim else []), style="dim")
     console.print(table)
     verdict = "[green]fits[/green]" if result["fits_device"] else "[red]does not fit[/red]"
@@ -170,6 +185,10 @@ def render(result: dict[str, Any]) -> None:
         console.print(f"note: {note}")
     if "error" in result.get("simulated", {}):
         console.print(f"simulation: {result['simulated']['error']}")
+    longest = result.get("max_seq")
+    if longest:
+        console.print(f"longest data.seq_length that fits: [bold]{longest['length']}[/bold] (multiples of "
+                      f"{longest['multiple_of']}, limited by {longest['limited_by']}); {longest['note']}")
     console.print(f"step {result['step_time_s']:.3g} s · {result['tokens_per_s']:,.0f} tokens/s · MFU "
                   f"{result['mfu']:.1%} (device efficiency {d['efficiency']:.0%} of {d['tflops']:g} TFLOP/s)")
     diag = result.get("diagnosis")

@@ -11,7 +11,7 @@ config itself.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fitlm.config import Config, ModelConfig
@@ -30,6 +30,7 @@ KNOBS = {
     "loss_chunk": "memory.loss_chunk_size", "method": "finetune.method", "lora_r": "finetune.lora.r",
     "lora_targets": "finetune.lora.target_modules", "freeze_layers": "finetune.freeze_layers",
     "freeze_embeddings": "finetune.freeze_embeddings",
+    "seq": "data.seq_length", "cp": "parallel.context_parallel", "act_offload": "memory.activation_offload",
 }
 
 
@@ -83,6 +84,13 @@ class Setup:
     freeze_layers: float = 0.0
     freeze_embeddings: bool = False
     gradient_sync: str = "auto"  # parallel.gradient_sync
+    seq: int = 1  # data.seq_length: tokens per sample (a knob for `fitlm plan --max-seq`)
+    cp: int = 1  # parallel.context_parallel: ranks each sequence is split over (fitlm.plan.context)
+    act_offload: bool | str = False  # memory.activation_offload: False, True, "blocks" or "model"
+    # Where the planned run's tensors live: "accelerator" (CUDA and the catalog's devices), or "cpu" (`--device
+    # cpu`), where activation offload has no other memory to move to and changes nothing. Not a config key: the
+    # plan's device says it (`on_device`).
+    device_kind: str = field(default="accelerator", compare=False)
 
     # Read from the config itself: what no planner variant changes.
     @property
@@ -127,11 +135,6 @@ class Setup:
         return self.cfg.model.tie_embeddings
 
     @property
-    def seq(self) -> int:
-        """Tokens per sample."""
-        return self.cfg.data.seq_length
-
-    @property
     def half(self) -> str:
         return self.cfg.memory.half_dtype
 
@@ -155,7 +158,7 @@ class Setup:
     @property
     def dims(self) -> ParallelDims:
         """The layout's dimensions and predicates, as the trainer derives them (fitlm.parallel_dims)."""
-        return ParallelDims(dp=self.dp, tp=self.tp, pp=self.pp, zero_stage=self.zero)
+        return ParallelDims(dp=self.dp, tp=self.tp, pp=self.pp, zero_stage=self.zero, cp=self.cp)
 
     @property
     def sync_every(self) -> bool:
@@ -166,6 +169,18 @@ class Setup:
     def step_chunks(self) -> int:
         """Pipeline chunks per optimizer step: all micro batches of a step share one schedule run."""
         return max(1, self.chunks) * self.accum
+
+    @property
+    def local_seq(self) -> float:
+        """Tokens of each sequence on this rank: T, or T/C under context parallel."""
+        return self.seq / self.cp
+
+    @property
+    def offload_mode(self) -> str:
+        """memory.activation_offload as it acts here: "none", "blocks" (true) or "model"; "none" on a CPU device."""
+        if not self.act_offload or self.device_kind == "cpu":
+            return "none"
+        return "model" if self.act_offload == "model" else "blocks"
 
     @property
     def kv(self) -> int:
@@ -198,6 +213,11 @@ def from_config(cfg: Config) -> Setup:
     knobs = {name: values[key] for name, key in KNOBS.items()}
     knobs["lora_targets"] = tuple(knobs["lora_targets"])
     return Setup(cfg=cfg, counts=ModelCounts.of(cfg.model), **knobs)
+
+
+def on_device(s: Setup, device_name: str) -> Setup:
+    """`s` planned for the named device: on `cpu` the tensors are on the host already (device_kind "cpu")."""
+    return replace(s, device_kind="cpu" if device_name == "cpu" else "accelerator")
 
 
 def to_overrides(s: Setup) -> dict[str, dict[str, Any]]:

@@ -82,7 +82,10 @@ def _heaviest_zero1_rank(optimizer: torch.optim.Optimizer, ctx) -> int | None:
         return None
     sizes = [sum(p.numel() for group in part for p in group["params"]) for part in partition()]
     dp_rank = max(range(len(sizes)), key=sizes.__getitem__)
-    return None if sizes[dp_rank] == sizes[ctx.dp_rank] else ctx.rank + (dp_rank - ctx.dp_rank) * ctx.tp
+    # ZeRO-1 shards over the dp x cp ranks (the flattened dp_cp group, cp innermost; a step of its index is tp
+    # global ranks)
+    own = ctx.dp_rank * ctx.cp + ctx.cp_rank
+    return None if sizes[dp_rank] == sizes[own] else ctx.rank + (dp_rank - own) * ctx.tp
 
 
 def _made_before_tracking(cfg: Config) -> bool:

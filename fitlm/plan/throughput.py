@@ -9,15 +9,19 @@ on the intra-node link when a group fits in a node, else the network; a latency 
 Tensor-parallel collectives sit on the critical path; data-parallel gradient traffic overlaps with
 the backward pass (half of it hidden at most). The pipeline bubble is (p-1)/(n+p-1) of the step, n =
 micro_batch_num × accumulation: one schedule run takes all of a step's chunks (halved by interleaving
-with 2 virtual stages).
+with 2 virtual stages). Context parallel: each rank computes T/C tokens of every sequence; its K/V
+all-gathers and reduce-scatters per layer (fitlm.plan.context) are on the critical path. Activation offload's
+copies over the host link overlap their pass's compute (fitlm.plan.activation_offload).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fitlm.plan import context
 from fitlm.plan import finetune as ft
-from fitlm.plan.analytic import act_bytes, param_bytes, tp_share
+from fitlm.plan.activation_offload import copy_s as offload_s
+from fitlm.plan.analytic import act_bytes, breakdown, param_bytes, tp_share
 from fitlm.plan.devices import Device
 from fitlm.plan.setup import Setup, layer_params, matmul_params, stage_layers, total_params
 
@@ -35,6 +39,8 @@ class Timing:
     tokens_per_s: float
     mfu: float
     flops_per_token: float
+    cp_comm_s: float = 0.0  # context parallel's K/V gathers and their gradients' reduce-scatters
+    offload_s: float = 0.0  # memory.activation_offload's copies not hidden under compute
 
 
 def flops_per_token(s: Setup) -> float:
@@ -47,7 +53,7 @@ def flops_per_token(s: Setup) -> float:
 
 
 def _bandwidth(dev: Device, group: int, stride: int) -> float:
-    """Bytes/s for a ring over `group` ranks spaced `stride` apart in the (pp, dp, tp) mesh."""
+    """Bytes/s for a ring over `group` ranks spaced `stride` apart in the (pp, dp, cp, tp) mesh."""
     inside = group * stride <= dev.node_size
     return (dev.link_gbs if inside else dev.inter_node_gbs) * 1e9
 
@@ -68,42 +74,45 @@ def timing(s: Setup, dev: Device) -> Timing:
         frac = 1.0 / max(1, s.recompute_every)
         block_fwd = 2.0 * s.layers * layer_params(s) + 4.0 * s.layers * s.h * s.seq
         hw += frac * block_fwd * (1.0 if s.recompute == "full" else 0.1)  # selective reruns element-wise work
-    compute = tokens_replica * hw / (s.tp * s.pp) / peak
+    compute = tokens_replica * hw / (s.tp * s.pp * s.cp) / peak
     if s.offload:  # host AdamW: gradients down, parameters up over PCIe (~25 GB/s), states on the CPU
         n_dev = ft.trainable_params(s) / (s.tp * s.pp) / s.dims.shard_factor("optimizer")
         compute += n_dev * (4 + 4) / 25e9 + n_dev * 16 / (100e9)
     # Tensor parallel: two all-reduces (or all-gather + reduce-scatter under SP) per block forward and
     # two in backward, of the block's activations [b, s, h]; plus the embedding's.
     e = act_bytes(s)
-    msg = s.mbs * s.seq * s.h * e
+    msg = s.mbs * s.local_seq * s.h * e  # this rank's tokens: T/C under context parallel
     bw_tp = _bandwidth(dev, s.tp, 1)
     per_mb_layers = stage_layers(s)
     tp_comm = s.accum * (4 * per_mb_layers + 2) * ring("all_reduce", msg, s.tp, bw_tp)
     # Data parallel: gradients once per step, or once per micro batch (parallel.gradient_sync; ZeRO-2/3 by
     # default), parameters as ZeRO needs.
     n_rank = tp_share(s, total_params(s) / s.pp)
-    bw_dp = _bandwidth(dev, s.dp, s.tp)
+    dp = s.dims.dp_cp  # gradients are averaged (and ZeRO shards) over data x context parallel ranks
+    bw_dp = _bandwidth(dev, dp, s.tp)
     trained_rank = n_rank if s.method == "full" else tp_share(s, ft.trainable_params(s) / s.pp)
     grad_b = trained_rank * (4 if s.level == "O2" else param_bytes(s))  # only trainable parameters have gradients
     gather_b = n_rank * (2 if s.level == "O2" else param_bytes(s))
     syncs = s.accum if s.sync_every else 1
     if s.zero <= 1:
-        dp_comm = syncs * ring("all_reduce", grad_b, s.dp, bw_dp) + (ring("all_gather", gather_b, s.dp, bw_dp) if s.zero == 1 else 0)
+        dp_comm = syncs * ring("all_reduce", grad_b, dp, bw_dp) + (ring("all_gather", gather_b, dp, bw_dp) if s.zero == 1 else 0)
     else:
         gathers = s.accum * (1 if s.zero == 2 else 2)
-        dp_comm = syncs * ring("reduce_scatter", grad_b, s.dp, bw_dp) + gathers * ring("all_gather", gather_b, s.dp, bw_dp)
+        dp_comm = syncs * ring("reduce_scatter", grad_b, dp, bw_dp) + gathers * ring("all_gather", gather_b, dp, bw_dp)
     backward = compute * 2.0 / 3.0
-    dp_exposed = max(dp_comm - 0.5 * backward, 0.5 * dp_comm) if s.dp > 1 else 0.0
+    dp_exposed = max(dp_comm - 0.5 * backward, 0.5 * dp_comm) if dp > 1 else 0.0
     # Pipeline: each chunk's activations cross each boundary forward and their gradients backward.
-    bw_pp = _bandwidth(dev, s.pp, s.dp * s.tp)
+    bw_pp = _bandwidth(dev, s.pp, dp * s.tp)
     chunks = max(1, s.chunks) if s.pp > 1 else 1
     pp_comm = s.accum * 2 * chunks * (msg / chunks / bw_pp + LATENCY_S) if s.pp > 1 else 0.0
     bubble_frac = (s.pp - 1) / (s.step_chunks + s.pp - 1) if s.pp > 1 else 0.0
     if s.schedule == "interleaved_1f1b":
         bubble_frac /= 2
-    busy = compute + tp_comm + pp_comm
+    cp_comm = context.comm_s(s, ring, _bandwidth(dev, s.cp, s.tp))  # on the critical path: attention waits
+    moved = offload_s(s, breakdown(s).host_activations, dev.host_link_gbs, compute) if s.offload_mode != "none" else 0.0
+    busy = compute + tp_comm + pp_comm + cp_comm + moved
     bubble = busy * bubble_frac / (1 - bubble_frac) if bubble_frac < 1 else 0.0
     step = busy + bubble + dp_exposed
     tokens = s.tokens_per_step / step
     mfu = tokens * fpt / (s.world * dev.tflops * 1e12)
-    return Timing(step, compute, tp_comm, dp_exposed, pp_comm, bubble, tokens, mfu, fpt)
+    return Timing(step, compute, tp_comm, dp_exposed, pp_comm, bubble, tokens, mfu, fpt, cp_comm, moved)

@@ -45,12 +45,12 @@ def plan_device(device: str, peak_flops: float):
 def plan_for(cfg: Config, device: str, peak_flops: float, simulate: bool = True) -> dict[str, Any]:
     """Both engines' per-device bytes and the throughput model's step time for `cfg` (no process group may exist)."""
     from fitlm.plan.analytic import breakdown
-    from fitlm.plan.setup import from_config
+    from fitlm.plan.setup import from_config, on_device
     from fitlm.plan.throughput import timing
 
-    s = from_config(cfg)
-    mem = breakdown(s)
     dev = plan_device(device, peak_flops)
+    s = on_device(from_config(cfg), dev.name)  # on a CPU, activation offload moves nothing
+    mem = breakdown(s)
     t = timing(s, dev)
     out: dict[str, Any] = {"analytic": {"per_device": mem.as_dict(), "peak_phase": mem.phase},
                            "timing": {"device": dev.name, "tflops": dev.tflops, "efficiency": dev.efficiency, "step_time_s": t.step_s,

@@ -50,6 +50,11 @@ CONFIGS = [
     ("dp2 ddp", {"parallel": {"data_parallel": 2}, "train": {"micro_batch_size": 2}}, 2),
     ("dp2 ddp accum 2", {"parallel": {"data_parallel": 2},
                          "train": {"micro_batch_size": 2, "gradient_accumulation_steps": 2}}, 2),
+    # Context parallel: each rank keeps T/C tokens of activations and every layer's gathered full-length K/V
+    # (document masks on: a [B, 1, T/C, T] mask); ZeRO shards over dp x cp ranks.
+    ("cp2", {"parallel": {"context_parallel": 2}}, 2),
+    ("dp2 cp2 zero2", {"parallel": {"data_parallel": 2, "context_parallel": 2, "zero_stage": 2},
+                       "train": {"micro_batch_size": 2}}, 4),
     # Pipelines: the first stage keeps the embedding and the in-flight chunks' activations, the last the head
     # and the logits; every pp rank is measured and simulated, the most loaded compared.
     ("pp2 1f1b x2", {"parallel": {"pipeline_parallel": 2, "micro_batch_num": 2}}, 2),

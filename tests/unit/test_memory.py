@@ -358,5 +358,5 @@ def test_o2_casts_weights_again_in_backward_instead_of_keeping_them():
 def test_o2_training_is_unchanged_by_the_recast(tiny_corpus, tmp_path, monkeypatch):
     o2 = {"mixed_precision": "O2"}
     recast = losses(make_trainer(tiny_corpus, tmp_path / "a", train=SHORT, memory=o2))
-    monkeypatch.setattr("fitlm.memory.precision.recasts_in_backward", lambda *a: False)
+    monkeypatch.setattr("fitlm.memory.precision.recasts_in_backward", lambda *a, **kw: False)
     assert losses(make_trainer(tiny_corpus, tmp_path / "b", train=SHORT, memory=o2)) == recast

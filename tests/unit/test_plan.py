@@ -130,7 +130,9 @@ def test_planner_counts_the_parameters_finetune_trains(finetune):
 
 @pytest.mark.parametrize("parallel", [
     {"pipeline_parallel": 2, "micro_batch_num": 2}, {"data_parallel": 2},  # torch's schedule, torch's DDP
+    {"context_parallel": 2},  # the K/V gathers on the fake group: full-length keys and values per layer
     *(pytest.param(p, marks=pytest.mark.slow) for p in (
+        {"data_parallel": 2, "context_parallel": 2, "zero_stage": 2}, {"context_parallel": 2, "zero_stage": 1},
         {"data_parallel": 2, "zero_stage": 3}, {"data_parallel": 2, "zero_stage": 2}, {"data_parallel": 2, "zero_stage": 1},
         {"tensor_parallel": 2}, {"pipeline_parallel": 2, "micro_batch_num": 2, "pipeline_schedule": "gpipe"},
         {"data_parallel": 2, "tensor_parallel": 2, "zero_stage": 3}))])
@@ -145,7 +147,7 @@ def test_multi_rank_simulation_on_fake_process_group_agrees_with_analytic(tiny_c
 
 @pytest.mark.slow
 @pytest.mark.parametrize("parallel", [{"pipeline_parallel": 2, "micro_batch_num": 2}, {"tensor_parallel": 2},
-                                      {"data_parallel": 2}])
+                                      {"data_parallel": 2}, {"context_parallel": 2}])
 def test_fake_tensors_hold_what_real_tensors_hold_on_the_fake_process_group(tiny_corpus, tmp_path, parallel):
     """The simulation's fake-tensor answers (deep copies of pipeline stages, DTensor's sharding propagation) keep
     the bytes of the same step on real tensors; tests/distributed/test_plan_accuracy.py holds both against the
@@ -248,7 +250,7 @@ def test_search_covers_1024_devices():
     cfg = validate_dict({"model": LLAMA_70B, "data": {"seq_length": 4096}, "memory": {"mixed_precision": "O2"},
                          "train": {"micro_batch_size": 1, "gradient_accumulation_steps": 1024}})
     found = candidates(cfg, 1024, CATALOG["h100-80g"], max_micro_batch=4)
-    assert found and all(c.setup.dp * c.setup.tp * c.setup.pp == 1024 for c in found)
+    assert found and all(c.setup.dp * c.setup.cp * c.setup.tp * c.setup.pp == 1024 for c in found)
 
 
 def test_budget_follows_chinchilla(capsys):

@@ -1,0 +1,75 @@
+"""Context parallel in the plan: what splitting each sequence over C ranks keeps, moves and costs.
+
+fitlm.parallel.context_parallel runs everything outside attention on this rank's T/C tokens, so the per-token
+activations of the analytic engine shrink by C as they are (the engine counts `Setup.local_seq` tokens). What
+does not shrink, per attention layer (B micro batch, K kv heads, T the whole sequence, D head dim, e the
+activation bytes):
+  - the gathered keys and values, [B,K/tp,T,D] each, kept for backward by SDPA in place of the local rotated
+    k and v the unsplit block keeps (those are only the gather's input, which its backward does not need):
+    2·B·(K/tp)·T·D·e per layer, full T. SDPA's GQA support attends them unexpanded.
+  - while a layer gathers, the all-gather's rank-major buffer [C·B,K,T/C,D] beside its [B,K,T,D] reordering
+    (one gathered tensor's size, freed at once). That moment is never the peak: the loss, with its logits, comes
+    later. In a block's backward, though, the full-length gradients of K and V exist together with the
+    reduce-scatter's rank-major copy of one of them: a candidate for the peak once the logits are freed;
+  - the mask of global positions [T/C,T] (or [B,1,T/C,T] with document masks) in SDPA's additive form, in the
+    attention's dtype (e), built once per micro batch and attention window and shared by the layers (soft-capped
+    eager attention takes the bool mask instead, one byte per entry).
+Communication per layer and micro batch: all-gather of K and V in forward, reduce-scatter of their gradients
+in backward, and the gathers again when full recompute rebuilds a block; ring costs over the cp group.
+"""
+
+from __future__ import annotations
+
+from fitlm.plan.setup import Setup
+
+
+def _e(s: Setup) -> int:
+    return 4 if s.level == "O0" else 2  # activation bytes (fitlm.plan.analytic.act_bytes; no import cycle)
+
+
+def local_kv_per_token(s: Setup) -> float:
+    """Bytes per local token of the rotated k and v an unsplit block saves, which context parallel replaces by
+    the gathered ones (one tensor-parallel rank)."""
+    return 2 * _e(s) * s.kv / s.tp if s.cp > 1 else 0.0
+
+
+def gathered_kv(s: Setup) -> float:
+    """Keys and values of the whole sequence one attention layer keeps for backward: 2·B·(K/tp)·T·D·e."""
+    return 2 * s.mbs * s.kv / s.tp * s.seq * _e(s) if s.cp > 1 else 0.0
+
+
+def backward_bytes(s: Setup) -> float:
+    """A block's backward: the gradients of its gathered K and V [B,K/tp,T,D] and the reduce-scatter's copy of one."""
+    return 1.5 * gathered_kv(s)
+
+
+def mask_bytes(s: Setup) -> float:
+    """The global-position masks of one micro batch: [T/C,T] (or [B,1,T/C,T] with document masks), additive in
+    the attention's dtype (bool under soft-capping), one per distinct attention window (full, and the sliding
+    window where some layers slide)."""
+    if s.cp == 1:
+        return 0.0
+    entries = s.local_seq * s.seq * (s.mbs if s.doc_mask else 1)
+    return entries * (1 if s.softcap else _e(s)) * (2 if s.sliding else 1)
+
+
+def parts(s: Setup) -> dict[str, float]:
+    """What context parallel adds to a rank's `other` (named): the masks."""
+    return {"context parallel: attention mask": mask_bytes(s)} if s.cp > 1 else {}
+
+
+# Their names among the activations' parts
+GATHERED = "context parallel: gathered K/V (kept for backward)"
+BACKWARD = "context parallel: K/V gradients and reduce-scatter buffer (a block's backward)"
+
+
+def comm_s(s: Setup, ring, bandwidth: float) -> float:
+    """Seconds per step on the cp group: per layer and micro batch the K and V all-gathers in forward (again
+    under full recompute) and their gradients' reduce-scatter in backward. Nothing overlaps them: attention
+    waits for its keys."""
+    if s.cp == 1:
+        return 0.0
+    full = s.mbs * s.kv / s.tp * s.seq * _e(s)  # one gathered tensor [B,K/tp,T,D]
+    gathers = 2 * (2 if s.recompute == "full" else 1)  # K and V, forward (and rebuilt)
+    per_layer = gathers * ring("all_gather", full, s.cp, bandwidth) + 2 * ring("reduce_scatter", full, s.cp, bandwidth)
+    return s.accum * s.layers * per_layer
