@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fitlm.models.layers import SelfAttention, softcapped_attention, document_position_ids
+from fitlm.models.layers import SelfAttention, _band_mask, additive_mask, document_position_ids, softcapped_attention
 
 
 def zigzag_index(seq_len: int, cp: int, rank: int) -> torch.Tensor:
@@ -53,8 +53,14 @@ class SequenceShard:
     _masks: dict = field(default_factory=dict)
 
     def mask(self, window: int | None) -> torch.Tensor:
-        """bool [T/C, T] or [B, 1, T/C, T], True where a local query may attend a gathered key. The diagonal
-        is always allowed (no empty row)."""
+        """bool [T/C, T] or [B, 1, T/C, T], True where a local query may attend a gathered key; built once per
+        micro batch and window and shared by the layers. The diagonal is always allowed (no empty row)."""
+        key = ("bool", window)
+        if key not in self._masks:
+            self._masks[key] = self._allowed(window)
+        return self._masks[key]
+
+    def _allowed(self, window: int | None) -> torch.Tensor:
         q, k = self.index[:, None], self.key_index[None, :]  # [T/C,1], [1,T]
         allowed = k <= q
         if window is not None:
@@ -65,15 +71,35 @@ class SequenceShard:
         return allowed
 
     def additive_mask(self, window: int | None, dtype: torch.dtype) -> torch.Tensor:
-        """`mask` as SDPA's additive form (0 where allowed, -inf elsewhere) in the attention's dtype, built once
-        per micro batch, window and dtype and shared by every layer. Why not the boolean mask: SDPA converts a
-        boolean mask to this form on every call and keeps the copy for backward, one [T/C, T] float per layer
-        (measured on CPU: 256 MiB per layer at T = 8192 in one process); one shared tensor is kept once."""
-        key = (window, dtype)
+        """`mask` in SDPA's additive form and the attention's dtype, built once per micro batch, window and
+        dtype and shared by every layer (SDPA would convert a boolean mask per layer and keep each copy:
+        `fitlm.models.layers.additive_mask`)."""
+        key = ("full", window, dtype)
         if key not in self._masks:
-            allowed = self.mask(window)
-            self._masks[key] = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
-                ~allowed, float("-inf"))
+            self._masks[key] = additive_mask(self.mask(window), dtype)
+        return self._masks[key]
+
+    @property
+    def chunks(self) -> list[tuple[int, int]]:
+        """(first local row, global chunk index) of this rank's two chunks, in local order."""
+        cp = self.key_index.numel() // self.index.numel()
+        c = self.index.numel() // 2
+        first = int(self.index[0]) // c
+        return [(0, first), (c, 2 * cp - 1 - first)]
+
+    @property
+    def natural_order(self) -> torch.Tensor:
+        """[T] the gathered key slot holding global position 0, 1, ... (the inverse of key_index)."""
+        if "order" not in self._masks:
+            self._masks["order"] = torch.argsort(self.key_index)
+        return self._masks["order"]
+
+    def prefix_mask(self, queries: int, keys: int, dtype: torch.dtype) -> torch.Tensor:
+        """[queries, keys] additive causal mask of a chunk's queries, the last `queries` positions of `keys`
+        (bottom-right aligned: query i sees keys 0..keys-queries+i); shared by the layers."""
+        key = ("prefix", queries, keys, dtype)
+        if key not in self._masks:
+            self._masks[key] = additive_mask(_band_mask(queries, keys, keys - queries, None, self.index.device), dtype)
         return self._masks[key]
 
 
@@ -147,10 +173,33 @@ class ContextParallel:
                                "training and scoring split batches; generate with an unsplit model")
         k = _GatherSequence.apply(k, self.group, self.cp)  # [B,K,T,D]
         v = _GatherSequence.apply(v, self.group, self.cp)
+        if shard.document_ids is None and window is None and softcap is None:
+            return self._causal_by_chunk(q, k, v, shard, scale)
         if softcap is not None:
             return softcapped_attention(q, k, v, shard.mask(window), scale, softcap)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=shard.additive_mask(window, q.dtype), scale=scale,
                                               enable_gqa=q.shape[1] != k.shape[1])
+
+
+    @staticmethod
+    def _causal_by_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: SequenceShard,
+                         scale: float | None) -> torch.Tensor:
+        """Plain causal attention chunk by chunk: each of the rank's two chunks (global index g, c queries)
+        attends only the keys before its end, positions 0..(g+1)c-1, under a [c, (g+1)c] bottom-right causal
+        mask. Against one [T/C, T] mask over all gathered keys this computes and masks about half the scores
+        (the ones causality would discard), and the masks, shared by the layers, are about half the size.
+        q [B,H,T/C,D]; k, v [B,K,T,D] gathered. Returns [B,H,T/C,D]."""
+        order = shard.natural_order
+        k, v = k.index_select(2, order), v.index_select(2, order)  # [B,K,T,D], global positions in order
+        c = q.shape[2] // 2
+        gqa = q.shape[1] != k.shape[1]
+        outs = []
+        for row, g in shard.chunks:
+            end = (g + 1) * c
+            outs.append(F.scaled_dot_product_attention(
+                q[:, :, row:row + c], k[:, :, :end], v[:, :, :end], attn_mask=shard.prefix_mask(c, end, q.dtype),
+                scale=scale, enable_gqa=gqa))  # [B,H,c,D]
+        return torch.cat(outs, dim=2)
 
 
 def apply_context_parallel(model: nn.Module, cp: ContextParallel) -> nn.Module:

@@ -11,9 +11,12 @@ activation bytes):
     (one gathered tensor's size, freed at once). That moment is never the peak: the loss, with its logits, comes
     later. In a block's backward, though, the full-length gradients of K and V exist together with the
     reduce-scatter's rank-major copy of one of them: a candidate for the peak once the logits are freed;
-  - the mask of global positions [T/C,T] (or [B,1,T/C,T] with document masks) in SDPA's additive form, in the
-    attention's dtype (e), built once per micro batch and attention window and shared by the layers (soft-capped
-    eager attention takes the bool mask instead, one byte per entry).
+  - the masks, built once per micro batch and shared by the layers, in SDPA's additive form and the attention's
+    dtype (e; soft-capped eager attention takes bool masks, one byte per entry): plain causal layers attend
+    chunk by chunk, each of the rank's two chunks (c = T/2C queries, global index g) only the (g+1)·c keys
+    before its end under a [c, (g+1)c] mask, c²·(2C+1) entries whatever the rank; layers with document masks,
+    a sliding window or soft-capping take one mask of global positions [T/C,T] ([B,1,T/C,T] with document
+    masks) per attention window.
 Communication per layer and micro batch: all-gather of K and V in forward, reduce-scatter of their gradients
 in backward, and the gathers again when full recompute rebuilds a block; ring costs over the cp group.
 """
@@ -44,13 +47,18 @@ def backward_bytes(s: Setup) -> float:
 
 
 def mask_bytes(s: Setup) -> float:
-    """The global-position masks of one micro batch: [T/C,T] (or [B,1,T/C,T] with document masks), additive in
-    the attention's dtype (bool under soft-capping), one per distinct attention window (full, and the sliding
-    window where some layers slide)."""
+    """The masks of one micro batch (see the module's docstring): the full-attention layers' (chunk prefixes when
+    plainly causal, else [T/C,T] of global positions) and, where some layers slide, the window's [T/C,T]."""
     if s.cp == 1:
         return 0.0
-    entries = s.local_seq * s.seq * (s.mbs if s.doc_mask else 1)
-    return entries * (1 if s.softcap else _e(s)) * (2 if s.sliding else 1)
+    e = 1 if s.softcap else _e(s)
+    positions = s.local_seq * s.seq * (s.mbs if s.doc_mask else 1) * e  # one [T/C,T] (or [B,1,T/C,T])
+    if s.doc_mask or s.softcap:
+        full = positions
+    else:
+        c = s.seq / (2 * s.cp)
+        full = c * c * (2 * s.cp + 1) * e  # the two chunks' [c, (g+1)c] prefixes
+    return full + (positions if s.sliding else 0.0)
 
 
 def parts(s: Setup) -> dict[str, float]:

@@ -55,6 +55,9 @@ CONFIGS = [
     ("cp2", {"parallel": {"context_parallel": 2}}, 2),
     ("dp2 cp2 zero2", {"parallel": {"data_parallel": 2, "context_parallel": 2, "zero_stage": 2},
                        "train": {"micro_batch_size": 2}}, 4),
+    # Plain causal: each of a rank's two chunks attends the keys before its end ([c, (g+1)c] masks).
+    ("cp2 O2 no doc mask", {"parallel": {"context_parallel": 2}, "data": {"document_mask": False},
+                            "memory": {"mixed_precision": "O2"}}, 2),
     # Pipelines: the first stage keeps the embedding and the in-flight chunks' activations, the last the head
     # and the logits; every pp rank is measured and simulated, the most loaded compared.
     ("pp2 1f1b x2", {"parallel": {"pipeline_parallel": 2, "micro_batch_num": 2}}, 2),
@@ -73,6 +76,9 @@ CONFIGS = [
                              "layer_types": ["sliding", "full"]}}, 1),
     ("gemma3 O2", {"model": {"arch": "gemma3", "head_dim": 24, "sliding_window": 16, "rope_local_theta": 1e4,
                              "layer_types": ["sliding", "full"]}, "memory": {"mixed_precision": "O2"}}, 1),
+    ("gemma3 cp2 no doc mask", {"model": {"arch": "gemma3", "head_dim": 24, "sliding_window": 16,
+                                          "rope_local_theta": 1e4, "layer_types": ["sliding", "full"]},
+                                "parallel": {"context_parallel": 2}, "data": {"document_mask": False}}, 2),
     ("gemma2 O0 softcap", {"model": {"arch": "gemma2", "head_dim": 24, "sliding_window": 16,
                                      "attn_logit_softcap": 50.0, "final_logit_softcap": 30.0}}, 1),
 ]

@@ -45,7 +45,10 @@ def test_cp2_holds_at_most_0_6_of_one_process_activations_at_seq_512():
         # The full-length keys and values every layer keeps, fp32 at O0: 2 · B1 · K2 · T512 · D16 · 4 bytes · 4 layers.
         assert dict(two.activation_parts)[GATHERED] == 2 * 1 * 2 * 512 * 16 * 4 * 4
         other = dict(two.other_parts)
-        assert other["context parallel: attention mask"] == 256 * 512 * 4  # additive fp32 [T/C, T] (B = 1)
+        # additive fp32 (B = 1): [T/C, T] of global positions with document masks; without, the chunks'
+        # prefixes [c, (g+1)c] with c = T/2C = 128, g = 0 and 3 on rank 0: c·c·(2C+1) entries.
+        want = 256 * 512 * 4 if doc_mask else 128 * 128 * 5 * 4
+        assert other["context parallel: attention mask"] == want
         assert sum(other.values()) == two.other  # every byte of `other` named
 
 
