@@ -267,8 +267,8 @@ def _stage(s: Setup, first: bool) -> Breakdown:
         parts.update(pipe_parts)
     elif s.cp > 1:  # the global-position mask (fitlm.plan.context); the gathered K/V are activations
         parts.update(cp.parts(s))
-    elif s.doc_mask:  # the block-causal mask, bool [B,1,T,T], shared by all blocks
-        parts["document mask"] = s.mbs * s.seq * s.seq
+    elif s.doc_mask:  # the block-causal mask [B,1,T,T], additive in the attention's dtype, shared by all blocks
+        parts["document mask"] = s.mbs * s.seq * s.seq * act_bytes(s)  # (fitlm.models.layers.shared_mask)
     sharded = s.dims.fsdp_sharded
     unsharded = n * (2 if s.level == "O2" else param_bytes(s))
     staging = 0.0
