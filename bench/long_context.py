@@ -3,7 +3,7 @@ under a stated memory budget, and runs under context parallel (cp2), in plan and
 
 Not a test: it prints a table and writes JSON.
 
-    python bench/long_context.py [--seq 4096] [--budget-mib 384] [--document-mask] [--steps 2] [--out FILE.json]
+    python bench/long_context.py [--seq 4096] [--budget-mib 320] [--document-mask] [--steps 2] [--out FILE.json]
 
 Each row is `fitlm profile` of the same config (the real trainer on gloo processes, one thread each) at one layout:
 the measured peak of live tensor bytes per process (torch's MemTracker over one step: parameters, gradients,
@@ -87,7 +87,7 @@ def table(rows: list[dict], budget: int, seq: int, document_mask: bool) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seq", type=int, default=4096)
-    ap.add_argument("--budget-mib", type=float, default=384.0)
+    ap.add_argument("--budget-mib", type=float, default=320.0)
     ap.add_argument("--document-mask", action="store_true",
                     help="block-causal attention (one process: a [T, T] mask that SDPA converts per layer)")
     ap.add_argument("--steps", type=int, default=2)
