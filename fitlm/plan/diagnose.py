@@ -46,7 +46,7 @@ def remedies(s: Setup) -> list[Remedy]:
                 trials.append((f"parallel.zero_stage: {z}", replace(s, zero=z)))
     if not s.loss_chunk:
         trials.append(("memory.loss_chunk_size: 4096", replace(s, loss_chunk=4096)))
-    if s.dims.fsdp_sharded and s.accum > 1 and not s.sync_every:
+    if s.dims.fsdp_sharded and s.accum > 1 and not s.sync_every and s.pp == 1:  # pp reduces once per step anyway
         trials.append(("parallel.gradient_sync: every_micro_batch", replace(s, gradient_sync="every_micro_batch")))
     if s.mbs > 1 and s.mbs % 2 == 0 and (s.pp == 1 or (s.mbs // 2) % s.chunks == 0):
         trials.append((f"train.micro_batch_size: {s.mbs // 2} (gradient_accumulation_steps: {s.accum * 2})",

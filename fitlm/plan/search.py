@@ -85,7 +85,7 @@ def candidates(cfg: Config, n: int, dev: Device, max_micro_batch: int = 64) -> l
                 options = itertools.product((False, True) if lay.tp > 1 else (False,),  # sequence parallel
                                             _pipeline_options(lay.pp, mbs, base.layers, accum),
                                             ("none", "selective", "full"), (0, 4096), (False, True),
-                                            _sync_options(zero, lay.dp * lay.cp, accum), act_offloads)
+                                            _sync_options(zero, lay.dp * lay.cp, accum, lay.pp), act_offloads)
                 fits_on_device = False  # the same candidate without activation offload (tried first) fits
                 for sp, (sched, chunks), recompute, chunk, offload, sync, act_offload in options:
                     # Offload costs copies and host memory for device memory alone: only to fit what does not
@@ -116,10 +116,11 @@ def _refused(values: dict, kept: set, lay: Layout, zero: int, sp: bool, chunk: i
     return any(rule in kept for rule in rules.broken(trial, STAGES))
 
 
-def _sync_options(zero: int, dp: int, accum: int) -> tuple[str, ...]:
+def _sync_options(zero: int, dp: int, accum: int, pp: int = 1) -> tuple[str, ...]:
     """parallel.gradient_sync choices that differ: only ZeRO-2/3 (over `dp` data x context parallel ranks) with
-    accumulation trades memory for traffic."""
-    if ParallelDims(dp=dp, zero_stage=zero).fsdp_sharded and accum > 1:
+    accumulation trades memory for traffic, and not under pipeline parallel, which reduces once per step
+    whatever the key says (ParallelDims.reduce_every_micro_batch)."""
+    if ParallelDims(dp=dp, zero_stage=zero).fsdp_sharded and accum > 1 and pp == 1:
         return ("every_micro_batch", "last_micro_batch")
     return ("auto",)
 

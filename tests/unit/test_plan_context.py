@@ -143,3 +143,11 @@ def test_plan_json_names_the_long_context_keys(tmp_path, capsys):
     assert {"length", "multiple_of", "limit", "limited_by", "per_device_total", "note"} <= set(out["max_seq"])
     assert {"context_parallel_comm", "activation_offload_copies"} <= set(out["time_breakdown_s"])
     assert "host_activation_bytes" in out and "activation_offload=blocks" in out["memory_options"]
+
+
+def test_search_offers_gradient_sync_choices_only_where_they_differ():
+    from fitlm.plan.search import _sync_options
+
+    assert _sync_options(3, 2, 4) == ("every_micro_batch", "last_micro_batch")
+    assert _sync_options(3, 2, 4, pp=2) == ("auto",)  # one schedule run per step: reduced once either way
+    assert _sync_options(3, 1, 4) == ("auto",) and _sync_options(0, 2, 4) == ("auto",)
