@@ -162,8 +162,8 @@ class DataConfig(_Section):
     """Directory of packed validation tokens, or null for no evaluation."""
     seq_length: int = 2048
     """Tokens per training sample; must not exceed model.max_seq_len."""
-    format: Literal["pretrain", "chat"] = "pretrain"
-    """`pretrain`: plain text stream. `chat`: conversations with loss on assistant turns only."""
+    format: Literal["pretrain", "chat", "preference"] = "pretrain"
+    """`pretrain`: plain text stream. `chat`: conversations with loss on assistant turns only. `preference`: (prompt, chosen, rejected) pairs packed with `fitlm data pack --format preference`, for `finetune.objective: dpo`; train.micro_batch_size counts pairs."""
     tokenizer: str | None = None
     """tokenizer.json to use; null = the one stored beside the packed training data."""
     document_mask: bool = True
@@ -250,6 +250,13 @@ class MemoryConfig(_Section):
     """Tokens per chunk of the fused output-layer + cross-entropy, so the [tokens, vocab] logits never exist whole; 0 = plain."""
 
 
+class DpoConfig(_Section):
+    beta: float = 0.1
+    """DPO's β: how far the policy may move from the reference; the loss is −log σ(β · (chosen log-ratio − rejected log-ratio))."""
+    reference: str | None = None
+    """The frozen reference model: null = the starting model (LoRA: the base with adapters off; full/freeze: a frozen copy), or a model directory (HF or fitlm) with the same tokenizer."""
+
+
 class FinetuneConfig(_Section):
     method: Literal["full", "lora", "freeze"] = "full"
     """`full` trains everything; `lora` trains adapters only; `freeze` freezes the bottom layers."""
@@ -259,6 +266,10 @@ class FinetuneConfig(_Section):
     """Fraction of the bottom layers frozen when method is `freeze` (0.0-1.0; floor(fraction × layers) blocks)."""
     freeze_embeddings: bool = False
     """With method `freeze`: also freeze the token (and position) embeddings, and with them a tied output head."""
+    objective: Literal["sft", "dpo"] = "sft"
+    """`sft`: next-token cross-entropy on the target tokens. `dpo`: Direct Preference Optimization on `data.format: preference` pairs (settings in finetune.dpo)."""
+    dpo: DpoConfig = DpoConfig()
+    """DPO settings (used when objective is `dpo`)."""
 
 
 class GuardsConfig(_Section):
@@ -529,6 +540,7 @@ def semantic_errors(cfg: Config) -> list[str]:
                     f"lower data.seq_length or raise model.max_seq_len")
     if not 0.0 <= cfg.finetune.freeze_layers <= 1.0:
         errs.append(f"finetune.freeze_layers: must be a fraction between 0 and 1 (got {cfg.finetune.freeze_layers})")
+    errs += objective_errors(cfg)
     if t.min_lr > t.lr:
         errs.append(f"train.min_lr: {t.min_lr} is above train.lr={t.lr}; the schedule decays from lr down to min_lr")
     errs += memory_errors(cfg)
@@ -539,6 +551,22 @@ def semantic_errors(cfg: Config) -> list[str]:
         errs.append(f"parallel.timeout_s: must be a positive number of seconds (got {p.timeout_s}); "
                     "set it to how long a collective may wait for a slow rank, e.g. 1800 (the default)")
     return errs + rules.violations(rules.flatten(cfg.model_dump()))  # what composes with what (fitlm.rules)
+
+
+def objective_errors(cfg: Config) -> list[str]:
+    """The training objective and the data it needs: DPO reads preference pairs, and only DPO does."""
+    f, fmt = cfg.finetune, cfg.data.format
+    errs = []
+    if f.objective == "dpo" and fmt != "preference":
+        errs.append(f"finetune.objective: dpo trains on preference pairs but data.format is {fmt!r}; pack "
+                    "(prompt, chosen, rejected) rows with `fitlm data pack --format preference` and set "
+                    "data.format: preference")
+    if fmt == "preference" and f.objective != "dpo":
+        errs.append(f"data.format: preference pairs need finetune.objective: dpo (it is {f.objective!r}); set "
+                    "finetune.objective: dpo, or pack the data with --format chat for supervised fine-tuning")
+    if f.dpo.beta <= 0:
+        errs.append(f"finetune.dpo.beta: must be positive (got {f.dpo.beta}); 0.1 is the usual value")
+    return errs
 
 
 def rope_scaling_errors(m: ModelConfig) -> list[str]:

@@ -30,10 +30,6 @@ def _split(v: Values) -> bool:
     return v["parallel.tensor_parallel"] > 1 or v["parallel.pipeline_parallel"] > 1
 
 
-def _split_text(v: Values) -> str:
-    return f"tensor_parallel={v['parallel.tensor_parallel']} / pipeline_parallel={v['parallel.pipeline_parallel']}"
-
-
 def _rollback_without_checkpoints(kind: str) -> Rule:
     key = f"train.observe.guards.{kind}"
     return Rule(key, "needs", f"`{key}: rollback` needs checkpoints (`checkpoint.interval` > 0)",
@@ -85,12 +81,18 @@ ROWS: tuple[Rule, ...] = (
          lambda v: v["memory.cpu_offload"] and _split(v),
          lambda v: "memory.cpu_offload: works with data parallel and ZeRO 0-3, not with tensor or pipeline "
                    "parallel; set it to false or use data_parallel with zero_stage 3"),
-    Rule("finetune.method", "refused",
-         "LoRA or freeze with tensor or pipeline parallel: use data parallel (ZeRO-3 shards the frozen base)",
-         lambda v: v["finetune.method"] != "full" and _split(v),
-         lambda v: f"finetune.method: {v['finetune.method']} runs with data parallel and ZeRO 0-3 only, not with "
-                   f"{_split_text(v)}; set both to 1 and use data_parallel (ZeRO-3 shards the frozen base weights too)",
-         stage="launch"),
+    Rule("finetune.objective", "refused",
+         "DPO with tensor, pipeline or context parallel: use data parallel and ZeRO 0-3",
+         lambda v: v["finetune.objective"] == "dpo" and (_split(v) or v["parallel.context_parallel"] > 1),
+         lambda v: "finetune.objective: dpo scores whole sequences on one rank, which tensor_parallel="
+                   f"{v['parallel.tensor_parallel']} / pipeline_parallel={v['parallel.pipeline_parallel']} / "
+                   f"context_parallel={v['parallel.context_parallel']} do not give it; set all three to 1 and use "
+                   "data_parallel (ZeRO 0-3)"),
+    Rule("finetune.objective", "refused",
+         "DPO with the chunked loss (`memory.loss_chunk_size`), which sums tokens over the whole micro batch",
+         lambda v: v["finetune.objective"] == "dpo" and bool(v["memory.loss_chunk_size"]),
+         lambda v: "finetune.objective: dpo needs each sequence's own log-probability, but memory.loss_chunk_size "
+                   "sums the loss over the whole micro batch; set memory.loss_chunk_size: 0"),
     _rollback_without_checkpoints("nonfinite"),
     _rollback_without_checkpoints("spike"),
     Rule("train.early_stopping_patience", "needs", "early stopping needs `data.valid` and `train.eval_interval` > 0",

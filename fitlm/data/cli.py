@@ -57,10 +57,12 @@ def add_commands(sub) -> None:
     q.add_argument("inputs", nargs="+", help="text (.txt, .jsonl, .parquet) or chat (.jsonl) files or directories")
     q.add_argument("--tokenizer", required=True, help="tokenizer.json (or a directory holding one)")
     q.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
-    q.add_argument("--format", choices=["text", "chat"], default="text", help="text documents or chat conversations")
+    q.add_argument("--format", choices=["text", "chat", "preference"], default="text",
+                   help="text documents, chat conversations, or preference pairs (prompt/chosen/rejected, for DPO)")
     q.add_argument("--template", help="chat template: chatml, inst (= llama2 [INST]), plain, a tokenizer_config.json "
                                       "or a .jinja file (default: the tokenizer's chat_template, else chatml)")
-    q.add_argument("--max-length", type=int, help="chat: longest conversation in tokens (e.g. data.seq_length + 1)")
+    q.add_argument("--max-length", type=int, help="chat: longest conversation in tokens (e.g. data.seq_length + 1); "
+                                                  "preference: longest prompt + response (longer pairs are dropped)")
     q.add_argument("--overlong", choices=["truncate", "drop"], default="truncate",
                    help="chat: what to do with a conversation over --max-length (default truncate)")
     _split_option(q)
@@ -178,6 +180,7 @@ def _print_manifest(args: argparse.Namespace, manifest: dict, title: str) -> Non
     rows = {k: v for k, v in manifest.items() if not isinstance(v, (list, dict)) and v is not None}
     rows["shards"] = len(manifest["shards"])
     rows.update({f"chat: {k}": v for k, v in (manifest.get("chat") or {}).items()})
+    rows.update({f"preference: {k}": v for k, v in (manifest.get("preference") or {}).items()})
     print_table(title, rows)
 
 

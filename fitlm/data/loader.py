@@ -9,11 +9,13 @@ Each batch is a dict of LongTensor[B, T]:
     position_ids  restart at 0 at each document start (and at the row start)
     document_ids  equal within one document of a row, different between documents (pad is its own id)
 
-Rows are laid out one of two ways (`packing`):
+Rows are laid out one of three ways (`packing`):
   stream  (text data) the documents, back to back, are cut into non-overlapping windows of
           seq_length + 1 tokens (window i starts at token i * seq_length); nothing is padded.
   docs    (chat data) whole documents are placed greedily, in order, into rows of seq_length + 1 tokens
           and the rest is padded, so a conversation is never split from its prompt.
+  pairs   (preference data, fitlm.data.preference) one document per row, padded; a sample is a pair
+          (documents 2k, 2k + 1), and a batch of B pairs is 2B rows: the B chosen, then the B rejected.
 Each epoch orders the rows by `window_order(seed, epoch)`; rank r reads positions r, r + world_size, ...
 so ranks are disjoint and the global micro batch is the same set whatever the split between ranks.
 Batch k of epoch e depends only on (seed, e, k), so the state is two integers and a resumed run sees
@@ -32,9 +34,10 @@ import torch
 
 from fitlm.data.dataset import IGNORE_INDEX, PackedDataset
 from fitlm.data.errors import DataError
+from fitlm.data.preference import is_preference
 
 _MASK64 = (1 << 64) - 1
-PACKINGS = ("stream", "docs")
+PACKINGS = ("stream", "docs", "pairs")
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:
@@ -100,9 +103,12 @@ class SequenceLoader:
             raise DataError(f"data.num_workers and data.prefetch must be >= 0 (got {num_workers}, {prefetch})")
         if not 0 <= rank < world_size:
             raise DataError(f"rank {rank} is outside 0..{world_size - 1} (world_size={world_size})")
-        packing = packing or ("docs" if dataset.data_format == "chat" else "stream")
+        pairs = is_preference(dataset.manifest)
+        packing = packing or ("pairs" if pairs else "docs" if dataset.data_format == "chat" else "stream")
         if packing not in PACKINGS:
             raise DataError(f"packing {packing!r} is not known; use one of {', '.join(PACKINGS)}")
+        if (packing == "pairs") != pairs:
+            raise DataError(f"packing {packing!r} does not fit {dataset.path}: pairs is for preference data only")
         self.dataset = dataset
         self.seq_length = seq_length
         self.micro_batch_size = micro_batch_size
@@ -123,12 +129,20 @@ class SequenceLoader:
         else:
             cap = seq_length + 1
             self._kept = np.minimum(lengths, cap if max_length is None else min(cap, max_length))
-            self._rows = pack_rows(self._kept, cap)
-            self.num_windows = max(0, len(self._rows) - 1)
+            if packing == "pairs":  # a row per document; a window is a pair of them
+                if len(lengths) % 2:
+                    raise DataError(f"{dataset.path} holds {len(lengths)} documents, not whole preference pairs; "
+                                    "re-pack it with `fitlm data pack --format preference`")
+                self._rows = np.arange(len(lengths) + 1, dtype=np.int64)
+                self.num_windows = len(lengths) // 2
+            else:
+                self._rows = pack_rows(self._kept, cap)
+                self.num_windows = max(0, len(self._rows) - 1)
         per_step = micro_batch_size * world_size
         self.batches_per_epoch = self.num_windows // per_step
         if self.batches_per_epoch == 0:
-            need = f"at least {per_step * seq_length + 1} tokens" if packing == "stream" else f"{per_step} rows"
+            need = (f"at least {per_step * seq_length + 1} tokens" if packing == "stream" else
+                    f"{per_step} {'pairs' if packing == 'pairs' else 'rows'}")
             raise DataError(
                 f"data {dataset.path} is too small for seq_length={seq_length} with micro_batch_size="
                 f"{micro_batch_size} on {world_size} rank(s): need {need}, have {dataset.num_tokens} tokens "
@@ -148,7 +162,11 @@ class SequenceLoader:
     def from_config(cls, dataset: PackedDataset, data_cfg, micro_batch_size: int, seed: int, rank: int = 0,
                     world_size: int = 1, shuffle: bool = True) -> SequenceLoader:
         """The loader `data:` describes (seq_length, format, max_length, num_workers, prefetch)."""
-        want = "chat" if data_cfg.format == "chat" else "text"
+        if (data_cfg.format == "preference") != is_preference(dataset.manifest):
+            packed_as = "--format preference" if is_preference(dataset.manifest) else f"--format {dataset.data_format}"
+            raise DataError(f"data.format is {data_cfg.format!r} but {dataset.path} was packed with {packed_as}; set "
+                            f"data.format: preference only for (and with) data packed with --format preference")
+        want = "chat" if data_cfg.format in ("chat", "preference") else "text"
         if dataset.data_format != want:
             packed_as = "--format chat" if dataset.data_format == "chat" else "--format text"
             raise DataError(f"data.format is {data_cfg.format!r} but {dataset.path} was packed with {packed_as}; "
@@ -215,7 +233,10 @@ class SequenceLoader:
         return tokens, mask, doc
 
     def _batch(self, epoch: int, position: int) -> dict[str, torch.Tensor]:
-        rows = [self.row(int(w)) for w in self.windows_for(epoch, position)]
+        windows = self.windows_for(epoch, position)
+        if self.packing == "pairs":  # B pairs -> 2B rows: chosen documents (2k), then rejected ones (2k + 1)
+            windows = np.concatenate([2 * windows, 2 * windows + 1])
+        rows = [self.row(int(w)) for w in windows]
         tokens = np.stack([r[0] for r in rows]).astype(np.int64)  # [B, T+1]
         mask = np.stack([r[1] for r in rows]).astype(bool)
         doc = np.stack([r[2] for r in rows])

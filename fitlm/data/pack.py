@@ -1,4 +1,5 @@
-"""Packer: text (.txt / .jsonl / .parquet) or chat (.jsonl `messages`) -> a sharded packed directory.
+"""Packer: text (.txt / .jsonl / .parquet), chat (.jsonl `messages`) or preference pairs (.jsonl `prompt`,
+`chosen`, `rejected`: fitlm.data.preference) -> a sharded packed directory.
 
 The format is documented in `fitlm.data.format`. Each document is stored as BOS doc EOS, BOS only when
 the model's tokenizer adds one (fitlm's own tokenizers do; Qwen's does not); chat: the rendered
@@ -29,6 +30,7 @@ from fitlm.data.format import (FORMAT, FORMAT_VERSION, MANIFEST_FILE, OFFSETS_FI
 from fitlm.data.output import Progress as _Progress
 from fitlm.data.output import atomic_dir, base_manifest, check_out_dir
 from fitlm.data.engine import check_engine
+from fitlm.data.preference import MANIFEST_KEY, Pair, PreferenceEncoder, iter_preference
 from fitlm.data.sources import (DEFAULT_MIN_DOC_CHARS, JSONL_SUFFIXES, Document, ReadStats, Split, check_split,
                                 expand_inputs, input_kind,
                                 iter_documents, iter_jsonl_records)
@@ -63,6 +65,8 @@ def _encode_batch(batch: list[Any], max_length: int | None, overlong: str) -> di
     """Encode one batch; returns flat ids, per-document lengths, flat mask (chat) and counts."""
     tok: Tokenizer = _STATE["tok"]
     counts = {"no_assistant": 0, "truncated": 0, "dropped_overlong": 0}
+    if batch and isinstance(batch[0], Pair):
+        return _encode_pairs(batch, max_length)
     if "chat" not in _STATE:
         # BOS as the model's tokenizer adds it (fitlm's own: always), EOS closes every document.
         seqs = tok.encode_batch(batch, add_bos=tok.add_bos, add_eos=True)
@@ -82,12 +86,34 @@ def _encode_batch(batch: list[Any], max_length: int | None, overlong: str) -> di
                 counts["truncated"] += 1
             seqs.append(ids)
             masks.append(mask)
+    return _flat(seqs, masks, counts)
+
+
+def _flat(seqs: list[list[int]], masks: list[list[int]] | None, counts: dict[str, int]) -> dict[str, Any]:
     lengths = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
     flat = np.fromiter((i for s in seqs for i in s), dtype=np.int64, count=int(lengths.sum()))
     out = {"ids": flat, "lengths": lengths, "counts": counts}
     if masks is not None:
         out["mask"] = np.fromiter((x for m in masks for x in m), dtype=np.uint8, count=int(lengths.sum()))
     return out
+
+
+def _encode_pairs(batch: list[Pair], max_length: int | None) -> dict[str, Any]:
+    """Preference pairs: two documents each (chosen, then rejected), mask on the responses; a pair with a
+    sequence over `max_length` is dropped whole."""
+    encoder = PreferenceEncoder(_STATE["tok"], _STATE["chat"])
+    counts = {"pairs": 0, "dropped_overlong": 0}
+    seqs, masks = [], []
+    for pair in batch:
+        docs = encoder.documents(pair, max_length)
+        if docs is None:
+            counts["dropped_overlong"] += 1
+            continue
+        counts["pairs"] += 1
+        for ids, mask in docs:
+            seqs.append(ids)
+            masks.append(mask)
+    return _flat(seqs, masks, counts)
 
 
 # --------------------------------------------------------------------------- reading items
@@ -118,7 +144,8 @@ def _batches(items: Iterator[tuple[Any, int]], advance: Callable[[int], None]) -
         if not item:
             continue
         batch.append(item)
-        chars += len(item) if isinstance(item, str) else sum(len(m["content"]) for m in item)
+        chars += len(item) if isinstance(item, str) else item.chars() if isinstance(item, Pair) \
+            else sum(len(m["content"]) for m in item)
         if len(batch) >= _BATCH_DOCS or chars >= _BATCH_CHARS:
             yield batch
             batch, chars = [], 0
@@ -239,13 +266,21 @@ def pack_corpus(
 
     data_format "chat": .jsonl conversations rendered with `template` (see fitlm.data.chat), loss mask on
     assistant tokens; samples without an assistant turn are skipped and counted; conversations longer than
-    `max_length` tokens are truncated or dropped (`overlong`) and counted. engine "ray": read and tokenize
+    `max_length` tokens are truncated or dropped (`overlong`) and counted. data_format "preference": .jsonl
+    (prompt, chosen, rejected) rows, two documents per pair (fitlm.data.preference); a pair with a sequence
+    over `max_length` is dropped and counted. engine "ray": read and tokenize
     on Ray Data (fitlm.data.pack_ray), `workers` tokenizer actors; the same shards as the local engine.
     """
     check_split(split)
     check_engine(engine)
-    if data_format not in ("text", "chat"):
-        raise DataError(f"--format {data_format!r} is not known; use text or chat")
+    if data_format not in ("text", "chat", "preference"):
+        raise DataError(f"--format {data_format!r} is not known; use text, chat or preference")
+    preference = data_format == "preference"
+    if preference and engine != "local":
+        raise DataError("--format preference packs with --engine local only; drop --engine ray")
+    if preference and (shard_index is not None or num_shards is not None):
+        # `fitlm data merge` would join the parts as chat data, without the marker that keeps pairs for DPO
+        raise DataError("--format preference packs in one part; drop --shard-index / --num-shards (use --workers)")
     if overlong not in OVERLONG:
         raise DataError(f"--overlong {overlong!r} is not known; use truncate or drop")
     if workers < 1 or shard_tokens < 1 or (max_length is not None and max_length < 2):
@@ -267,7 +302,7 @@ def pack_corpus(
     check_out_dir(out_dir, files, overwrite)
     tok = Tokenizer.from_file(tokenizer_path)
     dtype = token_dtype(tok.vocab_size)
-    chat = data_format == "chat"
+    chat = data_format in ("chat", "preference")  # preference pairs are stored as chat documents with a mask
     tmpl = None
     if chat:
         from fitlm.data.chat import ChatEncoder, resolve_template
@@ -297,7 +332,8 @@ def pack_corpus(
 
     def write(tmp: Path) -> dict:
         stats = ReadStats()
-        counts = {"no_assistant": 0, "truncated": 0, "dropped_overlong": 0, "conversations": 0}
+        counts = ({"pairs": 0, "dropped_overlong": 0} if preference else
+                  {"no_assistant": 0, "truncated": 0, "dropped_overlong": 0, "conversations": 0})
         writer = ShardWriter(tmp, dtype, chat, shard_tokens)
         try:
             return _write(tmp, stats, counts, writer)
@@ -311,7 +347,9 @@ def pack_corpus(
                 seen["read"] += n
                 bar(n)
 
-            if chat and engine == "local":
+            if preference:
+                source = iter_preference(files, stats)
+            elif chat and engine == "local":
                 def items() -> Iterator[tuple[Any, int]]:
                     for m, n in iter_chat(files, stats):
                         counts["conversations"] += m is not None
@@ -337,19 +375,21 @@ def pack_corpus(
         num_docs = sum(s["num_docs"] for s in shards)
         if num_docs == 0:
             names = ", ".join(str(f) for f in files)
-            what = "no conversation with an assistant turn" if chat else "no text (only whitespace or nothing)"
+            what = ("no preference pair within --max-length" if preference else
+                    "no conversation with an assistant turn" if chat else "no text (only whitespace or nothing)")
             raise DataError(f"empty corpus: {names} contain(s) {what}; pass files that hold the data to pack")
         copied = tok.copy_to(tmp)
         lengths = np.concatenate([np.diff(np.load(tmp / s["files"]["offsets"])) for s in shards])
         manifest = {
-            **base_manifest(tok, dtype, data_format),
+            **base_manifest(tok, dtype, "chat" if chat else data_format),
             "num_tokens": int(lengths.sum()), "num_docs": num_docs, "shards": shards,
             "sources": [str(f) for f in files], "part": part,
             "split": split if not chat else None,
             "min_doc_chars": min_doc_chars if split == "blank-lines" and not chat else None,
             "engine": engine,
             "chat_template": tmpl[0] if tmpl else None,
-            "chat": ({**counts, "max_length": max_length, "overlong": overlong} if chat else None),
+            "chat": ({**counts, "max_length": max_length, "overlong": overlong} if chat and not preference else None),
+            **({MANIFEST_KEY: {**counts, "max_length": max_length}} if preference else {}),
             "doc_tokens": {"min": int(lengths.min()), "max": int(lengths.max()), "mean": float(lengths.mean())},
             "replaced_chars_total": sum(stats.replaced.values()),
             "replaced_chars": stats.replaced,

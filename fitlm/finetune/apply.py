@@ -9,16 +9,17 @@ gives base + scale·BA, so `output_dir/model/` is a plain model that needs no ad
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
-from typing import Iterable, Iterator, Mapping
+from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 import torch.nn as nn
 
 from fitlm.config import Config
 from fitlm.finetune.freeze import apply_freeze
-from fitlm.finetune.lora import LoraError, LoraSpec, apply_lora, inject_lora, lora_modules_of, merge_lora, \
-    split_lora_state_dict
+from fitlm.finetune.lora import LoraError, LoraSpec, apply_lora, inject_lora, is_adapted, lora_modules_of, \
+    merge_lora, split_lora_state_dict
 from fitlm.finetune.peft_format import load_adapter, save_adapter
 from fitlm.memory.precision import half_dtype
 
@@ -42,6 +43,7 @@ def apply_finetune(model: nn.Module, cfg: Config) -> list[str]:
     else:
         lora = f.lora
         apply_lora(model, lora.r, lora.alpha, lora.dropout, lora.target_modules)
+        refuse_unshardable_adapters(model, cfg)
         trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     if stores_frozen_in_half(cfg):
         dtype = half_dtype(cfg.memory)
@@ -49,6 +51,39 @@ def apply_finetune(model: nn.Module, cfg: Config) -> list[str]:
             if not p.requires_grad and p.is_floating_point():
                 p.data = p.data.to(dtype)  # same Parameter object: tied weights stay tied
     return trainable
+
+
+def linears_replaced_by(model: nn.Module, prepare: Callable[[nn.Module], None]) -> set[str]:
+    """The Linears that `prepare` (a family's module surgery for tensor parallel: Phi-3 splits its fused
+    qkv_proj / gate_up_proj) replaces, found on a copy of `model` (the trainer's is on the meta device, so
+    the copy holds no storage).
+
+    An adapter on one of them is refused rather than split with it: one adapter on [q; k; v] shares its A
+    between the three outputs, which separate q/k/v adapters cannot express, and the PEFT export must
+    keep the fused names HF's Phi-3 has."""
+    probe = copy.deepcopy(model)
+    prepare(probe)
+    after = {name for name, _ in probe.named_modules()}
+    return {name for name, m in model.named_modules() if isinstance(m, nn.Linear) and name not in after}
+
+
+
+def refuse_unshardable_adapters(model: nn.Module, cfg: Config) -> None:
+    """Under tensor parallel a family's module surgery (Phi-3 splits its fused projections) must not remove
+    an adapted Linear; say which targets to use instead."""
+    prepare = cfg.model.family.prepare_tensor_parallel
+    if cfg.parallel.tensor_parallel == 1 or prepare is None:
+        return
+    replaced = linears_replaced_by(model, prepare)
+    lost = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if name in replaced and is_adapted(m)})
+    if lost:
+        split = {name.rsplit(".", 1)[-1] for name in replaced}
+        kept = [t for t in cfg.model.family.lora_linears if t not in split]
+        raise LoraError(f"finetune.lora.target_modules: {', '.join(lost)} are fused projections of "
+                        f"model.arch={cfg.model.arch} that tensor parallel splits into separate Linears, and one "
+                        f"adapter on the fused matrix cannot be split with them; with tensor_parallel > 1 target "
+                        f"only {kept}, or set parallel.tensor_parallel: 1 (data and pipeline parallel keep the "
+                        f"fused adapters)")
 
 
 def trainable_parameter_count(model: nn.Module) -> int:

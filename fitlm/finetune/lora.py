@@ -11,6 +11,7 @@ B starts at zero, so a freshly injected model computes exactly what the base mod
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Mapping
@@ -45,6 +46,11 @@ class LoraSpec:
         return self.alpha / math.sqrt(self.r) if self.use_rslora else self.alpha / self.r
 
 
+def is_adapted(module: nn.Module) -> bool:
+    """A Linear that `add_lora` gave an adapter (its `lora_A`/`lora_B` children)."""
+    return isinstance(module, nn.Linear) and hasattr(module, "lora_A")
+
+
 def candidate_linears(model: nn.Module) -> dict[str, nn.Linear]:
     """The Linears LoRA may wrap: every one except the output head (PEFT's `all-linear` rule too)."""
     head = getattr(model, "lm_head", None)
@@ -73,7 +79,9 @@ def resolve_targets(model: nn.Module, targets: Iterable[str]) -> tuple[str, ...]
     return tuple(n for n in linears if n in set(found))  # model order, no duplicates
 
 
-def _lora_hook(module: nn.Linear, args: tuple, output: torch.Tensor) -> torch.Tensor:
+def _lora_hook(module: nn.Linear, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
+    if getattr(module, "lora_off", False):  # `adapters_off`: the base Linear's output, unchanged
+        return None
     x = args[0]
     if module.lora_dropout > 0 and module.training:
         x = F.dropout(x, module.lora_dropout, training=True)
@@ -98,6 +106,20 @@ def add_lora(linear: nn.Linear, r: int, alpha_scaling: float, dropout: float) ->
     linear.register_forward_hook(_lora_hook)
 
 
+@contextlib.contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """Run `model` as its base inside this block: every adapter hook leaves its Linear's output as it is
+    (DPO's reference under LoRA: the frozen base, without a second copy of it)."""
+    adapted = [m for m in model.modules() if is_adapted(m)]
+    for m in adapted:
+        m.lora_off = True
+    try:
+        yield
+    finally:
+        for m in adapted:
+            m.lora_off = False
+
+
 def inject_lora(model: nn.Module, spec: LoraSpec) -> list[str]:
     """Wrap spec.modules, freeze everything else; returns the names of the trainable parameters."""
     for p in model.parameters():
@@ -118,7 +140,7 @@ def lora_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     drawn as `inject_lora` draws them on a real device: same order, same numbers, one module at a time.
     The adapted modules are listed now (before wrappers rename them); the numbers are drawn when iterated."""
     adapted = [(name, m.in_features, m.out_features, m.lora_A.out_features) for name, m in model.named_modules()
-               if isinstance(m, nn.Linear) and hasattr(m, "lora_A")]
+               if is_adapted(m)]
 
     def draw() -> Iterator[tuple[str, torch.Tensor]]:
         with torch.no_grad():

@@ -82,8 +82,11 @@ class ParallelModel:
 
 def prepares_for_tensor_parallel(cfg: Config) -> bool:
     """Whether `parallelize` runs the family's module surgery (then weights arrive through
-    `Family.prepare_state_dict`)."""
-    return cfg.model.family.prepare_tensor_parallel is not None and cfg.finetune.method != "lora"
+    `Family.prepare_state_dict`). LoRA keeps HF's fused names, which its adapters (PEFT format) target,
+    except under tensor parallel, which needs the split; there its adapters stay on the Linears the split
+    leaves alone (fitlm.finetune.apply.refuse_unshardable_adapters)."""
+    return cfg.model.family.prepare_tensor_parallel is not None and (
+        cfg.finetune.method != "lora" or cfg.parallel.tensor_parallel > 1)
 
 
 def parallelize(model: nn.Module, cfg: Config, ctx: ParallelContext,
@@ -96,7 +99,7 @@ def parallelize(model: nn.Module, cfg: Config, ctx: ParallelContext,
     if prepares_for_tensor_parallel(cfg):
         # The module surgery tensor parallel needs (Phi-3 splits its fused projections) happens in every layout,
         # so parameter names -- and checkpoints -- are the same whatever the layout and reshard between them.
-        # LoRA keeps HF's fused names, which its adapters (PEFT format) target; LoRA refuses tensor parallel.
+        # LoRA without tensor parallel keeps HF's fused names, which its adapters (PEFT format) target.
         prepare(model)
     pipeline = None
     if p.pipeline_parallel > 1:

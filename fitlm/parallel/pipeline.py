@@ -93,19 +93,44 @@ def build_stage_modules(model: nn.Module, pp_rank: int, pp_size: int, schedule: 
     ranges = split_layers(num_layers, num_stages, layers_per_stage)
     out = []
     for sid in ids:
-        first, last = sid == 0, sid == num_stages - 1
-        drop = [blk for i, blk in body.layers.items() if int(i) not in ranges[sid]]
-        if not first:
-            drop += [body.embed_tokens, getattr(body, "embed_positions", None)]
-        if not last:
-            drop += [body.norm, model.lm_head]
-        memo = {id(m): None for m in drop if m is not None}
+        memo = {id(m): None for m in _dropped(model, sid, num_stages, ranges[sid])}
         stage = copy.deepcopy(model, memo)
         for i in [i for i, blk in stage.model.layers.items() if blk is None]:
             del stage.model.layers[i]
         out.append((sid, stage))
     tag_tied_copies(out)
     return out
+
+
+def _dropped(model: nn.Module, sid: int, num_stages: int, blocks: range) -> list[nn.Module]:
+    """The modules stage `sid` does not hold: the other stages' blocks, the embeddings unless it is the first,
+    the final norm and head unless it is the last."""
+    body = model.model
+    drop = [blk for i, blk in body.layers.items() if int(i) not in blocks]
+    if sid != 0:
+        drop += [body.embed_tokens, getattr(body, "embed_positions", None)]
+    if sid != num_stages - 1:
+        drop += [body.norm, model.lm_head]
+    return [m for m in drop if m is not None]
+
+
+def check_every_stage_trains(model: nn.Module, num_stages: int, layers_per_stage: list[int] | None = None,
+                             key: str = "finetune.freeze_layers") -> None:
+    """Refuse a split in which some stage holds only frozen parameters (finetune: freeze, or LoRA adapters on
+    some blocks only): its rank would have nothing to optimise. Checked on the whole model, so every rank
+    raises the same error instead of some ranks waiting for the others."""
+    ranges = split_layers(len(model.model.layers), num_stages, layers_per_stage)
+    for sid, blocks in enumerate(ranges):
+        dropped = {id(p) for m in _dropped(model, sid, num_stages, blocks) for p in m.parameters()}
+        kept = [p for _, p in model.named_parameters(remove_duplicate=False) if id(p) not in dropped]
+        if sid == num_stages - 1 and getattr(model, "lm_head", None) is not None:
+            kept.append(model.lm_head.weight)  # a tied head: the last stage trains its own copy of the embedding
+        if not any(p.requires_grad for p in kept):
+            what = f"blocks {blocks.start}-{blocks.stop - 1}" + (" and the embeddings" if sid == 0 else "")
+            raise ValueError(f"{key}: pipeline stage {sid} ({what}) would hold only frozen parameters, and a "
+                             "stage must have something to train; freeze fewer layers or keep the embeddings "
+                             "trainable (finetune.freeze_embeddings: false), adapt a block of that stage, give "
+                             "it a trained block with parallel.pipeline_layers, or use data parallel")
 
 
 # --------------------------------------------------------------------------- schedule
@@ -249,6 +274,9 @@ class Pipeline:
         train = getattr(cfg, "train", None)
         self.accumulation = train.gradient_accumulation_steps if train is not None else 1  # micro batches per step
         self.document_mask = bool(getattr(getattr(cfg, "data", None), "document_mask", False))
+        method = getattr(getattr(cfg, "finetune", None), "method", "full")
+        check_every_stage_trains(model, ctx.pp * VIRTUAL_STAGES[self.schedule_name], p.pipeline_layers,
+                                 "finetune.lora.target_modules" if method == "lora" else "finetune.freeze_layers")
         self.stages = build_stage_modules(model, ctx.pp_rank, ctx.pp, self.schedule_name, p.pipeline_layers)
         self.stage_modules = [m for _, m in self.stages]
         self.schedule: PipelineSchedule | None = None  # the training step's: chunks × accumulation per run

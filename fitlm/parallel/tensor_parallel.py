@@ -11,6 +11,10 @@ Sequence parallel keeps the residual stream sharded on the sequence dim between 
 (and gpt2's position embedding) work on [B, T/tp, C]; attention and MLP all-gather their input to the
 full sequence. Without it the residual stream is replicated and the norms run redundantly.
 
+A LoRA-adapted Linear shards its adapter with it (fitlm.parallel.lora_parallel: column-parallel keeps A
+replicated and shards B on `out`, row-parallel shards A on `in` and reduces the adapter's partial sums in
+the base's one all-reduce). Frozen parameters (LoRA's base, `finetune.method: freeze`) stay frozen.
+
 Every parameter becomes a DTensor (replicated ones too) and every gradient is given its parameter's
 placement, so clipping, optimizers and FSDP2 see one kind of tensor. A pipeline stage (modules set to
 None, blocks deleted) is parallelised the same way and still sends and receives [B, T, C].
@@ -36,6 +40,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 
 from fitlm.config import ModelConfig
+from fitlm.parallel.lora_parallel import LoraColwiseParallel, LoraRowwiseParallel, has_adapter
 from fitlm.parallel_dims import divisors
 
 # Set on the model by apply_tensor_parallel; read by loss_context and tests.
@@ -134,10 +139,12 @@ def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False,
             plan[p + path] = _norm_style(sequence_parallel, local_output=True)
         for path in filter(present, roles.inputs):
             plan[p + path] = FirstArgLayout(act, Replicate())
+        # A LoRA-adapted Linear shards its adapter with it (fitlm.parallel.lora_parallel).
         for path in filter(present, roles.colwise):
-            plan[p + path] = ColwiseParallel()
+            plan[p + path] = LoraColwiseParallel() if has_adapter(block.get_submodule(path)) else ColwiseParallel()
         for path in filter(present, roles.rowwise):
-            plan[p + path] = RowwiseParallel(output_layouts=act)
+            rowwise = LoraRowwiseParallel if has_adapter(block.get_submodule(path)) else RowwiseParallel
+            plan[p + path] = rowwise(output_layouts=act)
         for path in filter(present, roles.head_norms):
             # q/k [B,T,heads,D] are sharded over heads: a Replicate weight then gets Partial gradients,
             # which DTensor sums over the ranks (each rank saw only its own heads).
@@ -170,7 +177,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     prepare = model.config.family.prepare_tensor_parallel if isinstance(cfg, ModelConfig) else None
     if prepare is not None:
         prepare(model)
+    frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
     parallelize_module(model, tp_mesh, tensor_parallel_plan(model, sequence_parallel, loss_parallel))
+    for name, p in model.named_parameters():
+        # torch's SequenceParallel makes new Parameters that require grad: a frozen norm (LoRA, freeze) stays frozen.
+        p.requires_grad_(name not in frozen)
     blocks = list(model.model.layers.values())
     if sequence_parallel and blocks:
         # A pipeline stage exchanges full-sequence hidden states [B, T, C], so the stage's blocks see

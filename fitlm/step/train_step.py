@@ -23,6 +23,7 @@ from fitlm.models.loss import count_targets, cross_entropy_sum
 from fitlm.parallel.apply import ParallelModel
 from fitlm.parallel.mesh import ParallelContext
 from fitlm.parallel_dims import WORLD
+from fitlm.step.dpo import DpoObjective, objective_for
 from fitlm.step.guards import GuardEvent, StepGuards
 from fitlm.step.optim import optimizer_for
 from fitlm.step.timing import PhaseTimer
@@ -53,6 +54,8 @@ class TrainStep:
         self.cfg, self.ctx, self.pm, self.device = cfg, ctx, pm, ctx.device
         self.optimizer, self.scaler, self.guards, self.timer = optimizer, scaler, guards, timer
         self.guard_event: GuardEvent | None = None  # set by optimizer_step
+        # finetune.objective other than sft (DPO): its own forward/backward and evaluation; None = the loss below.
+        self.objective: DpoObjective | None = None
 
     @classmethod
     def create(cls, cfg: Config, ctx: ParallelContext, pm: ParallelModel, simulate: bool = False) -> "TrainStep":
@@ -60,9 +63,11 @@ class TrainStep:
         overflow check would read a fake flag (and skip every step) and phase wall times mean nothing."""
         scaler = LossScaler(cfg.memory, ctx.device)
         scaler.enabled = scaler.enabled and not simulate
-        return cls(cfg, ctx, pm, optimizer_for(cfg, ctx, pm.modules), scaler,
+        step = cls(cfg, ctx, pm, optimizer_for(cfg, ctx, pm.modules), scaler,
                    StepGuards(cfg.train.observe.guards, partial(ctx.all_reduce_max, dim=WORLD)),
                    _NoTimer() if simulate else PhaseTimer(ctx.device))
+        step.objective = objective_for(cfg, ctx, pm, simulate)
+        return step
 
     def document_inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Per-document positions and ids (block-causal attention), when data.document_mask is on."""
@@ -81,6 +86,8 @@ class TrainStep:
         every rank of a "cp" group holds the same batches (counted once, over "dp") and sums the loss of its
         part of each sequence; gradients are averaged over dp x cp ranks, hence that factor.
         """
+        if self.objective is not None:
+            return self.objective.forward_backward(self, batches)
         n_targets = self.ctx.all_reduce_sum(
             torch.tensor(float(sum(count_targets(b["labels"]) for b in batches)), device=self.device), "dp")
         n_targets = max(1.0, n_targets.item())
@@ -146,6 +153,8 @@ class TrainStep:
     def eval_sums(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """[summed loss, target count] of one evaluation micro batch (no gradients); under context parallel,
         of this rank's part of it (summed over "dp_cp" by the caller)."""
+        if self.objective is not None:
+            return self.objective.eval_sums(self, batch)
         input_ids, labels, doc, shard = self.model_inputs(batch)  # [B, T] (or [B, T/C])
         with autocast(self.cfg.memory, self.device), self.pm.loss_context(), shard:
             if self.pm.pipeline is not None:

@@ -166,7 +166,9 @@ class Trainer:
         self.console = console
         if batch_note and self.ctx.is_main:
             print(f"fitlm: note: {batch_note}", file=sys.stderr)
-        self.tokens_per_step = t.micro_batch_size * cfg.data.seq_length * t.gradient_accumulation_steps * self.ctx.dp
+        rows = 2 if cfg.finetune.objective == "dpo" else 1  # DPO: a sample is a pair of sequences
+        self.tokens_per_step = (rows * t.micro_batch_size * cfg.data.seq_length * t.gradient_accumulation_steps
+                                * self.ctx.dp)
         # One peak for every rank: a CPU measures its own at start-up, and ranks sharing cores would
         # otherwise report different MFUs for the same speed.
         peak = device_peak_flops(self.device, compute_dtype(cfg.memory), t.peak_tflops)
@@ -319,6 +321,8 @@ class Trainer:
             "mfu": round(mfu, 4),
             "peak_bytes": int(peak), "tokens": step * self.tokens_per_step,
         }
+        if self.step.objective is not None:  # DPO: the pairs' rewards, margin and accuracy beside the loss
+            record.update({k: round(v, 6) for k, v in self.step.objective.metrics.items()})
         scaler = self.step.scaler
         if scaler.enabled:
             record.update(loss_scale=scaler.scale, skipped=out.skipped, skipped_steps=scaler.skipped_steps)

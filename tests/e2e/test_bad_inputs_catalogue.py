@@ -333,12 +333,6 @@ def _(env):
     return ["train", env.config(parallel={"sequence_parallel": True})]
 
 
-@case("layout-lora-with-tp", "layout", "`finetune.method: lora` under tensor parallel",
-      "finetune.method: lora", "tensor_parallel=2", "set both to 1")
-def _(env):
-    return ["train", env.config(finetune={"method": "lora"}, parallel={"tensor_parallel": 2})]
-
-
 @case("layout-offload-with-pp", "layout", "`memory.cpu_offload` under pipeline parallel", "memory.cpu_offload",
       "set it to false")
 def _(env):

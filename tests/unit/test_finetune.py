@@ -111,6 +111,30 @@ def test_bad_lora_inputs_get_clear_errors(tmp_path):
         frozen_layer_count(4, 1.5)
 
 
+def phi3_lora_under_tensor_parallel(targets: list[str]) -> None:
+    with torch.device("meta"):  # structure only: the check needs no weights
+        model = build_model(ModelConfig(**{**MODEL, "arch": "phi3"}))
+    apply_finetune(model, validate_dict({"model": {**MODEL, "arch": "phi3"}, "data": {"seq_length": 32},
+                                         "parallel": {"tensor_parallel": 2},
+                                         "finetune": {"method": "lora", "lora": {"target_modules": targets}}}))
+
+
+def test_layouts_that_cannot_shard_or_split_the_trained_part_are_refused_naming_the_key():
+    from fitlm.parallel.pipeline import check_every_stage_trains
+
+    # Phi-3 under tensor parallel: the fused projections are split, so their adapters cannot be sharded.
+    with pytest.raises(LoraError, match=r"target_modules: qkv_proj are fused .* only \['o_proj', 'down_proj'\]"):
+        phi3_lora_under_tensor_parallel(["qkv_proj", "o_proj"])
+    phi3_lora_under_tensor_parallel(["o_proj"])
+    # Pipeline parallel: a stage holding only frozen blocks and embeddings would have nothing to train.
+    m = tiny()
+    apply_finetune(m, cfg_with({"method": "freeze", "freeze_layers": 0.5, "freeze_embeddings": True}))
+    with pytest.raises(ValueError, match=r"finetune.freeze_layers: pipeline stage 0 \(blocks 0-1 and the embed"):
+        check_every_stage_trains(m, 2)
+    check_every_stage_trains(m, 2, [3, 1])  # block 2 (trained) on stage 0
+    check_every_stage_trains(tiny(), 4)
+
+
 def test_o2_stores_the_frozen_base_in_half_and_adapters_in_fp32():
     m = tiny()
     apply_finetune(m, cfg_with({"method": "lora"}, {"mixed_precision": "O2", "half_dtype": "bf16"}))

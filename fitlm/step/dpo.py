@@ -1,0 +1,162 @@
+"""Direct Preference Optimization (`finetune.objective: dpo`): the step's loss on preference pairs.
+
+A micro batch of B pairs is 2B rows (`fitlm.data.loader`, packing "pairs"): the B chosen sequences, then
+the B rejected ones, labels only on response tokens. For each row the policy π and the frozen reference
+give log p(response | prompt), summed over its target tokens; per pair
+
+    loss = −log σ(β · ((log π(c) − log π_ref(c)) − (log π(r) − log π_ref(r))))
+
+and the step's loss is the mean over all of the step's pairs on all data-parallel ranks (each micro batch's
+summed pair losses divided by the global pair count, times the dp degree that gradient averaging divides
+by: the SFT step's token weighting, with pairs for tokens). The rewards β · (log π − log π_ref) of chosen
+and rejected, their margin and how often chosen wins are logged beside the loss.
+
+The reference is the starting model: under LoRA the same module with its adapters switched off
+(`fitlm.finetune.lora.adapters_off`, no second copy); for full and freeze fine-tuning, or for the model
+directory `finetune.dpo.reference` names, a frozen copy on every rank (requires_grad off, no optimizer
+state, not sharded by ZeRO), stored in the run's precision.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fitlm.config import Config, ConfigError, ModelConfig
+from fitlm.finetune.errors import FinetuneError
+from fitlm.finetune.lora import adapters_off
+from fitlm.memory.precision import apply_precision, autocast
+from fitlm.models.loss import IGNORE_INDEX
+
+if TYPE_CHECKING:
+    from fitlm.parallel.apply import ParallelModel
+    from fitlm.parallel.mesh import ParallelContext
+    from fitlm.step.train_step import TrainStep
+
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
+
+
+def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """log p of each row's target tokens, summed, in fp32: logits [N, T, V], labels [N, T] -> [N]."""
+    per_token = -F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
+                                 reduction="none")  # [N·T], 0 where ignored
+    return per_token.view(labels.shape).sum(-1)
+
+
+def dpo_terms(policy: torch.Tensor, reference: torch.Tensor, beta: float
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, chosen reward, rejected reward), each [B], from the [2B] sequence log-probs of policy and
+    reference (the B chosen rows first)."""
+    chosen, rejected = (beta * (policy - reference)).chunk(2)  # rewards: β · log-ratio
+    return -F.logsigmoid(chosen - rejected), chosen, rejected
+
+
+def pair_count(labels: torch.Tensor) -> int:
+    """Pairs in a micro batch of 2B rows; a batch that is not whole pairs cannot be scored."""
+    rows = labels.shape[0]
+    if rows % 2:
+        raise FinetuneError(f"a DPO micro batch holds 2 × train.micro_batch_size rows (chosen, then rejected); got "
+                            f"{rows} rows: feed it from data packed with `fitlm data pack --format preference`")
+    return rows // 2
+
+
+class DpoObjective:
+    """The DPO forward/backward of a `TrainStep` (which keeps SFT's own); `metrics` are the last step's."""
+
+    def __init__(self, beta: float, reference: Callable[..., torch.Tensor]):
+        self.beta = beta
+        self.reference = reference  # (input_ids [2B, T], **doc) -> logits [2B, T, V], run without gradients
+        self.metrics: dict[str, float] = {}
+
+    def _terms(self, step: "TrainStep", input_ids: torch.Tensor, labels: torch.Tensor, doc: dict
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            ref = sequence_logps(self.reference(input_ids, **doc), labels)  # [2B]
+        return dpo_terms(sequence_logps(step.pm.model(input_ids, **doc), labels), ref, self.beta)
+
+    def forward_backward(self, step: "TrainStep", batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """Accumulate gradients over the step's micro batches; returns the mean pair loss (same on every rank)."""
+        ctx, pm = step.ctx, step.pm
+        n_pairs = ctx.all_reduce_sum(
+            torch.tensor(float(sum(pair_count(b["labels"]) for b in batches)), device=step.device), "dp")
+        n_pairs = max(1.0, n_pairs.item())
+        scale = ctx.dims.dp / n_pairs * step.scaler.scale  # loss scale: 1 unless fp16
+        sums = torch.zeros(4, device=step.device)  # [loss, chosen reward, rejected reward, chosen wins], summed
+        every = step.cfg.parallel.reduce_every_micro_batch
+        for i, batch in enumerate(batches):
+            pm.gradient_sync(enabled=every or i == len(batches) - 1)
+            input_ids, labels, doc, shard = step.model_inputs(batch)  # [2B, T]
+            with autocast(step.cfg.memory, step.device), pm.loss_context(), shard:
+                with step.timer("forward"):
+                    loss, chosen, rejected = self._terms(step, input_ids, labels, doc)  # [B] each
+                with step.timer("backward"):
+                    (loss.sum() * scale).backward()
+            sums += torch.stack([loss.sum(), chosen.sum(), rejected.sum(), (chosen > rejected).sum()]).detach()
+        pm.finish_backward()
+        means = ctx.all_reduce_sum(sums, "dp") / n_pairs
+        self.metrics = {name: float(v) for name, v in zip(METRICS, [means[1], means[2], means[1] - means[2],
+                                                                    means[3]])}
+        return means[0]
+
+    @torch.no_grad()
+    def eval_sums(self, step: "TrainStep", batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[summed pair loss, pairs] of one evaluation micro batch: the trainer's ratio is the mean pair loss."""
+        input_ids, labels, doc, shard = step.model_inputs(batch)
+        with autocast(step.cfg.memory, step.device), step.pm.loss_context(), shard:
+            loss, _, _ = self._terms(step, input_ids, labels, doc)
+        return torch.stack([loss.sum().float(), torch.tensor(float(pair_count(labels)), device=loss.device)])
+
+
+def reference_config(cfg: Config) -> Config:
+    """The config that builds the reference: the run's own starting model without adapters, or the model
+    directory finetune.dpo.reference (its network read from it, as model.init_from is)."""
+    from fitlm.finetune.init_from import resolve_init_from
+
+    path = cfg.finetune.dpo.reference
+    model = cfg.model if path is None else ModelConfig(init_from=path)
+    plain = cfg.finetune.model_copy(update={"method": "full"})  # no adapters, nothing frozen by the method
+    ref = resolve_init_from(cfg.model_copy(update={"model": model, "finetune": plain}))
+    if ref.model.vocab_size != cfg.model.vocab_size:
+        raise ConfigError([f"finetune.dpo.reference: {path} has a vocabulary of {ref.model.vocab_size} tokens but the "
+                           f"trained model has {cfg.model.vocab_size}; the reference must share the tokenizer"])
+    return ref
+
+
+def frozen_copy(cfg: Config, ctx: "ParallelContext") -> nn.Module:
+    """The reference as a plain frozen module on this rank's device: built on meta, filled with the weights
+    `reference_config` starts from, stored as the run's precision stores weights."""
+    from fitlm.finetune.start import initial_weights
+    from fitlm.parallel.materialize import materialize, tied_aliases
+    from fitlm.registry import build_model
+
+    ref = reference_config(cfg)
+    with torch.device("meta"):
+        model = build_model(ref.model)
+    materialize([model], initial_weights(ref, model), ctx.device, tied_aliases(model))
+    model.requires_grad_(False)
+    return apply_precision(model, cfg.memory, sharded=False).eval()
+
+
+def objective_for(cfg: Config, ctx: "ParallelContext", pm: "ParallelModel", simulate: bool = False
+                  ) -> DpoObjective | None:
+    """The step's objective when it is not SFT (None: SFT, the step's own loss)."""
+    f = cfg.finetune
+    if f.objective != "dpo":
+        return None
+    if f.method == "lora" and f.dpo.reference is None:
+        def base(input_ids: torch.Tensor, **doc: torch.Tensor) -> torch.Tensor:
+            with adapters_off(pm.model):
+                return pm.model(input_ids, **doc)
+        return DpoObjective(f.dpo.beta, base)
+    if simulate:
+        # A simulation measures the step on fake tensors: the policy stands in for the reference's forward.
+        # The frozen copy's bytes are the planner's to add (they are the model's weights once more).
+        return DpoObjective(f.dpo.beta, lambda input_ids, **doc: pm.model(input_ids, **doc))
+    return DpoObjective(f.dpo.beta, frozen_copy(cfg, ctx))
+
+
+__all__ = ["DpoObjective", "METRICS", "dpo_terms", "frozen_copy", "objective_for", "pair_count", "reference_config",
+           "sequence_logps"]
