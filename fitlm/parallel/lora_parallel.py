@@ -6,7 +6,10 @@ matrix is split the way that keeps the adapter's path as local as the base's:
 - column-parallel base (W sharded on `out`: q/k/v, gate/up): A is replicated, so every rank computes the
   same [.., r] activation, and B is sharded on `out` like W, so the rank's output slice [.., out/tp]
   gets exactly its slice of the update. No communication in forward; A's gradient is a partial sum
-  that DTensor reduces over the ranks (each saw its own output columns).
+  (each rank saw its own output columns) that stays Partial through backward and accumulation: DTensor
+  all-reduces it where it is read (clipping, the optimizer step; measured with CommDebugMode: about three
+  all-reduces per such gradient per step under foreach AdamW -- small, [r, in], but a reduction once per
+  step would do).
 - row-parallel base (W sharded on `in`: o, down): A is sharded on `in` like W, so x·Aᵀ is a partial
   sum [.., r] on each rank, and B is replicated. The adapter's partial output is added to the base's
   partial output *before* the style's one all-reduce (reduce-scatter under sequence parallel), so

@@ -16,7 +16,8 @@ keeps, per block, the half casts of its weights that the matmuls saved (2 bytes 
 casts them again in backward instead, except where recompute, compile, FSDP2 or tensor parallel take over
 (fitlm.memory.precision.recasts_in_backward).
 Korthikanti et al.'s GPT constant (34·s·b·h) does not transfer: no dropout masks, a 3-matrix MLP, GQA.
-Fine-tuning (LoRA, freeze) changes what trains and what a block saves: see fitlm.plan.finetune.
+Fine-tuning (LoRA, freeze) changes what trains and what a block saves, and DPO doubles the rows of a micro
+batch and may keep a frozen reference copy (`other`): see fitlm.plan.finetune.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ LOGIT_BYTES = 12
 # (20 was fitted to a simulation that also counted DTensor's global-shape metadata run: fitlm.plan.fake_world.)
 LOGIT_BYTES_TP = 16
 WEIGHT_CAST = {"O0": 0, "O1": 2, "O2": 2, "O3": 0}  # half weight copies saved by the matmuls, per parameter
+REFERENCE = "DPO reference model (frozen, unsharded)"  # the part of `other` that fitlm.plan.finetune.reference_bytes counts
 
 
 def param_bytes(s: Setup) -> int:
@@ -83,9 +85,10 @@ class Breakdown:
 
 
 def stage_params(s: Setup, first: bool) -> int:
-    """Parameters held by one pipeline rank before any sharding (first or last stage), adapters included."""
+    """The base model's parameters held by one pipeline rank before any sharding (first or last stage);
+    LoRA adapters are split differently (`rank_params`)."""
     if s.pp == 1:
-        return embedding_params(s) + s.layers * layer_params(s) + head_params(s) + ft.adapter_params(s)
+        return embedding_params(s) + s.layers * layer_params(s) + head_params(s)
     own = stage_layers(s) * layer_params(s)
     if first:
         return own + embedding_params(s)
@@ -96,6 +99,12 @@ def stage_params(s: Setup, first: bool) -> int:
 def tp_share(s: Setup, n: int) -> float:
     """Tensor parallel shards every matrix (embedding and head by vocabulary); norms are tiny."""
     return n / s.tp
+
+
+def rank_params(s: Setup, first: bool) -> float:
+    """Parameters on one rank of the first or last stage before ZeRO: the base split by tp, and the stage's
+    LoRA adapters, whose A (column-parallel) or B (row-parallel) stays whole (fitlm.plan.finetune)."""
+    return tp_share(s, stage_params(s, first)) + len(ft.stage_blocks(s, first)) * ft.rank_block_adapters(s)
 
 
 def block_act_per_token(s: Setup) -> float:
@@ -129,10 +138,12 @@ def block_act_recompute(s: Setup, tokens: float) -> float:
     return tokens * per_token
 
 
-def activations(s: Setup, tokens: float, layers: int, in_flight: float) -> tuple[float, float, float]:
+def activations(s: Setup, tokens: float, layers: int, in_flight: float, first: bool = True
+                ) -> tuple[float, float, float]:
     """(kept, casts, working): saved activations of `layers` blocks for `in_flight` micro-chunks of `tokens`
     tokens each, the saved half weight copies among them, and -- under recompute -- the extra working set of
-    the one block rebuilt in backward (a second peak candidate, after the logits are freed)."""
+    the one block rebuilt in backward (a second peak candidate, after the logits are freed). `first`: the
+    blocks are the first pipeline stage's (else the last's), which fine-tuning trains differently."""
     every = max(1, s.recompute_every)
     recomputed = 0 if s.recompute == "none" else -(-layers // every)
     plain = layers - recomputed
@@ -143,11 +154,12 @@ def activations(s: Setup, tokens: float, layers: int, in_flight: float) -> tuple
         casts = 0  # FSDP2's policy gathers half parameters instead (counted under `other`)
     elif recasts(s):
         casts = 0  # the saved half weights are cast again in backward, not kept (fitlm.memory.precision)
-    if s.method != "full":  # frozen blocks keep less; fine-tuning runs unsplit (no tp/pp), so sum per block
-        saved = sum(ft.block_savings(s, b) for b in range(layers)) / layers
+    if s.method != "full":  # frozen blocks keep less: average over this stage's own blocks (per tp rank)
+        blocks = ft.stage_blocks(s, first)
+        saved = sum(ft.block_savings(s, b) for b in blocks) / len(blocks)
         kept -= in_flight * plain * tokens * saved
         if casts:
-            casts = WEIGHT_CAST[s.level] * sum(ft.block_cast_params(s, b) for b in range(layers)) / layers
+            casts = WEIGHT_CAST[s.level] * sum(ft.block_cast_params(s, b) for b in blocks) / len(blocks)
     working = tokens * block_act_per_token(s) + casts + cp.gathered_kv(s) if recomputed else 0.0
     return kept + plain * casts, plain * casts, working  # saved half weights are shared by the in-flight chunks
 
@@ -231,11 +243,11 @@ def breakdown(s: Setup) -> Breakdown:
 
 
 def _stage(s: Setup, first: bool) -> Breakdown:
-    n = tp_share(s, stage_params(s, first))
-    trained = n if s.method == "full" else n * ft.trainable_params(s) / stage_params(s, first)
+    n = rank_params(s, first)
+    trained = n if s.method == "full" else ft.stage_trainable(s, first)
     params, grads_full, opt, host = model_states(s, n, trained)
     if s.pp > 1:
-        tokens = s.mbs / max(1, s.chunks) * s.seq  # one pipeline chunk
+        tokens = s.rows / max(1, s.chunks) * s.seq  # one pipeline chunk
         layers = stage_layers(s) if s.schedule != "interleaved_1f1b" else 2 * -(-s.layers // (2 * s.pp))
         step_chunks = s.step_chunks  # one schedule run per step: its warm-up counts the chunks of every micro batch
         if s.schedule == "gpipe":
@@ -250,8 +262,8 @@ def _stage(s: Setup, first: bool) -> Breakdown:
             in_flight = min(step_chunks, s.pp) if first else 1
         has_logits = not first
     else:
-        tokens, layers, in_flight, has_logits = s.mbs * s.local_seq, s.layers, 1, True  # T/C under context parallel
-    kept, casts, working = activations(s, tokens, layers, in_flight)
+        tokens, layers, in_flight, has_logits = s.rows * s.local_seq, s.layers, 1, True  # T/C under context parallel
+    kept, casts, working = activations(s, tokens, layers, in_flight, first)
     outside = in_flight * outside_bytes(s, tokens) * (1 if has_logits else 0.5)
     moved = offload(s, kept - casts, layers, outside)  # memory.activation_offload (fitlm.plan.activation_offload)
     kept, outside, host_act = moved.blocks + casts, moved.outside, moved.host
@@ -260,7 +272,7 @@ def _stage(s: Setup, first: bool) -> Breakdown:
         act_parts[cp.GATHERED] *= min(layers, RESIDENT_BLOCKS) / layers  # the rest went to the host with its blocks
     logit = logits_bytes(s, tokens) if has_logits else 0.0
     rope = s.counts.rope_tables * 2 * s.max_seq_len * s.head_dim * 4  # RoPE cos/sin tables (buffers)
-    parts = {"RoPE cos/sin tables": rope}
+    parts = {"RoPE cos/sin tables": rope, REFERENCE: ft.reference_bytes(s)}  # the DPO copy lives all run
     if s.pp > 1:
         extra_act, extra_logit, pipe_parts = _pipeline_terms(s, tokens, in_flight, first)
         outside, logit = outside + extra_act, logit + extra_logit
@@ -268,7 +280,7 @@ def _stage(s: Setup, first: bool) -> Breakdown:
     elif s.cp > 1:  # the global-position mask (fitlm.plan.context); the gathered K/V are activations
         parts.update(cp.parts(s))
     elif s.doc_mask:  # the block-causal mask [B,1,T,T], additive in the attention's dtype, shared by all blocks
-        parts["document mask"] = s.mbs * s.seq * s.seq * act_bytes(s)  # (fitlm.models.layers.shared_mask)
+        parts["document mask"] = s.rows * s.seq * s.seq * act_bytes(s)  # (fitlm.models.layers.shared_mask)
     sharded = s.dims.fsdp_sharded
     unsharded = n * (2 if s.level == "O2" else param_bytes(s))
     staging = 0.0
@@ -308,7 +320,7 @@ def _stage(s: Setup, first: bool) -> Breakdown:
     # Optimizer step: gradients complete (DDP's are views into its buckets: no second copy), plus foreach
     # AdamW's one state-sized temporary (sqrt of v) where sharded DTensors keep it off the fused kernel.
     step_tmp = opt / 2 if not s.offload and foreach_adamw(s) else 0.0
-    step_parts = {"RoPE cos/sin tables": rope, "optimizer temporaries": step_tmp}
+    step_parts = {"RoPE cos/sin tables": rope, REFERENCE: parts[REFERENCE], "optimizer temporaries": step_tmp}
     st = _with_parts(params, grads_full, opt, 0, 0, step_parts, "optimizer step", host + host_act)
     st = replace(st, host_activations=int(host_act))  # pinned buffers stay allocated for the next step
     return max((fb, st), key=lambda b: b.total)

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from fitlm import rules
 from fitlm.plan.analytic import Breakdown, breakdown
-from fitlm.plan.setup import Setup
+from fitlm.plan.setup import Setup, to_overrides
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,15 @@ def dominant(b: Breakdown) -> str:
 
 def _tp_ok(s: Setup, tp: int) -> bool:
     return s.heads % tp == 0 and s.kv_heads % tp == 0 and s.ffn % tp == 0 and s.vocab % tp == 0
+
+
+def _allowed(s: Setup, t: Setup) -> bool:
+    """A remedy breaks no rule of fitlm.rules that the config itself keeps (DPO refuses tensor parallel and
+    the chunked loss, for one)."""
+    stages = ("config", "launch")
+    values = rules.flatten(s.cfg.model_dump())
+    trial = {**values, **rules.flatten(to_overrides(t))}
+    return set(rules.broken(trial, stages)) <= set(rules.broken(values, stages))
 
 
 def remedies(s: Setup) -> list[Remedy]:
@@ -59,7 +69,7 @@ def remedies(s: Setup) -> list[Remedy]:
     if s.dp % 2 == 0 and s.pp == 1 and s.seq % (2 * cp) == 0 and s.method == "full":
         trials.append((f"parallel.context_parallel: {cp} (data_parallel: {s.dp // 2})",
                        replace(s, cp=cp, dp=s.dp // 2, accum=s.accum * 2)))
-    if s.dp % 2 == 0 and _tp_ok(s, s.tp * 2) and s.method == "full":  # LoRA/freeze: no tensor parallel
+    if s.dp % 2 == 0 and _tp_ok(s, s.tp * 2):
         trials.append((f"parallel.tensor_parallel: {s.tp * 2} (data_parallel: {s.dp // 2})",
                        replace(s, tp=s.tp * 2, dp=s.dp // 2, zero=s.zero if s.zero != 1 else 2,
                                accum=s.accum * 2)))
@@ -67,13 +77,13 @@ def remedies(s: Setup) -> list[Remedy]:
         trials.append(("parallel.sequence_parallel: true", replace(s, sp=True)))
     if s.level in ("O0", "O1"):
         trials.append(("memory.mixed_precision: O2", replace(s, level="O2")))
-    if s.pretrained and s.method == "full" and s.tp == 1 and s.pp == 1:
+    if s.pretrained and s.method == "full":  # LoRA and freeze run under every layout
         trials.append(("finetune.method: lora (r 8 on q_proj, v_proj; trains adapters only)",
                        replace(s, method="lora", lora_r=8, lora_targets=("q_proj", "v_proj"))))
         trials.append(("finetune.method: freeze (freeze_layers: 0.5; trains the top half only)",
                        replace(s, method="freeze", freeze_layers=0.5, freeze_embeddings=False)))
     before = breakdown(s).total
-    out = [Remedy(name, t, breakdown(t)) for name, t in trials]
+    out = [Remedy(name, t, breakdown(t)) for name, t in trials if _allowed(s, t)]
     out = [r for r in out if r.memory.total < before]
     out.sort(key=lambda r: r.memory.total)
     return out

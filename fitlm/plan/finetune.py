@@ -1,22 +1,38 @@
-"""What `finetune.method` changes in the accounting: which parameters train, what the frozen ones cost,
-and which saved tensors a block no longer keeps.
+"""What `finetune.method` and `finetune.objective` change in the accounting: which parameters train, what
+the frozen ones cost, which saved tensors a block no longer keeps, and what DPO adds.
 
-It mirrors fitlm.finetune (apply.py, lora.py, freeze.py), which runs without tensor or pipeline
-parallel (preflight refuses those), so everything here is per block of one unsplit model:
+It mirrors fitlm.finetune (apply.py, lora.py, freeze.py) and fitlm.step.dpo, per block of the model:
   - LoRA adds A [r, in] and B [out, r] per targeted linear (fp32; half at O3); everything else freezes.
-  - freeze stops the bottom floor(fraction·L) blocks (and, optionally, the embeddings with a tied head).
+    Under tensor parallel each adapter is split with its base (fitlm.parallel.lora_parallel): a
+    column-parallel target (q/k/v, gate/up) keeps A whole and B [out/tp, r], r·(in + out/tp) per rank; a
+    row-parallel one (o, down) A [r, in/tp] and B whole, r·(in/tp + out). A pipeline stage holds its own
+    blocks' adapters.
+  - freeze stops the bottom floor(fraction·L) blocks (and, optionally, the embeddings with a tied head);
+    under pipeline parallel the first stage holds the frozen blocks, so it trains least.
   - Frozen parameters get no gradient and no AdamW state; O2 without ZeRO-2/3 stores them in half
     (`stores_frozen_in_half`), so they need no half cast either.
 Saved tensors, counted as the analytic engine's BLOCK constants count them (bytes per token): a
 norm's normalised input is kept only for its weight's gradient (rb·h); a linear's input only for its
 weight's gradient or its adapter's A (O1 keeps one autocast copy per such consumer); a block whose
 input needs no gradient (nothing trainable below it) does not keep that input (4h + 4); a block that no
-gradient reaches keeps nothing. Each adapter keeps A's output (r per token).
+gradient reaches keeps nothing. Each adapter keeps A's output (r per token), whole on every tensor-parallel
+rank (column-parallel: A is replicated; row-parallel: a partial sum of full width r).
+
+DPO (`finetune.objective: dpo`, fitlm.step.dpo): a micro batch of B pairs is 2B rows (`Setup.rows`), so the
+blocks' activations and the logits are those of 2B sequences; the policy's logits always come whole
+([2B, T, V], `sequence_logps`: memory.loss_chunk_size does not apply). The reference forward runs first,
+under no_grad, and keeps only its [2B] sequence log-probs: its logits and log-softmax are freed before the
+policy's forward starts, and they are no larger than the policy's own at its peak, so they add nothing to it.
+The reference's weights: under LoRA without `finetune.dpo.reference`, none (the adapters are switched off);
+otherwise a whole frozen copy on every rank (not split by tensor or pipeline parallel, not sharded by
+ZeRO), in the run's storage precision (fp32 at O0/O1, half at O2/O3), without gradients or optimizer states.
+A reference named by `finetune.dpo.reference` is counted as the trained network (it must share its
+vocabulary; the planner does not read its directory).
 """
 
 from __future__ import annotations
 
-from fitlm.plan.setup import Setup, embedding_params, head_params, layer_params
+from fitlm.plan.setup import Setup, embedding_params, head_params, layer_params, stage_layers, total_params
 
 ALL_LINEAR = "all-linear"
 
@@ -40,6 +56,83 @@ def adapter_params(s: Setup) -> int:
     """LoRA parameters of the whole model: r·(in + out) per targeted linear per block."""
     shapes = linear_shapes(s)
     return s.layers * sum(s.lora_r * sum(shapes[n]) for n in lora_targets(s))
+
+
+def row_parallel(s: Setup) -> frozenset[str]:
+    """Leaf names of the linears tensor parallel splits on `in` (the family's `tp_plan.rowwise`: o, down);
+    every other target is column-parallel (split on `out`)."""
+    return frozenset(path.rsplit(".", 1)[-1] for path in s.cfg.model.family.tp_plan.rowwise)
+
+
+def rank_block_adapters(s: Setup) -> int:
+    """LoRA parameters of one block on one tensor-parallel rank: r·(in + out/tp) per column-parallel target
+    (A [r, in] whole, B [out/tp, r]), r·(in/tp + out) per row-parallel one (A [r, in/tp], B [out, r] whole)."""
+    shapes, rows = linear_shapes(s), row_parallel(s)
+    return sum(s.lora_r * (i // s.tp + o if n in rows else i + o // s.tp)
+               for n in lora_targets(s) for i, o in [shapes[n]])
+
+
+def stage_blocks(s: Setup, first: bool) -> range:
+    """The blocks on the first or the last pipeline stage (all of them without pipeline parallel)."""
+    if s.pp == 1:
+        return range(s.layers)
+    n = stage_layers(s)
+    return range(n) if first else range(s.layers - n, s.layers)
+
+
+def stage_trainable(s: Setup, first: bool) -> float:
+    """Trainable parameters on one rank of the first or last pipeline stage, split by tensor parallel
+    (before any ZeRO sharding): adapters by `rank_block_adapters`, matrices by tp."""
+    blocks = stage_blocks(s, first)
+    if s.method == "lora":
+        return len(blocks) * rank_block_adapters(s)
+    out = sum(_block_trains(s, b) for b in blocks) * layer_params(s)
+    if first and embeddings_train(s):
+        out += embedding_params(s)
+    if s.pp == 1 or not first:
+        out += head_params(s)  # the final norm, and an untied head (a tied one is the embedding, as in trainable_params)
+    if s.pp > 1 and not first and s.tied and embeddings_train(s):
+        out += s.vocab * s.h  # the last stage's copy of a tied embedding is its head, and trains with it
+    return out / s.tp
+
+
+def lora_partial_gradients(s: Setup) -> int:
+    """Elements of one block's LoRA gradients that DTensor leaves Partial (a per-rank sum) on a tensor-parallel
+    rank: the replicated A [r, in] of every column-parallel target (each rank saw only its output columns)
+    and the replicated B [out, r] of every row-parallel one (its input x·Aᵀ is itself a partial sum). Backward
+    does not reduce them (checked with CommDebugMode on the fake process group: 0 all-reduces in backward);
+    they stay Partial through accumulation and are all-reduced each time the optimizer step reads them
+    (`PARTIAL_READS_PER_STEP`)."""
+    if s.tp == 1:
+        return 0
+    shapes, rows = linear_shapes(s), row_parallel(s)
+    return sum(s.lora_r * (shapes[n][1] if n in rows else shapes[n][0]) for n in lora_targets(s))
+
+
+# All-reduces of each Partial gradient per step: foreach AdamW reads it 3 times (6 all-reduces for 2 Partial
+# adapter gradients on the fake process group, torch 2.x); clipping reduces only their norms.
+PARTIAL_READS_PER_STEP = 3
+
+
+def dpo(s: Setup) -> bool:
+    return s.objective == "dpo"
+
+
+def reference_copy(s: Setup) -> bool:
+    """Does DPO keep a second, frozen model (not the LoRA base with adapters off)?"""
+    return dpo(s) and not (s.method == "lora" and s.dpo_reference is None)
+
+
+def reference_bytes(s: Setup) -> int:
+    """The DPO reference copy on every rank: the whole network, unsplit and unsharded, stored as the run
+    stores weights (apply_precision: fp32 at O0/O1, half at O2/O3)."""
+    return total_params(s) * (2 if s.level in ("O2", "O3") else 4) if reference_copy(s) else 0
+
+
+def reference_forward_flops(s: Setup, matmul: int) -> float:
+    """FLOPs per row token of the reference's no-grad forward: a third of training's 6 per matmul
+    parameter and 12·L·h·T attention (the LoRA base: adapters off)."""
+    return (2.0 * matmul + 4.0 * s.layers * s.h * s.seq) if dpo(s) else 0.0
 
 
 def frozen_blocks(s: Setup) -> int:
@@ -106,25 +199,28 @@ def block_savings(s: Setup, block: int) -> float:
     targets = set(lora_targets(s))
     shapes = linear_shapes(s)
     uses = {name: name in targets for name in shapes}  # frozen linears: only adapters consume inputs
-    saved = 2 * residual_bytes(s) * s.h  # both norms' weights are frozen: their normalised inputs are not kept
+    width = s.h / (s.tp if s.sp else 1)  # the residual stream: sequence shards under sequence parallel
+    saved = 2 * residual_bytes(s) * width  # both norms' weights are frozen: their normalised inputs are not kept
     for group in s.counts.input_groups:  # linears reading one norm output (q/k/v, gate/up)
         saved += _input_bytes(s, len(group), s.h, True) - _input_bytes(s, sum(uses[g] for g in group), s.h, True)
     down = next((n for n, (i, _) in shapes.items() if i == s.ffn and n not in sum(s.counts.input_groups, ())), None)
     if down is not None:  # the MLP's output projection reads the ffn-wide product
-        saved += _input_bytes(s, 1, s.ffn, False) - _input_bytes(s, int(uses[down]), s.ffn, False)
+        f = s.ffn / s.tp  # row-parallel: each rank reads its [tokens, f/tp] slice
+        saved += _input_bytes(s, 1, f, False) - _input_bytes(s, int(uses[down]), f, False)
     saved -= len(targets) * s.lora_r * (4 if s.level == "O0" else 2)  # each adapter keeps A's output
     return saved + input_saving
 
 
-def block_cast_params(s: Setup, block: int) -> int:
-    """Parameters of block `block` whose half casts its matmuls keep under O1/O2: trainable weights
-    and adapters; at O1 also frozen fp32 weights a gradient passes through; frozen half weights never."""
+def block_cast_params(s: Setup, block: int) -> float:
+    """Parameters of block `block` on one tensor-parallel rank whose half casts its matmuls keep under O1/O2:
+    trainable weights and adapters; at O1 also frozen fp32 weights a gradient passes through; frozen half
+    weights never."""
+    local = layer_params(s) / s.tp
     if _block_trains(s, block):
-        return layer_params(s)
+        return local
     if s.method == "freeze" and not _grad_below(s, block):
         return 0
-    adapters = adapter_params(s) // max(1, s.layers)
-    return adapters + (layer_params(s) if s.level == "O1" else 0)
+    return rank_block_adapters(s) + (local if s.level == "O1" else 0)
 
 
 def outside_savings(s: Setup) -> float:

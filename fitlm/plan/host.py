@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from fitlm.plan.analytic import Breakdown, model_states, param_bytes, stage_params, tp_share
+from fitlm.plan.analytic import Breakdown, model_states, param_bytes, rank_params
 from fitlm.plan.devices import Device
 from fitlm.plan.setup import Setup, layer_params
 
@@ -114,7 +114,7 @@ def host_peaks(s: Setup, mem: Breakdown, dev: Device, source: SourceTensor) -> H
         params_at_load = mem.params
         state = mem.total + mem.host
     else:
-        params_at_load = model_states(replace(s, offload=False), tp_share(s, stage_params(s, True)))[0] \
+        params_at_load = model_states(replace(s, offload=False), rank_params(s, True))[0] \
             if fsdp_offload else 0
         state = mem.host
     state_at_save = params_at_load  # the trainer releases gradients and optimizer states before the save

@@ -20,7 +20,7 @@ from fitlm.plan.activation_offload import note as offload_note
 from fitlm.plan.analytic import breakdown
 from fitlm.plan.devices import Device
 from fitlm.plan.diagnose import dominant, remedies
-from fitlm.plan.finetune import adapter_params, lora_targets, trainable_params
+from fitlm.plan.finetune import adapter_params, lora_targets, reference_bytes, stage_trainable, trainable_params
 from fitlm.plan.host import host_peaks, host_report, source_tensor
 from fitlm.plan.max_seq import max_seq
 from fitlm.plan.setup import Setup, from_config, on_device, to_overrides, total_params
@@ -49,7 +49,12 @@ def _memory_opts(s: Setup) -> str:
 
 def _finetune(s: Setup) -> dict[str, Any]:
     out: dict[str, Any] = {"method": s.method, "trainable_params": trainable_params(s),
-                           "adapter_params": adapter_params(s)}
+                           "adapter_params": adapter_params(s), "objective": s.objective,
+                           # the most loaded rank's share (tensor-split; under pipeline parallel its stage's)
+                           "trainable_params_per_rank": int(max(stage_trainable(s, True), stage_trainable(s, False)))}
+    if s.objective == "dpo":
+        out["dpo"] = {"rows_per_micro_batch": s.rows, "reference": s.dpo_reference or "starting model",
+                      "reference_bytes": reference_bytes(s)}  # 0: LoRA's base with the adapters off
     if s.method == "lora":
         out["lora"] = {"r": s.lora_r, "targets": list(lora_targets(s))}
     elif s.method == "freeze":
@@ -109,6 +114,8 @@ def plan(cfg: Config, dev: Device, num_devices: int | None = None, simulate: boo
         try:
             sim = run_step(cfg)
             note = "logits are counted inside activations by the simulation"
+            if reference_bytes(s):  # fitlm.plan.simulate: the policy stood in for the reference's forward
+                note += "; the DPO reference copy is added from the analytic count, under other"
             if s.offload_mode != "none":  # fake tensors on the CPU: nothing to offload to
                 note += "; it runs on CPU tensors, where memory.activation_offload moves nothing"
             out["simulated"] = {"per_device": sim, "fits": sim["total"] <= dev.usable_bytes, "note": note}

@@ -53,10 +53,9 @@ class Candidate:
 def _layouts(cfg: Config, n: int) -> list[Layout]:
     # The model's own rules (tp divides heads/MLP/vocab; pp <= layers), micro-batch rules checked per candidate.
     trial = cfg.model_copy(update={"train": cfg.train.model_copy(update={"micro_batch_size": 1})})
-    layouts = valid_layouts(trial, n, context_parallel=True)  # cp degrees that split data.seq_length evenly
-    if cfg.finetune.method != "full":  # LoRA and freeze run with data parallel and ZeRO only (preflight)
-        layouts = [lay for lay in layouts if lay.tp == 1 and lay.pp == 1]
-    return layouts
+    # cp degrees that split data.seq_length evenly; LoRA and freeze run under every layout, DPO's limits are
+    # fitlm.rules' (each candidate is checked against them)
+    return valid_layouts(trial, n, context_parallel=True)
 
 
 STAGES = ("config", "launch")  # fitlm.rules' stages a candidate must pass

@@ -31,6 +31,7 @@ KNOBS = {
     "lora_targets": "finetune.lora.target_modules", "freeze_layers": "finetune.freeze_layers",
     "freeze_embeddings": "finetune.freeze_embeddings",
     "seq": "data.seq_length", "cp": "parallel.context_parallel", "act_offload": "memory.activation_offload",
+    "objective": "finetune.objective",
 }
 
 
@@ -87,6 +88,7 @@ class Setup:
     seq: int = 1  # data.seq_length: tokens per sample (a knob for `fitlm plan --max-seq`)
     cp: int = 1  # parallel.context_parallel: ranks each sequence is split over (fitlm.plan.context)
     act_offload: bool | str = False  # memory.activation_offload: False, True, "blocks" or "model"
+    objective: str = "sft"  # finetune.objective: "sft", or "dpo" (micro batches of pairs: fitlm.plan.finetune)
     # Where the planned run's tensors live: "accelerator" (CUDA and the catalog's devices), or "cpu" (`--device
     # cpu`), where activation offload has no other memory to move to and changes nothing. Not a config key: the
     # plan's device says it (`on_device`).
@@ -148,6 +150,16 @@ class Setup:
         return bool(self.cfg.model.init_from)
 
     @property
+    def dpo_reference(self) -> str | None:
+        """finetune.dpo.reference: the model directory DPO's frozen reference is read from (None: the start)."""
+        return self.cfg.finetune.dpo.reference
+
+    @property
+    def rows(self) -> int:
+        """Sequences per micro batch: train.micro_batch_size, which counts pairs under DPO (chosen + rejected)."""
+        return self.mbs * (2 if self.objective == "dpo" else 1)
+
+    @property
     def sliding(self) -> bool:
         return self.counts.sliding
 
@@ -204,7 +216,8 @@ class Setup:
 
     @property
     def tokens_per_step(self) -> int:
-        return self.global_batch * self.seq
+        """Tokens the step trains on: both rows of every DPO pair."""
+        return self.rows * self.dp * self.accum * self.seq
 
 
 

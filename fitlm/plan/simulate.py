@@ -17,6 +17,10 @@ in-flight chunks, the last the head and the logits) and reports the most loaded.
 Data-dependent scalars (`.item()`, `bool(tensor)`) have no value on fake tensors: `_ScalarStub`
 answers them (True for masks, 1 for counts and Adam's step), which never changes a shape; fp16 loss
 scaling's overflow check is switched off in the simulation (it unscales gradients in place: no bytes).
+
+DPO: a fake micro batch is 2 × micro_batch_size rows (chosen, then rejected), as the loader yields them; the
+policy stands in for the reference's forward (fitlm.step.dpo.objective_for), so a frozen reference copy's
+bytes are added here from the analytic count (`fitlm.plan.finetune.reference_bytes`, under `other`).
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ from fitlm.memory.precision import half_dtype
 from fitlm.memory.tracking import plan_components, track_step
 from fitlm.parallel.apply import parallelize
 from fitlm.plan.fake_world import SimulationUnsupported, answer_ddp, fake_world, peers_answered, pipeline_ranks
+from fitlm.plan.finetune import reference_bytes
+from fitlm.plan.setup import from_config
 from fitlm.registry import build_model
 from fitlm.step.train_step import TrainStep
 
@@ -52,7 +58,7 @@ class _ScalarStub(TorchDispatchMode):
 
 
 def _batch(cfg: Config) -> dict[str, torch.Tensor]:
-    b, t = cfg.train.micro_batch_size, cfg.data.seq_length
+    b, t = from_config(cfg).rows, cfg.data.seq_length  # DPO: B pairs are 2B rows
     ids = torch.zeros(b, t, dtype=torch.long)
     return {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.arange(t).expand(b, t).contiguous(),
             "document_ids": torch.zeros(b, t, dtype=torch.long)}
@@ -71,7 +77,13 @@ def run_step(cfg: Config, fake: bool = True) -> dict[str, int]:
         peaks.append(peak)
         if heavier is not None:  # ZeRO-1 gives the data-parallel ranks unequal shares: the largest one too
             peaks.append(_run_rank(cfg, heavier, fake, boundary)[0])
-    return max(peaks, key=lambda p: p["total"])
+    return _with_reference(cfg, max(peaks, key=lambda p: p["total"]))
+
+
+def _with_reference(cfg: Config, peak: dict[str, int]) -> dict[str, int]:
+    """The simulated peak plus DPO's frozen reference copy, which the simulation does not build."""
+    extra = reference_bytes(from_config(cfg))
+    return {**peak, "other": peak["other"] + extra, "total": peak["total"] + extra} if extra else peak
 
 
 def _heaviest_zero1_rank(optimizer: torch.optim.Optimizer, ctx) -> int | None:

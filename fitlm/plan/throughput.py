@@ -4,6 +4,10 @@ Why these terms: they are the ones a layout choice moves. Compute is FLOPs per t
 attention 12·L·h·s, counted in full as fitlm.train.metrics does) over the device's peak times its
 efficiency; full recompute adds one more forward of the blocks (hardware FLOPs, not model FLOPs).
 Frozen weights (LoRA, freeze) skip their weight gradients, so their model FLOPs are 4 per parameter.
+DPO trains on both rows of every pair (tokens per step count 2 rows per pair) and runs one more, no-grad
+forward of the reference per micro batch (2 per matmul parameter plus 4·L·h·s per token: a third more).
+LoRA under tensor parallel leaves the gradients of the replicated adapter halves Partial; the optimizer step
+all-reduces them each time it reads them (fitlm.plan.finetune.lora_partial_gradients), once per step.
 Communication uses ring costs (all-reduce 2(n-1)/n·S/B, all-gather and reduce-scatter (n-1)/n·S/B)
 on the intra-node link when a group fits in a node, else the network; a latency of 10 µs per call.
 Tensor-parallel collectives sit on the critical path; data-parallel gradient traffic overlaps with
@@ -21,7 +25,7 @@ from dataclasses import dataclass
 from fitlm.plan import context
 from fitlm.plan import finetune as ft
 from fitlm.plan.activation_offload import copy_s as offload_s
-from fitlm.plan.analytic import act_bytes, breakdown, param_bytes, tp_share
+from fitlm.plan.analytic import act_bytes, breakdown, param_bytes
 from fitlm.plan.devices import Device
 from fitlm.plan.setup import Setup, layer_params, matmul_params, stage_layers, total_params
 
@@ -52,6 +56,11 @@ def flops_per_token(s: Setup) -> float:
     return fpt
 
 
+def _trained_rank(s: Setup) -> float:
+    """Trainable parameters on the most loaded rank (tensor-split; freeze trains the last stage most)."""
+    return max(ft.stage_trainable(s, first) for first in ((True, False) if s.pp > 1 else (True,)))
+
+
 def _bandwidth(dev: Device, group: int, stride: int) -> float:
     """Bytes/s for a ring over `group` ranks spaced `stride` apart in the (pp, dp, cp, tp) mesh."""
     inside = group * stride <= dev.node_size
@@ -67,30 +76,32 @@ def ring(kind: str, size: float, n: int, bw: float) -> float:
 
 def timing(s: Setup, dev: Device) -> Timing:
     fpt = flops_per_token(s)
-    tokens_replica = s.mbs * s.seq * s.accum  # per data-parallel replica per step
+    tokens_replica = s.rows * s.seq * s.accum  # per data-parallel replica per step (DPO: both rows of a pair)
     peak = dev.tflops * 1e12 * dev.efficiency
-    hw = fpt
+    hw = fpt + ft.reference_forward_flops(s, matmul_params(s))  # DPO's reference forward: work, not model FLOPs
     if s.recompute != "none":
         frac = 1.0 / max(1, s.recompute_every)
         block_fwd = 2.0 * s.layers * layer_params(s) + 4.0 * s.layers * s.h * s.seq
         hw += frac * block_fwd * (1.0 if s.recompute == "full" else 0.1)  # selective reruns element-wise work
     compute = tokens_replica * hw / (s.tp * s.pp * s.cp) / peak
     if s.offload:  # host AdamW: gradients down, parameters up over PCIe (~25 GB/s), states on the CPU
-        n_dev = ft.trainable_params(s) / (s.tp * s.pp) / s.dims.shard_factor("optimizer")
+        n_dev = _trained_rank(s) / s.dims.shard_factor("optimizer")
         compute += n_dev * (4 + 4) / 25e9 + n_dev * 16 / (100e9)
     # Tensor parallel: two all-reduces (or all-gather + reduce-scatter under SP) per block forward and
     # two in backward, of the block's activations [b, s, h]; plus the embedding's.
     e = act_bytes(s)
-    msg = s.mbs * s.local_seq * s.h * e  # this rank's tokens: T/C under context parallel
+    msg = s.rows * s.local_seq * s.h * e  # this rank's tokens: T/C under context parallel
     bw_tp = _bandwidth(dev, s.tp, 1)
     per_mb_layers = stage_layers(s)
     tp_comm = s.accum * (4 * per_mb_layers + 2) * ring("all_reduce", msg, s.tp, bw_tp)
+    adapter_grads = per_mb_layers * ft.lora_partial_gradients(s) * param_bytes(s)  # per step, not per micro batch
+    tp_comm += ft.PARTIAL_READS_PER_STEP * ring("all_reduce", adapter_grads, s.tp, bw_tp)
     # Data parallel: gradients once per step, or once per micro batch (parallel.gradient_sync; ZeRO-2/3 by
     # default), parameters as ZeRO needs.
-    n_rank = tp_share(s, total_params(s) / s.pp)
+    n_rank = total_params(s) / (s.tp * s.pp)
     dp = s.dims.dp_cp  # gradients are averaged (and ZeRO shards) over data x context parallel ranks
     bw_dp = _bandwidth(dev, dp, s.tp)
-    trained_rank = n_rank if s.method == "full" else tp_share(s, ft.trainable_params(s) / s.pp)
+    trained_rank = n_rank if s.method == "full" else _trained_rank(s)
     grad_b = trained_rank * (4 if s.level == "O2" else param_bytes(s))  # only trainable parameters have gradients
     gather_b = n_rank * (2 if s.level == "O2" else param_bytes(s))
     syncs = s.accum if s.sync_every else 1

@@ -25,13 +25,14 @@ CASES = [
 
 @pytest.mark.parametrize("name,parallel,train,memory", CASES,
                          ids=["dp2-zero3-o2-fp16-chunked-offload", "tp2-o2-bf16-selective", "pp2-o2-fp16-recompute"])
-def test_memory_options_under_layouts_match_single_process(tiny_corpus, tmp_path, name, parallel, train, memory):
+def test_memory_options_under_layouts_match_single_process(tiny_corpus, tmp_path, single_process_reference, name,
+                                                          parallel, train, memory):
     single = run(tiny_corpus, tmp_path, "single", {}, REFERENCE, memory=memory)
     split = run(tiny_corpus, tmp_path, name, parallel, train, memory=memory)
     assert split["losses"] == pytest.approx(single["losses"], rel=5e-4)
     assert split["grad_norms"] == pytest.approx(single["grad_norms"], rel=5e-3)
     assert split["eval_loss"] == pytest.approx(single["eval_loss"], rel=5e-4)
     # and the option changed the arithmetic (a silently ignored option would give the fp32 numbers exactly)
-    fp32 = run(tiny_corpus, tmp_path, "fp32", {}, REFERENCE) if name.startswith("dp2") else None
+    fp32 = single_process_reference(True) if name.startswith("dp2") else None  # the layout tests' fp32 run
     if fp32:
         assert split["losses"] != fp32["losses"]

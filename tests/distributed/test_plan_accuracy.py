@@ -81,6 +81,12 @@ CONFIGS = [
                                 "parallel": {"context_parallel": 2}, "data": {"document_mask": False}}, 2),
     ("gemma2 O0 softcap", {"model": {"arch": "gemma2", "head_dim": 24, "sliding_window": 16,
                                      "attn_logit_softcap": 50.0, "final_logit_softcap": 30.0}}, 1),
+    # DPO on preference pairs (`_preference_corpus`): micro batch 2 = 4 rows; LoRA's reference is its base with
+    # the adapters off, full fine-tuning keeps a frozen fp32 copy (the profile files it under params).
+    ("lora dpo O0", {"finetune": {"method": "lora", "objective": "dpo"}, "data": {"format": "preference"},
+                     "train": {"micro_batch_size": 2}}, 1),
+    ("full dpo O0", {"finetune": {"method": "full", "objective": "dpo"}, "data": {"format": "preference"},
+                     "train": {"micro_batch_size": 2}}, 1),
 ]
 FAST = {"O0", "O2 h128", "O3 full recompute", "dp2 zero2", "dp2 zero2 accum 2, sync every", "qwen3 O0 head_dim 24",
         "gemma3 O2"}
@@ -94,11 +100,25 @@ def _sections(name: str) -> tuple[dict, int]:
     return next((sections, nproc) for n, sections, nproc in CONFIGS if n == name)
 
 
+def _preference_corpus(tiny_corpus, root) -> dict:
+    """tiny_corpus with its train/valid replaced by preference pairs (test_dpo's rows), packed with its tokenizer."""
+    from fitlm.data import pack_corpus
+    from tests.unit.test_dpo import rows, write_jsonl
+
+    root.mkdir(parents=True, exist_ok=True)
+    src = write_jsonl(root / "pairs.jsonl", rows() * 4)
+    pack_corpus([src], tiny_corpus["tokenizer"], root / "pairs", data_format="preference", max_length=65,
+                show_progress=False)
+    return {**tiny_corpus, "train": root / "pairs", "valid": root / "pairs"}
+
+
 def measure(tiny_corpus, root, name: str) -> dict:
     """The profile of one configuration (2 timed steps), with the plan held against it; cached per name."""
     if name in _results:
         return _results[name]
     sections, nproc = _sections(name)
+    if sections.get("data", {}).get("format") == "preference":
+        tiny_corpus = _preference_corpus(tiny_corpus, root / "preference")
     train = {"max_steps": 4, "eval_interval": 0, "gradient_accumulation_steps": 1, **sections.get("train", {})}
     cfg = tiny_config(tiny_corpus, root / "run", train=train,
                       **{k: v for k, v in sections.items() if k != "train"})
