@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from fitlm.config import Config, ConfigError, ModelConfig
 from fitlm.finetune.errors import FinetuneError
 from fitlm.finetune.lora import adapters_off
-from fitlm.memory.precision import apply_precision, autocast
+from fitlm.memory.precision import apply_precision
 from fitlm.models.loss import IGNORE_INDEX
 
 if TYPE_CHECKING:
@@ -64,50 +64,31 @@ def pair_count(labels: torch.Tensor) -> int:
 
 
 class DpoObjective:
-    """The DPO forward/backward of a `TrainStep` (which keeps SFT's own); `metrics` are the last step's."""
+    """What DPO changes in a `TrainStep`'s loop (`forward_backward`, `eval_sums`): the unit its loss is a mean
+    over (pairs), each micro batch's summed loss with its metric sums, and the metrics of the last step."""
 
     def __init__(self, beta: float, reference: Callable[..., torch.Tensor]):
         self.beta = beta
         self.reference = reference  # (input_ids [2B, T], **doc) -> logits [2B, T, V], run without gradients
         self.metrics: dict[str, float] = {}
 
-    def _terms(self, step: "TrainStep", input_ids: torch.Tensor, labels: torch.Tensor, doc: dict
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    @staticmethod
+    def count(labels: torch.Tensor) -> int:
+        return pair_count(labels)
+
+    def micro_loss(self, step: "TrainStep", input_ids: torch.Tensor, labels: torch.Tensor, doc: dict
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed pair loss of a micro batch [2B, T], detached [chosen reward, rejected reward, chosen wins]
+        summed over its pairs)."""
         with torch.no_grad():
             ref = sequence_logps(self.reference(input_ids, **doc), labels)  # [2B]
-        return dpo_terms(sequence_logps(step.pm.model(input_ids, **doc), labels), ref, self.beta)
+        loss, chosen, rejected = dpo_terms(sequence_logps(step.pm.model(input_ids, **doc), labels), ref, self.beta)
+        return loss.sum(), torch.stack([chosen.sum(), rejected.sum(), (chosen > rejected).sum()]).detach()
 
-    def forward_backward(self, step: "TrainStep", batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-        """Accumulate gradients over the step's micro batches; returns the mean pair loss (same on every rank)."""
-        ctx, pm = step.ctx, step.pm
-        n_pairs = ctx.all_reduce_sum(
-            torch.tensor(float(sum(pair_count(b["labels"]) for b in batches)), device=step.device), "dp")
-        n_pairs = max(1.0, n_pairs.item())
-        scale = ctx.dims.dp / n_pairs * step.scaler.scale  # loss scale: 1 unless fp16
-        sums = torch.zeros(4, device=step.device)  # [loss, chosen reward, rejected reward, chosen wins], summed
-        every = step.cfg.parallel.reduce_every_micro_batch
-        for i, batch in enumerate(batches):
-            pm.gradient_sync(enabled=every or i == len(batches) - 1)
-            input_ids, labels, doc, shard = step.model_inputs(batch)  # [2B, T]
-            with autocast(step.cfg.memory, step.device), pm.loss_context(), shard:
-                with step.timer("forward"):
-                    loss, chosen, rejected = self._terms(step, input_ids, labels, doc)  # [B] each
-                with step.timer("backward"):
-                    (loss.sum() * scale).backward()
-            sums += torch.stack([loss.sum(), chosen.sum(), rejected.sum(), (chosen > rejected).sum()]).detach()
-        pm.finish_backward()
-        means = ctx.all_reduce_sum(sums, "dp") / n_pairs
-        self.metrics = {name: float(v) for name, v in zip(METRICS, [means[1], means[2], means[1] - means[2],
-                                                                    means[3]])}
-        return means[0]
-
-    @torch.no_grad()
-    def eval_sums(self, step: "TrainStep", batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """[summed pair loss, pairs] of one evaluation micro batch: the trainer's ratio is the mean pair loss."""
-        input_ids, labels, doc, shard = step.model_inputs(batch)
-        with autocast(step.cfg.memory, step.device), step.pm.loss_context(), shard:
-            loss, _, _ = self._terms(step, input_ids, labels, doc)
-        return torch.stack([loss.sum().float(), torch.tensor(float(pair_count(labels)), device=loss.device)])
+    def observe(self, means: torch.Tensor) -> None:
+        """The step's metric sums over all ranks, divided by its pairs: [chosen, rejected, wins]."""
+        chosen, rejected, wins = (float(v) for v in means)
+        self.metrics = dict(zip(METRICS, (chosen, rejected, chosen - rejected, wins)))
 
 
 def reference_config(cfg: Config) -> Config:

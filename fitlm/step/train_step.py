@@ -85,17 +85,19 @@ class TrainStep:
         loss is multiplied by the data-parallel degree to make that average a sum. Under context parallel
         every rank of a "cp" group holds the same batches (counted once, over "dp") and sums the loss of its
         part of each sequence; gradients are averaged over dp x cp ranks, hence that factor.
+
+        An objective other than SFT (DPO, `self.objective`) weights by its own unit (pairs) and gives each micro
+        batch's summed loss plus the sums of its logged metrics; the loop, the scaling and the reductions are
+        the same.
         """
-        if self.objective is not None:
-            return self.objective.forward_backward(self, batches)
         n_targets = self.ctx.all_reduce_sum(
-            torch.tensor(float(sum(count_targets(b["labels"]) for b in batches)), device=self.device), "dp")
+            torch.tensor(float(sum(self._count(b["labels"]) for b in batches)), device=self.device), "dp")
         n_targets = max(1.0, n_targets.item())
         scale = self.ctx.dims.dp_cp / n_targets * self.scaler.scale  # loss scale: 1 unless fp16
         if self.pm.pipeline is not None:
-            total = self._pipeline_loss_sum(batches, scale)
+            sums = self._pipeline_loss_sum(batches, scale).reshape(1)
         else:
-            total = torch.zeros((), device=self.device)
+            sums = None  # [summed loss, the objective's metric sums...]
             every = self.cfg.parallel.reduce_every_micro_batch  # ZeRO-2/3: keep gradients sharded between micro batches
             for i, batch in enumerate(batches):
                 self.pm.gradient_sync(enabled=every or i == len(batches) - 1)
@@ -103,12 +105,27 @@ class TrainStep:
                 # loss_context: under tensor parallel the loss (and its backward) runs on vocab-sharded logits.
                 with autocast(self.cfg.memory, self.device), self.pm.loss_context(), shard:
                     with self.timer("forward"):
-                        loss_sum = self.loss_sum(input_ids, labels, **doc)
+                        loss_sum, extra = self._micro_loss(input_ids, labels, doc)
                     with self.timer("backward"):
                         (loss_sum * scale).backward()
-                total += loss_sum.detach()
+                part = torch.cat([loss_sum.detach().reshape(1), extra])
+                sums = part if sums is None else sums + part
         self.pm.finish_backward()
-        return self.ctx.all_reduce_sum(total, self.ctx.dims.token_dim) / n_targets
+        sums = self.ctx.all_reduce_sum(sums, self.ctx.dims.token_dim) / n_targets
+        if self.objective is not None:
+            self.objective.observe(sums[1:])
+        return sums[0]
+
+    def _count(self, labels: torch.Tensor) -> int:
+        """What the step's loss is a mean over in `labels`: target tokens (SFT) or the objective's unit (pairs)."""
+        return self.objective.count(labels) if self.objective is not None else count_targets(labels)
+
+    def _micro_loss(self, input_ids: torch.Tensor, labels: torch.Tensor, doc: dict[str, torch.Tensor]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed loss of one micro batch, detached sums of the objective's metrics [k]; SFT has none, k = 0)."""
+        if self.objective is not None:
+            return self.objective.micro_loss(self, input_ids, labels, doc)
+        return self.loss_sum(input_ids, labels, **doc), torch.zeros(0, device=self.device)
 
     def _pipeline_loss_sum(self, batches: list[dict[str, torch.Tensor]], scale: float) -> torch.Tensor:
         """All of the step's micro batches through ONE pipeline schedule run (it fills and drains once per step,
@@ -153,15 +170,14 @@ class TrainStep:
     def eval_sums(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """[summed loss, target count] of one evaluation micro batch (no gradients); under context parallel,
         of this rank's part of it (summed over "dp_cp" by the caller)."""
-        if self.objective is not None:
-            return self.objective.eval_sums(self, batch)
         input_ids, labels, doc, shard = self.model_inputs(batch)  # [B, T] (or [B, T/C])
         with autocast(self.cfg.memory, self.device), self.pm.loss_context(), shard:
             if self.pm.pipeline is not None:
                 loss_sum = self.pm.pipeline.eval_step(input_ids, labels, **doc)
             else:
-                loss_sum = self.loss_sum(input_ids, labels, **doc)
-        return torch.stack([loss_sum.float().detach().reshape(()), torch.tensor(float(count_targets(labels)))])
+                loss_sum, _ = self._micro_loss(input_ids, labels, doc)
+        return torch.stack([loss_sum.float().detach().reshape(()),
+                            torch.tensor(float(self._count(labels)), device=loss_sum.device)])
 
     def optimizer_step(self, loss: torch.Tensor | None = None, step: int = 0) -> tuple[torch.Tensor, bool]:
         """Unscale (fp16), clip, step, clear; returns the pre-clip global gradient norm and whether the
