@@ -258,10 +258,10 @@ class DpoConfig(_Section):
 
 
 class FinetuneConfig(_Section):
-    method: Literal["full", "lora", "freeze"] = "full"
-    """`full` trains everything; `lora` trains adapters only; `freeze` freezes the bottom layers."""
+    method: Literal["full", "lora", "qlora", "freeze"] = "full"
+    """`full` trains everything; `lora` trains adapters only; `qlora` trains adapters on a frozen base whose linear layers are stored in 4-bit NF4 (needs torchao: pip install 'fitlm[qlora]'); `freeze` freezes the bottom layers."""
     lora: LoraConfig = LoraConfig()
-    """LoRA settings (used when method is `lora`)."""
+    """LoRA settings (used when method is `lora` or `qlora`)."""
     freeze_layers: float = 0.0
     """Fraction of the bottom layers frozen when method is `freeze` (0.0-1.0; floor(fraction × layers) blocks)."""
     freeze_embeddings: bool = False
@@ -270,6 +270,11 @@ class FinetuneConfig(_Section):
     """`sft`: next-token cross-entropy on the target tokens. `dpo`: Direct Preference Optimization on `data.format: preference` pairs (settings in finetune.dpo)."""
     dpo: DpoConfig = DpoConfig()
     """DPO settings (used when objective is `dpo`)."""
+
+    @property
+    def adapters(self) -> bool:
+        """LoRA adapters are what trains (`lora`, or `qlora` on its 4-bit base)."""
+        return self.method in ("lora", "qlora")
 
 
 class GuardsConfig(_Section):

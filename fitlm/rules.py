@@ -43,6 +43,10 @@ def tensorboard_installed() -> bool:
     return importlib.util.find_spec("tensorboard") is not None
 
 
+def torchao_installed() -> bool:
+    return importlib.util.find_spec("torchao") is not None
+
+
 ROWS: tuple[Rule, ...] = (
     Rule("parallel.zero_stage", "refused",
          "ZeRO-1 (torch's `ZeroRedundancyOptimizer`) with tensor or pipeline parallel: use ZeRO-2/3 (FSDP2)",
@@ -93,11 +97,28 @@ ROWS: tuple[Rule, ...] = (
          lambda v: v["finetune.objective"] == "dpo" and bool(v["memory.loss_chunk_size"]),
          lambda v: "finetune.objective: dpo needs each sequence's own log-probability, but memory.loss_chunk_size "
                    "sums the loss over the whole micro batch; set memory.loss_chunk_size: 0"),
+    Rule("finetune.method", "refused",
+         "QLoRA with tensor, pipeline or context parallel: use data parallel and ZeRO 0-3 (ZeRO-3 shards the 4-bit base)",
+         lambda v: v["finetune.method"] == "qlora" and (_split(v) or v["parallel.context_parallel"] > 1),
+         lambda v: "finetune.method: qlora stores the base in 4-bit NF4 blocks that tensor_parallel="
+                   f"{v['parallel.tensor_parallel']} / pipeline_parallel={v['parallel.pipeline_parallel']} / "
+                   f"context_parallel={v['parallel.context_parallel']} do not split; set all three to 1 and use "
+                   "data_parallel with zero_stage 3 (FSDP2 shards the 4-bit base), or finetune.method: lora"),
+    Rule("finetune.method", "refused",
+         "QLoRA with `memory.mixed_precision: O3`, which would turn the 4-bit base back into half weights: use O2",
+         lambda v: v["finetune.method"] == "qlora" and v["memory.mixed_precision"] == "O3",
+         lambda v: "finetune.method: qlora keeps the frozen base in 4-bit NF4, but memory.mixed_precision: O3 stores "
+                   "every weight in half, the adapters included; use O2 (half compute, fp32 adapters) or O1"),
     _rollback_without_checkpoints("nonfinite"),
     _rollback_without_checkpoints("spike"),
     Rule("train.early_stopping_patience", "needs", "early stopping needs `data.valid` and `train.eval_interval` > 0",
          lambda v: bool(v["train.early_stopping_patience"]) and not (v["data.valid"] and v["train.eval_interval"]),
          lambda v: "train.early_stopping_patience: needs a validation set (data.valid) and train.eval_interval > 0",
+         stage="launch"),
+    Rule("finetune.method", "needs", "`finetune.method: qlora` needs torchao (`pip install 'fitlm[qlora]'`)",
+         lambda v: v["finetune.method"] == "qlora" and not torchao_installed(),
+         lambda v: "finetune.method: qlora stores the base in 4-bit NF4 through torchao, which is not installed; "
+                   "pip install 'fitlm[qlora]' (torchao 0.18), or set finetune.method: lora",
          stage="launch"),
     Rule("train.observe.tensorboard", "needs", "`train.observe.tensorboard: true` needs the tensorboard package (`auto` skips it)",
          lambda v: v["train.observe.tensorboard"] is True and not tensorboard_installed(),

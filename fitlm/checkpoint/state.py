@@ -16,9 +16,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.tensor import DTensor
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from fitlm.checkpoint.errors import CheckpointError
+from fitlm.memory.nf4 import is_nf4
 from fitlm.parallel.data_parallel import unwrap
 from fitlm.parallel.pipeline import TIED_COPY  # marks a last pipeline stage's copy of a tied embedding
 
@@ -29,8 +31,13 @@ def model_state(modules: list[nn.Module]) -> dict[str, torch.Tensor]:
     """This rank's model tensors (views of the live parameters, so a load writes into them)."""
     out: dict[str, torch.Tensor] = {}
     for module in modules:
-        out.update(unwrap(module).state_dict())
+        out.update({k: v for k, v in unwrap(module).state_dict().items() if not _quantized(v)})
     return out
+
+
+def _quantized(t: torch.Tensor) -> bool:
+    """QLoRA's frozen 4-bit base: not checkpointed (it never changes); a resume quantizes model.init_from again."""
+    return is_nf4(t.to_local() if isinstance(t, DTensor) else t)
 
 
 def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

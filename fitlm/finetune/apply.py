@@ -21,6 +21,8 @@ from fitlm.finetune.freeze import apply_freeze
 from fitlm.finetune.lora import LoraError, LoraSpec, apply_lora, inject_lora, is_adapted, lora_modules_of, \
     merge_lora, split_lora_state_dict
 from fitlm.finetune.peft_format import load_adapter, save_adapter
+from fitlm.finetune.qlora import quantize_base
+from fitlm.memory.nf4 import is_nf4
 from fitlm.memory.precision import half_dtype
 
 ADAPTER_DIR = "adapter"
@@ -44,11 +46,14 @@ def apply_finetune(model: nn.Module, cfg: Config) -> list[str]:
         lora = f.lora
         apply_lora(model, lora.r, lora.alpha, lora.dropout, lora.target_modules)
         refuse_unshardable_adapters(model, cfg)
+        if f.method == "qlora":
+            dims = cfg.parallel.dims
+            quantize_base(model, shards=dims.dp_cp if dims.fsdp_sharded else 1)
         trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     if stores_frozen_in_half(cfg):
         dtype = half_dtype(cfg.memory)
         for p in model.parameters():
-            if not p.requires_grad and p.is_floating_point():
+            if not p.requires_grad and p.is_floating_point() and not is_nf4(p):
                 p.data = p.data.to(dtype)  # same Parameter object: tied weights stay tied
     return trainable
 
@@ -108,7 +113,7 @@ def final_weights(specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
     base carries that rounding; merge the adapter onto the original weights with
     `fitlm merge BASE --adapter output_dir/adapter` for an exact fp32 result.
     """
-    if cfg.finetune.method != "lora":
+    if not cfg.finetune.adapters:
         return dict(specs), (b for b in blocks if b is not None)
     base_specs, adapter_specs = split_lora_state_dict(specs)
     spec = spec_from_config(cfg, adapter_specs)

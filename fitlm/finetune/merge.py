@@ -13,7 +13,7 @@ from fitlm.models.io import load_model_dir, save_model_dir
 def merge_model(model: str | Path, adapter: str | Path, out: str | Path) -> dict:
     """Load MODEL (any MODEL path), merge the PEFT adapter in fp32, save a fitlm model directory at OUT."""
     loaded = load_model_dir(model)
-    if loaded.source == "fitlm" and loaded.config.finetune.method == "lora":
+    if loaded.source == "fitlm" and loaded.config.finetune.adapters:
         raise FinetuneError(
             f"{loaded.path} was written by a LoRA run, so its weights already include that run's adapter; merging "
             f"again would add it twice. Pass the base model instead"

@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 
 from fitlm.config import MemoryConfig
+from fitlm.memory.nf4 import is_nf4
 
 HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -127,7 +128,9 @@ def _cast_own_parameters(module: nn.Module, dtype: torch.dtype, recast: bool = F
     does not keep even that: the matmuls' saved half weights are packed as "cast the parameter again".
     """
     inner = module.forward
-    names = [name for name, _ in module.named_parameters(recurse=False)]
+    # NF4 codes stay as they are: F.linear dequantizes them to the input's dtype (a cast would dequantize
+    # the weight and keep the full-width copy for backward).
+    names = [name for name, p in module.named_parameters(recurse=False) if not is_nf4(p)]
 
     @functools.wraps(inner)
     def forward(*args, **kwargs):

@@ -86,7 +86,7 @@ def prepares_for_tensor_parallel(cfg: Config) -> bool:
     except under tensor parallel, which needs the split; there its adapters stay on the Linears the split
     leaves alone (fitlm.finetune.apply.refuse_unshardable_adapters)."""
     return cfg.model.family.prepare_tensor_parallel is not None and (
-        cfg.finetune.method != "lora" or cfg.parallel.tensor_parallel > 1)
+        not cfg.finetune.adapters or cfg.parallel.tensor_parallel > 1)
 
 
 def parallelize(model: nn.Module, cfg: Config, ctx: ParallelContext,

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from fitlm.memory.nf4 import dequantized
 from fitlm.models.streaming import grouped
 from fitlm.parallel.apply import ParallelModel
 from fitlm.parallel.data_parallel import unwrap
@@ -51,6 +52,7 @@ def weight_specs(pm: ParallelModel) -> Specs:
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
+    t = dequantized(t)  # QLoRA's NF4 base: each rank's rows back to weights before the gather
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
 
 

@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from fitlm.memory import nf4
 from fitlm.models.hf import strip_wrappers
 from fitlm.models.streaming import layer_group
 
@@ -51,6 +52,12 @@ def _fill(param: torch.Tensor, full: torch.Tensor, name: str) -> None:
     if tuple(full.shape) != tuple(param.shape):
         raise MaterializeError(f"weight {name}: the weights hold {list(full.shape)} but the model built from the "
                                f"config needs {list(param.shape)}; the config does not match the weights")
+    local = param._local_tensor if isinstance(param, DTensor) else param  # the storage FSDP2 gathers from
+    if nf4.is_nf4(local):  # QLoRA's 4-bit base: quantized here, this rank's rows kept (FSDP2 shards dim 0)
+        sharded = isinstance(param, DTensor) and any(pl.is_shard() for pl in param.placements)
+        nf4.fill(local, full, param.device_mesh.size() if sharded else 1,
+                 param.device_mesh.get_local_rank() if sharded else 0)
+        return
     full = full.to(param.dtype)
     if isinstance(param, DTensor):
         # src_data_rank=None: every rank has the full tensor, so each slices locally, without communication.

@@ -276,7 +276,7 @@ class Pipeline:
         self.document_mask = bool(getattr(getattr(cfg, "data", None), "document_mask", False))
         method = getattr(getattr(cfg, "finetune", None), "method", "full")
         check_every_stage_trains(model, ctx.pp * VIRTUAL_STAGES[self.schedule_name], p.pipeline_layers,
-                                 "finetune.lora.target_modules" if method == "lora" else "finetune.freeze_layers")
+                                 "finetune.lora.target_modules" if method in ("lora", "qlora") else "finetune.freeze_layers")
         self.stages = build_stage_modules(model, ctx.pp_rank, ctx.pp, self.schedule_name, p.pipeline_layers)
         self.stage_modules = [m for _, m in self.stages]
         self.schedule: PipelineSchedule | None = None  # the training step's: chunks × accumulation per run

@@ -127,7 +127,7 @@ def objective_for(cfg: Config, ctx: "ParallelContext", pm: "ParallelModel", simu
     f = cfg.finetune
     if f.objective != "dpo":
         return None
-    if f.method == "lora" and f.dpo.reference is None:
+    if f.adapters and f.dpo.reference is None:
         def base(input_ids: torch.Tensor, **doc: torch.Tensor) -> torch.Tensor:
             with adapters_off(pm.model):
                 return pm.model(input_ids, **doc)

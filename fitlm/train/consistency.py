@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from fitlm.memory.nf4 import is_nf4
+
 DOCS = 'docs/troubleshooting.md, section "Ranks diverge"'
 BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -36,6 +38,8 @@ def parameter_checksums(modules) -> tuple[list[str], list[int]]:
         for name, p in module.named_parameters():
             t = p.detach()
             t = t.to_local() if isinstance(t, DTensor) else t
+            if is_nf4(t):  # QLoRA's frozen 4-bit base: quantized from the same weights on every rank
+                continue
             names.append(name)
             sums.append(t.contiguous().view(BITS[t.element_size()]).sum(dtype=torch.int64))
     return names, (torch.stack(sums).tolist() if sums else [])

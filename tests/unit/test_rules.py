@@ -29,9 +29,12 @@ BREAKS = [
     {"parallel": {"pipeline_parallel": 2, "micro_batch_num": 2}, "memory": {"cpu_offload": True}},
     {"parallel": {"tensor_parallel": 2}, "finetune": {"objective": "dpo"}, "data": {"format": "preference"}},
     {"memory": {"loss_chunk_size": 32}, "finetune": {"objective": "dpo"}, "data": {"format": "preference"}},
+    {"parallel": {"tensor_parallel": 2}, "finetune": {"method": "qlora"}},
+    {"memory": {"mixed_precision": "O3"}, "finetune": {"method": "qlora"}},
     {"train": {"observe": {"guards": {"nonfinite": "rollback"}}}, "checkpoint": {"interval": 0}},
     {"train": {"observe": {"guards": {"spike": "rollback"}}}, "checkpoint": {"interval": 0}},
     {"train": {"early_stopping_patience": 2, "eval_interval": 0}},
+    {"finetune": {"method": "qlora"}},
     {"train": {"observe": {"tensorboard": True}}},
 ]
 
@@ -52,6 +55,7 @@ def test_every_row_has_a_breaking_case():
 def test_each_rule_is_refused_naming_its_key_at_its_stage(index, monkeypatch):
     rule = rules.ROWS[index]
     monkeypatch.setattr(rules, "tensorboard_installed", lambda: False)  # the tensorboard row: a machine without it
+    monkeypatch.setattr(rules, "torchao_installed", lambda: False)  # the QLoRA row: a machine without torchao
     data = config(BREAKS[index])
     if rule.stage == "config":
         with pytest.raises(ConfigError) as err:

@@ -1,0 +1,104 @@
+"""Frozen weights stored as 4-bit NormalFloat with double quantization (QLoRA, Dettmers et al. 2023).
+
+The storage is torchao's `NF4Tensor`: per 64 weights one absmax scale, the scales themselves quantized
+to int8 in groups of `scaler_block` with one fp32 factor per group (4.127 bits per weight, 0.258× bf16).
+`F.linear` on it dequantizes to the input's dtype in forward and again in backward, so the only
+full-width copy of a weight lives for one matmul.
+
+Why torchao and not bitsandbytes (measured, docs/finetuning.md): torchao's tensor runs on CPU and CUDA
+and implements FSDP2's all-gather extension, so ZeRO-3 shards the 4-bit codes and two ranks train as one
+process does; bitsandbytes' `Params4bit` loses its `quant_state` under `fully_shard`.
+
+A weight is quantized on the meta device (`quantized_meta`, before any wrapper), sharded by FSDP2 like any
+other parameter, and filled when `fitlm.parallel.materialize` streams the full weight past it (`fill`):
+the full tensor is quantized on every rank (the double quantization's mean is a whole-tensor statistic)
+and each rank keeps its rows' codes, so every layout holds the numbers one process holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import torch
+
+BLOCK = 64  # weights per absmax scale (QLoRA's block size)
+SCALER_BLOCKS = (256, 128, 64)  # scales per double-quantization group, tried largest first (QLoRA: 256)
+STORED_DTYPE = torch.bfloat16  # what the codes dequantize from (`get_original_weight`); F.linear casts on
+BYTES_PER_PARAM = 0.5 + 1 / BLOCK  # codes + int8 scales (+ one fp32 factor per group: see `nf4_bytes`)
+
+
+class NF4Unavailable(ImportError):
+    """torchao is not installed; the message names the extra to install."""
+
+
+def _nf4():
+    # torchao logs a warning per CUDA/mxfp8 kernel library it cannot load (none apply to NF4 on a CPU build),
+    # and torch one for an enum it registers: quiet during the import only.
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [lg.level for lg in loggers]
+    try:
+        for lg in loggers:
+            lg.setLevel(logging.ERROR)
+        from torchao.quantization import NF4Tensor, to_nf4
+    except ImportError as e:
+        raise NF4Unavailable("finetune.method: qlora stores the frozen base in 4-bit NF4 through torchao, which "
+                             "is not installed: pip install 'fitlm[qlora]' (torchao 0.18)") from e
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+    return NF4Tensor, to_nf4
+
+
+def is_nf4(t) -> bool:
+    """Whether `t` (a plain tensor, or a DTensor's local shard: pass `to_local()`) holds NF4 codes. Never
+    imports torchao: a process that has not loaded it holds no NF4 tensor."""
+    mod = sys.modules.get("torchao.quantization")
+    return mod is not None and isinstance(t, mod.NF4Tensor)
+
+
+def scaler_block(shape: tuple[int, ...], shards: int = 1) -> int | None:
+    """The double-quantization group for a weight of `shape` split by rows into `shards` (FSDP2 shards dim 0),
+    or None when it cannot be stored in NF4: it is not 2-D, or a shard's weights are not whole groups (the
+    codes of one group must not straddle two ranks)."""
+    if len(shape) != 2 or shape[0] % shards:
+        return None
+    local = shape[0] // shards * shape[1]
+    return next((sb for sb in SCALER_BLOCKS if local % (BLOCK * sb) == 0), None)
+
+
+def nf4_bytes(numel: int, scaler: int = SCALER_BLOCKS[0]) -> float:
+    """Bytes of one NF4 weight: 4-bit codes, an int8 scale per block, an fp32 factor per group of scales."""
+    return numel / 2 + numel / BLOCK + 4 * numel / (BLOCK * scaler)
+
+
+def quantized_meta(weight: torch.Tensor, scaler: int) -> torch.nn.Parameter:
+    """A frozen NF4 parameter with `weight`'s shape and no storage (meta): `fill` gives it its codes."""
+    _, to_nf4 = _nf4()
+    meta = torch.empty(weight.shape, dtype=STORED_DTYPE, device="meta")
+    return torch.nn.Parameter(to_nf4(meta, BLOCK, scaler), requires_grad=False)
+
+
+@torch.no_grad()
+def fill(target, full: torch.Tensor, shards: int = 1, index: int = 0) -> None:
+    """Quantize `full` and store the codes of its `index`-th of `shards` row blocks in `target` (an NF4 tensor
+    that `to_empty` allocated: its codes, scales and factors have storage, the mean and the code table not)."""
+    _, to_nf4 = _nf4()
+    q = to_nf4(full.to(target.quantized_data.device, STORED_DTYPE), target.block_size, target.scaler_block_size)
+    if shards > 1:
+        q = q.split(full.shape[0] // shards)[index]
+    for name in ("quantized_data", "quantized_scalers", "quantization_factor"):
+        getattr(target, name).copy_(getattr(q, name))
+    target.scaler_mean = q.scaler_mean.clone()
+    target.nf4 = q.nf4.clone()
+
+
+def dequantized(t: torch.Tensor) -> torch.Tensor:
+    """`t` with NF4 codes turned back into `STORED_DTYPE` weights (a DTensor keeps its placements); any
+    other tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor) and is_nf4(t.to_local()):
+        return DTensor.from_local(t.to_local().get_original_weight(), t.device_mesh, t.placements,
+                                  shape=t.shape, stride=t.stride())
+    return t.get_original_weight() if is_nf4(t) else t
