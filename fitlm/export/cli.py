@@ -62,22 +62,21 @@ def add_commands(sub) -> None:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from fitlm.cli_common import emit_json, print_table
-    from fitlm.export.source import load_for_export
+    from fitlm.export.source import load_for_export, open_for_export
 
-    loaded = load_for_export(args.model, args.adapter)
-    if args.format == "hf":
+    if args.format == "hf":  # streamed block by block: no process holds the whole model
         from fitlm.export.hf import export_hf
 
-        summary = export_hf(loaded, args.out, max_shard_bytes=args.max_shard_size)
-    elif args.format == "gguf":
+        summary = export_hf(open_for_export(args.model, args.adapter), args.out, max_shard_bytes=args.max_shard_size)
+    elif args.format == "gguf":  # GGUF and ONNX load the whole model: they quantize or trace a module
         from fitlm.export.gguf import export_gguf
 
-        summary = export_gguf(loaded, args.out, args.dtype)
+        summary = export_gguf(load_for_export(args.model, args.adapter), args.out, args.dtype)
     else:
         from fitlm.export.onnx import export_onnx
 
-        summary = export_onnx(loaded, args.out, dynamic_shape=args.dynamic_shape, batch_size=args.batch_size,
-                              seq_len=args.seq_len)
+        summary = export_onnx(load_for_export(args.model, args.adapter), args.out, dynamic_shape=args.dynamic_shape,
+                              batch_size=args.batch_size, seq_len=args.seq_len)
     summary["adapter_merged"] = args.adapter
     emit_json(summary) if args.json else print_table("exported", summary)
     return 0

@@ -18,7 +18,7 @@ import torch.nn as nn
 from fitlm.config import Config
 from fitlm.finetune.lora import lora_weights
 from fitlm.models.init_replay import seeded_weights
-from fitlm.models.io import load_model_dir, resolve_model_path
+from fitlm.models.io import resolve_model_path
 from fitlm.models.streaming import layer_group, stream_from_hf
 
 Weights = Iterator[tuple[str, torch.Tensor]]
@@ -31,10 +31,12 @@ def base_weights(cfg: Config, groups: set[str] | None = None) -> Weights:
     if not m.init_from:
         return seeded_weights(m, cfg.train.seed)
     kind, path = resolve_model_path(m.init_from)
-    if kind == "gguf":
-        # Dequantized whole (GGUF blocks are read by gguf's memory-mapped reader), then handed out.
-        return iter(load_model_dir(path).model.state_dict().items())
     wanted = None if groups is None else (lambda name: layer_group(name) in groups)
+    if kind == "gguf":
+        from fitlm.models.gguf import stream_gguf
+
+        # One tensor read and dequantized at a time, in fp32 as a whole-model GGUF load gives them.
+        return stream_gguf(path, wanted)[2]
     return stream_from_hf(path, m, wanted)[1]
 
 

@@ -5,12 +5,14 @@ GGUF is data only (no pickle, no code). Tensor types are whatever `gguf.quants.d
 the installed version (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, ...); a quantized model is
 imported at its quantized precision, it does not get its original weights back.
 llama.cpp's converter permutes the rows of q/k for its RoPE layout; that permutation is undone here.
+Weights are read one tensor at a time (`GGUFTensors`, `stream_gguf`): a load or an export never needs
+more than the tensor at hand on top of what it keeps.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -33,7 +35,8 @@ def _reader(path: Path):
     try:
         return GGUFReader(str(path))
     except (ValueError, OSError) as e:
-        raise GGUFError(f"{path}: not a readable GGUF file ({e})") from None
+        raise GGUFError(f"{path}: not a readable GGUF file ({e}); it may be truncated: download or convert it "
+                        f"again") from None
 
 
 def _meta(reader) -> dict[str, Any]:
@@ -198,14 +201,17 @@ def gguf_tensors(sd: StateDict, cfg: ModelConfig):
     yield from _rope_tensors(cfg).items()
 
 
-def _dequantize(t, source: str) -> np.ndarray:
+def _dequantize(t, source: str, data: np.ndarray | None = None) -> np.ndarray:
+    """fp32 values of a gguf ReaderTensor `t`, from `data` (its raw values or blocks, as `t.data` is shaped)
+    where given, else from `t.data` (the memory-mapped file)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
+    data = t.data if data is None else data
     if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-        return np.asarray(t.data, dtype=np.float32)
+        return np.asarray(data, dtype=np.float32)
     try:
-        return dequantize(t.data, t.tensor_type)
+        return dequantize(data, t.tensor_type)
     except NotImplementedError:
         raise GGUFError(f"{source}: tensor {t.name} has type {t.tensor_type.name}, which the installed gguf package "
                         f"cannot dequantize; re-quantize the model to Q8_0/Q4_K/Q6_K or F16") from None
@@ -237,33 +243,91 @@ def read_gguf_config(path: str | Path) -> ModelConfig:
     return _config(_meta(reader), {t.name: t for t in reader.tensors}, path)
 
 
-def read_gguf(path: str | Path) -> tuple[ModelConfig, StateDict, dict[str, Any]]:
-    """(config, HF-named fp32 state dict, metadata) of a GGUF file of a registered family."""
-    path = Path(path)
-    reader = _reader(path)
-    meta = _meta(reader)
-    tensors = {t.name: t for t in reader.tensors}
-    cfg = _config(meta, tensors, path)
-    names = cfg.family.gguf
-    sd: StateDict = {}
-    for name, t in tensors.items():
-        if name in _ROPE:
-            continue  # RoPE factors: part of the config (model.rope_scaling), not weights
+class GGUFTensors:
+    """A GGUF file's weights under Hugging Face names, each read, dequantized to fp32 and put back in HF's
+    layout (q/k rows unpermuted, Gemma's stored 1 + w norms undone) on its own, when asked for.
+
+    Why not gguf's `ReaderTensor.data`: it is a view of the memory-mapped file, and every page a read touches
+    stays in the process's resident set until the file is closed, so a pass over all tensors ends up holding
+    the whole file. Here each tensor's bytes are read with plain file reads into a buffer of its own, which
+    is gone once the caller drops the tensor. The header (metadata, tensor table) is parsed once, up front."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        reader = _reader(self.path)
+        self.meta = _meta(reader)
+        tensors = {t.name: t for t in reader.tensors}
+        self.config = _config(self.meta, tensors, self.path)
+        # HF name -> the file's tensor; the RoPE factors are part of the config (model.rope_scaling), not weights.
+        self.entries = {self._hf_name(name): t for name, t in tensors.items() if name not in _ROPE}
+
+    def _hf_name(self, name: str) -> str:
+        names = self.config.family.gguf
         base, _, part = name.rpartition(".")
         pieces = base.split(".")
         if pieces[0] == "blk" and len(pieces) == 3 and pieces[2] in names.layer:
-            ours = f"model.layers.{pieces[1]}.{names.layer[pieces[2]]}.{part}"
-        elif base in names.top:
-            ours = f"{names.top[base]}.{part}"
-        else:
-            raise GGUFError(f"{path}: tensor {name!r} has no place in a fitlm {cfg.arch}; this GGUF model uses parts "
-                            f"fitlm does not implement")
-        w = torch.from_numpy(np.array(_dequantize(t, str(path)), dtype=np.float32))  # a copy: the file is memory-mapped read-only
-        if names.permute_qk and pieces[-1] == "attn_q" and part == "weight":
-            w = _unpermute(w, cfg.num_heads)
-        elif names.permute_qk and pieces[-1] == "attn_k" and part == "weight":
-            w = _unpermute(w, cfg.kv_heads)
-        if names.norm_offset and _is_norm(pieces[-1]):
+            return f"model.layers.{pieces[1]}.{names.layer[pieces[2]]}.{part}"
+        if base in names.top:
+            return f"{names.top[base]}.{part}"
+        raise GGUFError(f"{self.path}: tensor {name!r} has no place in a fitlm {self.config.arch}; this GGUF model "
+                        f"uses parts fitlm does not implement")
+
+    def spec(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        """(fp32, HF shape) of `name`, from the tensor table alone (GGML lists dimensions innermost first)."""
+        return torch.float32, tuple(int(d) for d in reversed(self.entries[name].shape.tolist()))
+
+    def read(self, name: str) -> torch.Tensor:
+        t = self.entries[name]
+        raw = np.empty(t.data.shape, dtype=t.data.dtype)  # the shape and dtype of the view; no page is read
+        with open(self.path, "rb") as f:
+            f.seek(t.data_offset)
+            if f.readinto(memoryview(raw.reshape(-1).view(np.uint8))) != raw.nbytes:
+                raise GGUFError(f"{self.path}: tensor {t.name} is cut short; the file is truncated, download or "
+                                f"convert it again")
+        w = torch.from_numpy(np.ascontiguousarray(_dequantize(t, str(self.path), raw), dtype=np.float32))
+        del raw
+        names, cfg, kind = self.config.family.gguf, self.config, t.name.rpartition(".")[0].split(".")[-1]
+        if names.permute_qk and t.name.endswith(".weight") and kind in ("attn_q", "attn_k"):
+            w = _unpermute(w, cfg.num_heads if kind == "attn_q" else cfg.kv_heads)
+        if names.norm_offset and _is_norm(kind):
             w = w - names.norm_offset  # llama.cpp stores Gemma's norm scales as 1 + w
-        sd[ours] = w
-    return cfg, sd, meta
+        return w
+
+    def state_dict(self) -> StateDict:
+        return {name: self.read(name) for name in self.entries}
+
+
+def read_gguf(path: str | Path) -> tuple[ModelConfig, StateDict, dict[str, Any]]:
+    """(config, HF-named fp32 state dict, metadata) of a GGUF file of a registered family."""
+    src = GGUFTensors(path)
+    return src.config, src.state_dict(), src.meta
+
+
+Specs = dict[str, tuple[torch.dtype, tuple[int, ...]]]
+
+
+def stream_gguf(path: str | Path | GGUFTensors, wanted: Callable[[str], bool] | None = None
+                ) -> tuple[ModelConfig, Specs, Iterator[tuple[str, torch.Tensor]]]:
+    """(the file's config, fitlm name -> (fp32, shape), iterator of (fitlm name, fp32 tensor)) of a GGUF file,
+    one tensor read and dequantized at a time, through the family's HF adapter as
+    fitlm.models.streaming.stream_from_hf does for safetensors (`wanted` as there: a tensor feeding no wanted
+    weight is not read; the adapter checks the whole mapping before anything is read)."""
+    from fitlm.models.hf import from_hf_state_dict
+    from fitlm.models.streaming import meta_like, real_part
+
+    src = path if isinstance(path, GGUFTensors) else GGUFTensors(path)
+    meta_sd = meta_like({k: src.spec(k) for k in src.entries})
+
+    def convert(sd: StateDict) -> StateDict:
+        return from_hf_state_dict(sd, src.config, str(src.path))
+
+    specs = {k: (v.dtype, tuple(v.shape)) for k, v in convert(meta_sd).items()}
+
+    def produce() -> Iterator[tuple[str, torch.Tensor]]:
+        for name in src.entries:
+            # Unread storage (torch.empty touches no page) tells which weights this tensor feeds.
+            if wanted is None or any(wanted(k) for k in real_part(convert, meta_sd, {name: torch.empty(
+                    src.spec(name)[1])})):
+                yield from real_part(convert, meta_sd, {name: src.read(name)}).items()
+
+    return src.config, specs, produce()

@@ -20,7 +20,7 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 import torch.nn as nn
@@ -29,9 +29,10 @@ from fitlm import __version__, faults
 from fitlm.atomic import atomic_dir
 from fitlm.diskspace import disk_full_guard
 from fitlm.config import Config, DataConfig, ModelConfig, load_config, validate_dict
-from fitlm.models.hf import DEFAULT_MAX_SHARD_BYTES, HFFormatError, read_hf_config, load_hf_dir, \
-    model_from_hf_state_dict, read_safetensors_dir, to_hf_state_dict
+from fitlm.models.hf import DEFAULT_MAX_SHARD_BYTES, HFFormatError, read_hf_config, model_from_hf_state_dict, \
+    read_safetensors_dir, to_hf_state_dict
 from fitlm.models.safetensors_io import spec_bytes, write_safetensors_stream
+from fitlm.models.streaming import stream_from_hf
 
 FORMAT_VERSION = 1
 MARKER = "fitlm.json"
@@ -157,7 +158,7 @@ def write_model_dir(specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
     return out_dir
 
 
-def _load_fitlm_dir(d: Path, device: str | torch.device, dtype: torch.dtype | None) -> LoadedModel:
+def _fitlm_dir_config(d: Path) -> Config:
     try:
         info = json.loads((d / MARKER).read_text())
     except ValueError as e:
@@ -166,10 +167,60 @@ def _load_fitlm_dir(d: Path, device: str | torch.device, dtype: torch.dtype | No
     if not isinstance(version, int) or version > FORMAT_VERSION:
         raise ModelDirError(f"{d / MARKER}: format_version {version!r} is not readable by this fitlm "
                             f"(reads up to {FORMAT_VERSION}); upgrade fitlm")
-    cfg = load_config(d / "config.yaml", written_by_fitlm=True)
-    model = model_from_hf_state_dict(read_safetensors_dir(d, device), cfg.model, str(d), device, dtype)
+    return load_config(d / "config.yaml", written_by_fitlm=True)
+
+
+Specs = dict[str, tuple[torch.dtype, tuple[int, ...]]]
+
+
+@dataclass
+class ModelSource:
+    """A MODEL path opened without reading its weights: what `load_model_dir` knows before the weights, and
+    `weights()` to stream them, so a caller that handles one block at a time never holds the model."""
+
+    config: Config
+    tokenizer_path: Path | None
+    source: str  # "fitlm", "hf" or "gguf"
+    path: Path
+    gguf: Any = None  # the GGUF file's fitlm.models.gguf.GGUFTensors (its header parsed once)
+
+    def weights(self, wanted: Callable[[str], bool] | None = None
+                ) -> tuple[Specs, Iterator[tuple[str, torch.Tensor]]]:
+        """(fitlm name -> (stored dtype, shape), iterator of (fitlm name, tensor)), one source tensor read at a
+        time (GGUF: dequantized to fp32); `wanted` as in fitlm.models.streaming.stream_from_hf."""
+        if self.source == "gguf":
+            from fitlm.models.gguf import stream_gguf
+
+            return stream_gguf(self.gguf, wanted)[1:]
+        return stream_from_hf(self.path, self.config.model, wanted)
+
+    def hf_state_dict(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+        """Every weight at once under HF names (the whole-model load)."""
+        return self.gguf.state_dict() if self.source == "gguf" else read_safetensors_dir(self.path, device)
+
+
+def open_model(path: str | Path) -> ModelSource:
+    """Open a fitlm model directory, a training output (its model/), a Hugging Face directory or a GGUF file:
+    the config, tokenizer and version checks of `load_model_dir`, no weights read."""
+    kind, d = resolve_model_path(path)
+    if kind == "gguf":
+        from fitlm.models.gguf import GGUFTensors
+
+        tensors = GGUFTensors(d)
+        if "fitlm.export" in tensors.meta:  # written by `fitlm export`: warn now on an incompatible version
+            from fitlm.models.metadata import check_metadata
+
+            check_metadata(json.loads(tensors.meta["fitlm.export"]), str(d))
+        return ModelSource(default_config(tensors.config), None, "gguf", d, tensors)
+    if kind == "fitlm":
+        cfg = _fitlm_dir_config(d)
+    else:
+        from fitlm.models.metadata import read_metadata
+
+        read_metadata(d)  # an export by `fitlm export` carries a record: warn on an incompatible version
+        cfg = default_config(read_hf_config(d))
     tok = d / "tokenizer.json"
-    return LoadedModel(model.eval(), cfg, tok if tok.is_file() else None, "fitlm", d)
+    return ModelSource(cfg, tok if tok.is_file() else None, kind, d)
 
 
 def read_model_config(path: str | Path) -> ModelConfig:
@@ -186,27 +237,11 @@ def load_model_dir(path: str | Path, device: str | torch.device = "cpu",
                    dtype: torch.dtype | None = torch.float32) -> LoadedModel:
     """Load a fitlm model directory, a training output (its model/), a Hugging Face directory or a GGUF file
     (dequantized on the fly; `fitlm import` keeps the result, with its tokenizer)."""
-    kind, d = resolve_model_path(path)
-    if kind == "gguf":
-        from fitlm.models.gguf import read_gguf
-
-        mcfg, sd, meta = read_gguf(d)
-        if "fitlm.export" in meta:  # written by `fitlm export`: warn now on an incompatible version
-            from fitlm.models.metadata import check_metadata
-
-            check_metadata(json.loads(meta["fitlm.export"]), str(d))
-        model = model_from_hf_state_dict(sd, mcfg, str(d), device, dtype)
-        return LoadedModel(model.eval(), default_config(mcfg), None, "gguf", d)
-    if kind == "fitlm":
-        return _load_fitlm_dir(d, device, dtype)
-    from fitlm.models.metadata import read_metadata
-
-    read_metadata(d)  # an export by `fitlm export` carries a record: warn on an incompatible version
-    model, mcfg = load_hf_dir(d, device, dtype)
-    cfg = default_config(mcfg)
-    tok = d / "tokenizer.json"
-    return LoadedModel(model.eval(), cfg, tok if tok.is_file() else None, "hf", d)
+    src = open_model(path)
+    model = model_from_hf_state_dict(src.hf_state_dict(device), src.config.model, str(src.path), device, dtype)
+    return LoadedModel(model.eval(), src.config, src.tokenizer_path, src.source, src.path)
 
 
-__all__ = ["LoadedModel", "ModelDirError", "HFFormatError", "default_config", "is_fitlm_model_dir",
-           "resolve_model_path", "read_model_config", "save_model_dir", "write_model_dir", "load_model_dir"]
+__all__ = ["LoadedModel", "ModelSource", "open_model", "ModelDirError", "HFFormatError", "default_config",
+           "is_fitlm_model_dir", "resolve_model_path", "read_model_config", "save_model_dir", "write_model_dir",
+           "load_model_dir"]

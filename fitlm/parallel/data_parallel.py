@@ -6,9 +6,11 @@ rank's loss by the data-parallel degree to get the gradient of the global token-
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather  # FSDPModule.set_custom_all_gather's interface
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
@@ -29,7 +31,8 @@ def apply_data_parallel(model: nn.Module, ctx: ParallelContext, memory: MemoryCo
     ZeRO 2/3 shard each block, then the root (embeddings, final norm, head), with FSDP2. ZeRO 0/1 use
     DDP where it applies (no tensor or pipeline parallel); beside those, whose parameters DDP cannot
     take, gradients are all-reduced by `sync_gradients` after backward instead. `memory` gives FSDP2
-    its mixed-precision policy (O2: half all-gather, fp32 reduce) and CPU offload policy.
+    its mixed-precision policy (O2: half all-gather, fp32 reduce) and CPU offload policy. Over gloo
+    the units gather in place (`InPlaceAllGather`), and a frozen embedding is not gathered in backward.
     """
     if ctx.dims.dp_cp == 1:
         return model
@@ -44,7 +47,15 @@ def apply_data_parallel(model: nn.Module, ctx: ParallelContext, memory: MemoryCo
             fully_shard(block, **policies)
         for unit in _own_units(model, memory):
             fully_shard(unit, **policies)
+            if isinstance(unit, nn.Embedding) and not unit.weight.requires_grad:
+                # Nothing flows back through a frozen lookup table, yet FSDP2's backward prefetch would
+                # gather it (vocab x hidden) beside block 0 and hold it to the end of backward.
+                unit.set_unshard_in_backward(False)
         fully_shard(model, **policies)
+        if dist.get_backend(dp_mesh.get_group()) == "gloo":
+            for unit in model.modules():
+                if isinstance(unit, FSDPModule):
+                    unit.set_custom_all_gather(InPlaceAllGather())
         return model
     if ctx.tp == 1 and ctx.pp == 1:
         # Gradients as views into DDP's communication buckets: no second, flat copy of every gradient
@@ -68,6 +79,34 @@ def _own_units(model: nn.Module, memory: MemoryConfig) -> list[nn.Module]:
     if head is not None and not memory.loss_chunk_size:
         units.append(head)
     return units
+
+
+def gather_chunks_in_place(out: torch.Tensor, group: dist.ProcessGroup, last_async: bool = False) -> dist.Work | None:
+    """All-gather along dim 0 into `out`, whose `out.chunk(world)[rank]` already holds this rank's part:
+    one in-place broadcast per rank. Why not all_gather_into_tensor: gloo's gathers receive into a flat
+    buffer of their own and copy it out, so a gather holds twice its output (a 262 MB fp32 head: 524 MB),
+    and on a CPU device that is host memory. The bytes sent are the same as a ring all-gather's.
+    `last_async`: the last broadcast is left running and its work returned (the earlier ones have finished)."""
+    sends = [(i, chunk) for i, chunk in enumerate(out.chunk(dist.get_world_size(group)))
+             if chunk.numel()]  # torch.chunk leaves trailing ranks empty on short dims; every rank skips alike
+    work = None
+    for n, (i, chunk) in enumerate(sends):
+        work = dist.broadcast(chunk, group_src=i, group=group, async_op=last_async and n == len(sends) - 1)
+    return work
+
+
+class InPlaceAllGather(AllGather):
+    """FSDP2's all-gather as `gather_chunks_in_place` (FSDP2 copies each rank's shard into its slot of the
+    output before calling it). It always hands FSDP2 a work to wait on: given none, FSDP2 (torch 2.13) keeps
+    each unit's gathered buffer in forward until the next unit has gathered and copied out, so the head's
+    gather would also hold the last block's buffer."""
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 async_op: bool = False) -> dist.Work | None:
+        return gather_chunks_in_place(output_tensor, group, last_async=True)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -18,12 +18,12 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from fitlm.memory.nf4 import dequantized
 from fitlm.models.streaming import grouped
 from fitlm.parallel.apply import ParallelModel
-from fitlm.parallel.data_parallel import unwrap
+from fitlm.parallel.data_parallel import gather_chunks_in_place, unwrap
 from fitlm.parallel.materialize import plain_name
 
 Specs = dict[str, tuple[torch.dtype, tuple[int, ...]]]
@@ -53,7 +53,26 @@ def weight_specs(pm: ParallelModel) -> Specs:
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     t = dequantized(t)  # QLoRA's NF4 base: each rank's rows back to weights before the gather
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
+    if not isinstance(t, DTensor):
+        return t.detach().cpu()
+    group = t.device_mesh.get_group(0) if t.device_mesh.ndim == 1 else None
+    if group is not None and t.placements == (Shard(0),) and dist.get_backend(group) == "gloo":
+        # ZeRO-3's shards over gloo: gathered in place (gloo's own all-gather holds the output twice).
+        out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        out.chunk(dist.get_world_size(group))[dist.get_rank(group)].copy_(t.to_local())
+        gather_chunks_in_place(out, group)
+        return out.cpu()
+    return t.full_tensor().detach().cpu()
+
+
+def handed_over(groups: Iterator[dict | None]) -> Iterator[dict | None]:
+    """`groups`, each dict emptied once the consumer asks for the next: a generator loop's variable keeps the
+    previous block alive while the next one is gathered, so without this a chain of consumers (the LoRA
+    merge, the HF renaming, the writer) holds two or three blocks at a time instead of one."""
+    for group in groups:
+        yield group
+        if group is not None:
+            group.clear()
 
 
 def _blocks(pm: ParallelModel) -> Iterator[dict[str, torch.Tensor]]:
@@ -66,7 +85,11 @@ def _blocks(pm: ParallelModel) -> Iterator[dict[str, torch.Tensor]]:
 
 def full_groups(pm: ParallelModel) -> Iterator[dict[str, torch.Tensor] | None]:
     """One block's full weights at a time on global rank 0; None on the other ranks. Collective: drain it
-    on every rank."""
+    on every rank. A block is valid until the next is asked for (`handed_over`)."""
+    return handed_over(_full_groups(pm))
+
+
+def _full_groups(pm: ParallelModel) -> Iterator[dict[str, torch.Tensor] | None]:
     ctx = pm.ctx
     if pm.pipeline is None:
         for block in _blocks(pm):

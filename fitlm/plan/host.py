@@ -11,8 +11,8 @@ gradients and optimizer states are released (the last checkpoint holds them). So
 
     load = runtime + parameters resident on the host + largest source tensor (file dtype) + its training-dtype copy
     step = runtime + training state resident on the host
-    save = runtime + parameters resident on the host + 2 × largest gathered group (rank 0: gathered and
-           converted; the other ranks of a sharded layout hold the gathered copy only)
+    save = runtime + parameters resident on the host + largest gathered group, gathered + converted (rank 0;
+           LoRA's merge converts to fp32; the other ranks of a sharded layout hold the gathered copy only)
 
 `runtime` is the interpreter, torch and the accelerator runtime's host side (Device.host_runtime_bytes).
 Resident on the host: everything on a CPU device (its peak, parameters at load); on an accelerator what
@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from fitlm.plan import finetune as ft
 from fitlm.plan.analytic import Breakdown, model_states, param_bytes, rank_params
 from fitlm.plan.devices import Device
 from fitlm.plan.setup import Setup, layer_params
@@ -118,15 +119,19 @@ def host_peaks(s: Setup, mem: Breakdown, dev: Device, source: SourceTensor) -> H
             if fsdp_offload else 0
         state = mem.host
     state_at_save = params_at_load  # the trainer releases gradients and optimizer states before the save
+    # O2 stores frozen weights in half (fitlm.finetune.apply.stores_frozen_in_half): under LoRA every weight
+    # the load reads whole and the save gathers (the embedding, the head, a block's base) is frozen.
+    stored = 2 if ft.frozen_in_half(s) and not ft.embeddings_train(s) else pb
     # `.to(param.dtype)` copies only when the dtypes differ (fp32 -> fp32 is the same tensor)
-    convert = pb if pb != source.file_bytes else 0
+    convert = stored if stored != source.file_bytes else 0
     read = source.numel * (source.file_bytes + convert)
     group = max(layer_params(s), s.vocab * s.h)  # a block, or the largest weight outside them (embedding, head)
-    gathered = group * pb
+    gathered = group * stored
+    converted = group * (4 if s.method == "lora" else stored)  # the LoRA merge gives the file fp32 weights
     sharded = s.dims.fsdp_sharded or s.tp > 1
     load = runtime + params_at_load + read
     step = runtime + state
-    save = runtime + state_at_save + 2 * gathered
+    save = runtime + state_at_save + gathered + converted
     save_other = runtime + state_at_save + (gathered if sharded else 0)
     parts = {
         "load": {"runtime": runtime, "parameters on the host": int(params_at_load),
@@ -135,7 +140,7 @@ def host_peaks(s: Setup, mem: Breakdown, dev: Device, source: SourceTensor) -> H
         "step": {"runtime": runtime, "training state on the host": int(state - mem.host_activations),
                  "offloaded activations (pinned)": mem.host_activations},
         "save": {"runtime": runtime, "parameters on the host": int(state_at_save),
-                 "largest group, gathered": gathered, "largest group, converted for the file": gathered},
+                 "largest group, gathered": gathered, "largest group, converted for the file": converted},
     }
     ranks = min(s.world, dev.node_size)
     return HostPeaks(int(load), int(step), int(save), int(save_other), ranks, dev.host_memory_bytes, parts)
@@ -153,5 +158,5 @@ def host_report(h: HostPeaks, source: SourceTensor, ram_source: str) -> dict:
                               "from": source.origin},
             "formulas": {"load": "runtime + parameters on the host + largest source tensor x (file + training bytes)",
                          "step": "runtime + training state on the host",
-                         "save": "runtime + parameters on the host + 2 x largest gathered group (rank 0)",
+                         "save": "runtime + parameters on the host + largest gathered group, gathered + converted (rank 0)",
                          "node": "ranks per node x per rank (save: rank 0 + the others' gathered copies)"}}

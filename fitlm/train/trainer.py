@@ -34,7 +34,7 @@ from fitlm.models.flops import flops_per_token
 from fitlm.models.streaming import stream_to_hf
 from fitlm.models.io import write_model_dir
 from fitlm.parallel.apply import parallelize, prepares_for_tensor_parallel
-from fitlm.parallel.gather import full_groups, weight_specs
+from fitlm.parallel.gather import full_groups, handed_over, weight_specs
 from fitlm.parallel.materialize import materialize, tied_aliases
 from fitlm.parallel.layout import layout_problems
 from fitlm.parallel.mesh import env_world_size, init_parallel, shutdown
@@ -378,7 +378,7 @@ class Trainer:
                 specs, plain = final_weights(specs, blocks, self.cfg, self.output_dir)  # LoRA: merged, adapter/
                 # HF's names and layouts, whatever the layout changed (Phi-3's projections, split for sharding,
                 # are fused again as the module and HF store them).
-                hf_specs, tensors = stream_to_hf(specs, self.cfg.model, plain)
+                hf_specs, tensors = stream_to_hf(specs, self.cfg.model, handed_over(plain))
                 write_model_dir(hf_specs, tensors, self.cfg, model_dir, tokenizer_path=self.tokenizer.path,
                                 what="final model save")
             except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks are told

