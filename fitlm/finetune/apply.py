@@ -21,18 +21,20 @@ from fitlm.finetune.freeze import apply_freeze
 from fitlm.finetune.lora import LoraError, LoraSpec, apply_lora, inject_lora, is_adapted, lora_modules_of, \
     merge_lora, split_lora_state_dict
 from fitlm.finetune.peft_format import load_adapter, save_adapter
-from fitlm.finetune.qlora import quantize_base
+from fitlm.finetune.qlora import quantize_base, recipe_of
 from fitlm.memory.nf4 import is_nf4
 from fitlm.memory.precision import half_dtype
+from fitlm.registry import build_model
 
 ADAPTER_DIR = "adapter"
 
 
 def stores_frozen_in_half(cfg: Config) -> bool:
     """O2 computes with half casts of every weight anyway, so a frozen weight needs no fp32 master copy:
-    it is stored in half (half the bytes). Not under ZeRO-2/3, where FSDP2 owns the casting, and O3
-    stores everything in half already."""
-    return cfg.memory.mixed_precision == "O2" and not cfg.parallel.dims.fsdp_sharded
+    it is stored in half (half the bytes). Under ZeRO-2/3 too: FSDP2 casts each shard to the half
+    param_dtype before its all-gather, and a shard already in half is gathered as it is, so compute sees
+    the same bits while the shards and the gathers' inputs shrink. O3 stores everything in half already."""
+    return cfg.memory.mixed_precision == "O2"
 
 
 def apply_finetune(model: nn.Module, cfg: Config) -> list[str]:
@@ -124,10 +126,23 @@ def final_weights(specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
         for block in blocks:
             base, ours = split_lora_state_dict(block)
             adapter.update(ours)
-            yield {k: v.float() if v.is_floating_point() else v for k, v in merge_lora(base, ours, spec.scaling).items()}
-        save_adapter(adapter, spec, Path(output_dir) / ADAPTER_DIR, base_model=cfg.model.init_from)
+            out = {k: v.float() if v.is_floating_point() else v for k, v in merge_lora(base, ours, spec.scaling).items()}
+            del block, base, ours  # the gathered block goes before the next is gathered (rank 0's save peak)
+            yield out
+            del out
+        save_adapter(adapter, spec, Path(output_dir) / ADAPTER_DIR, base_model=cfg.model.init_from,
+                     recipe=quantized_recipe(cfg) if cfg.finetune.method == "qlora" else None)
 
     return plain, merged()
+
+
+def quantized_recipe(cfg: Config) -> dict[str, int]:
+    """The NF4 weights `apply_finetune` gives a QLoRA run's model, and their groups (built again on the meta
+    device: no storage), for the adapter's `fitlm.finetune.qlora.RECIPE_FILE`."""
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    apply_finetune(model, cfg)
+    return recipe_of(model)
 
 
 def attach_adapter(model: nn.Module, adapter_dir: str | Path) -> LoraSpec:

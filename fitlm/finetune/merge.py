@@ -7,6 +7,7 @@ from pathlib import Path
 from fitlm.finetune.errors import FinetuneError
 from fitlm.finetune.lora import merge_lora
 from fitlm.finetune.peft_format import load_adapter
+from fitlm.finetune.qlora import as_trained, read_recipe
 from fitlm.models.io import load_model_dir, save_model_dir
 
 
@@ -19,7 +20,9 @@ def merge_model(model: str | Path, adapter: str | Path, out: str | Path) -> dict
             f"again would add it twice. Pass the base model instead"
             + (f" (that run's model.init_from: {loaded.config.model.init_from})" if loaded.config.model.init_from else ""))
     spec, tensors = load_adapter(adapter)
-    merged = merge_lora(loaded.model.state_dict(), tensors, spec.scaling, source=str(adapter))
+    # A QLoRA adapter was trained on the 4-bit base: fold it into the base as that run computed with it.
+    base = as_trained(loaded.model.state_dict(), read_recipe(adapter))
+    merged = merge_lora(base, tensors, spec.scaling, source=str(adapter))
     loaded.model.load_state_dict(merged)
     save_model_dir(loaded.model, loaded.config, out, tokenizer_path=loaded.tokenizer_path, what="fitlm merge")
     return {"model": str(loaded.path), "adapter": str(adapter), "out": str(Path(out)), "modules": len(spec.modules),

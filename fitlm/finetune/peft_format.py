@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from fitlm.atomic import atomic_dir
 from fitlm.diskspace import disk_full_guard, tensor_bytes
 from fitlm.finetune.lora import LoraError, LoraSpec, lora_modules_of
+from fitlm.finetune.qlora import write_recipe
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -41,9 +42,10 @@ def adapter_config(spec: LoraSpec, base_model: str | None = None) -> dict[str, A
 
 
 def save_adapter(adapter: Mapping[str, torch.Tensor], spec: LoraSpec, out_dir: str | Path,
-                 base_model: str | None = None) -> Path:
+                 base_model: str | None = None, recipe: Mapping[str, int] | None = None) -> Path:
     """Write adapter tensors (fitlm FQNs) and their config as a PEFT adapter directory, atomically; a full
-    disk raises fitlm.diskspace.DiskFullError after the partial directory is removed."""
+    disk raises fitlm.diskspace.DiskFullError after the partial directory is removed. `recipe`: QLoRA's
+    quantized base (`fitlm.finetune.qlora.write_recipe`), recorded beside the adapter."""
     out_dir = Path(out_dir).expanduser().absolute()
     if out_dir.exists() and not (out_dir / CONFIG_FILE).is_file() and any(out_dir.iterdir()):
         raise LoraError(f"{out_dir} exists, is not empty and holds no adapter; choose another path for the adapter")
@@ -52,6 +54,8 @@ def save_adapter(adapter: Mapping[str, torch.Tensor], spec: LoraSpec, out_dir: s
         tensors = {PREFIX + k: v.detach().to("cpu", torch.float32).contiguous() for k, v in adapter.items()}
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_text(json.dumps(adapter_config(spec, base_model), indent=2) + "\n")
+        if recipe:
+            write_recipe(tmp, recipe)
     return out_dir
 
 

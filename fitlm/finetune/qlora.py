@@ -11,11 +11,18 @@ that is not a multiple of 64 × 64 / shards, say) stays in the base's dtype; `qu
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Mapping
+
+import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from fitlm.finetune.lora import candidate_linears
+from fitlm.finetune.lora import LoraError, candidate_linears
 from fitlm.memory import nf4
+
+RECIPE_FILE = "fitlm_qlora.json"  # beside a QLoRA run's PEFT adapter: the base as the adapter saw it
 
 
 def quantize_base(model: nn.Module, shards: int = 1) -> list[str]:
@@ -38,3 +45,40 @@ def quantize_base(model: nn.Module, shards: int = 1) -> list[str]:
     ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ())) | set(quantized)
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, sorted(ignored))
     return kept
+
+
+def recipe_of(model: nn.Module) -> dict[str, int]:
+    """Weight name -> double-quantization group of every NF4 weight of `model`: how the base was stored."""
+    return {name: p.scaler_block_size for name, p in model.named_parameters() if nf4.is_nf4(p)}
+
+
+def write_recipe(adapter_dir: Path, recipe: Mapping[str, int]) -> None:
+    """Record the quantized base beside the adapter (PEFT reads only its own two files and ignores this one)."""
+    body = {"method": "qlora", "format": "nf4", "block_size": nf4.BLOCK, "stored_dtype": str(nf4.STORED_DTYPE),
+            "weights": dict(recipe)}
+    (adapter_dir / RECIPE_FILE).write_text(json.dumps(body, indent=2) + "\n")
+
+
+def read_recipe(adapter_dir: str | Path) -> dict[str, int] | None:
+    """The quantized base an adapter was trained on (None: a LoRA adapter on the weights as they are)."""
+    f = Path(adapter_dir).expanduser() / RECIPE_FILE
+    if not f.is_file():
+        return None
+    try:
+        body = json.loads(f.read_text())
+        if body["format"] != "nf4" or body["block_size"] != nf4.BLOCK:
+            raise ValueError(f"format {body['format']!r} with block_size {body['block_size']} (fitlm reads nf4, 64)")
+        return {str(k): int(v) for k, v in body["weights"].items()}
+    except (ValueError, KeyError, TypeError) as e:
+        raise LoraError(f"{f}: not a QLoRA recipe fitlm can read ({e}); it records how the base was quantized "
+                        f"for this adapter. Restore it from the training run's adapter/, or delete it to merge "
+                        f"onto the unquantized base") from None
+
+
+@torch.no_grad()
+def as_trained(weights: Mapping[str, torch.Tensor], recipe: Mapping[str, int] | None) -> dict[str, torch.Tensor]:
+    """`weights` (any subset of a base's, full tensors) as a QLoRA run computed with them: each weight the recipe
+    names quantized to NF4 and dequantized, in fp32. Nothing changes without a recipe."""
+    if not recipe:
+        return dict(weights)
+    return {k: nf4.round_trip(v, recipe[k]) if k in recipe else v for k, v in weights.items()}

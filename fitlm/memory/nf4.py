@@ -1,7 +1,7 @@
 """Frozen weights stored as 4-bit NormalFloat with double quantization (QLoRA, Dettmers et al. 2023).
 
 The storage is torchao's `NF4Tensor`: per 64 weights one absmax scale, the scales themselves quantized
-to int8 in groups of `scaler_block` with one fp32 factor per group (4.127 bits per weight, 0.258× bf16).
+to int8 in groups of `scaler_block` with one bf16 factor per group (4.126 bits per weight, 0.258× bf16).
 `F.linear` on it dequantizes to the input's dtype in forward and again in backward, so the only
 full-width copy of a weight lives for one matmul.
 
@@ -25,7 +25,7 @@ import torch
 BLOCK = 64  # weights per absmax scale (QLoRA's block size)
 SCALER_BLOCKS = (256, 128, 64)  # scales per double-quantization group, tried largest first (QLoRA: 256)
 STORED_DTYPE = torch.bfloat16  # what the codes dequantize from (`get_original_weight`); F.linear casts on
-BYTES_PER_PARAM = 0.5 + 1 / BLOCK  # codes + int8 scales (+ one fp32 factor per group: see `nf4_bytes`)
+BYTES_PER_PARAM = 0.5 + 1 / BLOCK  # codes + int8 scales (+ a factor per group and a table per tensor: `nf4_bytes`)
 
 
 class NF4Unavailable(ImportError):
@@ -67,9 +67,14 @@ def scaler_block(shape: tuple[int, ...], shards: int = 1) -> int | None:
     return next((sb for sb in SCALER_BLOCKS if local % (BLOCK * sb) == 0), None)
 
 
+TABLE_BYTES = 16 * 2 + 2  # per tensor: the 16-entry code table and the scales' mean, in STORED_DTYPE
+
+
 def nf4_bytes(numel: int, scaler: int = SCALER_BLOCKS[0]) -> float:
-    """Bytes of one NF4 weight: 4-bit codes, an int8 scale per block, an fp32 factor per group of scales."""
-    return numel / 2 + numel / BLOCK + 4 * numel / (BLOCK * scaler)
+    """Bytes of one NF4 weight (or of one rank's rows of it): 4-bit codes, an int8 scale per block of 64, a
+    factor per group of scales, and the code table with the mean (all as torchao stores them)."""
+    itemsize = STORED_DTYPE.itemsize
+    return numel / 2 + numel / BLOCK + itemsize * numel / (BLOCK * scaler) + TABLE_BYTES
 
 
 def quantized_meta(weight: torch.Tensor, scaler: int) -> torch.nn.Parameter:
@@ -102,3 +107,11 @@ def dequantized(t: torch.Tensor) -> torch.Tensor:
         return DTensor.from_local(t.to_local().get_original_weight(), t.device_mesh, t.placements,
                                   shape=t.shape, stride=t.stride())
     return t.get_original_weight() if is_nf4(t) else t
+
+
+@torch.no_grad()
+def round_trip(full: torch.Tensor, scaler: int) -> torch.Tensor:
+    """`full` as NF4 holds it: quantized (as `fill` quantizes) and dequantized, in fp32 -- what a merge folds
+    an adapter into, so the merged model computes what the QLoRA run computed."""
+    _, to_nf4 = _nf4()
+    return to_nf4(full.to(STORED_DTYPE), BLOCK, scaler).get_original_weight().float()

@@ -16,7 +16,8 @@ keeps, per block, the half casts of its weights that the matmuls saved (2 bytes 
 casts them again in backward instead, except where recompute, compile, FSDP2 or tensor parallel take over
 (fitlm.memory.precision.recasts_in_backward).
 Korthikanti et al.'s GPT constant (34·s·b·h) does not transfer: no dropout masks, a 3-matrix MLP, GQA.
-Fine-tuning (LoRA, freeze) changes what trains and what a block saves, and DPO doubles the rows of a micro
+Fine-tuning (LoRA, QLoRA, freeze) changes what trains, what the frozen weights cost and what a block saves
+(QLoRA's dequantization working set is a named part of the backward moment), and DPO doubles the rows of a micro
 batch and may keep a frozen reference copy (`other`): see fitlm.plan.finetune.
 """
 
@@ -74,6 +75,7 @@ class Breakdown:
     # parallel's gathered K/V; and the activations memory.activation_offload keeps on the host (within `host`).
     activation_parts: tuple[tuple[str, int], ...] = ()
     host_activations: int = 0
+    param_parts: tuple[tuple[str, int], ...] = ()  # named shares of `params` (QLoRA's NF4 weights)
 
     @property
     def total(self) -> int:
@@ -203,14 +205,16 @@ def model_states(s: Setup, n: float, trained: float | None = None) -> tuple[floa
 
     fitlm's levels fix the per-parameter bytes: params and grads in the parameter dtype (fp32, or half
     at O3) and AdamW's two moments in it too; O2's half copies are transient (activations/other).
-    Frozen parameters (LoRA, freeze) have neither gradients nor states, and O2 stores them in half.
+    Frozen parameters (LoRA, freeze) have neither gradients nor states, and O2 stores them in half; QLoRA's
+    NF4 weights (`ft.nf4_params` of the `n`) hold their 4-bit bytes, per shard as ZeRO-2/3 split them.
     """
     pb = param_bytes(s)
     trained = n if trained is None else trained
     frozen_pb = 2 if ft.frozen_in_half(s) else pb
     d = s.dims  # what the ZeRO stage shards (fitlm.parallel_dims.ZERO_STAGES)
     opt_shard = d.shard_factor("optimizer")
-    params = (trained * pb + (n - trained) * frozen_pb) / d.shard_factor("params")
+    frozen = n - trained - ft.nf4_params(s)
+    params = (trained * pb + frozen * frozen_pb) / d.shard_factor("params") + ft.nf4_rank_bytes(s)
     grads, opt = trained * pb / d.shard_factor("grads"), 2 * trained * pb / opt_shard
     host = 0.0
     if s.offload:
@@ -282,11 +286,18 @@ def _stage(s: Setup, first: bool) -> Breakdown:
     elif s.doc_mask:  # the block-causal mask [B,1,T,T], additive in the attention's dtype, shared by all blocks
         parts["document mask"] = s.rows * s.seq * s.seq * act_bytes(s)  # (fitlm.models.layers.shared_mask)
     sharded = s.dims.fsdp_sharded
-    unsharded = n * (2 if s.level == "O2" else param_bytes(s))
+    gathered_pb = 2 if s.level == "O2" else param_bytes(s)  # FSDP2 gathers O2's parameters in half
+    unsharded = (n - ft.nf4_params(s)) * gathered_pb + ft.nf4_rank_bytes(s, gathered=True)  # NF4: its codes
     staging = 0.0
     if sharded and s.zero == 2:
         # ZeRO-2 keeps the gathered (separate, full) parameters from forward to backward
         parts["ZeRO-2 gathered parameters"] = unsharded
+    elif sharded and ft.nf4_params(s):
+        # QLoRA peaks in the last block's backward, while it dequantizes: that block gathered, the next one's
+        # prefetch not yet issued (measured, MemTracker: one block, its NF4 codes, norms and adapters)
+        nf4_block = ft.nf4_params(s) / s.layers
+        staging = (layer_params(s) + ft.rank_block_adapters(s) - nf4_block) * gathered_pb \
+            + ft.nf4_rank_bytes(s, gathered=True) / s.layers
     elif sharded:
         staging = 2 * unsharded / max(1, layers)  # ZeRO-3 in backward: the regathered block and the prefetched next
     # Two candidate moments in backward: the loss (logits alive; measured: no ZeRO-3 block gathered yet)
@@ -294,9 +305,11 @@ def _stage(s: Setup, first: bool) -> Breakdown:
     # rebuilt by recompute).
     head_grad = s.vocab * s.h * param_bytes(s) / s.tp if has_logits and ft.head_trains(s) else 0.0
     cp_backward = cp.backward_bytes(s)  # context parallel: full-length K/V gradients in a block's backward
-    if working + cp_backward + staging + head_grad > outside + logit:
-        act, logit, grads_extra = kept + working + cp_backward, 0.0, head_grad
+    dequant = ft.dequant_bytes(s, tokens)  # QLoRA: the last block's largest NF4 weight dequantized for its input gradient
+    if working + cp_backward + staging + head_grad + dequant > outside + logit:
+        act, logit, grads_extra = kept + working + cp_backward + dequant, 0.0, head_grad
         act_parts[cp.BACKWARD] = cp_backward
+        act_parts[ft.DEQUANT] = dequant
         if staging:
             parts["ZeRO-3 gathered blocks"] = staging
     else:
@@ -304,7 +317,7 @@ def _stage(s: Setup, first: bool) -> Breakdown:
     # Gradients present during forward: none at accumulation step 1 (zero_grad frees them); with
     # accumulation the earlier micro batches' gradients: unsharded while FSDP2 skips the sync
     # (parallel.gradient_sync: last_micro_batch), their shards when it reduces every micro batch.
-    held = unsharded * trained / n if sharded and not s.sync_every else grads_full
+    held = trained * gathered_pb if sharded and not s.sync_every else grads_full
     if s.pp > 1:  # one schedule run per step: gradients exist once this stage has run a backward
         grads_fb = held * _backward_before_peak(s, first) + grads_extra
     elif s.dims.ddp:
@@ -315,14 +328,16 @@ def _stage(s: Setup, first: bool) -> Breakdown:
             parts["DDP buckets beside unsynced gradients"] = grads_full
     else:
         grads_fb = (0.0 if s.accum == 1 else held) + grads_extra
+    nf4_part = ((ft.NF4_PARAMS, int(ft.nf4_rank_bytes(s))),) if params and ft.nf4_params(s) else ()
     fb = _with_parts(params, grads_fb, opt, act, logit, parts, "forward/backward", host + host_act)
-    fb = replace(fb, activation_parts=tuple((k, int(v)) for k, v in act_parts.items() if v), host_activations=int(host_act))
+    fb = replace(fb, activation_parts=tuple((k, int(v)) for k, v in act_parts.items() if v), host_activations=int(host_act),
+                 param_parts=nf4_part)
     # Optimizer step: gradients complete (DDP's are views into its buckets: no second copy), plus foreach
     # AdamW's one state-sized temporary (sqrt of v) where sharded DTensors keep it off the fused kernel.
     step_tmp = opt / 2 if not s.offload and foreach_adamw(s) else 0.0
     step_parts = {"RoPE cos/sin tables": rope, REFERENCE: parts[REFERENCE], "optimizer temporaries": step_tmp}
     st = _with_parts(params, grads_full, opt, 0, 0, step_parts, "optimizer step", host + host_act)
-    st = replace(st, host_activations=int(host_act))  # pinned buffers stay allocated for the next step
+    st = replace(st, host_activations=int(host_act), param_parts=nf4_part)  # pinned buffers stay for the next step
     return max((fb, st), key=lambda b: b.total)
 
 

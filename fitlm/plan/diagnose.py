@@ -3,8 +3,8 @@
 Why single changes: a user fixing an out-of-memory error wants the smallest edit to the config,
 with the arithmetic that shows it works ("recompute: full saves 11.2 GiB -> 61.3 GiB, fits").
 Each remedy keeps what is learned unchanged (the global batch is held fixed), except the fine-tuning
-ones offered when a pretrained model is fully fine-tuned (model.init_from): LoRA on q/v, or freezing the
-bottom half, which train fewer parameters (and so say so).
+ones offered when a pretrained model is fine-tuned (model.init_from): LoRA or QLoRA on q/v, or freezing the
+bottom half, which train fewer parameters (and so say so); a LoRA run is offered QLoRA's 4-bit base.
 """
 
 from __future__ import annotations
@@ -78,10 +78,15 @@ def remedies(s: Setup) -> list[Remedy]:
     if s.level in ("O0", "O1"):
         trials.append(("memory.mixed_precision: O2", replace(s, level="O2")))
     if s.pretrained and s.method == "full":  # LoRA and freeze run under every layout
-        trials.append(("finetune.method: lora (r 8 on q_proj, v_proj; trains adapters only)",
-                       replace(s, method="lora", lora_r=8, lora_targets=("q_proj", "v_proj"))))
+        qv = replace(s, lora_r=8, lora_targets=("q_proj", "v_proj"))
+        trials.append(("finetune.method: lora (r 8 on q_proj, v_proj; trains adapters only)", replace(qv, method="lora")))
+        # QLoRA only where fitlm.rules lets it run (torchao installed, no TP/PP/CP, not O3): `_allowed` drops it
+        trials.append(("finetune.method: qlora (r 8 on q_proj, v_proj; adapters on a 4-bit NF4 base)",
+                       replace(qv, method="qlora")))
         trials.append(("finetune.method: freeze (freeze_layers: 0.5; trains the top half only)",
                        replace(s, method="freeze", freeze_layers=0.5, freeze_embeddings=False)))
+    if s.pretrained and s.method == "lora":  # the same adapters on the base stored in 4 bits
+        trials.append(("finetune.method: qlora (the same adapters on a 4-bit NF4 base)", replace(s, method="qlora")))
     before = breakdown(s).total
     out = [Remedy(name, t, breakdown(t)) for name, t in trials if _allowed(s, t)]
     out = [r for r in out if r.memory.total < before]

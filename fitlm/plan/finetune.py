@@ -9,8 +9,14 @@ It mirrors fitlm.finetune (apply.py, lora.py, freeze.py) and fitlm.step.dpo, per
     blocks' adapters.
   - freeze stops the bottom floor(fraction·L) blocks (and, optionally, the embeddings with a tied head);
     under pipeline parallel the first stage holds the frozen blocks, so it trains least.
-  - Frozen parameters get no gradient and no AdamW state; O2 without ZeRO-2/3 stores them in half
+  - Frozen parameters get no gradient and no AdamW state; O2 stores them in half, ZeRO-2/3's shards too
     (`stores_frozen_in_half`), so they need no half cast either.
+  - QLoRA (fitlm.finetune.qlora) is LoRA, with every block Linear (targeted or not) stored as torchao's NF4
+    (`nf4.nf4_bytes` each; per ZeRO-2/3 shard when sharded, `nf4.scaler_block` as `quantize_base` picks it; a
+    Linear whose shard would split a group stays in the base's storage). An NF4 matmul saves the NF4 weight,
+    never a half cast (torchao's LinearNF4), so O1 keeps no cast of those weights; each matmul dequantizes its
+    weight in forward and again in backward, whose temporaries (`DEQUANT_BYTES_PER_PARAM`) of the largest
+    Linear count once at the backward peak (fitlm.plan.analytic).
 Saved tensors, counted as the analytic engine's BLOCK constants count them (bytes per token): a
 norm's normalised input is kept only for its weight's gradient (rb·h); a linear's input only for its
 weight's gradient or its adapter's A (O1 keeps one autocast copy per such consumer); a block whose
@@ -23,7 +29,7 @@ blocks' activations and the logits are those of 2B sequences; the policy's logit
 ([2B, T, V], `sequence_logps`: memory.loss_chunk_size does not apply). The reference forward runs first,
 under no_grad, and keeps only its [2B] sequence log-probs: its logits and log-softmax are freed before the
 policy's forward starts, and they are no larger than the policy's own at its peak, so they add nothing to it.
-The reference's weights: under LoRA without `finetune.dpo.reference`, none (the adapters are switched off);
+The reference's weights: under LoRA or QLoRA without `finetune.dpo.reference`, none (the adapters are switched off);
 otherwise a whole frozen copy on every rank (not split by tensor or pipeline parallel, not sharded by
 ZeRO), in the run's storage precision (fp32 at O0/O1, half at O2/O3), without gradients or optimizer states.
 A reference named by `finetune.dpo.reference` is counted as the trained network (it must share its
@@ -32,9 +38,23 @@ vocabulary; the planner does not read its directory).
 
 from __future__ import annotations
 
+from fitlm.memory import nf4
 from fitlm.plan.setup import Setup, embedding_params, head_params, layer_params, stage_layers, total_params
 
 ALL_LINEAR = "all-linear"
+ADAPTER_METHODS = ("lora", "qlora")  # fitlm.config.FinetuneConfig.adapters
+# Peak bytes per weight while torchao dequantizes an NF4 weight (measured with MemTracker, torchao 0.18, any
+# input dtype): get_original_weight holds both nibbles' int64 indices (8), their bf16 values (2), the scaled
+# halves (2) and the stacked bf16 weight (2) at once; the cast to an fp32 input (O1, O0) comes after they
+# are freed and needs less (bf16 + fp32: 6), as does autocast's bf16 copy of it.
+DEQUANT_BYTES_PER_PARAM = 14
+NF4_PARAMS = "NF4 base linears (4-bit codes + scales)"  # the part of `params` `nf4_rank_bytes` counts
+DEQUANT = "NF4 dequantization (largest linear)"  # the part of `activations` `dequant_bytes` counts
+
+
+def adapters(s: Setup) -> bool:
+    """LoRA adapters are what trains (`lora`, or `qlora` on its 4-bit base)."""
+    return s.method in ADAPTER_METHODS
 
 
 def linear_shapes(s: Setup) -> dict[str, tuple[int, int]]:
@@ -44,7 +64,7 @@ def linear_shapes(s: Setup) -> dict[str, tuple[int, int]]:
 
 def lora_targets(s: Setup) -> tuple[str, ...]:
     """The leaf names adapted in every block (targets are matched by leaf name or dotted suffix)."""
-    if s.method != "lora":
+    if not adapters(s):
         return ()
     shapes = linear_shapes(s)
     if ALL_LINEAR in s.lora_targets:
@@ -72,6 +92,46 @@ def rank_block_adapters(s: Setup) -> int:
                for n in lora_targets(s) for i, o in [shapes[n]])
 
 
+def nf4_shards(s: Setup) -> int:
+    """The row shards of each NF4 weight: the ZeRO-2/3 degree (fitlm.finetune.apply), else 1."""
+    return s.dims.dp_cp if s.dims.fsdp_sharded else 1
+
+
+def nf4_linears(s: Setup) -> tuple[tuple[int, int, int], ...]:
+    """(in, out, double-quantization group) of each block Linear QLoRA stores in NF4 (none unless qlora)."""
+    if s.method != "qlora":
+        return ()
+    out = []
+    for i, o in linear_shapes(s).values():
+        scaler = nf4.scaler_block((o, i), nf4_shards(s))
+        if scaler is not None:  # else quantize_base keeps it in the base's storage
+            out.append((i, o, scaler))
+    return tuple(out)
+
+
+def nf4_params(s: Setup) -> int:
+    """Parameters of the whole model stored in NF4 (QLoRA refuses tensor and pipeline parallel)."""
+    return s.layers * sum(i * o for i, o, _ in nf4_linears(s))
+
+
+def nf4_rank_bytes(s: Setup, gathered: bool = False) -> float:
+    """Bytes of those NF4 weights on one rank: its rows' shard, or the whole of them (`gathered`: what FSDP2's
+    all-gather of the codes rebuilds)."""
+    shards = 1 if gathered else nf4_shards(s)
+    return s.layers * sum(nf4.nf4_bytes(i * o // shards, scaler) for i, o, scaler in nf4_linears(s))
+
+
+def dequant_bytes(s: Setup, tokens: float) -> float:
+    """What the last block's backward holds beyond its saved tensors while torchao dequantizes a weight for the
+    input gradient, at the largest NF4 Linear: the working set, and the gradient of that Linear's output
+    [tokens, out] (in the activations' dtype) it is about to multiply. Checked on fake tensors: within 1%
+    of the simulated total for q/v and all-linear targets at O0-O2; the other in-flight gradients of that
+    moment roughly cancel the saved tensors the block's backward has freed."""
+    from fitlm.plan.analytic import act_bytes
+
+    return max((DEQUANT_BYTES_PER_PARAM * i * o + tokens * o * act_bytes(s) for i, o, _ in nf4_linears(s)), default=0.0)
+
+
 def stage_blocks(s: Setup, first: bool) -> range:
     """The blocks on the first or the last pipeline stage (all of them without pipeline parallel)."""
     if s.pp == 1:
@@ -84,7 +144,7 @@ def stage_trainable(s: Setup, first: bool) -> float:
     """Trainable parameters on one rank of the first or last pipeline stage, split by tensor parallel
     (before any ZeRO sharding): adapters by `rank_block_adapters`, matrices by tp."""
     blocks = stage_blocks(s, first)
-    if s.method == "lora":
+    if adapters(s):
         return len(blocks) * rank_block_adapters(s)
     out = sum(_block_trains(s, b) for b in blocks) * layer_params(s)
     if first and embeddings_train(s):
@@ -120,7 +180,7 @@ def dpo(s: Setup) -> bool:
 
 def reference_copy(s: Setup) -> bool:
     """Does DPO keep a second, frozen model (not the LoRA base with adapters off)?"""
-    return dpo(s) and not (s.method == "lora" and s.dpo_reference is None)
+    return dpo(s) and not (adapters(s) and s.dpo_reference is None)
 
 
 def reference_bytes(s: Setup) -> int:
@@ -154,7 +214,7 @@ def trainable_params(s: Setup) -> int:
     """Parameters that get a gradient and optimizer states (the whole model for `full`)."""
     if s.method == "full":
         return embedding_params(s) + s.layers * layer_params(s) + head_params(s)
-    if s.method == "lora":
+    if adapters(s):
         return adapter_params(s)
     out = (s.layers - frozen_blocks(s)) * layer_params(s)
     out += embedding_params(s) if embeddings_train(s) else 0
@@ -162,8 +222,9 @@ def trainable_params(s: Setup) -> int:
 
 
 def frozen_in_half(s: Setup) -> bool:
-    """fitlm.finetune.apply.stores_frozen_in_half: O2 without FSDP2 stores frozen weights in half."""
-    return s.method != "full" and s.level == "O2" and not s.dims.fsdp_sharded
+    """fitlm.finetune.apply.stores_frozen_in_half: O2 stores frozen weights in half, under ZeRO-2/3 too (FSDP2
+    gathers a half shard as it is)."""
+    return s.method != "full" and s.level == "O2"
 
 
 def _input_bytes(s: Setup, consumers: int, width: int, casts_per_consumer: bool) -> float:
@@ -177,7 +238,7 @@ def _grad_below(s: Setup, block: int) -> bool:
     """Does anything below `block` train (so its input needs a gradient)?"""
     if embeddings_train(s):
         return True
-    return block > 0 if s.method == "lora" else block > frozen_blocks(s)
+    return block > 0 if adapters(s) else block > frozen_blocks(s)
 
 
 def _block_trains(s: Setup, block: int) -> bool:
@@ -213,14 +274,14 @@ def block_savings(s: Setup, block: int) -> float:
 
 def block_cast_params(s: Setup, block: int) -> float:
     """Parameters of block `block` on one tensor-parallel rank whose half casts its matmuls keep under O1/O2:
-    trainable weights and adapters; at O1 also frozen fp32 weights a gradient passes through; frozen half
-    weights never."""
+    trainable weights and adapters; at O1 also frozen fp32 weights a gradient passes through (not NF4 ones,
+    whose matmul keeps the NF4 weight itself); frozen half weights never."""
     local = layer_params(s) / s.tp
     if _block_trains(s, block):
         return local
     if s.method == "freeze" and not _grad_below(s, block):
         return 0
-    return rank_block_adapters(s) + (local if s.level == "O1" else 0)
+    return rank_block_adapters(s) + (local - nf4_params(s) / s.layers if s.level == "O1" else 0)
 
 
 def outside_savings(s: Setup) -> float:
@@ -230,6 +291,6 @@ def outside_savings(s: Setup) -> float:
     from fitlm.plan.analytic import act_bytes, residual_bytes
 
     saved = 0.0 if head_trains(s) else act_bytes(s) * s.h  # the head's input, kept for its weight gradient
-    if s.method == "lora":
+    if adapters(s):
         saved += residual_bytes(s) * s.h  # the final norm's weight is frozen too
     return saved

@@ -20,7 +20,8 @@ from fitlm.plan.activation_offload import note as offload_note
 from fitlm.plan.analytic import breakdown
 from fitlm.plan.devices import Device
 from fitlm.plan.diagnose import dominant, remedies
-from fitlm.plan.finetune import adapter_params, lora_targets, reference_bytes, stage_trainable, trainable_params
+from fitlm.plan.finetune import adapter_params, adapters, dequant_bytes, lora_targets, nf4_params, nf4_rank_bytes, \
+    reference_bytes, stage_trainable, trainable_params
 from fitlm.plan.host import host_peaks, host_report, source_tensor
 from fitlm.plan.max_seq import max_seq
 from fitlm.plan.setup import Setup, from_config, on_device, to_overrides, total_params
@@ -55,8 +56,11 @@ def _finetune(s: Setup) -> dict[str, Any]:
     if s.objective == "dpo":
         out["dpo"] = {"rows_per_micro_batch": s.rows, "reference": s.dpo_reference or "starting model",
                       "reference_bytes": reference_bytes(s)}  # 0: LoRA's base with the adapters off
-    if s.method == "lora":
+    if adapters(s):
         out["lora"] = {"r": s.lora_r, "targets": list(lora_targets(s))}
+    if s.method == "qlora":  # the 4-bit base: what it stores, and the one weight dequantized at a time
+        out["qlora"] = {"nf4_params": nf4_params(s), "nf4_bytes_per_device": int(nf4_rank_bytes(s)),
+                        "dequant_bytes": int(dequant_bytes(s, s.rows * s.local_seq))}
     elif s.method == "freeze":
         out["freeze"] = {"layers": s.freeze_layers, "embeddings": s.freeze_embeddings}
     return out
@@ -85,7 +89,7 @@ def plan(cfg: Config, dev: Device, num_devices: int | None = None, simulate: boo
         "device": {"name": dev.name, "memory_bytes": dev.memory_bytes, "usable_bytes": dev.usable_bytes,
                    "tflops": dev.tflops, "efficiency": dev.efficiency, "num_devices": n, "source": dev.source},
         "layout": _layout(s), "memory_options": _memory_opts(s),
-        "per_device": mem.as_dict(), "other_parts": dict(mem.other_parts),
+        "per_device": mem.as_dict(), "other_parts": dict(mem.other_parts), "param_parts": dict(mem.param_parts),
         "activation_parts": dict(mem.activation_parts), "peak_phase": mem.phase,
         "host_bytes_per_device": mem.host, "host_activation_bytes": mem.host_activations,
         "host": host_report(host, source, dev.host_source),
@@ -178,8 +182,8 @@ def render(result: dict[str, Any]) -> None:
     for key, value in result["per_device"].items():
         row = [key, gib(value)] + ([gib(sim[key])] if sim else [])
         table.add_row(*row, style="bold" if key == "total" else None)
-        named = {"other": "other_parts", "activations": "activation_parts"}.get(key)
-        if named:  # the named parts of `other` and `activations` (the simulation cannot tell them apart)
+        named = {"params": "param_parts", "other": "other_parts", "activations": "activation_parts"}.get(key)
+        if named:  # the named parts of `params`, `other` and `activations` (the simulation cannot tell them apart)
             for part, nbytes in result.get(named, {}).items():
                 table.add_row(f"  {part}", gib(nbytes), *([""] if sim else []), style="dim")
     console.print(table)

@@ -79,7 +79,7 @@ class Setup:
     recompute_every: int = 1
     offload: bool = False
     loss_chunk: int = 0
-    method: str = "full"  # finetune.method: full, lora, freeze (fitlm.plan.finetune does the accounting)
+    method: str = "full"  # finetune.method: full, lora, qlora, freeze (fitlm.plan.finetune does the accounting)
     lora_r: int = 8
     lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
     freeze_layers: float = 0.0

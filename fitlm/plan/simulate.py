@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fitlm.config import Config
 from fitlm.finetune.apply import apply_finetune
+from fitlm.memory.nf4 import is_nf4
 from fitlm.memory.precision import half_dtype
 from fitlm.memory.tracking import plan_components, track_step
 from fitlm.parallel.apply import parallelize
@@ -128,6 +129,8 @@ def _run_rank(cfg: Config, rank: int, fake: bool, boundary: dict[str, Any]) -> t
         # later; O3 is then exactly O0 on a half model (no autocast, no FSDP casting policy).
         model = _build_in(cfg, build_model) if fake and cfg.memory.mixed_precision == "O3" else build_model(cfg.model)
         apply_finetune(model, cfg)  # LoRA adapters / frozen layers, as the trainer does before any wrapper
+        if fake:
+            _nf4_on_fake_device(model)
         if fake and cfg.memory.mixed_precision == "O3":
             _adapters_to_half(model, cfg)
         pm = parallelize(model, _as_built(cfg) if fake else cfg, ctx)
@@ -147,6 +150,23 @@ def _run_rank(cfg: Config, rank: int, fake: bool, boundary: dict[str, Any]) -> t
         peak = track_step(step, pm.modules, train_step.optimizer, warmup_steps=int(_made_before_tracking(cfg))).peak
         heavier = _heaviest_zero1_rank(train_step.optimizer, ctx)
     return plan_components(peak), heavier
+
+
+def _nf4_on_fake_device(model: torch.nn.Module) -> None:
+    """QLoRA's NF4 weights, which `quantize_base` makes on meta for `materialize` to fill, as fake tensors beside
+    the rest of the fake model (on meta, every op mixing them with it is a device mismatch). `to_empty` gives
+    the codes, scales and factors storage; the mean and the 16-entry code table are set apart (materialize's
+    `nf4.fill` copies them): torchao's dequantization then runs under FakeTensorMode as on real tensors."""
+    for module in model.modules():
+        own = [p for p in module.parameters(recurse=False) if is_nf4(p) and p.is_meta]
+        if not own:
+            continue
+        module.to_empty(device="cpu", recurse=False)
+        for p in module.parameters(recurse=False):
+            if is_nf4(p):
+                for name in ("scaler_mean", "nf4"):
+                    meta = getattr(p, name)
+                    setattr(p, name, torch.empty(meta.shape, dtype=meta.dtype, device="cpu"))
 
 
 def _build_in(cfg: Config, build) -> torch.nn.Module:

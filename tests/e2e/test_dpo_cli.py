@@ -1,9 +1,11 @@
 """DPO from the command line, as a user runs it: `fitlm data pack --format preference`, then `fitlm train` with
-LoRA and `finetune.objective: dpo`; the rewards are logged beside the loss (metrics.jsonl and TensorBoard)."""
+LoRA (or QLoRA: its reference is the 4-bit base with adapters off) and `finetune.objective: dpo`; the rewards are logged beside the loss (metrics.jsonl and TensorBoard)."""
 
 from __future__ import annotations
 
 import json
+
+import pytest
 
 from tests.e2e.helpers import fitlm, read_metrics, write_config
 from tests.unit.test_dpo import MODEL, rows
@@ -11,7 +13,8 @@ from tests.unit.test_dpo import MODEL, rows
 REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
 
 
-def test_pack_and_train_dpo_with_lora(tiny_corpus, tmp_path):
+@pytest.mark.parametrize("method", ["lora", pytest.param("qlora", marks=pytest.mark.slow)])
+def test_pack_and_train_dpo_with_lora(tiny_corpus, tmp_path, method):
     src = tmp_path / "pairs.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows()))
     packed = tmp_path / "packed"
@@ -22,7 +25,7 @@ def test_pack_and_train_dpo_with_lora(tiny_corpus, tmp_path):
     out = tmp_path / "out"
     cfg = write_config(tmp_path / "dpo.yaml", {
         "model": MODEL, "data": {"train": str(packed), "valid": str(packed), "seq_length": 64, "format": "preference"},
-        "finetune": {"method": "lora", "objective": "dpo", "lora": {"r": 4, "target_modules": ["all-linear"]}},
+        "finetune": {"method": method, "objective": "dpo", "lora": {"r": 4, "target_modules": ["all-linear"]}},
         "train": {"micro_batch_size": 2, "max_steps": 2, "lr": 1e-2, "warmup_steps": 0, "log_interval": 1,
                   "eval_interval": 2, "eval_steps": 1, "output_dir": str(out), "progress": False,
                   "observe": {"tensorboard": True}}})
