@@ -77,11 +77,12 @@ def nf4_bytes(numel: int, scaler: int = SCALER_BLOCKS[0]) -> float:
     return numel / 2 + numel / BLOCK + itemsize * numel / (BLOCK * scaler) + TABLE_BYTES
 
 
-def quantized_meta(weight: torch.Tensor, scaler: int) -> torch.nn.Parameter:
-    """A frozen NF4 parameter with `weight`'s shape and no storage (meta): `fill` gives it its codes."""
+def quantized_meta(weight: torch.Tensor, scaler: int, device: str = "meta") -> torch.nn.Parameter:
+    """A frozen NF4 parameter with `weight`'s shape and no values: on meta (no storage) for `fill` to give it its
+    codes, or on `device` (a planner's fake tensors, under FakeTensorMode)."""
     _, to_nf4 = _nf4()
-    meta = torch.empty(weight.shape, dtype=STORED_DTYPE, device="meta")
-    return torch.nn.Parameter(to_nf4(meta, BLOCK, scaler), requires_grad=False)
+    empty = torch.empty(weight.shape, dtype=STORED_DTYPE, device=device)
+    return torch.nn.Parameter(to_nf4(empty, BLOCK, scaler), requires_grad=False)
 
 
 @torch.no_grad()

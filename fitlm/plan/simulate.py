@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fitlm.config import Config
 from fitlm.finetune.apply import apply_finetune
+from fitlm.memory import nf4
 from fitlm.memory.nf4 import is_nf4
 from fitlm.memory.precision import half_dtype
 from fitlm.memory.tracking import plan_components, track_step
@@ -154,19 +155,13 @@ def _run_rank(cfg: Config, rank: int, fake: bool, boundary: dict[str, Any]) -> t
 
 def _nf4_on_fake_device(model: torch.nn.Module) -> None:
     """QLoRA's NF4 weights, which `quantize_base` makes on meta for `materialize` to fill, as fake tensors beside
-    the rest of the fake model (on meta, every op mixing them with it is a device mismatch). `to_empty` gives
-    the codes, scales and factors storage; the mean and the 16-entry code table are set apart (materialize's
-    `nf4.fill` copies them): torchao's dequantization then runs under FakeTensorMode as on real tensors."""
+    the rest of the fake model (on meta, every op mixing them with it is a device mismatch): quantized again
+    from an empty fake weight, so torchao's dequantization runs under FakeTensorMode as on real tensors. Only the
+    weight is replaced (a Linear's fake bias cannot be swapped by `to_empty`)."""
     for module in model.modules():
-        own = [p for p in module.parameters(recurse=False) if is_nf4(p) and p.is_meta]
-        if not own:
-            continue
-        module.to_empty(device="cpu", recurse=False)
-        for p in module.parameters(recurse=False):
-            if is_nf4(p):
-                for name in ("scaler_mean", "nf4"):
-                    meta = getattr(p, name)
-                    setattr(p, name, torch.empty(meta.shape, dtype=meta.dtype, device="cpu"))
+        w = module._parameters.get("weight")
+        if w is not None and is_nf4(w) and w.is_meta:
+            module.weight = nf4.quantized_meta(w, w.scaler_block_size, device="cpu")
 
 
 def _build_in(cfg: Config, build) -> torch.nn.Module:

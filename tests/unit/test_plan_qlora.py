@@ -97,3 +97,13 @@ def test_diagnosis_offers_qlora_when_fine_tuning_a_pretrained_model():
     tp = replace(s, tp=2, dp=1)  # tensor parallel refuses QLoRA (fitlm.rules): not offered
     assert not any(r.change.startswith("finetune.method: qlora") for r in remedies(tp))
 
+
+
+def test_simulation_runs_qlora_on_linears_with_biases():
+    """Qwen2's q/k/v carry biases: the simulation replaces only the NF4 weight of such a Linear (a fake bias
+    cannot be swapped), and finds the parameters the analytic plan counts."""
+    from fitlm.plan.simulate import run_step
+
+    s = _setup("qlora", model={"arch": "qwen2"})
+    simulated = run_step(s.cfg)
+    assert simulated["params"] == pytest.approx(breakdown(s).params, rel=0.01)
