@@ -163,7 +163,7 @@ class DataConfig(_Section):
     seq_length: int = 2048
     """Tokens per training sample; must not exceed model.max_seq_len."""
     format: Literal["pretrain", "chat", "preference"] = "pretrain"
-    """`pretrain`: plain text stream. `chat`: conversations with loss on assistant turns only. `preference`: (prompt, chosen, rejected) pairs packed with `fitlm data pack --format preference`, for `finetune.objective: dpo`; train.micro_batch_size counts pairs."""
+    """`pretrain`: plain text stream. `chat`: conversations with loss on assistant turns only. `preference`: (prompt, chosen, rejected) pairs packed with `fitlm data pack --format preference`, for `finetune.objective: dpo` or `simpo`; train.micro_batch_size counts pairs."""
     tokenizer: str | None = None
     """tokenizer.json to use; null = the one stored beside the packed training data."""
     document_mask: bool = True
@@ -257,6 +257,16 @@ class DpoConfig(_Section):
     """The frozen reference model: null = the starting model (LoRA: the base with adapters off; full/freeze: a frozen copy), or a model directory (HF or fitlm) with the same tokenizer."""
 
 
+PAIR_OBJECTIVES = ("dpo", "simpo")  # finetune.objective values that train on preference pairs (2 rows a sample)
+
+
+class SimpoConfig(_Section):
+    beta: float = 2.0
+    """SimPO's β: the scale of the rewards β · (average log-prob of the response per token); the loss is −log σ(β · (chosen average − rejected average) − γ). 2.0 is the SimPO paper's value (TRL's CPOConfig defaults beta to 0.1, for its other losses)."""
+    gamma: float = 0.5
+    """SimPO's γ: the target reward margin between chosen and rejected (TRL's `simpo_gamma`, whose default 0.5 is used here)."""
+
+
 class FinetuneConfig(_Section):
     method: Literal["full", "lora", "qlora", "freeze"] = "full"
     """`full` trains everything; `lora` trains adapters only; `qlora` trains adapters on a frozen base whose linear layers are stored in 4-bit NF4 (needs torchao: pip install 'fitlm[qlora]'); `freeze` freezes the bottom layers."""
@@ -266,10 +276,17 @@ class FinetuneConfig(_Section):
     """Fraction of the bottom layers frozen when method is `freeze` (0.0-1.0; floor(fraction × layers) blocks)."""
     freeze_embeddings: bool = False
     """With method `freeze`: also freeze the token (and position) embeddings, and with them a tied output head."""
-    objective: Literal["sft", "dpo"] = "sft"
-    """`sft`: next-token cross-entropy on the target tokens. `dpo`: Direct Preference Optimization on `data.format: preference` pairs (settings in finetune.dpo)."""
+    objective: Literal["sft", "dpo", "simpo"] = "sft"
+    """`sft`: next-token cross-entropy on the target tokens. `dpo`: Direct Preference Optimization on `data.format: preference` pairs (settings in finetune.dpo). `simpo`: SimPO on the same pairs, without a reference model (settings in finetune.simpo)."""
     dpo: DpoConfig = DpoConfig()
     """DPO settings (used when objective is `dpo`)."""
+    simpo: SimpoConfig = SimpoConfig()
+    """SimPO settings (used when objective is `simpo`)."""
+
+    @property
+    def pairs(self) -> bool:
+        """The objective trains on preference pairs (`dpo`, `simpo`): 2 rows per sample."""
+        return self.objective in PAIR_OBJECTIVES
 
     @property
     def adapters(self) -> bool:
@@ -559,18 +576,21 @@ def semantic_errors(cfg: Config) -> list[str]:
 
 
 def objective_errors(cfg: Config) -> list[str]:
-    """The training objective and the data it needs: DPO reads preference pairs, and only DPO does."""
+    """The training objective and the data it needs: DPO and SimPO read preference pairs, and only they do."""
     f, fmt = cfg.finetune, cfg.data.format
     errs = []
-    if f.objective == "dpo" and fmt != "preference":
-        errs.append(f"finetune.objective: dpo trains on preference pairs but data.format is {fmt!r}; pack "
+    if f.pairs and fmt != "preference":
+        errs.append(f"finetune.objective: {f.objective} trains on preference pairs but data.format is {fmt!r}; pack "
                     "(prompt, chosen, rejected) rows with `fitlm data pack --format preference` and set "
                     "data.format: preference")
-    if fmt == "preference" and f.objective != "dpo":
-        errs.append(f"data.format: preference pairs need finetune.objective: dpo (it is {f.objective!r}); set "
-                    "finetune.objective: dpo, or pack the data with --format chat for supervised fine-tuning")
+    if fmt == "preference" and not f.pairs:
+        errs.append(f"data.format: preference pairs need finetune.objective: dpo or simpo (it is {f.objective!r}); "
+                    "set finetune.objective: dpo (or simpo), or pack the data with --format chat for supervised "
+                    "fine-tuning")
     if f.dpo.beta <= 0:
         errs.append(f"finetune.dpo.beta: must be positive (got {f.dpo.beta}); 0.1 is the usual value")
+    if f.simpo.beta <= 0:
+        errs.append(f"finetune.simpo.beta: must be positive (got {f.simpo.beta}); 2.0 is the SimPO paper's value")
     return errs
 
 

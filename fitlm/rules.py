@@ -86,17 +86,17 @@ ROWS: tuple[Rule, ...] = (
          lambda v: "memory.cpu_offload: works with data parallel and ZeRO 0-3, not with tensor or pipeline "
                    "parallel; set it to false or use data_parallel with zero_stage 3"),
     Rule("finetune.objective", "refused",
-         "DPO with tensor, pipeline or context parallel: use data parallel and ZeRO 0-3",
-         lambda v: v["finetune.objective"] == "dpo" and (_split(v) or v["parallel.context_parallel"] > 1),
-         lambda v: "finetune.objective: dpo scores whole sequences on one rank, which tensor_parallel="
-                   f"{v['parallel.tensor_parallel']} / pipeline_parallel={v['parallel.pipeline_parallel']} / "
-                   f"context_parallel={v['parallel.context_parallel']} do not give it; set all three to 1 and use "
-                   "data_parallel (ZeRO 0-3)"),
+         "DPO or SimPO with tensor, pipeline or context parallel: use data parallel and ZeRO 0-3",
+         lambda v: v["finetune.objective"] in ("dpo", "simpo") and (_split(v) or v["parallel.context_parallel"] > 1),
+         lambda v: f"finetune.objective: {v['finetune.objective']} scores whole sequences on one rank, which "
+                   f"tensor_parallel={v['parallel.tensor_parallel']} / pipeline_parallel="
+                   f"{v['parallel.pipeline_parallel']} / context_parallel={v['parallel.context_parallel']} do not "
+                   "give it; set all three to 1 and use data_parallel (ZeRO 0-3)"),
     Rule("finetune.objective", "refused",
-         "DPO with the chunked loss (`memory.loss_chunk_size`), which sums tokens over the whole micro batch",
-         lambda v: v["finetune.objective"] == "dpo" and bool(v["memory.loss_chunk_size"]),
-         lambda v: "finetune.objective: dpo needs each sequence's own log-probability, but memory.loss_chunk_size "
-                   "sums the loss over the whole micro batch; set memory.loss_chunk_size: 0"),
+         "DPO or SimPO with the chunked loss (`memory.loss_chunk_size`), which sums tokens over the whole micro batch",
+         lambda v: v["finetune.objective"] in ("dpo", "simpo") and bool(v["memory.loss_chunk_size"]),
+         lambda v: f"finetune.objective: {v['finetune.objective']} needs each sequence's own log-probability, but "
+                   "memory.loss_chunk_size sums the loss over the whole micro batch; set memory.loss_chunk_size: 0"),
     Rule("finetune.method", "refused",
          "QLoRA with tensor, pipeline or context parallel: use data parallel and ZeRO 0-3 (ZeRO-3 shards the 4-bit base)",
          lambda v: v["finetune.method"] == "qlora" and (_split(v) or v["parallel.context_parallel"] > 1),

@@ -1,5 +1,5 @@
 """What `finetune.method` and `finetune.objective` change in the accounting: which parameters train, what
-the frozen ones cost, which saved tensors a block no longer keeps, and what DPO adds.
+the frozen ones cost, which saved tensors a block no longer keeps, and what DPO and SimPO add.
 
 It mirrors fitlm.finetune (apply.py, lora.py, freeze.py) and fitlm.step.dpo, per block of the model:
   - LoRA adds A [r, in] and B [out, r] per targeted linear (fp32; half at O3); everything else freezes.
@@ -34,6 +34,9 @@ otherwise a whole frozen copy on every rank (not split by tensor or pipeline par
 ZeRO), in the run's storage precision (fp32 at O0/O1, half at O2/O3), without gradients or optimizer states.
 A reference named by `finetune.dpo.reference` is counted as the trained network (it must share its
 vocabulary; the planner does not read its directory).
+
+SimPO (`finetune.objective: simpo`) trains on the same pairs, 2B rows with whole logits, but has no
+reference: no copy of the weights and no reference forward.
 """
 
 from __future__ import annotations
@@ -190,8 +193,8 @@ def reference_bytes(s: Setup) -> int:
 
 
 def reference_forward_flops(s: Setup, matmul: int) -> float:
-    """FLOPs per row token of the reference's no-grad forward: a third of training's 6 per matmul
-    parameter and 12·L·h·T attention (the LoRA base: adapters off)."""
+    """FLOPs per row token of DPO's reference no-grad forward: a third of training's 6 per matmul
+    parameter and 12·L·h·T attention (the LoRA base: adapters off); 0 for SimPO and SFT, which have none."""
     return (2.0 * matmul + 4.0 * s.layers * s.h * s.seq) if dpo(s) else 0.0
 
 

@@ -56,6 +56,8 @@ def _finetune(s: Setup) -> dict[str, Any]:
     if s.objective == "dpo":
         out["dpo"] = {"rows_per_micro_batch": s.rows, "reference": s.dpo_reference or "starting model",
                       "reference_bytes": reference_bytes(s)}  # 0: LoRA's base with the adapters off
+    elif s.pairs:  # SimPO: the pairs' rows, no reference model
+        out[s.objective] = {"rows_per_micro_batch": s.rows, "reference_bytes": reference_bytes(s)}
     if adapters(s):
         out["lora"] = {"r": s.lora_r, "targets": list(lora_targets(s))}
     if s.method == "qlora":  # the 4-bit base: what it stores, and the one weight dequantized at a time

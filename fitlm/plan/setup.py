@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from fitlm.config import Config, ModelConfig
+from fitlm.config import PAIR_OBJECTIVES, Config, ModelConfig
 from fitlm.parallel_dims import ParallelDims
 from fitlm.rules import flatten
 
@@ -88,7 +88,7 @@ class Setup:
     seq: int = 1  # data.seq_length: tokens per sample (a knob for `fitlm plan --max-seq`)
     cp: int = 1  # parallel.context_parallel: ranks each sequence is split over (fitlm.plan.context)
     act_offload: bool | str = False  # memory.activation_offload: False, True, "blocks" or "model"
-    objective: str = "sft"  # finetune.objective: "sft", or "dpo" (micro batches of pairs: fitlm.plan.finetune)
+    objective: str = "sft"  # finetune.objective: "sft", "dpo" or "simpo" (the last two: micro batches of pairs)
     # Where the planned run's tensors live: "accelerator" (CUDA and the catalog's devices), or "cpu" (`--device
     # cpu`), where activation offload has no other memory to move to and changes nothing. Not a config key: the
     # plan's device says it (`on_device`).
@@ -155,9 +155,15 @@ class Setup:
         return self.cfg.finetune.dpo.reference
 
     @property
+    def pairs(self) -> bool:
+        """The objective trains on preference pairs (DPO, SimPO: fitlm.plan.finetune)."""
+        return self.objective in PAIR_OBJECTIVES
+
+    @property
     def rows(self) -> int:
-        """Sequences per micro batch: train.micro_batch_size, which counts pairs under DPO (chosen + rejected)."""
-        return self.mbs * (2 if self.objective == "dpo" else 1)
+        """Sequences per micro batch: train.micro_batch_size, which counts pairs under DPO and SimPO (chosen +
+        rejected)."""
+        return self.mbs * (2 if self.pairs else 1)
 
     @property
     def sliding(self) -> bool:
@@ -216,7 +222,7 @@ class Setup:
 
     @property
     def tokens_per_step(self) -> int:
-        """Tokens the step trains on: both rows of every DPO pair."""
+        """Tokens the step trains on: both rows of every DPO or SimPO pair."""
         return self.rows * self.dp * self.accum * self.seq
 
 

@@ -1,20 +1,30 @@
-"""Direct Preference Optimization (`finetune.objective: dpo`): the step's loss on preference pairs.
+"""Preference objectives on pairs: Direct Preference Optimization (`finetune.objective: dpo`) and SimPO
+(`finetune.objective: simpo`, Meng et al. 2024), the step's loss on preference pairs.
 
 A micro batch of B pairs is 2B rows (`fitlm.data.loader`, packing "pairs"): the B chosen sequences, then
-the B rejected ones, labels only on response tokens. For each row the policy π and the frozen reference
-give log p(response | prompt), summed over its target tokens; per pair
+the B rejected ones, labels only on response tokens. Both objectives score each row, turn the scores into
+rewards β · score and take, per pair,
+
+    loss = −log σ(reward(chosen) − reward(rejected) − γ)
+
+DPO's score is the log-ratio log π(response | prompt) − log π_ref(response | prompt), each summed over the
+row's target tokens, with γ = 0:
 
     loss = −log σ(β · ((log π(c) − log π_ref(c)) − (log π(r) − log π_ref(r))))
 
-and the step's loss is the mean over all of the step's pairs on all data-parallel ranks (each micro batch's
-summed pair losses divided by the global pair count, times the dp degree that gradient averaging divides
-by: the SFT step's token weighting, with pairs for tokens). The rewards β · (log π − log π_ref) of chosen
-and rejected, their margin and how often chosen wins are logged beside the loss.
+SimPO's is the policy's length-normalized log-prob (the summed log-prob divided by the row's response
+tokens), with no reference, and γ = finetune.simpo.gamma, the target reward margin (TRL's CPOTrainer with
+loss_type "simpo": −log σ(β · (avg log π(c) − avg log π(r) − γ/β))).
 
-The reference is the starting model: under LoRA the same module with its adapters switched off
+The step's loss is the mean over all of the step's pairs on all data-parallel ranks (each micro batch's
+summed pair losses divided by the global pair count, times the dp degree that gradient averaging divides
+by: the SFT step's token weighting, with pairs for tokens). The rewards of chosen and rejected, their margin
+and how often chosen wins are logged beside the loss.
+
+DPO's reference is the starting model: under LoRA the same module with its adapters switched off
 (`fitlm.finetune.lora.adapters_off`, no second copy); for full and freeze fine-tuning, or for the model
 directory `finetune.dpo.reference` names, a frozen copy on every rank (requires_grad off, no optimizer
-state, not sharded by ZeRO), stored in the run's precision.
+state, not sharded by ZeRO), stored in the run's precision. SimPO has none.
 """
 
 from __future__ import annotations
@@ -46,49 +56,93 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return per_token.view(labels.shape).sum(-1)
 
 
+def average_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """log p of each row's target tokens divided by their count (SimPO's length normalization), [N]; a row
+    without targets (a response truncated away) scores 0, as its sum does."""
+    return sequence_logps(logits, labels) / (labels != IGNORE_INDEX).sum(-1).clamp(min=1)
+
+
+def pair_terms(scores: torch.Tensor, beta: float, gamma: float = 0.0
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, chosen reward, rejected reward), each [B], from the [2B] row scores (the B chosen rows first):
+    rewards β · score, loss −log σ(chosen reward − rejected reward − γ)."""
+    chosen, rejected = (beta * scores).chunk(2)
+    return -F.logsigmoid(chosen - rejected - gamma), chosen, rejected
+
+
 def dpo_terms(policy: torch.Tensor, reference: torch.Tensor, beta: float
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, chosen reward, rejected reward), each [B], from the [2B] sequence log-probs of policy and
-    reference (the B chosen rows first)."""
-    chosen, rejected = (beta * (policy - reference)).chunk(2)  # rewards: β · log-ratio
-    return -F.logsigmoid(chosen - rejected), chosen, rejected
+    """DPO's (loss, chosen reward, rejected reward), each [B], from the [2B] sequence log-probs of policy and
+    reference (the B chosen rows first): the rewards are β · log-ratio."""
+    return pair_terms(policy - reference, beta)
+
+
+def simpo_terms(average: torch.Tensor, beta: float, gamma: float
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SimPO's (loss, chosen reward, rejected reward), each [B], from the policy's [2B] length-normalized
+    log-probs (the B chosen rows first): the rewards are β · average log-prob, the margin γ."""
+    return pair_terms(average, beta, gamma)
 
 
 def pair_count(labels: torch.Tensor) -> int:
     """Pairs in a micro batch of 2B rows; a batch that is not whole pairs cannot be scored."""
     rows = labels.shape[0]
     if rows % 2:
-        raise FinetuneError(f"a DPO micro batch holds 2 × train.micro_batch_size rows (chosen, then rejected); got "
-                            f"{rows} rows: feed it from data packed with `fitlm data pack --format preference`")
+        raise FinetuneError(f"a preference micro batch holds 2 × train.micro_batch_size rows (chosen, then "
+                            f"rejected); got {rows} rows: feed it from data packed with "
+                            f"`fitlm data pack --format preference`")
     return rows // 2
 
 
-class DpoObjective:
-    """What DPO changes in a `TrainStep`'s loop (`forward_backward`, `eval_sums`): the unit its loss is a mean
-    over (pairs), each micro batch's summed loss with its metric sums, and the metrics of the last step."""
+class PairObjective:
+    """What a preference objective changes in a `TrainStep`'s loop (`forward_backward`, `eval_sums`): the unit
+    its loss is a mean over (pairs), each micro batch's summed loss with its metric sums, and the metrics of
+    the last step. How a row is scored is the subclass's (`scores`); rewards are β · score, and the pair's
+    loss is −log σ(chosen reward − rejected reward − γ)."""
 
-    def __init__(self, beta: float, reference: Callable[..., torch.Tensor]):
-        self.beta = beta
-        self.reference = reference  # (input_ids [2B, T], **doc) -> logits [2B, T, V], run without gradients
+    def __init__(self, beta: float, gamma: float = 0.0):
+        self.beta, self.gamma = beta, gamma
         self.metrics: dict[str, float] = {}
 
     @staticmethod
     def count(labels: torch.Tensor) -> int:
         return pair_count(labels)
 
+    def scores(self, step: "TrainStep", input_ids: torch.Tensor, labels: torch.Tensor, doc: dict) -> torch.Tensor:
+        """Each row's score [2B], with the policy's gradient."""
+        raise NotImplementedError
+
     def micro_loss(self, step: "TrainStep", input_ids: torch.Tensor, labels: torch.Tensor, doc: dict
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(summed pair loss of a micro batch [2B, T], detached [chosen reward, rejected reward, chosen wins]
         summed over its pairs)."""
-        with torch.no_grad():
-            ref = sequence_logps(self.reference(input_ids, **doc), labels)  # [2B]
-        loss, chosen, rejected = dpo_terms(sequence_logps(step.pm.model(input_ids, **doc), labels), ref, self.beta)
+        loss, chosen, rejected = pair_terms(self.scores(step, input_ids, labels, doc), self.beta, self.gamma)
         return loss.sum(), torch.stack([chosen.sum(), rejected.sum(), (chosen > rejected).sum()]).detach()
 
     def observe(self, means: torch.Tensor) -> None:
         """The step's metric sums over all ranks, divided by its pairs: [chosen, rejected, wins]."""
         chosen, rejected, wins = (float(v) for v in means)
         self.metrics = dict(zip(METRICS, (chosen, rejected, chosen - rejected, wins)))
+
+
+class DpoObjective(PairObjective):
+    """DPO: a row's score is the policy's summed log-prob minus the frozen reference's."""
+
+    def __init__(self, beta: float, reference: Callable[..., torch.Tensor]):
+        super().__init__(beta)
+        self.reference = reference  # (input_ids [2B, T], **doc) -> logits [2B, T, V], run without gradients
+
+    def scores(self, step: "TrainStep", input_ids: torch.Tensor, labels: torch.Tensor, doc: dict) -> torch.Tensor:
+        with torch.no_grad():  # first: its logits are freed before the policy's forward
+            ref = sequence_logps(self.reference(input_ids, **doc), labels)  # [2B]
+        return sequence_logps(step.pm.model(input_ids, **doc), labels) - ref
+
+
+class SimpoObjective(PairObjective):
+    """SimPO: a row's score is the policy's length-normalized log-prob; no reference."""
+
+    def scores(self, step: "TrainStep", input_ids: torch.Tensor, labels: torch.Tensor, doc: dict) -> torch.Tensor:
+        return average_logps(step.pm.model(input_ids, **doc), labels)
 
 
 def reference_config(cfg: Config) -> Config:
@@ -122,9 +176,11 @@ def frozen_copy(cfg: Config, ctx: "ParallelContext") -> nn.Module:
 
 
 def objective_for(cfg: Config, ctx: "ParallelContext", pm: "ParallelModel", simulate: bool = False
-                  ) -> DpoObjective | None:
+                  ) -> PairObjective | None:
     """The step's objective when it is not SFT (None: SFT, the step's own loss)."""
     f = cfg.finetune
+    if f.objective == "simpo":
+        return SimpoObjective(f.simpo.beta, f.simpo.gamma)
     if f.objective != "dpo":
         return None
     if f.adapters and f.dpo.reference is None:
@@ -139,5 +195,5 @@ def objective_for(cfg: Config, ctx: "ParallelContext", pm: "ParallelModel", simu
     return DpoObjective(f.dpo.beta, frozen_copy(cfg, ctx))
 
 
-__all__ = ["DpoObjective", "METRICS", "dpo_terms", "frozen_copy", "objective_for", "pair_count", "reference_config",
-           "sequence_logps"]
+__all__ = ["DpoObjective", "METRICS", "PairObjective", "SimpoObjective", "average_logps", "dpo_terms", "frozen_copy",
+           "objective_for", "pair_count", "pair_terms", "reference_config", "sequence_logps", "simpo_terms"]

@@ -23,7 +23,7 @@ from fitlm.models.loss import count_targets, cross_entropy_sum
 from fitlm.parallel.apply import ParallelModel
 from fitlm.parallel.mesh import ParallelContext
 from fitlm.parallel_dims import WORLD
-from fitlm.step.dpo import DpoObjective, objective_for
+from fitlm.step.dpo import PairObjective, objective_for
 from fitlm.step.guards import GuardEvent, StepGuards
 from fitlm.step.optim import optimizer_for
 from fitlm.step.timing import PhaseTimer
@@ -55,7 +55,7 @@ class TrainStep:
         self.optimizer, self.scaler, self.guards, self.timer = optimizer, scaler, guards, timer
         self.guard_event: GuardEvent | None = None  # set by optimizer_step
         # finetune.objective other than sft (DPO): its own forward/backward and evaluation; None = the loss below.
-        self.objective: DpoObjective | None = None
+        self.objective: PairObjective | None = None
 
     @classmethod
     def create(cls, cfg: Config, ctx: ParallelContext, pm: ParallelModel, simulate: bool = False) -> "TrainStep":

@@ -166,7 +166,7 @@ class Trainer:
         self.console = console
         if batch_note and self.ctx.is_main:
             print(f"fitlm: note: {batch_note}", file=sys.stderr)
-        rows = 2 if cfg.finetune.objective == "dpo" else 1  # DPO: a sample is a pair of sequences
+        rows = 2 if cfg.finetune.pairs else 1  # DPO, SimPO: a sample is a pair of sequences
         self.tokens_per_step = (rows * t.micro_batch_size * cfg.data.seq_length * t.gradient_accumulation_steps
                                 * self.ctx.dp)
         # One peak for every rank: a CPU measures its own at start-up, and ranks sharing cores would

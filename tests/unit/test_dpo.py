@@ -47,13 +47,16 @@ def write_jsonl(path: Path, records: list) -> Path:
     return path
 
 
+def pack_pairs(tokenizer, root: Path) -> Path:
+    """`rows()` packed as preference pairs under root/packed."""
+    src = write_jsonl(root / "pairs.jsonl", rows())
+    pack_corpus([src], tokenizer, root / "packed", data_format="preference", max_length=65, show_progress=False)
+    return root / "packed"
+
+
 @pytest.fixture(scope="module")
 def packed(tiny_corpus, tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("dpo")
-    src = write_jsonl(root / "pairs.jsonl", rows())
-    pack_corpus([src], tiny_corpus["tokenizer"], root / "packed", data_format="preference", max_length=65,
-                show_progress=False)
-    return root / "packed"
+    return pack_pairs(tiny_corpus["tokenizer"], tmp_path_factory.mktemp("dpo"))
 
 
 # --------------------------------------------------------------------------- packing and batches
@@ -181,19 +184,24 @@ def token_logps(model, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Ten
     return picked * mask[:, 1:]
 
 
+def first_step_pairs(cfg) -> tuple[torch.Tensor, torch.Tensor]:
+    """The run's first step as TRL's one [chosen; rejected] batch: (the sequences [2N, T+1], one token longer
+    than the step's inputs, and the step's labels [2N, T]), all of its micro batches' chosen rows first."""
+    loader = SequenceLoader.from_config(PackedDataset(cfg.data.train), cfg.data, cfg.train.micro_batch_size,
+                                        seed=cfg.train.seed)
+    micro = [next(loader) for _ in range(cfg.train.gradient_accumulation_steps)]
+    halves = [torch.cat([b[key].chunk(2)[h] for b in micro]) for h in (0, 1) for key in ("input_ids", "labels")]
+    input_ids, labels = torch.cat(halves[0::2]), torch.cat(halves[1::2])  # [2N, T]: all chosen, then all rejected
+    return torch.cat([input_ids, labels[:, -1:].clamp(min=0)], dim=1), labels
+
+
 def trl_first_step(cfg, policy_dir: Path, reference_dir: Path, beta: float) -> dict[str, float]:
     """TRL's DPO loss and reward metrics (DPOTrainer._compute_loss, run on a stand-in trainer) for the run's first
     step: its micro batches as TRL's [chosen; rejected] batch, log-probs from transformers."""
     import transformers
     from trl import DPOTrainer
 
-    loader = SequenceLoader.from_config(PackedDataset(cfg.data.train), cfg.data, cfg.train.micro_batch_size,
-                                        seed=cfg.train.seed)
-    micro = [next(loader) for _ in range(cfg.train.gradient_accumulation_steps)]
-    halves = [torch.cat([b[key].chunk(2)[h] for b in micro]) for h in (0, 1) for key in ("input_ids", "labels")]
-    input_ids, labels = torch.cat(halves[0::2]), torch.cat(halves[1::2])  # [2N, T]: all chosen, then all rejected
-    # TRL's layout: the sequence itself (one token longer) and a completion mask over it
-    ids = torch.cat([input_ids, labels[:, -1:].clamp(min=0)], dim=1)  # [2N, T+1]
+    ids, labels = first_step_pairs(cfg)  # TRL's layout: the sequence itself and a completion mask over it
     completion = torch.cat([torch.zeros_like(labels[:, :1]), (labels != IGNORE_INDEX).long()], dim=1)
 
     class StandIn(torch.nn.Module):
