@@ -81,6 +81,13 @@ def merge_checkpoint(path: str | Path, out: str | Path, fmt: str = "safetensors"
     ckpt = resolve_checkpoint(path)
     meta = store.read_meta(ckpt)
     cfg = checkpoint_config(ckpt, meta)
+    if cfg.finetune.method == "qlora":
+        raise CheckpointError(
+            f"{ckpt} is a QLoRA checkpoint: it holds the adapters and optimizer only, not the 4-bit base "
+            f"(model.init_from: {cfg.model.init_from}, quantized again on resume). For the model at step "
+            f"{meta['step']}, resume it and stop there: fitlm train CONFIG --set checkpoint.resume={ckpt} "
+            f"--set train.max_steps={meta['step']} --set train.output_dir=NEW_DIR (NEW_DIR/model is merged, "
+            f"NEW_DIR/adapter is the PEFT adapter)")
     out = Path(out)
     if fmt == "safetensors" and out.is_dir():
         raise CheckpointError(f"--out {out} is a directory; --format safetensors writes one file "

@@ -117,3 +117,10 @@ def test_resume_quantizes_the_base_again_and_continues_exactly(tiny_corpus, tmp_
         return [(r["step"], r["loss"]) for r in read_metrics(out) if "loss" in r]
 
     assert losses(tmp_path / "resumed") == losses(tmp_path / "whole")[2:]
+    # without its base a QLoRA checkpoint is not a model: `fitlm ckpt merge` says how to get the one at its step
+    from fitlm.checkpoint.errors import CheckpointError
+    from fitlm.checkpoint.merge import merge_checkpoint
+
+    with pytest.raises(CheckpointError, match="QLoRA checkpoint.*checkpoint.resume=.*train.max_steps=2"):
+        merge_checkpoint(step2, tmp_path / "merged.safetensors")
+    assert not (tmp_path / "merged.safetensors").exists()
