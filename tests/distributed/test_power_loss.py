@@ -122,6 +122,7 @@ def seed(default: int | None) -> int:
     return int(env) if env else default if default is not None else random.SystemRandom().randrange(1, 10**6)
 
 
+@pytest.mark.slow  # 40 s; the fast tier keeps the kill-during-save/training recovery tests (test_checkpoint_recovery.py)
 def test_power_loss_two_kills(tiny_corpus, tmp_path):
     campaign(tiny_corpus, tmp_path, seed(2026), kills=2, steps=6)  # CI: a fixed seed, the same two kills every time
 

@@ -51,6 +51,7 @@ def throughput(tmp_path_factory) -> dict:
     return report
 
 
+@pytest.mark.slow  # 30 s: the script trains both fitlm and the HF Trainer
 def test_train_throughput_contract(throughput):
     (r,) = throughput["results"]
     assert THROUGHPUT_KEYS <= r.keys()
@@ -66,6 +67,7 @@ def test_train_throughput_contract(throughput):
     assert len(r["fitlm_step_times_s"]) == len(r["hf_trainer_step_times_s"]) == 2
 
 
+@pytest.mark.slow  # shares the 30 s fixture above
 def test_train_throughput_markdown(throughput, tmp_path):
     path = tmp_path / "t.json"
     path.write_text(json.dumps(throughput))
