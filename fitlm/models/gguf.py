@@ -309,25 +309,9 @@ Specs = dict[str, tuple[torch.dtype, tuple[int, ...]]]
 def stream_gguf(path: str | Path | GGUFTensors, wanted: Callable[[str], bool] | None = None
                 ) -> tuple[ModelConfig, Specs, Iterator[tuple[str, torch.Tensor]]]:
     """(the file's config, fitlm name -> (fp32, shape), iterator of (fitlm name, fp32 tensor)) of a GGUF file,
-    one tensor read and dequantized at a time, through the family's HF adapter as
-    fitlm.models.streaming.stream_from_hf does for safetensors (`wanted` as there: a tensor feeding no wanted
-    weight is not read; the adapter checks the whole mapping before anything is read)."""
-    from fitlm.models.hf import from_hf_state_dict
-    from fitlm.models.streaming import meta_like, real_part
+    one tensor read and dequantized at a time, through the family's HF adapter
+    (`fitlm.models.streaming.stream_source`, as for safetensors; `wanted` as there)."""
+    from fitlm.models.streaming import stream_source
 
     src = path if isinstance(path, GGUFTensors) else GGUFTensors(path)
-    meta_sd = meta_like({k: src.spec(k) for k in src.entries})
-
-    def convert(sd: StateDict) -> StateDict:
-        return from_hf_state_dict(sd, src.config, str(src.path))
-
-    specs = {k: (v.dtype, tuple(v.shape)) for k, v in convert(meta_sd).items()}
-
-    def produce() -> Iterator[tuple[str, torch.Tensor]]:
-        for name in src.entries:
-            # Unread storage (torch.empty touches no page) tells which weights this tensor feeds.
-            if wanted is None or any(wanted(k) for k in real_part(convert, meta_sd, {name: torch.empty(
-                    src.spec(name)[1])})):
-                yield from real_part(convert, meta_sd, {name: src.read(name)}).items()
-
-    return src.config, specs, produce()
+    return (src.config, *stream_source({name: src for name in src.entries}, src.config, str(src.path), wanted))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 
@@ -74,16 +74,24 @@ def hf_source(path: str | Path) -> dict[str, SafetensorsReader]:
 def stream_from_hf(path: str | Path, cfg: ModelConfig, wanted: Callable[[str], bool] | None = None
                    ) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]]], Iterator[tuple[str, torch.Tensor]]]:
     """(fitlm name -> (stored dtype, shape), iterator of (fitlm name, tensor in its stored dtype)) for an HF or
-    fitlm model directory, reading one source tensor at a time.
+    fitlm model directory, reading one source tensor at a time (`stream_source`)."""
+    return stream_source(hf_source(path), cfg, str(path), wanted)
+
+
+def stream_source(source: Mapping[str, Any], cfg: ModelConfig, label: str,
+                  wanted: Callable[[str], bool] | None = None
+                  ) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]]], Iterator[tuple[str, torch.Tensor]]]:
+    """(fitlm name -> (dtype, shape), iterator of (fitlm name, tensor)) from `source`: HF weight name -> a reader
+    with `spec(name)` (dtype, shape) and `read(name)` (the tensor), such as a SafetensorsReader or a GGUF file's
+    `fitlm.models.gguf.GGUFTensors`; one source tensor is read at a time, through the family's HF adapter.
 
     `wanted(fitlm_name)`: a source tensor none of whose outputs is wanted is not read at all (a pipeline
     stage skips the other stages' blocks). The mapping is checked whole before anything is read: a missing
-    or unexpected weight is an HFFormatError naming it, as the whole-model load says."""
-    source = hf_source(path)
+    or unexpected weight is an HFFormatError naming it (and `label`), as the whole-model load says."""
     meta_sd = meta_like({k: r.spec(k) for k, r in source.items()})
 
     def convert(sd: StateDict) -> StateDict:
-        return from_hf_state_dict(sd, cfg, str(path))
+        return from_hf_state_dict(sd, cfg, label)
 
     specs = {k: (v.dtype, tuple(v.shape)) for k, v in convert(meta_sd).items()}
 
