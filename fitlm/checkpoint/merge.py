@@ -24,7 +24,7 @@ from fitlm.checkpoint import store
 from fitlm.checkpoint.errors import CheckpointError
 from fitlm.models.safetensors_io import StreamingSafetensorsWriter
 from fitlm.config import Config, ConfigError, validate_dict
-from fitlm.models.hf import config_to_hf
+from fitlm.models.hf import write_hf_configs
 from fitlm.models.streaming import grouped, stream_to_hf
 
 FORMATS = ("safetensors", "hf", "fitlm")
@@ -122,9 +122,7 @@ def _write_companions(ckpt: Path, cfg: Config, target: Path, fmt: str, dtype: st
 
             t = Tokenizer.from_file(tok)
             bos, eos = t.bos_id, t.eos_id
-        (target / "config.json").write_text(json.dumps(config_to_hf(cfg.model, dtype, bos, eos), indent=2) + "\n")
-        gen = {"bos_token_id": bos, "eos_token_id": eos, "do_sample": False}
-        (target / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        write_hf_configs(target, cfg.model, dtype, bos, eos)
     else:  # a fitlm model directory (what training writes to output_dir/model), loadable as MODEL
         from fitlm.models.io import FORMAT_VERSION, MARKER
 

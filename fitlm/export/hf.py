@@ -22,7 +22,7 @@ from fitlm.diskspace import disk_full_guard
 from fitlm.export.errors import ExportError
 from fitlm.export.source import StreamedModel, hf_weights
 from fitlm.models.metadata import build_metadata, write_metadata
-from fitlm.models.hf import DEFAULT_MAX_SHARD_BYTES, config_to_hf
+from fitlm.models.hf import DEFAULT_MAX_SHARD_BYTES, write_hf_configs
 from fitlm.models.io import TOKENIZER_FILES, LoadedModel
 from fitlm.models.safetensors_io import spec_bytes, write_safetensors_stream
 
@@ -84,12 +84,9 @@ def export_hf(source: LoadedModel | StreamedModel, out: str | Path,
         ids = _write_tokenizer(source, tmp)
         write_safetensors_stream(specs, tensors, tmp, max_shard_bytes)
         dtype = str(next(iter(specs.values()))[0]).removeprefix("torch.")
-        hf_cfg = config_to_hf(source.config.model, dtype, ids["bos"], ids["eos"])
-        (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
-        gen = {"bos_token_id": ids["bos"], "eos_token_id": ids["eos"], "do_sample": False, "pad_token_id": ids["pad"]}
-        if len(ids.get("stops") or ()) > 1:  # every EOS / end-of-turn id the model stops at, as its config lists
-            gen["eos_token_id"] = ids["stops"]
-        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        # every EOS / end-of-turn id the model stops at, as its config lists, goes into generation_config.json
+        stops = {"eos_token_id": ids["stops"]} if len(ids.get("stops") or ()) > 1 else {}
+        write_hf_configs(tmp, source.config.model, dtype, ids["bos"], ids["eos"], pad_token_id=ids["pad"], **stops)
         write_metadata(tmp, meta)
     shards = sorted(p.name for p in out.glob("*.safetensors"))
     return {"format": "hf", "out": str(out), "files": shards, "tokenizer": source.tokenizer_path is not None,

@@ -412,13 +412,20 @@ def save_hf_dir(model: nn.Module, cfg: ModelConfig, out_dir: str | Path, bos_tok
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_safetensors(to_hf_state_dict(model, cfg), out_dir, max_shard_bytes)
-    hf_cfg = config_to_hf(cfg, _dtype_name(model), bos_token_id, eos_token_id)
-    (out_dir / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
-    gen = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "do_sample": False}
-    (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    write_hf_configs(out_dir, cfg, _dtype_name(model), bos_token_id, eos_token_id)
     return out_dir
+
+
+def write_hf_configs(out_dir: Path, cfg: ModelConfig, dtype: str, bos: int | None, eos: int | None,
+                     **generation) -> None:
+    """config.json and generation_config.json beside HF weights stored in `dtype` ("float32", ...);
+    `generation`: generation_config keys to add or override (pad_token_id, a list of eos_token_id, ...)."""
+    hf_cfg = config_to_hf(cfg, dtype, bos, eos)
+    (out_dir / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
+    gen = {"bos_token_id": bos, "eos_token_id": eos, "do_sample": False, **generation}
+    (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
 
 
 __all__ = ["HFFormatError", "config_from_hf", "config_to_hf", "to_hf_state_dict", "from_hf_state_dict",
            "read_safetensors_dir", "read_hf_config", "model_from_hf_state_dict", "load_hf_dir",
-           "write_safetensors", "save_hf_dir"]
+           "write_safetensors", "save_hf_dir", "write_hf_configs"]
