@@ -94,29 +94,31 @@ def pair_count(labels: torch.Tensor) -> int:
     return rows // 2
 
 
+# How a preference objective scores the rows of a micro batch: (policy, input_ids [2B, T], labels [2B, T], doc)
+# -> [2B] scores, with the policy's gradient.
+Score = Callable[[nn.Module, torch.Tensor, torch.Tensor, dict], torch.Tensor]
+
+
 class PairObjective:
     """What a preference objective changes in a `TrainStep`'s loop (`forward_backward`, `eval_sums`): the unit
     its loss is a mean over (pairs), each micro batch's summed loss with its metric sums, and the metrics of
-    the last step. How a row is scored is the subclass's (`scores`); rewards are β · score, and the pair's
-    loss is −log σ(chosen reward − rejected reward − γ)."""
+    the last step. `score` says how a row is scored (`dpo_score`, `simpo_score`); rewards are β · score, and
+    the pair's loss is −log σ(chosen reward − rejected reward − γ)."""
 
-    def __init__(self, beta: float, gamma: float = 0.0):
-        self.beta, self.gamma = beta, gamma
+    def __init__(self, beta: float, score: Score, gamma: float = 0.0):
+        self.beta, self.gamma, self.score = beta, gamma, score
         self.metrics: dict[str, float] = {}
 
     @staticmethod
     def count(labels: torch.Tensor) -> int:
         return pair_count(labels)
 
-    def scores(self, step: "TrainStep", input_ids: torch.Tensor, labels: torch.Tensor, doc: dict) -> torch.Tensor:
-        """Each row's score [2B], with the policy's gradient."""
-        raise NotImplementedError
-
     def micro_loss(self, step: "TrainStep", input_ids: torch.Tensor, labels: torch.Tensor, doc: dict
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(summed pair loss of a micro batch [2B, T], detached [chosen reward, rejected reward, chosen wins]
         summed over its pairs)."""
-        loss, chosen, rejected = pair_terms(self.scores(step, input_ids, labels, doc), self.beta, self.gamma)
+        scores = self.score(step.pm.model, input_ids, labels, doc)
+        loss, chosen, rejected = pair_terms(scores, self.beta, self.gamma)
         return loss.sum(), torch.stack([chosen.sum(), rejected.sum(), (chosen > rejected).sum()]).detach()
 
     def observe(self, means: torch.Tensor) -> None:
@@ -125,24 +127,21 @@ class PairObjective:
         self.metrics = dict(zip(METRICS, (chosen, rejected, chosen - rejected, wins)))
 
 
-class DpoObjective(PairObjective):
-    """DPO: a row's score is the policy's summed log-prob minus the frozen reference's."""
+def dpo_score(reference: Callable[..., torch.Tensor]) -> Score:
+    """DPO: a row's score is the policy's summed log-prob minus the frozen reference's (`reference`:
+    (input_ids [2B, T], **doc) -> logits [2B, T, V], run without gradients)."""
 
-    def __init__(self, beta: float, reference: Callable[..., torch.Tensor]):
-        super().__init__(beta)
-        self.reference = reference  # (input_ids [2B, T], **doc) -> logits [2B, T, V], run without gradients
-
-    def scores(self, step: "TrainStep", input_ids: torch.Tensor, labels: torch.Tensor, doc: dict) -> torch.Tensor:
+    def score(policy: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, doc: dict) -> torch.Tensor:
         with torch.no_grad():  # first: its logits are freed before the policy's forward
-            ref = sequence_logps(self.reference(input_ids, **doc), labels)  # [2B]
-        return sequence_logps(step.pm.model(input_ids, **doc), labels) - ref
+            ref = sequence_logps(reference(input_ids, **doc), labels)  # [2B]
+        return sequence_logps(policy(input_ids, **doc), labels) - ref
+
+    return score
 
 
-class SimpoObjective(PairObjective):
+def simpo_score(policy: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, doc: dict) -> torch.Tensor:
     """SimPO: a row's score is the policy's length-normalized log-prob; no reference."""
-
-    def scores(self, step: "TrainStep", input_ids: torch.Tensor, labels: torch.Tensor, doc: dict) -> torch.Tensor:
-        return average_logps(step.pm.model(input_ids, **doc), labels)
+    return average_logps(policy(input_ids, **doc), labels)
 
 
 def reference_config(cfg: Config) -> Config:
@@ -180,20 +179,21 @@ def objective_for(cfg: Config, ctx: "ParallelContext", pm: "ParallelModel", simu
     """The step's objective when it is not SFT (None: SFT, the step's own loss)."""
     f = cfg.finetune
     if f.objective == "simpo":
-        return SimpoObjective(f.simpo.beta, f.simpo.gamma)
+        return PairObjective(f.simpo.beta, simpo_score, f.simpo.gamma)
     if f.objective != "dpo":
         return None
     if f.adapters and f.dpo.reference is None:
         def base(input_ids: torch.Tensor, **doc: torch.Tensor) -> torch.Tensor:
             with adapters_off(pm.model):
                 return pm.model(input_ids, **doc)
-        return DpoObjective(f.dpo.beta, base)
+        return PairObjective(f.dpo.beta, dpo_score(base))
     if simulate:
         # A simulation measures the step on fake tensors: the policy stands in for the reference's forward.
         # The frozen copy's bytes are the planner's to add (they are the model's weights once more).
-        return DpoObjective(f.dpo.beta, lambda input_ids, **doc: pm.model(input_ids, **doc))
-    return DpoObjective(f.dpo.beta, frozen_copy(cfg, ctx))
+        return PairObjective(f.dpo.beta, dpo_score(lambda input_ids, **doc: pm.model(input_ids, **doc)))
+    return PairObjective(f.dpo.beta, dpo_score(frozen_copy(cfg, ctx)))
 
 
-__all__ = ["DpoObjective", "METRICS", "PairObjective", "SimpoObjective", "average_logps", "dpo_terms", "frozen_copy",
-           "objective_for", "pair_count", "pair_terms", "reference_config", "sequence_logps", "simpo_terms"]
+__all__ = ["METRICS", "PairObjective", "Score", "average_logps", "dpo_score", "dpo_terms", "frozen_copy",
+           "objective_for", "pair_count", "pair_terms", "reference_config", "sequence_logps", "simpo_score",
+           "simpo_terms"]
