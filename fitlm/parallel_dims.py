@@ -85,6 +85,11 @@ class ParallelDims:
         return self.zero_stage >= 2 and self.dp_cp > 1
 
     @property
+    def param_shards(self) -> int:
+        """Row shards each stored parameter is split into: FSDP2 (ZeRO-2/3) shards dim 0 over the dp_cp ranks."""
+        return self.dp_cp if self.fsdp_sharded else 1
+
+    @property
     def zero1(self) -> bool:
         """ZeRO-1: torch's ZeroRedundancyOptimizer shards optimizer states over the data-parallel group."""
         return self.zero_stage == 1 and self.dp_cp > 1

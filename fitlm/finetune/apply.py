@@ -49,8 +49,7 @@ def apply_finetune(model: nn.Module, cfg: Config) -> list[str]:
         apply_lora(model, lora.r, lora.alpha, lora.dropout, lora.target_modules)
         refuse_unshardable_adapters(model, cfg)
         if f.method == "qlora":
-            dims = cfg.parallel.dims
-            quantize_base(model, shards=dims.dp_cp if dims.fsdp_sharded else 1)
+            quantize_base(model, shards=cfg.parallel.dims.param_shards)
         trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     if stores_frozen_in_half(cfg):
         dtype = half_dtype(cfg.memory)

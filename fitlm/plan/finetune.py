@@ -97,7 +97,7 @@ def rank_block_adapters(s: Setup) -> int:
 
 def nf4_shards(s: Setup) -> int:
     """The row shards of each NF4 weight: the ZeRO-2/3 degree (fitlm.finetune.apply), else 1."""
-    return s.dims.dp_cp if s.dims.fsdp_sharded else 1
+    return s.dims.param_shards
 
 
 def nf4_linears(s: Setup) -> tuple[tuple[int, int, int], ...]:
