@@ -161,6 +161,7 @@ def write_safetensors_stream(specs: dict[str, tuple[torch.dtype, tuple[int, ...]
         writers = [stack.enter_context(StreamingSafetensorsWriter(f, shard)) for f, shard in zip(files, shards)]
         for name, t in tensors:
             writers[where[name]].write(name, t)
+            del t  # not held while the next one is produced: a gathered block, or the embedding (rank 0's save peak)
     if len(files) > 1:
         index = {"metadata": {"total_size": sum(spec_bytes(s) for s in specs.values())},
                  "weight_map": {name: files[i].name for name, i in where.items()}}

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
+from fitlm.hardware import return_freed_host_memory
 from fitlm.memory.nf4 import dequantized
 from fitlm.models.streaming import grouped
 from fitlm.parallel.apply import ParallelModel
@@ -80,6 +81,7 @@ def _blocks(pm: ParallelModel) -> Iterator[dict[str, torch.Tensor]]:
     for module in _local_modules(pm):
         state = _state(module)
         for names in grouped(state).values():
+            return_freed_host_memory()  # the groups before, freed into the heap: not resident while this one gathers
             yield {n: _full(state[n]) for n in names}
 
 

@@ -298,6 +298,10 @@ def _stage(s: Setup, first: bool) -> Breakdown:
         nf4_block = ft.nf4_params(s) / s.layers
         staging = (layer_params(s) + ft.rank_block_adapters(s) - nf4_block) * gathered_pb \
             + ft.nf4_rank_bytes(s, gathered=True) / s.layers
+    elif sharded and s.device_kind == "cpu" and not s.cfg.memory.compile:
+        # Over gloo each Linear is its own FSDP2 unit (fitlm.parallel.data_parallel): in backward the one computing,
+        # the prefetched one's all-gather buffer and its copy-out, at most three of the largest
+        staging = 3 * max(i * o for _, i, o in s.counts.linears) / s.tp * gathered_pb
     elif sharded:
         staging = 2 * unsharded / max(1, layers)  # ZeRO-3 in backward: the regathered block and the prefetched next
     # Two candidate moments in backward: the loss (logits alive; measured: no ZeRO-3 block gathered yet)

@@ -116,8 +116,11 @@ def assert_same_run(got: dict, want: dict, got_dir: Path, want_dir: Path) -> Non
         if part not in b:
             continue
         assert a[part].keys() == b[part].keys(), part
-        for name, tensor in b[part].items():  # Adam amplifies fp32 reduction-order noise
-            torch.testing.assert_close(a[part][name], tensor, rtol=1e-4, atol=1e-4, msg=f"{part}: {name}")
+        # Adam amplifies fp32 reduction-order noise: an adapter entry whose gradient is near 0 moves by up to
+        # lr (1e-2) per step whatever the noise's size, so adapters are held to 5% of one step.
+        atol = 5e-4 if part == "adapter" else 1e-4
+        for name, tensor in b[part].items():
+            torch.testing.assert_close(a[part][name], tensor, rtol=1e-4, atol=atol, msg=f"{part}: {name}")
     if "adapter_config" in b:  # the PEFT adapter is the one-process run's: same modules, rank and scaling
         assert a["adapter_config"] == b["adapter_config"]
 
