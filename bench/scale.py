@@ -78,7 +78,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "scale.json")
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--markdown", action="store_true")
-    ap.add_argument("--only", type=int, help="run only RUNS[N]")
+    ap.add_argument("--only", type=int, nargs="+", help="run only RUNS[N] (several: --only 2 3)")
     ap.add_argument("--mmap-threshold", type=int, help="glibc's MALLOC_MMAP_THRESHOLD_ for the runs (bytes): "
                     "allocations above it are returned to the system when freed instead of kept in the heap")
     args = ap.parse_args()
@@ -92,7 +92,7 @@ def main() -> None:
         tok, data = prepare(tmp)
         fp32 = params * 4
         for i, (name, finetune, parallel, memory) in enumerate(RUNS):
-            if args.only is not None and i != args.only:
+            if args.only is not None and i not in args.only:
                 continue
             slug = f"run{i}"
             cfg = config(tmp, slug, hf, data, tok, finetune, parallel, memory)

@@ -17,7 +17,8 @@ Not a test: it prints a table (stderr with --json) and writes JSON. For each mod
   precision O2 bf16 where bf16 is fast, else O0). On a CPU without AVX512-BF16/AMX
   (oneDNN reports no bf16 support) bf16 GEMMs run ~100x slower than fp32, so there both "best" runs use fp32
   (override with --hf-best-precision bf16 / --fitlm-best "O3,compile,chunk=1024"); both call torch's SDPA
-  for attention (--hf-best-attn eager gives the HF model its matmul attention instead);
+  for attention (--hf-best-attn eager gives the HF model its matmul attention instead; `both` adds a second best
+  run per round against the HF model with eager attention, so fitlm's best meets the HF Trainer's best either way);
 * compile time is the first step's excess over the median step, reported apart; steps after `--warmup`
   are timed (median);
 * `--rounds` (3) repeats both runs of a size; tokens/s are medians over rounds of each round's median step,
@@ -85,8 +86,9 @@ def parse_fitlm_best(spec: str, device: str) -> dict:
     """'auto' or e.g. 'O3,compile,chunk=1024' -> a fitlm memory section."""
     if spec == "auto":
         # O2 (bf16 compute, fp32 master weights and AdamW) measured fastest of O1-O3 here; chunks of 4096
-        # rows keep the compiled per-chunk loss kernels few.
-        spec = ("O2" if bf16_matmul_fast(device) else "O0") + ",compile,chunk=4096"
+        # rows keep the compiled per-chunk loss kernels few; in bf16 on CPU the matmul attention backward beats
+        # the flash kernel's (fitlm.models.attention_backward), in fp32 it does not.
+        spec = ("O2,attn=matmul" if bf16_matmul_fast(device) else "O0") + ",compile,chunk=4096"
     mem: dict = {}
     for part in filter(None, spec.split(",")):
         if part in ("O0", "O1", "O2", "O3"):
@@ -97,8 +99,11 @@ def parse_fitlm_best(spec: str, device: str) -> dict:
             mem["loss_chunk_size"] = int(part.split("=", 1)[1])
         elif part in ("selective", "full"):
             mem["recompute"] = part
+        elif part.startswith("attn="):
+            mem["attention_backward"] = part.split("=", 1)[1]
         else:
-            raise SystemExit(f"--fitlm-best: unknown part {part!r} (use O0-O3, compile, chunk=N, selective, full)")
+            raise SystemExit(f"--fitlm-best: unknown part {part!r} (use O0-O3, compile, chunk=N, selective, full, "
+                             "attn=sdpa|matmul)")
     return mem
 
 
@@ -116,6 +121,8 @@ def describe(mem: dict) -> str:
         parts.append(f"chunked loss {mem['loss_chunk_size']}")
     if mem.get("recompute", "none") != "none":
         parts.append(f"recompute {mem['recompute']}")
+    if mem.get("attention_backward", "sdpa") != "sdpa":
+        parts.append(f"{mem['attention_backward']} attention backward")
     return " + ".join(parts)
 
 
@@ -328,9 +335,19 @@ def measure_round(size: str, data_dir: Path, tmp: Path, args, best_mem: dict, hf
     torch._dynamo.reset()
     fit_best = Trainer(fitlm_config(model_cfg, data_dir, root / "best", args.batch, args.seq, best_mem))
     best_step = fitlm_step(fit_best)
-    hf_best = hf_trainer(hf_copy(args.hf_best_attn), batches, root / "hf_best", steps, hf_prec, args.compile)
+    hf_best = hf_trainer(hf_copy(hf_best_attn(args)), batches, root / "hf_best", steps, hf_prec, args.compile)
     t_best = interleaved(hf_best, {"fitlm_best": best_step})
     times.update(fitlm_best=t_best["fitlm_best"], hf_trainer_best=t_best["hf"], hf_trainer=times.pop("hf"))
+    if args.hf_best_attn == "both":
+        # A second best run, fitlm's best against the HF model with its matmul ("eager") attention, which on a CPU
+        # in bf16 beats SDPA's flash backward: the HF Trainer's best whichever attention its user picks.
+        log(f"[{size}] round {r + 1}/{args.rounds} best settings: HF Trainer ({hf_best_desc(hf_prec, args, 'eager')}) "
+            f"vs fitlm ({describe(best_mem)})")
+        torch._dynamo.reset()
+        hf_eager = hf_trainer(hf_copy("eager"), batches, root / "hf_best_eager", steps, hf_prec, args.compile)
+        t_eager = interleaved(hf_eager, {"fitlm_best": best_step})
+        times.update(fitlm_best_vs_eager=t_eager["fitlm_best"], hf_trainer_best_eager=t_eager["hf"])
+        del hf_eager
     if args.profile and r == 0:
         prof["fitlm_best"] = profile_step(best_step, f"{size} fitlm best")
     del fit_best, hf_best, best_step
@@ -338,9 +355,14 @@ def measure_round(size: str, data_dir: Path, tmp: Path, args, best_mem: dict, hf
     return {"times": times, "flops_per_token": flops_per_token, "profile": prof}
 
 
-def hf_best_desc(hf_prec: str, args) -> str:
-    attn = "" if args.hf_best_attn == "sdpa" else f" + {args.hf_best_attn} attention"
-    return hf_prec + (" + torch_compile" if args.compile else "") + attn
+def hf_best_attn(args) -> str:
+    """The HF model's attention in the (first) best run: `both` runs SDPA there and eager in a second one."""
+    return "sdpa" if args.hf_best_attn == "both" else args.hf_best_attn
+
+
+def hf_best_desc(hf_prec: str, args, attn: str | None = None) -> str:
+    attn = attn or hf_best_attn(args)
+    return hf_prec + (" + torch_compile" if args.compile else "") + ("" if attn == "sdpa" else f" + {attn} attention")
 
 
 def run_size(size: str, data_dir: Path, tmp: Path, args, best_mem: dict, hf_prec: str) -> dict:
@@ -354,7 +376,8 @@ def run_size(size: str, data_dir: Path, tmp: Path, args, best_mem: dict, hf_prec
          "seq": args.seq, "tokens_per_step": tokens, "flops_per_token": rounds[0]["flops_per_token"],
          "rounds": args.rounds, "fitlm_settings": describe(id_mem), "fitlm_best_settings": describe(best_mem),
          "hf_trainer_best_settings": hf_best_desc(hf_prec, args), "loop_model": "transformers LlamaForCausalLM"}
-    for key in ("fitlm", "hf_trainer", "loop", "fitlm_plain", "fitlm_best", "hf_trainer_best"):
+    for key in ("fitlm", "hf_trainer", "loop", "fitlm_plain", "fitlm_best", "hf_trainer_best", "fitlm_best_vs_eager",
+                "hf_trainer_best_eager"):
         per_round = [x["times"][key] for x in rounds if x["times"].get(key)]
         if not per_round:
             continue
@@ -382,7 +405,11 @@ def run_size(size: str, data_dir: Path, tmp: Path, args, best_mem: dict, hf_prec
         r["memory_ratio"] = round(r["fitlm_peak_bytes"] / r["hf_trainer_peak_bytes"], 3)
     # Each ratio is taken within a round (the contenders stepped in turn, under the same load), then the
     # median over rounds.
-    for name, (ours, theirs) in {"identical": ("fitlm", "hf_trainer"), "best": ("fitlm_best", "hf_trainer_best")}.items():
+    pairs = {"identical": ("fitlm", "hf_trainer"), "best": ("fitlm_best", "hf_trainer_best")}
+    if "hf_trainer_best_eager_step_s" in r:
+        pairs["best_eager"] = ("fitlm_best_vs_eager", "hf_trainer_best_eager")
+        r["hf_trainer_best_eager_settings"] = hf_best_desc(hf_prec, args, "eager")
+    for name, (ours, theirs) in pairs.items():
         per_round = [b / a for a, b in zip(r[f"{ours}_round_step_s"], r[f"{theirs}_round_step_s"])]
         r[f"{name}_ratio_rounds"] = [round(x, 3) for x in per_round]
         r[f"{name}_ratio"] = round(median(per_round), 3)
@@ -426,6 +453,17 @@ def table(report: dict) -> str:
     lines += ["", "Identical = fp32 eager, same data, AdamW and clip; fitlm " + res[0]["fitlm_settings"] + ". Best: "
               + "; ".join(sorted({f"fitlm {r['fitlm_best_settings']}, HF Trainer {r['hf_trainer_best_settings']}"
                                   for r in res})) + "."]
+    if any("best_eager_ratio" in r for r in res):  # --hf-best-attn both
+        lines += ["", "| size | fitlm best | HF best, eager attention | best ratio vs eager (min step) | "
+                  "faster HF best | fitlm / faster HF best |", "| --- | ---: | ---: | ---: | --- | ---: |"]
+        for r in res:
+            if "best_eager_ratio" not in r:
+                continue
+            eager_wins = r["hf_trainer_best_eager_step_s"] < r["hf_trainer_best_step_s"]
+            lines.append(f"| {r['size']} | {r['fitlm_best_vs_eager_tokens_per_s']:,.0f} | "
+                         f"{r['hf_trainer_best_eager_tokens_per_s']:,.0f} | {r['best_eager_ratio']:.2f}× "
+                         f"({r['best_eager_ratio_min_step']:.2f}×) | {'eager' if eager_wins else 'SDPA'} | "
+                         f"{min(r['best_ratio'], r['best_eager_ratio']):.2f}× |")
     if any("fitlm_peak_bytes" in r for r in res):
         lines += ["", "| size | vocab | peak live MiB fitlm | HF Trainer | fitlm / HF | fitlm, full logits | "
                   "peak RSS MiB fitlm / HF |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -451,7 +489,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--fitlm-best", default="auto", help="e.g. 'O0,compile,chunk=1024' or 'O3,compile,chunk=1024'")
     ap.add_argument("--hf-best-precision", default="auto", choices=["auto", "bf16", "fp32"])
-    ap.add_argument("--hf-best-attn", default="sdpa", choices=["sdpa", "eager"],
+    ap.add_argument("--hf-best-attn", default="sdpa", choices=["sdpa", "eager", "both"],
                     help="the HF model's attn_implementation in the best run (sdpa: transformers' default, the "
                          "kernel fitlm calls too)")
     ap.add_argument("--identical-chunk", type=int, default=1024,

@@ -97,6 +97,12 @@ ROWS: tuple[Rule, ...] = (
          lambda v: v["finetune.objective"] in ("dpo", "simpo") and bool(v["memory.loss_chunk_size"]),
          lambda v: f"finetune.objective: {v['finetune.objective']} needs each sequence's own log-probability, but "
                    "memory.loss_chunk_size sums the loss over the whole micro batch; set memory.loss_chunk_size: 0"),
+    Rule("memory.attention_backward", "refused",
+         "`memory.attention_backward: matmul` with context parallel, whose attention over gathered keys has its own backward",
+         lambda v: v["memory.attention_backward"] == "matmul" and v["parallel.context_parallel"] > 1,
+         lambda v: f"memory.attention_backward: matmul replaces the single-rank attention's backward, but "
+                   f"context_parallel={v['parallel.context_parallel']} attends over keys gathered from other ranks with "
+                   "its own kernel; set memory.attention_backward: sdpa (or context_parallel: 1)"),
     Rule("finetune.method", "refused",
          "QLoRA with tensor, pipeline or context parallel: use data parallel and ZeRO 0-3 (ZeRO-3 shards the 4-bit base)",
          lambda v: v["finetune.method"] == "qlora" and (_split(v) or v["parallel.context_parallel"] > 1),

@@ -26,6 +26,7 @@ from fitlm.memory.chunked_loss import apply_chunked_loss
 from fitlm.memory.compile import apply_compile
 from fitlm.memory.precision import apply_precision
 from fitlm.memory.recompute import apply_recompute
+from fitlm.models.attention_backward import apply_attention_backward
 from fitlm.parallel.data_parallel import apply_data_parallel, set_gradient_sync, sync_gradients, unwrap
 from fitlm.parallel.mesh import ParallelContext
 
@@ -126,6 +127,8 @@ def parallelize(model: nn.Module, cfg: Config, ctx: ParallelContext,
             from fitlm.parallel.context_parallel import apply_context_parallel
 
             apply_context_parallel(stage, context_parallel)
+        else:
+            apply_attention_backward(stage, cfg.memory.attention_backward)
         # Under FSDP2 (ZeRO-2/3) the sharding owns casting (O2) and offload.
         stage = apply_precision(stage, cfg.memory, sharded=ctx.dims.fsdp_sharded, tensor_parallel=ctx.tp)
         apply_recompute(stage, cfg.memory.recompute, cfg.memory.recompute_every_n_layers)

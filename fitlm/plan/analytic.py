@@ -43,7 +43,8 @@ LOGIT_BYTES = 12
 # (20 was fitted to a simulation that also counted DTensor's global-shape metadata run: fitlm.plan.fake_world.)
 LOGIT_BYTES_TP = 16
 WEIGHT_CAST = {"O0": 0, "O1": 2, "O2": 2, "O3": 0}  # half weight copies saved by the matmuls, per parameter
-REFERENCE = "DPO reference model (frozen, unsharded)"  # the part of `other` that fitlm.plan.finetune.reference_bytes counts
+REFERENCE = "DPO reference model (frozen, unsharded)"
+ATTN_BACKWARD = "matmul attention backward (one query block's scores)"  # the part of `other` that fitlm.plan.finetune.reference_bytes counts
 
 
 def param_bytes(s: Setup) -> int:
@@ -172,6 +173,24 @@ def gathered_layers(s: Setup, layers: int) -> int:
     if s.recompute != "full":
         return layers
     return layers - -(-layers // max(1, s.recompute_every))
+
+
+# memory.attention_backward: matmul (fitlm.models.attention_backward) holds, inside one block's backward, one
+# query block's scores: [rows, H/tp, 128, T] for the last block, which sees every key. Measured (MemTracker, bf16,
+# B 8, H 4, K 2, T 512, D 64): 4 bytes per score compiled (inductor fuses the chain), 10 eager (fp32 probabilities
+# and their gradient, a half copy), plus the fp32 dK and dV accumulators.
+ATTN_BLOCK_ROWS = 128
+ATTN_SCORE_BYTES = {True: 4, False: 10}  # compiled?
+
+
+def attention_backward_bytes(s: Setup, rows: float) -> float:
+    """The matmul attention backward's working set in one block's backward, for `rows` sequences (0 where it does
+    not run: SDPA's own backward, a GPU, context parallel)."""
+    if s.cfg.memory.attention_backward != "matmul" or s.device_kind != "cpu" or s.cp > 1:
+        return 0.0
+    scores = rows * s.heads / s.tp * min(ATTN_BLOCK_ROWS, s.seq) * s.seq
+    accumulators = 2 * rows * s.kv_heads / s.tp * s.seq * s.head_dim * 4
+    return scores * ATTN_SCORE_BYTES[bool(s.cfg.memory.compile)] + accumulators
 
 
 def logits_bytes(s: Setup, tokens: float) -> float:
@@ -310,10 +329,14 @@ def _stage(s: Setup, first: bool) -> Breakdown:
     head_grad = s.vocab * s.h * param_bytes(s) / s.tp if has_logits and ft.head_trains(s) else 0.0
     cp_backward = cp.backward_bytes(s)  # context parallel: full-length K/V gradients in a block's backward
     dequant = ft.dequant_bytes(s, tokens)  # QLoRA: the last block's largest NF4 weight dequantized for its input gradient
-    if working + cp_backward + staging + head_grad + dequant > outside + logit:
-        act, logit, grads_extra = kept + working + cp_backward + dequant, 0.0, head_grad
+    attn_bwd = attention_backward_bytes(s, tokens / s.local_seq)  # memory.attention_backward: matmul
+    # It peaks in the last block's attention backward, after that block's MLP backward let go of its saved tensors.
+    attn_net = max(0.0, attn_bwd - tokens * s.level_bytes()[3] * s.ffn / s.tp) if attn_bwd else 0.0
+    if working + cp_backward + staging + head_grad + dequant + attn_net > outside + logit:
+        act, logit, grads_extra = kept + working + cp_backward + dequant + attn_net, 0.0, head_grad
         act_parts[cp.BACKWARD] = cp_backward
         act_parts[ft.DEQUANT] = dequant
+        act_parts[ATTN_BACKWARD] = attn_bwd
         if staging:
             parts["ZeRO-3 gathered blocks"] = staging
     else:

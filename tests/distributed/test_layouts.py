@@ -100,3 +100,11 @@ def test_two_node_rendezvous_on_localhost(tiny_corpus, tmp_path, reference):
     assert all(node.returncode == 0 for node in nodes), outputs
     losses = [r["loss"] for r in read_metrics(tmp_path / "nodes") if "loss" in r]
     assert losses == pytest.approx(reference["losses"], rel=2e-5, abs=1e-5)
+
+
+def test_matmul_attention_backward_under_tensor_parallel_equals_single_process(tiny_corpus, tmp_path, reference):
+    """memory.attention_backward: matmul on each tensor-parallel rank's heads (document masks on, GQA) trains as the
+    single process does with SDPA's own backward: the two backward kernels differ by fp32 rounding only."""
+    result = run(tiny_corpus, tmp_path, "tp2-matmul-attn", {"tensor_parallel": 2}, REPLICA,
+                 memory={"attention_backward": "matmul"})
+    assert_same_training(result, reference)

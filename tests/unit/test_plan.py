@@ -85,6 +85,29 @@ def test_analytic_accuracy_table_over_eight_configurations(tiny_corpus, tmp_path
     _accuracy_table(tiny_corpus, tmp_path, MEASURED)
 
 
+def test_matmul_attention_backward_is_planned_by_name(tiny_corpus, tmp_path):
+    """memory.attention_backward: matmul holds one 128-row query block's scores in a block's backward. At sequence
+    512 with the chunked loss that moves this tiny model's peak; the plan must move with the measurement. (MemTracker
+    measures eager runs: torch.compile steps aside under its dispatch mode, so the compiled constant is not checked.)"""
+    from fitlm.plan.analytic import ATTN_BACKWARD
+    from fitlm.plan.setup import on_device
+
+    totals = {}
+    for kind in ("sdpa", "matmul"):
+        sections = {"model": {"max_seq_len": 512}, "data": {"seq_length": 512},
+                    "memory": {"attention_backward": kind, "loss_chunk_size": 64}}
+        cfg = _cfg(tiny_corpus, tmp_path / kind, sections)
+        plan = breakdown(on_device(from_config(cfg), "cpu"))
+        totals[kind] = (plan.total, measured_peak(cfg)["total"])
+        assert abs(plan.total / totals[kind][1] - 1) <= ANALYTIC_TOLERANCE, (kind, totals[kind])
+    assert dict(plan.activation_parts)[ATTN_BACKWARD] > 0  # named in the table and JSON
+    planned_rise = totals["matmul"][0] - totals["sdpa"][0]
+    measured_rise = totals["matmul"][1] - totals["sdpa"][1]
+    assert measured_rise > 0 and abs(planned_rise / measured_rise - 1) <= 0.25, totals
+    # On a GPU the attention keeps SDPA's own backward: nothing to plan.
+    assert ATTN_BACKWARD not in dict(breakdown(from_config(cfg)).activation_parts)
+
+
 def test_simulation_matches_measurement_and_analytic(tiny_corpus, tmp_path):
     from fitlm.plan.simulate import run_step
 

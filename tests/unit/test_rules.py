@@ -29,6 +29,7 @@ BREAKS = [
     {"parallel": {"pipeline_parallel": 2, "micro_batch_num": 2}, "memory": {"cpu_offload": True}},
     {"parallel": {"tensor_parallel": 2}, "finetune": {"objective": "dpo"}, "data": {"format": "preference"}},
     {"memory": {"loss_chunk_size": 32}, "finetune": {"objective": "dpo"}, "data": {"format": "preference"}},
+    {"parallel": {"context_parallel": 2}, "memory": {"attention_backward": "matmul"}},
     {"parallel": {"tensor_parallel": 2}, "finetune": {"method": "qlora"}},
     {"memory": {"mixed_precision": "O3"}, "finetune": {"method": "qlora"}},
     {"train": {"observe": {"guards": {"nonfinite": "rollback"}}}, "checkpoint": {"interval": 0}},
