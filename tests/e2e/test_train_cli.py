@@ -107,3 +107,19 @@ def test_init_from_a_trained_model_continues_from_its_weights(tiny_run, tiny_cor
     cfg["model"]["hidden_size"] = 128
     bad = fitlm("train", write_config(tmp_path / "bad.yaml", cfg), "--overwrite")
     assert bad.returncode == 2 and "model.hidden_size: config 128 vs weights 64" in bad.stderr
+
+
+def test_the_save_phase_starts_after_the_training_state_is_let_go(tiny_corpus, tmp_path):
+    """host_memory.json's `save` figure is the final save's own peak: a full fine-tune's gradients and AdamW moments
+    (12 of its 16 bytes per parameter) are released before the save phase starts, so its resident peak is far below
+    the step's (marked before the release, the save's figure began at the training state still resident)."""
+    model = {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "num_kv_heads": 4, "intermediate_size": 1376,
+             "vocab_size": 8192, "max_seq_len": 64}
+    cfg = tiny_config(tiny_corpus, tmp_path / "run", model=model,
+                      train={"max_steps": 1, "eval_interval": 0, "gradient_accumulation_steps": 1})
+    proc = fitlm("train", write_config(tmp_path / "cfg.yaml", cfg))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    peaks = json.loads((tmp_path / "run" / "host_memory.json").read_text())
+    (step,), (save,) = peaks["step"], peaks["save"]
+    params = 8 * (2 * 512 * 512 + 2 * 512 * 256 + 3 * 512 * 1376) + 2 * 8192 * 512
+    assert step - save > 0.5 * 12 * params, (step, save, 12 * params)
