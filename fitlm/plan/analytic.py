@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from fitlm.memory.precision import recasts_in_backward
+from fitlm.models.attention_backward import BLOCK_ROWS as ATTN_BLOCK_ROWS
 from fitlm.plan import context as cp
 from fitlm.plan import finetune as ft
 from fitlm.plan.activation_offload import RESIDENT_BLOCKS, offload
@@ -43,8 +44,8 @@ LOGIT_BYTES = 12
 # (20 was fitted to a simulation that also counted DTensor's global-shape metadata run: fitlm.plan.fake_world.)
 LOGIT_BYTES_TP = 16
 WEIGHT_CAST = {"O0": 0, "O1": 2, "O2": 2, "O3": 0}  # half weight copies saved by the matmuls, per parameter
-REFERENCE = "DPO reference model (frozen, unsharded)"
-ATTN_BACKWARD = "matmul attention backward (one query block's scores)"  # the part of `other` that fitlm.plan.finetune.reference_bytes counts
+REFERENCE = "DPO reference model (frozen, unsharded)"  # the part of `other` that fitlm.plan.finetune.reference_bytes counts
+ATTN_BACKWARD = "matmul attention backward (one query block's scores)"  # a part of `activations` (attention_backward_bytes)
 
 
 def param_bytes(s: Setup) -> int:
@@ -178,8 +179,8 @@ def gathered_layers(s: Setup, layers: int) -> int:
 # memory.attention_backward: matmul (fitlm.models.attention_backward) holds, inside one block's backward, one
 # query block's scores: [rows, H/tp, 128, T] for the last block, which sees every key. Measured (MemTracker, bf16,
 # B 8, H 4, K 2, T 512, D 64): 4 bytes per score compiled (inductor fuses the chain), 10 eager (fp32 probabilities
-# and their gradient, a half copy), plus the fp32 dK and dV accumulators.
-ATTN_BLOCK_ROWS = 128
+# and their gradient, a half copy), plus the fp32 dK and dV accumulators. Only the eager figure is checked against a
+# whole training step (tests/unit/test_plan.py): MemTracker's dispatch mode makes torch.compile run eagerly.
 ATTN_SCORE_BYTES = {True: 4, False: 10}  # compiled?
 
 
