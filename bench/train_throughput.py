@@ -87,7 +87,7 @@ def parse_fitlm_best(spec: str, device: str) -> dict:
     if spec == "auto":
         # O2 (bf16 compute, fp32 master weights and AdamW) measured fastest of O1-O3 here; chunks of 4096
         # rows keep the compiled per-chunk loss kernels few; in bf16 on CPU the matmul attention backward beats
-        # the flash kernel's (fitlm.models.attention_backward), in fp32 it does not.
+        # the flash kernel's (fitlm.models.matmul_attention), in fp32 it does not.
         spec = ("O2,attn=matmul" if bf16_matmul_fast(device) else "O0") + ",compile,chunk=4096"
     mem: dict = {}
     for part in filter(None, spec.split(",")):

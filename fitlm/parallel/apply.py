@@ -23,10 +23,10 @@ from torch.distributed.tensor import DTensor
 from fitlm.config import Config
 from fitlm.memory.activation_offload import apply_activation_offload
 from fitlm.memory.chunked_loss import apply_chunked_loss
+from fitlm.memory.attention_backward import apply_attention_backward
 from fitlm.memory.compile import apply_compile
 from fitlm.memory.precision import apply_precision
 from fitlm.memory.recompute import apply_recompute
-from fitlm.models.attention_backward import apply_attention_backward
 from fitlm.parallel.data_parallel import apply_data_parallel, set_gradient_sync, sync_gradients, unwrap
 from fitlm.parallel.mesh import ParallelContext
 

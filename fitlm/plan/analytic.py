@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from fitlm.memory.precision import recasts_in_backward
-from fitlm.models.attention_backward import BLOCK_ROWS as ATTN_BLOCK_ROWS
+from fitlm.models.matmul_attention import BLOCK_ROWS as ATTN_BLOCK_ROWS
 from fitlm.plan import context as cp
 from fitlm.plan import finetune as ft
 from fitlm.plan.activation_offload import RESIDENT_BLOCKS, offload
@@ -176,7 +176,7 @@ def gathered_layers(s: Setup, layers: int) -> int:
     return layers - -(-layers // max(1, s.recompute_every))
 
 
-# memory.attention_backward: matmul (fitlm.models.attention_backward) holds, inside one block's backward, one
+# memory.attention_backward: matmul (fitlm.models.matmul_attention) holds, inside one block's backward, one
 # query block's scores: [rows, H/tp, 128, T] for the last block, which sees every key. Measured (MemTracker, bf16,
 # B 8, H 4, K 2, T 512, D 64): 4 bytes per score compiled (inductor fuses the chain), 10 eager (fp32 probabilities
 # and their gradient, a half copy), plus the fp32 dK and dV accumulators. Only the eager figure is checked against a

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from fitlm.config import ModelConfig
-from fitlm.models import attention_backward as ab
+from fitlm.memory.attention_backward import apply_attention_backward
+from fitlm.models import matmul_attention as ab
 from fitlm.models.layers import SelfAttention, _band_mask, additive_mask, causal_attention, document_causal_mask
 from fitlm.registry import build_model
 
@@ -128,7 +129,7 @@ def _model(attention_backward: str):
                       vocab_size=128, max_seq_len=160, tie_embeddings=False)
     torch.manual_seed(0)
     model = build_model(cfg)
-    return ab.apply_attention_backward(model, attention_backward)
+    return apply_attention_backward(model, attention_backward)
 
 
 @pytest.mark.parametrize("mode", ["eager", "compiled", "selective recompute", "full recompute"])

@@ -1,4 +1,5 @@
-"""Attention whose backward runs as batched matmuls (memory.attention_backward: matmul).
+"""Attention whose backward runs as batched matmuls (memory.attention_backward: matmul, applied by
+fitlm.memory.attention_backward).
 
 The forward is SDPA's CPU flash kernel itself (the same output, bit for bit, and its row log-sum-exp). The
 backward recomputes the probabilities from that log-sum-exp and differentiates with five batched GEMMs
@@ -22,9 +23,8 @@ Shapes: B batch, H query heads, K key/value heads (g = H/K), T query rows = S ke
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 
-from fitlm.models.layers import SelfAttention, _band_mask, _restrict, additive_mask, causal_attention
+from fitlm.models.layers import _band_mask, _restrict, additive_mask, causal_attention
 
 # Query rows per backward block. Measured forward + backward, compiled, bf16, 2-core AMX CPU (ms, SDPA / one
 # block of all rows / 128 / 64): B8 H4 K2 T256 11.8 / 8.5 / 6.9 / 6.8; B8 H6 T256 19.2 / 12.8 / 11.2 / 12.5;
@@ -128,13 +128,3 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int = 0,
         if mask.dim() == 2:  # [T,S] -> [1,1,T,S]
             mask = mask[None, None]
     return matmul_backward_attention(q, k, v, mask, scale)
-
-
-def apply_attention_backward(model: nn.Module, kind: str) -> nn.Module:
-    """memory.attention_backward: `matmul` points every attention layer's `attend` at `attend` above (in place;
-    parameters untouched). Context parallel sets its own `attend` instead (fitlm.rules refuses both)."""
-    if kind == "matmul":
-        for layer in model.modules():
-            if isinstance(layer, SelfAttention):
-                layer.attend = attend
-    return model
