@@ -79,12 +79,12 @@ class FlashMatmulAttention(torch.autograd.Function):
             # here on: at most two [B,K,g,t,s] fp32 tensors (the probabilities and their gradient) exist at once.
             probs = (qb.float() @ kb.float().transpose(-1, -2)).view(*qb.shape[:2], g, r1 - r0, s_end)  # [B,K,g,t,s]
             probs.mul_(ctx.scale).sub_(lse[:, :, r0:r1].reshape(lse.shape[0], kv_heads, g, r1 - r0, 1))
-            if mask is not None:
-                probs.add_(mask[:, :, r0:r1, :s_end].unsqueeze(2))  # [B|1,1,1,t,s], 0 / -inf
-            probs.exp_()
             if mask is None:
                 rows = torch.arange(r0, r1, device=q.device)[:, None]
-                probs.masked_fill_(torch.arange(s_end, device=q.device)[None, :] > rows, 0.0)  # [t,s]: later keys
+                probs.masked_fill_(torch.arange(s_end, device=q.device)[None, :] > rows, float("-inf"))  # later keys
+            else:
+                probs.add_(mask[:, :, r0:r1, :s_end].unsqueeze(2))  # [B|1,1,1,t,s], 0 / -inf
+            probs.exp_()
             flat = probs.view(*probs.shape[:2], g * (r1 - r0), s_end)  # [B,K,g·t,s]
             dv[:, :, :s_end] += (flat.to(q.dtype).transpose(-1, -2) @ gob).float()
             dprobs = (gob @ vb.transpose(-1, -2)).float()  # [B,K,g·t,s]
@@ -98,14 +98,6 @@ class FlashMatmulAttention(torch.autograd.Function):
             dq[:, :, r0:r1] = _unfold(dscores @ kb, heads)
             dk[:, :, :s_end] += (dscores.transpose(-1, -2) @ qb).float()
         return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None
-
-
-def matmul_backward_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                              scale: float | None, rows: int = BLOCK_ROWS) -> torch.Tensor:
-    """Self-attention over T = S positions (no KV cache) with the matmul backward; see FlashMatmulAttention.
-    `mask`: None (causal) or additive in q's dtype; `rows`: query rows per backward block."""
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return FlashMatmulAttention.apply(q, k, v, mask, scale, rows)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int = 0,
@@ -127,4 +119,5 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int = 0,
         mask = additive_mask(mask, q.dtype) if mask.dtype == torch.bool else mask.to(q.dtype)
         if mask.dim() == 2:  # [T,S] -> [1,1,T,S]
             mask = mask[None, None]
-    return matmul_backward_attention(q, k, v, mask, scale)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return FlashMatmulAttention.apply(q, k, v, mask, scale, BLOCK_ROWS)

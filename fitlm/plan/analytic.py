@@ -332,7 +332,7 @@ def _stage(s: Setup, first: bool) -> Breakdown:
     dequant = ft.dequant_bytes(s, tokens)  # QLoRA: the last block's largest NF4 weight dequantized for its input gradient
     attn_bwd = attention_backward_bytes(s, tokens / s.local_seq)  # memory.attention_backward: matmul
     # It peaks in the last block's attention backward, after that block's MLP backward let go of its saved tensors.
-    attn_net = max(0.0, attn_bwd - tokens * s.level_bytes()[3] * s.ffn / s.tp) if attn_bwd else 0.0
+    attn_net = max(0.0, attn_bwd - tokens * s.level_bytes()[3] * s.ffn / s.tp)
     if working + cp_backward + staging + head_grad + dequant + attn_net > outside + logit:
         act, logit, grads_extra = kept + working + cp_backward + dequant + attn_net, 0.0, head_grad
         act_parts[cp.BACKWARD] = cp_backward
