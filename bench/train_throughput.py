@@ -86,9 +86,10 @@ def parse_fitlm_best(spec: str, device: str) -> dict:
     """'auto' or e.g. 'O3,compile,chunk=1024' -> a fitlm memory section."""
     if spec == "auto":
         # O2 (bf16 compute, fp32 master weights and AdamW) measured fastest of O1-O3 here; chunks of 4096
-        # rows keep the compiled per-chunk loss kernels few; in bf16 on CPU the matmul attention backward beats
-        # the flash kernel's (fitlm.models.matmul_attention), in fp32 it does not.
-        spec = ("O2,attn=matmul" if bf16_matmul_fast(device) else "O0") + ",compile,chunk=4096"
+        # rows keep the compiled per-chunk loss kernels few; on CPU the blocked matmul attention with its
+        # probabilities kept beats the flash kernel and the matmul backward alone (fitlm.models.matmul_attention).
+        spec = ("O2" if bf16_matmul_fast(device) else "O0") + (",attn=matmul_saved" if device == "cpu" else "") \
+            + ",compile,chunk=4096"
     mem: dict = {}
     for part in filter(None, spec.split(",")):
         if part in ("O0", "O1", "O2", "O3"):
@@ -103,7 +104,7 @@ def parse_fitlm_best(spec: str, device: str) -> dict:
             mem["attention_backward"] = part.split("=", 1)[1]
         else:
             raise SystemExit(f"--fitlm-best: unknown part {part!r} (use O0-O3, compile, chunk=N, selective, full, "
-                             "attn=sdpa|matmul)")
+                             "attn=sdpa|matmul|matmul_saved)")
     return mem
 
 
@@ -122,7 +123,7 @@ def describe(mem: dict) -> str:
     if mem.get("recompute", "none") != "none":
         parts.append(f"recompute {mem['recompute']}")
     if mem.get("attention_backward", "sdpa") != "sdpa":
-        parts.append(f"{mem['attention_backward']} attention backward")
+        parts.append(f"{mem['attention_backward']} attention")
     return " + ".join(parts)
 
 

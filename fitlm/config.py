@@ -248,8 +248,8 @@ class MemoryConfig(_Section):
     """torch.compile the whole model with its loss (one process, DDP, ZeRO-1), or each block where FSDP2 (ZeRO-2/3), recompute, tensor or pipeline parallel wrap blocks (eager is the default, easier to debug)."""
     loss_chunk_size: int = 0
     """Tokens per chunk of the fused output-layer + cross-entropy, so the [tokens, vocab] logits never exist whole; 0 = plain."""
-    attention_backward: Literal["sdpa", "matmul"] = "sdpa"
-    """Attention's backward in training: `sdpa` is the fused kernel's own; `matmul` (CPU) keeps SDPA's forward and recomputes the probabilities in 128-row query blocks for five batched matmuls, skipping the causally masked blocks. On a CPU in bf16 with rows up to ~512 tokens attention then takes ~0.6x the time (bench/train_throughput.py), at the cost of one block's scores in memory; in fp32 and for longer rows `sdpa` is faster. GPUs and context parallel always use their own kernels."""
+    attention_backward: Literal["sdpa", "matmul", "matmul_saved"] = "sdpa"
+    """Attention in training on a CPU: `sdpa` is the fused kernel, forward and backward. `matmul` keeps SDPA's forward and recomputes the probabilities in 128-row query blocks for five batched matmuls, skipping the causally masked blocks: in bf16 with rows up to ~512 tokens attention takes ~0.6x the time, holding one block's scores. `matmul_saved` computes the forward too as blocked matmuls (fp32 scores) and keeps its fp32 probabilities for backward: ~0.4x SDPA's time up to ~1,024 tokens (bf16 or fp32), for 4 bytes per attended score per layer (B·H·T·(T/2 + 64) for rows of T tokens; `fitlm plan` counts them). bench/train_throughput.py measures them. GPUs and context parallel always use their own kernels."""
 
 
 class DpoConfig(_Section):

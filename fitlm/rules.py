@@ -98,9 +98,9 @@ ROWS: tuple[Rule, ...] = (
          lambda v: f"finetune.objective: {v['finetune.objective']} needs each sequence's own log-probability, but "
                    "memory.loss_chunk_size sums the loss over the whole micro batch; set memory.loss_chunk_size: 0"),
     Rule("memory.attention_backward", "refused",
-         "`memory.attention_backward: matmul` with context parallel, whose attention over gathered keys has its own backward",
-         lambda v: v["memory.attention_backward"] == "matmul" and v["parallel.context_parallel"] > 1,
-         lambda v: f"memory.attention_backward: matmul replaces the single-rank attention's backward, but "
+         "`memory.attention_backward: matmul` or `matmul_saved` with context parallel, whose attention over gathered keys has its own backward",
+         lambda v: v["memory.attention_backward"] != "sdpa" and v["parallel.context_parallel"] > 1,
+         lambda v: f"memory.attention_backward: {v['memory.attention_backward']} replaces the single-rank attention, but "
                    f"context_parallel={v['parallel.context_parallel']} attends over keys gathered from other ranks with "
                    "its own kernel; set memory.attention_backward: sdpa (or context_parallel: 1)"),
     Rule("finetune.method", "refused",

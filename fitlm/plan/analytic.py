@@ -9,7 +9,8 @@ f MLP width, D head dim, H heads. At O0 one block keeps, in fp32:
   - head-sharded: rotated q, attention output (= o_proj input)                               2h
   - rotated k and v                                                                           2kv
   - SwiGLU: gate, silu(gate), up, their product (down's input)                                4f
-  - SDPA log-sum-exp (fp32) 4H and two rsqrt rows (8 bytes)
+  - SDPA log-sum-exp (fp32) 4H (memory.attention_backward: matmul_saved keeps fp32 probabilities
+    instead: attention_kept) and two rsqrt rows (8 bytes)
 Half levels keep most of these in 2 bytes, but RMSNorm's fp32 statistics keep an fp32 copy of its
 input (and O1 keeps the residual stream in fp32), and RoPE keeps half casts of cos/sin (8D). O1 also
 keeps, per block, the half casts of its weights that the matmuls saved (2 bytes per parameter); O2
@@ -46,6 +47,7 @@ LOGIT_BYTES_TP = 16
 WEIGHT_CAST = {"O0": 0, "O1": 2, "O2": 2, "O3": 0}  # half weight copies saved by the matmuls, per parameter
 REFERENCE = "DPO reference model (frozen, unsharded)"  # the part of `other` that fitlm.plan.finetune.reference_bytes counts
 ATTN_BACKWARD = "matmul attention backward (one query block's scores)"  # a part of `activations` (attention_backward_bytes)
+ATTN_PROBS = "matmul_saved attention probabilities (fp32, kept for backward)"  # a part of `activations` (kept_probabilities)
 
 
 def param_bytes(s: Setup) -> int:
@@ -120,12 +122,44 @@ def block_act_per_token(s: Setup) -> float:
         rep_h += 2 * act_bytes(s) * s.h * (1 - 1 / t)
     masked = s.doc_mask or s.sliding  # a masked SDPA expands k, v to every query head
     # (not context parallel's: its gathered k, v are attended unexpanded and counted per layer, fitlm.plan.context)
-    gqa_repeat = 2 * act_bytes(s) * (s.q - s.kv) if masked and s.kv < s.q and s.cp == 1 else 0
+    # (nor the blocked matmul attentions': they fold a key head's query heads onto it)
+    gqa_repeat = 2 * act_bytes(s) * (s.q - s.kv) if masked and s.kv < s.q and s.cp == 1 and not blocked_attention(s) else 0
     # Soft-capped eager attention keeps, per score, tanh's output and the fp32 softmax (8 bytes; the half
     # cast of the probabilities at half levels replaces nothing: 2 + 4 + 2).
     scores = 8 * s.heads * s.seq if s.softcap else 0
-    return rep_h + (shard * s.q + kv * s.kv + f * s.ffn + gqa_repeat + scores + 4 * s.heads) / t \
+    return rep_h + (shard * s.q + kv * s.kv + f * s.ffn + gqa_repeat + scores + attention_kept(s)) / t \
         + d * s.head_dim + 8 - cp.local_kv_per_token(s)
+
+
+def blocked_attention(s: Setup) -> str | None:
+    """memory.attention_backward's blocked matmul attention where it runs (a CPU, no context parallel, no soft-capped
+    scores), else None."""
+    kind = s.cfg.memory.attention_backward
+    return kind if kind != "sdpa" and s.device_kind == "cpu" and s.cp == 1 and not s.softcap else None
+
+
+def attended_keys(seq: int) -> float:
+    """Keys a query row attends on average in the blocked matmul attention: each 128-row query block multiplies
+    by the keys up to its last row (T/2 + 64 for T a multiple of 128)."""
+    rows = ATTN_BLOCK_ROWS
+    return sum(min(rows, seq - r0) * min(seq, r0 + rows) for r0 in range(0, seq, rows)) / seq
+
+
+def kept_probabilities(s: Setup, tokens: float, layers: int, in_flight: float) -> float:
+    """The part of the kept activations that is matmul_saved's probabilities (all but the blocks full recompute
+    rebuilds keep them; selective recompute keeps the score matmuls' outputs, as many bytes)."""
+    if blocked_attention(s) != "matmul_saved":
+        return 0.0
+    keeping = layers - (-(-layers // max(1, s.recompute_every)) if s.recompute == "full" else 0)
+    return in_flight * keeping * tokens * 4 * s.heads * attended_keys(s.seq) / s.tp
+
+
+def attention_kept(s: Setup) -> float:
+    """Bytes per token the attention itself keeps for backward, all heads: SDPA's fp32 log-sum-exp, or under
+    memory.attention_backward: matmul_saved the fp32 probabilities of every attended score (no log-sum-exp)."""
+    if blocked_attention(s) == "matmul_saved":
+        return 4 * s.heads * attended_keys(s.seq)
+    return 4 * s.heads
 
 
 def block_act_recompute(s: Setup, tokens: float) -> float:
@@ -137,8 +171,9 @@ def block_act_recompute(s: Setup, tokens: float) -> float:
     if s.recompute == "selective":  # matmul and SDPA outputs: q, k, v, attention, o, gate, up, down (+ input)
         e, t = act_bytes(s), s.tp
         width = s.h / (t if s.sp else 1)
+        # (matmul_saved: its score matmuls' fp32 outputs are the saved matmul outputs, as many bytes as its probabilities)
         return tokens * (residual_bytes(s) * width + e * (2 * s.q + 2 * s.kv + 2 * s.ffn) / t
-                         + 2 * e * width + 4 * s.heads / t - cp.local_kv_per_token(s))
+                         + 2 * e * width + attention_kept(s) / t - cp.local_kv_per_token(s))
     return tokens * per_token
 
 
@@ -176,22 +211,25 @@ def gathered_layers(s: Setup, layers: int) -> int:
     return layers - -(-layers // max(1, s.recompute_every))
 
 
-# memory.attention_backward: matmul (fitlm.models.matmul_attention) holds, inside one block's backward, one
-# query block's scores: [rows, H/tp, 128, T] for the last block, which sees every key. Measured (MemTracker, bf16,
-# B 8, H 4, K 2, T 512, D 64): 4 bytes per score compiled (inductor fuses the chain), 10 eager (fp32 probabilities
-# and their gradient, a half copy), plus the fp32 dK and dV accumulators. Only the eager figure is checked against a
-# whole training step (tests/unit/test_plan.py): MemTracker's dispatch mode makes torch.compile run eagerly.
-ATTN_SCORE_BYTES = {True: 4, False: 10}  # compiled?
+# memory.attention_backward: matmul / matmul_saved (fitlm.models.matmul_attention) hold, inside one block's backward,
+# one query block's scores: [rows, H/tp, 128, T] for the last block, which sees every key. Measured (MemTracker, bf16,
+# B 8, H 4, K 2, T 512, D 64), matmul: 4 bytes per score compiled (inductor fuses the chain), 10 eager (fp32
+# probabilities and their gradient, a half copy); matmul_saved keeps the probabilities (counted in attention_kept),
+# so its backward adds the gradient and half copies only. Plus the fp32 dK and dV accumulators. Only the eager figures
+# are checked against a whole training step (tests/unit/test_plan.py): MemTracker's dispatch mode makes torch.compile
+# run eagerly.
+ATTN_SCORE_BYTES = {("matmul", True): 4, ("matmul", False): 8.5, ("matmul_saved", True): 4, ("matmul_saved", False): 6}
 
 
 def attention_backward_bytes(s: Setup, rows: float) -> float:
-    """The matmul attention backward's working set in one block's backward, for `rows` sequences (0 where it does
+    """The blocked matmul attention's working set in one block's backward, for `rows` sequences (0 where it does
     not run: SDPA's own backward, a GPU, context parallel)."""
-    if s.cfg.memory.attention_backward != "matmul" or s.device_kind != "cpu" or s.cp > 1:
+    kind = blocked_attention(s)
+    if kind is None:
         return 0.0
     scores = rows * s.heads / s.tp * min(ATTN_BLOCK_ROWS, s.seq) * s.seq
     accumulators = 2 * rows * s.kv_heads / s.tp * s.seq * s.head_dim * 4
-    return scores * ATTN_SCORE_BYTES[bool(s.cfg.memory.compile)] + accumulators
+    return scores * ATTN_SCORE_BYTES[kind, bool(s.cfg.memory.compile)] + accumulators
 
 
 def logits_bytes(s: Setup, tokens: float) -> float:
@@ -291,7 +329,8 @@ def _stage(s: Setup, first: bool) -> Breakdown:
     outside = in_flight * outside_bytes(s, tokens) * (1 if has_logits else 0.5)
     moved = offload(s, kept - casts, layers, outside)  # memory.activation_offload (fitlm.plan.activation_offload)
     kept, outside, host_act = moved.blocks + casts, moved.outside, moved.host
-    act_parts = {cp.GATHERED: in_flight * gathered_layers(s, layers) * cp.gathered_kv(s)}
+    act_parts = {cp.GATHERED: in_flight * gathered_layers(s, layers) * cp.gathered_kv(s),
+                 ATTN_PROBS: kept_probabilities(s, tokens, layers, in_flight)}
     if host_act:
         act_parts[cp.GATHERED] *= min(layers, RESIDENT_BLOCKS) / layers  # the rest went to the host with its blocks
     logit = logits_bytes(s, tokens) if has_logits else 0.0

@@ -102,9 +102,10 @@ def test_two_node_rendezvous_on_localhost(tiny_corpus, tmp_path, reference):
     assert losses == pytest.approx(reference["losses"], rel=2e-5, abs=1e-5)
 
 
-def test_matmul_attention_backward_under_tensor_parallel_equals_single_process(tiny_corpus, tmp_path, reference):
-    """memory.attention_backward: matmul on each tensor-parallel rank's heads (document masks on, GQA) trains as the
-    single process does with SDPA's own backward: the two backward kernels differ by fp32 rounding only."""
-    result = run(tiny_corpus, tmp_path, "tp2-matmul-attn", {"tensor_parallel": 2}, REPLICA,
-                 memory={"attention_backward": "matmul"})
+@pytest.mark.parametrize("kind", ["matmul", "matmul_saved"])
+def test_matmul_attention_under_tensor_parallel_equals_single_process(tiny_corpus, tmp_path, reference, kind):
+    """memory.attention_backward: matmul / matmul_saved on each tensor-parallel rank's heads (document masks on, GQA)
+    trains as the single process does with SDPA: the kernels differ by fp32 rounding only."""
+    result = run(tiny_corpus, tmp_path, f"tp2-{kind}-attn", {"tensor_parallel": 2}, REPLICA,
+                 memory={"attention_backward": kind})
     assert_same_training(result, reference)
