@@ -29,6 +29,7 @@ from fitlm.finetune.early_stopping import EarlyStopping
 from fitlm.finetune.init_from import resolve_init_from
 from fitlm.finetune.start import initial_weights
 from fitlm.hardware import device_peak_flops, mfu_warning, peak_memory_bytes, return_freed_host_memory
+from fitlm.host_allocator import apply_host_allocator
 from fitlm.memory.precision import compute_dtype
 from fitlm.models.flops import flops_per_token
 from fitlm.models.streaming import stream_to_hf
@@ -134,6 +135,7 @@ class Trainer:
         self.cfg, t = cfg, cfg.train
         self.ctx = init_parallel(cfg.parallel, resolve_device(t.device).type)
         self.device = self.ctx.device
+        apply_host_allocator(t.host_allocator, self.device.type, self.ctx.dims.fsdp_sharded)  # before model and data
         self.heartbeat = Heartbeat.for_context(self.ctx, cfg.parallel.timeout_s)  # names a hung rank on a timeout
         self.train_data, self.valid_data, self.tokenizer = open_data(cfg)
         # Everything that can fail on bad input runs before the output directory is touched.
