@@ -9,7 +9,6 @@ best ever measured on this machine for that dtype: each measurement only raises 
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import platform
@@ -22,6 +21,7 @@ from pathlib import Path
 import torch
 
 from fitlm.atomic import atomic_file
+from fitlm.host_allocator import glibc
 
 # Dense half-precision peaks in TFLOP/s (vendor datasheets; see ../shared/REFERENCES.md).
 GPU_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "4090": 165.0, "3090": 71.0, "L40S": 362.0}
@@ -145,7 +145,6 @@ def return_freed_host_memory() -> None:
     """Give the heap's freed pages back to the system (glibc's malloc_trim). Freed tensors below glibc's
     mmap threshold stay in the process's heap, and count in its resident set, until trimmed: after the
     load's transients and after the training state is released, that is gigabytes on a large model."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to do
-        pass
+    libc = glibc()
+    if libc is not None:  # not glibc (macOS, musl): nothing to do
+        libc.malloc_trim(0)

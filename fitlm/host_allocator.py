@@ -27,7 +27,7 @@ _INT_MAX = 2**31 - 1
 
 
 @functools.lru_cache(maxsize=1)
-def _glibc():
+def glibc():
     """glibc's handle, or None on another C library / platform."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return None
@@ -41,7 +41,7 @@ def _glibc():
 def keep_freed_memory() -> bool:
     """Make glibc's malloc keep and reuse freed memory (no mmap for large blocks, no heap trimming) for the rest of
     the process. Returns whether it applies here (glibc accepted both settings)."""
-    libc = _glibc()
+    libc = glibc()
     if libc is None:
         return False
     no_mmap = libc.mallopt(ctypes.c_int(M_MMAP_MAX), ctypes.c_int(0))

@@ -151,7 +151,7 @@ def kept_probabilities(s: Setup, tokens: float, layers: int, in_flight: float) -
     if blocked_attention(s) != "matmul_saved":
         return 0.0
     keeping = layers - (-(-layers // max(1, s.recompute_every)) if s.recompute == "full" else 0)
-    return in_flight * keeping * tokens * 4 * s.heads * attended_keys(s.seq) / s.tp
+    return in_flight * keeping * tokens * attention_kept(s) / s.tp
 
 
 def attention_kept(s: Setup) -> float:
@@ -213,11 +213,11 @@ def gathered_layers(s: Setup, layers: int) -> int:
 
 # memory.attention_backward: matmul / matmul_saved (fitlm.models.matmul_attention) hold, inside one block's backward,
 # one query block's scores: [rows, H/tp, 128, T] for the last block, which sees every key. Measured (MemTracker, bf16,
-# B 8, H 4, K 2, T 512, D 64), matmul: 4 bytes per score compiled (inductor fuses the chain), 10 eager (fp32
-# probabilities and their gradient, a half copy); matmul_saved keeps the probabilities (counted in attention_kept),
-# so its backward adds the gradient and half copies only. Plus the fp32 dK and dV accumulators. Only the eager figures
-# are checked against a whole training step (tests/unit/test_plan.py): MemTracker's dispatch mode makes torch.compile
-# run eagerly.
+# B 8, H 4, K 2, T 512, D 64), matmul: 4 bytes per score compiled (inductor fuses the chain), 8.5 eager (fp32
+# probabilities and their gradient, a half copy, not all alive at once); matmul_saved keeps the probabilities (counted
+# in attention_kept), so its backward adds the gradient and half copies only (6, estimated: its peak is the end of
+# forward, so no step measures it). Plus the fp32 dK and dV accumulators. Only matmul's eager figure is checked
+# against a whole training step (tests/unit/test_plan.py): MemTracker's dispatch mode makes torch.compile run eagerly.
 ATTN_SCORE_BYTES = {("matmul", True): 4, ("matmul", False): 8.5, ("matmul_saved", True): 4, ("matmul_saved", False): 6}
 
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from fitlm.host_allocator import _glibc, apply_host_allocator
+from fitlm.host_allocator import apply_host_allocator, glibc
 
 CHILD = """
 import resource, sys, torch
@@ -27,7 +27,7 @@ for _ in range(10):
 print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 10)
 """
 
-needs_glibc = pytest.mark.skipif(_glibc() is None, reason="glibc's malloc only (Linux)")
+needs_glibc = pytest.mark.skipif(glibc() is None, reason="glibc's malloc only (Linux)")
 
 
 def _faults_per_cycle(kind: str) -> float:
