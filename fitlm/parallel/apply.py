@@ -27,6 +27,7 @@ from fitlm.memory.attention_backward import apply_attention_backward
 from fitlm.memory.compile import apply_compile
 from fitlm.memory.precision import apply_precision
 from fitlm.memory.recompute import apply_recompute
+from fitlm.parallel.grad_norm import squared_norm
 from fitlm.parallel.data_parallel import apply_data_parallel, set_gradient_sync, sync_gradients, unwrap
 from fitlm.parallel.mesh import ParallelContext
 
@@ -60,13 +61,21 @@ class ParallelModel:
     def finish_backward(self) -> None:
         sync_gradients(self.modules, self.ctx)
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Global gradient norm over every rank's share (tensor, pipeline and ZeRO shards), then clip."""
+    def clip_grad_norm(self, max_norm: float, scale_grads: bool = True) -> torch.Tensor:
+        """Global gradient norm over every rank's share (tensor, pipeline and ZeRO shards), then clip.
+
+        `scale_grads` False (plain gradients outside a pipeline): the norm only, for an optimizer that applies
+        the clip in its own pass over the gradients (fitlm.parallel.grad_norm.clip_divisor)."""
         params = [p for m in self.modules for p in m.parameters() if p.grad is not None]
         if self.pipeline is not None:
             return self.pipeline.clip_grad_norm(params, max_norm)
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf)
-        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+        if any(isinstance(p.grad, DTensor) for p in params):
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf)
+            return norm.full_tensor() if isinstance(norm, DTensor) else norm
+        norm = squared_norm([p.grad for p in params]).sqrt()
+        if scale_grads and params and max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return norm
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The unsharded, HF-named state dict on global rank 0 (None elsewhere). Collective: call on all ranks."""

@@ -16,6 +16,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from fitlm.parallel.grad_norm import squared_norm
+
 TIED_COPY = "_fitlm_pp_tied_copy"  # attribute set on the last stage's copy of a tied embedding
 
 
@@ -66,20 +68,6 @@ def sync_tied_grads(stage_modules: list[tuple[int, nn.Module]], pp_group) -> Non
         mine.add_(theirs)
 
 
-def _squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """Sum of squares of `grads`; DTensor grads are reduced over their own mesh (tp/dp shards)."""
-    total = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
-    buckets: dict[object, list[torch.Tensor]] = {}
-    for g in grads:  # one norm per kind: foreach kernels cannot mix plain tensors and meshes
-        buckets.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
-    for gs in buckets.values():
-        n = torch.nn.utils.get_total_norm(gs, 2.0)
-        if isinstance(n, DTensor):
-            n = n.full_tensor()
-        total = total + n.float().to(total.device) ** 2
-    return total
-
-
 def clip_grad_norm_pp(parameters: Iterable[torch.Tensor], max_norm: float, pp_group) -> torch.Tensor:
     """Clip by the gradient norm over all pipeline stages; returns that (pre-clip) norm on every rank.
 
@@ -89,7 +77,7 @@ def clip_grad_norm_pp(parameters: Iterable[torch.Tensor], max_norm: float, pp_gr
     group = _as_group(pp_group)
     params = [p for p in parameters if p.grad is not None]
     counted = [p.grad for p in params if not getattr(p, TIED_COPY, False)]
-    sq = _squared_norm(counted)
+    sq = squared_norm(counted)
     # A rank without gradients (a frozen stage) still joins the all-reduce, on the backend's device.
     device = params[0].grad.device if params else (
         torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else sq.device)
