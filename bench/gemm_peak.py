@@ -9,6 +9,8 @@ On a GPU the datasheet peak (fitlm.hardware.GPU_PEAK_TFLOPS) is printed beside t
 
     python bench/gemm_peak.py [--sizes 512 1024 2048] [--dtypes fp32 bf16] [--repeats 5] [--json]
                               [--out bench/results/gemm_peak.json]
+
+Without --out nothing is written: checking a machine's peak leaves the committed results file alone.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, bf16_matmul_fast, machine, write_json  # noqa: E402
+from common import bf16_matmul_fast, machine, write_json  # noqa: E402
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -53,10 +55,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--out", type=Path, default=RESULTS / "gemm_peak.json")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="write the JSON report here (the committed run: bench/results/gemm_peak.json)")
     args = ap.parse_args()
     report = {"benchmark": "gemm_peak", "machine": machine(), **measure(args.device, args.dtypes, args.sizes, args.repeats)}
-    write_json(args.out, report)
+    if args.out:
+        write_json(args.out, report)
     if args.json:
         print(json.dumps(report))
         return
@@ -64,7 +68,7 @@ def main() -> None:
     for name, d in report["per_dtype"].items():
         for n, f in d["by_size"].items():
             print(f"| {name} | {n} | {f / 1e9:,.1f} |")
-    print(f"bf16 fast path: {report['bf16_fast']}; wrote {args.out}", file=sys.stderr)
+    print(f"bf16 fast path: {report['bf16_fast']}" + (f"; wrote {args.out}" if args.out else ""), file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ Trainer's steps there run with it too. Here each contender is a child process th
 * `fitlm`: fitlm's best (`--fitlm-best`, as in bench/train_throughput.py), with the allocator fitlm picks;
 * `fitlm_system`: the same with `train.host_allocator: system` (glibc's defaults), so the table separates
   what the allocator gives from what the step itself gives;
-* `hf_sdpa` / `hf_eager`: the HF Trainer's best (bf16 + torch_compile), transformers' default attention and
+* `hf_sdpa` / `hf_eager`: the HF Trainer's best (bf16 where the CPU has a fast bf16 path, else fp32, +
+  torch_compile, as in bench/train_throughput.py), transformers' default attention and
   the eager one, in a plain Python process (glibc's defaults, as a standalone HF Trainer script has them).
 
 Same weights, data and targets as bench/train_throughput.py. A round runs every contender once; the order
@@ -17,6 +18,7 @@ rotates from round to round, so a slow drift of the machine's load does not favo
 taken within a round (HF's median step / fitlm's), then the median over rounds.
 
     python bench/train_standalone.py [--sizes s-2k m-8k l-32k] [--rounds 3] [--steps 8] [--warmup 3]
+                                     [--contenders fitlm hf_eager] [--no-compile]
                                      [--out bench/results/train_standalone.json]
     python bench/train_standalone.py --markdown [JSON]     # the RESULTS.md table of a saved run
 """
@@ -35,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, fitlm_config, fitlm_step, hf_model_from_fitlm, machine, median, prepare_data, write_json  # noqa: E402
-from train_throughput import SIZES, batches_for, describe, hf_trainer, log, parse_fitlm_best  # noqa: E402
+from train_throughput import SIZES, batches_for, describe, hf_best_precision, hf_trainer, log, parse_fitlm_best  # noqa: E402
 
 CONTENDERS = ("fitlm", "fitlm_system", "hf_sdpa", "hf_eager")
 
@@ -48,7 +50,7 @@ def child(name: str, size: str, data_dir: Path, out_dir: Path, args) -> dict:
     """One contender's steps in this (fresh) process: step wall times and minor page faults per step."""
     import torch
 
-    best = parse_fitlm_best(args.fitlm_best, "cpu")
+    best = best_settings(args)
     extra = {"host_allocator": "system"} if name == "fitlm_system" else {}
     cfg = fitlm_config(SIZES[size], data_dir, out_dir / name, args.batch, args.seq, best, **extra)
     steps = args.warmup + args.steps
@@ -80,17 +82,25 @@ def child(name: str, size: str, data_dir: Path, out_dir: Path, args) -> dict:
                 faults.append(minor_faults() - mark["f"])
 
         with contextlib.redirect_stdout(sys.stderr):  # the Trainer prints its summary: stdout carries the JSON
-            hf_trainer(model, batches_for(cfg, steps + 2), out_dir / name, steps, "bf16", True, [Clock()]).train()
+            precision = hf_best_precision("auto", "cpu")
+            hf_trainer(model, batches_for(cfg, steps + 2), out_dir / name, steps, precision, args.compile, [Clock()]).train()
     timed = times[args.warmup:]
     return {"name": name, "step_s": round(median(timed), 4), "min_step_s": round(min(timed), 4),
             "compile_s": round(max(0.0, times[0] - median(timed)), 2), "faults_per_step": median(faults[args.warmup:]),
             "step_times_s": [round(t, 4) for t in times]}
 
 
+def best_settings(args) -> dict:
+    best = parse_fitlm_best(args.fitlm_best, "cpu")
+    if not args.compile:
+        best.pop("compile", None)
+    return best
+
+
 def run_child(name: str, size: str, data_dir: Path, out_dir: Path, args) -> dict:
     cmd = [sys.executable, __file__, "--_child", name, size, str(data_dir), str(out_dir), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--batch", str(args.batch), "--seq", str(args.seq),
-           "--fitlm-best", args.fitlm_best]
+           "--fitlm-best", args.fitlm_best] + ([] if args.compile else ["--no-compile"])
     done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     if done.returncode != 0:
         raise SystemExit(f"{name} ({size}) failed:\n{done.stderr[-3000:]}")
@@ -106,7 +116,8 @@ def run_size(size: str, data_dir: Path, tmp: Path, args) -> dict:
             log(f"[{size}] round {r + 1}/{args.rounds}: {name}")
             runs[name].append(run_child(name, size, data_dir, tmp / size / f"round{r}", args))
     res = {"size": size, "vocab_size": SIZES[size]["vocab_size"], "batch": args.batch, "seq": args.seq,
-           "rounds": args.rounds, "fitlm_best_settings": describe(parse_fitlm_best(args.fitlm_best, "cpu"))}
+           "rounds": args.rounds, "fitlm_best_settings": describe(best_settings(args)),
+           "hf_trainer_best_settings": hf_best_precision("auto", "cpu") + (" + torch_compile" if args.compile else "")}
     for name, rs in runs.items():
         res[name] = {"tokens_per_s": round(tokens / median([x["step_s"] for x in rs]), 1),
                      "round_step_s": [x["step_s"] for x in rs], "min_step_s": min(x["min_step_s"] for x in rs),
@@ -145,7 +156,8 @@ def table(report: dict) -> str:
         lines.append(f"| {r['size']} | {cell(r, 'fitlm')} | {cell(r, 'fitlm_system')} | {cell(r, 'hf_sdpa')} | "
                      f"{cell(r, 'hf_eager')} | {ratio(r, 'fitlm_vs_hf_sdpa')} | {ratio(r, 'fitlm_vs_hf_eager')} | "
                      f"{ratio(r, 'fitlm_system_vs_hf_sdpa')} / {ratio(r, 'fitlm_system_vs_hf_eager')} |")
-    lines += ["", f"fitlm best: {report['results'][0]['fitlm_best_settings']}; HF Trainer best: bf16 + torch_compile."]
+    r0 = report["results"][0]
+    lines += ["", f"fitlm best: {r0['fitlm_best_settings']}; HF Trainer best: {r0.get('hf_trainer_best_settings', 'bf16 + torch_compile')}."]
     return "\n".join(lines)
 
 
@@ -159,6 +171,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--fitlm-best", default="auto", help="as in bench/train_throughput.py")
+    ap.add_argument("--no-compile", dest="compile", action="store_false",
+                    help="both best runs without torch.compile (quick checks, e.g. the smoke test)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--markdown", nargs="?", type=Path, const=RESULTS / "train_standalone.json", metavar="JSON")
     ap.add_argument("--_child", nargs=4, help=argparse.SUPPRESS)

@@ -28,6 +28,11 @@ Not a test: it prints a table (stderr with --json) and writes JSON. For each mod
   optimizer states, activations, temporaries) for fitlm's Trainer and for the HF Trainer's
   `training_step` + clip + its optimizer's step, and each process's peak RSS beside it.
 
+One process serves all contenders, so process-wide state is shared: fitlm's Trainer sets the host allocator
+(`train.host_allocator: reuse`) for the whole process, and the HF Trainer's steps after it run with it too.
+bench/train_standalone.py runs fitlm's best and the HF Trainer's best each in its own fresh process instead, as
+users run them.
+
 fitlm's identical-settings run uses fitlm's chunked loss (`--identical-chunk`, exact same math, no full
 [tokens x vocab] logits); `fitlm_plain_*` fields give fitlm with loss_chunk_size 0 for comparison.
 

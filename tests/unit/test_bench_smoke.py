@@ -108,3 +108,25 @@ def test_scaling_markdown():
     assert dp["overhead_s"] == pytest.approx(0.512) and dp["scaling_efficiency"] == pytest.approx(0.8)
     text = scaling.table(report)
     assert "| dp2 (DDP) | dp | 2 |" in text and "error: boom" in text and "python bench/scaling.py" in text
+
+
+@pytest.mark.slow  # ~20 s: two fresh processes (fitlm, the HF Trainer), each imports torch and trains
+def test_train_standalone_contract(tmp_path):
+    pytest.importorskip("transformers")
+    out = tmp_path / "standalone.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "train_standalone.py"), "--sizes", "tiny", "--rounds", "1",
+                           "--steps", "1", "--warmup", "1", "--batch", "2", "--seq", "32", "--no-compile",
+                           "--contenders", "fitlm", "hf_eager", "--out", str(out)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (r,) = json.loads(out.read_text())["results"]
+    assert r["fitlm"]["tokens_per_s"] > 0 and r["hf_eager"]["tokens_per_s"] > 0 and "hf_sdpa" not in r
+    assert r["fitlm_vs_hf_eager"]["ratio"] == pytest.approx(
+        r["hf_eager"]["round_step_s"][0] / r["fitlm"]["round_step_s"][0], rel=1e-3)
+    # fitlm's Trainer keeps freed memory (train.host_allocator: reuse); its run counts its faults like HF's
+    assert r["fitlm"]["faults_per_step"] >= 0 and len(r["fitlm"]["runs"][0]["step_times_s"]) == 2
+    assert r["fitlm_best_settings"].endswith("chunked loss 4096 + matmul_saved attention")  # O2, or O0 without bf16
+    assert "compile" not in r["fitlm_best_settings"] + r["hf_trainer_best_settings"]
+    md = subprocess.run([sys.executable, str(BENCH / "train_standalone.py"), "--markdown", str(out)],
+                        capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert md.returncode == 0 and "| tiny |" in md.stdout and "--sizes tiny" in md.stdout
