@@ -18,6 +18,10 @@ import resource, sys, torch
 from fitlm.host_allocator import keep_freed_memory
 if sys.argv[1] == "reuse":
     assert keep_freed_memory()
+elif sys.argv[1].endswith(".yaml"):  # a Trainer built from this config decides
+    from fitlm.config import load_config
+    from fitlm.train.trainer import Trainer
+    Trainer(load_config(sys.argv[1]))
 def cycle():
     xs = [torch.ones(n) for n in (2**20, 4 * 2**20, 16 * 2**20, 3 * 2**20)]  # 4, 16, 64, 12 MiB, touched
     del xs
@@ -45,6 +49,16 @@ def test_reuse_removes_the_page_faults_of_each_cycle():
     # 96 MiB touched per cycle = 24,576 pages of 4 KiB: glibc's default maps the large ones afresh every time.
     assert system > 5_000, system
     assert reuse < 100, reuse
+
+
+@needs_glibc
+@pytest.mark.parametrize("kind", ["reuse", "system"])
+def test_the_trainer_sets_it_after_the_load(tiny_corpus, tmp_path, kind):
+    from tests.e2e.helpers import tiny_config, write_config
+
+    cfg = write_config(tmp_path / "c.yaml", tiny_config(tiny_corpus, tmp_path / "out", train={"host_allocator": kind}))
+    faults = _faults_per_cycle(str(cfg))
+    assert (faults < 100) if kind == "reuse" else (faults > 5_000), faults
 
 
 def test_it_applies_only_to_cpu_training_outside_zero_2_3():
