@@ -27,7 +27,7 @@ from fitlm.memory.attention_backward import apply_attention_backward
 from fitlm.memory.compile import apply_compile
 from fitlm.memory.precision import apply_precision
 from fitlm.memory.recompute import apply_recompute
-from fitlm.parallel.grad_norm import squared_norm
+from fitlm.parallel.grad_norm import clip_by_norm, squared_norm
 from fitlm.parallel.data_parallel import apply_data_parallel, set_gradient_sync, sync_gradients, unwrap
 from fitlm.parallel.mesh import ParallelContext
 
@@ -61,11 +61,8 @@ class ParallelModel:
     def finish_backward(self) -> None:
         sync_gradients(self.modules, self.ctx)
 
-    def clip_grad_norm(self, max_norm: float, scale_grads: bool = True) -> torch.Tensor:
-        """Global gradient norm over every rank's share (tensor, pipeline and ZeRO shards), then clip.
-
-        `scale_grads` False (plain gradients outside a pipeline): the norm only, for an optimizer that applies
-        the clip in its own pass over the gradients (fitlm.parallel.grad_norm.clip_divisor)."""
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Global gradient norm over every rank's share (tensor, pipeline and ZeRO shards), then clip."""
         params = [p for m in self.modules for p in m.parameters() if p.grad is not None]
         if self.pipeline is not None:
             return self.pipeline.clip_grad_norm(params, max_norm)
@@ -73,8 +70,7 @@ class ParallelModel:
             norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf)
             return norm.full_tensor() if isinstance(norm, DTensor) else norm
         norm = squared_norm([p.grad for p in params]).sqrt()
-        if scale_grads and params and max_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        clip_by_norm(params, max_norm, norm)
         return norm
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:

@@ -6,9 +6,11 @@ each. On the CPU torch's per-tensor norm kernel reads fp32 gradients at about ha
 dot product reaches (bench: 16.9 M gradients of 57 tensors, 8.6 vs 3.6 ms on 2 cores), and the dot's
 accumulation is closer to the fp64 norm (relative error 5e-7 vs 2.5e-5 there).
 
-`clip_divisor` is the clip as a divisor, for an optimizer that applies it in its own pass over the
-gradients (torch's fused AdamW divides each gradient by its `grad_scale`): the separate in-place scaling
-of every gradient, one more read and write of all of them, goes away.
+`clip_by_norm` is torch's clip, skipping its in-place scaling (one more read and write of every gradient) in the
+steps where the norm is within the bound and the factor is 1. (Folding the clip into fused AdamW as its
+`grad_scale` divisor saves that pass in every step, but a division rounds differently from torch's
+multiplication, and the single process must clip exactly as the sharded layouts do: their equivalence tests
+compare final weights, where Adam amplifies a one-ulp difference in a near-zero gradient.)
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import math
 import torch
 from torch.distributed.tensor import DTensor
 
-# torch.nn.utils.clip_grads_with_norm_'s guard against a zero norm, kept so both clips agree.
+# torch.nn.utils.clip_grads_with_norm_'s guard against a zero norm.
 CLIP_EPS = 1e-6
 
 
@@ -50,9 +52,13 @@ def _cpu_squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(sums).sum()
 
 
-def clip_divisor(norm: torch.Tensor, max_norm: float) -> torch.Tensor | None:
-    """What to divide every gradient by to clip the global `norm` to `max_norm` (1 when it is below):
-    the reciprocal of clip_grads_with_norm_'s factor min(1, max_norm / (norm + 1e-6)). None: no clipping."""
-    if not max_norm or max_norm <= 0 or math.isinf(max_norm):
-        return None
-    return torch.clamp((norm.float() + CLIP_EPS) / max_norm, min=1.0)
+def clip_by_norm(params: list[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
+    """torch's clip (`clip_grads_with_norm_`: every gradient times min(1, max_norm / (norm + 1e-6))), without its
+    pass over all the gradients when that factor is exactly 1 -- a multiplication by 1.0 changes no value -- on a
+    CPU, where reading the factor costs nothing. The arithmetic is torch's, so every layout clips the same."""
+    if not params or not max_norm or max_norm <= 0 or math.isinf(max_norm):
+        return
+    factor = max_norm / (norm.float() + CLIP_EPS)  # as torch computes it (fp32)
+    if norm.device.type == "cpu" and float(factor) >= 1.0:
+        return
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from fitlm.parallel.grad_norm import squared_norm
+from fitlm.parallel.grad_norm import clip_by_norm, squared_norm
 
 TIED_COPY = "_fitlm_pp_tied_copy"  # attribute set on the last stage's copy of a tied embedding
 
@@ -84,8 +84,7 @@ def clip_grad_norm_pp(parameters: Iterable[torch.Tensor], max_norm: float, pp_gr
     sq = sq.to(device)
     dist.all_reduce(sq, group=group)
     total = sq.sqrt()
-    if params and max_norm and max_norm != float("inf"):
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    clip_by_norm(params, max_norm, total)
     return total
 
 

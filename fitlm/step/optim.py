@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
@@ -67,27 +66,6 @@ def implementation(params: list[torch.Tensor]) -> dict[str, bool]:
 def uses_fused(params: list[torch.Tensor]) -> bool:
     return all(not isinstance(p, DTensor) and p.device.type in ("cpu", "cuda") and p.is_floating_point()
                for p in params)
-
-
-def clips_in_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> bool:
-    """Whether `optimizer.step` can apply the gradient clip itself: torch's fused AdamW divides every gradient
-    by its `grad_scale` (GradScaler's hook) in the pass it makes anyway, on plain tensors of one kind."""
-    return (type(optimizer) is torch.optim.AdamW and bool(params) and uses_fused(params)
-            and all(group.get("fused") for group in optimizer.param_groups))
-
-
-@contextlib.contextmanager
-def clip_in_step(optimizer: torch.optim.Optimizer, divisor: torch.Tensor | None):
-    """During `optimizer.step()`, divide every gradient by `divisor` (fitlm.parallel.grad_norm.clip_divisor)
-    inside the fused AdamW kernel. Set for this step only: a later step (or a GradScaler) must not find it."""
-    if divisor is None:
-        yield
-        return
-    optimizer.grad_scale = divisor
-    try:
-        yield
-    finally:
-        optimizer.grad_scale = None
 
 
 def optimizer_for(cfg: Config, ctx: ParallelContext, modules: list[nn.Module]) -> torch.optim.Optimizer:

@@ -21,12 +21,11 @@ from fitlm.memory.loss_scale import LossScaler
 from fitlm.memory.precision import autocast
 from fitlm.models.loss import count_targets, cross_entropy_sum
 from fitlm.parallel.apply import ParallelModel
-from fitlm.parallel.grad_norm import clip_divisor
 from fitlm.parallel.mesh import ParallelContext
 from fitlm.parallel_dims import WORLD
 from fitlm.step.dpo import PairObjective, objective_for
 from fitlm.step.guards import GuardEvent, StepGuards
-from fitlm.step.optim import clip_in_step, clips_in_step, optimizer_for
+from fitlm.step.optim import optimizer_for
 from fitlm.step.timing import PhaseTimer
 
 
@@ -190,14 +189,11 @@ class TrainStep:
         if overflow:
             grad_norm = torch.tensor(float("inf"))
         else:
-            # torch's fused AdamW clips in its own pass over the gradients (one read and write of all of them less).
-            fold = self.pm.pipeline is None and clips_in_step(self.optimizer, params)
-            grad_norm = self.pm.clip_grad_norm(self.cfg.train.grad_clip, scale_grads=not fold)
+            grad_norm = self.pm.clip_grad_norm(self.cfg.train.grad_clip)
             if loss is not None:
                 self.guard_event = self.guards.inspect(step, loss, grad_norm)
             if self.guard_event is None or self.guard_event.applies_update:
-                with clip_in_step(self.optimizer, clip_divisor(grad_norm, self.cfg.train.grad_clip) if fold else None):
-                    self.optimizer.step()
+                self.optimizer.step()
         self.scaler.update(overflow)
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm, overflow or not (self.guard_event is None or self.guard_event.applies_update)
