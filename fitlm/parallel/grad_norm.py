@@ -47,7 +47,7 @@ def _cpu_squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
         flat = g.reshape(-1)  # a view for the contiguous gradients autograd produces
         if flat.dtype == torch.float32:
             sums.append(torch.dot(flat, flat))
-        else:  # half gradients (O3): squares accumulated in fp32, as get_total_norm does
+        else:  # half gradients (O3): the sum in fp32, not rounded to half as torch's norm of half tensors is
             sums.append(torch.linalg.vector_norm(flat, dtype=torch.float32) ** 2)
     return torch.stack(sums).sum()
 
@@ -55,7 +55,8 @@ def _cpu_squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
 def clip_by_norm(params: list[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
     """torch's clip (`clip_grads_with_norm_`: every gradient times min(1, max_norm / (norm + 1e-6))), without its
     pass over all the gradients when that factor is exactly 1 -- a multiplication by 1.0 changes no value -- on a
-    CPU, where reading the factor costs nothing. The arithmetic is torch's, so every layout clips the same."""
+    CPU, where reading the factor costs nothing. The factor is computed and applied as torch does, as the sharded
+    layouts (which clip with torch's clip_grad_norm_) do."""
     if not params or not max_norm or max_norm <= 0 or math.isinf(max_norm):
         return
     factor = max_norm / (norm.float() + CLIP_EPS)  # as torch computes it (fp32)
