@@ -57,7 +57,7 @@ def clip_by_norm(params: list[torch.Tensor], max_norm: float, norm: torch.Tensor
     pass over all the gradients when that factor is exactly 1 -- a multiplication by 1.0 changes no value -- on a
     CPU, where reading the factor costs nothing. The factor is computed and applied as torch does, as the sharded
     layouts (which clip with torch's clip_grad_norm_) do."""
-    if not params or not max_norm or max_norm <= 0 or math.isinf(max_norm):
+    if not params or not 0 < max_norm < math.inf:  # grad_clip 0 (or inf): no clipping
         return
     factor = max_norm / (norm.float() + CLIP_EPS)  # as torch computes it (fp32)
     if norm.device.type == "cpu" and float(factor) >= 1.0:

@@ -53,7 +53,7 @@ def test_reuse_removes_the_page_faults_of_each_cycle():
 
 @needs_glibc
 @pytest.mark.parametrize("kind", ["reuse", "system"])
-def test_the_trainer_sets_it_after_the_load(tiny_corpus, tmp_path, kind):
+def test_a_trainer_on_cpu_sets_it(tiny_corpus, tmp_path, kind):
     from tests.e2e.helpers import tiny_config, write_config
 
     cfg = write_config(tmp_path / "c.yaml", tiny_config(tiny_corpus, tmp_path / "out", train={"host_allocator": kind}))
