@@ -11,7 +11,10 @@ Trainer's steps there run with it too. Here each contender is a child process th
   what the allocator gives from what the step itself gives;
 * `hf_sdpa` / `hf_eager`: the HF Trainer's best (bf16 where the CPU has a fast bf16 path, else fp32, +
   torch_compile, as in bench/train_throughput.py), transformers' default attention and
-  the eager one, in a plain Python process (glibc's defaults, as a standalone HF Trainer script has them).
+  the eager one, in a plain Python process (glibc's defaults, as a standalone HF Trainer script has them);
+* `hf_sdpa_jemalloc` / `hf_eager_jemalloc`: the same with jemalloc preloaded and configured as Intel's CPU tuning
+  guides advise (`LD_PRELOAD`, `MALLOC_CONF` below): what an HF user who tunes the allocator gets. Run where
+  jemalloc is installed (Debian: `apt-get install libjemalloc2`; `--jemalloc PATH` names another copy).
 
 Same weights, data and targets as bench/train_throughput.py. A round runs every contender once; the order
 rotates from round to round, so a slow drift of the machine's load does not favour one of them. Ratios are
@@ -39,11 +42,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, fitlm_config, fitlm_step, hf_model_from_fitlm, machine, median, prepare_data, write_json  # noqa: E402
 from train_throughput import SIZES, batches_for, describe, hf_best_precision, hf_trainer, log, parse_fitlm_best  # noqa: E402
 
-CONTENDERS = ("fitlm", "fitlm_system", "hf_sdpa", "hf_eager")
+CONTENDERS = ("fitlm", "fitlm_system", "hf_sdpa", "hf_eager", "hf_sdpa_jemalloc", "hf_eager_jemalloc")
+HF = tuple(c for c in CONTENDERS if c.startswith("hf_"))
+# Intel's advice for PyTorch on Xeon (never give memory back, a background purge thread, huge-page metadata).
+JEMALLOC_CONF = "oversize_threshold:1,background_thread:true,metadata_thp:auto,dirty_decay_ms:-1,muzzy_decay_ms:-1"
+JEMALLOC_PATHS = ("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2", "/usr/lib/aarch64-linux-gnu/libjemalloc.so.2",
+                  "/usr/lib64/libjemalloc.so.2", "/usr/local/lib/libjemalloc.so.2")
+
+
+def find_jemalloc(given: Path | None) -> Path | None:
+    if given is not None:
+        if not given.is_file():
+            raise SystemExit(f"--jemalloc {given}: no such file; install jemalloc (Debian: apt-get install "
+                             "libjemalloc2) or name its libjemalloc.so.2")
+        return given
+    return next((Path(p) for p in JEMALLOC_PATHS if Path(p).is_file()), None)
 
 
 def minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def jemalloc_mapped() -> bool:
+    """Whether this process runs with jemalloc loaded (the preload took effect)."""
+    try:
+        return "libjemalloc" in Path("/proc/self/maps").read_text()
+    except OSError:  # no procfs
+        return False
 
 
 def child(name: str, size: str, data_dir: Path, out_dir: Path, args) -> dict:
@@ -70,7 +95,7 @@ def child(name: str, size: str, data_dir: Path, out_dir: Path, args) -> dict:
         from fitlm.registry import build_model
 
         torch.manual_seed(cfg.train.seed)  # the seed fitlm's Trainer builds its model with: same weights
-        model = hf_model_from_fitlm(build_model(cfg.model), cfg.model, name.split("_", 1)[1])
+        model = hf_model_from_fitlm(build_model(cfg.model), cfg.model, name.split("_")[1])  # hf_<attention>[_...]
         mark = {}
 
         class Clock(TrainerCallback):
@@ -85,7 +110,7 @@ def child(name: str, size: str, data_dir: Path, out_dir: Path, args) -> dict:
             precision = hf_best_precision("auto", "cpu")
             hf_trainer(model, batches_for(cfg, steps + 2), out_dir / name, steps, precision, args.compile, [Clock()]).train()
     timed = times[args.warmup:]
-    return {"name": name, "step_s": round(median(timed), 4), "min_step_s": round(min(timed), 4),
+    return {"name": name, "jemalloc": jemalloc_mapped(), "step_s": round(median(timed), 4), "min_step_s": round(min(timed), 4),
             "compile_s": round(max(0.0, times[0] - median(timed)), 2), "faults_per_step": median(faults[args.warmup:]),
             "step_times_s": [round(t, 4) for t in times]}
 
@@ -101,7 +126,10 @@ def run_child(name: str, size: str, data_dir: Path, out_dir: Path, args) -> dict
     cmd = [sys.executable, __file__, "--_child", name, size, str(data_dir), str(out_dir), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--batch", str(args.batch), "--seq", str(args.seq),
            "--fitlm-best", args.fitlm_best] + ([] if args.compile else ["--no-compile"])
-    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    if name.endswith("_jemalloc"):
+        env.update(LD_PRELOAD=str(args.jemalloc), MALLOC_CONF=JEMALLOC_CONF)
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise SystemExit(f"{name} ({size}) failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -124,7 +152,7 @@ def run_size(size: str, data_dir: Path, tmp: Path, args) -> dict:
                      "faults_per_step": median([x["faults_per_step"] for x in rs]),
                      "compile_s": median([x["compile_s"] for x in rs]), "runs": rs}
     for ours in ("fitlm", "fitlm_system"):
-        for theirs in ("hf_sdpa", "hf_eager"):
+        for theirs in HF:
             if ours in runs and theirs in runs:
                 per_round = [b / a for a, b in zip(res[ours]["round_step_s"], res[theirs]["round_step_s"])]
                 res[f"{ours}_vs_{theirs}"] = {"ratio": round(median(per_round), 3),
@@ -133,8 +161,17 @@ def run_size(size: str, data_dir: Path, tmp: Path, args) -> dict:
     return res
 
 
+LABELS = {"fitlm": "fitlm best", "fitlm_system": "fitlm best, glibc allocator", "hf_sdpa": "HF best (SDPA)",
+          "hf_eager": "HF best (eager attention)", "hf_sdpa_jemalloc": "HF best (SDPA), jemalloc",
+          "hf_eager_jemalloc": "HF best (eager attention), jemalloc"}
+SHORT = {"hf_sdpa": "SDPA", "hf_eager": "eager", "hf_sdpa_jemalloc": "SDPA + jemalloc", "hf_eager_jemalloc": "eager + jemalloc"}
+
+
 def table(report: dict) -> str:
     m = report["machine"]
+    results = report["results"]
+    present = [c for c in CONTENDERS if any(c in r for r in results)]
+    theirs = [c for c in present if c in HF]
     lines = [f"- Machine: {m['cpus']} CPUs ({m['cpu']}, {m['threads']} torch threads), load average at the end "
              f"{m.get('load_avg_1m', '?')}; Python {m['python']}, torch {m['torch']}, transformers {m.get('transformers', '-')}",
              f"- Command: `{report['command']}` ({report['wall_s']:.0f} s)",
@@ -142,9 +179,11 @@ def table(report: dict) -> str:
              "ratios > 1 favour fitlm (each round's ratio of median steps, median over rounds; in brackets from the "
              "fastest step of each); faults: minor page faults per step (median)",
              "",
-             "| size | fitlm best | faults | fitlm best, glibc allocator | faults | HF best (SDPA) | faults "
-             "| HF best (eager attention) | faults | fitlm / HF SDPA | fitlm / HF eager | same, glibc allocator (SDPA / eager) |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| size | " + " | ".join(f"{LABELS[c]} | faults" for c in present) + " | "
+             + " | ".join(f"fitlm / HF {SHORT[c]}" for c in theirs)
+             + (" | same, glibc allocator (" + " / ".join(SHORT[c] for c in theirs) + ")"
+                if "fitlm_system" in present else "") + " |",
+             "| --- |" + " ---: | ---: |" * len(present) + " ---: |" * (len(theirs) + ("fitlm_system" in present))]
 
     def cell(r, name):
         return (f"{r[name]['tokens_per_s']:,.0f} | {r[name]['faults_per_step']:,.0f}" if name in r else "- | -")
@@ -152,19 +191,24 @@ def table(report: dict) -> str:
     def ratio(r, key):
         return f"{r[key]['ratio']:.2f}× ({r[key]['min_step']:.2f}×)" if key in r else "-"
 
-    for r in report["results"]:
-        lines.append(f"| {r['size']} | {cell(r, 'fitlm')} | {cell(r, 'fitlm_system')} | {cell(r, 'hf_sdpa')} | "
-                     f"{cell(r, 'hf_eager')} | {ratio(r, 'fitlm_vs_hf_sdpa')} | {ratio(r, 'fitlm_vs_hf_eager')} | "
-                     f"{ratio(r, 'fitlm_system_vs_hf_sdpa')} / {ratio(r, 'fitlm_system_vs_hf_eager')} |")
-    r0 = report["results"][0]
+    for r in results:
+        row = [r["size"], *(cell(r, c) for c in present), *(ratio(r, f"fitlm_vs_{c}") for c in theirs)]
+        if "fitlm_system" in present:
+            row.append(" / ".join(ratio(r, f"fitlm_system_vs_{c}") for c in theirs))
+        lines.append("| " + " | ".join(row) + " |")
+    r0 = results[0]
     lines += ["", f"fitlm best: {r0['fitlm_best_settings']}; HF Trainer best: {r0.get('hf_trainer_best_settings', 'bf16 + torch_compile')}."]
+    if any(c.endswith("_jemalloc") for c in present):
+        lines[-1] += f" jemalloc: `MALLOC_CONF={JEMALLOC_CONF}`."
     return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", nargs="+", default=["s-2k", "m-8k", "l-32k"], choices=list(SIZES))
-    ap.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=CONTENDERS)
+    ap.add_argument("--contenders", nargs="+", default=None, choices=CONTENDERS,
+                    help="default: all (the jemalloc ones where jemalloc is installed)")
+    ap.add_argument("--jemalloc", type=Path, default=None, help="libjemalloc.so.2 to preload (default: the system's)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8, help="timed steps per contender and round")
     ap.add_argument("--warmup", type=int, default=3, help="untimed first steps (compile, optimizer states)")
@@ -186,6 +230,14 @@ def main() -> None:
         return
     import tempfile
 
+    args.jemalloc = find_jemalloc(args.jemalloc)
+    if args.contenders is None:
+        args.contenders = [c for c in CONTENDERS if args.jemalloc or not c.endswith("_jemalloc")]
+        if not args.jemalloc:
+            log("jemalloc not found: the hf_*_jemalloc contenders are left out (apt-get install libjemalloc2)")
+    elif not args.jemalloc and any(c.endswith("_jemalloc") for c in args.contenders):
+        raise SystemExit("--contenders names a jemalloc contender but jemalloc is not installed: apt-get install "
+                         "libjemalloc2, or pass --jemalloc PATH")
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         data_dir = prepare_data(Path(tmp))

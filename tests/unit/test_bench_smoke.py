@@ -6,7 +6,7 @@ documented keys and sane values, and that the RESULTS.md tables can be printed b
 
 from __future__ import annotations
 
-import importlib
+import importlib.util
 import json
 import subprocess
 import sys
@@ -127,6 +127,33 @@ def test_train_standalone_contract(tmp_path):
     assert r["fitlm"]["faults_per_step"] >= 0 and len(r["fitlm"]["runs"][0]["step_times_s"]) == 2
     assert r["fitlm_best_settings"].endswith("chunked loss 4096 + matmul_saved attention")  # O2, or O0 without bf16
     assert "compile" not in r["fitlm_best_settings"] + r["hf_trainer_best_settings"]
+    assert r["fitlm"]["runs"][0]["jemalloc"] is False and r["hf_eager"]["runs"][0]["jemalloc"] is False
     md = subprocess.run([sys.executable, str(BENCH / "train_standalone.py"), "--markdown", str(out)],
                         capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert md.returncode == 0 and "| tiny |" in md.stdout and "--sizes tiny" in md.stdout
+
+
+def test_train_standalone_refuses_a_missing_jemalloc(tmp_path):
+    proc = subprocess.run([sys.executable, str(BENCH / "train_standalone.py"), "--contenders", "hf_eager_jemalloc",
+                           "--jemalloc", str(tmp_path / "libjemalloc.so.2")],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode != 0 and "no such file" in proc.stderr and "apt-get install libjemalloc2" in proc.stderr
+
+
+@pytest.mark.slow  # ~15 s: one HF Trainer process with jemalloc preloaded
+def test_train_standalone_preloads_jemalloc(tmp_path):
+    pytest.importorskip("transformers")
+    spec = importlib.util.spec_from_file_location("train_standalone", BENCH / "train_standalone.py")
+    lib = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lib)
+    if lib.find_jemalloc(None) is None:
+        pytest.skip("jemalloc is not installed (apt-get install libjemalloc2)")
+    out = tmp_path / "standalone.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "train_standalone.py"), "--sizes", "tiny", "--rounds", "1",
+                           "--steps", "1", "--warmup", "1", "--batch", "2", "--seq", "32", "--no-compile",
+                           "--contenders", "fitlm", "hf_eager_jemalloc", "--out", str(out)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (r,) = json.loads(out.read_text())["results"]
+    assert r["hf_eager_jemalloc"]["runs"][0]["jemalloc"] is True and r["fitlm"]["runs"][0]["jemalloc"] is False
+    assert "fitlm_vs_hf_eager_jemalloc" in r
