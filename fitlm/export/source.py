@@ -10,7 +10,7 @@ which quantize or trace a module).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator, Mapping
 
@@ -18,6 +18,7 @@ import torch
 
 from fitlm.config import Config
 from fitlm.export.errors import ExportError
+from fitlm.finetune.lora import untied_for, with_weights
 from fitlm.models.hf import model_keys, to_hf_state_dict
 from fitlm.models.io import LoadedModel, ModelSource, load_model_dir, open_model
 from fitlm.models.streaming import grouped, layer_group, meta_like, stream_to_hf
@@ -65,9 +66,11 @@ def load_for_export(model: str | Path, adapter: str | Path | None = None) -> Loa
     """Load MODEL in fp32; merge `adapter` (PEFT directory) into it, refusing one made for another base."""
     loaded = load_model_dir(model)
     lora = _adapter(loaded.source, loaded.config, loaded.path, adapter)
-    if lora is not None:
-        loaded.model.load_state_dict(lora.merge(loaded.model.state_dict()))
-    return loaded
+    if lora is None:
+        return loaded
+    config = untied_for(loaded.config, lora.tensors)  # a tied head the adapter adapts is exported untied
+    return replace(loaded, model=with_weights(loaded.model, config.model, lora.merge(loaded.model.state_dict())),
+                   config=config)
 
 
 @dataclass
@@ -79,7 +82,8 @@ class StreamedModel:
 
     @property
     def config(self) -> Config:
-        return self.model.config
+        # a tied head the adapter adapts is exported untied (fitlm.finetune.lora.untied_for)
+        return untied_for(self.model.config, self.adapter.tensors) if self.adapter else self.model.config
 
     @property
     def tokenizer_path(self) -> Path | None:

@@ -20,10 +20,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fitlm.config import Config, ModelConfig
 from fitlm.finetune.errors import FinetuneError
 
 LORA_PARTS = ("lora_A", "lora_B")
 ALL_LINEAR = "all-linear"
+HEAD = "lm_head"  # the output head's FQN in every family (`candidate_linears` leaves it out)
 
 
 class LoraError(FinetuneError):
@@ -196,6 +198,34 @@ def merge_lora(base: Mapping[str, torch.Tensor], adapter: Mapping[str, torch.Ten
         delta = b.float() @ a.float()  # [out, r] @ [r, in]
         out[f"{m}.weight"] = (w.float() + scaling * delta).to(torch.float32)
     return out
+
+
+def untied_for(config: Config, adapter: Mapping[str, torch.Tensor]) -> Config:
+    """`config` itself, or a copy with `model.tie_embeddings` false when `adapter` adapts the output head of a
+    model whose head is its embedding (an adapter made with PEFT; fitlm's LoRA never targets the head).
+
+    Base + adapter computes the head as W + s·B·A but looks tokens up in W: merged into the one shared tensor,
+    the embedding would move too and the merged model would compute something else (PEFT warns of this for
+    tied heads). Untied, the merged model computes what base + adapter computed."""
+    if not config.model.tie_embeddings or HEAD not in lora_modules_of(adapter):
+        return config
+    return config.model_copy(update={"model": config.model.model_copy(update={"tie_embeddings": False})})
+
+
+def with_weights(model: nn.Module, model_cfg: ModelConfig, weights: Mapping[str, torch.Tensor]) -> nn.Module:
+    """`model` holding `weights` (a merged state dict); a new module, built without an init pass, when
+    `model_cfg` unties a head that `model` ties (`untied_for`), so the head and the embedding stay two tensors."""
+    if getattr(model, "config", model_cfg).tie_embeddings == model_cfg.tie_embeddings:
+        model.load_state_dict(weights)
+        return model
+    from fitlm.registry import build_model  # models sit below finetune; imported here, where it is needed
+
+    device = next(iter(weights.values())).device
+    with torch.device("meta"):
+        out = build_model(model_cfg)
+    out.load_state_dict(dict(weights), strict=True, assign=True)
+    out.init_buffers(device)
+    return out.train(model.training)
 
 
 def lora_modules_of(adapter: Mapping[str, torch.Tensor]) -> tuple[str, ...]:

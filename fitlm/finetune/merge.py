@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fitlm.finetune.errors import FinetuneError
-from fitlm.finetune.lora import merge_lora
+from fitlm.finetune.lora import merge_lora, untied_for, with_weights
 from fitlm.finetune.peft_format import load_adapter
 from fitlm.finetune.qlora import as_trained, read_recipe
 from fitlm.models.io import load_model_dir, save_model_dir
@@ -23,7 +23,8 @@ def merge_model(model: str | Path, adapter: str | Path, out: str | Path) -> dict
     # A QLoRA adapter was trained on the 4-bit base: fold it into the base as that run computed with it.
     base = as_trained(loaded.model.state_dict(), read_recipe(adapter))
     merged = merge_lora(base, tensors, spec.scaling, source=str(adapter))
-    loaded.model.load_state_dict(merged)
-    save_model_dir(loaded.model, loaded.config, out, tokenizer_path=loaded.tokenizer_path, what="fitlm merge")
+    config = untied_for(loaded.config, tensors)  # a tied head the adapter adapts comes out untied
+    model = with_weights(loaded.model, config.model, merged)
+    save_model_dir(model, config, out, tokenizer_path=loaded.tokenizer_path, what="fitlm merge")
     return {"model": str(loaded.path), "adapter": str(adapter), "out": str(Path(out)), "modules": len(spec.modules),
             "r": spec.r, "scaling": spec.scaling}

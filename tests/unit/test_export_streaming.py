@@ -112,6 +112,37 @@ def test_streamed_export_loads_in_transformers_with_the_checkpoints_logits(sourc
         torch.testing.assert_close(back(ids).logits, original(ids).logits, rtol=1e-5, atol=1e-5)
 
 
+def test_an_adapter_on_a_tied_head_is_merged_untied_as_peft_computes_it(sources, tmp_path):
+    """An external PEFT adapter on lm_head of a tied model (fitlm's LoRA never targets the head): both exports
+    untie the head (embedding W, head W + s·BA), so the exported model computes what base + adapter computed
+    in PEFT -- merging into the shared tensor would also move the embedding (PEFT warns of exactly that)."""
+    import json
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    adapter = _adapter(tmp_path / "adapter", {"lm_head": (131, 96), "model.layers.0.self_attn.q_proj": (96, 96)})
+    streamed = export_hf(open_for_export(sources["qwen2"], adapter), tmp_path / "streamed")
+    whole = export_hf(load_for_export(sources["qwen2"], adapter), tmp_path / "whole")
+    assert streamed == {**whole, "out": streamed["out"]} and _files(tmp_path / "streamed") == _files(tmp_path / "whole")
+    assert json.loads((tmp_path / "streamed" / "config.json").read_text())["tie_word_embeddings"] is False
+    base = AutoModelForCausalLM.from_pretrained(sources["qwen2"], dtype=torch.float32).eval()
+    reference = PeftModel.from_pretrained(base, adapter).eval()
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "streamed", dtype=torch.float32).eval()
+    ids = torch.randint(0, 131, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = reference(ids).logits
+        torch.testing.assert_close(back(ids).logits, want, rtol=1e-4, atol=1e-4)
+        with reference.disable_adapter():
+            assert (reference(ids).logits - want).abs().max() > 1e-2  # the adapter changes the logits
+    out = tmp_path / "merged"  # fitlm merge: the same untied model, as a fitlm directory
+    assert main(["merge", str(sources["qwen2"]), "--adapter", str(adapter), "--out", str(out)]) == 0
+    merged = load_for_export(out)
+    assert merged.config.model.tie_embeddings is False
+    with torch.no_grad():
+        torch.testing.assert_close(merged.model(ids).float(), want, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("shapes,message", [
     ({"model.layers.1.self_attn.q_proj": (96, 64)}, "another base model"),
     ({"model.layers.7.self_attn.q_proj": (64, 64)}, "which this base model does not have"),
