@@ -1,30 +1,30 @@
-"""`fitlm merge`: fold a LoRA adapter into its base model's weights (W + scale·B·A), giving a plain model."""
+"""`fitlm merge`: fold a LoRA adapter into its base model's weights (W + scale·B·A), giving a plain model.
+
+Streamed block by block (fitlm.finetune.adapted.StreamedModel): each block is read, cast to fp32, merged with
+its own adapters and written before the next is read, so merging a 7B base needs a block of memory, not 28 GB.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from fitlm.finetune.adapted import StreamedModel, read_adapter
 from fitlm.finetune.errors import FinetuneError
-from fitlm.finetune.lora import merge_lora, untied_for, with_weights
-from fitlm.finetune.peft_format import load_adapter
-from fitlm.finetune.qlora import as_trained, read_recipe
-from fitlm.models.io import load_model_dir, save_model_dir
+from fitlm.models.io import open_model, write_model_dir
 
 
 def merge_model(model: str | Path, adapter: str | Path, out: str | Path) -> dict:
-    """Load MODEL (any MODEL path), merge the PEFT adapter in fp32, save a fitlm model directory at OUT."""
-    loaded = load_model_dir(model)
-    if loaded.source == "fitlm" and loaded.config.finetune.adapters:
+    """MODEL (any MODEL path) with the PEFT adapter merged in fp32 (a QLoRA adapter onto the base as its run
+    computed with it), written as a fitlm model directory at OUT."""
+    src = open_model(model)
+    if src.source == "fitlm" and src.config.finetune.adapters:
         raise FinetuneError(
-            f"{loaded.path} was written by a LoRA run, so its weights already include that run's adapter; merging "
+            f"{src.path} was written by a LoRA run, so its weights already include that run's adapter; merging "
             f"again would add it twice. Pass the base model instead"
-            + (f" (that run's model.init_from: {loaded.config.model.init_from})" if loaded.config.model.init_from else ""))
-    spec, tensors = load_adapter(adapter)
-    # A QLoRA adapter was trained on the 4-bit base: fold it into the base as that run computed with it.
-    base = as_trained(loaded.model.state_dict(), read_recipe(adapter))
-    merged = merge_lora(base, tensors, spec.scaling, source=str(adapter))
-    config = untied_for(loaded.config, tensors)  # a tied head the adapter adapts comes out untied
-    model = with_weights(loaded.model, config.model, merged)
-    save_model_dir(model, config, out, tokenizer_path=loaded.tokenizer_path, what="fitlm merge")
-    return {"model": str(loaded.path), "adapter": str(adapter), "out": str(Path(out)), "modules": len(spec.modules),
-            "r": spec.r, "scaling": spec.scaling}
+            + (f" (that run's model.init_from: {src.config.model.init_from})" if src.config.model.init_from else ""))
+    lora = read_adapter(adapter)
+    merged = StreamedModel(src, lora)
+    specs, tensors = merged.hf_weights()  # an adapter made for another base is refused here, before any write
+    write_model_dir(specs, tensors, merged.config, out, tokenizer_path=src.tokenizer_path, what="fitlm merge")
+    return {"model": str(src.path), "adapter": str(adapter), "out": str(Path(out)), "modules": len(lora.spec.modules),
+            "r": lora.spec.r, "scaling": lora.scaling}

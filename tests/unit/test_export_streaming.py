@@ -26,6 +26,7 @@ from fitlm.export.gguf import export_gguf
 from fitlm.export.hf import export_hf
 from fitlm.export.source import load_for_export, open_for_export
 from fitlm.finetune.lora import LoraError, LoraSpec
+from fitlm.finetune.merge import merge_model
 from fitlm.finetune.peft_format import save_adapter
 from fitlm.models.io import save_model_dir
 from fitlm.registry import build_model
@@ -143,6 +144,19 @@ def test_an_adapter_on_a_tied_head_is_merged_untied_as_peft_computes_it(sources,
         torch.testing.assert_close(merged.model(ids).float(), want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("kind,shapes", [("fitlm", ADAPTED), ("gguf", ADAPTED),
+                                         ("qwen2", {"lm_head": (131, 96), "model.layers.0.self_attn.q_proj": (96, 96)})])
+def test_fitlm_merge_streams_the_whole_model_merges_bytes(sources, tmp_path, kind, shapes):
+    adapter = _adapter(tmp_path / "adapter", shapes)
+    summary = merge_model(sources[kind], adapter, tmp_path / "streamed")
+    assert summary["modules"] == len(shapes) and summary["r"] == 4 and summary["scaling"] == 2.0
+    whole = load_for_export(sources[kind], adapter)  # the whole model loaded in fp32, W + s·BA merged into it
+    save_model_dir(whole.model, whole.config, tmp_path / "whole", tokenizer_path=whole.tokenizer_path)
+    assert _files(tmp_path / "streamed") == _files(tmp_path / "whole")
+    assert _files(tmp_path / "streamed") != _files(save_model_dir(load_for_export(sources[kind]).model, whole.config,
+                                                                  tmp_path / "base"))  # the adapter is in
+
+
 @pytest.mark.parametrize("shapes,message", [
     ({"model.layers.1.self_attn.q_proj": (96, 64)}, "another base model"),
     ({"model.layers.7.self_attn.q_proj": (64, 64)}, "which this base model does not have"),
@@ -183,11 +197,18 @@ def measure(src: str, adapter: str, out: str) -> None:
     model_keys(CFG)  # the first model built (on meta) imports and sets up ~77 MiB of torch once: not the export's
     growth = {}
     # Streamed first, on a clean heap; what it leaves freed could only lower the whole-model number after it.
-    for what, open_ in (("streamed", open_for_export), ("whole", load_for_export)):
+    def whole_merge(d):
+        loaded = load_for_export(src, adapter)
+        save_model_dir(loaded.model, loaded.config, d)
+
+    runs = {"streamed": lambda d: export_hf(open_for_export(src, adapter), d),
+            "whole": lambda d: export_hf(load_for_export(src, adapter), d),
+            "merge": lambda d: merge_model(src, adapter, d), "merge_whole": whole_merge}
+    for what, run in runs.items():
         return_freed_host_memory()
         reset_host_peak()
         base = host_peak_rss()
-        export_hf(open_(src, adapter), Path(out) / what)
+        run(Path(out) / what)
         growth[what] = host_peak_rss() - base
     print(json.dumps(growth))
 
@@ -209,7 +230,7 @@ def big_hf(tmp_path_factory) -> tuple[Path, Path, int]:
     return root / "hf", _adapter(root / "adapter", shapes), fp32
 
 
-def test_streamed_export_holds_a_block_not_the_model(big_hf, tmp_path):
+def test_streamed_export_and_merge_hold_a_block_not_the_model(big_hf, tmp_path):
     src, adapter, fp32 = big_hf
     code = "import sys; from tests.unit.test_export_streaming import measure; measure(*sys.argv[1:])"
     r = subprocess.run([sys.executable, "-c", code, str(src), str(adapter), str(tmp_path)], cwd=ROOT,
@@ -224,6 +245,9 @@ def test_streamed_export_holds_a_block_not_the_model(big_hf, tmp_path):
                                        f"(bound {bound / MiB:.0f}, fp32 model {fp32 / MiB:.0f})"
     assert growth["whole"] > bound, growth  # the bound tells the two paths apart
     assert _files(tmp_path / "streamed") == _files(tmp_path / "whole")
+    # fitlm merge streams the same way: 54 MiB measured, the whole-model merge (load, merge, save) 190+ MiB
+    assert growth["merge"] < bound < growth["merge_whole"], {k: round(v / MiB) for k, v in growth.items()}
+    assert _files(tmp_path / "merge") == _files(tmp_path / "merge_whole")
 
 
 def measure_init_from(gguf: str) -> None:
