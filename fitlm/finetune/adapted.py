@@ -1,9 +1,11 @@
-"""A MODEL with a PEFT LoRA adapter merged in, streamed block by block (`fitlm merge`, `fitlm export --format hf`).
+"""A MODEL, with a PEFT LoRA adapter merged in when one is given, streamed block by block (`fitlm merge`,
+`fitlm export --format hf`, `fitlm import`).
 
 `StreamedModel` reads nothing up front: its weights come one block at a time
 (`fitlm.models.streaming.layer_group`: one transformer block, or the embedding, norm or head alone), each
 cast to fp32 and merged with that block's own adapters (W + s·B·A) before the next block is read, so no
 process holds the whole model. An adapter on a tied head is merged untied (`fitlm.finetune.lora.untied_for`).
+`fitlm import` keeps the stored dtypes instead (`keep_dtype`).
 """
 
 from __future__ import annotations
@@ -59,7 +61,12 @@ class StreamedModel:
     """A MODEL opened for streaming: config and tokenizer now, weights (adapter merged) on demand."""
 
     model: ModelSource
-    adapter: Adapter | None
+    adapter: Adapter | None = None
+    keep_dtype: bool = False  # weights as stored (`fitlm import`: bf16 stays bf16); merging an adapter casts to fp32
+
+    def __post_init__(self):
+        if self.keep_dtype and self.adapter is not None:
+            raise ValueError("StreamedModel: an adapter is merged in fp32; keep_dtype is for a model without one")
 
     @property
     def config(self) -> Config:
@@ -74,13 +81,16 @@ class StreamedModel:
     def path(self) -> Path:
         return self.model.path
 
-    def fp32_specs(self) -> Specs:
-        """Every weight as the whole-model load holds it: floating tensors in fp32 (load_model_dir's cast)."""
+    def specs(self) -> Specs:
+        """Every weight as the whole-model load holds it: floating tensors in fp32 (load_model_dir's cast), or as
+        stored with `keep_dtype`."""
         specs, _ = self.model.weights()
+        if self.keep_dtype:
+            return specs
         return {k: (torch.float32 if dtype.is_floating_point else dtype, shape) for k, (dtype, shape) in specs.items()}
 
     def blocks(self) -> Iterator[Tensors]:
-        """One block's fp32 weights at a time (fitlm names), its adapters merged."""
+        """One block's fp32 weights (as stored with `keep_dtype`) at a time (fitlm names), its adapters merged."""
         names = grouped(model_keys(self.config.model))
         group_of = {n: g for g, ns in names.items() for n in ns}
         adapters: dict[str, Tensors] = {}
@@ -93,7 +103,7 @@ class StreamedModel:
         for name, t in stream:
             group = group_of[name]
             block = pending.setdefault(group, {})
-            block[name] = t.float() if t.is_floating_point() else t
+            block[name] = t.float() if t.is_floating_point() and not self.keep_dtype else t
             if len(block) == len(names[group]):
                 del pending[group]
                 # a QLoRA recipe may name weights of a block without adapters (an untargeted Linear)
@@ -102,7 +112,7 @@ class StreamedModel:
 
     def hf_weights(self) -> tuple[Specs, Iterator[tuple[str, torch.Tensor]]]:
         """(HF name -> (dtype, shape), iterator of (HF name, tensor)), block by block."""
-        specs = self.fp32_specs()
+        specs = self.specs()
         if self.adapter is not None:
             # Every adapter's shape against the base, on meta tensors: a mismatch is refused before anything is
             # read or written, as the whole-model merge refused it.

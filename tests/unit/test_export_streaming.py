@@ -26,9 +26,10 @@ from fitlm.export.gguf import export_gguf
 from fitlm.export.hf import export_hf
 from fitlm.export.source import load_for_export, open_for_export
 from fitlm.finetune.lora import LoraError, LoraSpec
+from fitlm.finetune.importer import import_model
 from fitlm.finetune.merge import merge_model
 from fitlm.finetune.peft_format import save_adapter
-from fitlm.models.io import save_model_dir
+from fitlm.models.io import load_model_dir, save_model_dir
 from fitlm.registry import build_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -157,6 +158,18 @@ def test_fitlm_merge_streams_the_whole_model_merges_bytes(sources, tmp_path, kin
                                                                   tmp_path / "base"))  # the adapter is in
 
 
+@pytest.mark.parametrize("kind", ["qwen2", "gpt2", "gguf", "fitlm"])
+def test_fitlm_import_streams_the_whole_model_imports_bytes(sources, tmp_path, kind):
+    summary = import_model(sources[kind], tmp_path / "streamed")
+    whole = load_model_dir(sources[kind], dtype=None)  # the whole model, in its stored dtype (bf16 stays bf16)
+    save_model_dir(whole.model, whole.config, tmp_path / "whole",
+                   tokenizer_path=tmp_path / "streamed" if summary["tokenizer"] else None)
+    assert _files(tmp_path / "streamed") == _files(tmp_path / "whole")
+    assert summary["params"] == sum(p.numel() for p in {id(p): p for p in whole.model.parameters()}.values())
+    # copied beside the weights (transformers' generation_config.json too), or the GGUF file's written out
+    assert summary["tokenizer"] and (kind not in ("fitlm", "gguf") or (tmp_path / "streamed" / "tokenizer.json").is_file())
+
+
 @pytest.mark.parametrize("shapes,message", [
     ({"model.layers.1.self_attn.q_proj": (96, 64)}, "another base model"),
     ({"model.layers.7.self_attn.q_proj": (64, 64)}, "which this base model does not have"),
@@ -201,9 +214,14 @@ def measure(src: str, adapter: str, out: str) -> None:
         loaded = load_for_export(src, adapter)
         save_model_dir(loaded.model, loaded.config, d)
 
+    def whole_import(d):
+        loaded = load_model_dir(src, dtype=None)
+        save_model_dir(loaded.model, loaded.config, d, tokenizer_path=src)
+
     runs = {"streamed": lambda d: export_hf(open_for_export(src, adapter), d),
             "whole": lambda d: export_hf(load_for_export(src, adapter), d),
-            "merge": lambda d: merge_model(src, adapter, d), "merge_whole": whole_merge}
+            "merge": lambda d: merge_model(src, adapter, d), "merge_whole": whole_merge,
+            "import": lambda d: import_model(src, d), "import_whole": whole_import}
     for what, run in runs.items():
         return_freed_host_memory()
         reset_host_peak()
@@ -230,7 +248,7 @@ def big_hf(tmp_path_factory) -> tuple[Path, Path, int]:
     return root / "hf", _adapter(root / "adapter", shapes), fp32
 
 
-def test_streamed_export_and_merge_hold_a_block_not_the_model(big_hf, tmp_path):
+def test_streamed_export_merge_and_import_hold_a_block_not_the_model(big_hf, tmp_path):
     src, adapter, fp32 = big_hf
     code = "import sys; from tests.unit.test_export_streaming import measure; measure(*sys.argv[1:])"
     r = subprocess.run([sys.executable, "-c", code, str(src), str(adapter), str(tmp_path)], cwd=ROOT,
@@ -248,6 +266,9 @@ def test_streamed_export_and_merge_hold_a_block_not_the_model(big_hf, tmp_path):
     # fitlm merge streams the same way: 54 MiB measured, the whole-model merge (load, merge, save) 190+ MiB
     assert growth["merge"] < bound < growth["merge_whole"], {k: round(v / MiB) for k, v in growth.items()}
     assert _files(tmp_path / "merge") == _files(tmp_path / "merge_whole")
+    # fitlm import too, from the bf16 files (half the fp32 bytes): a block, not the bf16 model
+    assert growth["import"] < fp32 // 4 < growth["import_whole"], {k: round(v / MiB) for k, v in growth.items()}
+    assert _files(tmp_path / "import") == _files(tmp_path / "import_whole")
 
 
 def measure_init_from(gguf: str) -> None:
