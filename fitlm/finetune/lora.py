@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from fitlm.config import Config, ModelConfig
 from fitlm.finetune.errors import FinetuneError
+from fitlm.registry import build_model
 
 LORA_PARTS = ("lora_A", "lora_B")
 ALL_LINEAR = "all-linear"
@@ -218,8 +219,6 @@ def with_weights(model: nn.Module, model_cfg: ModelConfig, weights: Mapping[str,
     if getattr(model, "config", model_cfg).tie_embeddings == model_cfg.tie_embeddings:
         model.load_state_dict(weights)
         return model
-    from fitlm.registry import build_model  # models sit below finetune; imported here, where it is needed
-
     device = next(iter(weights.values())).device
     with torch.device("meta"):
         out = build_model(model_cfg)
