@@ -68,11 +68,11 @@ def cmd_export(args: argparse.Namespace) -> int:
         from fitlm.export.hf import export_hf
 
         summary = export_hf(open_for_export(args.model, args.adapter), args.out, max_shard_bytes=args.max_shard_size)
-    elif args.format == "gguf":  # GGUF and ONNX load the whole model: they quantize or trace a module
+    elif args.format == "gguf":  # streamed too, each tensor encoded as its block arrives
         from fitlm.export.gguf import export_gguf
 
-        summary = export_gguf(load_for_export(args.model, args.adapter), args.out, args.dtype)
-    else:
+        summary = export_gguf(open_for_export(args.model, args.adapter), args.out, args.dtype)
+    else:  # ONNX loads the whole model: it traces a module
         from fitlm.export.onnx import export_onnx
 
         summary = export_onnx(load_for_export(args.model, args.adapter), args.out, dynamic_shape=args.dynamic_shape,

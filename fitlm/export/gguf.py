@@ -10,6 +10,8 @@ is written beside the file (fitlm/export/modelfile.py).
 from __future__ import annotations
 
 import json
+import math
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +26,11 @@ from fitlm.diskspace import disk_full_guard
 from fitlm.export.errors import ExportError
 from fitlm.models.metadata import build_metadata, check_metadata
 from fitlm.models.gguf import gguf_metadata, gguf_tensors
-from fitlm.models.hf import to_hf_state_dict
-from fitlm.models.io import LoadedModel
+from fitlm.export.source import StreamedModel, hf_weights
+from fitlm.models.io import LoadedModel, Specs
 
 DTYPES = ("f32", "f16", "q8_0")
+SPILL_BYTES = 64 * 2**20  # encoded tensors kept in memory before the spill file goes to disk
 
 
 def EXPORTABLE(family) -> bool:  # noqa: N802  (read by fitlm.docs for the README families table)
@@ -60,7 +63,7 @@ def _encode(w: np.ndarray, dtype: str):
     return quantize(w.astype(np.float32), GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0
 
 
-def _add_tokenizer(writer, loaded: LoadedModel) -> None:
+def _add_tokenizer(writer, loaded: LoadedModel | StreamedModel) -> None:
     """Byte-level BPE vocabulary as llama.cpp's "gpt2" tokenizer model, plus the chat template."""
     tok = Tokenizer.from_file(loaded.tokenizer_path)
     spec = json.loads(tok.backend.to_str())
@@ -97,12 +100,12 @@ def _file_type(dtype: str) -> int:
     return {"f32": LlamaFileType.ALL_F32, "f16": LlamaFileType.MOSTLY_F16, "q8_0": LlamaFileType.MOSTLY_Q8_0}[dtype]
 
 
-def _gguf_bytes(sd: dict[str, torch.Tensor], dtype: str, loaded: LoadedModel) -> int:
+def _gguf_bytes(specs: Specs, dtype: str, source: LoadedModel | StreamedModel) -> int:
     """About the size of the file: matrices at `dtype` (q8_0: 34 bytes per 32 weights), vectors f32,
     plus the vocabulary (about the size of tokenizer.json)."""
     per = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32}[dtype]
-    weights = sum(t.numel() * (4.0 if t.ndim == 1 else per) for t in sd.values())
-    vocab = loaded.tokenizer_path.stat().st_size if loaded.tokenizer_path is not None else 0
+    weights = sum(math.prod(shape) * (4.0 if len(shape) == 1 else per) for _, shape in specs.values())
+    vocab = source.tokenizer_path.stat().st_size if source.tokenizer_path is not None else 0
     return int(weights) + vocab + 64 * 1024
 
 
@@ -120,11 +123,16 @@ def _close_quietly(writer) -> None:
         writer.fout = None
 
 
-def export_gguf(loaded: LoadedModel, out: str | Path, dtype: str = "f16") -> dict:
-    """Write a GGUF file at `out` in `dtype` (f32 | f16 | q8_0)."""
+def export_gguf(source: LoadedModel | StreamedModel, out: str | Path, dtype: str = "f16") -> dict:
+    """Write a GGUF file at `out` in `dtype` (f32 | f16 | q8_0).
+
+    `source`: a loaded model, or one opened with fitlm.export.source.open_for_export, whose weights are read,
+    converted and encoded one block at a time (what `fitlm export --format gguf` does). GGUF lists every tensor
+    before the data, so the encoded tensors go to a spill file beside `out` (`SPILL_BYTES` in memory) until the
+    table is written: the disk holds the model twice for a moment, the memory a block."""
     from gguf import GGUFWriter
 
-    cfg = loaded.config.model
+    cfg = source.config.model
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype!r} is not supported for GGUF; choose one of {', '.join(DTYPES)}")
     if cfg.family.gguf is None:
@@ -134,23 +142,26 @@ def export_gguf(loaded: LoadedModel, out: str | Path, dtype: str = "f16") -> dic
     if out.is_dir():
         raise ExportError(f"--out {out} is a directory; --format gguf writes one file, e.g. {out / 'model.gguf'}")
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = build_metadata("gguf", loaded.path, {"dtype": dtype})
-    sd = to_hf_state_dict(loaded.model, cfg)
-    # The guard outside the atomic block: the partial file is gone before the error is raised.
-    with disk_full_guard(out, _gguf_bytes(sd, dtype, loaded), "fitlm export --format gguf"), \
+    meta = build_metadata("gguf", source.path, {"dtype": dtype})
+    specs, tensors = hf_weights(source)
+    # The guard outside the atomic block: the partial file is gone before the error is raised. Twice the file:
+    # the spilled tensors and the file they are copied into.
+    with disk_full_guard(out, 2 * _gguf_bytes(specs, dtype, source), "fitlm export --format gguf"), \
             atomic_file(out) as tmp:  # never a half-written file at `out`
-        writer = GGUFWriter(str(tmp), cfg.family.gguf.arch)
+        writer = GGUFWriter(str(tmp), cfg.family.gguf.arch, use_temp_file=True)
+        writer.temp_file = tempfile.SpooledTemporaryFile(max_size=SPILL_BYTES, dir=tmp.parent)
         try:
-            writer.add_name(loaded.path.name)
+            writer.add_name(source.path.name)
             for key, value in gguf_metadata(cfg).items():
                 _add_value(writer, key, value)
             writer.add_file_type(_file_type(dtype))
             writer.add_string(META_KEY, json.dumps(meta))
-            if loaded.tokenizer_path is not None:
-                _add_tokenizer(writer, loaded)
-            for name, w in gguf_tensors(sd, cfg):
+            if source.tokenizer_path is not None:
+                _add_tokenizer(writer, source)
+            for name, w in gguf_tensors(tensors, cfg):
                 data, raw = _encode(w.numpy(), dtype)
-                writer.add_tensor(name, data, raw_dtype=raw)
+                writer.add_tensor(name, data, raw_dtype=raw)  # written to the spill file now
+                del w, data
             writer.write_header_to_file()
             writer.write_kv_data_to_file()
             writer.write_tensors_to_file()
@@ -160,9 +171,9 @@ def export_gguf(loaded: LoadedModel, out: str | Path, dtype: str = "f16") -> dic
         writer.close()  # its last flush can still find the disk full: that error must leave
     from fitlm.export.modelfile import write_modelfile
 
-    modelfile = write_modelfile(loaded, out)  # for `ollama create` (fitlm/export/modelfile.py)
+    modelfile = write_modelfile(source, out)  # for `ollama create` (fitlm/export/modelfile.py)
     return {"format": "gguf", "out": str(out), "dtype": dtype, "bytes": out.stat().st_size,
-            "tokenizer": loaded.tokenizer_path is not None, "source_sha256": meta["source_sha256"],
+            "tokenizer": source.tokenizer_path is not None, "source_sha256": meta["source_sha256"],
             "modelfile": str(modelfile)}
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from fitlm.atomic import atomic_file
 from fitlm.data.chat import resolve_template
 from fitlm.data.tokenizer import Tokenizer
+from fitlm.finetune.adapted import StreamedModel
 from fitlm.models.io import LoadedModel
 
 # format -> (markers that identify it in the Jinja source, Go template, end-of-turn stop strings)
@@ -80,7 +81,7 @@ def modelfile_path(gguf: Path) -> Path:
     return gguf.with_suffix(".Modelfile")
 
 
-def write_modelfile(loaded: LoadedModel, gguf: str | Path) -> Path:
+def write_modelfile(loaded: LoadedModel | StreamedModel, gguf: str | Path) -> Path:
     """Write `<gguf stem>.Modelfile` beside the exported GGUF file; return its path."""
     gguf = Path(gguf)
     tok = template = None

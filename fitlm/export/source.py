@@ -1,9 +1,9 @@
 """The model to export: any MODEL path, with a LoRA adapter merged in first when one is given.
 
 Exports hold plain weights only: runtimes (llama.cpp, onnxruntime, vLLM) know nothing of adapters.
-`open_for_export` (what `--format hf` uses) reads nothing up front: its weights stream block by block
-(fitlm.finetune.adapted.StreamedModel, which `fitlm merge` streams too), so no process holds the whole
-model. `load_for_export` loads the whole model (GGUF and ONNX exports, which quantize or trace a module).
+`open_for_export` (what `--format hf` and `--format gguf` use) reads nothing up front: its weights stream block
+by block (fitlm.finetune.adapted.StreamedModel, which `fitlm merge` and `fitlm import` stream too), so no process
+holds the whole model. `load_for_export` loads the whole model (the ONNX export traces a module; `fitlm serve`).
 """
 
 from __future__ import annotations

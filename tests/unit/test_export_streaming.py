@@ -170,6 +170,28 @@ def test_fitlm_import_streams_the_whole_model_imports_bytes(sources, tmp_path, k
     assert summary["tokenizer"] and (kind not in ("fitlm", "gguf") or (tmp_path / "streamed" / "tokenizer.json").is_file())
 
 
+def _gguf_content(path: Path) -> tuple[dict, dict]:
+    """(name -> (type, shape, bytes) of every tensor, key -> value bytes of every metadata field) of a GGUF file."""
+    import gguf
+
+    r = gguf.GGUFReader(str(path))
+    tensors = {t.name: (int(t.tensor_type), tuple(t.shape.tolist()), bytes(t.data.tobytes())) for t in r.tensors}
+    fields = {k: b"".join(bytes(p.tobytes()) for p in f.parts) for k, f in r.fields.items()}
+    return tensors, fields
+
+
+@pytest.mark.parametrize("kind,dtype", [("qwen2", "q8_0"), ("fitlm", "f16"), ("gguf", "f32")])
+def test_streamed_gguf_export_holds_the_whole_model_exports_tensors(sources, tmp_path, kind, dtype):
+    adapter = _adapter(tmp_path / "adapter", {"lm_head": (131, 96)}) if kind == "qwen2" else sources["adapter"]
+    streamed = export_gguf(open_for_export(sources[kind], adapter), tmp_path / "streamed.gguf", dtype)
+    whole = export_gguf(load_for_export(sources[kind], adapter), tmp_path / "whole.gguf", dtype)
+    assert streamed["bytes"] == whole["bytes"] and streamed["source_sha256"] == whole["source_sha256"]
+    # the same tensors and metadata; the order of the tensors is the order they stream in
+    assert _gguf_content(tmp_path / "streamed.gguf") == _gguf_content(tmp_path / "whole.gguf")
+    plain = export_gguf(open_for_export(sources[kind]), tmp_path / "plain.gguf", dtype)
+    assert _gguf_content(tmp_path / "plain.gguf")[0] != _gguf_content(tmp_path / "streamed.gguf")[0]  # merged
+
+
 @pytest.mark.parametrize("shapes,message", [
     ({"model.layers.1.self_attn.q_proj": (96, 64)}, "another base model"),
     ({"model.layers.7.self_attn.q_proj": (64, 64)}, "which this base model does not have"),
@@ -221,7 +243,9 @@ def measure(src: str, adapter: str, out: str) -> None:
     runs = {"streamed": lambda d: export_hf(open_for_export(src, adapter), d),
             "whole": lambda d: export_hf(load_for_export(src, adapter), d),
             "merge": lambda d: merge_model(src, adapter, d), "merge_whole": whole_merge,
-            "import": lambda d: import_model(src, d), "import_whole": whole_import}
+            "import": lambda d: import_model(src, d), "import_whole": whole_import,
+            "gguf": lambda d: export_gguf(open_for_export(src, adapter), d.with_suffix(".gguf"), "q8_0"),
+            "gguf_whole": lambda d: export_gguf(load_for_export(src, adapter), d.with_suffix(".gguf"), "q8_0")}
     for what, run in runs.items():
         return_freed_host_memory()
         reset_host_peak()
@@ -248,7 +272,7 @@ def big_hf(tmp_path_factory) -> tuple[Path, Path, int]:
     return root / "hf", _adapter(root / "adapter", shapes), fp32
 
 
-def test_streamed_export_merge_and_import_hold_a_block_not_the_model(big_hf, tmp_path):
+def test_streamed_exports_merge_and_import_hold_a_block_not_the_model(big_hf, tmp_path):
     src, adapter, fp32 = big_hf
     code = "import sys; from tests.unit.test_export_streaming import measure; measure(*sys.argv[1:])"
     r = subprocess.run([sys.executable, "-c", code, str(src), str(adapter), str(tmp_path)], cwd=ROOT,
@@ -269,6 +293,9 @@ def test_streamed_export_merge_and_import_hold_a_block_not_the_model(big_hf, tmp
     # fitlm import too, from the bf16 files (half the fp32 bytes): a block, not the bf16 model
     assert growth["import"] < fp32 // 4 < growth["import_whole"], {k: round(v / MiB) for k, v in growth.items()}
     assert _files(tmp_path / "import") == _files(tmp_path / "import_whole")
+    # the GGUF export too: encoded tensors spill to disk until GGUF's tensor table is written
+    assert growth["gguf"] < bound < growth["gguf_whole"], {k: round(v / MiB) for k, v in growth.items()}
+    assert _gguf_content(tmp_path / "gguf.gguf") == _gguf_content(tmp_path / "gguf_whole.gguf")
 
 
 def measure_init_from(gguf: str) -> None:
