@@ -128,7 +128,7 @@ def run_child(name: str, size: str, data_dir: Path, out_dir: Path, args) -> dict
            "--fitlm-best", args.fitlm_best] + ([] if args.compile else ["--no-compile"])
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     if name.endswith("_jemalloc"):
-        env.update(LD_PRELOAD=str(args.jemalloc), MALLOC_CONF=JEMALLOC_CONF)
+        env.update(LD_PRELOAD=f"{args.jemalloc} {env.get('LD_PRELOAD', '')}".strip(), MALLOC_CONF=JEMALLOC_CONF)
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise SystemExit(f"{name} ({size}) failed:\n{done.stderr[-3000:]}")

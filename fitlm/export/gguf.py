@@ -30,7 +30,6 @@ from fitlm.export.source import StreamedModel, hf_weights
 from fitlm.models.io import LoadedModel, Specs
 
 DTYPES = ("f32", "f16", "q8_0")
-SPILL_BYTES = 64 * 2**20  # encoded tensors kept in memory before the spill file goes to disk
 
 
 def EXPORTABLE(family) -> bool:  # noqa: N802  (read by fitlm.docs for the README families table)
@@ -109,9 +108,24 @@ def _gguf_bytes(specs: Specs, dtype: str, source: LoadedModel | StreamedModel) -
     return int(weights) + vocab + 64 * 1024
 
 
+def _spill(writer, name: str, data: np.ndarray, raw) -> None:
+    """Register one encoded tensor with the writer and append its bytes (padded to GGUF's alignment) to the spill
+    file, as GGUFWriter.add_tensor does with use_temp_file -- but through file.write, so that a full disk raises
+    ENOSPC (numpy's tofile reports it without an errno, which would hide the disk-full message)."""
+    writer.add_tensor_info(name, data.shape, data.dtype, data.nbytes, raw_dtype=raw)
+    writer.temp_file.write(memoryview(np.ascontiguousarray(data)).cast("B"))
+    writer.write_padding(writer.temp_file, data.nbytes)
+
+
 def _close_quietly(writer) -> None:
-    """Close the writer's files; after a failed write (a full disk) their buffered bytes cannot be written
-    either, and the caller deletes the file, so that second error is not the one to report."""
+    """Close the writer's files (the spill file too, so a failed export frees its space now); after a failed
+    write (a full disk) their buffered bytes cannot be written either, and the caller deletes the file, so that
+    second error is not the one to report."""
+    for f in [writer.temp_file] if writer.temp_file is not None else []:
+        try:
+            f.close()
+        except OSError:
+            pass
     try:
         writer.close()
     except OSError:
@@ -128,8 +142,8 @@ def export_gguf(source: LoadedModel | StreamedModel, out: str | Path, dtype: str
 
     `source`: a loaded model, or one opened with fitlm.export.source.open_for_export, whose weights are read,
     converted and encoded one block at a time (what `fitlm export --format gguf` does). GGUF lists every tensor
-    before the data, so the encoded tensors go to a spill file beside `out` (`SPILL_BYTES` in memory) until the
-    table is written: the disk holds the model twice for a moment, the memory a block."""
+    before the data, so the encoded tensors go to an anonymous spill file beside `out` until the table is
+    written, then are copied in: the disk holds the model twice for a moment, the memory a block."""
     from gguf import GGUFWriter
 
     cfg = source.config.model
@@ -138,6 +152,11 @@ def export_gguf(source: LoadedModel | StreamedModel, out: str | Path, dtype: str
     if cfg.family.gguf is None:
         raise ExportError(f"GGUF export: model.arch {cfg.arch!r} has no llama.cpp architecture; export it with "
                           f"--format hf")
+    if cfg.family.gguf.head_is_embedding and not cfg.tie_embeddings:
+        raise ExportError(f"GGUF export: llama.cpp's {cfg.family.gguf.arch} architecture has no output head of its "
+                          f"own (it reuses token_embd), and this model's head is untied (tie_embeddings: false, as "
+                          f"an adapter on lm_head makes it); export it with --format hf, or train the adapter "
+                          f"without lm_head")
     out = Path(out).expanduser()
     if out.is_dir():
         raise ExportError(f"--out {out} is a directory; --format gguf writes one file, e.g. {out / 'model.gguf'}")
@@ -149,7 +168,7 @@ def export_gguf(source: LoadedModel | StreamedModel, out: str | Path, dtype: str
     with disk_full_guard(out, 2 * _gguf_bytes(specs, dtype, source), "fitlm export --format gguf"), \
             atomic_file(out) as tmp:  # never a half-written file at `out`
         writer = GGUFWriter(str(tmp), cfg.family.gguf.arch, use_temp_file=True)
-        writer.temp_file = tempfile.SpooledTemporaryFile(max_size=SPILL_BYTES, dir=tmp.parent)
+        writer.temp_file = tempfile.TemporaryFile(dir=tmp.parent)  # unlinked at once: nothing is left behind
         try:
             writer.add_name(source.path.name)
             for key, value in gguf_metadata(cfg).items():
@@ -160,7 +179,7 @@ def export_gguf(source: LoadedModel | StreamedModel, out: str | Path, dtype: str
                 _add_tokenizer(writer, source)
             for name, w in gguf_tensors(tensors, cfg):
                 data, raw = _encode(w.numpy(), dtype)
-                writer.add_tensor(name, data, raw_dtype=raw)  # written to the spill file now
+                _spill(writer, name, data, raw)
                 del w, data
             writer.write_header_to_file()
             writer.write_kv_data_to_file()

@@ -12,12 +12,15 @@ templates: llama.cpp adds it from the GGUF's add_bos_token, as fitlm's export se
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fitlm.atomic import atomic_file
 from fitlm.data.chat import resolve_template
 from fitlm.data.tokenizer import Tokenizer
-from fitlm.finetune.adapted import StreamedModel
 from fitlm.models.io import LoadedModel
+
+if TYPE_CHECKING:
+    from fitlm.finetune.adapted import StreamedModel
 
 # format -> (markers that identify it in the Jinja source, Go template, end-of-turn stop strings)
 FORMATS: dict[str, tuple[tuple[str, ...], str, tuple[str, ...]]] = {

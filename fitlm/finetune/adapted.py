@@ -1,5 +1,5 @@
 """A MODEL, with a PEFT LoRA adapter merged in when one is given, streamed block by block (`fitlm merge`,
-`fitlm export --format hf`, `fitlm import`).
+`fitlm export --format hf` and `--format gguf`, `fitlm import`).
 
 `StreamedModel` reads nothing up front: its weights come one block at a time
 (`fitlm.models.streaming.layer_group`: one transformer block, or the embedding, norm or head alone), each

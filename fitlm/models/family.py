@@ -21,7 +21,7 @@ class GGUFNames:
     `layer` maps llama.cpp's per-block tensor base (`attn_q`) to fitlm's module path in a block
     (`self_attn.q_proj`); `top` does the same outside the blocks. `permute_qk`: llama.cpp's converter
     permutes q/k rows for its `llama` architecture only. `norm_offset`: Gemma's converter stores
-    RMSNorm weights as 1 + w.
+    RMSNorm weights as 1 + w. `head_is_embedding`: the architecture's loader has no separate output head.
     """
 
     arch: str
@@ -29,6 +29,8 @@ class GGUFNames:
     top: Mapping[str, str]
     permute_qk: bool = False
     norm_offset: float = 0.0
+    # llama.cpp's architecture reads no output.weight (its head is token_embd): an untied model has no GGUF form.
+    head_is_embedding: bool = False
     # Family metadata beyond the common keys: read(get) -> ModelConfig fields, where get(key, default)
     # reads "<arch>.<key>"; write(cfg) -> {key: value} written as "<arch>.<key>".
     read_extra: Callable[[Callable], dict] = lambda get: {}

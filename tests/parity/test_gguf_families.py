@@ -7,6 +7,8 @@ model uses (it reads no query_pre_attn_scalar, key_length for Qwen3, or RoPE sca
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -20,8 +22,14 @@ def _rope_type(kw: dict) -> str | None:
     return sc.get("rope_type", sc.get("type"))
 
 
+def _untied_gemma2(model_type: str, kw: dict) -> bool:
+    """llama.cpp's gemma2 loader has no output head of its own (it reuses token_embd): an untied one is refused."""
+    return model_type == "gemma2" and kw.get("tie_word_embeddings") is False
+
+
 # Cases whose RoPE llama.cpp can store: metadata (linear, yarn), factor tensors (llama3, longrope) or plain.
-EXPORTABLE = [n for n, (_, kw, _) in CASES.items() if _rope_type(kw) != "dynamic"]
+EXPORTABLE = [n for n, (t, kw, _) in CASES.items() if _rope_type(kw) != "dynamic" and not _untied_gemma2(t, kw)]
+UNTIED_GEMMA2 = [n for n, (t, kw, _) in CASES.items() if _untied_gemma2(t, kw)]
 # transformers' GGUF loader reads these completely (short inputs: within every sliding window). Not Phi-3:
 # without a tokenizer in the file its config keeps pad_token_id 32000, outside this test vocabulary.
 TRANSFORMERS_READS = {"qwen2.5_gqa6-2", "mistral_window7_headdim16"}
@@ -32,7 +40,7 @@ def ids(t: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, 131, (2, t), generator=torch.Generator().manual_seed(seed))
 
 
-REFUSED = [n for n in CASES if n not in EXPORTABLE]
+REFUSED = [n for n in CASES if n not in EXPORTABLE and n not in UNTIED_GEMMA2]
 
 
 @pytest.fixture
@@ -108,6 +116,27 @@ def test_gguf_export_refuses_scaling_without_a_llama_cpp_key(case, tmp_path):
     with pytest.raises((GGUFError, ExportError), match="RoPE scaling"):
         export_gguf(load_model_dir(d), tmp_path / "m.gguf", "f32")
     assert not (tmp_path / "m.gguf").exists()
+
+
+@pytest.mark.parametrize("case", UNTIED_GEMMA2, indirect=True)
+def test_gguf_export_of_an_untied_gemma2_is_refused_and_a_tied_one_round_trips(case, tmp_path):
+    from fitlm.export.errors import ExportError
+
+    name, hf, d, ours, mcfg, _ = case
+    with pytest.raises(ExportError, match="gemma2 architecture has no output head of its own.*--format hf"):
+        export_gguf(load_model_dir(d), tmp_path / "m.gguf", "f32")
+    assert not (tmp_path / "m.gguf").exists()
+    tied_hf = copy.deepcopy(hf)  # the same checkpoint with its head tied, as Gemma 2 ships
+    tied_hf.config.tie_word_embeddings = True
+    tied_hf.tie_weights()
+    tied_hf.save_pretrained(tmp_path / "tied")
+    tied = load_model_dir(tmp_path / "tied")
+    assert tied.config.model.tie_embeddings
+    export_gguf(tied, tmp_path / "tied.gguf", "f32")
+    back = load_model_dir(tmp_path / "tied.gguf")
+    x = ids(40)
+    with torch.no_grad():
+        torch.testing.assert_close(back.model(x), tied.model(x), rtol=1e-5, atol=1e-5)
 
 
 def test_llama_3_1_rope_factors_name_their_parameters_again():

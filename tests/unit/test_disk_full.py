@@ -191,6 +191,37 @@ def test_export_hf_disk_full_keeps_previous_export(model_dir, tmp_path, monkeypa
     assert not (tmp_path / "deeper").exists()
 
 
+def test_export_gguf_disk_full_while_spilling_tensors(model_dir, tmp_path, monkeypatch, capsys):
+    """The streamed GGUF export spills encoded tensors to a temporary file beside the output before GGUF's table
+    is written: a full disk there is reported as one (exit 2), with nothing left behind."""
+    import tempfile
+
+    import fitlm.export.gguf as gguf_export
+
+    out = tmp_path / "model.gguf"
+    real = tempfile.TemporaryFile
+
+    class Full:  # the spill file on a disk that fills up after some bytes
+        def __init__(self, **kw):
+            self.f, self.room = real(**kw), 3000
+
+        def write(self, b):
+            self.room -= len(b)
+            if self.room < 0:
+                raise enospc()
+            return self.f.write(b)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    monkeypatch.setattr(gguf_export.tempfile, "TemporaryFile", lambda **kw: Full(**kw))
+    code = main(["export", str(model_dir), "--format", "gguf", "--dtype", "f32", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert_disk_full(code, err, out)
+    assert "fitlm export --format gguf" in err
+    assert leftovers(tmp_path) == [] and not out.exists()
+
+
 def test_export_gguf_disk_full_keeps_previous_file(model_dir, tmp_path, monkeypatch, capsys):
     from gguf import GGUFWriter
 

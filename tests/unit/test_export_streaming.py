@@ -162,8 +162,9 @@ def test_fitlm_merge_streams_the_whole_model_merges_bytes(sources, tmp_path, kin
 def test_fitlm_import_streams_the_whole_model_imports_bytes(sources, tmp_path, kind):
     summary = import_model(sources[kind], tmp_path / "streamed")
     whole = load_model_dir(sources[kind], dtype=None)  # the whole model, in its stored dtype (bf16 stays bf16)
+    # the tokenizer files from the source directory (a GGUF file's: written out from its metadata by the import)
     save_model_dir(whole.model, whole.config, tmp_path / "whole",
-                   tokenizer_path=tmp_path / "streamed" if summary["tokenizer"] else None)
+                   tokenizer_path=tmp_path / "streamed" if kind == "gguf" else whole.path)
     assert _files(tmp_path / "streamed") == _files(tmp_path / "whole")
     assert summary["params"] == sum(p.numel() for p in {id(p): p for p in whole.model.parameters()}.values())
     # copied beside the weights (transformers' generation_config.json too), or the GGUF file's written out

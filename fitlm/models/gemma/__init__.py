@@ -55,8 +55,8 @@ GEMMA2 = register_family(Family(
     from_hf=same_names_from_hf, default_ffn=_ffn,
     planner=counts.rope_planner(counts.GEMMA_BYTES, norms=4), tp_plan=TP, lora_linears=LINEARS,
     default_layer_type=hf.gemma2_layer_type,
-    gguf=GGUFNames("gemma2", GGUF_LAYER, GGUF_TOP, norm_offset=1.0, read_extra=lambda get: _gguf_read(get, 46),
-                   write_extra=_gguf_write),
+    gguf=GGUFNames("gemma2", GGUF_LAYER, GGUF_TOP, norm_offset=1.0, head_is_embedding=True,
+                   read_extra=lambda get: _gguf_read(get, 46), write_extra=_gguf_write),
     features=("(1 + w) RMSNorm, sqrt(hidden) embedding scale, GeGLU", "pre- and post-norms",
               "attention and final logit soft-capping", "alternating sliding-window / global layers"),))
 
@@ -68,6 +68,6 @@ GEMMA3 = register_family(Family(
                                 qk_norm=True),
     tp_plan=TP, lora_linears=LINEARS, default_layer_type=hf.gemma3_layer_type,
     gguf=GGUFNames("gemma3", {**GGUF_LAYER, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
-                   GGUF_TOP, norm_offset=1.0, read_extra=_gguf_read3, write_extra=_gguf_write),
+                   GGUF_TOP, norm_offset=1.0, head_is_embedding=True, read_extra=_gguf_read3, write_extra=_gguf_write),
     features=("Gemma 2's block with per-head q/k norm", "local/global RoPE bases", "5 sliding : 1 global layers",
               "multimodal checkpoints (4B+): the language model, exported text-only"),))
