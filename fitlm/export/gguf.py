@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from fitlm.atomic import atomic_file
 from fitlm.data.chat import resolve_template
@@ -121,9 +120,9 @@ def _close_quietly(writer) -> None:
     """Close the writer's files (the spill file too, so a failed export frees its space now); after a failed
     write (a full disk) their buffered bytes cannot be written either, and the caller deletes the file, so that
     second error is not the one to report."""
-    for f in [writer.temp_file] if writer.temp_file is not None else []:
+    if writer.temp_file is not None:
         try:
-            f.close()
+            writer.temp_file.close()
         except OSError:
             pass
     try:

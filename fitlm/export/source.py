@@ -16,10 +16,10 @@ import torch
 
 from fitlm.config import Config
 from fitlm.export.errors import ExportError
-from fitlm.finetune.adapted import Adapter, Specs, StreamedModel, read_adapter
+from fitlm.finetune.adapted import Adapter, StreamedModel, read_adapter
 from fitlm.finetune.lora import untied_for, with_weights
 from fitlm.models.hf import to_hf_state_dict
-from fitlm.models.io import LoadedModel, load_model_dir, open_model
+from fitlm.models.io import LoadedModel, Specs, load_model_dir, open_model
 
 
 def _adapter(source_kind: str, cfg: Config, path: Path, adapter: str | Path | None) -> Adapter | None:

@@ -21,10 +21,9 @@ from fitlm.finetune.lora import LoraSpec, merge_lora, untied_for
 from fitlm.finetune.peft_format import load_adapter
 from fitlm.finetune.qlora import as_trained, read_recipe
 from fitlm.models.hf import model_keys
-from fitlm.models.io import ModelSource
+from fitlm.models.io import ModelSource, Specs
 from fitlm.models.streaming import grouped, layer_group, meta_like, stream_to_hf
 
-Specs = dict[str, tuple[torch.dtype, tuple[int, ...]]]
 Tensors = dict[str, torch.Tensor]
 
 

@@ -216,7 +216,7 @@ def untied_for(config: Config, adapter: Mapping[str, torch.Tensor]) -> Config:
 def with_weights(model: nn.Module, model_cfg: ModelConfig, weights: Mapping[str, torch.Tensor]) -> nn.Module:
     """`model` holding `weights` (a merged state dict); a new module, built without an init pass, when
     `model_cfg` unties a head that `model` ties (`untied_for`), so the head and the embedding stay two tensors."""
-    if getattr(model, "config", model_cfg).tie_embeddings == model_cfg.tie_embeddings:
+    if model.config.tie_embeddings == model_cfg.tie_embeddings:
         model.load_state_dict(weights)
         return model
     device = next(iter(weights.values())).device

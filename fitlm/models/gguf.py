@@ -12,7 +12,7 @@ more than the tensor at hand on top of what it keeps.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -175,14 +175,14 @@ def _is_norm(gguf_base: str) -> bool:
     return gguf_base.endswith("norm")
 
 
-def gguf_tensors(sd: StateDict | Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig):
-    """(llama.cpp name, fp32 tensor) for HF-named weights (a state dict, or (name, tensor) pairs as they stream):
-    renamed, q/k permuted and norms offset as llama.cpp's converter does for this family (the inverse of what
-    read_gguf undoes)."""
+def gguf_tensors(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig):
+    """(llama.cpp name, fp32 tensor) for HF-named weights, (name, tensor) pairs as they stream: renamed, q/k
+    permuted and norms offset as llama.cpp's converter does for this family (the inverse of what read_gguf
+    undoes)."""
     names = cfg.family.gguf
     top = {ours: theirs for theirs, ours in names.top.items()}
     layer = {ours: theirs for theirs, ours in names.layer.items()}
-    for name, t in (sd.items() if isinstance(sd, Mapping) else sd):
+    for name, t in weights:
         base, _, part = name.rpartition(".")
         if base in top:
             g = top[base]

@@ -110,16 +110,22 @@ def test_scaling_markdown():
     assert "| dp2 (DDP) | dp | 2 |" in text and "error: boom" in text and "python bench/scaling.py" in text
 
 
-@pytest.mark.slow  # ~20 s: two fresh processes (fitlm, the HF Trainer), each imports torch and trains
-def test_train_standalone_contract(tmp_path):
-    pytest.importorskip("transformers")
+def _tiny_standalone(tmp_path, *contenders: str) -> tuple[Path, dict]:
+    """bench/train_standalone.py on the tiny model, one round of one timed step: (its JSON path, the result row)."""
     out = tmp_path / "standalone.json"
     proc = subprocess.run([sys.executable, str(BENCH / "train_standalone.py"), "--sizes", "tiny", "--rounds", "1",
                            "--steps", "1", "--warmup", "1", "--batch", "2", "--seq", "32", "--no-compile",
-                           "--contenders", "fitlm", "hf_eager", "--out", str(out)],
+                           "--contenders", *contenders, "--out", str(out)],
                           capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (r,) = json.loads(out.read_text())["results"]
+    return out, r
+
+
+@pytest.mark.slow  # ~20 s: two fresh processes (fitlm, the HF Trainer), each imports torch and trains
+def test_train_standalone_contract(tmp_path):
+    pytest.importorskip("transformers")
+    out, r = _tiny_standalone(tmp_path, "fitlm", "hf_eager")
     assert r["fitlm"]["tokens_per_s"] > 0 and r["hf_eager"]["tokens_per_s"] > 0 and "hf_sdpa" not in r
     assert r["fitlm_vs_hf_eager"]["ratio"] == pytest.approx(
         r["hf_eager"]["round_step_s"][0] / r["fitlm"]["round_step_s"][0], rel=1e-3)
@@ -148,12 +154,6 @@ def test_train_standalone_preloads_jemalloc(tmp_path):
     spec.loader.exec_module(lib)
     if lib.find_jemalloc(None) is None:
         pytest.skip("jemalloc is not installed (apt-get install libjemalloc2)")
-    out = tmp_path / "standalone.json"
-    proc = subprocess.run([sys.executable, str(BENCH / "train_standalone.py"), "--sizes", "tiny", "--rounds", "1",
-                           "--steps", "1", "--warmup", "1", "--batch", "2", "--seq", "32", "--no-compile",
-                           "--contenders", "fitlm", "hf_eager_jemalloc", "--out", str(out)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (r,) = json.loads(out.read_text())["results"]
+    _, r = _tiny_standalone(tmp_path, "fitlm", "hf_eager_jemalloc")
     assert r["hf_eager_jemalloc"]["runs"][0]["jemalloc"] is True and r["fitlm"]["runs"][0]["jemalloc"] is False
     assert "fitlm_vs_hf_eager_jemalloc" in r
