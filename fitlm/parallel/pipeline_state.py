@@ -59,7 +59,12 @@ def sync_tied_grads(stage_modules: list[tuple[int, nn.Module]], pp_group) -> Non
             continue
         if param.grad is None:
             param.grad = torch.zeros_like(param)
-        mine = param.grad._local_tensor if isinstance(param.grad, DTensor) else param.grad  # dp/tp shards match
+        grad = param.grad
+        if isinstance(grad, DTensor) and grad.placements != param.placements:
+            # Under tensor parallel the vocab-parallel embedding's gradient can come back Replicate (a full
+            # [V, C]) where the head's copy is Shard(0): the two ends must exchange the same shard.
+            param.grad = grad = grad.redistribute(placements=param.placements)
+        mine = grad._local_tensor if isinstance(grad, DTensor) else grad  # dp/tp shards now match
         theirs = torch.empty_like(mine)
         ops = [dist.P2POp(dist.isend, mine.contiguous(), group=group, group_peer=peer),
                dist.P2POp(dist.irecv, theirs, group=group, group_peer=peer)]

@@ -30,9 +30,24 @@ def run(tiny_corpus, root, name, parallel: dict, train: dict, *extra: str, memor
             "grad_norms": [r["grad_norm"] for r in read_metrics(root / name) if "loss" in r]}
 
 
+TIES = [pytest.param(True, id="tied"), pytest.param(False, id="untied")]  # tied first: the shipped configs' default
+DEEP = {"num_layers": 4}  # interleaved_1f1b over pp2 makes 4 stages, one block each
+
+
 @pytest.fixture(scope="module")
-def reference(single_process_reference):
-    return single_process_reference(True)  # data.document_mask's default
+def reference(single_process_reference, tiny_corpus, tmp_path_factory):
+    """The single-process run for (tied, model overrides): the session's shared one for the plain model."""
+    deep: dict[bool, dict] = {}
+
+    def get(tied: bool, model: dict | None = None) -> dict:
+        if not model:
+            return single_process_reference(True, tied)  # data.document_mask's default
+        if tied not in deep:
+            deep[tied] = run(tiny_corpus, tmp_path_factory.mktemp(f"ref-deep-tied{int(tied)}"), "single", {},
+                             REFERENCE, model={**model, "tie_embeddings": tied})
+        return deep[tied]
+
+    return get
 
 
 def assert_same_training(result, reference):
@@ -44,7 +59,7 @@ def assert_same_training(result, reference):
         torch.testing.assert_close(result["weights"][name], tensor, rtol=1e-4, atol=1e-4, msg=name)  # Adam amplifies fp32 reduction-order noise
 
 
-# (name, parallel block, train block): the global batch stays 8 sequences per step in every layout.
+# (name, parallel block, train block[, model overrides]): the global batch stays 8 sequences per step in every layout.
 DP_LAYOUTS = [
     ("dp2-zero0-ddp", {"data_parallel": 2, "zero_stage": 0}, {"micro_batch_size": 2, "gradient_accumulation_steps": 2}),
     ("dp2-zero1", {"data_parallel": 2, "zero_stage": 1}, {"micro_batch_size": 2, "gradient_accumulation_steps": 2}),
@@ -55,27 +70,45 @@ DP_LAYOUTS = [
 
 REPLICA = {"micro_batch_size": 4, "gradient_accumulation_steps": 2}  # one replica: the reference's batch
 HALF = {"micro_batch_size": 2, "gradient_accumulation_steps": 2}  # two replicas
+SLOW = pytest.mark.slow  # `make test-quick` leaves these out; CI (`make test`) runs them
 MODEL_LAYOUTS = [
-    pytest.param("pp2-1f1b", {"pipeline_parallel": 2, "micro_batch_num": 2}, REPLICA, id='pp2-1f1b'),
-    pytest.param("pp2-gpipe-m4", {"pipeline_parallel": 2, "pipeline_schedule": "gpipe", "micro_batch_num": 4}, REPLICA, marks=pytest.mark.slow, id='pp2-gpipe-m4'),
-    pytest.param("tp2", {"tensor_parallel": 2}, REPLICA, id='tp2'),
-    pytest.param("tp2-sp", {"tensor_parallel": 2, "sequence_parallel": True}, REPLICA, marks=pytest.mark.slow, id='tp2-sp'),
-    pytest.param("dp2-tp2", {"data_parallel": 2, "tensor_parallel": 2}, HALF, marks=pytest.mark.slow, id='dp2-tp2'),
-    pytest.param("dp2-zero3-tp2", {"data_parallel": 2, "zero_stage": 3, "tensor_parallel": 2}, HALF, id='dp2-zero3-tp2'),
-    pytest.param("tp2-pp2", {"tensor_parallel": 2, "pipeline_parallel": 2, "micro_batch_num": 2}, REPLICA, marks=pytest.mark.slow, id='tp2-pp2'),
-    pytest.param("dp2-zero2-pp2", {"data_parallel": 2, "zero_stage": 2, "pipeline_parallel": 2, "micro_batch_num": 2}, HALF, id='dp2-zero2-pp2'),]
+    pytest.param("pp2-1f1b", {"pipeline_parallel": 2, "micro_batch_num": 2}, REPLICA, None, id="pp2-1f1b"),
+    pytest.param("pp2-gpipe-m4", {"pipeline_parallel": 2, "pipeline_schedule": "gpipe", "micro_batch_num": 4}, REPLICA,
+                 None, marks=SLOW, id="pp2-gpipe-m4"),
+    pytest.param("pp2-interleaved", {"pipeline_parallel": 2, "pipeline_schedule": "interleaved_1f1b",
+                                     "micro_batch_num": 2}, REPLICA, DEEP, marks=SLOW, id="pp2-interleaved"),
+    pytest.param("tp2", {"tensor_parallel": 2}, REPLICA, None, id="tp2"),
+    pytest.param("tp2-sp", {"tensor_parallel": 2, "sequence_parallel": True}, REPLICA, None, marks=SLOW, id="tp2-sp"),
+    pytest.param("dp2-tp2", {"data_parallel": 2, "tensor_parallel": 2}, HALF, None, marks=SLOW, id="dp2-tp2"),
+    pytest.param("dp2-zero3-tp2", {"data_parallel": 2, "zero_stage": 3, "tensor_parallel": 2}, HALF, None,
+                 id="dp2-zero3-tp2"),
+    pytest.param("tp2-pp2", {"tensor_parallel": 2, "pipeline_parallel": 2, "micro_batch_num": 2}, REPLICA, None,
+                 id="tp2-pp2"),
+    pytest.param("tp2-sp-pp2-interleaved", {"tensor_parallel": 2, "sequence_parallel": True, "pipeline_parallel": 2,
+                                            "pipeline_schedule": "interleaved_1f1b", "micro_batch_num": 2}, REPLICA,
+                 DEEP, marks=SLOW, id="tp2-sp-pp2-interleaved"),
+    pytest.param("dp2-zero2-pp2", {"data_parallel": 2, "zero_stage": 2, "pipeline_parallel": 2, "micro_batch_num": 2},
+                 HALF, None, id="dp2-zero2-pp2"),
+    pytest.param("dp2-zero3-pp2", {"data_parallel": 2, "zero_stage": 3, "pipeline_parallel": 2, "micro_batch_num": 2},
+                 HALF, None, marks=SLOW, id="dp2-zero3-pp2"),
+    pytest.param("dp2-tp2-pp2", {"data_parallel": 2, "tensor_parallel": 2, "pipeline_parallel": 2,
+                                 "micro_batch_num": 2}, HALF, None, marks=SLOW, id="dp2-tp2-pp2"),
+]
 
 
-# Four of these run in the slow tier only (make test-all) to keep CI within its time budget.
-@pytest.mark.parametrize("name,parallel,train", MODEL_LAYOUTS)
+@pytest.mark.parametrize("tied", TIES)
+@pytest.mark.parametrize("name,parallel,train,model", MODEL_LAYOUTS)
 def test_model_parallel_and_hybrid_layouts_equal_single_process(tiny_corpus, tmp_path, reference, name, parallel,
-                                                                 train):
-    assert_same_training(run(tiny_corpus, tmp_path, name, parallel, train), reference)
+                                                                 train, model, tied):
+    result = run(tiny_corpus, tmp_path, name, parallel, train, model={**(model or {}), "tie_embeddings": tied})
+    assert_same_training(result, reference(tied, model))
 
 
+@pytest.mark.parametrize("tied", TIES)
 @pytest.mark.parametrize("name,parallel,train", DP_LAYOUTS, ids=[x[0] for x in DP_LAYOUTS])
-def test_data_parallel_layouts_equal_single_process(tiny_corpus, tmp_path, reference, name, parallel, train):
-    assert_same_training(run(tiny_corpus, tmp_path, name, parallel, train), reference)
+def test_data_parallel_layouts_equal_single_process(tiny_corpus, tmp_path, reference, name, parallel, train, tied):
+    assert_same_training(run(tiny_corpus, tmp_path, name, parallel, train, model={"tie_embeddings": tied}),
+                         reference(tied))
 
 
 def test_two_node_rendezvous_on_localhost(tiny_corpus, tmp_path, reference):
@@ -99,7 +132,7 @@ def test_two_node_rendezvous_on_localhost(tiny_corpus, tmp_path, reference):
     outputs = [node.communicate(timeout=300) for node in nodes]
     assert all(node.returncode == 0 for node in nodes), outputs
     losses = [r["loss"] for r in read_metrics(tmp_path / "nodes") if "loss" in r]
-    assert losses == pytest.approx(reference["losses"], rel=2e-5, abs=1e-5)
+    assert losses == pytest.approx(reference(False)["losses"], rel=2e-5, abs=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["matmul", "matmul_saved"])
@@ -108,4 +141,4 @@ def test_matmul_attention_under_tensor_parallel_equals_single_process(tiny_corpu
     trains as the single process does with SDPA: the kernels differ by fp32 rounding only."""
     result = run(tiny_corpus, tmp_path, f"tp2-{kind}-attn", {"tensor_parallel": 2}, REPLICA,
                  memory={"attention_backward": kind})
-    assert_same_training(result, reference)
+    assert_same_training(result, reference(False))
