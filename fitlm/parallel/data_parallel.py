@@ -19,6 +19,7 @@ from fitlm.hardware import return_freed_host_memory
 from fitlm.memory.offload import fsdp_offload_policy
 from fitlm.memory.precision import fsdp_mixed_precision
 from fitlm.memory.recompute import transformer_blocks
+from fitlm.parallel.collective_trace import collective
 from fitlm.parallel.mesh import ParallelContext
 from fitlm.parallel.streamed_vocab import apply_streamed_tables, streamed_tables
 
@@ -146,12 +147,13 @@ def sync_gradients(modules: list[nn.Module], ctx: ParallelContext) -> None:
     for module in modules:
         if not getattr(module, _MANUAL_SYNC, False):
             continue
-        for p in module.parameters():
+        for name, p in module.named_parameters():
             if p.grad is None:
                 continue
             # A DTensor gradient (tensor parallel) is averaged shard by shard: dp replicas hold equal shards.
             local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
+            with collective("all-reduce", f"the gradient of {name}", ctx.dims.token_dim, local):
+                dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
             local.div_(ctx.dims.dp_cp)
 
 

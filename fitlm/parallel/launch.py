@@ -8,10 +8,13 @@ restarted trainer resumes from the latest complete checkpoint (checkpoint.resume
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 
+from fitlm.parallel.collective_trace import TRACE_ENV, read_reports
 from fitlm.parallel.lifetime import LAUNCHER_PID
 
 
@@ -48,6 +51,8 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0, extra_env: 
         # read the dead process's address and fail to connect; a store per attempt avoids the race.
         env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     env[LAUNCHER_PID] = str(os.getpid())
+    trace = tempfile.mkdtemp(prefix="fitlm-collectives-")  # each rank's current collective (collective_trace)
+    env[TRACE_ENV] = trace
     agent = subprocess.Popen(torchrun_command(nproc, argv, max_restarts), env=env)
     # SIGTERM / Ctrl-C / SIGHUP to the launcher: pass SIGTERM to the agent (which forwards it to the ranks:
     # a checkpoint, then exit 143) and wait for it, instead of dying at once and leaving them behind.
@@ -57,10 +62,23 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0, extra_env: 
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     try:
-        return agent.wait()
+        rc = agent.wait()
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+    report_collectives(trace, nproc, rc)
+    return rc
+
+
+def report_collectives(trace: str, nproc: int, rc: int) -> None:
+    """After a failed job, say which collective each dead rank was inside (torchrun only gives the signal)."""
+    lines = read_reports(trace, nproc) if rc != 0 else []
+    if lines:
+        print("fitlm: the job failed while these ranks were inside a collective (a rank that aborts there usually "
+              "disagrees with its peers on the tensor's shape or on the order of collectives):\n  "
+              + "\n  ".join(lines), file=sys.stderr)
+    else:
+        shutil.rmtree(trace, ignore_errors=True)
 
 
 def restart_count() -> int:

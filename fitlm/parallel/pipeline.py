@@ -29,6 +29,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
                                           ScheduleLoopedBFS)
 
 from fitlm.models.loss import cross_entropy_sum
+from fitlm.parallel.collective_trace import collective
 from fitlm.parallel.pipeline_state import (TIED_COPY, _as_group, clip_grad_norm_pp,  # noqa: F401 (re-exported)
                                            gather_full_state_dict, sync_tied_grads, tag_tied_copies)
 
@@ -235,10 +236,13 @@ def pipeline_step(pp: PipelineSchedule, input_ids: torch.Tensor, labels: torch.T
     args = _stage_args(pp, input_ids, doc)
     target = labels.to(pp.device) if pp.has_last else None
     losses: list[torch.Tensor] | None = [] if pp.has_last else None
-    pp.schedule.step(*args, target=target, losses=losses, return_outputs=False,
-                     loss_kwargs={"total_targets": total_targets})
+    with collective("send/recv", "the pipeline schedule's activations and their gradients between stages "
+                    f"({pp.n_microbatches} chunks of the batch)", "pp", input_ids):
+        pp.schedule.step(*args, target=target, losses=losses, return_outputs=False,
+                         loss_kwargs={"total_targets": total_targets})
     loss = torch.stack(losses).detach().sum().float() if losses else torch.zeros((), device=pp.device)
-    dist.all_reduce(loss, group=pp.group)  # only the last stage has a non-zero loss
+    with collective("all-reduce", "the step's loss", "pp", loss):
+        dist.all_reduce(loss, group=pp.group)  # only the last stage has a non-zero loss
     return loss
 
 

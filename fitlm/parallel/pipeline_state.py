@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from fitlm.parallel.collective_trace import collective
 from fitlm.parallel.grad_norm import clip_by_norm, squared_norm
 
 TIED_COPY = "_fitlm_pp_tied_copy"  # attribute set on the last stage's copy of a tied embedding
@@ -52,9 +53,9 @@ def sync_tied_grads(stage_modules: list[tuple[int, nn.Module]], pp_group) -> Non
         if pp_size == 1 or not getattr(mod.config, "tie_embeddings", False):
             return
         if sid == 0 and mod.model.embed_tokens is not None:
-            param, peer = mod.model.embed_tokens.weight, pp_size - 1
+            param, peer, name = mod.model.embed_tokens.weight, pp_size - 1, "model.embed_tokens.weight"
         elif mod.lm_head is not None and mod.model.embed_tokens is None:
-            param, peer = mod.lm_head.weight, 0
+            param, peer, name = mod.lm_head.weight, 0, "lm_head.weight (the tied copy)"
         else:
             continue
         if param.grad is None:
@@ -68,8 +69,9 @@ def sync_tied_grads(stage_modules: list[tuple[int, nn.Module]], pp_group) -> Non
         theirs = torch.empty_like(mine)
         ops = [dist.P2POp(dist.isend, mine.contiguous(), group=group, group_peer=peer),
                dist.P2POp(dist.irecv, theirs, group=group, group_peer=peer)]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        with collective("send/recv", f"the tied embedding gradient {name}", "pp", mine, f"pp rank {peer}"):
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
         mine.add_(theirs)
 
 
@@ -87,7 +89,8 @@ def clip_grad_norm_pp(parameters: Iterable[torch.Tensor], max_norm: float, pp_gr
     device = params[0].grad.device if params else (
         torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else sq.device)
     sq = sq.to(device)
-    dist.all_reduce(sq, group=group)
+    with collective("all-reduce", "the squared gradient norm", "pp", sq):
+        dist.all_reduce(sq, group=group)
     total = sq.sqrt()
     clip_by_norm(params, max_norm, total)
     return total
