@@ -8,8 +8,8 @@ per step) and marks it done on the way out; `faulthandler` writes the Python sta
 After a failed job, the launcher (`fitlm.parallel.launch`) reads the records of the ranks that were
 inside one and prints them, e.g.
 
-    rank 2 died inside send/recv of the tied embedding gradient model.embed_tokens.weight
-    (local [512, 64] float32, 131072 bytes) over mesh dimension pp with pp rank 1 (phase: optimizer)
+    rank 1 was inside send/recv of the tied embedding gradient lm_head.weight (the tied copy)
+    (local [256, 64] float32, 65536 bytes) over mesh dimension pp with pp rank 0
 
 The directory comes from the launcher through TRACE_ENV; without it (a single process, or a job started
 by the user's own torchrun) every call is a no-op.
@@ -65,20 +65,22 @@ def describe(tensor: Any) -> str:
 
 
 @contextlib.contextmanager
-def collective(op: str, what: str, dim: str, tensor: Any = None, peer: str = "", phase: str = "") -> Iterator[None]:
+def collective(op: str, what: str, dim: str, tensor: Any = None, peer: str = "") -> Iterator[None]:
     """Record that this rank is inside collective `op` ("all-reduce", "send/recv") of `what` (the tensor's
     role and name) over mesh dimension `dim`, for the time of the block."""
     record = {"op": op, "what": what, "dim": dim, "tensor": describe(tensor) if tensor is not None else "",
-              "peer": peer, "phase": phase, "inside": True}
+              "peer": peer, "inside": True}
     _write(record)
     yield
     _write(dict(record, inside=False))
 
 
-def read_reports(root: Path | str, world: int) -> list[str]:
-    """One sentence per rank that was inside a collective when the job ended (none after a clean exit)."""
+def read_reports(root: Path | str, world: int, skip: int | None = None) -> list[str]:
+    """One sentence per rank (but `skip`) that was inside a collective when the job ended (none after a clean exit)."""
     lines = []
     for rank in range(world):
+        if rank == skip:
+            continue
         try:
             rec = json.loads((Path(root) / f"rank{rank}.json").read_text() or "{}")
         except (OSError, ValueError):
@@ -87,9 +89,14 @@ def read_reports(root: Path | str, world: int) -> list[str]:
             continue
         tensor = f" ({rec['tensor']})" if rec.get("tensor") else ""
         peer = f" with {rec['peer']}" if rec.get("peer") else ""
-        phase = f" (phase: {rec['phase']})" if rec.get("phase") else ""
         stack = Path(root) / f"rank{rank}.stack"
         where = f"; its Python stack is in {stack}" if stack.exists() and stack.stat().st_size else ""
         lines.append(f"rank {rank} was inside {rec['op']} of {rec['what']}{tensor} over mesh dimension "
-                     f"{rec['dim']}{peer}{phase}{where}")
+                     f"{rec['dim']}{peer}{where}")
     return lines
+
+
+def reports_of_this_job(world: int, skip: int | None = None) -> list[str]:
+    """`read_reports` of the job this process belongs to ([] when fitlm's launcher did not start it)."""
+    root = os.environ.get(TRACE_ENV)
+    return read_reports(root, world, skip) if root else []

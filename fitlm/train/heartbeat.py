@@ -22,6 +22,8 @@ import time
 from datetime import timedelta
 from typing import Any, Callable, Iterator
 
+from fitlm.parallel.collective_trace import reports_of_this_job
+
 KEY = "fitlm/heartbeat/{rank}"
 # Phases in the order a step passes through them; a rank whose (step, phase) is earlier did not reach ours.
 PHASES = ("startup", "data loading", "forward/backward", "optimizer", "logging", "evaluation",
@@ -190,8 +192,9 @@ class Heartbeat:
             who = (f"no other rank's heartbeat is stale or behind ({others or 'no other rank'}): one of them "
                    + ("exited" if lost else "is stuck inside that phase"))
         if lost:
-            died = "; ".join(line for line in _collective_reports(self.world_size) if not line.startswith(f"rank {self.rank} "))
+            died = "; ".join(reports_of_this_job(self.world_size, skip=self.rank))
             who += f". {died[0].upper()}{died[1:]}" if died else ""
+            who += ""
             return (f"rank {self.rank} lost its connection to another rank in {here}{cause}. {who}. A rank that closes "
                     f"its connection has usually died: torchrun's failure report and that rank's own output give its "
                     f"exit code and error (out of host or device memory, killed by a signal, a crash).")
@@ -200,16 +203,6 @@ class Heartbeat:
                 f"py-spy dump --pid PID shows where it is), out of host or device memory, swapping, or waiting on a "
                 f"slow filesystem or network. If that phase legitimately takes longer on one rank (a large "
                 f"checkpoint or final save, a long evaluation), raise parallel.timeout_s.")
-
-
-def _collective_reports(world_size: int) -> list[str]:
-    """What fitlm.parallel.collective_trace recorded of the ranks inside a collective (launched by fitlm only)."""
-    import os
-
-    from fitlm.parallel.collective_trace import TRACE_ENV, read_reports
-
-    root = os.environ.get(TRACE_ENV)
-    return read_reports(root, world_size) if root else []
 
 
 def _first_sentence(exc: BaseException) -> str:

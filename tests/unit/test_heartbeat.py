@@ -81,6 +81,27 @@ def test_a_closed_connection_reads_as_a_dead_rank():
     assert "usually died" in msg
 
 
+def test_a_lost_peer_is_named_with_the_collective_it_died_in(tmp_path, monkeypatch):
+    """The dead rank's collective_trace record (what fitlm's launcher collects) joins the paragraph; this
+    rank's own record does not."""
+    import json
+
+    from fitlm.parallel.collective_trace import TRACE_ENV
+
+    inside = {"op": "send/recv", "what": "the tied embedding gradient model.embed_tokens.weight", "dim": "pp",
+              "tensor": "local [256, 64] float32, 65536 bytes", "peer": "pp rank 0", "inside": True}
+    (tmp_path / "rank1.json").write_text(json.dumps(inside))
+    (tmp_path / "rank0.json").write_text(json.dumps(dict(inside, what="this rank's own")))
+    monkeypatch.setenv(TRACE_ENV, str(tmp_path))
+    clock = Clock()
+    r0, r1 = world(dist.HashStore(), 2, clock)
+    r0.mark("optimizer", 3)
+    msg = r0.diagnosis(RuntimeError(GLOO_RESET))
+    assert ("Rank 1 was inside send/recv of the tied embedding gradient model.embed_tokens.weight (local [256, 64] "
+            "float32, 65536 bytes) over mesh dimension pp with pp rank 0") in msg
+    assert "this rank's own" not in msg
+
+
 def test_on_timeout_converts_only_peer_failures_and_reads_a_tcp_store_within_bounds():
     store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=60))
     hb = Heartbeat(store, 0, 2, 10, beat=False)  # rank 1 never wrote: its key is absent
