@@ -194,7 +194,6 @@ class Heartbeat:
         if lost:
             died = "; ".join(reports_of_this_job(self.world_size, skip=self.rank))
             who += f". {died[0].upper()}{died[1:]}" if died else ""
-            who += ""
             return (f"rank {self.rank} lost its connection to another rank in {here}{cause}. {who}. A rank that closes "
                     f"its connection has usually died: torchrun's failure report and that rank's own output give its "
                     f"exit code and error (out of host or device memory, killed by a signal, a crash).")
