@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import NoReturn
 
@@ -41,6 +41,9 @@ class ParallelContext:
     tp_rank: int = 0
     pp_rank: int = 0
     cp_rank: int = 0
+    # Whether init_parallel created the default process group: only then does shutdown tear it down. A group
+    # the caller made (a script that trains several configs in one job) outlives each run.
+    owns_group: bool = False
 
     @property
     def dp(self) -> int:
@@ -126,10 +129,11 @@ def init_parallel(cfg: ParallelConfig, device_kind: str) -> ParallelContext:
     # parallel.timeout_s bounds every collective and barrier (gloo raises, nccl's watchdog aborts); the mesh's
     # sub-groups would otherwise get torch's default (30 min for gloo, 10 min for nccl), whatever the world's is.
     timeout = timedelta(seconds=cfg.timeout_s)
-    if not dist.is_initialized():
+    owns_group = not dist.is_initialized()
+    if owns_group:
         dist.init_process_group(backend="nccl" if device_kind == "cuda" else "gloo", timeout=timeout)
     mesh = init_device_mesh(device_kind, cfg.dims.mesh_shape, mesh_dim_names=MESH_DIMS)
-    ctx = context_on_mesh(mesh, cfg.dims, device)
+    ctx = replace(context_on_mesh(mesh, cfg.dims, device), owns_group=owns_group)
     for dim in MESH_DIMS + ((DP_CP,) if cfg.dims.cp > 1 else ()):
         mesh.get_group(dim).set_timeout(timeout)
     return ctx
@@ -146,7 +150,7 @@ def context_on_mesh(mesh: DeviceMesh, dims: ParallelDims, device: torch.device) 
 
 
 def shutdown(ctx: ParallelContext) -> None:
-    if ctx.distributed and dist.is_initialized():
+    if ctx.owns_group and dist.is_initialized():
         dist.destroy_process_group()
 
 

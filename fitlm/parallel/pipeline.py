@@ -124,8 +124,12 @@ def check_every_stage_trains(model: nn.Module, num_stages: int, layers_per_stage
     for sid, blocks in enumerate(ranges):
         dropped = {id(p) for m in _dropped(model, sid, num_stages, blocks) for p in m.parameters()}
         kept = [p for _, p in model.named_parameters(remove_duplicate=False) if id(p) not in dropped]
+        # A tied head is the embedding: the first stage trains the embedding and the last its own copy of it,
+        # though the other end's module (dropped) holds the same parameter.
+        if sid == 0:
+            kept.append(model.model.embed_tokens.weight)
         if sid == num_stages - 1 and getattr(model, "lm_head", None) is not None:
-            kept.append(model.lm_head.weight)  # a tied head: the last stage trains its own copy of the embedding
+            kept.append(model.lm_head.weight)
         if not any(p.requires_grad for p in kept):
             what = f"blocks {blocks.start}-{blocks.stop - 1}" + (" and the embeddings" if sid == 0 else "")
             raise ValueError(f"{key}: pipeline stage {sid} ({what}) would hold only frozen parameters, and a "

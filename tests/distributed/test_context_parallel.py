@@ -16,8 +16,7 @@ from safetensors.torch import load_file
 from fitlm.models.layers import _band_mask, document_causal_mask
 from fitlm.parallel.context_parallel import SequenceShard, zigzag_index
 from tests.distributed.spawn import run_world
-from tests.distributed.test_layouts import REFERENCE, STEPS, assert_same_training
-from tests.e2e.helpers import tiny_config
+from tests.distributed.test_layouts import REFERENCE, STEPS, assert_same_training, layout_config
 
 HALF = {"micro_batch_size": 2, "gradient_accumulation_steps": 2}  # two data-parallel replicas
 BOTH, ON = (False, True), (True,)  # data.document_mask values a layout runs with
@@ -176,10 +175,9 @@ def test_context_parallel_layouts_equal_single_process(tiny_corpus, tmp_path, si
     cases = {}
     for name, parallel, train, masks in LAYOUTS[world]:
         for mask in masks:
-            cases[f"{name}-dm{int(mask)}"] = tiny_config(
-                tiny_corpus, tmp_path / f"{name}-dm{int(mask)}", parallel=parallel, data={"document_mask": mask},
-                model={"tie_embeddings": False},
-                train={"max_steps": STEPS, "eval_interval": STEPS, "observe": {"tensorboard": False}, **train})
+            cases[f"{name}-dm{int(mask)}"] = layout_config(  # the reference's config, as the layout tests
+                tiny_corpus, tmp_path, f"{name}-dm{int(mask)}", parallel, {"observe": {"tensorboard": False}, **train},
+                data={"document_mask": mask})
     ranks = run_world(worker, __name__, world, cases, tmp_path, 420, f"context-parallel workers ({world} ranks)")
     for key in cases:
         got = dict(ranks[0][key], weights=torch.load(tmp_path / f"{key}.pt"))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.test_layouts import assert_same_training, run
+from tests.distributed.test_layouts import assert_same_training, run_shared, selected
 
 FAMILIES = {  # model section overrides of the tiny config (hidden 64, 2 layers, 4 heads, 2 kv heads)
     "qwen3": {"arch": "qwen3", "head_dim": 24},
@@ -27,35 +27,29 @@ LAYOUTS = {
 }
 
 
-def _run(tiny_corpus, root, name, family, parallel, train):
-    return run(tiny_corpus, root, name, parallel, train, model=FAMILIES[family])
-
-
-@pytest.fixture(scope="module")
-def references(tiny_corpus, tmp_path_factory):
-    cache: dict = {}
-
-    def get(family: str):
-        if family not in cache:
-            cache[family] = _run(tiny_corpus, tmp_path_factory.mktemp(family), "single", family, {},
-                                 {"micro_batch_size": 4, "gradient_accumulation_steps": 2})
-        return cache[family]
-
-    return get
-
-
+REFERENCE_BATCH = {"micro_batch_size": 4, "gradient_accumulation_steps": 2}
 CASES = [pytest.param(f, lay, id=f"{f}-{lay}", marks=() if f in FAST and lay == "dp2-zero3" or
                       (f == "gemma3" and lay == "pp2") else pytest.mark.slow)
          for f in FAMILIES for lay in LAYOUTS]
 
 
+@pytest.fixture(scope="module")
+def family_runs(request, tiny_corpus, tmp_path_factory) -> dict[str, dict]:
+    """Each selected (family, layout) and each family's single-process run, in shared worlds (run_shared)."""
+    cases = {}
+    for params in selected(request, "test_family_layout_equals_single_process"):
+        family, layout = params["family"], params["layout"]
+        parallel, train = LAYOUTS[layout]
+        cases[f"{family}-single"] = {"parallel": {}, "train": REFERENCE_BATCH, "model": FAMILIES[family]}
+        cases[f"{family}-{layout}"] = {"parallel": parallel, "train": train, "model": FAMILIES[family]}
+    return run_shared(tiny_corpus, tmp_path_factory.mktemp("families"), cases) if cases else {}
+
+
 @pytest.mark.parametrize("family,layout", CASES)
-def test_family_layout_equals_single_process(tiny_corpus, tmp_path, references, family, layout):
-    parallel, train = LAYOUTS[layout]
-    result = _run(tiny_corpus, tmp_path, layout, family, parallel, train)
-    reference = references(family)
+def test_family_layout_equals_single_process(family_runs, family, layout):
+    reference = family_runs[f"{family}-single"]
     assert reference["losses"][-1] < reference["losses"][0]  # it trained
-    assert_same_training(result, reference)
+    assert_same_training(family_runs[f"{family}-{layout}"], reference)
 
 
 def test_phi3_checkpoint_reshards_between_layouts(tiny_corpus, tmp_path):

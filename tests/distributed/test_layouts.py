@@ -4,11 +4,16 @@ the losses and final weights equal the single-process run on the same data, seed
 from __future__ import annotations
 
 import json
+import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.conftest import ROOT
 from tests.e2e.helpers import fitlm, read_metrics, tiny_config, write_config
 
 STEPS = 4
@@ -16,18 +21,63 @@ STEPS = 4
 REFERENCE = {"micro_batch_size": 4, "gradient_accumulation_steps": 2}
 
 
+def layout_config(tiny_corpus, root, name, parallel: dict, train: dict, memory: dict | None = None,
+                  model: dict | None = None, data: dict | None = None) -> dict:
+    """The layout tests' config: the golden tiny run for STEPS steps, one eval at the end.
+
+    AdamW's eps is 1e-6, not 1e-8: an element whose gradient cancels to ~1e-10 is all fp32 reduction-order noise,
+    and with eps 1e-8 Adam turns that noise into an update of ~1e-2 lr (seen: one element of a rarely seen
+    embedding row 5e-4 apart after 4 steps under tp2-sp x pp2 interleaved, and under Gemma 2 ZeRO-3). Losses and
+    gradient norms are equal either way; the larger eps keeps the weight comparison about the layout."""
+    train = {"max_steps": STEPS, "eval_interval": STEPS, "eps": 1e-6, **train}
+    return tiny_config(tiny_corpus, root / name, train=train, parallel=parallel,
+                       model={"tie_embeddings": False, **(model or {})}, memory=memory or {}, data=data or {})
+
+
+def collect(out_dir, eval_loss: float) -> dict:
+    """What a layout test compares: per-step losses and gradient norms, the final eval loss and weights."""
+    metrics = [r for r in read_metrics(out_dir) if "loss" in r]
+    return {"losses": [r["loss"] for r in metrics], "grad_norms": [r["grad_norm"] for r in metrics],
+            "eval_loss": eval_loss, "weights": load_file(str(out_dir / "model" / "model.safetensors"))}
+
+
 def run(tiny_corpus, root, name, parallel: dict, train: dict, *extra: str, memory: dict | None = None,
         model: dict | None = None, data: dict | None = None):
-    train = {"max_steps": STEPS, "eval_interval": STEPS, **train}
-    cfg = tiny_config(tiny_corpus, root / name, train=train, parallel=parallel,
-                      model={"tie_embeddings": False, **(model or {})}, memory=memory or {}, data=data or {})
+    """One `fitlm train` through the CLI (which starts torchrun itself for a parallel layout)."""
+    cfg = layout_config(tiny_corpus, root, name, parallel, train, memory, model, data)
     proc = fitlm("train", write_config(root / f"{name}.yaml", cfg), "--json", *extra)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    losses = [r["loss"] for r in read_metrics(root / name) if "loss" in r]
-    weights = load_file(str(root / name / "model" / "model.safetensors"))
-    return {"losses": losses, "weights": weights, "eval_loss": summary["eval_loss"],
-            "grad_norms": [r["grad_norm"] for r in read_metrics(root / name) if "loss" in r]}
+    return collect(root / name, json.loads(proc.stdout.strip().splitlines()[-1])["eval_loss"])
+
+
+def world_size(parallel: dict) -> int:
+    return math.prod(parallel.get(k, 1) for k in ("data_parallel", "tensor_parallel", "pipeline_parallel",
+                                                  "context_parallel"))
+
+
+def run_shared(tiny_corpus, root, cases: dict[str, dict], timeout: int = 900) -> dict[str, dict]:
+    """Many layouts as `run` trains each, with one torchrun world per world size for all of them
+    (tests/distributed/train_world.py): `cases` maps a name to layout_config's keyword arguments."""
+    by_world: dict[int, list[str]] = {}
+    for name, kw in cases.items():
+        write_config(root / f"{name}.yaml", layout_config(tiny_corpus, root, name, **kw))
+        by_world.setdefault(world_size(kw["parallel"]), []).append(name)
+    for world, names in by_world.items():
+        (root / f"world{world}.json").write_text(json.dumps([str(root / f"{n}.yaml") for n in names]))
+        # as fitlm.parallel.launch: the cores shared between the ranks
+        env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // world)))
+        proc = subprocess.run([sys.executable, "-m", "fitlm.parallel.lifetime", "--standalone",
+                               f"--nproc-per-node={world}", "-m", "tests.distributed.train_world",
+                               str(root / f"world{world}.json")], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+        assert proc.returncode == 0, f"world of {world} ({', '.join(names)}):\n" + proc.stderr[-6000:]
+    return {n: collect(root / n, json.loads((root / f"{n}.summary.json").read_text())["eval_loss"]) for n in cases}
+
+
+def selected(request, test: str) -> list[dict]:
+    """The parameters of `test`'s items in this module that this session runs (selected, not skipped)."""
+    return [item.callspec.params for item in request.session.items
+            if item.module is request.module and item.originalname == test and not item.get_closest_marker("skip")]
 
 
 TIES = [pytest.param(True, id="tied"), pytest.param(False, id="untied")]  # tied first: the shipped configs' default
@@ -56,7 +106,7 @@ def assert_same_training(result, reference):
     assert result["eval_loss"] == pytest.approx(reference["eval_loss"], rel=2e-5)
     assert result["weights"].keys() == reference["weights"].keys()
     for name, tensor in reference["weights"].items():
-        torch.testing.assert_close(result["weights"][name], tensor, rtol=1e-4, atol=1e-4, msg=name)  # Adam amplifies fp32 reduction-order noise
+        torch.testing.assert_close(result["weights"][name], tensor, rtol=1e-4, atol=1e-4, msg=lambda m: f"{name}: {m}")
 
 
 # (name, parallel block, train block[, model overrides]): the global batch stays 8 sequences per step in every layout.
@@ -96,19 +146,34 @@ MODEL_LAYOUTS = [
 ]
 
 
+LAYOUTS = {p.values[0]: p.values[1:] for p in MODEL_LAYOUTS} | {n: (par, tr, None) for n, par, tr in DP_LAYOUTS}
+
+
+@pytest.fixture(scope="module")
+def layout_runs(request, tiny_corpus, tmp_path_factory) -> dict[tuple[str, bool], dict]:
+    """Every layout case this session runs in this module, trained in shared worlds (run_shared), once."""
+    cases = {}
+    for test in ("test_model_parallel_and_hybrid_layouts_equal_single_process",
+                 "test_data_parallel_layouts_equal_single_process"):
+        for params in selected(request, test):
+            parallel, train, model = LAYOUTS[params["name"]]
+            cases[f"{params['name']}-{'tied' if params['tied'] else 'untied'}"] = {
+                "parallel": parallel, "train": train, "model": {**(model or {}), "tie_embeddings": params["tied"]}}
+    runs = run_shared(tiny_corpus, tmp_path_factory.mktemp("layouts"), cases) if cases else {}
+    return {(name.rsplit("-", 1)[0], name.endswith("-tied")): result for name, result in runs.items()}
+
+
 @pytest.mark.parametrize("tied", TIES)
 @pytest.mark.parametrize("name,parallel,train,model", MODEL_LAYOUTS)
-def test_model_parallel_and_hybrid_layouts_equal_single_process(tiny_corpus, tmp_path, reference, name, parallel,
-                                                                 train, model, tied):
-    result = run(tiny_corpus, tmp_path, name, parallel, train, model={**(model or {}), "tie_embeddings": tied})
-    assert_same_training(result, reference(tied, model))
+def test_model_parallel_and_hybrid_layouts_equal_single_process(layout_runs, reference, name, parallel, train, model,
+                                                                 tied):
+    assert_same_training(layout_runs[name, tied], reference(tied, model))
 
 
 @pytest.mark.parametrize("tied", TIES)
 @pytest.mark.parametrize("name,parallel,train", DP_LAYOUTS, ids=[x[0] for x in DP_LAYOUTS])
-def test_data_parallel_layouts_equal_single_process(tiny_corpus, tmp_path, reference, name, parallel, train, tied):
-    assert_same_training(run(tiny_corpus, tmp_path, name, parallel, train, model={"tie_embeddings": tied}),
-                         reference(tied))
+def test_data_parallel_layouts_equal_single_process(layout_runs, reference, name, parallel, train, tied):
+    assert_same_training(layout_runs[name, tied], reference(tied))
 
 
 def test_two_node_rendezvous_on_localhost(tiny_corpus, tmp_path, reference):
@@ -120,9 +185,7 @@ def test_two_node_rendezvous_on_localhost(tiny_corpus, tmp_path, reference):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    train = {"max_steps": STEPS, "eval_interval": STEPS, "micro_batch_size": 2, "gradient_accumulation_steps": 2}
-    cfg = tiny_config(tiny_corpus, tmp_path / "nodes", train=train, parallel={"data_parallel": 2},
-                      model={"tie_embeddings": False})
+    cfg = layout_config(tiny_corpus, tmp_path, "nodes", {"data_parallel": 2}, HALF)
     path = write_config(tmp_path / "nodes.yaml", cfg)
     nodes = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={rank}", "--nproc-per-node=1",

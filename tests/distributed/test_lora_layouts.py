@@ -24,6 +24,10 @@ STEPS = 3
 REFERENCES = {
     "lora": ({"method": "lora", "lora": {"r": 4, "alpha": 8.0, "target_modules": ["all-linear"]}}, {}),
     "freeze": ({"method": "freeze", "freeze_layers": 0.5}, {}),  # block 0 frozen
+    # tied embeddings (the shipped configs' default): the head is the embedding, on the first and last stage
+    "lora-tied": ({"method": "lora", "lora": {"r": 4, "alpha": 8.0, "target_modules": ["all-linear"]}},
+                  {"tie_embeddings": True}),
+    "freeze-tied": ({"method": "freeze", "freeze_layers": 0.5}, {"tie_embeddings": True}),
     "freeze-embeddings": ({"method": "freeze", "freeze_layers": 0.5, "freeze_embeddings": True}, {}),
     # Phi-3 under tensor parallel: the fused projections are split, so adapters go on o_proj and down_proj.
     "lora-phi3": ({"method": "lora", "lora": {"r": 4, "alpha": 8.0, "target_modules": ["o_proj", "down_proj"]}},
@@ -37,14 +41,17 @@ FAST = {"tp2-lora": ("lora", {"tensor_parallel": 2}, REPLICA),
         "pp2-lora": ("lora", PP2, REPLICA),
         # sequence parallel's norms are new Parameters: the frozen block's must stay frozen
         "tp2-sp-freeze": ("freeze", {"tensor_parallel": 2, "sequence_parallel": True}, REPLICA),
-        "pp2-freeze": ("freeze", PP2, REPLICA)}
+        "pp2-freeze": ("freeze", PP2, REPLICA),
+        "pp2-lora-tied": ("lora-tied", PP2, REPLICA)}
 SLOW_WORLDS = {
     2: {"tp2-freeze-embeddings": ("freeze-embeddings", {"tensor_parallel": 2}, REPLICA),
         "tp2-sp-lora": ("lora", {"tensor_parallel": 2, "sequence_parallel": True}, REPLICA),
         "tp2-lora-phi3": ("lora-phi3", {"tensor_parallel": 2}, REPLICA)},
     4: {"dp2-tp2-lora": ("lora", {"data_parallel": 2, "tensor_parallel": 2}, HALF),
         "dp2-zero3-tp2-lora": ("lora", {"data_parallel": 2, "tensor_parallel": 2, "zero_stage": 3}, HALF),
-        "tp2-pp2-lora": ("lora", {"tensor_parallel": 2, **PP2}, REPLICA)},
+        "tp2-pp2-lora": ("lora", {"tensor_parallel": 2, **PP2}, REPLICA),
+        "tp2-pp2-lora-tied": ("lora-tied", {"tensor_parallel": 2, **PP2}, REPLICA),
+        "tp2-pp2-freeze-tied": ("freeze-tied", {"tensor_parallel": 2, **PP2}, REPLICA)},
 }
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.test_layouts import HALF, REFERENCE, REPLICA, run
+from tests.distributed.test_layouts import HALF, REFERENCE, REPLICA, run_shared, selected
 
 # (name, parallel, train batch for that layout, memory options)
 CASES = [
@@ -25,12 +25,24 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("name,parallel,train,memory", CASES,
-                         ids=["dp2-zero3-o2-fp16-chunked-offload", "tp2-o2-bf16-selective", "pp2-o2-fp16-recompute"])
-def test_memory_options_under_layouts_match_single_process(tiny_corpus, tmp_path, single_process_reference, name,
-                                                          parallel, train, memory):
-    single = run(tiny_corpus, tmp_path, "single", {}, REFERENCE, memory=memory)
-    split = run(tiny_corpus, tmp_path, name, parallel, train, memory=memory)
+IDS = ["dp2-zero3-o2-fp16-chunked-offload", "tp2-o2-bf16-selective", "pp2-o2-fp16-recompute"]
+
+
+@pytest.fixture(scope="module")
+def memory_runs(request, tiny_corpus, tmp_path_factory) -> dict[str, dict]:
+    """Each selected case and its single-process run with the same options, in shared worlds (run_shared)."""
+    cases = {}
+    for params in selected(request, "test_memory_options_under_layouts_match_single_process"):
+        name, memory = params["name"], params["memory"]
+        cases[f"single-{name}"] = {"parallel": {}, "train": REFERENCE, "memory": memory}
+        cases[name] = {"parallel": params["parallel"], "train": params["train"], "memory": memory}
+    return run_shared(tiny_corpus, tmp_path_factory.mktemp("memory"), cases) if cases else {}
+
+
+@pytest.mark.parametrize("name,parallel,train,memory", CASES, ids=IDS)
+def test_memory_options_under_layouts_match_single_process(memory_runs, single_process_reference, name, parallel,
+                                                          train, memory):
+    single, split = memory_runs[f"single-{name}"], memory_runs[name]
     assert split["losses"] == pytest.approx(single["losses"], rel=5e-4)
     assert split["grad_norms"] == pytest.approx(single["grad_norms"], rel=5e-3)
     assert split["eval_loss"] == pytest.approx(single["eval_loss"], rel=5e-4)

@@ -133,6 +133,10 @@ def test_layouts_that_cannot_shard_or_split_the_trained_part_are_refused_naming_
         check_every_stage_trains(m, 2)
     check_every_stage_trains(m, 2, [3, 1])  # block 2 (trained) on stage 0
     check_every_stage_trains(tiny(), 4)
+    # A tied head is the embedding: stage 0 trains it though the last stage's head holds the same parameter.
+    tied = tiny(tie_embeddings=True)
+    apply_finetune(tied, cfg_with({"method": "freeze", "freeze_layers": 0.5}))
+    check_every_stage_trains(tied, 2)
 
 
 def test_o2_stores_the_frozen_base_in_half_and_adapters_in_fp32():
