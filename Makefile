@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 PLAYS  := examples/data/shakespeare
 
-.PHONY: venv demo test test-all docs clean
+.PHONY: venv demo test test-quick test-all docs clean
 venv: $(BIN)/.installed
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,13 +26,19 @@ demo: venv
 	$(BIN)/fitlm train configs/tiny.yaml
 	$(BIN)/fitlm generate demo/run --prompt "KING LEAR." --max-new-tokens 80 --temperature 0.8 --top-p 0.9
 
-# The test command CI runs: fast unit, multi-process, end-to-end and parity tests (slow ones excluded).
+# The test command CI runs: the whole suite, slow tier included (unit, multi-process gloo, end-to-end CLI runs with
+# golden losses, every parallel layout tied and untied, parity against transformers/PEFT/TRL). Two pytest workers:
+# much of a test is waiting (process start-up, gloo), so two keep both cores busy; --dist loadfile keeps a
+# module on one worker, so its module-scoped runs (shared torchrun worlds, measured profiles) happen once.
 test: venv
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --runslow -n 2 --dist loadfile
 
-# Everything, including tests marked slow.
-test-all: venv
-	$(BIN)/python -m pytest -q --runslow
+# The quick inner loop: the same suite without the tests marked slow.
+test-quick: venv
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+
+# Alias of `make test`.
+test-all: test
 
 # Regenerate the README's config reference (schema docstrings) and model families table (registry).
 docs: venv

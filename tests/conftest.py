@@ -23,7 +23,7 @@ def pytest_addoption(parser):
 def pytest_collection_modifyitems(config, items):
     if config.getoption("--runslow"):
         return
-    skip = pytest.mark.skip(reason="slow: run with --runslow (make test-all)")
+    skip = pytest.mark.skip(reason="slow: run with --runslow (make test, which CI runs)")
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)

@@ -103,10 +103,13 @@ def _lookup(ids: torch.Tensor, local: torch.Tensor, rows: list[tuple[int, int]],
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):  # nn.Embedding's check: never leave rows unset
         raise IndexError(f"token id {int(ids.max()) if int(ids.max()) >= vocab else int(ids.min())} is outside the "
                          f"embedding's {vocab} rows; the tokenizer does not match the model's vocab_size")
-    out = local.new_empty(*ids.shape, local.shape[1])
+    # Static shapes (no boolean indexing), so the planner's fake-tensor simulation runs it too: each piece's rows
+    # are gathered for every token (ids clamped into the piece) and added where the token falls in the piece;
+    # every token falls in exactly one, onto zeros, so the sum is the row itself.
+    out = local.new_zeros(*ids.shape, local.shape[1])  # [..., C]
     for a, b, w in _stream(local, rows, group):
-        hit = (ids >= a) & (ids < b)
-        out[hit] = w[ids[hit] - a]
+        hit = ((ids >= a) & (ids < b)).unsqueeze(-1).to(out.dtype)  # [..., 1]
+        out.addcmul_(w[(ids - a).clamp(0, b - a - 1)], hit)
     return out
 
 

@@ -102,8 +102,8 @@ FAST = {"O0", "O2 h128", "O3 full recompute", "dp2 zero2", "dp2 zero2 accum 2, s
 # Where an engine misses the bar, the miss is recorded here (strict: the test fails once it is fixed) rather
 # than the tolerance loosened. Numbers in the README's accuracy table.
 SIMULATION_MISSES: dict[str, str] = {
-    "qlora dp2 zero3 O2": "simulated +5.9% (activations +7.4%): FSDP2's all-gather of torchao's NF4 codes on the "
-                          "fake process group holds more than the gloo run does",
+    "qlora dp2 zero3 O2": "simulated +12% (parameters +53%, activations +6%): FSDP2's all-gather of torchao's NF4 "
+                          "codes on the fake process group holds more than the gloo run does",
 }
 _results: dict[str, dict] = {}
 
