@@ -55,9 +55,11 @@ def world_size(parallel: dict) -> int:
                                                   "context_parallel"))
 
 
-def run_shared(tiny_corpus, root, cases: dict[str, dict], timeout: int = 900) -> dict[str, dict]:
+def run_shared(tiny_corpus, root, cases: dict[str, dict], timeout: int = 900,
+               keep_going: bool = False) -> dict[str, dict]:
     """Many layouts as `run` trains each, with one torchrun world per world size for all of them
-    (tests/distributed/train_world.py): `cases` maps a name to layout_config's keyword arguments."""
+    (tests/distributed/train_world.py): `cases` maps a name to layout_config's keyword arguments.
+    `keep_going`: a refused case gives {"error": its message} and the world goes on to the next."""
     by_world: dict[int, list[str]] = {}
     for name, kw in cases.items():
         write_config(root / f"{name}.yaml", layout_config(tiny_corpus, root, name, **kw))
@@ -68,10 +70,12 @@ def run_shared(tiny_corpus, root, cases: dict[str, dict], timeout: int = 900) ->
         env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // world)))
         proc = subprocess.run([sys.executable, "-m", "fitlm.parallel.lifetime", "--standalone",
                                f"--nproc-per-node={world}", "-m", "tests.distributed.train_world",
-                               str(root / f"world{world}.json")], cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=timeout)
+                               str(root / f"world{world}.json"), *(["--keep-going"] if keep_going else [])],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
         assert proc.returncode == 0, f"world of {world} ({', '.join(names)}):\n" + proc.stderr[-6000:]
-    return {n: collect(root / n, json.loads((root / f"{n}.summary.json").read_text())["eval_loss"]) for n in cases}
+    refused = {n: (root / f"{n}.error.txt").read_text() for n in cases if (root / f"{n}.error.txt").exists()}
+    return {n: {"error": refused[n]} if n in refused else
+            collect(root / n, json.loads((root / f"{n}.summary.json").read_text())["eval_loss"]) for n in cases}
 
 
 def selected(request, test: str) -> list[dict]:

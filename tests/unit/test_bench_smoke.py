@@ -128,7 +128,7 @@ def test_train_standalone_contract(tmp_path):
     out, r = _tiny_standalone(tmp_path, "fitlm", "hf_eager")
     assert r["fitlm"]["tokens_per_s"] > 0 and r["hf_eager"]["tokens_per_s"] > 0 and "hf_sdpa" not in r
     assert r["fitlm_vs_hf_eager"]["ratio"] == pytest.approx(
-        r["hf_eager"]["round_step_s"][0] / r["fitlm"]["round_step_s"][0], rel=1e-3)
+        r["hf_eager"]["round_step_s"][0] / r["fitlm"]["round_step_s"][0], rel=1e-3, abs=5e-4)  # rounded to 3 places
     # fitlm's Trainer keeps freed memory (train.host_allocator: reuse); its run counts its faults like HF's
     assert r["fitlm"]["faults_per_step"] >= 0 and len(r["fitlm"]["runs"][0]["step_times_s"]) == 2
     assert r["fitlm_best_settings"].endswith("chunked loss 4096 + matmul_saved attention")  # O2, or O0 without bf16
