@@ -4,7 +4,6 @@ the losses and final weights equal the single-process run on the same data, seed
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -13,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from fitlm.config import ParallelConfig
 from tests.conftest import ROOT
 from tests.e2e.helpers import fitlm, read_metrics, tiny_config, write_config
 
@@ -50,11 +50,6 @@ def run(tiny_corpus, root, name, parallel: dict, train: dict, *extra: str, memor
     return collect(root / name, json.loads(proc.stdout.strip().splitlines()[-1])["eval_loss"])
 
 
-def world_size(parallel: dict) -> int:
-    return math.prod(parallel.get(k, 1) for k in ("data_parallel", "tensor_parallel", "pipeline_parallel",
-                                                  "context_parallel"))
-
-
 def run_shared(tiny_corpus, root, cases: dict[str, dict], timeout: int = 900,
                keep_going: bool = False) -> dict[str, dict]:
     """Many layouts as `run` trains each, with one torchrun world per world size for all of them
@@ -63,7 +58,7 @@ def run_shared(tiny_corpus, root, cases: dict[str, dict], timeout: int = 900,
     by_world: dict[int, list[str]] = {}
     for name, kw in cases.items():
         write_config(root / f"{name}.yaml", layout_config(tiny_corpus, root, name, **kw))
-        by_world.setdefault(world_size(kw["parallel"]), []).append(name)
+        by_world.setdefault(ParallelConfig(**kw["parallel"]).world_size, []).append(name)
     for world, names in by_world.items():
         (root / f"world{world}.json").write_text(json.dumps([str(root / f"{n}.yaml") for n in names]))
         # as fitlm.parallel.launch: the cores shared between the ranks
