@@ -5,6 +5,9 @@ BIN    := $(VENV)/bin
 # torch is pinned here (not in pyproject) so CPU-only machines get the CPU build from a local/CPU index;
 # GPU users get the CUDA build of the same version from PyPI.
 TORCH  ?= torch==2.13.0
+# llama-cpp-python (test extra) builds llama.cpp from source: only the library, without curl (no hub downloads).
+export CMAKE_ARGS ?= -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF \
+	-DLLAMA_BUILD_SERVER=OFF -DGGML_NATIVE=OFF
 PLAYS  := examples/data/shakespeare
 
 .PHONY: venv demo test test-quick test-all docs clean

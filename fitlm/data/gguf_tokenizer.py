@@ -9,16 +9,16 @@ GGUF keeps its vocabulary, its special tokens and its chat template.
     chat_template.jinja     tokenizer.chat_template
 
 Vocabularies (tokenizer.ggml.model):
-  "gpt2"   byte-level BPE (tokens + merges). tokenizer.ggml.pre selects the pre-tokenizer of the model's
-           Hugging Face tokenizer: gpt2 / gpt-2 / default / absent (GPT-2's split rule), llama-bpe (Llama 3:
-           case-insensitive contractions, digits in groups of up to three), qwen2 (single digits, NFC).
+  "gpt2"   byte-level BPE (tokens + merges). tokenizer.ggml.pre names the split rule, which becomes the
+           pre-tokenizer (and normalizer) of the model's Hugging Face tokenizer: llama-bpe, qwen2, smollm,
+           gpt-2, tekken, deepseek-v3/-llm/-coder, gpt-4o and their aliases (fitlm.data.gguf_vocab.RULES).
   "llama"  SentencePiece (tokens + scores + token types: Llama 2, Phi-3, Gemma), as transformers' converter
            writes it: BPE with byte fallback, merges ranked by piece score, spaces as "▁" with a "▁" put
            before each text unless tokenizer.ggml.add_space_prefix is false.
 A GGUF that embeds its tokenizer.json (tokenizer.huggingface.json) keeps it as is. Other vocabularies
-(bert, t5, rwkv, ...) and other pre-tokenizers raise UnsupportedTokenizer: the import keeps the weights
-and says the tokenizer was not converted. llama.cpp's "default" pre-tokenizer splits a few rare cases
-(runs of punctuation before letters) differently from GPT-2's rule used here.
+(bert, t5, rwkv, ...) and other split rules raise UnsupportedTokenizer: the import keeps the weights
+and says the tokenizer was not converted. llama.cpp's "default" rule (a file that names none) is read as
+GPT-2's, which splits a few rare cases (runs of punctuation before letters) differently.
 """
 
 from __future__ import annotations
@@ -30,15 +30,10 @@ from typing import Any
 
 from fitlm.data.conventions import CONFIG_FILE, GENERATION_FILE, TEMPLATE_FILE
 from fitlm.data.errors import DataError
+from fitlm.data.gguf_vocab import IGNORE_MERGES, known_names, rule_tokenizer_json
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # gguf.TokenType
 _K = "tokenizer.ggml."
-# The Split regexes of the models' own tokenizer.json pre-tokenizers (GPT-2's is ByteLevel's built-in).
-_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-           r"|\s+(?!\S)|\s+")
-_QWEN2 = _LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")
-PRE_TOKENIZERS: dict[str, str | None] = {"gpt2": None, "gpt-2": None, "default": None, "llama-bpe": _LLAMA3,
-                                         "qwen2": _QWEN2}
 
 
 class UnsupportedTokenizer(DataError):
@@ -73,14 +68,15 @@ def _first_ids(tokens: list[str]) -> dict[str, int]:
 
 
 def _byte_level(meta: dict[str, Any], tokens: list[str], source: str):
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models
 
     pre = meta.get(_K + "pre") or "default"
-    if pre not in PRE_TOKENIZERS:
-        raise UnsupportedTokenizer(f"{source}: {_K}pre {pre!r} names a pre-tokenizer fitlm does not reproduce "
-                                   f"(it does {', '.join(PRE_TOKENIZERS)}); to use this model's tokenizer, copy "
-                                   "its tokenizer.json and tokenizer_config.json from the Hugging Face repository "
-                                   "into the imported directory")
+    split = rule_tokenizer_json(pre)
+    if split is None:
+        raise UnsupportedTokenizer(f"{source}: {_K}pre {pre!r} names a split rule fitlm does not reproduce (it does "
+                                   f"{', '.join(known_names())}); to use this model's tokenizer, copy its "
+                                   "tokenizer.json and tokenizer_config.json from the Hugging Face repository into "
+                                   "the imported directory")
     vocab = _first_ids(tokens)
     merges = []
     for m in meta.get(_K + "merges") or []:
@@ -92,18 +88,12 @@ def _byte_level(meta: dict[str, Any], tokens: list[str], source: str):
     if not merges:
         raise DataError(f"{source}: {_K}model is gpt2 (byte-level BPE) but {_K}merges is missing or empty; "
                         "re-convert the model with llama.cpp's convert_hf_to_gguf.py")
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
-    regex = PRE_TOKENIZERS[pre]
-    if regex is None:
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    else:
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    if pre == "qwen2":
-        tok.normalizer = normalizers.NFC()
-    tok.decoder = decoders.ByteLevel()
-    return tok
+    # llama.cpp's Llama 3 and Tekken rules take a piece that is a whole token before merging (ignore_merges), as
+    # those models' tokenizer.json files say.
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in IGNORE_MERGES))
+    rebuilt = Tokenizer.from_str(json.dumps({**json.loads(tok.to_str()), **split}))
+    rebuilt.decoder = decoders.ByteLevel()
+    return rebuilt
 
 
 def _sentencepiece(meta: dict[str, Any], tokens: list[str], types: list[int], source: str):
@@ -191,14 +181,6 @@ def write_gguf_tokenizer(meta: dict[str, Any], folder: Path, source: str) -> lis
     return out
 
 
-def gguf_tokenizer_json(meta: dict[str, Any]) -> str | None:
-    """The tokenizer.json text of GGUF metadata `meta`, or None when its vocabulary is not converted."""
-    try:
-        return gguf_tokenizer_files(meta, "the GGUF file")["tokenizer.json"]
-    except UnsupportedTokenizer:
-        return None
-
-
 def gguf_chat_template(path: Path) -> str:
     """tokenizer.chat_template of the GGUF file at `path` (for `--template model.gguf`)."""
     try:
@@ -213,13 +195,4 @@ def gguf_chat_template(path: Path) -> str:
     return str(field.contents())
 
 
-def gguf_pre_name(spec: dict[str, Any]) -> str:
-    """The tokenizer.ggml.pre name of a byte-level tokenizer.json `spec` (the inverse of the import)."""
-    pre = spec.get("pre_tokenizer") or {}
-    steps = pre.get("pretokenizers", [pre])
-    regex = next((p.get("pattern", {}).get("Regex") for p in steps if p.get("type") == "Split"), None)
-    return {_LLAMA3: "llama-bpe", _QWEN2: "qwen2"}.get(regex, "gpt2")
-
-
-__all__ = ["PRE_TOKENIZERS", "UnsupportedTokenizer", "gguf_chat_template", "gguf_pre_name", "gguf_tokenizer_files",
-           "gguf_tokenizer_json", "write_gguf_tokenizer"]
+__all__ = ["UnsupportedTokenizer", "gguf_chat_template", "gguf_tokenizer_files", "write_gguf_tokenizer"]

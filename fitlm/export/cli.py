@@ -33,7 +33,11 @@ def add_commands(sub) -> None:
     p.add_argument("--format", required=True, choices=("hf", "gguf", "onnx"), help="output format")
     p.add_argument("--out", required=True, metavar="PATH", help="directory (hf) or file (gguf, onnx) to write")
     p.add_argument("--adapter", metavar="DIR", help="PEFT LoRA adapter to merge into MODEL before exporting")
-    p.add_argument("--dtype", default="f16", choices=("f32", "f16", "q8_0"), help="GGUF weight type (default f16)")
+    p.add_argument("--dtype", default="f16", choices=("f32", "f16", "q8_0", "q4_k_m", "q5_k_m", "q6_k"),
+                   help="GGUF weight type (default f16); the k-quants use llama.cpp's quantizer (the llamacpp extra)")
+    p.add_argument("--no-tokenizer", action="store_true",
+                   help="GGUF: write the weights without the tokenizer (tokenizer.ggml.model 'none'), e.g. for a "
+                        "tokenizer llama.cpp has no name for; llama.cpp then takes token ids, not text")
     p.add_argument("--dynamic-shape", action="store_true",
                    help="ONNX: dynamic batch and sequence axes (default: static [--batch-size, --seq-len])")
     p.add_argument("--seq-len", type=int, default=None, metavar="T",
@@ -71,7 +75,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     elif args.format == "gguf":  # streamed too, each tensor encoded as its block arrives
         from fitlm.export.gguf import export_gguf
 
-        summary = export_gguf(open_for_export(args.model, args.adapter), args.out, args.dtype)
+        summary = export_gguf(open_for_export(args.model, args.adapter), args.out, args.dtype,
+                              tokenizer=not args.no_tokenizer)
     else:  # ONNX loads the whole model: it traces a module
         from fitlm.export.onnx import export_onnx
 

@@ -1,7 +1,7 @@
 """`--format gguf`: one llama.cpp-family file (llama architecture) with weights, config and tokenizer.
 
 The inverse of fitlm/models/gguf.py (the importer): same tensor names, q/k rows permuted into
-llama.cpp's RoPE layout, byte-level BPE vocabulary as tokenizer.ggml.model "gpt2". Matrices are
+llama.cpp's RoPE layout, the tokenizer as llama.cpp names it (fitlm/export/gguf_tokenizer.py). Matrices are
 stored as f32, f16 or q8_0 (via gguf.quants); 1-D tensors (norms) stay f32, as llama.cpp's converter does.
 The export record is stored inside the file under the key `fitlm.export` (JSON). An Ollama Modelfile
 is written beside the file (fitlm/export/modelfile.py).
@@ -18,17 +18,16 @@ from typing import Any
 import numpy as np
 
 from fitlm.atomic import atomic_file
-from fitlm.data.chat import resolve_template
-from fitlm.data.gguf_tokenizer import gguf_pre_name
-from fitlm.data.tokenizer import Tokenizer
 from fitlm.diskspace import disk_full_guard
 from fitlm.export.errors import ExportError
+from fitlm.export.gguf_quant import BITS_PER_WEIGHT, KQUANTS, quantize
+from fitlm.export.gguf_tokenizer import add_tokenizer
 from fitlm.models.metadata import build_metadata, check_metadata
 from fitlm.models.gguf import gguf_metadata, gguf_tensors
 from fitlm.export.source import StreamedModel, hf_weights
 from fitlm.models.io import LoadedModel, Specs
 
-DTYPES = ("f32", "f16", "q8_0")
+DTYPES = ("f32", "f16", "q8_0", *KQUANTS)
 
 
 def EXPORTABLE(family) -> bool:  # noqa: N802  (read by fitlm.docs for the README families table)
@@ -61,37 +60,6 @@ def _encode(w: np.ndarray, dtype: str):
     return quantize(w.astype(np.float32), GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0
 
 
-def _add_tokenizer(writer, loaded: LoadedModel | StreamedModel) -> None:
-    """Byte-level BPE vocabulary as llama.cpp's "gpt2" tokenizer model, plus the chat template."""
-    tok = Tokenizer.from_file(loaded.tokenizer_path)
-    spec = json.loads(tok.backend.to_str())
-    if spec.get("model", {}).get("type") != "BPE":
-        raise ExportError(f"{tok.path}: GGUF export supports byte-level BPE tokenizers; this one is "
-                          f"{spec.get('model', {}).get('type')!r}")
-    vocab = tok.backend.get_vocab(with_added_tokens=True)
-    tokens = [f"[PAD{i}]" for i in range(tok.vocab_size)]
-    types = [5] * tok.vocab_size  # UNUSED for holes in the id range
-    for t, i in vocab.items():
-        tokens[i], types[i] = t, 1  # NORMAL
-    for i, added in tok.backend.get_added_tokens_decoder().items():
-        types[i] = 3 if added.special else 4  # CONTROL / USER_DEFINED
-    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"].get("merges", [])]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(gguf_pre_name(spec))  # the split rule (GPT-2, Llama 3, Qwen2) the vocabulary uses
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(merges)
-    if tok.bos_id is not None:
-        writer.add_bos_token_id(tok.bos_id)
-    writer.add_eos_token_id(tok.eos_id)
-    writer.add_pad_token_id(tok.pad_id)
-    end_of_turn = [i for i in tok.stop_ids if i != tok.eos_id]
-    if end_of_turn:
-        writer.add_eot_token_id(end_of_turn[0])
-    writer.add_add_bos_token(tok.add_bos)  # fitlm's own tokenizers: True (BOS before every prompt)
-    writer.add_chat_template(resolve_template(None, loaded.tokenizer_path)[1])
-
-
 def _file_type(dtype: str) -> int:
     from gguf import LlamaFileType
 
@@ -101,7 +69,7 @@ def _file_type(dtype: str) -> int:
 def _gguf_bytes(specs: Specs, dtype: str, source: LoadedModel | StreamedModel) -> int:
     """About the size of the file: matrices at `dtype` (q8_0: 34 bytes per 32 weights), vectors f32,
     plus the vocabulary (about the size of tokenizer.json)."""
-    per = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32}[dtype]
+    per = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32, **{k: b / 8 for k, b in BITS_PER_WEIGHT.items()}}[dtype]
     weights = sum(math.prod(shape) * (4.0 if len(shape) == 1 else per) for _, shape in specs.values())
     vocab = source.tokenizer_path.stat().st_size if source.tokenizer_path is not None else 0
     return int(weights) + vocab + 64 * 1024
@@ -136,16 +104,7 @@ def _close_quietly(writer) -> None:
         writer.fout = None
 
 
-def export_gguf(source: LoadedModel | StreamedModel, out: str | Path, dtype: str = "f16") -> dict:
-    """Write a GGUF file at `out` in `dtype` (f32 | f16 | q8_0).
-
-    `source`: a loaded model, or one opened with fitlm.export.source.open_for_export, whose weights are read,
-    converted and encoded one block at a time (what `fitlm export --format gguf` does). GGUF lists every tensor
-    before the data, so the encoded tensors go to an anonymous spill file beside `out` until the table is
-    written, then are copied in: the disk holds the model twice for a moment, the memory a block."""
-    from gguf import GGUFWriter
-
-    cfg = source.config.model
+def _check(cfg, dtype: str) -> None:
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype!r} is not supported for GGUF; choose one of {', '.join(DTYPES)}")
     if cfg.family.gguf is None:
@@ -156,42 +115,74 @@ def export_gguf(source: LoadedModel | StreamedModel, out: str | Path, dtype: str
                           f"own (it reuses token_embd), and this model's head is untied (tie_embeddings: false, as "
                           f"an adapter on lm_head makes it); export it with --format hf, or train the adapter "
                           f"without lm_head")
+
+
+def _write(source: LoadedModel | StreamedModel, tensors, tmp: Path, dtype: str, tokenizer: bool, meta: dict) -> str:
+    """Write the GGUF file `tmp` (f32 | f16 | q8_0) from the (HF name, tensor) iterator `tensors`; returns the
+    vocabulary written (gguf_tokenizer.add_tokenizer)."""
+    from gguf import GGUFWriter
+
+    cfg = source.config.model
+    writer = GGUFWriter(str(tmp), cfg.family.gguf.arch, use_temp_file=True)
+    writer.temp_file = tempfile.TemporaryFile(dir=tmp.parent)  # unlinked at once: nothing is left behind
+    try:
+        writer.add_name(source.path.name)
+        for key, value in gguf_metadata(cfg).items():
+            _add_value(writer, key, value)
+        writer.add_file_type(_file_type(dtype))
+        writer.add_string(META_KEY, json.dumps(meta))
+        vocabulary = add_tokenizer(writer, source.tokenizer_path if tokenizer else None)
+        for name, w in gguf_tensors(tensors, cfg):
+            data, raw = _encode(w.numpy(), dtype)
+            _spill(writer, name, data, raw)
+            del w, data
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+    except BaseException:
+        _close_quietly(writer)
+        raise
+    writer.close()  # its last flush can still find the disk full: that error must leave
+    return vocabulary
+
+
+def export_gguf(source: LoadedModel | StreamedModel, out: str | Path, dtype: str = "f16",
+                tokenizer: bool = True) -> dict:
+    """Write a GGUF file at `out` in `dtype` (f32 | f16 | q8_0 | q4_k_m | q5_k_m | q6_k), with the model's
+    tokenizer unless `tokenizer` is False (fitlm.export.gguf_tokenizer: a tokenizer llama.cpp cannot name is
+    refused, and nothing is left at `out`).
+
+    `source`: a loaded model, or one opened with fitlm.export.source.open_for_export, whose weights are read,
+    converted and encoded one block at a time (what `fitlm export --format gguf` does). GGUF lists every tensor
+    before the data, so the encoded tensors go to an anonymous spill file beside `out` until the table is
+    written, then are copied in: the disk holds the model twice for a moment, the memory a block. A k-quant is
+    written at f16 beside `out` first, then quantized by llama.cpp (fitlm/export/gguf_quant.py)."""
+    cfg = source.config.model
+    _check(cfg, dtype)
     out = Path(out).expanduser()
     if out.is_dir():
         raise ExportError(f"--out {out} is a directory; --format gguf writes one file, e.g. {out / 'model.gguf'}")
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = build_metadata("gguf", source.path, {"dtype": dtype})
+    kquant = dtype in KQUANTS
+    written = "f16" if kquant else dtype
+    # The guard outside the atomic block: the partial file is gone before the error is raised. Twice the file
+    # (the spilled tensors and the file they are copied into), plus the k-quant made from it.
     specs, tensors = hf_weights(source)
-    # The guard outside the atomic block: the partial file is gone before the error is raised. Twice the file:
-    # the spilled tensors and the file they are copied into.
-    with disk_full_guard(out, 2 * _gguf_bytes(specs, dtype, source), "fitlm export --format gguf"), \
-            atomic_file(out) as tmp:  # never a half-written file at `out`
-        writer = GGUFWriter(str(tmp), cfg.family.gguf.arch, use_temp_file=True)
-        writer.temp_file = tempfile.TemporaryFile(dir=tmp.parent)  # unlinked at once: nothing is left behind
-        try:
-            writer.add_name(source.path.name)
-            for key, value in gguf_metadata(cfg).items():
-                _add_value(writer, key, value)
-            writer.add_file_type(_file_type(dtype))
-            writer.add_string(META_KEY, json.dumps(meta))
-            if source.tokenizer_path is not None:
-                _add_tokenizer(writer, source)
-            for name, w in gguf_tensors(tensors, cfg):
-                data, raw = _encode(w.numpy(), dtype)
-                _spill(writer, name, data, raw)
-                del w, data
-            writer.write_header_to_file()
-            writer.write_kv_data_to_file()
-            writer.write_tensors_to_file()
-        except BaseException:
-            _close_quietly(writer)
-            raise
-        writer.close()  # its last flush can still find the disk full: that error must leave
+    need = 2 * _gguf_bytes(specs, written, source) + (_gguf_bytes(specs, dtype, source) if kquant else 0)
+    with disk_full_guard(out, need, "fitlm export --format gguf"), atomic_file(out) as tmp:
+        if kquant:
+            with tempfile.TemporaryDirectory(dir=out.parent) as scratch:
+                f16 = Path(scratch) / "f16.gguf"
+                vocabulary = _write(source, tensors, f16, "f16", tokenizer, meta)
+                quantize(f16, tmp, dtype)
+        else:
+            vocabulary = _write(source, tensors, tmp, dtype, tokenizer, meta)
     from fitlm.export.modelfile import write_modelfile
 
     modelfile = write_modelfile(source, out)  # for `ollama create` (fitlm/export/modelfile.py)
     return {"format": "gguf", "out": str(out), "dtype": dtype, "bytes": out.stat().st_size,
-            "tokenizer": source.tokenizer_path is not None, "source_sha256": meta["source_sha256"],
+            "tokenizer": vocabulary != "none", "vocabulary": vocabulary, "source_sha256": meta["source_sha256"],
             "modelfile": str(modelfile)}
 
 

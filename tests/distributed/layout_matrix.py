@@ -58,6 +58,9 @@ def main() -> None:
             for layout in args.layouts:
                 parallel, train, extra = LAYOUTS[layout]
                 model = {**ALL_FAMILIES[family], **(extra or {}), "tie_embeddings": tied}
+                if extra and "layer_types" in model:  # a deeper model repeats the family's layer pattern
+                    pattern = model["layer_types"]
+                    model["layer_types"] = [pattern[i % len(pattern)] for i in range(model["num_layers"])]
                 ref = f"{family}-{tie}-single" + ("-deep" if extra else "")
                 cases[ref] = {"parallel": {}, "train": REFERENCE, "model": model}
                 cases[f"{family}-{tie}-{layout}"] = {"parallel": parallel, "train": train, "model": model}

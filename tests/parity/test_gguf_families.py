@@ -27,9 +27,17 @@ def _untied_gemma2(model_type: str, kw: dict) -> bool:
     return model_type == "gemma2" and kw.get("tie_word_embeddings") is False
 
 
+def _gemma_scale_differs(model_type: str, kw: dict) -> bool:
+    """llama.cpp's Gemma graphs scale scores by head_dim^-1/2 and read no key for query_pre_attn_scalar (whose
+    transformers default is 256): any other value is refused."""
+    return model_type.startswith("gemma") and kw.get("query_pre_attn_scalar", 256) != kw["head_dim"]
+
+
 # Cases whose RoPE llama.cpp can store: metadata (linear, yarn), factor tensors (llama3, longrope) or plain.
-EXPORTABLE = [n for n, (t, kw, _) in CASES.items() if _rope_type(kw) != "dynamic" and not _untied_gemma2(t, kw)]
+EXPORTABLE = [n for n, (t, kw, _) in CASES.items() if _rope_type(kw) != "dynamic" and not _untied_gemma2(t, kw)
+              and not _gemma_scale_differs(t, kw)]
 UNTIED_GEMMA2 = [n for n, (t, kw, _) in CASES.items() if _untied_gemma2(t, kw)]
+GEMMA_SCALE = [n for n, (t, kw, _) in CASES.items() if _gemma_scale_differs(t, kw) and not _untied_gemma2(t, kw)]
 # transformers' GGUF loader reads these completely (short inputs: within every sliding window). Not Phi-3:
 # without a tokenizer in the file its config keeps pad_token_id 32000, outside this test vocabulary.
 TRANSFORMERS_READS = {"qwen2.5_gqa6-2", "mistral_window7_headdim16"}
@@ -40,7 +48,7 @@ def ids(t: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, 131, (2, t), generator=torch.Generator().manual_seed(seed))
 
 
-REFUSED = [n for n in CASES if n not in EXPORTABLE and n not in UNTIED_GEMMA2]
+REFUSED = [n for n in CASES if n not in EXPORTABLE and n not in UNTIED_GEMMA2 and n not in GEMMA_SCALE]
 
 
 @pytest.fixture
@@ -128,6 +136,7 @@ def test_gguf_export_of_an_untied_gemma2_is_refused_and_a_tied_one_round_trips(c
     assert not (tmp_path / "m.gguf").exists()
     tied_hf = copy.deepcopy(hf)  # the same checkpoint with its head tied, as Gemma 2 ships
     tied_hf.config.tie_word_embeddings = True
+    tied_hf.config.query_pre_attn_scalar = tied_hf.config.head_dim  # as Gemma 2 2B/9B ship: llama.cpp's scale
     tied_hf.tie_weights()
     tied_hf.save_pretrained(tmp_path / "tied")
     tied = load_model_dir(tmp_path / "tied")
@@ -153,3 +162,24 @@ def test_llama_3_1_rope_factors_name_their_parameters_again():
     other = [1.0 + 0.5 * i for i in range(64)]  # not a llama3 ramp: fixed factors, same frequencies
     sc = scaling_from_factors(other, 128, 500000.0, 131072)
     assert sc.type == "longrope" and sc.short_factor == sc.long_factor == other and sc.attention_factor == 1.0
+
+
+@pytest.mark.parametrize("case", GEMMA_SCALE, indirect=True)
+def test_gguf_export_of_a_gemma_scale_llama_cpp_cannot_express_is_refused(case, tmp_path):
+    """query_pre_attn_scalar other than the head size is refused; the same checkpoint with the shipped models' rule
+    (scalar = head_dim) round trips."""
+    from fitlm.models.hf import HFFormatError
+
+    name, hf, d, ours, mcfg, _ = case
+    with pytest.raises(HFFormatError, match="query_pre_attn_scalar is .* llama.cpp's Gemma graphs"):
+        export_gguf(load_model_dir(d), tmp_path / "m.gguf", "f32")
+    assert not (tmp_path / "m.gguf").exists()
+    fixed = copy.deepcopy(hf)
+    fixed.config.query_pre_attn_scalar = fixed.config.head_dim
+    fixed.save_pretrained(tmp_path / "fixed")
+    src = load_model_dir(tmp_path / "fixed")
+    export_gguf(src, tmp_path / "fixed.gguf", "f32")
+    back = load_model_dir(tmp_path / "fixed.gguf")
+    x = ids(40)
+    with torch.no_grad():
+        torch.testing.assert_close(back.model(x), src.model(x), rtol=1e-5, atol=1e-5)

@@ -73,8 +73,10 @@ def corpus(lines: int = 400) -> list[str]:
     return chat + english + [MULTILINGUAL, "Über straße, привет"] * 5 + [NUMBERS] * 40
 
 
-def byte_level_bpe(specials: list[str], split: str | None = None, nfc: bool = False, vocab_size: int = 600):
-    """A trained byte-level BPE (`tokenizers.Tokenizer`) with `specials` first, split by `split` (else GPT-2's rule).
+def byte_level_bpe(specials: list[str], split: str | None = None, nfc: bool = False, vocab_size: int = 600,
+                   pre=None):
+    """A trained byte-level BPE (`tokenizers.Tokenizer`) with `specials` first, split by `split` (else GPT-2's rule),
+    or by the pre-tokenizer `pre` (a callable returning one: SmolLM's digits, DeepSeek's sequence of splits).
 
     The merges are learnt with GPT-2's rule whatever `split` is, so the vocabulary holds multi-digit and
     other pieces that only some split rules can reach: a wrong rule then changes the encoding."""
@@ -90,6 +92,8 @@ def byte_level_bpe(specials: list[str], split: str | None = None, nfc: bool = Fa
     if split is not None:
         tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), "isolated"),
                                                      pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    if pre is not None:
+        tok.pre_tokenizer = pre()
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     return tok
@@ -102,7 +106,7 @@ def hf_dir(style: str, root: Path, post_bos: bool = True) -> Path:
     from transformers import PreTrainedTokenizerFast
 
     s = STYLES[style]
-    tok = byte_level_bpe(s["specials"], s.get("split"), s.get("nfc", False))
+    tok = byte_level_bpe(s["specials"], s.get("split"), s.get("nfc", False), pre=s.get("pre"))
     if post_bos and s["bos"] is not None:  # the tokenizer.json post-processor inserts BOS
         tok.post_processor = processors.Sequence([
             processors.ByteLevel(trim_offsets=False),

@@ -232,7 +232,7 @@ def test_unsupported_and_bad_gguf_tokenizers_are_explained(refs, tmp_path):
             "tokenizer.ggml.merges": ["a b"], "tokenizer.ggml.eos_token_id": 3}
     assert json.loads(gguf_tokenizer_files(base, "x.gguf")["tokenizer_config.json"])["eos_token"] == "</s>"
     cases = [({"tokenizer.ggml.model": "bert"}, UnsupportedTokenizer, r"\.model 'bert' is not converted"),
-             ({"tokenizer.ggml.pre": "deepseek-llm"}, UnsupportedTokenizer, r"tokenizer\.ggml\.pre 'deepseek-llm'"),
+             ({"tokenizer.ggml.pre": "bloom"}, UnsupportedTokenizer, r"tokenizer\.ggml\.pre 'bloom'"),
              ({"tokenizer.ggml.eos_token_id": 9}, DataError, r"tokenizer\.ggml\.eos_token_id = 9 is not a token id"),
              ({"tokenizer.ggml.eos_token_id": None}, DataError, r"tokenizer\.ggml\.eos_token_id is missing"),
              ({"tokenizer.ggml.merges": ["a c"]}, DataError, r"tokenizer\.ggml\.merges holds 'a c'"),

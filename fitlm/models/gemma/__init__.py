@@ -4,7 +4,7 @@ from fitlm.models import counts
 from fitlm.models.family import Family, GGUFNames, TPBlockPlan
 from fitlm.models.gemma import hf
 from fitlm.models.gemma.model import Gemma2ForCausalLM, Gemma3ForCausalLM
-from fitlm.models.hf import same_names_from_hf, same_names_to_hf
+from fitlm.models.hf import HFFormatError, same_names_from_hf, same_names_to_hf
 from fitlm.models.llama import GGUF_TOP, LINEARS
 from fitlm.registry import register_family
 
@@ -30,8 +30,27 @@ def _gguf_read(get, largest_layers: int) -> dict:
     return out
 
 
-def _gguf_write(cfg) -> dict:
-    out = {"attention.query_pre_attn_scalar": cfg.query_pre_attn_scalar or cfg.head_size}
+def _llama_cpp_scalar(cfg, largest_layers: int) -> int:
+    """The score scale llama.cpp's gemma2/gemma3 graphs use (they read no key for it): head_dim, except at the
+    27B size (hidden / heads)."""
+    return cfg.hidden_size // cfg.num_heads if cfg.num_layers == largest_layers else cfg.head_size
+
+
+def _gguf_writer(largest_layers: int):
+    def write(cfg) -> dict:
+        scalar = cfg.query_pre_attn_scalar or cfg.head_size
+        if scalar != _llama_cpp_scalar(cfg, largest_layers):
+            raise HFFormatError(f"GGUF export: model.query_pre_attn_scalar is {scalar}, but llama.cpp's Gemma graphs "
+                            f"scale attention scores by {_llama_cpp_scalar(cfg, largest_layers)}^-1/2 (the head size; "
+                            "hidden/heads at the 27B size) and read no key for it, so llama.cpp would compute other "
+                            "logits; export with --format hf, or train with query_pre_attn_scalar equal to the head "
+                            "size")
+        return _gguf_write(cfg, scalar)
+    return write
+
+
+def _gguf_write(cfg, scalar: int) -> dict:
+    out = {"attention.query_pre_attn_scalar": scalar}
     if cfg.attn_logit_softcap:
         out["attn_logit_softcapping"] = float(cfg.attn_logit_softcap)
     if cfg.final_logit_softcap:
@@ -56,7 +75,7 @@ GEMMA2 = register_family(Family(
     planner=counts.rope_planner(counts.GEMMA_BYTES, norms=4), tp_plan=TP, lora_linears=LINEARS,
     default_layer_type=hf.gemma2_layer_type,
     gguf=GGUFNames("gemma2", GGUF_LAYER, GGUF_TOP, norm_offset=1.0, head_is_embedding=True,
-                   read_extra=lambda get: _gguf_read(get, 46), write_extra=_gguf_write),
+                   read_extra=lambda get: _gguf_read(get, 46), write_extra=_gguf_writer(46)),
     features=("(1 + w) RMSNorm, sqrt(hidden) embedding scale, GeGLU", "pre- and post-norms",
               "attention and final logit soft-capping", "alternating sliding-window / global layers"),))
 
@@ -68,6 +87,6 @@ GEMMA3 = register_family(Family(
                                 qk_norm=True),
     tp_plan=TP, lora_linears=LINEARS, default_layer_type=hf.gemma3_layer_type,
     gguf=GGUFNames("gemma3", {**GGUF_LAYER, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
-                   GGUF_TOP, norm_offset=1.0, head_is_embedding=True, read_extra=_gguf_read3, write_extra=_gguf_write),
+                   GGUF_TOP, norm_offset=1.0, read_extra=_gguf_read3, write_extra=_gguf_writer(62)),
     features=("Gemma 2's block with per-head q/k norm", "local/global RoPE bases", "5 sliding : 1 global layers",
               "multimodal checkpoints (4B+): the language model, exported text-only"),))
