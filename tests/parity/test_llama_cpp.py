@@ -192,3 +192,30 @@ def back_tokens(back, text: str) -> list[int]:
 
     tok = load_tokenizer(back, back.path)
     return tok.encode(text, add_bos=tok.add_bos)
+
+
+@pytest.mark.parametrize("case", ["llama3", "qwen2.5", "gemma3", "phi3"], indirect=True)
+def test_gguf_import_then_export_keeps_the_tokenizer(case, files, tmp_path):
+    """GGUF -> fitlm import -> GGUF again: the same vocabulary kind and name, tokens, merges or scores' order,
+    specials, BOS rule and chat template; llama.cpp tokenizes the second file as the first."""
+    from gguf import GGUFReader
+
+    from fitlm.finetune.importer import import_model
+
+    first = files["f32"]["out"]
+    import_model(first, tmp_path / "imported")
+    again = export_gguf(load_model_dir(tmp_path / "imported"), tmp_path / "again.gguf", "f32")
+    a, b = (GGUFReader(str(f)).fields for f in (first, again["out"]))
+    keys = [k for k in a if k.startswith("tokenizer.") and k != "tokenizer.ggml.scores"]
+    assert {k: a[k].contents() for k in keys} == {k: b[k].contents() for k in keys if k in b}
+    assert set(keys) <= set(b)
+    if "tokenizer.ggml.scores" in a:  # SentencePiece: the merge order (scores' ranking) is what tokenizes
+        sa, sb = (np.array(f["tokenizer.ggml.scores"].contents()) for f in (a, b))
+        assert (np.argsort(-sa, kind="stable") == np.argsort(-sb, kind="stable")).all()
+    llm1, llm2 = open_llama(first), open_llama(again["out"])
+    try:
+        for text in PROMPTS:
+            assert llm1.tokenize(text.encode(), add_bos=True) == llm2.tokenize(text.encode(), add_bos=True)
+    finally:
+        llm1.close()
+        llm2.close()
