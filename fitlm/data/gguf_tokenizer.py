@@ -24,15 +24,14 @@ GPT-2's, which splits a few rare cases (runs of punctuation before letters) diff
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
 from fitlm.data.conventions import CONFIG_FILE, GENERATION_FILE, TEMPLATE_FILE
 from fitlm.data.errors import DataError
-from fitlm.data.gguf_vocab import IGNORE_MERGES, known_names, rule_tokenizer_json
+from fitlm.data.gguf_vocab import (BYTE, BYTE_PIECE, CONTROL, IGNORE_MERGES, NORMAL, UNKNOWN, USER_DEFINED,
+                                   known_names, rule_tokenizer_json)
 
-NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # gguf.TokenType
 _K = "tokenizer.ggml."
 
 
@@ -53,7 +52,7 @@ def _token_id(meta: dict[str, Any], key: str, n: int, source: str) -> int | None
 def _token_types(meta: dict[str, Any], tokens: list[str], source: str) -> list[int]:
     types = meta.get(_K + "token_type")
     if types is None:  # older files: byte pieces by their spelling, everything else normal
-        return [BYTE if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", t) else NORMAL for t in tokens]
+        return [BYTE if BYTE_PIECE.fullmatch(t) else NORMAL for t in tokens]
     if len(types) != len(tokens):
         raise DataError(f"{source}: {_K}token_type has {len(types)} entries for {len(tokens)} tokens; re-convert "
                         "the model with llama.cpp's convert_hf_to_gguf.py")

@@ -19,12 +19,17 @@ Gemma, Phi-3: BPE with byte fallback over "▁"-spaced text) are llama.cpp's "ll
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from fitlm.data.errors import DataError
+
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # gguf.TokenType
+BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # a SentencePiece byte-fallback token
 
 # The check text of llama.cpp's converter (convert_hf_to_gguf.py, get_vocab_base_pre), character for character:
 # whitespace runs, emoji sequences, digit runs, Khmer, Chinese, Cyrillic, punctuation runs and contractions.
@@ -168,6 +173,7 @@ def pieces(backend, text: str = CHECK_TEXT) -> list[str]:
     return [p for p, _ in backend.pre_tokenizer.pre_tokenize_str(text)]
 
 
+@functools.cache  # the rules are constants: split the check text once per process
 def _rule_pieces() -> dict[str, list[str]]:
     return {r.name: pieces(_rule_tokenizer({"normalizer": r.normalizer, "pre_tokenizer": r.pre_tokenizer}))
             for r in RULES}
@@ -235,6 +241,6 @@ def rule_tokenizer_json(name: str) -> dict[str, Any] | None:
     return None if r is None else {"normalizer": r.normalizer, "pre_tokenizer": r.pre_tokenizer}
 
 
-__all__ = ["CHECK_TEXT", "IGNORE_MERGES", "KNOWN_CHECKPOINTS", "RULES", "Rule", "UnnamedTokenizer", "add_space_prefix",
+__all__ = ["BYTE", "BYTE_PIECE", "CHECK_TEXT", "CONTROL", "NORMAL", "UNKNOWN", "UNUSED", "USER_DEFINED", "IGNORE_MERGES", "KNOWN_CHECKPOINTS", "RULES", "Rule", "UnnamedTokenizer", "add_space_prefix",
            "checkpoint_hash", "is_sentencepiece", "known_names", "pieces", "pre_tokenizer_name", "rule",
            "rule_tokenizer_json"]

@@ -16,15 +16,12 @@ no tokenizer gets tokenizer.ggml.model "none", which llama.cpp loads (token ids 
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 from fitlm.data.chat import resolve_template
-from fitlm.data.gguf_vocab import CHECK_TEXT, add_space_prefix, is_sentencepiece, pre_tokenizer_name
+from fitlm.data.gguf_vocab import (BYTE, BYTE_PIECE, CHECK_TEXT, CONTROL, NORMAL, UNKNOWN, UNUSED, USER_DEFINED,
+                                   add_space_prefix, is_sentencepiece, pre_tokenizer_name)
 from fitlm.data.tokenizer import Tokenizer
-
-NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # gguf.TokenType
-_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 def _tokens_and_types(tok: Tokenizer, spec: dict, byte_fallback: bool) -> tuple[list[str], list[int]]:
@@ -34,7 +31,7 @@ def _tokens_and_types(tok: Tokenizer, spec: dict, byte_fallback: bool) -> tuple[
     types = [UNUSED] * tok.vocab_size
     for t, i in vocab.items():
         tokens[i] = t
-        types[i] = BYTE if byte_fallback and _BYTE_PIECE.fullmatch(t) else NORMAL
+        types[i] = BYTE if byte_fallback and BYTE_PIECE.fullmatch(t) else NORMAL
     unk = (spec.get("model") or {}).get("unk_token")
     for i, added in tok.backend.get_added_tokens_decoder().items():
         types[i] = UNKNOWN if added.content == unk else CONTROL if added.special else USER_DEFINED

@@ -151,14 +151,14 @@ CASES = {
 }
 
 
-def build(name: str, root: Path, spread: bool = True) -> Path:
+def build(name: str, root: Path, spread: bool = True, case: tuple | None = None) -> Path:
     """Directory with the case's tokenizer files and a random transformers checkpoint of its vocabulary size: every
     weight spread away from its initial value (tests/parity/test_families.randomize), or, `spread` False,
     transformers' own initialisation (std 0.02: activations that stay in range through quantization, as a trained
-    model's do)."""
+    model's do). `case`: a (model_type, overrides, style) of its own instead of CASES[name]."""
     from tokenizers import Tokenizer
 
-    model_type, overrides, style = CASES[name]
+    model_type, overrides, style = case or CASES[name]
     d = tokenizer_dir(style, root)
     n = max(Tokenizer.from_file(str(d / "tokenizer.json")).get_vocab(with_added_tokens=True).values()) + 1
     shape = dict(vocab_size=n, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

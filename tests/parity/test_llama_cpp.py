@@ -151,14 +151,10 @@ KQUANT_TYPES = {"q4_k_m": {"Q4_K", "Q6_K"}, "q5_k_m": {"Q5_K", "Q6_K"}, "q6_k": 
 
 @pytest.fixture(scope="module")
 def kquant_case(tmp_path_factory):
-    from tests.parity import llama_cpp_models
+    from tests.parity.llama_cpp_models import KQUANT_CASE
 
     root = tmp_path_factory.mktemp("kquant")
-    llama_cpp_models.CASES["llama3-256"] = llama_cpp_models.KQUANT_CASE
-    try:
-        d = build("llama3-256", root, spread=False)
-    finally:
-        del llama_cpp_models.CASES["llama3-256"]
+    d = build("llama3-256", root, spread=False, case=KQUANT_CASE)
     return d, load_model_dir(d), root
 
 
