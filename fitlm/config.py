@@ -328,6 +328,16 @@ class ObserveConfig(_Section):
     """Warn when waiting for input batches takes more than this share of the step time (at most every 10th log line); 0 = off."""
     tensorboard: Literal["auto"] | bool = "auto"
     """Write the metrics also as TensorBoard scalars under output_dir/tensorboard/: `auto` = when tensorboard is installed."""
+    report_to: list[Literal["tensorboard", "wandb", "mlflow"]] | None = None
+    """Run trackers that get every metrics.jsonl scalar, guard/warning messages and the resolved config: any of `tensorboard` (output_dir/tensorboard/), `wandb` (offline by default: output_dir/wandb/, `wandb sync` later), `mlflow` (output_dir/mlruns/ unless mlflow_tracking_uri). null = TensorBoard as `tensorboard` says. A tracker failing mid-run is dropped with a warning; training goes on."""
+    wandb_project: str = "fitlm"
+    """W&B project of the run (with report_to: [wandb]); the run is named after output_dir."""
+    wandb_mode: Literal["offline", "online"] = "offline"
+    """W&B mode: `offline` writes under output_dir/wandb/ with no network (upload later with `wandb sync`); `online` needs `wandb login`."""
+    mlflow_tracking_uri: str | None = None
+    """MLflow store or server (`sqlite:///mlflow.db`, `http://host:5000`, `file:///path`); null = $MLFLOW_TRACKING_URI, else the file store output_dir/mlruns/."""
+    mlflow_experiment: str = "fitlm"
+    """MLflow experiment the run is logged under (created when missing); the run is named after output_dir."""
     profile_steps: list[int] | None = None
     """[first, last] optimizer steps to record with the torch profiler; a Chrome trace per rank goes to output_dir/profile/. null = off."""
     oom_snapshot: bool = False

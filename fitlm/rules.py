@@ -43,6 +43,18 @@ def tensorboard_installed() -> bool:
     return importlib.util.find_spec("tensorboard") is not None
 
 
+def installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def _tracker_installed(name: str) -> Rule:
+    return Rule("train.observe.report_to", "needs", f"`report_to: [{name}]` needs {name} (`pip install 'fitlm[{name}]'`)",
+                lambda v: name in (v["train.observe.report_to"] or ()) and not installed(name),
+                lambda v: f"train.observe.report_to: lists {name}, but the {name} package is not installed; "
+                          f"pip install 'fitlm[{name}]', or remove {name} from train.observe.report_to",
+                stage="launch")
+
+
 def torchao_installed() -> bool:
     return importlib.util.find_spec("torchao") is not None
 
@@ -131,6 +143,13 @@ ROWS: tuple[Rule, ...] = (
          lambda v: "train.observe.tensorboard: true, but the tensorboard package is not installed; `pip install tensorboard`, "
                    "or set train.observe.tensorboard to auto or false",
          stage="launch"),
+    _tracker_installed("tensorboard"),
+    _tracker_installed("wandb"),
+    _tracker_installed("mlflow"),
+    Rule("train.observe.tensorboard", "refused", "`train.observe.tensorboard` set with `report_to`: list tensorboard in "
+         "report_to instead", lambda v: v["train.observe.report_to"] is not None and v["train.observe.tensorboard"] != "auto",
+         lambda v: f"train.observe.tensorboard: {v['train.observe.tensorboard']} is set with train.observe.report_to, "
+                   "and both would say whether TensorBoard is written; leave tensorboard at auto and list tensorboard in report_to or not"),
 )
 
 

@@ -1,4 +1,4 @@
-"""The metrics writer: metrics.jsonl records, TensorBoard scalars beside them, and warnings in both."""
+"""The metrics writer: metrics.jsonl records, the run trackers beside them (fitlm/train/trackers.py), warnings in all."""
 
 from __future__ import annotations
 
@@ -7,13 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator
 
-from fitlm.rules import tensorboard_installed
-
-
-def tensorboard_dir(output_dir: Path, setting: str | bool) -> Path | None:
-    """Where TensorBoard event files go for this `train.observe.tensorboard` setting, or None for no TensorBoard."""
-    on = setting is True or (setting == "auto" and tensorboard_installed())  # true without it: fitlm.rules refuses
-    return Path(output_dir) / "tensorboard" if on else None
+from fitlm.train.trackers import Tracker
 
 
 def scalars(record: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, float]]:
@@ -33,40 +27,50 @@ def scalars(record: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, flo
 class MetricsLog:
     """Appends one JSON object per line to metrics.jsonl; flushed each write so a crash keeps the history.
 
-    With `tensorboard_dir` the same numbers also go to TensorBoard event files there (tags as in
-    `scalars`); guard and warning records (those with a `message` or `reason`) become text entries.
+    The same numbers go to each tracker (tags as in `scalars`); guard and warning records (those with a
+    `message` or `reason`) become text entries. A tracker that raises is dropped with a warning (stderr and a
+    metrics.jsonl record): the run goes on with metrics.jsonl and the other trackers.
     """
 
-    def __init__(self, path: Path, tensorboard_dir: Path | None = None):
+    def __init__(self, path: Path, trackers: list[Tracker] | None = None):
         self.path = path
         self._f = open(path, "a", encoding="utf-8")
-        self._tb = None
-        if tensorboard_dir is not None:
-            from torch.utils.tensorboard import SummaryWriter
+        self.trackers = list(trackers or [])
 
-            self._tb = SummaryWriter(str(tensorboard_dir))
-
-    def write(self, record: dict[str, Any]) -> None:
+    def _line(self, record: dict[str, Any]) -> None:
         self._f.write(json.dumps(record) + "\n")
         self._f.flush()
-        if self._tb is not None and "step" in record:
-            self._write_tensorboard(record)
 
-    def _write_tensorboard(self, record: dict[str, Any]) -> None:
+    def write(self, record: dict[str, Any]) -> None:
+        self._line(record)
+        if "step" not in record:
+            return
         step = int(record["step"])
         text = record.get("message") or record.get("reason")
-        if text:
-            kind = record.get("guard") or record.get("warning") or "event"
-            self._tb.add_text(f"events/{kind}", f"{text} (action: {record.get('action', 'warn')})", step)
-            return
-        for tag, value in scalars(record):
-            self._tb.add_scalar(tag, value, step)
-        self._tb.flush()
+        for tracker in list(self.trackers):
+            try:
+                if text:
+                    kind = record.get("guard") or record.get("warning") or "event"
+                    tracker.text(step, f"events/{kind}", f"{text} (action: {record.get('action', 'warn')})")
+                else:
+                    tracker.scalars(step, scalars(record))
+            except Exception as e:  # a tracker never stops training
+                self._drop(tracker, step, e)
+
+    def _drop(self, tracker: Tracker, step: int, error: Exception) -> None:
+        self.trackers.remove(tracker)
+        message = (f"the {tracker.name} tracker failed ({type(error).__name__}: {error}); it gets no more metrics "
+                   "in this run, metrics.jsonl and the other trackers go on")
+        self._line({"step": step, "warning": "tracker_failed", "tracker": tracker.name, "message": message})
+        print(f"fitlm: warning: step {step}: {message}", file=sys.stderr)
 
     def close(self) -> None:
         self._f.close()
-        if self._tb is not None:
-            self._tb.close()
+        for tracker in self.trackers:
+            try:
+                tracker.close()
+            except Exception as e:  # the run is done; say so, but do not fail it
+                print(f"fitlm: warning: the {tracker.name} tracker did not close cleanly: {e}", file=sys.stderr)
 
 
 def report(record: dict[str, Any], log) -> None:

@@ -41,6 +41,7 @@ from fitlm.parallel.layout import layout_problems
 from fitlm.parallel.mesh import env_world_size, init_parallel, shutdown
 from fitlm.parallel_dims import WORLD
 from fitlm.registry import build_model
+from fitlm.rules import tensorboard_installed
 from fitlm.train import preflight
 from fitlm.train.balance import InputMonitor
 from fitlm.train.consistency import ConsistencyCheck
@@ -49,7 +50,8 @@ from fitlm.step.optim import lr_at, scale_for_batch, set_lr
 from fitlm.step.train_step import StepOutput, TrainStep
 from fitlm.train.heartbeat import Heartbeat
 from fitlm.train.host_memory import HostMemory
-from fitlm.train.metrics import MetricsLog, report, tensorboard_dir
+from fitlm.train.metrics import MetricsLog, report
+from fitlm.train.trackers import open_trackers, tracker_names
 from fitlm.train.oom import oom_guard
 from fitlm.train.progress import TrainProgress
 from fitlm.train.run_lock import lock_for_run
@@ -252,7 +254,7 @@ class Trainer:
     def _fit(self) -> TrainResult:
         t, main = self.cfg.train, self.ctx.is_main
         start = self.checkpointer.resume(self.pm, self.step.optimizer, self.stateful())  # 0 without a checkpoint
-        log = MetricsLog(self.output_dir / "metrics.jsonl", tensorboard_dir(self.output_dir, t.observe.tensorboard)) if main else None
+        log = self.open_metrics_log() if main else None
         batches = iter(self.loader)
         history: list[dict] = []
         eval_loss = None
@@ -315,6 +317,13 @@ class Trainer:
         shutdown(self.ctx)
         first, last = (history[0]["loss"], history[-1]["loss"]) if history else (float("nan"), float("nan"))
         return TrainResult(self.output_dir, model_dir, step, first, last, eval_loss, history, is_main=main)
+
+    def open_metrics_log(self) -> MetricsLog:
+        """metrics.jsonl and the run trackers of train.observe (report_to / tensorboard), given the resolved config."""
+        o = self.cfg.train.observe
+        names = tracker_names(o.report_to, o.tensorboard, tensorboard_installed())
+        trackers = open_trackers(names, self.output_dir, self.cfg.model_dump(mode="json"), o)
+        return MetricsLog(self.output_dir / "metrics.jsonl", trackers)
 
     def log_step(self, step: int, out: StepOutput, seconds: float, tokens: int, log: MetricsLog | None) -> dict:
         """Write a log step's metrics record and any input warnings; returns the record (collective: peak memory

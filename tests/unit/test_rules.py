@@ -37,6 +37,10 @@ BREAKS = [
     {"train": {"early_stopping_patience": 2, "eval_interval": 0}},
     {"finetune": {"method": "qlora"}},
     {"train": {"observe": {"tensorboard": True}}},
+    {"train": {"observe": {"report_to": ["tensorboard"]}}},
+    {"train": {"observe": {"report_to": ["wandb"]}}},
+    {"train": {"observe": {"report_to": ["mlflow"]}}},
+    {"train": {"observe": {"report_to": [], "tensorboard": False}}},
 ]
 
 
@@ -57,6 +61,7 @@ def test_each_rule_is_refused_naming_its_key_at_its_stage(index, monkeypatch):
     rule = rules.ROWS[index]
     monkeypatch.setattr(rules, "tensorboard_installed", lambda: False)  # the tensorboard row: a machine without it
     monkeypatch.setattr(rules, "torchao_installed", lambda: False)  # the QLoRA row: a machine without torchao
+    monkeypatch.setattr(rules, "installed", lambda module: False)  # the report_to rows: no tracker installed
     data = config(BREAKS[index])
     if rule.stage == "config":
         with pytest.raises(ConfigError) as err:
