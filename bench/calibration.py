@@ -45,8 +45,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--json", action="store_true", help="print only the JSON")
     args = ap.parse_args()
-    from fitlm.data.pack import pack_corpus
-    from fitlm.data.tokenizer import train_tokenizer
+    from fitlm.data.prep.pack import pack_corpus
+    from fitlm.data.prep.tokenizer_train import train_tokenizer
 
     plays = ROOT / "examples" / "data" / "shakespeare"
     rows = []

@@ -27,8 +27,8 @@ def prepare_data(root: Path, tokenizer_vocab: int = 1024) -> Path:
 
     A model's vocabulary may be larger than the tokenizer's: the logits cost the same whatever ids occur.
     """
-    from fitlm.data.pack import pack_corpus
-    from fitlm.data.tokenizer import train_tokenizer
+    from fitlm.data.prep.pack import pack_corpus
+    from fitlm.data.prep.tokenizer_train import train_tokenizer
 
     if not (root / "train").exists():
         tok = train_tokenizer([PLAYS / "macbeth_gut.txt"], tokenizer_vocab, root / "tokenizer.json")

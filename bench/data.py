@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 from fitlm.config import ModelConfig
-from fitlm.data import PackedDataset, SequenceLoader, pack_corpus, train_tokenizer
+from fitlm.data import PackedDataset, SequenceLoader
+from fitlm.data.prep import pack_corpus, train_tokenizer
 from fitlm.registry import build_model
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -44,7 +44,7 @@ def print_dedup(r: dict) -> None:
     print("| precision (dropped that were copies) | " + " | ".join(prec) + " |" + " |" * len(SCRIPTS))
     rate = [f"{d[s]['docs_per_s']:,} docs/s, {d[s]['candidates']:,} candidate pairs" for s in SCRIPTS]
     print("| speed, LSH candidates | " + " | ".join(rate) + " |" + " |" * len(SCRIPTS))
-    from fitlm.data.dedup import bucket_probability
+    from fitlm.data.prep.dedup import bucket_probability
     print(f"\nS-curve of {p['bands']} x {p['rows']}: P(candidate | Jaccard s) = 1 - (1 - s^{p['rows']})^{p['bands']}\n")
     grid = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
     print("| s | " + " | ".join(str(s) for s in grid) + " |\n| --- |" + " --- |" * len(grid))
@@ -79,8 +79,8 @@ def _corpus(root: Path, copies: int) -> list[Path]:
 def run_engines(copies: int) -> dict:
     import ray
 
-    from fitlm.data import pack_corpus, train_tokenizer
-    from fitlm.data.clean import clean_corpus
+    from fitlm.data.prep import pack_corpus, train_tokenizer
+    from fitlm.data.prep.clean import clean_corpus
 
     rows = []
     with tempfile.TemporaryDirectory() as d:
@@ -131,7 +131,7 @@ def print_engines(r: dict) -> None:
 
 _PACK = """
 import resource, sys, time
-from fitlm.data import pack_corpus
+from fitlm.data.prep import pack_corpus
 t = time.perf_counter()
 m = pack_corpus(sys.argv[3:], sys.argv[1], sys.argv[2], show_progress=False, split="line")
 print(m["num_tokens"], time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
@@ -141,7 +141,7 @@ print(m["num_tokens"], time.perf_counter() - t, resource.getrusage(resource.RUSA
 def run_rss(scale: int) -> dict:
     """Pack the shipped corpora (plays + the chat corpus's text) repeated 1x and `scale`x, half as .txt
     one document per line, half as .jsonl.gz; peak RSS of the packing process."""
-    from fitlm.data import train_tokenizer
+    from fitlm.data.prep import train_tokenizer
 
     rows = []
     with tempfile.TemporaryDirectory() as d:

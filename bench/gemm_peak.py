@@ -64,7 +64,7 @@ def main() -> None:
     if args.json:
         print(json.dumps(report))
         return
-    print(f"| dtype | size | GFLOP/s |\n| --- | ---: | ---: |")
+    print("| dtype | size | GFLOP/s |\n| --- | ---: | ---: |")
     for name, d in report["per_dtype"].items():
         for n, f in d["by_size"].items():
             print(f"| {name} | {n} | {f / 1e9:,.1f} |")

@@ -95,7 +95,7 @@ def main() -> None:
     if args.json:
         print(json.dumps(report))
         return
-    print(f"| layout | processes | tokens/s | step time (s) | vs single | peak RSS (MiB) |")
+    print("| layout | processes | tokens/s | step time (s) | vs single | peak RSS (MiB) |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in results:
         if "error" in r:

@@ -76,8 +76,8 @@ OPTIONS: dict[str, dict[str, dict]] = {
 
 
 def prepare_data(root: Path) -> None:
-    from fitlm.data.pack import pack_corpus
-    from fitlm.data.tokenizer import train_tokenizer
+    from fitlm.data.prep.pack import pack_corpus
+    from fitlm.data.prep.tokenizer_train import train_tokenizer
 
     tok = train_tokenizer([PLAYS / "macbeth_gut.txt"], 1024, root / "tokenizer.json")
     pack_corpus([PLAYS / "macbeth_gut.txt"], tok, root / "train", show_progress=False)

@@ -203,7 +203,7 @@ def run(scripts: tuple[str, ...] = ("en", "zh", "ja"), originals: int = 1000, co
     """Recall per script and variant, originals kept, precision, for each named MinHashLSH setting."""
     import time
 
-    from fitlm.data.dedup import MinHashLSH, jaccard
+    from fitlm.data.prep.dedup import MinHashLSH, jaccard
 
     settings = settings or {"default": {}}
     out: dict = {"originals": originals, "copies_per_variant": copies, "settings": {}, "jaccard": {}}

@@ -41,7 +41,7 @@ def build_model(root: Path, hidden: int, layers: int, context: int) -> Path:
     import torch
 
     from fitlm.config import ModelConfig
-    from fitlm.data.tokenizer import train_tokenizer
+    from fitlm.data.prep.tokenizer_train import train_tokenizer
     from fitlm.models.io import save_model_dir
     from fitlm.registry import build_model as build
 

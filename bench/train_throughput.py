@@ -519,7 +519,6 @@ def main() -> None:
         print(json.dumps(measure_memory(fw, size, Path(data_dir), args.batch, args.seq, args.identical_chunk)))
         return
 
-    import torch
 
     device = "cpu"
     best_mem = parse_fitlm_best(args.fitlm_best, device)

@@ -32,8 +32,8 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_corpus(tmp_path_factory) -> dict[str, Path]:
     """Tokenizer (vocab 512) trained on two plays; train = macbeth, valid = tempest."""
-    from fitlm.data.pack import pack_corpus
-    from fitlm.data.tokenizer import train_tokenizer
+    from fitlm.data.prep.pack import pack_corpus
+    from fitlm.data.prep.tokenizer_train import train_tokenizer
 
     root = tmp_path_factory.mktemp("corpus")
     tok = train_tokenizer([PLAYS / "macbeth_gut.txt", PLAYS / "tempest_gut.txt"], 512, root / "tokenizer.json")

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from fitlm.cli_common import emit_json, print_table
-from fitlm.data.dedup import DEFAULT_JACCARD, DEFAULT_NUM_PERM
+from fitlm.data.prep.dedup import DEFAULT_JACCARD, DEFAULT_NUM_PERM
 
 
 def add_commands(sub) -> None:
@@ -106,7 +106,7 @@ def _engine_options(q: argparse.ArgumentParser) -> None:
 
 
 def cmd_data_clean(args: argparse.Namespace) -> int:
-    from fitlm.data.clean import CleanOptions, clean_corpus
+    from fitlm.data.prep.clean import CleanOptions, clean_corpus
 
     opts = CleanOptions(normalize=args.normalize, min_chars=args.min_chars, max_garbled=args.max_garbled,
                         max_symbols=args.max_symbols, min_letters=args.min_letters, max_dup_lines=args.max_dup_lines,
@@ -129,8 +129,9 @@ def cmd_data_clean(args: argparse.Namespace) -> int:
 
 def cmd_data_tokenizer(args: argparse.Namespace) -> int:
     from fitlm.data.errors import DataError
-    from fitlm.data.sources import expand_inputs
-    from fitlm.data.tokenizer import Tokenizer, train_tokenizer
+    from fitlm.data.prep.sources import expand_inputs
+    from fitlm.data.prep.tokenizer_train import train_tokenizer
+    from fitlm.data.tokenizer import Tokenizer
     from fitlm.data.tokenizer_import import import_tokenizer, is_tokenizer_file
 
     inputs = [Path(p) for p in args.inputs]
@@ -154,7 +155,7 @@ def cmd_data_tokenizer(args: argparse.Namespace) -> int:
 
 
 def cmd_data_pack(args: argparse.Namespace) -> int:
-    from fitlm.data.pack import pack_corpus
+    from fitlm.data.prep.pack import pack_corpus
 
     manifest = pack_corpus([Path(p) for p in args.inputs], Path(args.tokenizer), Path(args.out), split=args.split,
                            show_progress=not args.json, overwrite=args.overwrite, data_format=args.format,
@@ -166,7 +167,7 @@ def cmd_data_pack(args: argparse.Namespace) -> int:
 
 
 def cmd_data_merge(args: argparse.Namespace) -> int:
-    from fitlm.data.merge import merge_packed
+    from fitlm.data.prep.merge import merge_packed
 
     manifest = merge_packed(args.inputs, args.out, overwrite=args.overwrite, verify=not args.no_verify)
     _print_manifest(args, manifest, f"merged into {args.out}")

@@ -1,6 +1,6 @@
 """Reader: `PackedDataset` memory-maps a packed directory (any number of shards) as one token stream.
 
-Batches are cut by `fitlm.data.loader.SequenceLoader` (re-exported here for older imports).
+Batches are cut by `fitlm.data.loader.SequenceLoader`.
 """
 
 from __future__ import annotations
@@ -196,11 +196,3 @@ def check_compat(dataset: PackedDataset, model_vocab_size: int) -> None:
             f"model.vocab_size is {model_vocab_size}; raise model.vocab_size to at least {dataset.vocab_size} "
             "(or re-pack the data with a smaller tokenizer)"
         )
-
-
-def __getattr__(name: str):
-    # The loader moved to loader.py; keep `from fitlm.data.dataset import SequenceLoader` working.
-    if name in ("SequenceLoader", "window_order"):
-        from fitlm.data import loader
-        return getattr(loader, name)
-    raise AttributeError(name)

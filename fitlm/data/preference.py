@@ -18,19 +18,16 @@ counts) so SFT cannot read it by mistake and the loader (packing "pairs") keeps 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from fitlm.data.chat import ChatEncoder, check_messages
 from fitlm.data.errors import DataError
-from fitlm.data.sources import JSONL_SUFFIXES, ReadStats, input_kind, iter_jsonl_records
 from fitlm.data.tokenizer import Tokenizer
 
 FIELDS = ("prompt", "chosen", "rejected")
 MANIFEST_KEY = "preference"  # manifest entry of a preference pack: {"pairs", "dropped_overlong", ...}
-_EXAMPLE = ('{"prompt": [{"role": "user", "content": "..."}], "chosen": [{"role": "assistant", "content": "..."}], '
+PAIR_EXAMPLE = ('{"prompt": [{"role": "user", "content": "..."}], "chosen": [{"role": "assistant", "content": "..."}], '
             '"rejected": [{"role": "assistant", "content": "..."}]}')
 
 
@@ -62,7 +59,7 @@ def check_pair(record: Any, where: str) -> Pair:
     if not isinstance(record, dict) or any(k not in record for k in FIELDS):
         missing = [k for k in FIELDS if not isinstance(record, dict) or k not in record]
         raise DataError(f"{where}: no {', '.join(repr(k) for k in missing)} field; each line of preference data "
-                        f"must be {_EXAMPLE} (or the three fields as plain strings)")
+                        f"must be {PAIR_EXAMPLE} (or the three fields as plain strings)")
     values = {k: record[k] for k in FIELDS}
     for k, v in values.items():
         if not (isinstance(v, str) and v.strip()) and not (isinstance(v, list) and v):
@@ -78,15 +75,6 @@ def check_pair(record: Any, where: str) -> Pair:
             raise DataError(f'{where}: "{k}" has no assistant message with content; a response is what the '
                             "model is trained to prefer (or not)")
     return Pair(**msgs)
-
-
-def iter_preference(files: Sequence[Path], stats: ReadStats) -> Iterator[tuple[Pair | None, int]]:
-    """(validated pair or None, raw bytes) per line of preference .jsonl files."""
-    for path in files:
-        if input_kind(path) not in JSONL_SUFFIXES:
-            raise DataError(f"{path}: preference data must be .jsonl with one {_EXAMPLE} object per line")
-        for record, n, lineno in iter_jsonl_records(path, stats, what='"prompt"/"chosen"/"rejected" object'):
-            yield (None if record is None else check_pair(record, f"{path}:{lineno}")), n
 
 
 class PreferenceEncoder:
@@ -129,4 +117,4 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-__all__ = ["FIELDS", "MANIFEST_KEY", "Pair", "PreferenceEncoder", "check_pair", "is_preference", "iter_preference"]
+__all__ = ["FIELDS", "MANIFEST_KEY", "Pair", "PreferenceEncoder", "check_pair", "is_preference"]

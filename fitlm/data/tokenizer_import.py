@@ -26,7 +26,8 @@ from typing import Any
 from fitlm.atomic import write_bytes_atomic
 from fitlm.data.conventions import SIDE_FILES, read_json
 from fitlm.data.errors import DataError
-from fitlm.data.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, Tokenizer, _resolve_out
+from fitlm.data.conventions import CONFIG_FILE as TOKENIZER_CONFIG_FILE
+from fitlm.data.tokenizer import TOKENIZER_FILE, Tokenizer, tokenizer_out_path
 
 _UNIGRAM, _BPE = 1, 2
 _PIECE_TYPES = {1: "normal", 2: "unknown", 3: "control", 4: "user_defined", 5: "unused", 6: "byte"}
@@ -128,7 +129,7 @@ def import_tokenizer(src: Path, out_path: Path, overwrite: bool = False, bos: st
                      eos: str | None = None, pad: str | None = None) -> Path:
     """Copy or convert the tokenizer at `src` into `out_path` (a tokenizer.json path or a directory)."""
     src = Path(src)
-    json_path = _resolve_out(Path(out_path))
+    json_path = tokenizer_out_path(Path(out_path))
     if json_path.exists() and not overwrite:
         raise DataError(f"{json_path} already exists; choose another output path or pass --overwrite to replace it")
     names: dict[str, str] = {}

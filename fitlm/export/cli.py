@@ -88,7 +88,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from fitlm.export.chat import run_chat
+    from fitlm.export.chat_repl import run_chat
 
     return run_chat(args.model, sys.stdin, sys.stdout, sys.stderr, template=args.template, system=args.system,
                     max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)

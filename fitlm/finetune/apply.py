@@ -92,11 +92,6 @@ def refuse_unshardable_adapters(model: nn.Module, cfg: Config) -> None:
                         f"fused adapters)")
 
 
-def trainable_parameter_count(model: nn.Module) -> int:
-    seen: set[int] = set()
-    return sum(p.numel() for p in model.parameters() if p.requires_grad and not (id(p) in seen or seen.add(id(p))))
-
-
 def spec_from_config(cfg: Config, adapter: Mapping[str, torch.Tensor]) -> LoraSpec:
     lora = cfg.finetune.lora
     return LoraSpec(r=lora.r, alpha=lora.alpha, dropout=lora.dropout, modules=lora_modules_of(adapter))

@@ -25,7 +25,6 @@ import torch
 BLOCK = 64  # weights per absmax scale (QLoRA's block size)
 SCALER_BLOCKS = (256, 128, 64)  # scales per double-quantization group, tried largest first (QLoRA: 256)
 STORED_DTYPE = torch.bfloat16  # what the codes dequantize from (`get_original_weight`); F.linear casts on
-BYTES_PER_PARAM = 0.5 + 1 / BLOCK  # codes + int8 scales (+ a factor per group and a table per tensor: `nf4_bytes`)
 
 
 class NF4Unavailable(ImportError):

@@ -139,7 +139,7 @@ class SavedMatmulAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask, scale: float, rows: int):
-        kv_heads, t = k.shape[1], q.shape[2]
+        t = q.shape[2]
         out = torch.empty_like(q)
         kept = []
         for r0 in range(0, t, rows):

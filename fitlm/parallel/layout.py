@@ -62,7 +62,7 @@ def layout_problems(cfg: Config, world_size: int) -> list[str]:
     out = []
     if p.world_size != world_size:
         layouts = ", ".join(str(x) for x in valid_layouts(cfg, world_size)) or "none for this model"
-        cp = f" × context_parallel" if p.context_parallel > 1 else ""
+        cp = " × context_parallel" if p.context_parallel > 1 else ""
         cpv = f" × {p.context_parallel}" if p.context_parallel > 1 else ""
         out.append(f"parallel: data_parallel{cp} × tensor_parallel × pipeline_parallel = {p.data_parallel}{cpv} × "
                    f"{p.tensor_parallel} × {p.pipeline_parallel} = {p.world_size}, but {world_size} processes run; "

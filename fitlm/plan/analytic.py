@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 
 from fitlm.memory.precision import recasts_in_backward
 from fitlm.models.matmul_attention import BLOCK_ROWS as ATTN_BLOCK_ROWS
-from fitlm.plan import context as cp
+from fitlm.plan import context_parallel as cp
 from fitlm.plan import finetune as ft
 from fitlm.plan.activation_offload import RESIDENT_BLOCKS, offload
 from fitlm.plan.setup import LEVELS, Setup, embedding_params, head_params, layer_params, stage_layers
@@ -121,7 +121,7 @@ def block_act_per_token(s: Setup) -> float:
     if s.sp:  # the all-gathered inputs of q/k/v and gate/up stay full width (2 of the 6 replicated tensors)
         rep_h += 2 * act_bytes(s) * s.h * (1 - 1 / t)
     masked = s.doc_mask or s.sliding  # a masked SDPA expands k, v to every query head
-    # (not context parallel's: its gathered k, v are attended unexpanded and counted per layer, fitlm.plan.context)
+    # (not context parallel's: its gathered k, v are attended unexpanded and counted per layer, fitlm.plan.context_parallel)
     # (nor the blocked matmul attentions': they fold a key head's query heads onto it)
     gqa_repeat = 2 * act_bytes(s) * (s.q - s.kv) if masked and s.kv < s.q and s.cp == 1 and not blocked_attention(s) else 0
     # Soft-capped eager attention keeps, per score, tanh's output and the fp32 softmax (8 bytes; the half
@@ -340,7 +340,7 @@ def _stage(s: Setup, first: bool) -> Breakdown:
         extra_act, extra_logit, pipe_parts = _pipeline_terms(s, tokens, in_flight, first)
         outside, logit = outside + extra_act, logit + extra_logit
         parts.update(pipe_parts)
-    elif s.cp > 1:  # the global-position mask (fitlm.plan.context); the gathered K/V are activations
+    elif s.cp > 1:  # the global-position mask (fitlm.plan.context_parallel); the gathered K/V are activations
         parts.update(cp.parts(s))
     elif s.doc_mask:  # the block-causal mask [B,1,T,T], additive in the attention's dtype, shared by all blocks
         parts["document mask"] = s.rows * s.seq * s.seq * act_bytes(s)  # (fitlm.models.layers.shared_mask)

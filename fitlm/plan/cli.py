@@ -82,7 +82,7 @@ def add_config_commands(csub) -> None:
 
 
 def cmd_config_import(args: argparse.Namespace) -> int:
-    from fitlm.plan.mindformers import import_file
+    from fitlm.plan.config_import import import_file
 
     cfg, notes = import_file(args.source, args.out, force=args.force)
     if args.json:

@@ -1,7 +1,7 @@
 """What `finetune.method` and `finetune.objective` change in the accounting: which parameters train, what
 the frozen ones cost, which saved tensors a block no longer keeps, and what DPO and SimPO add.
 
-It mirrors fitlm.finetune (apply.py, lora.py, freeze.py) and fitlm.step.dpo, per block of the model:
+It mirrors fitlm.finetune (apply.py, lora.py, freeze.py) and fitlm.step.pair_objectives, per block of the model:
   - LoRA adds A [r, in] and B [out, r] per targeted linear (fp32; half at O3); everything else freezes.
     Under tensor parallel each adapter is split with its base (fitlm.parallel.lora_parallel): a
     column-parallel target (q/k/v, gate/up) keeps A whole and B [out/tp, r], r·(in + out/tp) per rank; a
@@ -24,7 +24,7 @@ input needs no gradient (nothing trainable below it) does not keep that input (4
 gradient reaches keeps nothing. Each adapter keeps A's output (r per token), whole on every tensor-parallel
 rank (column-parallel: A is replicated; row-parallel: a partial sum of full width r).
 
-DPO (`finetune.objective: dpo`, fitlm.step.dpo): a micro batch of B pairs is 2B rows (`Setup.rows`), so the
+DPO (`finetune.objective: dpo`, fitlm.step.pair_objectives): a micro batch of B pairs is 2B rows (`Setup.rows`), so the
 blocks' activations and the logits are those of 2B sequences; the policy's logits always come whole
 ([2B, T, V], `sequence_logps`: memory.loss_chunk_size does not apply). The reference forward runs first,
 under no_grad, and keeps only its [2B] sequence log-probs: its logits and log-softmax are freed before the

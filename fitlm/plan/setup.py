@@ -86,7 +86,7 @@ class Setup:
     freeze_embeddings: bool = False
     gradient_sync: str = "auto"  # parallel.gradient_sync
     seq: int = 1  # data.seq_length: tokens per sample (a knob for `fitlm plan --max-seq`)
-    cp: int = 1  # parallel.context_parallel: ranks each sequence is split over (fitlm.plan.context)
+    cp: int = 1  # parallel.context_parallel: ranks each sequence is split over (fitlm.plan.context_parallel)
     act_offload: bool | str = False  # memory.activation_offload: False, True, "blocks" or "model"
     objective: str = "sft"  # finetune.objective: "sft", "dpo" or "simpo" (the last two: micro batches of pairs)
     # Where the planned run's tensors live: "accelerator" (CUDA and the catalog's devices), or "cpu" (`--device

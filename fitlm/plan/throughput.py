@@ -14,7 +14,7 @@ Tensor-parallel collectives sit on the critical path; data-parallel gradient tra
 the backward pass (half of it hidden at most). The pipeline bubble is (p-1)/(n+p-1) of the step, n =
 micro_batch_num × accumulation: one schedule run takes all of a step's chunks (halved by interleaving
 with 2 virtual stages). Context parallel: each rank computes T/C tokens of every sequence; its K/V
-all-gathers and reduce-scatters per layer (fitlm.plan.context) are on the critical path. Activation offload's
+all-gathers and reduce-scatters per layer (fitlm.plan.context_parallel) are on the critical path. Activation offload's
 copies over the host link overlap their pass's compute (fitlm.plan.activation_offload).
 """
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fitlm.plan import context
+from fitlm.plan import context_parallel as context
 from fitlm.plan import finetune as ft
 from fitlm.plan.activation_offload import copy_s as offload_s
 from fitlm.plan.analytic import act_bytes, breakdown, param_bytes

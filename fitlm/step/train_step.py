@@ -23,7 +23,7 @@ from fitlm.models.loss import count_targets, cross_entropy_sum
 from fitlm.parallel.apply import ParallelModel
 from fitlm.parallel.mesh import ParallelContext
 from fitlm.parallel_dims import WORLD
-from fitlm.step.dpo import PairObjective, objective_for
+from fitlm.step.pair_objectives import PairObjective, objective_for
 from fitlm.step.guards import GuardEvent, StepGuards
 from fitlm.step.optim import optimizer_for
 from fitlm.step.timing import PhaseTimer

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from fitlm.config import Config, ConfigError
-from fitlm.data.dataset import SequenceLoader
+from fitlm.data.loader import SequenceLoader
 from fitlm.finetune.init_from import resolve_init_from
 from fitlm.parallel.layout import layout_problems
 from fitlm.parallel_dims import layout_name

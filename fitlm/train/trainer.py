@@ -22,12 +22,13 @@ from fitlm.checkpoint.checkpointer import Checkpointer
 from fitlm.checkpoint.resume import check_resumable, resume_source
 from fitlm.checkpoint.store import latest_checkpoint
 from fitlm.config import Config, ConfigError
-from fitlm.data.dataset import PackedDataset, SequenceLoader, check_compat
+from fitlm.data.dataset import PackedDataset, check_compat
+from fitlm.data.loader import SequenceLoader
 from fitlm.data.tokenizer import Tokenizer
 from fitlm.finetune.apply import apply_finetune, final_weights
 from fitlm.finetune.early_stopping import EarlyStopping
 from fitlm.finetune.init_from import resolve_init_from
-from fitlm.finetune.start import initial_weights
+from fitlm.finetune.initial_weights import initial_weights
 from fitlm.hardware import device_peak_flops, mfu_warning, peak_memory_bytes, return_freed_host_memory
 from fitlm.host_allocator import apply_host_allocator
 from fitlm.memory.precision import compute_dtype

@@ -21,8 +21,8 @@ ALL_FAMILIES = {"llama": {}, **FAMILIES, "gpt2": {"arch": "gpt2", "num_kv_heads"
 
 
 def corpus(root: Path) -> dict:
-    from fitlm.data.pack import pack_corpus
-    from fitlm.data.tokenizer import train_tokenizer
+    from fitlm.data.prep.pack import pack_corpus
+    from fitlm.data.prep.tokenizer_train import train_tokenizer
 
     tok = train_tokenizer([PLAYS / "macbeth_gut.txt", PLAYS / "tempest_gut.txt"], 512, root / "tokenizer.json")
     pack_corpus([PLAYS / "macbeth_gut.txt"], tok, root / "train", show_progress=False)

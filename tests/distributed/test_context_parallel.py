@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from fitlm.models.layers import _band_mask, document_causal_mask
 from fitlm.parallel.context_parallel import SequenceShard, zigzag_index

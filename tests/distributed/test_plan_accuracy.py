@@ -114,7 +114,7 @@ def _sections(name: str) -> tuple[dict, int]:
 
 def _preference_corpus(tiny_corpus, root) -> dict:
     """tiny_corpus with its train/valid replaced by preference pairs (test_dpo's rows), packed with its tokenizer."""
-    from fitlm.data import pack_corpus
+    from fitlm.data.prep import pack_corpus
     from tests.unit.test_dpo import rows, write_jsonl
 
     root.mkdir(parents=True, exist_ok=True)

@@ -81,8 +81,8 @@ def run_config(shared: Shared, out: Path, **sections) -> dict:
 
 def build_shared(root: Path) -> Shared:
     from fitlm.config import validate_dict
-    from fitlm.data.pack import pack_corpus
-    from fitlm.data.tokenizer import train_tokenizer
+    from fitlm.data.prep.pack import pack_corpus
+    from fitlm.data.prep.tokenizer_train import train_tokenizer
     from fitlm.export.hf import export_hf
     from fitlm.models.io import load_model_dir, save_model_dir
     from fitlm.registry import build_model

@@ -34,7 +34,7 @@ def base(tiny_corpus, tmp_path_factory) -> dict[str, Path]:
     import torch
     import transformers
 
-    from fitlm.data.pack import pack_corpus
+    from fitlm.data.prep.pack import pack_corpus
 
     root = tmp_path_factory.mktemp("init_from")
     torch.manual_seed(0)

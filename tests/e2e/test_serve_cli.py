@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from fitlm.config import ModelConfig
-from fitlm.data.tokenizer import train_tokenizer
+from fitlm.data.prep.tokenizer_train import train_tokenizer
 from fitlm.finetune.lora import LoraSpec
 from fitlm.finetune.peft_format import save_adapter
 from fitlm.models.io import save_model_dir

@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from fitlm.data.gguf_vocab import _DEEPSEEK3, _TEKKEN
 from tests.parity.test_families import randomize
-from tests.unit.model_tokenizers import LLAMA3_TEMPLATE, QWEN_TEMPLATE, STYLES, corpus, hf_dir
+from tests.unit.model_tokenizers import QWEN_TEMPLATE, STYLES, corpus, hf_dir
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -107,7 +107,7 @@ def spm_dir(style: str, root: Path) -> Path:
 
 def fitlm_bpe_dir(root: Path) -> Path:
     """fitlm's own tokenizer (`fitlm data tokenizer`: byte-level BPE with GPT-2's split) with a ChatML template."""
-    from fitlm.data.tokenizer import train_tokenizer
+    from fitlm.data.prep.tokenizer_train import train_tokenizer
     from tests.conftest import PLAYS
 
     out = root / "fitlm"

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fitlm.config import ModelConfig
-from fitlm.data.tokenizer import train_tokenizer
+from fitlm.data.prep.tokenizer_train import train_tokenizer
 from fitlm.export.source import load_for_export
 from fitlm.infer import generate
 from fitlm.models.io import load_model_dir, save_model_dir

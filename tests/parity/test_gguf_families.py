@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from fitlm.export.gguf import export_gguf
 from fitlm.models import load_model_dir
-from tests.parity.test_families import CASES, case  # noqa: F401  (the module-scoped HF checkpoints)
+from tests.parity.test_families import CASES, case  # noqa: F401, F811  (the module-scoped HF checkpoints)
 
 def _rope_type(kw: dict) -> str | None:
     sc = kw.get("rope_scaling") or {}

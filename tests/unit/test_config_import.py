@@ -11,7 +11,7 @@ import yaml
 
 from fitlm.cli import main
 from fitlm.config import ConfigError, load_config
-from fitlm.plan.mindformers import ConfigImportError, _leaves, import_file, translate
+from fitlm.plan.config_import import ConfigImportError, _leaves, import_file, translate
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "mindformers" / "llama2_7b.yaml"
 SMALL = {"model": {"model_config": {"type": "LlamaConfig", "seq_length": 512, "hidden_size": 256, "num_layers": 4,

@@ -10,19 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from fitlm.data import (
-    FORMAT_VERSION,
-    IGNORE_INDEX,
-    SPECIAL_TOKENS,
-    DataError,
-    PackedDataset,
-    SequenceLoader,
-    Tokenizer,
-    check_compat,
-    pack_corpus,
-    train_tokenizer,
-    window_order,
-)
+from fitlm.data import FORMAT_VERSION, IGNORE_INDEX, SPECIAL_TOKENS, DataError, PackedDataset, SequenceLoader, Tokenizer, check_compat, window_order
+
+from fitlm.data.prep import pack_corpus, train_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 SHAKESPEARE = REPO / "examples" / "data" / "shakespeare"

@@ -8,7 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fitlm.data import IGNORE_INDEX, DataError, PackedDataset, SequenceLoader, Tokenizer, pack_corpus, train_tokenizer
+from fitlm.data import IGNORE_INDEX, DataError, PackedDataset, SequenceLoader, Tokenizer
+
+from fitlm.data.prep import pack_corpus, train_tokenizer
 from fitlm.data.chat import BUILTIN_TEMPLATES, ChatEncoder, resolve_template
 
 REPO = Path(__file__).resolve().parents[2]

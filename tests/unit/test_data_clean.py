@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from fitlm.data import DataError
-from fitlm.data.clean import CleanOptions, check_document, clean_corpus
-from fitlm.data.dedup import MinHashLSH, jaccard, lsh_params
+from fitlm.data.prep.clean import CleanOptions, check_document, clean_corpus
+from fitlm.data.prep.dedup import MinHashLSH, jaccard, lsh_params
 
 REPO = Path(__file__).resolve().parents[2]
 PLAYS = REPO / "examples" / "data" / "shakespeare"

@@ -12,10 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fitlm.data import DataError, iter_documents, pack_corpus, train_tokenizer
-from fitlm.data.clean import CleanOptions, clean_corpus
-from fitlm.data.dedup import MIN_BUCKET_RECALL, MinHashLSH, bucket_probability, jaccard, lsh_params
-from fitlm.data.shingles import is_unspaced, ngram_for, shingle_hashes
+from fitlm.data import DataError
+
+from fitlm.data.prep import iter_documents, pack_corpus, train_tokenizer
+from fitlm.data.prep.clean import CleanOptions, clean_corpus
+from fitlm.data.prep.dedup import MIN_BUCKET_RECALL, MinHashLSH, bucket_probability, jaccard, lsh_params
+from fitlm.data.prep.shingles import is_unspaced, ngram_for, shingle_hashes
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
@@ -96,7 +98,7 @@ def test_line_split_and_gzip_inputs(tmp_path):
     a = pack_corpus([txt], tok, tmp_path / "a", split="line", show_progress=False)
     b = pack_corpus([gz], tok, tmp_path / "b", show_progress=False)
     assert a["num_docs"] == b["num_docs"] == 30 and a["num_tokens"] == b["num_tokens"]
-    from fitlm.data.sources import expand_inputs
+    from fitlm.data.prep.sources import expand_inputs
     assert [p.name for p in expand_inputs([tmp_path / "sub"])] == ["more.txt.gz"]
 
 

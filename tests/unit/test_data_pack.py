@@ -10,9 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fitlm.data import DataError, PackedDataset, Tokenizer, pack_corpus, train_tokenizer
+from fitlm.data import DataError, PackedDataset, Tokenizer
+
+from fitlm.data.prep import pack_corpus, train_tokenizer
 from fitlm.data.format import token_dtype
-from fitlm.data.merge import merge_packed
+from fitlm.data.prep.merge import merge_packed
 from fitlm.data.tokenizer_import import import_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]

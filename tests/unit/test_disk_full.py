@@ -143,7 +143,7 @@ def test_pack_disk_full_keeps_previous_pack_and_removes_partial_files(tiny_corpu
     before = snapshot(out)
     capsys.readouterr()
 
-    monkeypatch.setattr("fitlm.data.pack.open", filling_open(free=20_000), raising=False)
+    monkeypatch.setattr("fitlm.data.prep.pack.open", filling_open(free=20_000), raising=False)
     code = main([*args, "--overwrite"])
     err = capsys.readouterr().err
     assert_disk_full(code, err, out)

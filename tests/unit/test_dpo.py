@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from fitlm.config import ConfigError, validate_dict
-from fitlm.data import DataError, PackedDataset, SequenceLoader, Tokenizer, pack_corpus
+from fitlm.data import DataError, PackedDataset, SequenceLoader, Tokenizer
+from fitlm.data.prep import pack_corpus
 from fitlm.data.preference import PreferenceEncoder, check_pair
-from fitlm.step.dpo import dpo_terms, sequence_logps
+from fitlm.step.pair_objectives import pair_terms, sequence_logps
 from fitlm.finetune.lora import adapters_off, apply_lora
 from fitlm.models.loss import IGNORE_INDEX
 from tests.e2e.helpers import read_metrics
@@ -122,9 +123,9 @@ def test_tokenization_follows_trl(tmp_path):
 # --------------------------------------------------------------------------- the loss and the reference
 
 
-def test_dpo_terms_are_the_formula():
+def test_dpo_pair_terms_are_the_formula():
     policy, ref = torch.tensor([-3.0, -5.0, -4.0, -4.5]), torch.tensor([-3.5, -4.0, -4.2, -4.0])
-    loss, chosen, rejected = dpo_terms(policy, ref, 0.5)
+    loss, chosen, rejected = pair_terms(policy - ref, 0.5)  # DPO: the score is the log-ratio
     margin = 0.5 * ((policy[:2] - ref[:2]) - (policy[2:] - ref[2:]))
     assert torch.allclose(loss, torch.log1p(torch.exp(-margin)))
     assert torch.allclose(chosen - rejected, margin)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fitlm.config import ModelConfig
-from fitlm.data.tokenizer import train_tokenizer
+from fitlm.data.prep.tokenizer_train import train_tokenizer
 from fitlm.export.errors import ExportError
 from fitlm.models.metadata import ExportCompatibilityWarning, build_metadata, check_metadata, read_metadata
 from fitlm.export.source import load_for_export
@@ -142,7 +142,7 @@ def test_chat_multi_turn_reset_exit(model_dir):
 def test_chat_history_changes_the_prompt(model_dir):
     from fitlm.data.chat import BUILTIN_TEMPLATES, ChatEncoder
     from fitlm.data.tokenizer import Tokenizer
-    from fitlm.export.chat import ChatSession
+    from fitlm.export.chat_repl import ChatSession
 
     tok = Tokenizer.from_file(model_dir / "tokenizer.json")
     s = ChatSession(ChatEncoder(tok, BUILTIN_TEMPLATES["chatml"]), max_context=64)

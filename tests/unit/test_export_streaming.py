@@ -20,7 +20,7 @@ import torch
 
 from fitlm.cli import main
 from fitlm.config import ModelConfig, validate_dict
-from fitlm.data.tokenizer import train_tokenizer
+from fitlm.data.prep.tokenizer_train import train_tokenizer
 from fitlm.export.errors import ExportError
 from fitlm.export.gguf import export_gguf
 from fitlm.export.hf import export_hf
@@ -189,7 +189,7 @@ def test_streamed_gguf_export_holds_the_whole_model_exports_tensors(sources, tmp
     assert streamed["bytes"] == whole["bytes"] and streamed["source_sha256"] == whole["source_sha256"]
     # the same tensors and metadata; the order of the tensors is the order they stream in
     assert _gguf_content(tmp_path / "streamed.gguf") == _gguf_content(tmp_path / "whole.gguf")
-    plain = export_gguf(open_for_export(sources[kind]), tmp_path / "plain.gguf", dtype)
+    export_gguf(open_for_export(sources[kind]), tmp_path / "plain.gguf", dtype)
     assert _gguf_content(tmp_path / "plain.gguf")[0] != _gguf_content(tmp_path / "streamed.gguf")[0]  # merged
 
 
@@ -304,7 +304,7 @@ def measure_init_from(gguf: str) -> None:
     """In a fresh process: resident-set growth while model.init_from's weights of a GGUF file are consumed
     (each tensor dropped as the materializer drops what it has copied), streamed, then as the whole model."""
     from fitlm.finetune.init_from import resolve_init_from
-    from fitlm.finetune.start import base_weights
+    from fitlm.finetune.initial_weights import base_weights
     from fitlm.hardware import host_peak_rss, reset_host_peak, return_freed_host_memory
     from fitlm.models.hf import model_keys
     from fitlm.models.io import load_model_dir

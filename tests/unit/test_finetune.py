@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 from fitlm.config import ModelConfig, validate_dict
-from fitlm.finetune.apply import apply_finetune, attach_adapter, trainable_parameter_count
+from fitlm.finetune.apply import apply_finetune, attach_adapter
+from tests.unit.counting import trainable_parameter_count
 from fitlm.finetune.early_stopping import EarlyStopping
 from fitlm.finetune.errors import FinetuneError
 from fitlm.finetune.lora import LoraError, apply_lora, merge_lora, split_lora_state_dict

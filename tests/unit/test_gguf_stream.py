@@ -19,7 +19,7 @@ from fitlm.config import validate_dict
 from fitlm.export.gguf import export_gguf
 from fitlm.export.source import load_for_export
 from fitlm.finetune.init_from import resolve_init_from
-from fitlm.finetune.start import base_weights
+from fitlm.finetune.initial_weights import base_weights
 from fitlm.models.gguf import GGUFError, read_gguf, stream_gguf
 from fitlm.models.hf import model_keys
 from fitlm.models.io import load_model_dir

@@ -143,7 +143,8 @@ def test_lora_and_full_finetuning_plans_match_measured_peaks(tiny_corpus, tmp_pa
                                       {"method": "lora"}, {"method": "freeze", "freeze_layers": 0.5},
                                       {"method": "freeze", "freeze_layers": 0.5, "freeze_embeddings": True}])
 def test_planner_counts_the_parameters_finetune_trains(finetune):
-    from fitlm.finetune.apply import apply_finetune, trainable_parameter_count
+    from fitlm.finetune.apply import apply_finetune
+    from tests.unit.counting import trainable_parameter_count
     from fitlm.plan.finetune import adapter_params, trainable_params
     from fitlm.registry import build_model
 

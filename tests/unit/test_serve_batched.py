@@ -90,7 +90,7 @@ def test_slot_limits_are_enforced(model):
 
 def test_engine_batches_queued_requests_and_matches_solo(tmp_path):
     """Requests queued before the engine starts are admitted together (max_batch at once, the rest wait)."""
-    from fitlm.data.tokenizer import train_tokenizer
+    from fitlm.data.prep.tokenizer_train import train_tokenizer
     from fitlm.serve.engine import Engine, GenRequest
     from fitlm.serve.model import ServedModel
     from tests.conftest import PLAYS

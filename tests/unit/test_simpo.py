@@ -13,7 +13,7 @@ import torch
 
 from fitlm.config import ConfigError, validate_dict
 from fitlm.models.loss import IGNORE_INDEX
-from fitlm.step.dpo import average_logps, simpo_terms
+from fitlm.step.pair_objectives import average_logps, pair_terms
 from tests.e2e.helpers import read_metrics
 from tests.unit.test_dpo import MODEL, dpo_config, first_step_pairs, hf_llama, pack_pairs
 
@@ -47,7 +47,7 @@ def test_simpo_terms_are_the_formula():
     avg = average_logps(logits, labels)
     assert torch.allclose(avg, summed / torch.tensor([3.0, 1.0, 2.0, 5.0]))
     avg = torch.tensor([-1.0, -2.5, -1.5, -2.0])  # chosen (2 pairs), then rejected
-    loss, chosen, rejected = simpo_terms(avg, 2.0, 0.5)
+    loss, chosen, rejected = pair_terms(avg, 2.0, 0.5)  # SimPO: the score is the average log-prob, margin γ
     want = -torch.log(torch.sigmoid(torch.tensor([2.0 * (-1.0 + 1.5) - 0.5, 2.0 * (-2.5 + 2.0) - 0.5])))
     assert torch.allclose(loss, want) and torch.allclose(chosen, 2.0 * avg[:2]) and torch.equal(rejected, 2 * avg[2:])
 

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fitlm.data import DataError, PackedDataset, Tokenizer, pack_corpus, train_tokenizer
+from fitlm.data import DataError, PackedDataset, Tokenizer
+
+from fitlm.data.prep import pack_corpus, train_tokenizer
 from fitlm.data.chat import BUILTIN_TEMPLATES, ChatEncoder, resolve_template
 from fitlm.data.inspect import inspect_packed
 from tests.unit.model_tokenizers import CHAT, STYLES, TEXTS, hf_dir

@@ -1,6 +1,6 @@
 """Duplicate detection for `fitlm data clean`: exact (hash of normalised text) and near (MinHash LSH).
 
-Shingles are character n-grams per line (`fitlm.data.shingles`: n = 5 in spaced scripts, 3 in Chinese,
+Shingles are character n-grams per line (`fitlm.data.prep.shingles`: n = 5 in spaced scripts, 3 in Chinese,
 Japanese, Thai, ...), so text written without spaces deduplicates as well as English does, and lines
 reordered or boilerplate lines added keep the shingles of the rest. Why our own numpy MinHash rather
 than datasketch: hashing is vectorised per document (no Python loop per shingle), the hash is a fixed
@@ -27,7 +27,7 @@ import unicodedata
 
 import numpy as np
 
-from fitlm.data.shingles import shingle_hashes, splitmix64
+from fitlm.data.prep.shingles import shingle_hashes, splitmix64
 
 DEFAULT_JACCARD = 0.6
 DEFAULT_NUM_PERM = 256

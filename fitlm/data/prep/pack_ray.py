@@ -1,8 +1,8 @@
 """`fitlm data pack --engine ray`: read and tokenize on Ray Data; the driver writes the shards.
 
-Reading runs the local readers, one task per file (`fitlm.data.ray_read`); at most `workers` tokenizer
+Reading runs the local readers, one task per file (`fitlm.data.prep.ray_read`); at most `workers` tokenizer
 tasks at a time, each process loading the tokenizer once, encode batches with the local engine's own encoder
-(`pack._encode_batch`), so the ids are the same. Batches come back in input order (Ray Data's
+(`encode.encode_batch`), so the ids are the same. Batches come back in input order (Ray Data's
 preserve_order), and the driver appends them to the shards: the same files and token count as the local
 engine. Only token ids (2-4 bytes per token) reach the driver; the text stays on the workers.
 The tokenizer file must be readable at the same path on every node of a cluster.
@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from fitlm.data.engine import ray_session, reraise_data_error
-from fitlm.data.ray_read import add_replaced, read_rows
-from fitlm.data.sources import ReadStats, Split
+from fitlm.data.prep.ray_session import ray_session, reraise_data_error
+from fitlm.data.prep.ray_read import add_replaced, read_rows
+from fitlm.data.prep.sources import ReadStats, Split
 
 _BATCH_ROWS = 512  # documents per encode call, as the local engine's batches
 
@@ -32,15 +32,15 @@ def _encode(batch: dict[str, np.ndarray], init: tuple, chat: bool, max_length: i
     """One output row per input batch. A task, not an actor: actors would hold CPUs the read tasks need
     (on 2 CPUs, 2 actors starve the readers). Ray reuses worker processes, so the tokenizer is loaded once
     per process, keyed by its arguments."""
-    from fitlm.data.pack import _encode_batch, _init_encoder
+    from fitlm.data.prep.encode import encode_batch, init_encoder
 
     key = repr(init)
     if _LOADED.get("key") != key:
-        _init_encoder(*init, True)
+        init_encoder(*init, True)
         _LOADED["key"] = key
     texts = [t for t in batch["text"] if t]
     items = [json.loads(t) for t in texts] if chat else texts
-    enc = _encode_batch(items, max_length, overlong) if items else None
+    enc = encode_batch(items, max_length, overlong) if items else None
     replaced = batch["replaced"] > 0
     row: dict[str, Any] = {
         # One row per batch: ragged arrays travel as 1-element object columns.

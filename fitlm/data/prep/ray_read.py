@@ -1,5 +1,5 @@
 """Reading a corpus on Ray Data: one task per input file runs the local engine's own readers
-(`fitlm.data.sources`), so both engines cut the same documents, in the same order.
+(`fitlm.data.prep.sources`), so both engines cut the same documents, in the same order.
 
 Each row: `gidx` (the document's place in input order: file index << 40 | position in the file),
 `text` ("" for rows that only carry the bytes and replaced characters at a file's end), `nbytes` (raw
@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from fitlm.data.sources import ReadStats, Split, iter_file_documents
+from fitlm.data.prep.sources import ReadStats, Split, iter_chat, iter_file_documents
 
 FILE_SHIFT = 40  # up to 2^40 documents per file, 2^23 files
 
@@ -25,7 +25,6 @@ def _rows(paths: list[str], split: Split, min_doc_chars: int, chat: bool, first:
         stats = ReadStats()
         done = 0
         if chat:
-            from fitlm.data.pack import iter_chat  # the chat reader lives with the packer
             items = ((json.dumps(m, ensure_ascii=False) if m is not None else "", n)
                      for m, n in iter_chat([path], stats))
         else:
@@ -46,8 +45,8 @@ def read_rows(ray: Any, files: Sequence[Path], split: Split, min_doc_chars: int,
 @contextmanager
 def ray_texts(files: Sequence[Path], address: str | None, show_progress: bool) -> Iterator[Iterator[str]]:
     """The non-empty documents of `files` (blank-line split, as the tokenizer trainer reads them), in order."""
-    from fitlm.data.engine import ray_session, reraise_data_error
-    from fitlm.data.sources import DEFAULT_MIN_DOC_CHARS
+    from fitlm.data.prep.ray_session import ray_session, reraise_data_error
+    from fitlm.data.prep.sources import DEFAULT_MIN_DOC_CHARS
 
     with ray_session(address, show_progress) as ray:
         ds = read_rows(ray, files, "blank-lines", DEFAULT_MIN_DOC_CHARS)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import json
 import multiprocessing as mp
-import os
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -27,13 +26,12 @@ from fitlm import __version__
 from fitlm.data.errors import DataError
 from fitlm.data.format import (FORMAT, FORMAT_VERSION, MANIFEST_FILE, OFFSETS_FILE, TOKENS_FILE, sha256_file,
                                shard_files, token_dtype)
-from fitlm.data.output import Progress as _Progress
-from fitlm.data.output import atomic_dir, base_manifest, check_out_dir
-from fitlm.data.engine import check_engine
-from fitlm.data.preference import MANIFEST_KEY, Pair, PreferenceEncoder, iter_preference
-from fitlm.data.sources import (DEFAULT_MIN_DOC_CHARS, JSONL_SUFFIXES, Document, ReadStats, Split, check_split,
-                                expand_inputs, input_kind,
-                                iter_documents, iter_jsonl_records)
+from fitlm.data.preference import MANIFEST_KEY, Pair
+from fitlm.data.prep.encode import encode_batch, init_encoder
+from fitlm.data.prep.output import Progress, atomic_dir, base_manifest, check_out_dir
+from fitlm.data.prep.ray_session import check_engine
+from fitlm.data.prep.sources import (DEFAULT_MIN_DOC_CHARS, Document, ReadStats, Split, check_split, expand_inputs,
+                                     iter_chat, iter_documents, iter_preference)
 from fitlm.data.tokenizer import TOKENIZER_FILE, Tokenizer
 
 DEFAULT_SHARD_TOKENS = 1 << 28  # 256 Mi tokens: 512 MiB of uint16 per shard
@@ -42,98 +40,6 @@ OVERLONG = ("truncate", "drop")
 # batch's ids never dominate memory.
 _BATCH_DOCS = 512
 _BATCH_CHARS = 1 << 20
-
-
-# --------------------------------------------------------------------------- encoding (in worker processes)
-
-_STATE: dict[str, Any] = {}
-
-
-def _init_encoder(tokenizer_path: str, names: dict[str, str], template: tuple[str, str] | None,
-                  single_thread: bool = False) -> None:
-    if single_thread:  # a pool worker: one thread each, so N workers use N cores without oversubscription
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    tok = Tokenizer.from_file(tokenizer_path, **names)
-    _STATE.clear()  # inline packing reuses this process: never keep a previous pack's template
-    _STATE["tok"] = tok
-    if template is not None:
-        from fitlm.data.chat import ChatEncoder
-        _STATE["chat"] = ChatEncoder(tok, template[1], template[0])
-
-
-def _encode_batch(batch: list[Any], max_length: int | None, overlong: str) -> dict[str, Any]:
-    """Encode one batch; returns flat ids, per-document lengths, flat mask (chat) and counts."""
-    tok: Tokenizer = _STATE["tok"]
-    counts = {"no_assistant": 0, "truncated": 0, "dropped_overlong": 0}
-    if batch and isinstance(batch[0], Pair):
-        return _encode_pairs(batch, max_length)
-    if "chat" not in _STATE:
-        # BOS as the model's tokenizer adds it (fitlm's own: always), EOS closes every document.
-        seqs = tok.encode_batch(batch, add_bos=tok.add_bos, add_eos=True)
-        masks = None
-    else:
-        seqs, masks = [], []
-        for messages in batch:
-            if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
-                counts["no_assistant"] += 1
-                continue
-            ids, mask = _STATE["chat"].encode(messages)
-            if max_length is not None and len(ids) > max_length:
-                if overlong == "drop" or not any(mask[:max_length]):
-                    counts["dropped_overlong"] += 1
-                    continue
-                ids, mask = ids[:max_length], mask[:max_length]
-                counts["truncated"] += 1
-            seqs.append(ids)
-            masks.append(mask)
-    return _flat(seqs, masks, counts)
-
-
-def _flat(seqs: list[list[int]], masks: list[list[int]] | None, counts: dict[str, int]) -> dict[str, Any]:
-    lengths = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
-    flat = np.fromiter((i for s in seqs for i in s), dtype=np.int64, count=int(lengths.sum()))
-    out = {"ids": flat, "lengths": lengths, "counts": counts}
-    if masks is not None:
-        out["mask"] = np.fromiter((x for m in masks for x in m), dtype=np.uint8, count=int(lengths.sum()))
-    return out
-
-
-def _encode_pairs(batch: list[Pair], max_length: int | None) -> dict[str, Any]:
-    """Preference pairs: two documents each (chosen, then rejected), mask on the responses; a pair with a
-    sequence over `max_length` is dropped whole."""
-    encoder = PreferenceEncoder(_STATE["tok"], _STATE["chat"])
-    counts = {"pairs": 0, "dropped_overlong": 0}
-    seqs, masks = [], []
-    for pair in batch:
-        docs = encoder.documents(pair, max_length)
-        if docs is None:
-            counts["dropped_overlong"] += 1
-            continue
-        counts["pairs"] += 1
-        for ids, mask in docs:
-            seqs.append(ids)
-            masks.append(mask)
-    return _flat(seqs, masks, counts)
-
-
-# --------------------------------------------------------------------------- reading items
-
-
-def iter_chat(files: Sequence[Path], stats: ReadStats) -> Iterator[tuple[Any, int]]:
-    """(validated messages or None, raw bytes) per line of chat .jsonl files."""
-    from fitlm.data.chat import check_messages
-
-    for path in files:
-        if input_kind(path) not in JSONL_SUFFIXES:
-            raise DataError(f"{path}: chat data must be .jsonl with one {{\"messages\": [...]}} object per line")
-        for record, n, lineno in iter_jsonl_records(path, stats, what='"messages" list'):
-            if record is None:
-                yield None, n
-                continue
-            if not isinstance(record, dict) or "messages" not in record:
-                raise DataError(f'{path}:{lineno}: no "messages" field; each line of chat data must be '
-                                '{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", ...}]}')
-            yield check_messages(record["messages"], f"{path}:{lineno}"), n
 
 
 def _batches(items: Iterator[tuple[Any, int]], advance: Callable[[int], None]) -> Iterator[list[Any]]:
@@ -157,15 +63,15 @@ def _encoded(batches: Iterator[list[Any]], workers: int, init_args: tuple, max_l
              overlong: str) -> Iterator[dict[str, Any]]:
     """Encoded batches in input order; at most 2 × workers batches in flight (bounded memory)."""
     if workers <= 1:
-        _init_encoder(*init_args)
+        init_encoder(*init_args)
         for b in batches:
-            yield _encode_batch(b, max_length, overlong)
+            yield encode_batch(b, max_length, overlong)
         return
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    with ctx.Pool(workers, initializer=_init_encoder, initargs=(*init_args, True)) as pool:
+    with ctx.Pool(workers, initializer=init_encoder, initargs=(*init_args, True)) as pool:
         pending: deque = deque()
         for b in batches:
-            pending.append(pool.apply_async(_encode_batch, (b, max_length, overlong)))
+            pending.append(pool.apply_async(encode_batch, (b, max_length, overlong)))
             if len(pending) >= 2 * workers:
                 yield pending.popleft().get()
         while pending:
@@ -269,7 +175,7 @@ def pack_corpus(
     `max_length` tokens are truncated or dropped (`overlong`) and counted. data_format "preference": .jsonl
     (prompt, chosen, rejected) rows, two documents per pair (fitlm.data.preference); a pair with a sequence
     over `max_length` is dropped and counted. engine "ray": read and tokenize
-    on Ray Data (fitlm.data.pack_ray), `workers` tokenizer actors; the same shards as the local engine.
+    on Ray Data (fitlm.data.prep.pack_ray), `workers` tokenizer actors; the same shards as the local engine.
     """
     check_split(split)
     check_engine(engine)
@@ -342,7 +248,7 @@ def pack_corpus(
             raise
 
     def _write(tmp: Path, stats: ReadStats, counts: dict[str, int], writer: ShardWriter) -> dict:
-        with _Progress(show_progress, input_bytes) as bar:
+        with Progress(show_progress, input_bytes) as bar:
             def advance(n: int) -> None:
                 seen["read"] += n
                 bar(n)
@@ -359,7 +265,7 @@ def pack_corpus(
                 source = ((d.text, d.nbytes) for d in iter_documents(files, split, min_doc_chars, stats))
             init = (str(tok.path), tok.special_tokens, tmpl)
             if engine == "ray":
-                from fitlm.data.pack_ray import encode_on_ray
+                from fitlm.data.prep.pack_ray import encode_on_ray
                 stream = encode_on_ray(files, split, min_doc_chars, chat, init, max_length, overlong, workers, stats,
                                        counts, advance, ray_address, show_progress)
             else:

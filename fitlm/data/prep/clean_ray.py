@@ -1,11 +1,11 @@
 """`fitlm data clean --engine ray`: the local engine's steps on Ray Data, deduplicating across all partitions.
 
 1. read (one task per file, the local readers) -> per-document normalisation and filters
-   (`clean.prepare_document`), exact key and MinHash signature, in parallel;
+   (`clean_filters.prepare_document`), exact key and MinHash signature, in parallel;
 2. exact: group by key; every member but the first in input order is an exact duplicate;
 3. near: one row per (LSH bucket, document); group by bucket -> candidate pairs (earlier, later);
    group by the earlier, then by the later document to bring both signatures together -> a later document agreeing with an earlier one in >= threshold of positions
-   is a near duplicate (the rule of `fitlm.data.dedup`, so the same documents go as on the local engine);
+   is a near duplicate (the rule of `fitlm.data.prep.dedup`, so the same documents go as on the local engine);
 4. the driver streams the prepared documents in input order and writes the kept ones, the same files
    and report as the local engine.
 
@@ -21,11 +21,11 @@ from typing import Any
 
 import numpy as np
 
-from fitlm.data.clean import CleanOptions, CleanWriter, Tally, prepare_document, write_report
-from fitlm.data.dedup import MinHasher, exact_key
-from fitlm.data.engine import ray_session, reraise_data_error
-from fitlm.data.ray_read import add_replaced, read_rows
-from fitlm.data.sources import ReadStats, Split
+from fitlm.data.prep.clean_filters import CleanOptions, CleanWriter, Tally, prepare_document, write_report
+from fitlm.data.prep.dedup import MinHasher, exact_key
+from fitlm.data.prep.ray_session import ray_session, reraise_data_error
+from fitlm.data.prep.ray_read import add_replaced, read_rows
+from fitlm.data.prep.sources import ReadStats, Split
 
 
 def _prepare(batch: dict[str, np.ndarray], o: CleanOptions, hasher: MinHasher | None) -> dict[str, np.ndarray]:

@@ -70,20 +70,6 @@ def pair_terms(scores: torch.Tensor, beta: float, gamma: float = 0.0
     return -F.logsigmoid(chosen - rejected - gamma), chosen, rejected
 
 
-def dpo_terms(policy: torch.Tensor, reference: torch.Tensor, beta: float
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """DPO's (loss, chosen reward, rejected reward), each [B], from the [2B] sequence log-probs of policy and
-    reference (the B chosen rows first): the rewards are β · log-ratio."""
-    return pair_terms(policy - reference, beta)
-
-
-def simpo_terms(average: torch.Tensor, beta: float, gamma: float
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """SimPO's (loss, chosen reward, rejected reward), each [B], from the policy's [2B] length-normalized
-    log-probs (the B chosen rows first): the rewards are β · average log-prob, the margin γ."""
-    return pair_terms(average, beta, gamma)
-
-
 def pair_count(labels: torch.Tensor) -> int:
     """Pairs in a micro batch of 2B rows; a batch that is not whole pairs cannot be scored."""
     rows = labels.shape[0]
@@ -162,7 +148,7 @@ def reference_config(cfg: Config) -> Config:
 def frozen_copy(cfg: Config, ctx: "ParallelContext") -> nn.Module:
     """The reference as a plain frozen module on this rank's device: built on meta, filled with the weights
     `reference_config` starts from, stored as the run's precision stores weights."""
-    from fitlm.finetune.start import initial_weights
+    from fitlm.finetune.initial_weights import initial_weights
     from fitlm.parallel.materialize import materialize, tied_aliases
     from fitlm.registry import build_model
 
@@ -194,6 +180,5 @@ def objective_for(cfg: Config, ctx: "ParallelContext", pm: "ParallelModel", simu
     return PairObjective(f.dpo.beta, dpo_score(frozen_copy(cfg, ctx)))
 
 
-__all__ = ["METRICS", "PairObjective", "Score", "average_logps", "dpo_score", "dpo_terms", "frozen_copy",
-           "objective_for", "pair_count", "pair_terms", "reference_config", "sequence_logps", "simpo_score",
-           "simpo_terms"]
+__all__ = ["METRICS", "PairObjective", "Score", "average_logps", "dpo_score", "frozen_copy",
+           "objective_for", "pair_count", "pair_terms", "reference_config", "sequence_logps", "simpo_score"]

@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from fitlm.data.chat import check_messages
 from fitlm.data.errors import DataError
+from fitlm.data.preference import PAIR_EXAMPLE, Pair, check_pair
 
 TEXT_SUFFIXES = (".txt",)
 JSONL_SUFFIXES = (".jsonl",)
@@ -229,6 +231,30 @@ def iter_parquet(path: Path, column: str) -> Iterator[tuple[Any, int]]:
             yield v if v is not None else "", max(1, total // rows)
 
 
+def iter_chat(files: Sequence[Path], stats: ReadStats) -> Iterator[tuple[Any, int]]:
+    """(validated messages or None, raw bytes) per line of chat .jsonl files."""
+    for path in files:
+        if input_kind(path) not in JSONL_SUFFIXES:
+            raise DataError(f"{path}: chat data must be .jsonl with one {{\"messages\": [...]}} object per line")
+        for record, n, lineno in iter_jsonl_records(path, stats, what='"messages" list'):
+            if record is None:
+                yield None, n
+                continue
+            if not isinstance(record, dict) or "messages" not in record:
+                raise DataError(f'{path}:{lineno}: no "messages" field; each line of chat data must be '
+                                '{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", ...}]}')
+            yield check_messages(record["messages"], f"{path}:{lineno}"), n
+
+
+def iter_preference(files: Sequence[Path], stats: ReadStats) -> Iterator[tuple[Pair | None, int]]:
+    """(validated pair or None, raw bytes) per line of preference .jsonl files."""
+    for path in files:
+        if input_kind(path) not in JSONL_SUFFIXES:
+            raise DataError(f"{path}: preference data must be .jsonl with one {PAIR_EXAMPLE} object per line")
+        for record, n, lineno in iter_jsonl_records(path, stats, what='"prompt"/"chosen"/"rejected" object'):
+            yield (None if record is None else check_pair(record, f"{path}:{lineno}")), n
+
+
 __all__ = ["DEFAULT_MIN_DOC_CHARS", "Document", "JSONL_SUFFIXES", "PARQUET_SUFFIXES", "ReadStats", "SPLITS", "Split",
            "TEXT_SUFFIXES", "check_split", "expand_inputs", "input_kind", "iter_documents", "iter_file_documents",
-           "iter_jsonl_records", "iter_parquet"]
+           "iter_chat", "iter_jsonl_records", "iter_parquet", "iter_preference"]

@@ -21,7 +21,7 @@ from fitlm import __version__
 from fitlm.data.dataset import PackedDataset
 from fitlm.data.errors import DataError
 from fitlm.data.format import MANIFEST_FILE, sha256_file, shard_files
-from fitlm.data.pack import atomic_dir, base_manifest, check_out_dir
+from fitlm.data.prep.output import atomic_dir, base_manifest, check_out_dir
 
 _SAME = ("tokenizer_sha256", "dtype", "data_format", "vocab_size", "bos_id", "eos_id", "pad_id")
 
