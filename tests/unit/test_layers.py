@@ -73,3 +73,109 @@ def test_imports_go_down_the_layers_only():
 def test_the_checker_sees_imports_inside_functions(tmp_path):
     tree = ast.parse("def f():\n    from fitlm.train.trainer import Trainer\n")
     assert list(_imports(tree)) == ["fitlm.train.trainer"]
+
+
+def module_of(target: str, modules: set[str]) -> str | None:
+    """The fitlm module an import names: `fitlm.data.prep.pack` itself, or the longest module prefix of an
+    attribute path (`from fitlm.data import loader` names the package fitlm.data, which is fitlm/data/__init__)."""
+    while target and target not in modules:
+        target = target.rpartition(".")[0]
+    return target or None
+
+
+def module_graph() -> dict[str, set[str]]:
+    """module -> the fitlm modules it imports, function-level imports included, TYPE_CHECKING ones not."""
+    def name(path: Path) -> str:
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+    paths = {name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for mod, path in paths.items():
+        found = {module_of(t, set(paths)) for t in _imports(ast.parse(path.read_text()))}
+        graph[mod] = {m for m in found if m and m != mod}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle_between_files():
+    found = circles(module_graph())
+    assert not found, "files that import each other (directly or around a circle):\n" + "\n".join(
+        " <-> ".join(c) for c in found)
+
+
+def test_the_circle_finder_finds_one():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def _module_paths(tree: ast.Module):
+    """Module paths in strings that are imports: the argument of import_module(...), and the entries of a
+    module-level tuple or list of module paths (the registry's BUILTIN_FAMILIES, the CLI's COMMAND_MODULES)."""
+    def paths(values):
+        names = [v.value for v in values if isinstance(v, ast.Constant) and isinstance(v.value, str)]
+        return [n for n in names if re.fullmatch(r"fitlm(\.[a-z_0-9]+)+", n)]
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and node.args and ast.unparse(node.func).endswith("import_module"):
+            yield from paths(node.args[:1])
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and isinstance(node.value, (ast.Tuple, ast.List)):
+            yield from paths(node.value.elts)
+
+
+def module_strings() -> list[tuple[str, str, str]]:
+    """(unit of the file, unit named, file) for every module path a file imports by string."""
+    out = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        src = unit_of(".".join(path.relative_to(ROOT).with_suffix("").parts))
+        out += [(src, unit_of(m), str(path.relative_to(ROOT))) for m in _module_paths(ast.parse(path.read_text()))]
+    return out
+
+
+def test_the_string_checker_sees_import_module_and_module_tables():
+    tree = ast.parse('import importlib\nMODS = ("fitlm.train.trainer", "x")\nNAME = "fitlm.json"\n'
+                     'def f():\n    importlib.import_module("fitlm.serve.app")\n    return ["-m", "fitlm.cli"]\n')
+    assert sorted(_module_paths(tree)) == ["fitlm.serve.app", "fitlm.train.trainer"]
+
+
+def test_module_path_strings_do_not_climb_a_layer():
+    """A module path in a string is an import the layer test cannot see as one: it may name its own unit or a
+    lower one. The registry, below the models it lists, is the one documented exception (it knows the built-in
+    families by module path, as entry points name plugins)."""
+    level = {u: i for i, layer in enumerate(documented_layers()) for u in layer}
+    upward = [f"{f}: {src} (layer {level[src]}) names {dst} (layer {level.get(dst)})"
+              for src, dst, f in module_strings() if dst != src and level.get(dst, 99) >= level[src]
+              and not (src == "registry" and dst == "models")]
+    assert not upward, "module-path strings that go up or sideways:\n" + "\n".join(upward)
