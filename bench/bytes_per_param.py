@@ -23,8 +23,17 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAYS = ROOT / "examples" / "data" / "shakespeare"
-MODEL = {"arch": "llama", "hidden_size": 512, "num_layers": 4, "num_heads": 8, "num_kv_heads": 4,
-         "intermediate_size": 1376, "vocab_size": 2048, "max_seq_len": 32, "tie_embeddings": False}
+MODEL = {
+    "arch": "llama",
+    "hidden_size": 512,
+    "num_layers": 4,
+    "num_heads": 8,
+    "num_kv_heads": 4,
+    "intermediate_size": 1376,
+    "vocab_size": 2048,
+    "max_seq_len": 32,
+    "tie_embeddings": False,
+}
 ROWS = [  # (name, parallel, processes)
     ("O2, one process", {}, 1),
     ("O2, dp2 DDP (ZeRO-0)", {"data_parallel": 2}, 2),
@@ -39,8 +48,10 @@ def fitlm(*args: str) -> subprocess.CompletedProcess:
 
 def prepare(tmp: Path) -> tuple[Path, Path]:
     tok = tmp / "tok.json"
-    for cmd in (("data", "tokenizer", str(PLAYS / "macbeth_gut.txt"), "--vocab-size", "2048", "--out", str(tok)),
-                ("data", "pack", str(PLAYS / "macbeth_gut.txt"), "--tokenizer", str(tok), "--out", str(tmp / "data"))):
+    for cmd in (
+        ("data", "tokenizer", str(PLAYS / "macbeth_gut.txt"), "--vocab-size", "2048", "--out", str(tok)),
+        ("data", "pack", str(PLAYS / "macbeth_gut.txt"), "--tokenizer", str(tok), "--out", str(tmp / "data")),
+    ):
         proc = fitlm(*cmd)
         if proc.returncode:
             raise SystemExit(proc.stderr)
@@ -49,10 +60,20 @@ def prepare(tmp: Path) -> tuple[Path, Path]:
 
 def run_row(tmp: Path, data: Path, name: str, parallel: dict) -> dict:
     slug = "".join(c if c.isalnum() else "_" for c in name)
-    cfg = {"model": MODEL, "data": {"train": str(data), "seq_length": 32},
-           "parallel": parallel, "memory": {"mixed_precision": "O2"},
-           "train": {"micro_batch_size": 1, "max_steps": 4, "eval_interval": 0, "progress": False,
-                     "output_dir": str(tmp / slug / "run"), "observe": {"tensorboard": False}}}
+    cfg = {
+        "model": MODEL,
+        "data": {"train": str(data), "seq_length": 32},
+        "parallel": parallel,
+        "memory": {"mixed_precision": "O2"},
+        "train": {
+            "micro_batch_size": 1,
+            "max_steps": 4,
+            "eval_interval": 0,
+            "progress": False,
+            "output_dir": str(tmp / slug / "run"),
+            "observe": {"tensorboard": False},
+        },
+    }
     path = tmp / f"{slug}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     proc = fitlm("profile", str(path), "--steps", "2", "--out", str(tmp / slug / "profile"), "--json")
@@ -61,10 +82,16 @@ def run_row(tmp: Path, data: Path, name: str, parallel: dict) -> dict:
     result = json.loads(proc.stdout)
     params = parameter_count(cfg)
     measured, planned = result["per_device"], result["plan"]["analytic"]["per_device"]
-    return {"name": name, "params": params, "measured_bytes": measured["total"], "planned_bytes": planned["total"],
-            "measured_bytes_per_param": measured["total"] / params, "planned_bytes_per_param": planned["total"] / params,
-            "measured": {k: v / params for k, v in measured.items()},
-            "planned": {k: v / params for k, v in planned.items()}}
+    return {
+        "name": name,
+        "params": params,
+        "measured_bytes": measured["total"],
+        "planned_bytes": planned["total"],
+        "measured_bytes_per_param": measured["total"] / params,
+        "planned_bytes_per_param": planned["total"] / params,
+        "measured": {k: v / params for k, v in measured.items()},
+        "planned": {k: v / params for k, v in planned.items()},
+    }
 
 
 def parameter_count(cfg: dict) -> int:
@@ -80,13 +107,17 @@ def parameter_count(cfg: dict) -> int:
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| configuration | measured bytes/param | planned bytes/param | measured: params / grads / optimizer / other+activations |",
-           "| --- | ---: | ---: | --- |"]
+    out = [
+        "| configuration | measured bytes/param | planned bytes/param | measured: params / grads / optimizer / other+activations |",
+        "| --- | ---: | ---: | --- |",
+    ]
     for r in rows:
         m = r["measured"]
         rest = m.get("other", 0) + m.get("activations", 0) + m.get("logits", 0)
-        out.append(f"| {r['name']} | {r['measured_bytes_per_param']:.2f} | {r['planned_bytes_per_param']:.2f} | "
-                   f"{m['params']:.2f} / {m['grads']:.2f} / {m['optimizer']:.2f} / {rest:.2f} |")
+        out.append(
+            f"| {r['name']} | {r['measured_bytes_per_param']:.2f} | {r['planned_bytes_per_param']:.2f} | "
+            f"{m['params']:.2f} / {m['grads']:.2f} / {m['optimizer']:.2f} / {rest:.2f} |"
+        )
     return "\n".join(out)
 
 
@@ -101,8 +132,11 @@ def main() -> None:
         rows = []
         for name, parallel, _ in ROWS:
             rows.append(run_row(tmp, data, name, parallel))
-            print(f"{name}: measured {rows[-1]['measured_bytes_per_param']:.2f} B/param, "
-                  f"planned {rows[-1]['planned_bytes_per_param']:.2f}", file=sys.stderr)
+            print(
+                f"{name}: measured {rows[-1]['measured_bytes_per_param']:.2f} B/param, "
+                f"planned {rows[-1]['planned_bytes_per_param']:.2f}",
+                file=sys.stderr,
+            )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"rows": rows}, indent=1))
     print(table(rows))

@@ -58,12 +58,28 @@ def main() -> None:
         corpus = {"tokenizer": tok, "train": root / "train", "valid": root / "valid"}
         for i in range(args.repeats):
             config, base = _profile(corpus, root / f"a{i}", 2, args.steps)
-            plan = json.loads(_fitlm("plan", config, "--device", "cpu", "--calibrate",
-                                     root / f"a{i}" / "out" / "profile.json", "--json", "--set",
-                                     "train.gradient_accumulation_steps=4"))
+            plan = json.loads(
+                _fitlm(
+                    "plan",
+                    config,
+                    "--device",
+                    "cpu",
+                    "--calibrate",
+                    root / f"a{i}" / "out" / "profile.json",
+                    "--json",
+                    "--set",
+                    "train.gradient_accumulation_steps=4",
+                )
+            )
             _, measured = _profile(corpus, root / f"b{i}", 4, args.steps)
-            rows.append({"profiled_accum2_s": base, "predicted_accum4_s": plan["step_time_s"],
-                         "measured_accum4_s": measured, "ratio": plan["step_time_s"] / measured})
+            rows.append(
+                {
+                    "profiled_accum2_s": base,
+                    "predicted_accum4_s": plan["step_time_s"],
+                    "measured_accum4_s": measured,
+                    "ratio": plan["step_time_s"] / measured,
+                }
+            )
     report = {"rows": rows, "median_ratio": statistics.median(r["ratio"] for r in rows)}
     if args.out:
         write_json(args.out, report)
@@ -71,8 +87,10 @@ def main() -> None:
         print("| run | profiled (accum 2) | predicted (accum 4) | measured (accum 4) | predicted / measured |")
         print("|---|---|---|---|---|")
         for i, r in enumerate(rows):
-            print(f"| {i} | {r['profiled_accum2_s']:.3f} s | {r['predicted_accum4_s']:.3f} s "
-                  f"| {r['measured_accum4_s']:.3f} s | {r['ratio']:.2f} |")
+            print(
+                f"| {i} | {r['profiled_accum2_s']:.3f} s | {r['predicted_accum4_s']:.3f} s "
+                f"| {r['measured_accum4_s']:.3f} s | {r['ratio']:.2f} |"
+            )
     print(json.dumps(report))
 
 

@@ -36,20 +36,39 @@ def prepare_data(root: Path, tokenizer_vocab: int = 1024) -> Path:
     return root / "train"
 
 
-def fitlm_config(model: dict, data_dir: Path, out_dir: Path, batch: int, seq: int, memory: dict | None = None,
-                 device: str = "cpu", **train):
+def fitlm_config(
+    model: dict,
+    data_dir: Path,
+    out_dir: Path,
+    batch: int,
+    seq: int,
+    memory: dict | None = None,
+    device: str = "cpu",
+    **train,
+):
     """A validated fitlm Config for benchmarking: no eval, no progress bar, no warm-up of the LR."""
     from fitlm.config import validate_dict
 
-    return validate_dict({
-        "model": {"arch": "llama", "max_seq_len": seq, **model},
-        "memory": memory or {},
-        # Plain causal attention over the packed row, as transformers computes it (no block-causal mask).
-        "data": {"train": str(data_dir), "seq_length": seq, "document_mask": False},
-        "train": {"micro_batch_size": batch, "max_steps": 10**6, "warmup_steps": 0, "eval_interval": 0,
-                  "progress": False, "log_interval": 10**6, "observe": {"consistency_interval": 0, "tensorboard": False},
-                  "device": device, "output_dir": str(out_dir), **train},
-    })
+    return validate_dict(
+        {
+            "model": {"arch": "llama", "max_seq_len": seq, **model},
+            "memory": memory or {},
+            # Plain causal attention over the packed row, as transformers computes it (no block-causal mask).
+            "data": {"train": str(data_dir), "seq_length": seq, "document_mask": False},
+            "train": {
+                "micro_batch_size": batch,
+                "max_steps": 10**6,
+                "warmup_steps": 0,
+                "eval_interval": 0,
+                "progress": False,
+                "log_interval": 10**6,
+                "observe": {"consistency_interval": 0, "tensorboard": False},
+                "device": device,
+                "output_dir": str(out_dir),
+                **train,
+            },
+        }
+    )
 
 
 def fitlm_step(trainer) -> Callable[[], object]:
@@ -60,6 +79,7 @@ def fitlm_step(trainer) -> Callable[[], object]:
     def step():
         state["step"] += 1
         return trainer.train_step(state["step"], batches)
+
     return step
 
 
@@ -126,9 +146,14 @@ def machine() -> dict:
 
     import torch
 
-    info = {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
-            "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
-            "load_avg_1m": round(os.getloadavg()[0], 2)}
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(),
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+    }
     try:
         import transformers
 

@@ -46,8 +46,12 @@ def bench_pack(files: list[Path], tok: Path, root: Path, workers: int) -> dict:
     t = time.perf_counter()
     m = pack_corpus(files, tok, root / f"packed-w{workers}", show_progress=False, workers=workers)
     dt = time.perf_counter() - t
-    return {"workers": workers, "tokens": m["num_tokens"], "seconds": round(dt, 3),
-            "tokens_per_s": round(m["num_tokens"] / dt)}
+    return {
+        "workers": workers,
+        "tokens": m["num_tokens"],
+        "seconds": round(dt, 3),
+        "tokens_per_s": round(m["num_tokens"] / dt),
+    }
 
 
 def bench_loader(ds: PackedDataset, seq: int, batch: int, prefetch: int, document_ids: bool, n: int = 200) -> dict:
@@ -58,6 +62,7 @@ def bench_loader(ds: PackedDataset, seq: int, batch: int, prefetch: int, documen
         b = next(loader)
         if document_ids:  # what the model would build from them
             from fitlm.models.layers import document_causal_mask
+
             document_causal_mask(b["document_ids"])
     dt = time.perf_counter() - t
     loader.close()
@@ -66,8 +71,17 @@ def bench_loader(ds: PackedDataset, seq: int, batch: int, prefetch: int, documen
 
 def bench_trainer(seq: int, batch: int, steps: int = 6, document_mask: bool = False) -> dict:
     torch.manual_seed(0)
-    cfg = ModelConfig(arch="llama", hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4,
-                      intermediate_size=688, vocab_size=2048, max_seq_len=max(256, seq), tie_embeddings=True)
+    cfg = ModelConfig(
+        arch="llama",
+        hidden_size=256,
+        num_layers=4,
+        num_heads=8,
+        num_kv_heads=4,
+        intermediate_size=688,
+        vocab_size=2048,
+        max_seq_len=max(256, seq),
+        tie_embeddings=True,
+    )
     model = build_model(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ids = torch.randint(0, 2048, (batch, seq))
@@ -96,8 +110,10 @@ def main() -> None:
     ap.add_argument("--rss-scale", type=int, default=20, help="rss: the largest corpus, × the shipped corpora")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
-    result = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
-              "args": vars(args)}
+    result = {
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
+        "args": vars(args),
+    }
     from data_scale import print_dedup, print_engines, print_rss, print_shingles, run_dedup, run_engines, run_rss
     from near_dup import shingle_choices
 
@@ -142,18 +158,26 @@ def throughput(args: argparse.Namespace) -> dict:
     for c in ("workers", "seconds", "tokens/s", "vs 1 worker"):
         t.add_column(c)
     for r in pack:
-        t.add_row(str(r["workers"]), str(r["seconds"]), f"{r['tokens_per_s']:,}",
-                  f"{r['tokens_per_s'] / pack[0]['tokens_per_s']:.2f}")
+        t.add_row(
+            str(r["workers"]),
+            str(r["seconds"]),
+            f"{r['tokens_per_s']:,}",
+            f"{r['tokens_per_s'] / pack[0]['tokens_per_s']:.2f}",
+        )
     con.print(t)
     t = Table(title=f"loader vs trainer (seq {args.seq}, micro batch {args.batch})")
     for c in ("what", "samples/s", "loader / trainer"):
         t.add_column(c)
     for r in loader:
-        t.add_row(f"loader prefetch={r['prefetch']}{' + mask build' if r['with_mask'] else ''}",
-                  f"{r['samples_per_s']:,}", f"{r['vs_trainer']}x")
+        t.add_row(
+            f"loader prefetch={r['prefetch']}{' + mask build' if r['with_mask'] else ''}",
+            f"{r['samples_per_s']:,}",
+            f"{r['vs_trainer']}x",
+        )
     for r in trainer:
-        t.add_row(f"trainer step (tiny llama{', document mask' if r['document_mask'] else ''})",
-                  str(r["samples_per_s"]), "")
+        t.add_row(
+            f"trainer step (tiny llama{', document mask' if r['document_mask'] else ''})", str(r["samples_per_s"]), ""
+        )
     con.print(t)
     return result
 

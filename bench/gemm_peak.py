@@ -55,10 +55,18 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--out", type=Path, default=None,
-                    help="write the JSON report here (the committed run: bench/results/gemm_peak.json)")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="write the JSON report here (the committed run: bench/results/gemm_peak.json)",
+    )
     args = ap.parse_args()
-    report = {"benchmark": "gemm_peak", "machine": machine(), **measure(args.device, args.dtypes, args.sizes, args.repeats)}
+    report = {
+        "benchmark": "gemm_peak",
+        "machine": machine(),
+        **measure(args.device, args.dtypes, args.sizes, args.repeats),
+    }
     if args.out:
         write_json(args.out, report)
     if args.json:

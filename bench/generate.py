@@ -48,9 +48,15 @@ def main() -> None:
     from fitlm.registry import build_model
 
     heads = max(1, args.hidden // 64)
-    cfg = ModelConfig(arch="llama", hidden_size=args.hidden, num_layers=args.layers, num_heads=heads,
-                      num_kv_heads=max(1, heads // 2), vocab_size=args.vocab,
-                      max_seq_len=args.prompt_len + args.new_tokens)
+    cfg = ModelConfig(
+        arch="llama",
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        num_heads=heads,
+        num_kv_heads=max(1, heads // 2),
+        vocab_size=args.vocab,
+        max_seq_len=args.prompt_len + args.new_tokens,
+    )
     torch.manual_seed(0)
     model = build_model(cfg)
     model.init_weights()
@@ -67,9 +73,17 @@ def main() -> None:
 
     def hf_run() -> list[int]:
         with torch.inference_mode():
-            out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, min_new_tokens=n,
-                              do_sample=False, eos_token_id=None, pad_token_id=0, use_cache=True)
-        return out[0, args.prompt_len:].tolist()
+            out = hf.generate(
+                prompt,
+                attention_mask=torch.ones_like(prompt),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+                use_cache=True,
+            )
+        return out[0, args.prompt_len :].tolist()
 
     same = fitlm_run() == hf_run()  # also a warm-up for both
     times: dict[str, list[float]] = {"fitlm": [], "transformers": []}
@@ -79,11 +93,19 @@ def main() -> None:
             fn()
             times[name].append(time.perf_counter() - t)
     tps = {k: n / median(v) for k, v in times.items()}
-    result = {"params": sum(p.numel() for p in model.parameters()), "new_tokens": n, "threads": torch.get_num_threads(),
-              "fitlm_tokens_per_s": round(tps["fitlm"], 1), "transformers_tokens_per_s": round(tps["transformers"], 1),
-              "ratio": round(tps["fitlm"] / tps["transformers"], 2), "equal_greedy_tokens": same,
-              "prompt_len": args.prompt_len, "repeats": args.repeats, "machine": machine(),
-              "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]])}
+    result = {
+        "params": sum(p.numel() for p in model.parameters()),
+        "new_tokens": n,
+        "threads": torch.get_num_threads(),
+        "fitlm_tokens_per_s": round(tps["fitlm"], 1),
+        "transformers_tokens_per_s": round(tps["transformers"], 1),
+        "ratio": round(tps["fitlm"] / tps["transformers"], 2),
+        "equal_greedy_tokens": same,
+        "prompt_len": args.prompt_len,
+        "repeats": args.repeats,
+        "machine": machine(),
+        "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+    }
     write_json(args.out, result)
     if args.json:
         print(json.dumps(result))

@@ -32,7 +32,7 @@ def _logits(path: Path, ids: list[int]):
     llm = llama_cpp.Llama(str(path), n_ctx=len(ids) + 8, logits_all=True, verbose=False, type_k=f32, type_v=f32)
     try:
         llm.eval(ids)
-        return np.array(llm.scores[:len(ids)])
+        return np.array(llm.scores[: len(ids)])
     finally:
         llm.close()
 
@@ -53,9 +53,14 @@ def measure(model: str, text: str, tokens: int) -> list[dict]:
             out = export_gguf(open_for_export(model), Path(tmp) / f"m-{dtype}.gguf", dtype)
             logits = _logits(Path(out["out"]), ids)
             ref = logits if ref is None else ref
-            rows.append({"dtype": dtype, "bytes": out["bytes"],
-                         "error": float(np.abs(logits - ref).max() / np.abs(ref).max()),
-                         "top1_agreement": float((logits.argmax(-1) == ref.argmax(-1)).mean())})
+            rows.append(
+                {
+                    "dtype": dtype,
+                    "bytes": out["bytes"],
+                    "error": float(np.abs(logits - ref).max() / np.abs(ref).max()),
+                    "top1_agreement": float((logits.argmax(-1) == ref.argmax(-1)).mean()),
+                }
+            )
     for r in rows:
         r["size_vs_f32"] = r["bytes"] / rows[0]["bytes"]
     return rows
@@ -79,8 +84,9 @@ def main() -> None:
         return
     print("| --dtype | bytes | size vs f32 | logit error vs f32 | top-1 agreement |\n|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['dtype']} | {r['bytes']:,} | {r['size_vs_f32']:.2f} | {r['error']:.1e} | "
-              f"{r['top1_agreement']:.1%} |")
+        print(
+            f"| {r['dtype']} | {r['bytes']:,} | {r['size_vs_f32']:.2f} | {r['error']:.1e} | {r['top1_agreement']:.1%} |"
+        )
 
 
 if __name__ == "__main__":

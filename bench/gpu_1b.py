@@ -38,10 +38,24 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, fitlm_config, machine, median, prepare_data, write_json  # noqa: E402
 
-ONE_B = {"hidden_size": 2048, "num_layers": 22, "num_heads": 32, "num_kv_heads": 4, "intermediate_size": 5632,
-         "vocab_size": 32000, "tie_embeddings": False}
-TINY = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128,
-        "vocab_size": 32000, "tie_embeddings": False}
+ONE_B = {
+    "hidden_size": 2048,
+    "num_layers": 22,
+    "num_heads": 32,
+    "num_kv_heads": 4,
+    "intermediate_size": 5632,
+    "vocab_size": 32000,
+    "tie_embeddings": False,
+}
+TINY = {
+    "hidden_size": 64,
+    "num_layers": 2,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "intermediate_size": 128,
+    "vocab_size": 32000,
+    "tie_embeddings": False,
+}
 
 
 def free_port() -> int:
@@ -75,17 +89,17 @@ def run(args) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    from fitlm.data.dataset import PackedDataset
+    from fitlm.data.loader import SequenceLoader
+    from fitlm.hardware import device_peak_flops
     from fitlm.memory.chunked_loss import apply_chunked_loss
     from fitlm.memory.compile import apply_compile
     from fitlm.memory.precision import apply_precision, fsdp_mixed_precision
     from fitlm.memory.recompute import apply_recompute, transformer_blocks
-    from fitlm.registry import build_model
-    from fitlm.models.loss import count_targets
-    from fitlm.hardware import device_peak_flops
     from fitlm.models.flops import flops_per_token
+    from fitlm.models.loss import count_targets
+    from fitlm.registry import build_model
     from fitlm.step.optim import build_optimizer
-    from fitlm.data.dataset import PackedDataset
-    from fitlm.data.loader import SequenceLoader
 
     device = "cpu" if args.dry_run or not torch.cuda.is_available() else "cuda"
     t_setup = time.perf_counter()
@@ -99,8 +113,13 @@ def run(args) -> dict:
     shape = TINY if args.dry_run else ONE_B
     tmp = Path(tempfile.mkdtemp())
     data_dir = prepare_data(tmp)
-    memory = {"mixed_precision": "O2", "half_dtype": "bf16", "compile": args.compile, "loss_chunk_size": args.chunk,
-              "recompute": args.recompute}
+    memory = {
+        "mixed_precision": "O2",
+        "half_dtype": "bf16",
+        "compile": args.compile,
+        "loss_chunk_size": args.chunk,
+        "recompute": args.recompute,
+    }
     cfg = fitlm_config(shape, data_dir, tmp / "run", args.batch, args.seq, memory, device=device)
     torch.manual_seed(cfg.train.seed)
     with torch.device("meta"):
@@ -145,18 +164,27 @@ def run(args) -> dict:
         times.append(time.perf_counter() - t0)
         if device == "cuda" and len(times) == args.warmup:
             torch.cuda.reset_peak_memory_stats()
-    step_s = median(times[args.warmup:])
+    step_s = median(times[args.warmup :])
     tokens = args.batch * args.seq
     peak_flops = device_peak_flops(torch.device(device), torch.bfloat16, None)
     tps = tokens / step_s
     result = {
         "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu (dry run)" if args.dry_run else "cpu",
-        "model": shape, "params": params, "batch": args.batch, "seq": args.seq, "tokens_per_step": tokens,
+        "model": shape,
+        "params": params,
+        "batch": args.batch,
+        "seq": args.seq,
+        "tokens_per_step": tokens,
         "settings": f"FSDP2 (1 rank) + O2 bf16 + {'compile + ' if args.compile else ''}chunked loss {args.chunk}"
-                    + (f" + recompute {args.recompute}" if args.recompute != "none" else ""),
-        "setup_s": round(setup_s, 1), "compile_s": round(max(0.0, sum(times[:args.warmup]) - args.warmup * step_s), 1),
-        "step_s": round(step_s, 4), "step_times_s": [round(t, 4) for t in times], "tokens_per_s": round(tps, 1),
-        "flops_per_token": fpt, "peak_flops": peak_flops, "mfu": round(tps * fpt / peak_flops, 4),
+        + (f" + recompute {args.recompute}" if args.recompute != "none" else ""),
+        "setup_s": round(setup_s, 1),
+        "compile_s": round(max(0.0, sum(times[: args.warmup]) - args.warmup * step_s), 1),
+        "step_s": round(step_s, 4),
+        "step_times_s": [round(t, 4) for t in times],
+        "tokens_per_s": round(tps, 1),
+        "flops_per_token": fpt,
+        "peak_flops": peak_flops,
+        "mfu": round(tps * fpt / peak_flops, 4),
         "loss_first_last": [round(float(losses[0]), 4), round(float(losses[-1]), 4)],
         "peak_bytes": int(torch.cuda.max_memory_allocated()) if device == "cuda" else None,
     }
@@ -201,8 +229,22 @@ def main() -> None:
     if args.json:
         print(json.dumps(result))
         return
-    for k in ("device", "params", "settings", "setup_s", "compile_s", "step_s", "tokens_per_s", "mfu", "peak_bytes",
-              "plan", "measured_vs_plan_tokens_per_s", "measured_vs_plan_peak_bytes", "plan_error", "wall_s"):
+    for k in (
+        "device",
+        "params",
+        "settings",
+        "setup_s",
+        "compile_s",
+        "step_s",
+        "tokens_per_s",
+        "mfu",
+        "peak_bytes",
+        "plan",
+        "measured_vs_plan_tokens_per_s",
+        "measured_vs_plan_peak_bytes",
+        "plan_error",
+        "wall_s",
+    ):
         if k in result:
             print(f"{k:>30}  {result[k]}")
     if out:

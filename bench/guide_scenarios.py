@@ -22,8 +22,13 @@ GB = 10**9
 SCENARIOS = [
     ("7B LoRA on 1 × 24 GB", "configs/guide-7b-lora-24gb.yaml", "rtx4090", 1, {"fits": True}),
     ("7B on 4 × 24 GB", "configs/guide-7b-4x24gb.yaml", "rtx4090", 4, {"layout": "dp2×tp2×pp2"}),
-    ("7B LoRA on 8 × 64 GB", "configs/guide-7b-lora-8x64gb.yaml", "ascend-910b", 8,
-     {"step_time_s": 1.8, "peak_gb": 52.0, "tokens_per_s": 14564.0}),
+    (
+        "7B LoRA on 8 × 64 GB",
+        "configs/guide-7b-lora-8x64gb.yaml",
+        "ascend-910b",
+        8,
+        {"step_time_s": 1.8, "peak_gb": 52.0, "tokens_per_s": 14564.0},
+    ),
 ]
 
 
@@ -44,27 +49,42 @@ def plan_scenario(config: str, device: str, n: int) -> dict:
         top = result["search"]["top"]
         out["search_best"] = top[0] if top else None
         return out
-    out.update(layout=result["layout"], fits=result["fits"], peak_gb=result["per_device"]["total"] / GB,
-               step_time_s=result["step_time_s"], tokens_per_s=result["tokens_per_s"],
-               host_peak_gb=max(result["host"]["per_node"].values()) / GB)
+    out.update(
+        layout=result["layout"],
+        fits=result["fits"],
+        peak_gb=result["per_device"]["total"] / GB,
+        step_time_s=result["step_time_s"],
+        tokens_per_s=result["tokens_per_s"],
+        host_peak_gb=max(result["host"]["per_node"].values()) / GB,
+    )
     return out
 
 
 def rows() -> list[dict]:
-    return [{"scenario": name, "guide": guide, "plan": plan_scenario(config, device, n)}
-            for name, config, device, n, guide in SCENARIOS]
+    return [
+        {"scenario": name, "guide": guide, "plan": plan_scenario(config, device, n)}
+        for name, config, device, n, guide in SCENARIOS
+    ]
 
 
 def _planned(p: dict) -> str:
     if "refused" in p:
         best = p["search_best"]
-        found = (f"`--search`: {best['layout']} ({best['memory_options']}), {best['per_device_total'] / GB:.1f} GB "
-                 f"per device, {best['tokens_per_s']:,.0f} tokens/s") if best else "`--search`: no layout fits"
+        found = (
+            (
+                f"`--search`: {best['layout']} ({best['memory_options']}), {best['per_device_total'] / GB:.1f} GB "
+                f"per device, {best['tokens_per_s']:,.0f} tokens/s"
+            )
+            if best
+            else "`--search`: no layout fits"
+        )
         arithmetic = p["refused"].splitlines()[-1].strip(" -").split(";")[0]  # "... = 8, but 4 processes run"
         return f"refused: {arithmetic}; {found}"
     verdict = "fits" if p["fits"] else "does not fit"
-    return (f"{verdict}: {p['layout'].strip()}, {p['peak_gb']:.1f} GB per device, {p['step_time_s']:.2f} s/step, "
-            f"{p['tokens_per_s']:,.0f} tokens/s; host {p['host_peak_gb']:.1f} GB per node")
+    return (
+        f"{verdict}: {p['layout'].strip()}, {p['peak_gb']:.1f} GB per device, {p['step_time_s']:.2f} s/step, "
+        f"{p['tokens_per_s']:,.0f} tokens/s; host {p['host_peak_gb']:.1f} GB per node"
+    )
 
 
 def _guide(g: dict) -> str:
@@ -79,8 +99,10 @@ def markdown(table: list[dict]) -> str:
     lines = ["| scenario | config | guide | fitlm plan |", "| --- | --- | --- | --- |"]
     for r in table:
         p = r["plan"]
-        lines.append(f"| {r['scenario']} | `{p['config']}` on {p['num_devices']}× {p['device']} | {_guide(r['guide'])} "
-                     f"| {_planned(p)} |")
+        lines.append(
+            f"| {r['scenario']} | `{p['config']}` on {p['num_devices']}× {p['device']} | {_guide(r['guide'])} "
+            f"| {_planned(p)} |"
+        )
     return "\n".join(lines)
 
 

@@ -42,8 +42,10 @@ def fitlm(*args) -> subprocess.CompletedProcess:
 
 
 def prepare_data(root: Path) -> None:
-    for args in (("data", "tokenizer", PLAYS / "macbeth_gut.txt", "--vocab-size", "1024", "--out", root / "tok.json"),
-                 ("data", "pack", PLAYS / "macbeth_gut.txt", "--tokenizer", root / "tok.json", "--out", root / "train")):
+    for args in (
+        ("data", "tokenizer", PLAYS / "macbeth_gut.txt", "--vocab-size", "1024", "--out", root / "tok.json"),
+        ("data", "pack", PLAYS / "macbeth_gut.txt", "--tokenizer", root / "tok.json", "--out", root / "train"),
+    ):
         proc = fitlm(*args, "--json")
         if proc.returncode:
             sys.exit(proc.stderr)
@@ -52,12 +54,27 @@ def prepare_data(root: Path) -> None:
 def run_layout(root: Path, name: str, parallel: dict, nproc: int, steps: int, global_batch: int) -> dict:
     dp = parallel.get("data_parallel", 1)
     cfg = {
-        "model": {"hidden_size": 256, "num_layers": 4, "num_heads": 8, "num_kv_heads": 4, "intermediate_size": 512,
-                  "vocab_size": 1024, "max_seq_len": SEQ, "tie_embeddings": False},
+        "model": {
+            "hidden_size": 256,
+            "num_layers": 4,
+            "num_heads": 8,
+            "num_kv_heads": 4,
+            "intermediate_size": 512,
+            "vocab_size": 1024,
+            "max_seq_len": SEQ,
+            "tie_embeddings": False,
+        },
         "data": {"train": str(root / "train"), "seq_length": SEQ},
         "parallel": parallel,
-        "train": {"micro_batch_size": global_batch // dp, "max_steps": steps, "log_interval": 1, "eval_interval": 0,
-                  "warmup_steps": 2, "output_dir": str(root / name.replace(" ", "_")), "progress": False},
+        "train": {
+            "micro_batch_size": global_batch // dp,
+            "max_steps": steps,
+            "log_interval": 1,
+            "eval_interval": 0,
+            "warmup_steps": 2,
+            "output_dir": str(root / name.replace(" ", "_")),
+            "progress": False,
+        },
     }
     path = root / f"{name.replace(' ', '_')}.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -68,9 +85,14 @@ def run_layout(root: Path, name: str, parallel: dict, nproc: int, steps: int, gl
         return {"layout": name, "error": proc.stderr.strip().splitlines()[-1][:200]}
     records = [json.loads(x) for x in (Path(cfg["train"]["output_dir"]) / "metrics.jsonl").read_text().splitlines()]
     tps = [r["tokens_per_s"] for r in records if "tokens_per_s" in r][2:]  # skip warm-up steps
-    return {"layout": name, "processes": nproc, "tokens_per_s": round(statistics.median(tps), 1),
-            "step_time_s": round(global_batch * SEQ / statistics.median(tps), 4),
-            "peak_bytes": max(r["peak_bytes"] for r in records if "peak_bytes" in r), "wall_s": round(wall, 1)}
+    return {
+        "layout": name,
+        "processes": nproc,
+        "tokens_per_s": round(statistics.median(tps), 1),
+        "step_time_s": round(global_batch * SEQ / statistics.median(tps), 4),
+        "peak_bytes": max(r["peak_bytes"] for r in records if "peak_bytes" in r),
+        "wall_s": round(wall, 1),
+    }
 
 
 def main() -> None:
@@ -101,8 +123,10 @@ def main() -> None:
         if "error" in r:
             print(f"| {r['layout']} | - | error: {r['error']} | | | |")
         else:
-            print(f"| {r['layout']} | {r['processes']} | {r['tokens_per_s']:,.0f} | {r['step_time_s']} | "
-                  f"{r['vs_single']} | {r['peak_bytes'] / 2**20:,.0f} |")
+            print(
+                f"| {r['layout']} | {r['processes']} | {r['tokens_per_s']:,.0f} | {r['step_time_s']} | "
+                f"{r['vs_single']} | {r['peak_bytes'] / 2**20:,.0f} |"
+            )
 
 
 if __name__ == "__main__":

@@ -36,8 +36,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 PLAYS = ROOT / "examples" / "data" / "shakespeare"
 
-MODEL = {"arch": "llama", "hidden_size": 256, "num_layers": 4, "num_heads": 8, "num_kv_heads": 4,
-         "intermediate_size": 688, "vocab_size": 8192, "max_seq_len": 256, "tie_embeddings": False}
+MODEL = {
+    "arch": "llama",
+    "hidden_size": 256,
+    "num_layers": 4,
+    "num_heads": 8,
+    "num_kv_heads": 4,
+    "intermediate_size": 688,
+    "vocab_size": 8192,
+    "max_seq_len": 256,
+    "tie_embeddings": False,
+}
 BATCH = {"micro_batch_size": 8, "gradient_accumulation_steps": 1}
 
 # name -> config sections that differ from the baseline (model, memory, train, finetune). Every row trains the
@@ -61,17 +70,24 @@ OPTIONS: dict[str, dict[str, dict]] = {
     "cpu offload": {"memory": {"cpu_offload": True}},
     "accumulation 4 × micro batch 2": {"train": {"micro_batch_size": 2, "gradient_accumulation_steps": 4}},
     "compile": {"memory": {"compile": True}},
-    "O2 + chunked + selective + compile": {"memory": {"mixed_precision": "O2", "loss_chunk_size": 1024,
-                                                      "recompute": "selective", "compile": True}},
+    "O2 + chunked + selective + compile": {
+        "memory": {"mixed_precision": "O2", "loss_chunk_size": 1024, "recompute": "selective", "compile": True}
+    },
     "LoRA r=8 (q,v)": {"finetune": LORA_QV},
     "LoRA r=8 (q,v) + O2 bf16": {"finetune": LORA_QV, "memory": {"mixed_precision": "O2"}},
     "freeze bottom half": {"finetune": {"method": "freeze", "freeze_layers": 0.5}},
     "QLoRA r=8 (q,v)": {"finetune": QLORA_QV},
     "QLoRA r=8 (q,v) + O2 bf16": {"finetune": QLORA_QV, "memory": {"mixed_precision": "O2"}},
-    "h512 vocab 1024: LoRA r=8 (q,v) + O2 bf16": {"model": LINEAR_HEAVY, "finetune": LORA_QV,
-                                                  "memory": {"mixed_precision": "O2"}},
-    "h512 vocab 1024: QLoRA r=8 (q,v) + O2 bf16": {"model": LINEAR_HEAVY, "finetune": QLORA_QV,
-                                                   "memory": {"mixed_precision": "O2"}},
+    "h512 vocab 1024: LoRA r=8 (q,v) + O2 bf16": {
+        "model": LINEAR_HEAVY,
+        "finetune": LORA_QV,
+        "memory": {"mixed_precision": "O2"},
+    },
+    "h512 vocab 1024: QLoRA r=8 (q,v) + O2 bf16": {
+        "model": LINEAR_HEAVY,
+        "finetune": QLORA_QV,
+        "memory": {"mixed_precision": "O2"},
+    },
 }
 
 
@@ -93,12 +109,23 @@ def measure(root: Path, name: str, steps: int) -> dict:
 
     sections = OPTIONS[name]
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    cfg = validate_dict({
-        "model": {**MODEL, **sections.get("model", {})}, "memory": sections.get("memory", {}), "finetune": sections.get("finetune", {}),
-        "data": {"train": str(root / "train"), "seq_length": 256},
-        "train": {**BATCH, **sections.get("train", {}), "max_steps": 1000, "warmup_steps": 0, "eval_interval": 0,
-                  "progress": False, "output_dir": str(root / "runs" / name.replace(" ", "_").replace("/", "_"))},
-    })
+    cfg = validate_dict(
+        {
+            "model": {**MODEL, **sections.get("model", {})},
+            "memory": sections.get("memory", {}),
+            "finetune": sections.get("finetune", {}),
+            "data": {"train": str(root / "train"), "seq_length": 256},
+            "train": {
+                **BATCH,
+                **sections.get("train", {}),
+                "max_steps": 1000,
+                "warmup_steps": 0,
+                "eval_interval": 0,
+                "progress": False,
+                "output_dir": str(root / "runs" / name.replace(" ", "_").replace("/", "_")),
+            },
+        }
+    )
     planned = plan_totals(cfg)
     trainer = Trainer(cfg)
     batches = iter(trainer.loader)
@@ -117,9 +144,14 @@ def measure(root: Path, name: str, steps: int) -> dict:
         times.append(time.perf_counter() - start)
     live = peak_live_bytes(step, trainer.pm.modules, trainer.step.optimizer, warmup_steps=0)
     tokens = cfg.train.micro_batch_size * accum * cfg.data.seq_length
-    return {"option": name, "step_s": statistics.median(times), "tokens_per_s": tokens / statistics.median(times),
-            "peak_live_bytes": live, "rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            **planned}
+    return {
+        "option": name,
+        "step_s": statistics.median(times),
+        "tokens_per_s": tokens / statistics.median(times),
+        "peak_live_bytes": live,
+        "rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        **planned,
+    }
 
 
 def plan_totals(cfg) -> dict:
@@ -157,8 +189,11 @@ def main() -> None:
         root = Path(tmp)
         prepare_data(root)
         for name in args.only or OPTIONS:
-            proc = subprocess.run([sys.executable, __file__, "--steps", str(args.steps), "--_worker", str(root), name],
-                                  capture_output=True, text=True)
+            proc = subprocess.run(
+                [sys.executable, __file__, "--steps", str(args.steps), "--_worker", str(root), name],
+                capture_output=True,
+                text=True,
+            )
             if proc.returncode:
                 sys.exit(f"{name} failed:\n{proc.stderr[-3000:]}")
             rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
@@ -169,8 +204,21 @@ def main() -> None:
     print(f"wrote {args.out}", file=sys.stderr)
 
 
-COLUMNS = ("option", "peak live MiB", "vs baseline", "params", "grads", "optimizer", "activations", "temp",
-           "plan analytic", "plan simulated", "RSS MiB", "step s", "time vs baseline")
+COLUMNS = (
+    "option",
+    "peak live MiB",
+    "vs baseline",
+    "params",
+    "grads",
+    "optimizer",
+    "activations",
+    "temp",
+    "plan analytic",
+    "plan simulated",
+    "RSS MiB",
+    "step s",
+    "time vs baseline",
+)
 
 
 def print_table(rows: list[dict], markdown: bool = False) -> None:
@@ -178,24 +226,34 @@ def print_table(rows: list[dict], markdown: bool = False) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    base, mib = rows[0], 2 ** 20
+    base, mib = rows[0], 2**20
     cells = []
     for r in rows:
         live = r["peak_live_bytes"]
         r["memory_ratio"] = live["total"] / base["peak_live_bytes"]["total"]
         r["time_ratio"] = r["step_s"] / base["step_s"]
-        cells.append([r["option"], f"{live['total'] / mib:.1f}", f"{r['memory_ratio']:.2f}×",
-                      *(f"{live[k] / mib:.1f}" for k in ("params", "grads", "optimizer", "activations", "temporaries")),
-                      *(_vs(r.get(k), live["total"]) for k in ("plan_analytic_bytes", "plan_simulated_bytes")),
-                      f"{r['rss_bytes'] / mib:.0f}", f"{r['step_s']:.3f}", f"{r['time_ratio']:.2f}×"])
+        cells.append(
+            [
+                r["option"],
+                f"{live['total'] / mib:.1f}",
+                f"{r['memory_ratio']:.2f}×",
+                *(f"{live[k] / mib:.1f}" for k in ("params", "grads", "optimizer", "activations", "temporaries")),
+                *(_vs(r.get(k), live["total"]) for k in ("plan_analytic_bytes", "plan_simulated_bytes")),
+                f"{r['rss_bytes'] / mib:.0f}",
+                f"{r['step_s']:.3f}",
+                f"{r['time_ratio']:.2f}×",
+            ]
+        )
     if markdown:
         print("| " + " | ".join(COLUMNS) + " |")
         print("| --- |" + " ---: |" * (len(COLUMNS) - 1))
         for row in cells:
             print("| " + " | ".join(row) + " |")
         return
-    table = Table(title=f"memory options: Llama h{MODEL['hidden_size']} L{MODEL['num_layers']} vocab {MODEL['vocab_size']}, "
-                        f"{BATCH['micro_batch_size']}×256 tokens per step, CPU")
+    table = Table(
+        title=f"memory options: Llama h{MODEL['hidden_size']} L{MODEL['num_layers']} vocab {MODEL['vocab_size']}, "
+        f"{BATCH['micro_batch_size']}×256 tokens per step, CPU"
+    )
     for col in COLUMNS:
         table.add_column(col, justify="left" if col == "option" else "right")
     for row in cells:

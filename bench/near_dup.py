@@ -26,12 +26,18 @@ CHAT = ROOT / "examples" / "data" / "chat" / "chatterbot_corpus.jsonl"
 
 EDIT_KINDS = ("substitute", "insert", "delete")
 BOILERPLATE = {
-    "en": (["Home | News | Culture | Books | Contact", "Posted by admin on 12 March 2024 | 3 comments"],
-           ["Share this: Facebook | Twitter | Email", "Copyright © 2024 Example Media. All rights reserved."]),
-    "zh": (["首页 > 文化 > 正文", "发布时间：2024-03-12 来源：本站"],
-           ["分享到：微信 | 微博 | QQ空间", "版权所有 © 2024 某某网 保留所有权利"]),
-    "ja": (["ホーム > ニュース > 記事", "投稿日：2024年3月12日"],
-           ["この記事をシェアする", "Copyright © 2024 サンプル株式会社 All rights reserved."]),
+    "en": (
+        ["Home | News | Culture | Books | Contact", "Posted by admin on 12 March 2024 | 3 comments"],
+        ["Share this: Facebook | Twitter | Email", "Copyright © 2024 Example Media. All rights reserved."],
+    ),
+    "zh": (
+        ["首页 > 文化 > 正文", "发布时间：2024-03-12 来源：本站"],
+        ["分享到：微信 | 微博 | QQ空间", "版权所有 © 2024 某某网 保留所有权利"],
+    ),
+    "ja": (
+        ["ホーム > ニュース > 記事", "投稿日：2024年3月12日"],
+        ["この記事をシェアする", "Copyright © 2024 サンプル株式会社 All rights reserved."],
+    ),
 }
 
 
@@ -39,8 +45,8 @@ BOILERPLATE = {
 class Item:
     text: str
     script: str
-    kind: str        # "original" or the copy's variant, e.g. "substitute 2%"
-    original: int    # index of the original it was made from (itself for an original)
+    kind: str  # "original" or the copy's variant, e.g. "substitute 2%"
+    original: int  # index of the original it was made from (itself for an original)
 
 
 def english_docs(n: int, rng: random.Random) -> list[str]:
@@ -49,7 +55,7 @@ def english_docs(n: int, rng: random.Random) -> list[str]:
     for play in sorted(PLAYS.glob("*.txt")):
         text = play.read_text(encoding="utf-8")
         start, end = text.find("*** START OF"), text.find("*** END OF")
-        body = text[text.find("\n", start) + 1:end] if start >= 0 and end > start else text
+        body = text[text.find("\n", start) + 1 : end] if start >= 0 and end > start else text
         blocks += [b.strip() for b in re.split(r"\n\s*\n", body) if len(b.strip()) > 20]
     docs, i = [], 0
     while len(docs) < n and i < len(blocks):
@@ -76,7 +82,7 @@ def chinese_docs(n: int, rng: random.Random) -> list[str]:
     src = _chinese_source()
     chain: dict[str, list[str]] = defaultdict(list)
     for i in range(len(src) - 2):
-        chain[src[i:i + 2]].append(src[i + 2])
+        chain[src[i : i + 2]].append(src[i + 2])
     starts = [k for k in chain if k[0] not in "。，,？！?!"]
     docs = []
     for _ in range(n):
@@ -159,8 +165,11 @@ def add_boilerplate(text: str, script: str) -> str:
     return "\n".join([*head, text, *foot])
 
 
-VARIANTS = ([f"{k} {r}%" for k in EDIT_KINDS for r in (1, 2, 3)]
-            + ["lines reordered", "boilerplate added", "all: 3% mixed + reorder + boilerplate"])
+VARIANTS = [f"{k} {r}%" for k in EDIT_KINDS for r in (1, 2, 3)] + [
+    "lines reordered",
+    "boilerplate added",
+    "all: 3% mixed + reorder + boilerplate",
+]
 
 
 def make_copy(text: str, variant: str, script: str, rng: random.Random) -> str:
@@ -198,8 +207,9 @@ def score(items: list[Item], kept: list[bool]) -> dict[str, dict[str, float]]:
     return {kind: {"n": n, "rate": hit / n} for kind, (n, hit) in rows.items()}
 
 
-def run(scripts: tuple[str, ...] = ("en", "zh", "ja"), originals: int = 1000, copies: int = 50,
-        settings: dict | None = None) -> dict:
+def run(
+    scripts: tuple[str, ...] = ("en", "zh", "ja"), originals: int = 1000, copies: int = 50, settings: dict | None = None
+) -> dict:
     """Recall per script and variant, originals kept, precision, for each named MinHashLSH setting."""
     import time
 
@@ -214,8 +224,9 @@ def run(scripts: tuple[str, ...] = ("en", "zh", "ja"), originals: int = 1000, co
         for it in items:
             if it.kind != "original":
                 per[it.kind].append(jaccard(it.text, items[it.original].text))
-        out["jaccard"][script] = {k: {"p5": sorted(v)[len(v) // 20], "median": sorted(v)[len(v) // 2]}
-                                  for k, v in per.items()}
+        out["jaccard"][script] = {
+            k: {"p5": sorted(v)[len(v) // 20], "median": sorted(v)[len(v) // 2]} for k, v in per.items()
+        }
         for name, kw in settings.items():
             lsh = MinHashLSH(**kw)
             t = time.perf_counter()
@@ -224,11 +235,24 @@ def run(scripts: tuple[str, ...] = ("en", "zh", "ja"), originals: int = 1000, co
             sc = score(items, kept)
             dropped = sum(not k for k in kept)
             wrong = sum(not k for it, k in zip(items, kept) if it.kind == "original")
-            row = out["settings"].setdefault(name, {"params": {"threshold": lsh.threshold, "num_perm": lsh.num_perm,
-                                                               "bands": lsh.bands, "rows": lsh.rows,
-                                                               "ngram": lsh.ngram or "by script"}})
-            row[script] = {"scores": sc, "precision": 1 - wrong / max(1, dropped), "candidates": lsh.candidates,
-                           "docs_per_s": round(len(items) / dt)}
+            row = out["settings"].setdefault(
+                name,
+                {
+                    "params": {
+                        "threshold": lsh.threshold,
+                        "num_perm": lsh.num_perm,
+                        "bands": lsh.bands,
+                        "rows": lsh.rows,
+                        "ngram": lsh.ngram or "by script",
+                    }
+                },
+            )
+            row[script] = {
+                "scores": sc,
+                "precision": 1 - wrong / max(1, dropped),
+                "candidates": lsh.candidates,
+                "docs_per_s": round(len(items) / dt),
+            }
     return out
 
 
@@ -242,10 +266,12 @@ def shingle_choices(originals: int = 200, copies: int = 30) -> dict:
         return [" ".join(ln.split()) for ln in t.split("\n") if ln.strip()]
 
     def chars(n: int):
-        return lambda t: {ln[i:i + n] for ln in lines(t) for i in range(max(1, len(ln) - n + 1))}
+        return lambda t: {ln[i : i + n] for ln in lines(t) for i in range(max(1, len(ln) - n + 1))}
 
     def words(n: int):
-        return lambda t: {tuple(w[i:i + n]) for w in (ln.split() for ln in lines(t)) for i in range(max(1, len(w) - n + 1))}
+        return lambda t: {
+            tuple(w[i : i + n]) for w in (ln.split() for ln in lines(t)) for i in range(max(1, len(w) - n + 1))
+        }
 
     kinds = {f"char {n}-grams": chars(n) for n in (2, 3, 4, 5)}
     out: dict = {}
@@ -253,10 +279,15 @@ def shingle_choices(originals: int = 200, copies: int = 30) -> dict:
         rng = random.Random(f"shingles-{script}")
         docs = {"en": english_docs, "zh": chinese_docs, "ja": japanese_docs}[script](originals, rng)
         pairs = [(i, edit(docs[i], 0.03, "substitute", rng)) for i in rng.sample(range(len(docs)), copies)]
-        for name, f in {**kinds, **({"word 1-grams": words(1), "word 2-grams": words(2)} if script == "en" else {})}.items():
+        for name, f in {
+            **kinds,
+            **({"word 1-grams": words(1), "word 2-grams": words(2)} if script == "en" else {}),
+        }.items():
             sets = [f(t) for t in docs]
             near = sorted(len(sets[i] & f(c)) / len(sets[i] | f(c)) for i, c in pairs)
             far = sorted(max(len(a & b) / len(a | b) for k, b in enumerate(sets) if k != j) for j, a in enumerate(sets))
-            out.setdefault(name, {})[script] = {"copy_p5": round(near[len(near) // 20], 2),
-                                               "distinct_p99": round(far[int(len(far) * 0.99)], 2)}
+            out.setdefault(name, {})[script] = {
+                "copy_p5": round(near[len(near) // 20], 2),
+                "distinct_p99": round(far[int(len(far) * 0.99)], 2),
+            }
     return out

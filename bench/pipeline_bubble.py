@@ -49,15 +49,27 @@ if __name__ == "__main__":  # the package under test comes first (the subprocess
     sys.path.insert(0, os.environ.get("BENCH_FITLM_ROOT", str(ROOT)))
 
 SEQ = 256
-MODEL = {"arch": "llama", "hidden_size": 256, "num_layers": 8, "num_heads": 8, "num_kv_heads": 4,
-         "intermediate_size": 512, "vocab_size": 1024, "max_seq_len": SEQ, "tie_embeddings": False}
+MODEL = {
+    "arch": "llama",
+    "hidden_size": 256,
+    "num_layers": 8,
+    "num_heads": 8,
+    "num_kv_heads": 4,
+    "intermediate_size": 512,
+    "vocab_size": 1024,
+    "max_seq_len": SEQ,
+    "tie_embeddings": False,
+}
 WARMUP = 2  # steps not measured: the first runs the schedule's shape inference
 
 
 def config(pp: int, mbs: int, chunks: int, accum: int) -> dict:
-    return {"model": MODEL, "data": {"seq_length": SEQ, "document_mask": False},
-            "parallel": {"pipeline_parallel": pp, "pipeline_schedule": "1f1b", "micro_batch_num": chunks},
-            "train": {"micro_batch_size": mbs, "gradient_accumulation_steps": accum, "warmup_steps": 0}}
+    return {
+        "model": MODEL,
+        "data": {"seq_length": SEQ, "document_mask": False},
+        "parallel": {"pipeline_parallel": pp, "pipeline_schedule": "1f1b", "micro_batch_num": chunks},
+        "train": {"micro_batch_size": mbs, "gradient_accumulation_steps": accum, "warmup_steps": 0},
+    }
 
 
 # --------------------------------------------------------------------------- one rank
@@ -77,6 +89,7 @@ def compute_timer():
             finally:
                 spent[0] += time.perf_counter() - t0
                 spent[1] += time.thread_time() - c0
+
         return call
 
     base = stage._PipelineStageBase
@@ -135,8 +148,13 @@ def worker(rank: int, world: int, port: int, spec: dict, out_dir: str) -> None:
     pm = parallelize(build_model(cfg.model), cfg, ctx)
     step = TrainStep.create(cfg, ctx, pm)
     g = torch.Generator().manual_seed(1)
-    batches = [{"input_ids": torch.randint(0, 1024, (spec["mbs"], SEQ), generator=g),
-                "labels": torch.randint(0, 1024, (spec["mbs"], SEQ), generator=g)} for _ in range(spec["accum"])]
+    batches = [
+        {
+            "input_ids": torch.randint(0, 1024, (spec["mbs"], SEQ), generator=g),
+            "labels": torch.randint(0, 1024, (spec["mbs"], SEQ), generator=g),
+        }
+        for _ in range(spec["accum"])
+    ]
     spent = compute_timer()
     modes = [mode for mode, _, _ in spec["modes"]]  # several: taken in turns, step by step
     rows = []
@@ -151,9 +169,16 @@ def worker(rank: int, world: int, port: int, spec: dict, out_dir: str) -> None:
             step.forward_backward(batches)
         fb = time.perf_counter() - t0
         step.optimizer_step()
-        rows.append({"mode": mode, "fb_s": fb, "step_s": time.perf_counter() - t0, "compute_s": spent[0],
-                     "compute_cpu_s": spent[1]})
-    mine = {"rows": rows[WARMUP * len(modes):], "recv_bytes": recv_buffer_bytes(pm.pipeline)}
+        rows.append(
+            {
+                "mode": mode,
+                "fb_s": fb,
+                "step_s": time.perf_counter() - t0,
+                "compute_s": spent[0],
+                "compute_cpu_s": spent[1],
+            }
+        )
+    mine = {"rows": rows[WARMUP * len(modes) :], "recv_bytes": recv_buffer_bytes(pm.pipeline)}
     gathered = [None] * world if rank == 0 else None
     dist.gather_object(mine, gathered, dst=0)
     if rank == 0:
@@ -179,13 +204,19 @@ def run_world(spec: dict) -> None:
         fb = [max(x["fb_s"] for x in st) for st in per_step]  # the step ends on every rank together
         busy = [sum(x["compute_s"] for x in st) for st in per_step]
         n = chunks // runs  # chunks per schedule run
-        out.append({"step_s": statistics.median(max(x["step_s"] for x in st) for st in per_step),
-                    "forward_backward_s": statistics.median(fb),
-                    "bubble": statistics.median(1 - b / (p * f) for b, f in zip(busy, fb)),
-                    "ideal": (p - 1) / (n + p - 1), "chunk_compute_ms": 1000 * statistics.median(busy) / chunks,
-                    "chunk_compute_cpu_ms": 1000 * statistics.median(
-                        sum(x["compute_cpu_s"] for x in st) for st in per_step) / chunks,
-                    "recv_mib_max_rank": max(r["recv_bytes"] for r in ranks) / 2**20})
+        out.append(
+            {
+                "step_s": statistics.median(max(x["step_s"] for x in st) for st in per_step),
+                "forward_backward_s": statistics.median(fb),
+                "bubble": statistics.median(1 - b / (p * f) for b, f in zip(busy, fb)),
+                "ideal": (p - 1) / (n + p - 1),
+                "chunk_compute_ms": 1000 * statistics.median(busy) / chunks,
+                "chunk_compute_cpu_ms": 1000
+                * statistics.median(sum(x["compute_cpu_s"] for x in st) for st in per_step)
+                / chunks,
+                "recv_mib_max_rank": max(r["recv_bytes"] for r in ranks) / 2**20,
+            }
+        )
     print(json.dumps(out))
 
 
@@ -195,12 +226,24 @@ def run_world(spec: dict) -> None:
 def measure(case: dict, steps: int) -> list[dict]:
     """One world for `case`; a row per mode (or error rows)."""
     spec = {k: case[k] for k in ("pp", "mbs", "chunks", "accum", "modes")} | {"steps": steps}
-    rows = [{"case": name, "pp": case["pp"], "micro_batch_num": case["chunks"], "accumulation": case["accum"],
-             "chunks_per_step": case["chunks"] * case["accum"], "schedule_runs_per_step": runs}
-            for _, name, runs in case["modes"]]
+    rows = [
+        {
+            "case": name,
+            "pp": case["pp"],
+            "micro_batch_num": case["chunks"],
+            "accumulation": case["accum"],
+            "chunks_per_step": case["chunks"] * case["accum"],
+            "schedule_runs_per_step": runs,
+        }
+        for _, name, runs in case["modes"]
+    ]
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, __file__, "--run", json.dumps(spec)], capture_output=True, text=True,
-                          env={**os.environ, "BENCH_FITLM_ROOT": str(case["root"])})
+    proc = subprocess.run(
+        [sys.executable, __file__, "--run", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "BENCH_FITLM_ROOT": str(case["root"])},
+    )
     wall = round(time.perf_counter() - t0, 1)
     if proc.returncode:
         lines = [x for x in proc.stderr.strip().splitlines() if "Error" in x or "parallel." in x]
@@ -213,37 +256,59 @@ def cases(pps: list[int], new_root: Path, old_root: Path | None) -> list[dict]:
     """Worlds to measure: the layout, the package and its modes as (mode, row name, schedule runs per step)."""
     out = []
     for pp in pps:  # the sweep: m accumulation micro batches of one sequence, one chunk each
-        out += [{"pp": pp, "mbs": 1, "chunks": 1, "accum": m, "root": new_root,
-                 "modes": [("step", f"pp{pp} sweep m={m}", 1)]} for m in (1, 2, 4, 8)]
+        out += [
+            {
+                "pp": pp,
+                "mbs": 1,
+                "chunks": 1,
+                "accum": m,
+                "root": new_root,
+                "modes": [("step", f"pp{pp} sweep m={m}", 1)],
+            }
+            for m in (1, 2, 4, 8)
+        ]
     for pp in pps:  # accumulation 4, micro_batch_num = pp: the smallest layout the old rule accepted
         same = {"pp": pp, "mbs": pp, "chunks": pp, "accum": 4}
-        out.append({**same, "root": new_root, "modes": [("step", f"pp{pp} accum4: one run (new)", 1),
-                                                         ("per_micro_batch", f"pp{pp} accum4: run per micro batch, "
-                                                          "same processes", 4)]})
+        out.append(
+            {
+                **same,
+                "root": new_root,
+                "modes": [
+                    ("step", f"pp{pp} accum4: one run (new)", 1),
+                    ("per_micro_batch", f"pp{pp} accum4: run per micro batch, same processes", 4),
+                ],
+            }
+        )
         if old_root is not None:
-            out.append({**same, "root": old_root, "modes": [("step", f"pp{pp} accum4: run per micro batch "
-                                                                     "(old package)", 4)]})
+            out.append(
+                {**same, "root": old_root, "modes": [("step", f"pp{pp} accum4: run per micro batch (old package)", 4)]}
+            )
     return out
 
 
 def table(report: dict) -> str:
     m = report["machine"]
-    lines = [f"- Machine: {m.get('cpus')} CPUs, load average {report.get('load_before', '?')} before and "
-             f"{m.get('load_avg_1m', '?')} after; Python {m.get('python')}, torch {m.get('torch')}, gloo",
-             f"- Command: `{report.get('command', 'python bench/pipeline_bubble.py')}`",
-             f"- {report['steps']} measured steps per row (median, after {WARMUP} warm-up steps), fastest of "
-             f"{report['repeats']} runs per row", "",
-             "| case | chunks per step | schedule runs per step | step (s) | forward+backward (s) | compute per chunk, "
-             "wall / CPU (ms) | bubble measured | bubble ideal | receive buffers, largest rank (MiB) |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        f"- Machine: {m.get('cpus')} CPUs, load average {report.get('load_before', '?')} before and "
+        f"{m.get('load_avg_1m', '?')} after; Python {m.get('python')}, torch {m.get('torch')}, gloo",
+        f"- Command: `{report.get('command', 'python bench/pipeline_bubble.py')}`",
+        f"- {report['steps']} measured steps per row (median, after {WARMUP} warm-up steps), fastest of "
+        f"{report['repeats']} runs per row",
+        "",
+        "| case | chunks per step | schedule runs per step | step (s) | forward+backward (s) | compute per chunk, "
+        "wall / CPU (ms) | bubble measured | bubble ideal | receive buffers, largest rank (MiB) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in report["results"]:
         if "error" in r:
             why = r["error"].split(";")[0].removeprefix("ValueError: ")  # the rule, not its remedy
             lines.append(f"| {r['case']} | {r['chunks_per_step']} | - | refused: {why} | | | | | |")
             continue
-        lines.append(f"| {r['case']} | {r['chunks_per_step']} | {r['schedule_runs_per_step']} | {r['step_s']:.3f} | "
-                     f"{r['forward_backward_s']:.3f} | {r['chunk_compute_ms']:.0f} / {r['chunk_compute_cpu_ms']:.0f} | "
-                     f"{r['bubble']:.1%} | {r['ideal']:.1%} | {r['recv_mib_max_rank']:.1f} |")
+        lines.append(
+            f"| {r['case']} | {r['chunks_per_step']} | {r['schedule_runs_per_step']} | {r['step_s']:.3f} | "
+            f"{r['forward_backward_s']:.3f} | {r['chunk_compute_ms']:.0f} / {r['chunk_compute_cpu_ms']:.0f} | "
+            f"{r['bubble']:.1%} | {r['ideal']:.1%} | {r['recv_mib_max_rank']:.1f} |"
+        )
     return "\n".join(lines)
 
 
@@ -253,12 +318,19 @@ def main() -> None:
     ap.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--repeats", type=int, default=3, help="runs of each row; the fastest is reported")
     ap.add_argument("--new-root", type=Path, default=ROOT, help="the folder holding the fitlm package of the new rows")
-    ap.add_argument("--old-root", type=Path, default=None,
-                    help="the folder holding the fitlm package before the change")
+    ap.add_argument(
+        "--old-root", type=Path, default=None, help="the folder holding the fitlm package before the change"
+    )
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "pipeline_bubble.json")
-    ap.add_argument("--markdown", nargs="?", type=Path, const=ROOT / "bench" / "results" / "pipeline_bubble.json",
-                    metavar="JSON", help="print the bench/RESULTS.md table of a saved run and exit")
+    ap.add_argument(
+        "--markdown",
+        nargs="?",
+        type=Path,
+        const=ROOT / "bench" / "results" / "pipeline_bubble.json",
+        metavar="JSON",
+        help="print the bench/RESULTS.md table of a saved run and exit",
+    )
     ap.add_argument("--run", help=argparse.SUPPRESS)  # internal: one world, in a subprocess
     args = ap.parse_args()
     if args.run:
@@ -281,9 +353,17 @@ def main() -> None:
     rows = [min(runs, key=lambda r: r.get("forward_backward_s", 0.0)) for runs in zip(*tries)]
     for row, runs in zip(rows, zip(*tries)):
         row["forward_backward_s_all"] = [round(r["forward_backward_s"], 4) for r in runs if "error" not in r]
-    report = {"benchmark": "pipeline_bubble", "machine": machine(), "load_before": load_before,
-              "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]), "seq_length": SEQ,
-              "model": MODEL, "steps": args.steps, "repeats": args.repeats, "results": rows}
+    report = {
+        "benchmark": "pipeline_bubble",
+        "machine": machine(),
+        "load_before": load_before,
+        "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+        "seq_length": SEQ,
+        "model": MODEL,
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "results": rows,
+    }
     write_json(args.out, report)
     print(json.dumps(report) if args.json else table(report))
 

@@ -39,9 +39,16 @@ def make_hf_model(path: Path, layers: int) -> int:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=layers, num_attention_heads=16,
-                      num_key_value_heads=8, vocab_size=32000, max_position_embeddings=2048,
-                      tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        vocab_size=32000,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     n = sum(p.numel() for p in model.parameters())
@@ -49,14 +56,26 @@ def make_hf_model(path: Path, layers: int) -> int:
     return n
 
 
-def config(tmp: Path, name: str, hf: Path, data: Path, tok: Path, finetune: dict, parallel: dict,
-           memory: dict) -> Path:
-    cfg = {"model": {"init_from": str(hf)}, "finetune": finetune, "parallel": parallel, "memory": memory,
-           "data": {"train": str(data), "tokenizer": str(tok), "seq_length": 128},
-           "train": {"micro_batch_size": 1, "gradient_accumulation_steps": 1, "max_steps": 2, "eval_interval": 0,
-                     "warmup_steps": 0, "log_interval": 1, "progress": False, "output_dir": str(tmp / name),
-                     "observe": {"consistency_interval": 0, "tensorboard": False}},
-           "checkpoint": {"interval": 0}}
+def config(tmp: Path, name: str, hf: Path, data: Path, tok: Path, finetune: dict, parallel: dict, memory: dict) -> Path:
+    cfg = {
+        "model": {"init_from": str(hf)},
+        "finetune": finetune,
+        "parallel": parallel,
+        "memory": memory,
+        "data": {"train": str(data), "tokenizer": str(tok), "seq_length": 128},
+        "train": {
+            "micro_batch_size": 1,
+            "gradient_accumulation_steps": 1,
+            "max_steps": 2,
+            "eval_interval": 0,
+            "warmup_steps": 0,
+            "log_interval": 1,
+            "progress": False,
+            "output_dir": str(tmp / name),
+            "observe": {"consistency_interval": 0, "tensorboard": False},
+        },
+        "checkpoint": {"interval": 0},
+    }
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -79,8 +98,12 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--only", type=int, nargs="+", help="run only RUNS[N] (several: --only 2 3)")
-    ap.add_argument("--mmap-threshold", type=int, help="glibc's MALLOC_MMAP_THRESHOLD_ for the runs (bytes): "
-                    "allocations above it are returned to the system when freed instead of kept in the heap")
+    ap.add_argument(
+        "--mmap-threshold",
+        type=int,
+        help="glibc's MALLOC_MMAP_THRESHOLD_ for the runs (bytes): "
+        "allocations above it are returned to the system when freed instead of kept in the heap",
+    )
     args = ap.parse_args()
     if args.mmap_threshold:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)  # inherited by torchrun and the ranks
@@ -104,12 +127,24 @@ def main() -> None:
                 rows.append({"run": name, "error": proc.stderr.strip().splitlines()[-1]})
                 continue
             host = json.loads((tmp / slug / "host_memory.json").read_text())
-            rows.append({"run": name, "seconds": round(seconds, 1), "params": params, "fp32_bytes": fp32,
-                         "peaks": host, "plan": plan_host(cfg),
-                         "max_peak_over_half_fp32": max(max(v) for v in host.values()) - fp32 / 2})
+            rows.append(
+                {
+                    "run": name,
+                    "seconds": round(seconds, 1),
+                    "params": params,
+                    "fp32_bytes": fp32,
+                    "peaks": host,
+                    "plan": plan_host(cfg),
+                    "max_peak_over_half_fp32": max(max(v) for v in host.values()) - fp32 / 2,
+                }
+            )
             print(json.dumps(rows[-1]), file=sys.stderr)
-    out = {"machine": {"python": sys.version.split()[0]}, "layers": args.layers,
-           "mmap_threshold": args.mmap_threshold, "rows": rows}
+    out = {
+        "machine": {"python": sys.version.split()[0]},
+        "layers": args.layers,
+        "mmap_threshold": args.mmap_threshold,
+        "rows": rows,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     if args.markdown:
@@ -122,10 +157,15 @@ def main() -> None:
             for phase, ranks in r["peaks"].items():
                 planned = ((r["plan"] or {}).get("per_rank") or {}).get(phase)
                 cells = " | ".join(f"{b / GIB:.2f}" for b in ranks)
-                print(f"| {r['run']} | {phase} | {cells} | {planned / GIB:.2f} |" if planned else
-                      f"| {r['run']} | {phase} | {cells} | n/a |")
-        print(f"\nModel: {rows[0].get('params', 0) / 1e9:.2f}B parameters, fp32 {rows[0].get('fp32_bytes', 0) / GIB:.2f} GiB "
-              f"(half: {rows[0].get('fp32_bytes', 0) / 2 / GIB:.2f} GiB)")
+                print(
+                    f"| {r['run']} | {phase} | {cells} | {planned / GIB:.2f} |"
+                    if planned
+                    else f"| {r['run']} | {phase} | {cells} | n/a |"
+                )
+        print(
+            f"\nModel: {rows[0].get('params', 0) / 1e9:.2f}B parameters, fp32 {rows[0].get('fp32_bytes', 0) / GIB:.2f} GiB "
+            f"(half: {rows[0].get('fp32_bytes', 0) / 2 / GIB:.2f} GiB)"
+        )
 
 
 if __name__ == "__main__":

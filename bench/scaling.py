@@ -58,21 +58,26 @@ def summarize(report: dict) -> dict:
 def table(report: dict) -> str:
     """The bench/RESULTS.md table of one run (also what --markdown prints from a saved JSON)."""
     m = report["machine"]
-    lines = [f"- Machine: {m.get('cpus')} CPUs, load average at the end {m.get('load_avg_1m', '?')}; "
-             f"Python {m.get('python')}, torch {m.get('torch')}",
-             f"- Command: `{report.get('command', 'python bench/scaling.py')}`",
-             f"- Global batch {report['global_batch']} × sequence {report['seq_length']}, {report['steps']} steps per "
-             "layout (median of the steps after the first 2), fastest of "
-             f"{report.get('repeats', 1)} runs per layout", "",
-             "| layout | kind | degree | processes | tokens/s | step s | overhead s | overhead share | efficiency |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        f"- Machine: {m.get('cpus')} CPUs, load average at the end {m.get('load_avg_1m', '?')}; "
+        f"Python {m.get('python')}, torch {m.get('torch')}",
+        f"- Command: `{report.get('command', 'python bench/scaling.py')}`",
+        f"- Global batch {report['global_batch']} × sequence {report['seq_length']}, {report['steps']} steps per "
+        "layout (median of the steps after the first 2), fastest of "
+        f"{report.get('repeats', 1)} runs per layout",
+        "",
+        "| layout | kind | degree | processes | tokens/s | step s | overhead s | overhead share | efficiency |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in report["results"]:
         if "error" in r:
             lines.append(f"| {r['layout']} | {r['kind']} | {r['degree']} | - | error: {r['error']} | | | | |")
             continue
-        lines.append(f"| {r['layout']} | {r['kind']} | {r['degree']} | {r['processes']} | {r['tokens_per_s']:,.0f} | "
-                     f"{r['step_time_s']:.3f} | {r.get('overhead_s', 0):+.3f} | {r.get('overhead_share', 0):.0%} | "
-                     f"{r.get('scaling_efficiency', 1):.2f} |")
+        lines.append(
+            f"| {r['layout']} | {r['kind']} | {r['degree']} | {r['processes']} | {r['tokens_per_s']:,.0f} | "
+            f"{r['step_time_s']:.3f} | {r.get('overhead_s', 0):+.3f} | {r.get('overhead_share', 0):.0%} | "
+            f"{r.get('scaling_efficiency', 1):.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -84,8 +89,14 @@ def main() -> None:
     ap.add_argument("--global-batch", type=int, default=8)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", type=Path, default=RESULTS / "scaling.json")
-    ap.add_argument("--markdown", nargs="?", type=Path, const=RESULTS / "scaling.json", metavar="JSON",
-                    help="print the bench/RESULTS.md table of a saved run (default: the results file) and exit")
+    ap.add_argument(
+        "--markdown",
+        nargs="?",
+        type=Path,
+        const=RESULTS / "scaling.json",
+        metavar="JSON",
+        help="print the bench/RESULTS.md table of a saved run (default: the results file) and exit",
+    )
     args = ap.parse_args()
     if args.markdown:
         print(table(json.loads(args.markdown.read_text())))
@@ -105,10 +116,19 @@ def main() -> None:
         ok = [r for r in rs if "tokens_per_s" in r]
         best = max(ok, key=lambda r: r["tokens_per_s"]) if ok else rs[0]
         rows.append({**best, "tokens_per_s_runs": [r.get("tokens_per_s") for r in rs]})
-    report = summarize({"benchmark": "scaling", "machine": machine(), "global_batch": args.global_batch,
-                        "seq_length": layouts.SEQ, "steps": args.steps, "repeats": args.repeats, "wall_s": round(time.perf_counter() - t0, 1),
-                        "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-                        "results": rows})
+    report = summarize(
+        {
+            "benchmark": "scaling",
+            "machine": machine(),
+            "global_batch": args.global_batch,
+            "seq_length": layouts.SEQ,
+            "steps": args.steps,
+            "repeats": args.repeats,
+            "wall_s": round(time.perf_counter() - t0, 1),
+            "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+            "results": rows,
+        }
+    )
     write_json(args.out, report)
     if args.json:
         print(json.dumps(report))

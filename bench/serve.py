@@ -47,8 +47,15 @@ def build_model(root: Path, hidden: int, layers: int, context: int) -> Path:
 
     tok = train_tokenizer([PLAYS / "macbeth_gut.txt"], 1024, root / "tok" / "tokenizer.json")
     heads = max(1, hidden // 64)
-    cfg = ModelConfig(arch="llama", hidden_size=hidden, num_layers=layers, num_heads=heads,
-                      num_kv_heads=max(1, heads // 2), vocab_size=1024, max_seq_len=context)
+    cfg = ModelConfig(
+        arch="llama",
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=max(1, heads // 2),
+        vocab_size=1024,
+        max_seq_len=context,
+    )
     torch.manual_seed(0)
     model = build(cfg)
     model.init_weights()
@@ -58,8 +65,11 @@ def build_model(root: Path, hidden: int, layers: int, context: int) -> Path:
 @contextmanager
 def served(model_dir: Path, max_batch: int) -> Iterator[str]:
     """`fitlm serve` in a subprocess on a free port; yields its /v1 URL, SIGTERMs it at the end."""
-    proc = subprocess.Popen([sys.executable, "-m", "fitlm.cli", "serve", str(model_dir), "--port", "0",
-                             "--max-batch", str(max_batch)], stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fitlm.cli", "serve", str(model_dir), "--port", "0", "--max-batch", str(max_batch)],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         banner = proc.stderr.readline()
         if " at http" not in banner:
@@ -79,8 +89,9 @@ def run_row(url: str, clients: int, requests: int, max_tokens: int) -> dict:
 
     def one(prompt: str) -> tuple[int, float]:
         t = time.perf_counter()
-        r = http.post(url + "/completions", json={
-            "model": "model", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+        r = http.post(
+            url + "/completions", json={"model": "model", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+        )
         r.raise_for_status()
         return r.json()["usage"]["completion_tokens"], time.perf_counter() - t
 
@@ -89,9 +100,15 @@ def run_row(url: str, clients: int, requests: int, max_tokens: int) -> dict:
         done = list(pool.map(one, prompts))
     wall = time.perf_counter() - t0
     tokens = sum(n for n, _ in done)
-    return {"clients": clients, "requests": requests, "tokens": tokens, "seconds": round(wall, 3),
-            "requests_per_s": round(requests / wall, 2), "tokens_per_s": round(tokens / wall, 1),
-            "median_latency_s": round(median([s for _, s in done]), 3)}
+    return {
+        "clients": clients,
+        "requests": requests,
+        "tokens": tokens,
+        "seconds": round(wall, 3),
+        "requests_per_s": round(requests / wall, 2),
+        "tokens_per_s": round(tokens / wall, 1),
+        "median_latency_s": round(median([s for _, s in done]), 3),
+    }
 
 
 def main() -> None:
@@ -110,8 +127,10 @@ def main() -> None:
         for max_batch in BATCHES:
             with served(model_dir, max_batch) as url:
                 run_row(url, 1, 2, args.max_tokens)  # warm-up
-                rows += [{"max_batch": max_batch, **run_row(url, clients, args.requests, args.max_tokens)}
-                         for clients in CLIENTS]
+                rows += [
+                    {"max_batch": max_batch, **run_row(url, clients, args.requests, args.max_tokens)}
+                    for clients in CLIENTS
+                ]
     result = {"machine": machine(), "model": {"hidden": args.hidden, "layers": args.layers}, "rows": rows}
     write_json(args.out, result)
     if args.json:
@@ -121,8 +140,10 @@ def main() -> None:
     print("| clients | --max-batch | requests/s | tokens/s | median latency s | vs one at a time |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
-        print(f"| {r['clients']} | {r['max_batch']} | {r['requests_per_s']} | {r['tokens_per_s']} | "
-              f"{r['median_latency_s']} | {r['tokens_per_s'] / base[r['clients']]:.2f}x |")
+        print(
+            f"| {r['clients']} | {r['max_batch']} | {r['requests_per_s']} | {r['tokens_per_s']} | "
+            f"{r['median_latency_s']} | {r['tokens_per_s'] / base[r['clients']]:.2f}x |"
+        )
 
 
 if __name__ == "__main__":

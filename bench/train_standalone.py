@@ -46,15 +46,21 @@ CONTENDERS = ("fitlm", "fitlm_system", "hf_sdpa", "hf_eager", "hf_sdpa_jemalloc"
 HF = tuple(c for c in CONTENDERS if c.startswith("hf_"))
 # Intel's advice for PyTorch on Xeon (never give memory back, a background purge thread, huge-page metadata).
 JEMALLOC_CONF = "oversize_threshold:1,background_thread:true,metadata_thp:auto,dirty_decay_ms:-1,muzzy_decay_ms:-1"
-JEMALLOC_PATHS = ("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2", "/usr/lib/aarch64-linux-gnu/libjemalloc.so.2",
-                  "/usr/lib64/libjemalloc.so.2", "/usr/local/lib/libjemalloc.so.2")
+JEMALLOC_PATHS = (
+    "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
+    "/usr/lib/aarch64-linux-gnu/libjemalloc.so.2",
+    "/usr/lib64/libjemalloc.so.2",
+    "/usr/local/lib/libjemalloc.so.2",
+)
 
 
 def find_jemalloc(given: Path | None) -> Path | None:
     if given is not None:
         if not given.is_file():
-            raise SystemExit(f"--jemalloc {given}: no such file; install jemalloc (Debian: apt-get install "
-                             "libjemalloc2) or name its libjemalloc.so.2")
+            raise SystemExit(
+                f"--jemalloc {given}: no such file; install jemalloc (Debian: apt-get install "
+                "libjemalloc2) or name its libjemalloc.so.2"
+            )
         return given
     return next((Path(p) for p in JEMALLOC_PATHS if Path(p).is_file()), None)
 
@@ -108,11 +114,19 @@ def child(name: str, size: str, data_dir: Path, out_dir: Path, args) -> dict:
 
         with contextlib.redirect_stdout(sys.stderr):  # the Trainer prints its summary: stdout carries the JSON
             precision = hf_best_precision("auto", "cpu")
-            hf_trainer(model, batches_for(cfg, steps + 2), out_dir / name, steps, precision, args.compile, [Clock()]).train()
-    timed = times[args.warmup:]
-    return {"name": name, "jemalloc": jemalloc_mapped(), "step_s": round(median(timed), 4), "min_step_s": round(min(timed), 4),
-            "compile_s": round(max(0.0, times[0] - median(timed)), 2), "faults_per_step": median(faults[args.warmup:]),
-            "step_times_s": [round(t, 4) for t in times]}
+            hf_trainer(
+                model, batches_for(cfg, steps + 2), out_dir / name, steps, precision, args.compile, [Clock()]
+            ).train()
+    timed = times[args.warmup :]
+    return {
+        "name": name,
+        "jemalloc": jemalloc_mapped(),
+        "step_s": round(median(timed), 4),
+        "min_step_s": round(min(timed), 4),
+        "compile_s": round(max(0.0, times[0] - median(timed)), 2),
+        "faults_per_step": median(faults[args.warmup :]),
+        "step_times_s": [round(t, 4) for t in times],
+    }
 
 
 def best_settings(args) -> dict:
@@ -123,9 +137,25 @@ def best_settings(args) -> dict:
 
 
 def run_child(name: str, size: str, data_dir: Path, out_dir: Path, args) -> dict:
-    cmd = [sys.executable, __file__, "--_child", name, size, str(data_dir), str(out_dir), "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--batch", str(args.batch), "--seq", str(args.seq),
-           "--fitlm-best", args.fitlm_best] + ([] if args.compile else ["--no-compile"])
+    cmd = [
+        sys.executable,
+        __file__,
+        "--_child",
+        name,
+        size,
+        str(data_dir),
+        str(out_dir),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--batch",
+        str(args.batch),
+        "--seq",
+        str(args.seq),
+        "--fitlm-best",
+        args.fitlm_best,
+    ] + ([] if args.compile else ["--no-compile"])
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     if name.endswith("_jemalloc"):
         env.update(LD_PRELOAD=f"{args.jemalloc} {env.get('LD_PRELOAD', '')}".strip(), MALLOC_CONF=JEMALLOC_CONF)
@@ -139,32 +169,54 @@ def run_size(size: str, data_dir: Path, tmp: Path, args) -> dict:
     tokens = args.batch * args.seq
     runs: dict[str, list[dict]] = {c: [] for c in args.contenders}
     for r in range(args.rounds):
-        order = list(args.contenders[r % len(args.contenders):]) + list(args.contenders[:r % len(args.contenders)])
+        order = list(args.contenders[r % len(args.contenders) :]) + list(args.contenders[: r % len(args.contenders)])
         for name in order:
             log(f"[{size}] round {r + 1}/{args.rounds}: {name}")
             runs[name].append(run_child(name, size, data_dir, tmp / size / f"round{r}", args))
-    res = {"size": size, "vocab_size": SIZES[size]["vocab_size"], "batch": args.batch, "seq": args.seq,
-           "rounds": args.rounds, "fitlm_best_settings": describe(best_settings(args)),
-           "hf_trainer_best_settings": hf_best_precision("auto", "cpu") + (" + torch_compile" if args.compile else "")}
+    res = {
+        "size": size,
+        "vocab_size": SIZES[size]["vocab_size"],
+        "batch": args.batch,
+        "seq": args.seq,
+        "rounds": args.rounds,
+        "fitlm_best_settings": describe(best_settings(args)),
+        "hf_trainer_best_settings": hf_best_precision("auto", "cpu") + (" + torch_compile" if args.compile else ""),
+    }
     for name, rs in runs.items():
-        res[name] = {"tokens_per_s": round(tokens / median([x["step_s"] for x in rs]), 1),
-                     "round_step_s": [x["step_s"] for x in rs], "min_step_s": min(x["min_step_s"] for x in rs),
-                     "faults_per_step": median([x["faults_per_step"] for x in rs]),
-                     "compile_s": median([x["compile_s"] for x in rs]), "runs": rs}
+        res[name] = {
+            "tokens_per_s": round(tokens / median([x["step_s"] for x in rs]), 1),
+            "round_step_s": [x["step_s"] for x in rs],
+            "min_step_s": min(x["min_step_s"] for x in rs),
+            "faults_per_step": median([x["faults_per_step"] for x in rs]),
+            "compile_s": median([x["compile_s"] for x in rs]),
+            "runs": rs,
+        }
     for ours in ("fitlm", "fitlm_system"):
         for theirs in HF:
             if ours in runs and theirs in runs:
                 per_round = [b / a for a, b in zip(res[ours]["round_step_s"], res[theirs]["round_step_s"])]
-                res[f"{ours}_vs_{theirs}"] = {"ratio": round(median(per_round), 3),
-                                              "rounds": [round(x, 3) for x in per_round],
-                                              "min_step": round(res[theirs]["min_step_s"] / res[ours]["min_step_s"], 3)}
+                res[f"{ours}_vs_{theirs}"] = {
+                    "ratio": round(median(per_round), 3),
+                    "rounds": [round(x, 3) for x in per_round],
+                    "min_step": round(res[theirs]["min_step_s"] / res[ours]["min_step_s"], 3),
+                }
     return res
 
 
-LABELS = {"fitlm": "fitlm best", "fitlm_system": "fitlm best, glibc allocator", "hf_sdpa": "HF best (SDPA)",
-          "hf_eager": "HF best (eager attention)", "hf_sdpa_jemalloc": "HF best (SDPA), jemalloc",
-          "hf_eager_jemalloc": "HF best (eager attention), jemalloc"}
-SHORT = {"hf_sdpa": "SDPA", "hf_eager": "eager", "hf_sdpa_jemalloc": "SDPA + jemalloc", "hf_eager_jemalloc": "eager + jemalloc"}
+LABELS = {
+    "fitlm": "fitlm best",
+    "fitlm_system": "fitlm best, glibc allocator",
+    "hf_sdpa": "HF best (SDPA)",
+    "hf_eager": "HF best (eager attention)",
+    "hf_sdpa_jemalloc": "HF best (SDPA), jemalloc",
+    "hf_eager_jemalloc": "HF best (eager attention), jemalloc",
+}
+SHORT = {
+    "hf_sdpa": "SDPA",
+    "hf_eager": "eager",
+    "hf_sdpa_jemalloc": "SDPA + jemalloc",
+    "hf_eager_jemalloc": "eager + jemalloc",
+}
 
 
 def table(report: dict) -> str:
@@ -172,21 +224,29 @@ def table(report: dict) -> str:
     results = report["results"]
     present = [c for c in CONTENDERS if any(c in r for r in results)]
     theirs = [c for c in present if c in HF]
-    lines = [f"- Machine: {m['cpus']} CPUs ({m['cpu']}, {m['threads']} torch threads), load average at the end "
-             f"{m.get('load_avg_1m', '?')}; Python {m['python']}, torch {m['torch']}, transformers {m.get('transformers', '-')}",
-             f"- Command: `{report['command']}` ({report['wall_s']:.0f} s)",
-             "- Each contender in its own process; tokens/s of the median step after warm-up, median over rounds; "
-             "ratios > 1 favour fitlm (each round's ratio of median steps, median over rounds; in brackets from the "
-             "fastest step of each); faults: minor page faults per step (median)",
-             "",
-             "| size | " + " | ".join(f"{LABELS[c]} | faults" for c in present) + " | "
-             + " | ".join(f"fitlm / HF {SHORT[c]}" for c in theirs)
-             + (" | same, glibc allocator (" + " / ".join(SHORT[c] for c in theirs) + ")"
-                if "fitlm_system" in present else "") + " |",
-             "| --- |" + " ---: | ---: |" * len(present) + " ---: |" * (len(theirs) + ("fitlm_system" in present))]
+    lines = [
+        f"- Machine: {m['cpus']} CPUs ({m['cpu']}, {m['threads']} torch threads), load average at the end "
+        f"{m.get('load_avg_1m', '?')}; Python {m['python']}, torch {m['torch']}, transformers {m.get('transformers', '-')}",
+        f"- Command: `{report['command']}` ({report['wall_s']:.0f} s)",
+        "- Each contender in its own process; tokens/s of the median step after warm-up, median over rounds; "
+        "ratios > 1 favour fitlm (each round's ratio of median steps, median over rounds; in brackets from the "
+        "fastest step of each); faults: minor page faults per step (median)",
+        "",
+        "| size | "
+        + " | ".join(f"{LABELS[c]} | faults" for c in present)
+        + " | "
+        + " | ".join(f"fitlm / HF {SHORT[c]}" for c in theirs)
+        + (
+            " | same, glibc allocator (" + " / ".join(SHORT[c] for c in theirs) + ")"
+            if "fitlm_system" in present
+            else ""
+        )
+        + " |",
+        "| --- |" + " ---: | ---: |" * len(present) + " ---: |" * (len(theirs) + ("fitlm_system" in present)),
+    ]
 
     def cell(r, name):
-        return (f"{r[name]['tokens_per_s']:,.0f} | {r[name]['faults_per_step']:,.0f}" if name in r else "- | -")
+        return f"{r[name]['tokens_per_s']:,.0f} | {r[name]['faults_per_step']:,.0f}" if name in r else "- | -"
 
     def ratio(r, key):
         return f"{r[key]['ratio']:.2f}× ({r[key]['min_step']:.2f}×)" if key in r else "-"
@@ -197,7 +257,10 @@ def table(report: dict) -> str:
             row.append(" / ".join(ratio(r, f"fitlm_system_vs_{c}") for c in theirs))
         lines.append("| " + " | ".join(row) + " |")
     r0 = results[0]
-    lines += ["", f"fitlm best: {r0['fitlm_best_settings']}; HF Trainer best: {r0.get('hf_trainer_best_settings', 'bf16 + torch_compile')}."]
+    lines += [
+        "",
+        f"fitlm best: {r0['fitlm_best_settings']}; HF Trainer best: {r0.get('hf_trainer_best_settings', 'bf16 + torch_compile')}.",
+    ]
     if any(c.endswith("_jemalloc") for c in present):
         lines[-1] += f" jemalloc: `MALLOC_CONF={JEMALLOC_CONF}`."
     return "\n".join(lines)
@@ -206,8 +269,13 @@ def table(report: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", nargs="+", default=["s-2k", "m-8k", "l-32k"], choices=list(SIZES))
-    ap.add_argument("--contenders", nargs="+", default=None, choices=CONTENDERS,
-                    help="default: all (the jemalloc ones where jemalloc is installed)")
+    ap.add_argument(
+        "--contenders",
+        nargs="+",
+        default=None,
+        choices=CONTENDERS,
+        help="default: all (the jemalloc ones where jemalloc is installed)",
+    )
     ap.add_argument("--jemalloc", type=Path, default=None, help="libjemalloc.so.2 to preload (default: the system's)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8, help="timed steps per contender and round")
@@ -215,8 +283,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--fitlm-best", default="auto", help="as in bench/train_throughput.py")
-    ap.add_argument("--no-compile", dest="compile", action="store_false",
-                    help="both best runs without torch.compile (quick checks, e.g. the smoke test)")
+    ap.add_argument(
+        "--no-compile",
+        dest="compile",
+        action="store_false",
+        help="both best runs without torch.compile (quick checks, e.g. the smoke test)",
+    )
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--markdown", nargs="?", type=Path, const=RESULTS / "train_standalone.json", metavar="JSON")
     ap.add_argument("--_child", nargs=4, help=argparse.SUPPRESS)
@@ -236,14 +308,21 @@ def main() -> None:
         if not args.jemalloc:
             log("jemalloc not found: the hf_*_jemalloc contenders are left out (apt-get install libjemalloc2)")
     elif not args.jemalloc and any(c.endswith("_jemalloc") for c in args.contenders):
-        raise SystemExit("--contenders names a jemalloc contender but jemalloc is not installed: apt-get install "
-                         "libjemalloc2, or pass --jemalloc PATH")
+        raise SystemExit(
+            "--contenders names a jemalloc contender but jemalloc is not installed: apt-get install "
+            "libjemalloc2, or pass --jemalloc PATH"
+        )
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         data_dir = prepare_data(Path(tmp))
         results = [run_size(size, data_dir, Path(tmp), args) for size in args.sizes]
-    report = {"benchmark": "train_standalone", "machine": machine(), "wall_s": round(time.perf_counter() - t0, 1),
-              "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]), "results": results}
+    report = {
+        "benchmark": "train_standalone",
+        "machine": machine(),
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+        "results": results,
+    }
     print(table(report))
     log(f"wrote {write_json(args.out or RESULTS / 'train_standalone.json', report)}")
 

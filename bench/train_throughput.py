@@ -67,19 +67,58 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (RESULTS, bf16_matmul_fast, fitlm_config, fitlm_step, gemm_peak, hf_model_from_fitlm, machine,  # noqa: E402
-                    median, prepare_data, rss_bytes, write_json)
+from common import (
+    RESULTS,
+    bf16_matmul_fast,
+    fitlm_config,
+    fitlm_step,
+    gemm_peak,
+    hf_model_from_fitlm,
+    machine,  # noqa: E402
+    median,
+    prepare_data,
+    rss_bytes,
+    write_json,
+)
 
 # Llama shapes. l-32k has a realistic vocabulary: its [tokens x vocab] logits dominate memory.
 SIZES = {
-    "s-2k": {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 688,
-             "vocab_size": 2048, "tie_embeddings": False},
-    "m-8k": {"hidden_size": 384, "num_layers": 6, "num_heads": 6, "num_kv_heads": 6, "intermediate_size": 1024,
-             "vocab_size": 8192, "tie_embeddings": False},
-    "l-32k": {"hidden_size": 384, "num_layers": 4, "num_heads": 6, "num_kv_heads": 2, "intermediate_size": 1024,
-              "vocab_size": 32000, "tie_embeddings": False},
-    "tiny": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128,
-             "vocab_size": 1024, "tie_embeddings": False},
+    "s-2k": {
+        "hidden_size": 256,
+        "num_layers": 4,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "intermediate_size": 688,
+        "vocab_size": 2048,
+        "tie_embeddings": False,
+    },
+    "m-8k": {
+        "hidden_size": 384,
+        "num_layers": 6,
+        "num_heads": 6,
+        "num_kv_heads": 6,
+        "intermediate_size": 1024,
+        "vocab_size": 8192,
+        "tie_embeddings": False,
+    },
+    "l-32k": {
+        "hidden_size": 384,
+        "num_layers": 4,
+        "num_heads": 6,
+        "num_kv_heads": 2,
+        "intermediate_size": 1024,
+        "vocab_size": 32000,
+        "tie_embeddings": False,
+    },
+    "tiny": {
+        "hidden_size": 64,
+        "num_layers": 2,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "intermediate_size": 128,
+        "vocab_size": 1024,
+        "tie_embeddings": False,
+    },
 }
 LR, WD, BETAS, CLIP = 3e-4, 0.1, (0.9, 0.95), 1.0
 
@@ -93,8 +132,11 @@ def parse_fitlm_best(spec: str, device: str) -> dict:
         # O2 (bf16 compute, fp32 master weights and AdamW) measured fastest of O1-O3 here; chunks of 4096
         # rows keep the compiled per-chunk loss kernels few; on CPU the blocked matmul attention with its
         # probabilities kept beats the flash kernel and the matmul backward alone (fitlm.models.matmul_attention).
-        spec = ("O2" if bf16_matmul_fast(device) else "O0") + (",attn=matmul_saved" if device == "cpu" else "") \
+        spec = (
+            ("O2" if bf16_matmul_fast(device) else "O0")
+            + (",attn=matmul_saved" if device == "cpu" else "")
             + ",compile,chunk=4096"
+        )
     mem: dict = {}
     for part in filter(None, spec.split(",")):
         if part in ("O0", "O1", "O2", "O3"):
@@ -108,8 +150,10 @@ def parse_fitlm_best(spec: str, device: str) -> dict:
         elif part.startswith("attn="):
             mem["attention_backward"] = part.split("=", 1)[1]
         else:
-            raise SystemExit(f"--fitlm-best: unknown part {part!r} (use O0-O3, compile, chunk=N, selective, full, "
-                             "attn=sdpa|matmul|matmul_saved)")
+            raise SystemExit(
+                f"--fitlm-best: unknown part {part!r} (use O0-O3, compile, chunk=N, selective, full, "
+                "attn=sdpa|matmul|matmul_saved)"
+            )
     return mem
 
 
@@ -140,8 +184,9 @@ def batches_for(cfg, n: int) -> list[dict]:
     from fitlm.data.dataset import PackedDataset
     from fitlm.data.loader import SequenceLoader
 
-    loader = SequenceLoader.from_config(PackedDataset(cfg.data.train), cfg.data, cfg.train.micro_batch_size,
-                                        seed=cfg.train.seed, shuffle=True)
+    loader = SequenceLoader.from_config(
+        PackedDataset(cfg.data.train), cfg.data, cfg.train.micro_batch_size, seed=cfg.train.seed, shuffle=True
+    )
     return [next(loader) for _ in range(n)]
 
 
@@ -151,8 +196,11 @@ def hf_trainer(model, batches: list[dict], out: Path, steps: int, precision: str
     from torch.utils.data import Dataset, SequentialSampler
     from transformers import Trainer, TrainingArguments
 
-    rows = [{"input_ids": b["input_ids"][i], "labels": b["labels"][i], "shift_labels": b["labels"][i]}
-            for b in batches for i in range(b["input_ids"].shape[0])]
+    rows = [
+        {"input_ids": b["input_ids"][i], "labels": b["labels"][i], "shift_labels": b["labels"][i]}
+        for b in batches
+        for i in range(b["input_ids"].shape[0])
+    ]
 
     class Rows(Dataset):
         def __len__(self):
@@ -166,11 +214,27 @@ def hf_trainer(model, batches: list[dict], out: Path, steps: int, precision: str
             return SequentialSampler(self.train_dataset)
 
     args = TrainingArguments(
-        output_dir=str(out), max_steps=steps, per_device_train_batch_size=batches[0]["input_ids"].shape[0],
-        learning_rate=LR, weight_decay=WD, adam_beta1=BETAS[0], adam_beta2=BETAS[1], max_grad_norm=CLIP,
-        lr_scheduler_type="constant", warmup_steps=0, logging_strategy="no", save_strategy="no",
-        eval_strategy="no", report_to=[], disable_tqdm=True, dataloader_num_workers=0,
-        use_cpu=not torch.cuda.is_available(), bf16=precision == "bf16", torch_compile=compile_, seed=1234)
+        output_dir=str(out),
+        max_steps=steps,
+        per_device_train_batch_size=batches[0]["input_ids"].shape[0],
+        learning_rate=LR,
+        weight_decay=WD,
+        adam_beta1=BETAS[0],
+        adam_beta2=BETAS[1],
+        max_grad_norm=CLIP,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        logging_strategy="no",
+        save_strategy="no",
+        eval_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        use_cpu=not torch.cuda.is_available(),
+        bf16=precision == "bf16",
+        torch_compile=compile_,
+        seed=1234,
+    )
     return InOrder(model=model, args=args, train_dataset=Rows(), callbacks=list(callbacks))
 
 
@@ -192,6 +256,7 @@ def loop_step(model, batches: list[dict]):
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         opt.zero_grad(set_to_none=True)
+
     return step
 
 
@@ -271,8 +336,20 @@ def measure_memory(framework: str, size: str, data_dir: Path, batch: int, seq: i
 
 
 def memory_in_child(framework: str, size: str, data_dir: Path, args) -> dict:
-    cmd = [sys.executable, __file__, "--_memory", framework, size, str(data_dir), "--batch", str(args.batch),
-           "--seq", str(args.seq), "--identical-chunk", str(args.identical_chunk)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--_memory",
+        framework,
+        size,
+        str(data_dir),
+        "--batch",
+        str(args.batch),
+        "--seq",
+        str(args.seq),
+        "--identical-chunk",
+        str(args.identical_chunk),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"memory measurement {framework} {size} failed:\n{proc.stderr[-3000:]}")
@@ -290,8 +367,15 @@ def profile_step(step, label: str, rows: int = 12) -> list[dict]:
         step()
     events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     total = sum(e.self_cpu_time_total for e in events) or 1
-    top = [{"op": e.key, "self_ms": round(e.self_cpu_time_total / 1e3, 2),
-            "share": round(e.self_cpu_time_total / total, 3), "calls": e.count} for e in events[:rows]]
+    top = [
+        {
+            "op": e.key,
+            "self_ms": round(e.self_cpu_time_total / 1e3, 2),
+            "share": round(e.self_cpu_time_total / total, 3),
+            "calls": e.count,
+        }
+        for e in events[:rows]
+    ]
     log(f"  profile {label}: " + ", ".join(f"{t['op']} {t['share']:.0%}" for t in top[:6]))
     return top
 
@@ -316,8 +400,10 @@ def measure_round(size: str, data_dir: Path, tmp: Path, args, best_mem: dict, hf
         return hf_model_from_fitlm(build_model(cfg.model), cfg.model, attn)
 
     # Identical settings: HF Trainer fp32 eager drives; fitlm (fp32 eager) and the loop step in between.
-    log(f"[{size}] round {r + 1}/{args.rounds} identical settings (fp32, eager): HF Trainer, fitlm, loop "
-        f"interleaved, {steps} steps each")
+    log(
+        f"[{size}] round {r + 1}/{args.rounds} identical settings (fp32, eager): HF Trainer, fitlm, loop "
+        f"interleaved, {steps} steps each"
+    )
     fit_id = Trainer(cfg)
     contenders = {"fitlm": fitlm_step(fit_id), "loop": loop_step(hf_copy(), batches)}
     if args.plain:
@@ -334,8 +420,10 @@ def measure_round(size: str, data_dir: Path, tmp: Path, args, best_mem: dict, hf
     gc.collect()
 
     # Best settings: HF Trainer (compile + bf16 where fast) drives; fitlm's best steps in between.
-    log(f"[{size}] round {r + 1}/{args.rounds} best settings: HF Trainer ({hf_best_desc(hf_prec, args)}) vs "
-        f"fitlm ({describe(best_mem)})")
+    log(
+        f"[{size}] round {r + 1}/{args.rounds} best settings: HF Trainer ({hf_best_desc(hf_prec, args)}) vs "
+        f"fitlm ({describe(best_mem)})"
+    )
     # Both compile afresh, as each would in its own process: dynamo's cache per code object fills across rounds and
     # sizes otherwise, and the accelerate forward every HF model shares hit its recompile_limit and ran eager.
     torch._dynamo.reset()
@@ -347,8 +435,10 @@ def measure_round(size: str, data_dir: Path, tmp: Path, args, best_mem: dict, hf
     if args.hf_best_attn == "both":
         # A second best run, fitlm's best against the HF model with its matmul ("eager") attention, which on a CPU
         # in bf16 beats SDPA's flash backward: the HF Trainer's best whichever attention its user picks.
-        log(f"[{size}] round {r + 1}/{args.rounds} best settings: HF Trainer ({hf_best_desc(hf_prec, args, 'eager')}) "
-            f"vs fitlm ({describe(best_mem)})")
+        log(
+            f"[{size}] round {r + 1}/{args.rounds} best settings: HF Trainer ({hf_best_desc(hf_prec, args, 'eager')}) "
+            f"vs fitlm ({describe(best_mem)})"
+        )
         torch._dynamo.reset()
         hf_eager = hf_trainer(hf_copy("eager"), batches, root / "hf_best_eager", steps, hf_prec, args.compile)
         t_eager = interleaved(hf_eager, {"fitlm_best": best_step})
@@ -378,12 +468,30 @@ def run_size(size: str, data_dir: Path, tmp: Path, args, best_mem: dict, hf_prec
     model_cfg = SIZES[size]
     tokens = args.batch * args.seq
     id_mem = {"loss_chunk_size": args.identical_chunk} if args.identical_chunk else {}
-    r = {"size": size, "model": model_cfg, "vocab_size": model_cfg["vocab_size"], "batch": args.batch,
-         "seq": args.seq, "tokens_per_step": tokens, "flops_per_token": rounds[0]["flops_per_token"],
-         "rounds": args.rounds, "fitlm_settings": describe(id_mem), "fitlm_best_settings": describe(best_mem),
-         "hf_trainer_best_settings": hf_best_desc(hf_prec, args), "loop_model": "transformers LlamaForCausalLM"}
-    for key in ("fitlm", "hf_trainer", "loop", "fitlm_plain", "fitlm_best", "hf_trainer_best", "fitlm_best_vs_eager",
-                "hf_trainer_best_eager"):
+    r = {
+        "size": size,
+        "model": model_cfg,
+        "vocab_size": model_cfg["vocab_size"],
+        "batch": args.batch,
+        "seq": args.seq,
+        "tokens_per_step": tokens,
+        "flops_per_token": rounds[0]["flops_per_token"],
+        "rounds": args.rounds,
+        "fitlm_settings": describe(id_mem),
+        "fitlm_best_settings": describe(best_mem),
+        "hf_trainer_best_settings": hf_best_desc(hf_prec, args),
+        "loop_model": "transformers LlamaForCausalLM",
+    }
+    for key in (
+        "fitlm",
+        "hf_trainer",
+        "loop",
+        "fitlm_plain",
+        "fitlm_best",
+        "hf_trainer_best",
+        "fitlm_best_vs_eager",
+        "hf_trainer_best_eager",
+    ):
         per_round = [x["times"][key] for x in rounds if x["times"].get(key)]
         if not per_round:
             continue
@@ -392,7 +500,7 @@ def run_size(size: str, data_dir: Path, tmp: Path, args, best_mem: dict, hf_prec
         r[f"{key}_tokens_per_s"] = round(tokens / med, 1)
         r[f"{key}_step_s"] = round(med, 4)
         r[f"{key}_round_step_s"] = [round(m, 4) for m in meds]
-        r[f"{key}_min_step_s"] = round(min(t for times in per_round for t in times[args.warmup:]), 4)
+        r[f"{key}_min_step_s"] = round(min(t for times in per_round for t in times[args.warmup :]), 4)
         r[f"{key}_step_times_s"] = [round(t, 4) for times in per_round for t in times]
         if key.endswith("best"):  # the first round compiles; later rounds find the graphs in torch's caches
             r[f"{key}_compile_s"] = round(steady(per_round[0], args.warmup)[1], 2)
@@ -402,9 +510,14 @@ def run_size(size: str, data_dir: Path, tmp: Path, args, best_mem: dict, hf_prec
         log(f"[{size}] memory at identical settings (child processes)")
         fm = memory_in_child("fitlm", size, data_dir, args)
         hm = memory_in_child("hf", size, data_dir, args)
-        r.update(fitlm_peak_bytes=fm["peak_live_bytes"]["total"], hf_trainer_peak_bytes=hm["peak_live_bytes"]["total"],
-                 fitlm_peak_breakdown=fm["peak_live_bytes"], hf_trainer_peak_breakdown=hm["peak_live_bytes"],
-                 fitlm_rss_bytes=fm["rss_bytes"], hf_trainer_rss_bytes=hm["rss_bytes"])
+        r.update(
+            fitlm_peak_bytes=fm["peak_live_bytes"]["total"],
+            hf_trainer_peak_bytes=hm["peak_live_bytes"]["total"],
+            fitlm_peak_breakdown=fm["peak_live_bytes"],
+            hf_trainer_peak_breakdown=hm["peak_live_bytes"],
+            fitlm_rss_bytes=fm["rss_bytes"],
+            hf_trainer_rss_bytes=hm["rss_bytes"],
+        )
         if args.identical_chunk:
             pm = memory_in_child("fitlm_plain", size, data_dir, args)
             r.update(fitlm_plain_peak_bytes=pm["peak_live_bytes"]["total"], fitlm_plain_rss_bytes=pm["rss_bytes"])
@@ -437,17 +550,20 @@ def table(report: dict) -> str:
     mib = 2**20
     m = report["machine"]
     res = report["results"]
-    lines = [f"- Machine: {m['cpus']} CPUs ({m['cpu']}, {m['threads']} torch threads), load average at the end "
-             f"{m.get('load_avg_1m', '?')}; Python {m['python']}, torch {m['torch']}, transformers {m.get('transformers', '-')}",
-             f"- Command: `{report.get('command', 'python bench/train_throughput.py')}` ({report.get('wall_s', 0):.0f} s)",
-             "- Measured GEMM peak: " + ", ".join(f"{k} {v / 1e9:,.0f} GFLOP/s" for k, v in report["gemm_peak_flops"].items()),
-             f"- Batch {res[0]['batch']} × sequence {res[0]['seq']}; tokens/s of the median step after warm-up, "
-             f"median over {res[0].get('rounds', 1)} rounds; ratios > 1 favour fitlm: each round's ratio of median "
-             "steps (contenders interleaved step by step), median over rounds; in brackets from the fastest step of each",
-             "",
-             "| size | vocab | fitlm | HF Trainer | loop | fitlm / HF (min step) | fitlm best | HF best "
-             "| best ratio (min step) | fitlm best MFU | compile s fitlm / HF |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        f"- Machine: {m['cpus']} CPUs ({m['cpu']}, {m['threads']} torch threads), load average at the end "
+        f"{m.get('load_avg_1m', '?')}; Python {m['python']}, torch {m['torch']}, transformers {m.get('transformers', '-')}",
+        f"- Command: `{report.get('command', 'python bench/train_throughput.py')}` ({report.get('wall_s', 0):.0f} s)",
+        "- Measured GEMM peak: "
+        + ", ".join(f"{k} {v / 1e9:,.0f} GFLOP/s" for k, v in report["gemm_peak_flops"].items()),
+        f"- Batch {res[0]['batch']} × sequence {res[0]['seq']}; tokens/s of the median step after warm-up, "
+        f"median over {res[0].get('rounds', 1)} rounds; ratios > 1 favour fitlm: each round's ratio of median "
+        "steps (contenders interleaved step by step), median over rounds; in brackets from the fastest step of each",
+        "",
+        "| size | vocab | fitlm | HF Trainer | loop | fitlm / HF (min step) | fitlm best | HF best "
+        "| best ratio (min step) | fitlm best MFU | compile s fitlm / HF |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in res:
         lines.append(
             f"| {r['size']} | {r['vocab_size']:,} | {r['fitlm_tokens_per_s']:,.0f} | {r['hf_trainer_tokens_per_s']:,.0f} | "
@@ -455,32 +571,55 @@ def table(report: dict) -> str:
             f"{r['fitlm_best_tokens_per_s']:,.0f} | {r['hf_trainer_best_tokens_per_s']:,.0f} | "
             f"{r['best_ratio']:.2f}× ({r.get('best_ratio_min_step', 0):.2f}×) | "
             f"{r['fitlm_best_mfu']:.0%} of {r['gemm_peak_dtype']} | "
-            f"{r.get('fitlm_best_compile_s', 0):.0f} / {r.get('hf_trainer_best_compile_s', 0):.0f} |")
-    lines += ["", "Identical = fp32 eager, same data, AdamW and clip; fitlm " + res[0]["fitlm_settings"] + ". Best: "
-              + "; ".join(sorted({f"fitlm {r['fitlm_best_settings']}, HF Trainer {r['hf_trainer_best_settings']}"
-                                  for r in res})) + "."]
+            f"{r.get('fitlm_best_compile_s', 0):.0f} / {r.get('hf_trainer_best_compile_s', 0):.0f} |"
+        )
+    lines += [
+        "",
+        "Identical = fp32 eager, same data, AdamW and clip; fitlm "
+        + res[0]["fitlm_settings"]
+        + ". Best: "
+        + "; ".join(
+            sorted({f"fitlm {r['fitlm_best_settings']}, HF Trainer {r['hf_trainer_best_settings']}" for r in res})
+        )
+        + ".",
+    ]
     if any("best_eager_ratio" in r for r in res):  # --hf-best-attn both
-        lines += ["", "| size | fitlm best | HF best, eager attention | best ratio vs eager (min step) | "
-                  "faster HF best | fitlm / faster HF best |", "| --- | ---: | ---: | ---: | --- | ---: |"]
+        lines += [
+            "",
+            "| size | fitlm best | HF best, eager attention | best ratio vs eager (min step) | "
+            "faster HF best | fitlm / faster HF best |",
+            "| --- | ---: | ---: | ---: | --- | ---: |",
+        ]
         for r in res:
             if "best_eager_ratio" not in r:
                 continue
             eager_wins = r["hf_trainer_best_eager_step_s"] < r["hf_trainer_best_step_s"]
-            lines.append(f"| {r['size']} | {r['fitlm_best_vs_eager_tokens_per_s']:,.0f} | "
-                         f"{r['hf_trainer_best_eager_tokens_per_s']:,.0f} | {r['best_eager_ratio']:.2f}× "
-                         f"({r['best_eager_ratio_min_step']:.2f}×) | {'eager' if eager_wins else 'SDPA'} | "
-                         f"{min(r['best_ratio'], r['best_eager_ratio']):.2f}× |")
+            lines.append(
+                f"| {r['size']} | {r['fitlm_best_vs_eager_tokens_per_s']:,.0f} | "
+                f"{r['hf_trainer_best_eager_tokens_per_s']:,.0f} | {r['best_eager_ratio']:.2f}× "
+                f"({r['best_eager_ratio_min_step']:.2f}×) | {'eager' if eager_wins else 'SDPA'} | "
+                f"{min(r['best_ratio'], r['best_eager_ratio']):.2f}× |"
+            )
     if any("fitlm_peak_bytes" in r for r in res):
-        lines += ["", "| size | vocab | peak live MiB fitlm | HF Trainer | fitlm / HF | fitlm, full logits | "
-                  "peak RSS MiB fitlm / HF |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        lines += [
+            "",
+            "| size | vocab | peak live MiB fitlm | HF Trainer | fitlm / HF | fitlm, full logits | "
+            "peak RSS MiB fitlm / HF |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
         for r in res:
             if "fitlm_peak_bytes" not in r:
                 continue
             plain = f"{r['fitlm_plain_peak_bytes'] / mib:,.0f}" if "fitlm_plain_peak_bytes" in r else "-"
-            lines.append(f"| {r['size']} | {r['vocab_size']:,} | {r['fitlm_peak_bytes'] / mib:,.0f} | "
-                         f"{r['hf_trainer_peak_bytes'] / mib:,.0f} | {r['memory_ratio']:.2f}× | {plain} | "
-                         + (f"{r['fitlm_rss_bytes'] / mib:,.0f} / {r['hf_trainer_rss_bytes'] / mib:,.0f} |"
-                            if "fitlm_rss_bytes" in r else "- |"))
+            lines.append(
+                f"| {r['size']} | {r['vocab_size']:,} | {r['fitlm_peak_bytes'] / mib:,.0f} | "
+                f"{r['hf_trainer_peak_bytes'] / mib:,.0f} | {r['memory_ratio']:.2f}× | {plain} | "
+                + (
+                    f"{r['fitlm_rss_bytes'] / mib:,.0f} / {r['hf_trainer_rss_bytes'] / mib:,.0f} |"
+                    if "fitlm_rss_bytes" in r
+                    else "- |"
+                )
+            )
     return "\n".join(lines)
 
 
@@ -489,26 +628,48 @@ def main() -> None:
     ap.add_argument("--sizes", nargs="+", default=["s-2k", "m-8k", "l-32k"], choices=list(SIZES))
     ap.add_argument("--steps", type=int, default=4, help="timed steps per contender (median reported)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed first steps (compile, optimizer states)")
-    ap.add_argument("--rounds", type=int, default=3,
-                    help="repeat each size's identical and best runs; medians and ratios over rounds")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="repeat each size's identical and best runs; medians and ratios over rounds",
+    )
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--fitlm-best", default="auto", help="e.g. 'O0,compile,chunk=1024' or 'O3,compile,chunk=1024'")
     ap.add_argument("--hf-best-precision", default="auto", choices=["auto", "bf16", "fp32"])
-    ap.add_argument("--hf-best-attn", default="sdpa", choices=["sdpa", "eager", "both"],
-                    help="the HF model's attn_implementation in the best run (sdpa: transformers' default, the "
-                         "kernel fitlm calls too)")
-    ap.add_argument("--identical-chunk", type=int, default=1024,
-                    help="fitlm's loss_chunk_size at identical settings (0 = full logits like HF)")
+    ap.add_argument(
+        "--hf-best-attn",
+        default="sdpa",
+        choices=["sdpa", "eager", "both"],
+        help="the HF model's attn_implementation in the best run (sdpa: transformers' default, the "
+        "kernel fitlm calls too)",
+    )
+    ap.add_argument(
+        "--identical-chunk",
+        type=int,
+        default=1024,
+        help="fitlm's loss_chunk_size at identical settings (0 = full logits like HF)",
+    )
     ap.add_argument("--plain", action="store_true", help="also time fitlm with loss_chunk_size 0 at identical settings")
     ap.add_argument("--no-memory", dest="memory", action="store_false", help="skip the memory child processes")
     ap.add_argument("--profile", action="store_true", help="torch.profiler top ops of one step of fitlm and the loop")
-    ap.add_argument("--no-compile", dest="compile", action="store_false",
-                    help="best runs without torch.compile on both sides (quick checks; not the issue's setting)")
+    ap.add_argument(
+        "--no-compile",
+        dest="compile",
+        action="store_false",
+        help="best runs without torch.compile on both sides (quick checks; not the issue's setting)",
+    )
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--markdown", nargs="?", type=Path, const=RESULTS / "train_throughput.json", metavar="JSON",
-                    help="print the bench/RESULTS.md table of a saved run (default: the results file) and exit")
+    ap.add_argument(
+        "--markdown",
+        nargs="?",
+        type=Path,
+        const=RESULTS / "train_throughput.json",
+        metavar="JSON",
+        help="print the bench/RESULTS.md table of a saved run (default: the results file) and exit",
+    )
     ap.add_argument("--_memory", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.markdown:
@@ -519,7 +680,6 @@ def main() -> None:
         print(json.dumps(measure_memory(fw, size, Path(data_dir), args.batch, args.seq, args.identical_chunk)))
         return
 
-
     device = "cpu"
     best_mem = parse_fitlm_best(args.fitlm_best, device)
     if not args.compile:
@@ -529,8 +689,11 @@ def main() -> None:
     hf_dtype = hf_prec  # the HF Trainer's best computes its matmuls in this dtype (autocast)
     t_start = time.perf_counter()
     peaks = {d: gemm_peak(d, device) for d in ("fp32", "bf16")}
-    log("GEMM peak: " + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in peaks.items())
-        + ("" if bf16_matmul_fast(device) else " (no fast bf16 matmul on this CPU: best runs use fp32)"))
+    log(
+        "GEMM peak: "
+        + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in peaks.items())
+        + ("" if bf16_matmul_fast(device) else " (no fast bf16 matmul on this CPU: best runs use fp32)")
+    )
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -551,9 +714,14 @@ def main() -> None:
         r["hf_trainer_best_mfu"] = round(r["hf_trainer_best_tokens_per_s"] * r["flops_per_token"] / peaks[hf_dtype], 6)
         for key in ("fitlm", "hf_trainer", "loop"):
             r[f"{key}_mfu_fp32"] = round(r[f"{key}_tokens_per_s"] * r["flops_per_token"] / peaks["fp32"], 6)
-    report = {"benchmark": "train_throughput", "machine": machine(), "gemm_peak_flops": peaks,
-              "wall_s": round(time.perf_counter() - t_start, 1),
-              "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]), "results": results}
+    report = {
+        "benchmark": "train_throughput",
+        "machine": machine(),
+        "gemm_peak_flops": peaks,
+        "wall_s": round(time.perf_counter() - t_start, 1),
+        "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+        "results": results,
+    }
     text = table(report)
     if args.json:
         log(text)

@@ -18,56 +18,106 @@ from fitlm.cli_common import add_config_args, emit_json, print_table, process_co
 
 EXIT_USER_ERROR = 2
 # Modules with `add_commands(subparsers)`: one per command group, owned by the package it drives.
-COMMAND_MODULES = ("fitlm.data.cli", "fitlm.checkpoint.cli", "fitlm.finetune.cli", "fitlm.plan.cli",
-                   "fitlm.export.cli", "fitlm.profile.cli", "fitlm.serve.cli")
+COMMAND_MODULES = (
+    "fitlm.data.cli",
+    "fitlm.checkpoint.cli",
+    "fitlm.finetune.cli",
+    "fitlm.plan.cli",
+    "fitlm.export.cli",
+    "fitlm.profile.cli",
+    "fitlm.serve.cli",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="fitlm", description="Pretrain and fine-tune LLMs on the hardware you have.",
+        prog="fitlm",
+        description="Pretrain and fine-tune LLMs on the hardware you have.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Start with `make demo`, or: fitlm data tokenizer ... ; fitlm data pack ... ; fitlm train CONFIG")
+        epilog="Start with `make demo`, or: fitlm data tokenizer ... ; fitlm data pack ... ; fitlm train CONFIG",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("train", help="train a model from a YAML config", formatter_class=argparse.RawDescriptionHelpFormatter,
-                       description="Train (pretrain or fine-tune) from one YAML config. Writes config.yaml, "
-                                   "metrics.jsonl and, at the end, the model/ directory under train.output_dir.\n"
-                                   "Every problem with the config, data or tokenizer is reported before anything is written.",
-                       epilog="examples:\n"
-                              "  fitlm train configs/tiny.yaml --dry-run\n"
-                              "  fitlm train configs/tiny.yaml --set train.lr=1e-3 --set train.max_steps=100\n"
-                              "  fitlm config docs    # every config key, its default and meaning")
+    p = sub.add_parser(
+        "train",
+        help="train a model from a YAML config",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Train (pretrain or fine-tune) from one YAML config. Writes config.yaml, "
+        "metrics.jsonl and, at the end, the model/ directory under train.output_dir.\n"
+        "Every problem with the config, data or tokenizer is reported before anything is written.",
+        epilog="examples:\n"
+        "  fitlm train configs/tiny.yaml --dry-run\n"
+        "  fitlm train configs/tiny.yaml --set train.lr=1e-3 --set train.max_steps=100\n"
+        "  fitlm config docs    # every config key, its default and meaning",
+    )
     add_config_args(p)
-    p.add_argument("--nproc", type=process_count, default=None, metavar="N",
-                   help="processes to launch on this node (default: the layout's data×tensor×pipeline product)")
-    p.add_argument("--dry-run", action="store_true",
-                   help="validate the config, data and tokenizer, print the run's shape, and exit without training")
-    p.add_argument("--overwrite", action="store_true",
-                   help="delete a previous run in train.output_dir instead of refusing to touch it")
-    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
-                   help="restart all processes up to N times when one dies (torchrun --max-restarts); each restart "
-                        "resumes from the latest checkpoint (set checkpoint.interval)")
+    p.add_argument(
+        "--nproc",
+        type=process_count,
+        default=None,
+        metavar="N",
+        help="processes to launch on this node (default: the layout's data×tensor×pipeline product)",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="validate the config, data and tokenizer, print the run's shape, and exit without training",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete a previous run in train.output_dir instead of refusing to touch it",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="restart all processes up to N times when one dies (torchrun --max-restarts); each restart "
+        "resumes from the latest checkpoint (set checkpoint.interval)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON summary object on stdout at the end")
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("generate", help="generate text from a trained or imported model",
-                       formatter_class=argparse.RawDescriptionHelpFormatter,
-                       description="Continue --prompt with a KV cache, streaming the text; stops at EOS or after "
-                                   "--max-new-tokens.\nMODEL is a fitlm model directory, a training output "
-                                   "directory (its model/ is used), or a Hugging Face directory.",
-                       epilog="examples:\n"
-                              "  fitlm generate demo/run --prompt 'KING LEAR.'                      # greedy\n"
-                              "  fitlm generate demo/run --prompt 'KING LEAR.' --temperature 0.8 --top-p 0.9\n"
-                              "  fitlm generate demo/run --prompt 'KING LEAR.' --json               # for scripts")
+    p = sub.add_parser(
+        "generate",
+        help="generate text from a trained or imported model",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Continue --prompt with a KV cache, streaming the text; stops at EOS or after "
+        "--max-new-tokens.\nMODEL is a fitlm model directory, a training output "
+        "directory (its model/ is used), or a Hugging Face directory.",
+        epilog="examples:\n"
+        "  fitlm generate demo/run --prompt 'KING LEAR.'                      # greedy\n"
+        "  fitlm generate demo/run --prompt 'KING LEAR.' --temperature 0.8 --top-p 0.9\n"
+        "  fitlm generate demo/run --prompt 'KING LEAR.' --json               # for scripts",
+    )
     p.add_argument("model", metavar="MODEL", help="fitlm model dir, training output dir, or Hugging Face dir")
     p.add_argument("--prompt", required=True, metavar="TEXT", help="text to continue (a BOS token is put before it)")
-    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate at most (default 64)")
-    p.add_argument("--temperature", type=float, default=0.0, metavar="T",
-                   help="0 = greedy decoding (default); above 0 samples, higher is more random")
-    p.add_argument("--top-p", type=float, default=1.0, metavar="P",
-                   help="sample only from the smallest token set whose probability reaches P (default 1.0 = all)")
-    p.add_argument("--seed", type=int, default=0, metavar="S", help="sampling seed, for reproducible samples (default 0)")
-    p.add_argument("--json", action="store_true", help='print one JSON object {"prompt", "text", "token_ids"} on stdout instead of streaming')
+    p.add_argument(
+        "--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate at most (default 64)"
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        metavar="T",
+        help="0 = greedy decoding (default); above 0 samples, higher is more random",
+    )
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        metavar="P",
+        help="sample only from the smallest token set whose probability reaches P (default 1.0 = all)",
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, metavar="S", help="sampling seed, for reproducible samples (default 0)"
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help='print one JSON object {"prompt", "text", "token_ids"} on stdout instead of streaming',
+    )
     p.set_defaults(func=cmd_generate)
 
     for module in COMMAND_MODULES:  # command groups that live beside the code they drive
@@ -108,8 +158,14 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     result = Trainer(cfg, overwrite=args.overwrite and restart_count() == 0).fit()
     if not result.is_main:
         return 0
-    summary = {"output_dir": str(result.output_dir), "model_dir": str(result.model_dir), "steps": result.steps,
-               "first_loss": result.first_loss, "last_loss": result.last_loss, "eval_loss": result.eval_loss}
+    summary = {
+        "output_dir": str(result.output_dir),
+        "model_dir": str(result.model_dir),
+        "steps": result.steps,
+        "first_loss": result.first_loss,
+        "last_loss": result.last_loss,
+        "eval_loss": result.eval_loss,
+    }
     if args.json:
         emit_json(summary)
     else:
@@ -125,8 +181,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     stream = None if args.json else (lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
     if stream:
         sys.stdout.write(args.prompt)
-    out = generate_text(args.model, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                        top_p=args.top_p, seed=args.seed, stream=stream)
+    out = generate_text(
+        args.model,
+        args.prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        stream=stream,
+    )
     if args.json:
         emit_json(out)
     else:

@@ -16,18 +16,28 @@ def process_count(text: str) -> int:
     try:
         n = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; pass the processes to start, e.g. 2") from None
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a whole number; pass the processes to start, e.g. 2"
+        ) from None
     if n < 1:
-        raise argparse.ArgumentTypeError(f"{n}: at least 1 process is needed; pass e.g. 2, or leave --nproc out "
-                                         "to start the layout's data×tensor×pipeline product")
+        raise argparse.ArgumentTypeError(
+            f"{n}: at least 1 process is needed; pass e.g. 2, or leave --nproc out "
+            "to start the layout's data×tensor×pipeline product"
+        )
     return n
 
 
 def add_config_args(p: argparse.ArgumentParser) -> None:
     """CONFIG and repeatable --set KEY=VALUE: every command that reads a fitlm config takes them alike."""
     p.add_argument("config", metavar="CONFIG", help="YAML config file (see `fitlm config docs` for every key)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, e.g. --set train.lr=1e-4 (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set train.lr=1e-4 (repeatable)",
+    )
 
 
 def emit_json(obj: dict) -> None:

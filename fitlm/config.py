@@ -144,10 +144,12 @@ class ModelConfig(_Section):
     @property
     def local_rope(self) -> bool:
         """Sliding-window blocks rotate with their own base (Gemma 3's rope_local_theta): a second RoPE table."""
-        return self.rope_local_theta is not None and any(self.layer_type(i) == "sliding" for i in range(self.num_layers))
+        return self.rope_local_theta is not None and any(
+            self.layer_type(i) == "sliding" for i in range(self.num_layers)
+        )
 
     def layer_type(self, i: int) -> str:
-        """"full" or "sliding": the attention of block i."""
+        """ "full" or "sliding": the attention of block i."""
         if self.sliding_window is None:
             return "full"
         if self.layer_types is not None:
@@ -203,8 +205,13 @@ class ParallelConfig(_Section):
     @property
     def dims(self) -> ParallelDims:
         """The layout's dimensions and their derived predicates (fitlm.parallel_dims)."""
-        return ParallelDims(dp=self.data_parallel, tp=self.tensor_parallel, pp=self.pipeline_parallel,
-                            zero_stage=self.zero_stage, cp=self.context_parallel)
+        return ParallelDims(
+            dp=self.data_parallel,
+            tp=self.tensor_parallel,
+            pp=self.pipeline_parallel,
+            zero_stage=self.zero_stage,
+            cp=self.context_parallel,
+        )
 
     @property
     def world_size(self) -> int:
@@ -453,7 +460,9 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError([f"the top level must be a mapping of sections (model:, data:, ...), got {type(data).__name__}"], str(path))
+        raise ConfigError(
+            [f"the top level must be a mapping of sections (model:, data:, ...), got {type(data).__name__}"], str(path)
+        )
     return data
 
 
@@ -488,11 +497,20 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 
 # Names users bring from the HF Trainer, DeepSpeed and MindSpore configs, which spelling cannot match.
-KEY_ALIASES = {"learning_rate": "lr", "max_grad_norm": "grad_clip", "lr_scheduler_type": "lr_schedule",
-               "per_device_train_batch_size": "micro_batch_size", "micro_batch_size_per_gpu": "micro_batch_size",
-               "gradient_accumulation": "gradient_accumulation_steps", "warmup": "warmup_steps",
-               "train_iters": "max_steps", "num_hidden_layers": "num_layers", "num_attention_heads": "num_heads",
-               "num_key_value_heads": "num_kv_heads", "max_position_embeddings": "max_seq_len"}
+KEY_ALIASES = {
+    "learning_rate": "lr",
+    "max_grad_norm": "grad_clip",
+    "lr_scheduler_type": "lr_schedule",
+    "per_device_train_batch_size": "micro_batch_size",
+    "micro_batch_size_per_gpu": "micro_batch_size",
+    "gradient_accumulation": "gradient_accumulation_steps",
+    "warmup": "warmup_steps",
+    "train_iters": "max_steps",
+    "num_hidden_layers": "num_layers",
+    "num_attention_heads": "num_heads",
+    "num_key_value_heads": "num_kv_heads",
+    "max_position_embeddings": "max_seq_len",
+}
 
 
 def _closest(name: str, choices: list[str]) -> str | None:
@@ -530,37 +548,59 @@ def semantic_errors(cfg: Config) -> list[str]:
     m, d, p, t = cfg.model, cfg.data, cfg.parallel, cfg.train
     errs: list[str] = []
     positive = {
-        "model.hidden_size": m.hidden_size, "model.num_layers": m.num_layers, "model.num_heads": m.num_heads,
-        "model.vocab_size": m.vocab_size, "model.max_seq_len": m.max_seq_len, "data.seq_length": d.seq_length,
-        "train.micro_batch_size": t.micro_batch_size, "train.gradient_accumulation_steps": t.gradient_accumulation_steps,
-        "train.max_steps": t.max_steps, "train.log_interval": t.log_interval, "parallel.data_parallel": p.data_parallel,
-        "parallel.tensor_parallel": p.tensor_parallel, "parallel.pipeline_parallel": p.pipeline_parallel,
-        "parallel.context_parallel": p.context_parallel, "parallel.micro_batch_num": p.micro_batch_num, "checkpoint.keep_last": cfg.checkpoint.keep_last,
+        "model.hidden_size": m.hidden_size,
+        "model.num_layers": m.num_layers,
+        "model.num_heads": m.num_heads,
+        "model.vocab_size": m.vocab_size,
+        "model.max_seq_len": m.max_seq_len,
+        "data.seq_length": d.seq_length,
+        "train.micro_batch_size": t.micro_batch_size,
+        "train.gradient_accumulation_steps": t.gradient_accumulation_steps,
+        "train.max_steps": t.max_steps,
+        "train.log_interval": t.log_interval,
+        "parallel.data_parallel": p.data_parallel,
+        "parallel.tensor_parallel": p.tensor_parallel,
+        "parallel.pipeline_parallel": p.pipeline_parallel,
+        "parallel.context_parallel": p.context_parallel,
+        "parallel.micro_batch_num": p.micro_batch_num,
+        "checkpoint.keep_last": cfg.checkpoint.keep_last,
     }
     for key, v in positive.items():
         if v < 1:
             errs.append(f"{key}: must be at least 1 (got {v})")
-    nonneg = {"train.warmup_steps": t.warmup_steps, "train.eval_interval": t.eval_interval, "train.grad_clip": t.grad_clip,
-              "train.weight_decay": t.weight_decay, "train.eval_steps": t.eval_steps, "checkpoint.interval": cfg.checkpoint.interval}
+    nonneg = {
+        "train.warmup_steps": t.warmup_steps,
+        "train.eval_interval": t.eval_interval,
+        "train.grad_clip": t.grad_clip,
+        "train.weight_decay": t.weight_decay,
+        "train.eval_steps": t.eval_steps,
+        "checkpoint.interval": cfg.checkpoint.interval,
+    }
     for key, v in nonneg.items():
         if v < 0:
             errs.append(f"{key}: must not be negative (got {v})")
     if m.num_kv_heads is not None and m.num_kv_heads < 1:
         errs.append(f"model.num_kv_heads: must be at least 1 or null (got {m.num_kv_heads})")
     if m.num_heads >= 1 and m.head_dim is None and m.hidden_size % m.num_heads:
-        errs.append(f"model.hidden_size: {m.hidden_size} is not divisible by model.num_heads={m.num_heads}; "
-                    f"pick a hidden_size that is a multiple of num_heads (e.g. {m.num_heads * max(1, round(m.hidden_size / m.num_heads))}) "
-                    f"or set model.head_dim")
+        errs.append(
+            f"model.hidden_size: {m.hidden_size} is not divisible by model.num_heads={m.num_heads}; "
+            f"pick a hidden_size that is a multiple of num_heads (e.g. {m.num_heads * max(1, round(m.hidden_size / m.num_heads))}) "
+            f"or set model.head_dim"
+        )
     if m.head_dim is not None and m.head_dim < 1:
         errs.append(f"model.head_dim: must be at least 1 or null (got {m.head_dim})")
     if m.num_kv_heads and m.num_heads >= 1 and m.num_kv_heads >= 1 and m.num_heads % m.num_kv_heads:
-        errs.append(f"model.num_kv_heads: {m.num_heads} heads cannot be grouped into {m.num_kv_heads} kv heads; "
-                    f"num_kv_heads must divide num_heads (valid: {divisors(m.num_heads)})")
+        errs.append(
+            f"model.num_kv_heads: {m.num_heads} heads cannot be grouped into {m.num_kv_heads} kv heads; "
+            f"num_kv_heads must divide num_heads (valid: {divisors(m.num_heads)})"
+        )
     if m.sliding_window is not None and m.sliding_window < 1:
         errs.append(f"model.sliding_window: must be at least 1 token or null (got {m.sliding_window})")
     if m.layer_types is not None and len(m.layer_types) != m.num_layers:
-        errs.append(f"model.layer_types: lists {len(m.layer_types)} blocks but model.num_layers={m.num_layers}; "
-                    f"give one entry per block or null for the family's pattern")
+        errs.append(
+            f"model.layer_types: lists {len(m.layer_types)} blocks but model.num_layers={m.num_layers}; "
+            f"give one entry per block or null for the family's pattern"
+        )
     errs += rope_scaling_errors(m)
     if m.arch not in registry.model_names():
         errs.append(f"model.arch: unknown family {m.arch!r}; registered: {', '.join(registry.model_names())}")
@@ -568,12 +608,16 @@ def semantic_errors(cfg: Config) -> list[str]:
         errs += m.family.validate(m)  # what the family itself cannot build (e.g. gpt2 has no GQA)
     cp = p.context_parallel
     if cp > 1 and d.seq_length % (2 * cp):
-        errs.append(f"data.seq_length: {d.seq_length} cannot be split into the 2 × parallel.context_parallel = {2 * cp} "
-                    f"equal chunks context parallel balances over its ranks; use a multiple of {2 * cp} "
-                    f"(e.g. {max(2 * cp, d.seq_length // (2 * cp) * 2 * cp)}) or another context_parallel")
+        errs.append(
+            f"data.seq_length: {d.seq_length} cannot be split into the 2 × parallel.context_parallel = {2 * cp} "
+            f"equal chunks context parallel balances over its ranks; use a multiple of {2 * cp} "
+            f"(e.g. {max(2 * cp, d.seq_length // (2 * cp) * 2 * cp)}) or another context_parallel"
+        )
     if d.seq_length > m.max_seq_len:
-        errs.append(f"data.seq_length: {d.seq_length} exceeds model.max_seq_len={m.max_seq_len}; "
-                    f"lower data.seq_length or raise model.max_seq_len")
+        errs.append(
+            f"data.seq_length: {d.seq_length} exceeds model.max_seq_len={m.max_seq_len}; "
+            f"lower data.seq_length or raise model.max_seq_len"
+        )
     if not 0.0 <= cfg.finetune.freeze_layers <= 1.0:
         errs.append(f"finetune.freeze_layers: must be a fraction between 0 and 1 (got {cfg.finetune.freeze_layers})")
     errs += objective_errors(cfg)
@@ -584,8 +628,10 @@ def semantic_errors(cfg: Config) -> list[str]:
     if p.zero_stage not in (0, 1, 2, 3):
         errs.append(f"parallel.zero_stage: must be 0, 1, 2 or 3 (got {p.zero_stage})")
     if p.timeout_s < 1:
-        errs.append(f"parallel.timeout_s: must be a positive number of seconds (got {p.timeout_s}); "
-                    "set it to how long a collective may wait for a slow rank, e.g. 1800 (the default)")
+        errs.append(
+            f"parallel.timeout_s: must be a positive number of seconds (got {p.timeout_s}); "
+            "set it to how long a collective may wait for a slow rank, e.g. 1800 (the default)"
+        )
     return errs + rules.violations(rules.flatten(cfg.model_dump()))  # what composes with what (fitlm.rules)
 
 
@@ -594,13 +640,17 @@ def objective_errors(cfg: Config) -> list[str]:
     f, fmt = cfg.finetune, cfg.data.format
     errs = []
     if f.pairs and fmt != "preference":
-        errs.append(f"finetune.objective: {f.objective} trains on preference pairs but data.format is {fmt!r}; pack "
-                    "(prompt, chosen, rejected) rows with `fitlm data pack --format preference` and set "
-                    "data.format: preference")
+        errs.append(
+            f"finetune.objective: {f.objective} trains on preference pairs but data.format is {fmt!r}; pack "
+            "(prompt, chosen, rejected) rows with `fitlm data pack --format preference` and set "
+            "data.format: preference"
+        )
     if fmt == "preference" and not f.pairs:
-        errs.append(f"data.format: preference pairs need finetune.objective: dpo or simpo (it is {f.objective!r}); "
-                    "set finetune.objective: dpo (or simpo), or pack the data with --format chat for supervised "
-                    "fine-tuning")
+        errs.append(
+            f"data.format: preference pairs need finetune.objective: dpo or simpo (it is {f.objective!r}); "
+            "set finetune.objective: dpo (or simpo), or pack the data with --format chat for supervised "
+            "fine-tuning"
+        )
     if f.dpo.beta <= 0:
         errs.append(f"finetune.dpo.beta: must be positive (got {f.dpo.beta}); 0.1 is the usual value")
     if f.simpo.beta <= 0:
@@ -621,8 +671,10 @@ def rope_scaling_errors(m: ModelConfig) -> list[str]:
         for key in ("short_factor", "long_factor"):
             values = getattr(sc, key)
             if values is None or len(values) != half:
-                errs.append(f"model.rope_scaling.{key}: longrope needs head_dim/2 = {half} values "
-                            f"(got {None if values is None else len(values)})")
+                errs.append(
+                    f"model.rope_scaling.{key}: longrope needs head_dim/2 = {half} values "
+                    f"(got {None if values is None else len(values)})"
+                )
     return errs
 
 
@@ -638,8 +690,10 @@ def memory_errors(cfg: Config) -> list[str]:
         errs.append(f"memory.loss_scale: a static scale must be positive (got {mem.loss_scale}); or use dynamic")
     ls = mem.loss_scaling
     if ls.initial_scale <= 0 or ls.growth_factor < 1 or not 0 < ls.backoff_factor < 1 or ls.growth_interval < 1:
-        errs.append("memory.loss_scaling: needs initial_scale > 0, growth_factor >= 1, 0 < backoff_factor < 1 "
-                    f"and growth_interval >= 1 (got {ls.model_dump()})")
+        errs.append(
+            "memory.loss_scaling: needs initial_scale > 0, growth_factor >= 1, 0 < backoff_factor < 1 "
+            f"and growth_interval >= 1 (got {ls.model_dump()})"
+        )
     if t.lr_reference_batch is not None and t.lr_reference_batch < 1:
         errs.append(f"train.lr_reference_batch: must be at least 1 sequence or null (got {t.lr_reference_batch})")
     return errs
@@ -652,18 +706,27 @@ def observe_errors(cfg: Config) -> list[str]:
     for key, v, least in (("window", g.window, 2), ("rollback_after", g.rollback_after, 1)):
         if v < least:
             errs.append(f"train.observe.guards.{key}: must be at least {least} (got {v})")
-    nonneg = {"train.observe.guards.warmup_steps": g.warmup_steps, "train.observe.guards.max_rollbacks": g.max_rollbacks,
-              "train.observe.guards.loss_spike_sigma": g.loss_spike_sigma, "train.observe.guards.grad_spike_sigma": g.grad_spike_sigma,
-              "train.observe.consistency_interval": t.consistency_interval, "train.observe.balance_threshold": t.balance_threshold,
-              "train.observe.data_wait_warn": t.data_wait_warn}
+    nonneg = {
+        "train.observe.guards.warmup_steps": g.warmup_steps,
+        "train.observe.guards.max_rollbacks": g.max_rollbacks,
+        "train.observe.guards.loss_spike_sigma": g.loss_spike_sigma,
+        "train.observe.guards.grad_spike_sigma": g.grad_spike_sigma,
+        "train.observe.consistency_interval": t.consistency_interval,
+        "train.observe.balance_threshold": t.balance_threshold,
+        "train.observe.data_wait_warn": t.data_wait_warn,
+    }
     for key, v in nonneg.items():
         if v < 0:
             errs.append(f"{key}: must not be negative (got {v})")
     if 0 < t.balance_threshold <= 1:
-        errs.append(f"train.observe.balance_threshold: a factor above 1 (e.g. 1.5) or 0 to turn it off (got {t.balance_threshold})")
+        errs.append(
+            f"train.observe.balance_threshold: a factor above 1 (e.g. 1.5) or 0 to turn it off (got {t.balance_threshold})"
+        )
     ps = t.profile_steps
     if ps is not None and (len(ps) != 2 or ps[0] < 1 or ps[1] < ps[0]):
-        errs.append(f"train.observe.profile_steps: needs [first, last] with 1 <= first <= last, e.g. [10, 12] (got {ps})")
+        errs.append(
+            f"train.observe.profile_steps: needs [first, last] with 1 <= first <= last, e.g. [10, 12] (got {ps})"
+        )
     return errs
 
 
@@ -679,8 +742,10 @@ def _without_moved_keys(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]
     for old, new in MOVED_KEYS.items():
         key = old.split(".", 1)[1]
         if key in train:
-            errs.append(f"{old}: moved to {new} (the run's observers have their own section); write it under "
-                        f"train: observe: in the YAML, or `--set {new}=...`")
+            errs.append(
+                f"{old}: moved to {new} (the run's observers have their own section); write it under "
+                f"train: observe: in the YAML, or `--set {new}=...`"
+            )
     return {**data, "train": {k: v for k, v in train.items() if f"train.{k}" not in MOVED_KEYS}}, errs
 
 
@@ -714,8 +779,9 @@ def validate_dict(data: dict[str, Any], source: str | None = None, written_by_fi
     return cfg
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
-                written_by_fitlm: bool = False) -> Config:
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None, written_by_fitlm: bool = False
+) -> Config:
     """Load `path` (YAML), apply `--set` overrides, validate. Raises ConfigError with all problems.
     `written_by_fitlm`: the config.yaml of a model directory or run (see validate_dict)."""
     data = load_yaml(path) if path is not None else {}

@@ -28,10 +28,12 @@ class DiskFullError(ValueError):
         self.free = free_bytes(self.directory)
         need = f"about {needed / MiB:,.1f} MiB are needed" if needed else "more space is needed"
         free = f", {self.free / MiB:,.1f} MiB are free" if self.free is not None else ""
-        super().__init__(f"{what}: the disk holding {self.directory} is full ({need}{free}); the partial files were "
-                         f"removed and earlier results are intact. Free space there (or point the output at "
-                         f"another disk) and run the same command again"
-                         + (f" [{cause.strerror}]" if cause is not None and cause.strerror else ""))
+        super().__init__(
+            f"{what}: the disk holding {self.directory} is full ({need}{free}); the partial files were "
+            f"removed and earlier results are intact. Free space there (or point the output at "
+            f"another disk) and run the same command again"
+            + (f" [{cause.strerror}]" if cause is not None and cause.strerror else "")
+        )
 
 
 def is_disk_full(exc: BaseException) -> bool:
@@ -64,8 +66,7 @@ def tensor_bytes(tensors: Iterable, float_itemsize: int | None = None) -> int:
 
 
 @contextlib.contextmanager
-def disk_full_guard(directory: Path | str, needed: int | Callable[[], int | None] | None,
-                    what: str) -> Iterator[None]:
+def disk_full_guard(directory: Path | str, needed: int | Callable[[], int | None] | None, what: str) -> Iterator[None]:
     """Turn ENOSPC/EDQUOT raised inside the block into a DiskFullError naming `directory`; others pass through.
 
     Put the guard outside the atomic_file/atomic_dir block it protects, so their cleanup has run (and the

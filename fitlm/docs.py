@@ -53,15 +53,26 @@ def families_table_markdown(families: "Iterable[Family] | None" = None) -> str:
         from fitlm.registry import families as registered
 
         families = registered()
-    rows = ["| family (`model.arch`) | HF model_type(s) read | HF in/out | GGUF in | GGUF out | LoRA targets "
-            "| tensor parallel | pipeline parallel | planner | notable features |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    rows = [
+        "| family (`model.arch`) | HF model_type(s) read | HF in/out | GGUF in | GGUF out | LoRA targets "
+        "| tensor parallel | pipeline parallel | planner | notable features |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for f in families:
         hf = f"yes; `{f.hf_architecture}`" if f.config_to_hf is not None else "in only"
         gguf_in = f"`{f.gguf.arch}`" if f.gguf is not None else _NO
-        cells = [f"`{f.name}`", _code(f.hf_model_types), hf, gguf_in, _yes_no(gguf_exportable(f)),
-                 _code(f.lora_linears), _yes_no(f.tensor_parallel), _yes_no(f.pipeline_parallel),
-                 _yes_no(f.planner is not None), "; ".join(f.features) or _NO]
+        cells = [
+            f"`{f.name}`",
+            _code(f.hf_model_types),
+            hf,
+            gguf_in,
+            _yes_no(gguf_exportable(f)),
+            _code(f.lora_linears),
+            _yes_no(f.tensor_parallel),
+            _yes_no(f.pipeline_parallel),
+            _yes_no(f.planner is not None),
+            "; ".join(f.features) or _NO,
+        ]
         rows.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     return "\n".join(rows) + "\n"
 
@@ -78,8 +89,9 @@ def render(readme: str, families: "Iterable[Family] | None" = None) -> str:
     """`readme` with its generated blocks rewritten (the families table from `families`, default the registry)."""
     readme = _replace_block(readme, BEGIN, END, config_reference_markdown(), "config reference")
     readme = _replace_block(readme, RULES_BEGIN, RULES_END, rules_table_markdown(), "rules table")
-    return _replace_block(readme, FAMILIES_BEGIN, FAMILIES_END, families_table_markdown(families),
-                          "model families table")
+    return _replace_block(
+        readme, FAMILIES_BEGIN, FAMILIES_END, families_table_markdown(families), "model families table"
+    )
 
 
 def main(path: str) -> None:

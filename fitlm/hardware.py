@@ -104,10 +104,15 @@ def mfu_warning(mfu: float, device: torch.device) -> str | None:
     """What to say when MFU reads above 100%: the peak it is measured against was underestimated."""
     if mfu <= 1.0:
         return None
-    where = ("the CPU GEMM peak measured at start-up was low (the machine was busy)" if device.type == "cpu"
-             else "this device's datasheet peak is not known to fitlm")
-    return (f"MFU reads {mfu:.0%}, above 100%: {where}, so MFU is overstated; set train.peak_tflops to the "
-            "device's dense peak in TFLOP/s")
+    where = (
+        "the CPU GEMM peak measured at start-up was low (the machine was busy)"
+        if device.type == "cpu"
+        else "this device's datasheet peak is not known to fitlm"
+    )
+    return (
+        f"MFU reads {mfu:.0%}, above 100%: {where}, so MFU is overstated; set train.peak_tflops to the "
+        "device's dense peak in TFLOP/s"
+    )
 
 
 def peak_memory_bytes(device: torch.device) -> int:

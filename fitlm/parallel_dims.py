@@ -26,12 +26,20 @@ WORLD = "world"
 ZERO_STAGES = {
     0: {"params": "1", "grads": "1", "optimizer": "1", "engine": "DDP (all-reduce of gradients)"},
     1: {"params": "1", "grads": "1", "optimizer": "1/dp", "engine": "DDP + ZeroRedundancyOptimizer"},
-    2: {"params": "1/dp", "grads": "1/dp", "optimizer": "1/dp",
+    2: {
+        "params": "1/dp",
+        "grads": "1/dp",
+        "optimizer": "1/dp",
         "engine": "FSDP2 fully_shard(reshard_after_forward=False): parameters gathered once per step "
-                  "and kept through backward"},
-    3: {"params": "1/dp", "grads": "1/dp", "optimizer": "1/dp",
+        "and kept through backward",
+    },
+    3: {
+        "params": "1/dp",
+        "grads": "1/dp",
+        "optimizer": "1/dp",
         "engine": "FSDP2 fully_shard(reshard_after_forward=True): parameters gathered per block in "
-                  "forward and again in backward"},
+        "forward and again in backward",
+    },
 }
 
 

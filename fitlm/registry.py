@@ -23,8 +23,13 @@ if TYPE_CHECKING:
 
 _FAMILIES: dict[str, "Family"] = {}
 # Each module registers its families when imported (families() lists them by name).
-BUILTIN_FAMILIES = ("fitlm.models.llama", "fitlm.models.qwen", "fitlm.models.gemma", "fitlm.models.phi3",
-                    "fitlm.models.gpt2")
+BUILTIN_FAMILIES = (
+    "fitlm.models.llama",
+    "fitlm.models.qwen",
+    "fitlm.models.gemma",
+    "fitlm.models.phi3",
+    "fitlm.models.gpt2",
+)
 
 
 class RegistryError(ValueError):
@@ -41,12 +46,15 @@ def register_family(family: "Family") -> "Family":
     if taken is not None and taken is not family:
         raise RegistryError(
             f"model family {family.name!r} is registered twice: by {_qualname(taken.model_cls)} and by "
-            f"{_qualname(family.model_cls)}; give one of them another name")
+            f"{_qualname(family.model_cls)}; give one of them another name"
+        )
     for other in _FAMILIES.values():
         shared = set(other.hf_model_types) & set(family.hf_model_types)
         if other is not family and shared:
-            raise RegistryError(f"Hugging Face model_type {sorted(shared)} is claimed by families {other.name!r} "
-                                f"and {family.name!r}; a model_type belongs to one family")
+            raise RegistryError(
+                f"Hugging Face model_type {sorted(shared)} is claimed by families {other.name!r} "
+                f"and {family.name!r}; a model_type belongs to one family"
+            )
     _FAMILIES[family.name] = family
     return family
 

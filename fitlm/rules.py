@@ -32,11 +32,18 @@ def _split(v: Values) -> bool:
 
 def _rollback_without_checkpoints(kind: str) -> Rule:
     key = f"train.observe.guards.{kind}"
-    return Rule(key, "needs", f"`{key}: rollback` needs checkpoints (`checkpoint.interval` > 0)",
-                lambda v: v[key] == "rollback" and v["checkpoint.interval"] == 0
-                and v["checkpoint.resume"] in ("auto", "never"),
-                lambda v: f"{key}: rollback reloads the last checkpoint, but checkpoint.interval is 0; set "
-                          "checkpoint.interval (e.g. 100) or choose skip or stop")
+    return Rule(
+        key,
+        "needs",
+        f"`{key}: rollback` needs checkpoints (`checkpoint.interval` > 0)",
+        lambda v: (
+            v[key] == "rollback" and v["checkpoint.interval"] == 0 and v["checkpoint.resume"] in ("auto", "never")
+        ),
+        lambda v: (
+            f"{key}: rollback reloads the last checkpoint, but checkpoint.interval is 0; set "
+            "checkpoint.interval (e.g. 100) or choose skip or stop"
+        ),
+    )
 
 
 def tensorboard_installed() -> bool:
@@ -48,11 +55,17 @@ def installed(module: str) -> bool:
 
 
 def _tracker_installed(name: str) -> Rule:
-    return Rule("train.observe.report_to", "needs", f"`report_to: [{name}]` needs {name} (`pip install 'fitlm[{name}]'`)",
-                lambda v: name in (v["train.observe.report_to"] or ()) and not installed(name),
-                lambda v: f"train.observe.report_to: lists {name}, but the {name} package is not installed; "
-                          f"pip install 'fitlm[{name}]', or remove {name} from train.observe.report_to",
-                stage="launch")
+    return Rule(
+        "train.observe.report_to",
+        "needs",
+        f"`report_to: [{name}]` needs {name} (`pip install 'fitlm[{name}]'`)",
+        lambda v: name in (v["train.observe.report_to"] or ()) and not installed(name),
+        lambda v: (
+            f"train.observe.report_to: lists {name}, but the {name} package is not installed; "
+            f"pip install 'fitlm[{name}]', or remove {name} from train.observe.report_to"
+        ),
+        stage="launch",
+    )
 
 
 def torchao_installed() -> bool:
@@ -60,96 +73,187 @@ def torchao_installed() -> bool:
 
 
 ROWS: tuple[Rule, ...] = (
-    Rule("parallel.zero_stage", "refused",
-         "ZeRO-1 (torch's `ZeroRedundancyOptimizer`) with tensor or pipeline parallel: use ZeRO-2/3 (FSDP2)",
-         lambda v: v["parallel.zero_stage"] == 1 and _split(v),
-         lambda v: "parallel.zero_stage: 1 (torch's ZeroRedundancyOptimizer) works with plain data parallel only; "
-                   "with tensor or pipeline parallel use zero_stage 2 or 3 (FSDP2), which also shard the optimizer"),
-    Rule("parallel.zero_stage", "needs",
-         "ZeRO 1-3 need `data_parallel` × `context_parallel` ≥ 2 (they shard over those ranks)",
-         lambda v: v["parallel.zero_stage"] > 0 and v["parallel.data_parallel"] * v["parallel.context_parallel"] == 1,
-         lambda v: f"parallel.zero_stage: {v['parallel.zero_stage']} shards over data-parallel ranks but "
-                   "data_parallel=1; raise data_parallel (or context_parallel) or set zero_stage: 0"),
-    Rule("parallel.context_parallel", "refused", "context parallel with pipeline parallel: use tensor or data parallel",
-         lambda v: v["parallel.context_parallel"] > 1 and v["parallel.pipeline_parallel"] > 1,
-         lambda v: f"parallel.context_parallel: {v['parallel.context_parallel']} splits sequences inside each "
-                   f"attention layer, which pipeline_parallel={v['parallel.pipeline_parallel']} stages do not support; "
-                   "set pipeline_parallel: 1 and combine context parallel with tensor_parallel or data_parallel/ZeRO"),
-    Rule("parallel.sequence_parallel", "needs", "sequence parallel needs `tensor_parallel` ≥ 2",
-         lambda v: v["parallel.sequence_parallel"] and v["parallel.tensor_parallel"] == 1,
-         lambda v: "parallel.sequence_parallel: shards activations across the tensor-parallel group, which has one "
-                   "rank; set tensor_parallel >= 2 or sequence_parallel: false"),
-    Rule("memory.loss_chunk_size", "refused",
-         "chunked loss with tensor parallel (which already computes the loss on vocab-sharded logits)",
-         lambda v: bool(v["memory.loss_chunk_size"]) and v["parallel.tensor_parallel"] > 1,
-         lambda v: "memory.loss_chunk_size: tensor parallel already computes the loss on vocab-sharded logits; "
-                   "set loss_chunk_size to 0 with tensor_parallel > 1"),
-    Rule("memory.loss_chunk_size", "refused",
-         "chunked loss with pipeline parallel (the last stage computes the loss from its logits)",
-         lambda v: bool(v["memory.loss_chunk_size"]) and v["parallel.pipeline_parallel"] > 1,
-         lambda v: "memory.loss_chunk_size: not supported with pipeline_parallel > 1 (the last stage computes "
-                   "the loss from its logits); set it to 0, or use data parallel / ZeRO"),
-    Rule("memory.loss_chunk_size", "refused", "chunked loss with soft-capped logits (`model.final_logit_softcap`, Gemma 2)",
-         lambda v: bool(v["memory.loss_chunk_size"]) and v["model.final_logit_softcap"] is not None,
-         lambda v: "memory.loss_chunk_size: the chunked loss computes plain logits, but model.final_logit_softcap "
-                   "caps them (Gemma 2); set loss_chunk_size to 0 for this model"),
-    Rule("memory.cpu_offload", "refused", "CPU offload with tensor or pipeline parallel: use data parallel and ZeRO 0-3",
-         lambda v: v["memory.cpu_offload"] and _split(v),
-         lambda v: "memory.cpu_offload: works with data parallel and ZeRO 0-3, not with tensor or pipeline "
-                   "parallel; set it to false or use data_parallel with zero_stage 3"),
-    Rule("finetune.objective", "refused",
-         "DPO or SimPO with tensor, pipeline or context parallel: use data parallel and ZeRO 0-3",
-         lambda v: v["finetune.objective"] in ("dpo", "simpo") and (_split(v) or v["parallel.context_parallel"] > 1),
-         lambda v: f"finetune.objective: {v['finetune.objective']} scores whole sequences on one rank, which "
-                   f"tensor_parallel={v['parallel.tensor_parallel']} / pipeline_parallel="
-                   f"{v['parallel.pipeline_parallel']} / context_parallel={v['parallel.context_parallel']} do not "
-                   "give it; set all three to 1 and use data_parallel (ZeRO 0-3)"),
-    Rule("finetune.objective", "refused",
-         "DPO or SimPO with the chunked loss (`memory.loss_chunk_size`), which sums tokens over the whole micro batch",
-         lambda v: v["finetune.objective"] in ("dpo", "simpo") and bool(v["memory.loss_chunk_size"]),
-         lambda v: f"finetune.objective: {v['finetune.objective']} needs each sequence's own log-probability, but "
-                   "memory.loss_chunk_size sums the loss over the whole micro batch; set memory.loss_chunk_size: 0"),
-    Rule("memory.attention_backward", "refused",
-         "`memory.attention_backward: matmul` or `matmul_saved` with context parallel, whose attention over gathered keys has its own backward",
-         lambda v: v["memory.attention_backward"] != "sdpa" and v["parallel.context_parallel"] > 1,
-         lambda v: f"memory.attention_backward: {v['memory.attention_backward']} replaces the single-rank attention, but "
-                   f"context_parallel={v['parallel.context_parallel']} attends over keys gathered from other ranks with "
-                   "its own kernel; set memory.attention_backward: sdpa (or context_parallel: 1)"),
-    Rule("finetune.method", "refused",
-         "QLoRA with tensor, pipeline or context parallel: use data parallel and ZeRO 0-3 (ZeRO-3 shards the 4-bit base)",
-         lambda v: v["finetune.method"] == "qlora" and (_split(v) or v["parallel.context_parallel"] > 1),
-         lambda v: "finetune.method: qlora stores the base in 4-bit NF4 blocks that tensor_parallel="
-                   f"{v['parallel.tensor_parallel']} / pipeline_parallel={v['parallel.pipeline_parallel']} / "
-                   f"context_parallel={v['parallel.context_parallel']} do not split; set all three to 1 and use "
-                   "data_parallel with zero_stage 3 (FSDP2 shards the 4-bit base), or finetune.method: lora"),
-    Rule("finetune.method", "refused",
-         "QLoRA with `memory.mixed_precision: O3`, which would turn the 4-bit base back into half weights: use O2",
-         lambda v: v["finetune.method"] == "qlora" and v["memory.mixed_precision"] == "O3",
-         lambda v: "finetune.method: qlora keeps the frozen base in 4-bit NF4, but memory.mixed_precision: O3 stores "
-                   "every weight in half, the adapters included; use O2 (half compute, fp32 adapters) or O1"),
+    Rule(
+        "parallel.zero_stage",
+        "refused",
+        "ZeRO-1 (torch's `ZeroRedundancyOptimizer`) with tensor or pipeline parallel: use ZeRO-2/3 (FSDP2)",
+        lambda v: v["parallel.zero_stage"] == 1 and _split(v),
+        lambda v: (
+            "parallel.zero_stage: 1 (torch's ZeroRedundancyOptimizer) works with plain data parallel only; "
+            "with tensor or pipeline parallel use zero_stage 2 or 3 (FSDP2), which also shard the optimizer"
+        ),
+    ),
+    Rule(
+        "parallel.zero_stage",
+        "needs",
+        "ZeRO 1-3 need `data_parallel` × `context_parallel` ≥ 2 (they shard over those ranks)",
+        lambda v: v["parallel.zero_stage"] > 0 and v["parallel.data_parallel"] * v["parallel.context_parallel"] == 1,
+        lambda v: (
+            f"parallel.zero_stage: {v['parallel.zero_stage']} shards over data-parallel ranks but "
+            "data_parallel=1; raise data_parallel (or context_parallel) or set zero_stage: 0"
+        ),
+    ),
+    Rule(
+        "parallel.context_parallel",
+        "refused",
+        "context parallel with pipeline parallel: use tensor or data parallel",
+        lambda v: v["parallel.context_parallel"] > 1 and v["parallel.pipeline_parallel"] > 1,
+        lambda v: (
+            f"parallel.context_parallel: {v['parallel.context_parallel']} splits sequences inside each "
+            f"attention layer, which pipeline_parallel={v['parallel.pipeline_parallel']} stages do not support; "
+            "set pipeline_parallel: 1 and combine context parallel with tensor_parallel or data_parallel/ZeRO"
+        ),
+    ),
+    Rule(
+        "parallel.sequence_parallel",
+        "needs",
+        "sequence parallel needs `tensor_parallel` ≥ 2",
+        lambda v: v["parallel.sequence_parallel"] and v["parallel.tensor_parallel"] == 1,
+        lambda v: (
+            "parallel.sequence_parallel: shards activations across the tensor-parallel group, which has one "
+            "rank; set tensor_parallel >= 2 or sequence_parallel: false"
+        ),
+    ),
+    Rule(
+        "memory.loss_chunk_size",
+        "refused",
+        "chunked loss with tensor parallel (which already computes the loss on vocab-sharded logits)",
+        lambda v: bool(v["memory.loss_chunk_size"]) and v["parallel.tensor_parallel"] > 1,
+        lambda v: (
+            "memory.loss_chunk_size: tensor parallel already computes the loss on vocab-sharded logits; "
+            "set loss_chunk_size to 0 with tensor_parallel > 1"
+        ),
+    ),
+    Rule(
+        "memory.loss_chunk_size",
+        "refused",
+        "chunked loss with pipeline parallel (the last stage computes the loss from its logits)",
+        lambda v: bool(v["memory.loss_chunk_size"]) and v["parallel.pipeline_parallel"] > 1,
+        lambda v: (
+            "memory.loss_chunk_size: not supported with pipeline_parallel > 1 (the last stage computes "
+            "the loss from its logits); set it to 0, or use data parallel / ZeRO"
+        ),
+    ),
+    Rule(
+        "memory.loss_chunk_size",
+        "refused",
+        "chunked loss with soft-capped logits (`model.final_logit_softcap`, Gemma 2)",
+        lambda v: bool(v["memory.loss_chunk_size"]) and v["model.final_logit_softcap"] is not None,
+        lambda v: (
+            "memory.loss_chunk_size: the chunked loss computes plain logits, but model.final_logit_softcap "
+            "caps them (Gemma 2); set loss_chunk_size to 0 for this model"
+        ),
+    ),
+    Rule(
+        "memory.cpu_offload",
+        "refused",
+        "CPU offload with tensor or pipeline parallel: use data parallel and ZeRO 0-3",
+        lambda v: v["memory.cpu_offload"] and _split(v),
+        lambda v: (
+            "memory.cpu_offload: works with data parallel and ZeRO 0-3, not with tensor or pipeline "
+            "parallel; set it to false or use data_parallel with zero_stage 3"
+        ),
+    ),
+    Rule(
+        "finetune.objective",
+        "refused",
+        "DPO or SimPO with tensor, pipeline or context parallel: use data parallel and ZeRO 0-3",
+        lambda v: v["finetune.objective"] in ("dpo", "simpo") and (_split(v) or v["parallel.context_parallel"] > 1),
+        lambda v: (
+            f"finetune.objective: {v['finetune.objective']} scores whole sequences on one rank, which "
+            f"tensor_parallel={v['parallel.tensor_parallel']} / pipeline_parallel="
+            f"{v['parallel.pipeline_parallel']} / context_parallel={v['parallel.context_parallel']} do not "
+            "give it; set all three to 1 and use data_parallel (ZeRO 0-3)"
+        ),
+    ),
+    Rule(
+        "finetune.objective",
+        "refused",
+        "DPO or SimPO with the chunked loss (`memory.loss_chunk_size`), which sums tokens over the whole micro batch",
+        lambda v: v["finetune.objective"] in ("dpo", "simpo") and bool(v["memory.loss_chunk_size"]),
+        lambda v: (
+            f"finetune.objective: {v['finetune.objective']} needs each sequence's own log-probability, but "
+            "memory.loss_chunk_size sums the loss over the whole micro batch; set memory.loss_chunk_size: 0"
+        ),
+    ),
+    Rule(
+        "memory.attention_backward",
+        "refused",
+        "`memory.attention_backward: matmul` or `matmul_saved` with context parallel, whose attention over gathered keys has its own backward",
+        lambda v: v["memory.attention_backward"] != "sdpa" and v["parallel.context_parallel"] > 1,
+        lambda v: (
+            f"memory.attention_backward: {v['memory.attention_backward']} replaces the single-rank attention, but "
+            f"context_parallel={v['parallel.context_parallel']} attends over keys gathered from other ranks with "
+            "its own kernel; set memory.attention_backward: sdpa (or context_parallel: 1)"
+        ),
+    ),
+    Rule(
+        "finetune.method",
+        "refused",
+        "QLoRA with tensor, pipeline or context parallel: use data parallel and ZeRO 0-3 (ZeRO-3 shards the 4-bit base)",
+        lambda v: v["finetune.method"] == "qlora" and (_split(v) or v["parallel.context_parallel"] > 1),
+        lambda v: (
+            "finetune.method: qlora stores the base in 4-bit NF4 blocks that tensor_parallel="
+            f"{v['parallel.tensor_parallel']} / pipeline_parallel={v['parallel.pipeline_parallel']} / "
+            f"context_parallel={v['parallel.context_parallel']} do not split; set all three to 1 and use "
+            "data_parallel with zero_stage 3 (FSDP2 shards the 4-bit base), or finetune.method: lora"
+        ),
+    ),
+    Rule(
+        "finetune.method",
+        "refused",
+        "QLoRA with `memory.mixed_precision: O3`, which would turn the 4-bit base back into half weights: use O2",
+        lambda v: v["finetune.method"] == "qlora" and v["memory.mixed_precision"] == "O3",
+        lambda v: (
+            "finetune.method: qlora keeps the frozen base in 4-bit NF4, but memory.mixed_precision: O3 stores "
+            "every weight in half, the adapters included; use O2 (half compute, fp32 adapters) or O1"
+        ),
+    ),
     _rollback_without_checkpoints("nonfinite"),
     _rollback_without_checkpoints("spike"),
-    Rule("train.early_stopping_patience", "needs", "early stopping needs `data.valid` and `train.eval_interval` > 0",
-         lambda v: bool(v["train.early_stopping_patience"]) and not (v["data.valid"] and v["train.eval_interval"]),
-         lambda v: "train.early_stopping_patience: needs a validation set (data.valid) and train.eval_interval > 0",
-         stage="launch"),
-    Rule("finetune.method", "needs", "`finetune.method: qlora` needs torchao (`pip install 'fitlm[qlora]'`)",
-         lambda v: v["finetune.method"] == "qlora" and not torchao_installed(),
-         lambda v: "finetune.method: qlora stores the base in 4-bit NF4 through torchao, which is not installed; "
-                   "pip install 'fitlm[qlora]' (torchao 0.18), or set finetune.method: lora",
-         stage="launch"),
-    Rule("train.observe.tensorboard", "needs", "`train.observe.tensorboard: true` needs the tensorboard package (`auto` skips it)",
-         lambda v: v["train.observe.tensorboard"] is True and not tensorboard_installed(),
-         lambda v: "train.observe.tensorboard: true, but the tensorboard package is not installed; `pip install tensorboard`, "
-                   "or set train.observe.tensorboard to auto or false",
-         stage="launch"),
+    Rule(
+        "train.early_stopping_patience",
+        "needs",
+        "early stopping needs `data.valid` and `train.eval_interval` > 0",
+        lambda v: bool(v["train.early_stopping_patience"]) and not (v["data.valid"] and v["train.eval_interval"]),
+        lambda v: "train.early_stopping_patience: needs a validation set (data.valid) and train.eval_interval > 0",
+        stage="launch",
+    ),
+    Rule(
+        "finetune.method",
+        "needs",
+        "`finetune.method: qlora` needs torchao (`pip install 'fitlm[qlora]'`)",
+        lambda v: v["finetune.method"] == "qlora" and not torchao_installed(),
+        lambda v: (
+            "finetune.method: qlora stores the base in 4-bit NF4 through torchao, which is not installed; "
+            "pip install 'fitlm[qlora]' (torchao 0.18), or set finetune.method: lora"
+        ),
+        stage="launch",
+    ),
+    Rule(
+        "train.observe.tensorboard",
+        "needs",
+        "`train.observe.tensorboard: true` needs the tensorboard package (`auto` skips it)",
+        lambda v: v["train.observe.tensorboard"] is True and not tensorboard_installed(),
+        lambda v: (
+            "train.observe.tensorboard: true, but the tensorboard package is not installed; `pip install tensorboard`, "
+            "or set train.observe.tensorboard to auto or false"
+        ),
+        stage="launch",
+    ),
     _tracker_installed("tensorboard"),
     _tracker_installed("wandb"),
     _tracker_installed("mlflow"),
-    Rule("train.observe.tensorboard", "refused", "`train.observe.tensorboard` set with `report_to`: list tensorboard in "
-         "report_to instead", lambda v: v["train.observe.report_to"] is not None and v["train.observe.tensorboard"] != "auto",
-         lambda v: f"train.observe.tensorboard: {v['train.observe.tensorboard']} is set with train.observe.report_to, "
-                   "and both would say whether TensorBoard is written; leave tensorboard at auto and list tensorboard in report_to or not"),
+    Rule(
+        "train.observe.tensorboard",
+        "refused",
+        "`train.observe.tensorboard` set with `report_to`: list tensorboard in report_to instead",
+        lambda v: v["train.observe.report_to"] is not None and v["train.observe.tensorboard"] != "auto",
+        lambda v: (
+            f"train.observe.tensorboard: {v['train.observe.tensorboard']} is set with train.observe.report_to, "
+            "and both would say whether TensorBoard is written; leave tensorboard at auto and list tensorboard in report_to or not"
+        ),
+    ),
 )
 
 

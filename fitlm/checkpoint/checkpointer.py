@@ -26,8 +26,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
-from fitlm import __version__
-from fitlm import faults
+from fitlm import __version__, faults
 from fitlm.checkpoint import checksums, state, store
 from fitlm.checkpoint.errors import CheckpointError, TrainingInterrupted
 from fitlm.checkpoint.resume import check_resumable, resume_source, trim_metrics
@@ -121,11 +120,14 @@ class Checkpointer:
         optim_sd, targets = state.optimizer_template(optimizer, pm.modules, md)
         to_load: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
         rng_key = f"rank{self.ctx.rank}"
-        rng_entries = {k.split(".")[-1]: v for k, v in md.state_dict_metadata.items() if k.startswith(f"rng.{rng_key}.")}
+        rng_entries = {
+            k.split(".")[-1]: v for k, v in md.state_dict_metadata.items() if k.startswith(f"rng.{rng_key}.")
+        }
         same_world = meta["layout"]["world_size"] == self.ctx.world_size
         if same_world and rng_entries:
-            to_load["rng"] = {rng_key: {n: torch.empty(tuple(e.size), dtype=e.properties.dtype)
-                                        for n, e in rng_entries.items()}}
+            to_load["rng"] = {
+                rng_key: {n: torch.empty(tuple(e.size), dtype=e.properties.dtype) for n, e in rng_entries.items()}
+            }
         with store.quiet_single_process():
             dcp.load(to_load, storage_reader=store.SafeReader(ckpt), no_dist=not self.ctx.distributed)
         state.apply_optimizer_state(optimizer, optim_sd, targets)
@@ -151,13 +153,17 @@ class Checkpointer:
             problem = self._damage(candidate)
             if problem is None:
                 if problems and self.ctx.is_main:
-                    print(f"fitlm: resuming from {candidate} instead (the previous complete checkpoint)", file=sys.stderr)
+                    print(
+                        f"fitlm: resuming from {candidate} instead (the previous complete checkpoint)", file=sys.stderr
+                    )
                 return candidate
             problems.append(problem)
             if self.ctx.is_main:
                 print(f"fitlm: warning: checkpoint {candidate} is damaged: {problem}", file=sys.stderr)
-        raise CheckpointError(f"no intact checkpoint to resume from: {'; '.join(problems)}. Restore the files, or "
-                              "delete the damaged checkpoints (or pass --overwrite) to start again")
+        raise CheckpointError(
+            f"no intact checkpoint to resume from: {'; '.join(problems)}. Restore the files, or "
+            "delete the damaged checkpoints (or pass --overwrite) to start again"
+        )
 
     def _damage(self, ckpt: Path) -> str | None:
         """Why `ckpt` cannot be resumed from, or None; the same answer on every rank (the CRC work is split)."""
@@ -166,7 +172,7 @@ class Checkpointer:
         except CheckpointError as exc:
             return str(exc)
         sums = meta.get("checksums") if self.cfg.checkpoint.verify else None
-        found = checksums.damaged(ckpt, sums, sorted(sums)[self.ctx.rank::self.ctx.world_size]) if sums else []
+        found = checksums.damaged(ckpt, sums, sorted(sums)[self.ctx.rank :: self.ctx.world_size]) if sums else []
         if self.ctx.distributed:
             every: list[list[str]] = [[] for _ in range(self.ctx.world_size)]
             dist.all_gather_object(every, found)
@@ -200,9 +206,11 @@ class Checkpointer:
                 if self.cfg.checkpoint.on_save_error == "stop":
                     raise
                 if self.ctx.is_main:  # checkpoint.on_save_error: continue
-                    print(f"fitlm: warning: checkpoint of step {step} not saved: {exc}; training goes on "
-                          f"(checkpoint.on_save_error: continue), the next save is at step {step + self.interval}",
-                          file=sys.stderr)
+                    print(
+                        f"fitlm: warning: checkpoint of step {step} not saved: {exc}; training goes on "
+                        f"(checkpoint.on_save_error: continue), the next save is at step {step + self.interval}",
+                        file=sys.stderr,
+                    )
 
     def save(self, step: int, pm, optimizer, stateful: dict[str, Stateful], wait: bool = False) -> Path:
         """Write checkpoint `step` (collective). Synchronous unless checkpoint.async_save; `wait` forces it.
@@ -213,20 +221,27 @@ class Checkpointer:
         started = time.perf_counter()
         name = store.step_name(step)
         tmp = self.root / (store.TMP_PREFIX + name)
-        payload = {"model": state.model_state(pm.modules), "optim": state.optimizer_state(optimizer, pm.modules),
-                   "rng": {f"rank{self.ctx.rank}": state.rng_state()}}
+        payload = {
+            "model": state.model_state(pm.modules),
+            "optim": state.optimizer_state(optimizer, pm.modules),
+            "rng": {f"rank{self.ctx.rank}": state.rng_state()},
+        }
         failure: BaseException | None = None
         if self.ctx.is_main:
             try:
                 if tmp.exists():
                     shutil.rmtree(tmp)
                 tmp.mkdir(parents=True)
-                store.write_json(tmp / store.EXTRA_FILE, {k: state.encode_state(v.state_dict()) for k, v in stateful.items()})
+                store.write_json(
+                    tmp / store.EXTRA_FILE, {k: state.encode_state(v.state_dict()) for k, v in stateful.items()}
+                )
                 if self.tokenizer_path is not None and Path(self.tokenizer_path).is_file():
                     shutil.copyfile(self.tokenizer_path, tmp / "tokenizer.json")
             except OSError as exc:
                 failure = exc
-        self._agree_or_fail(failure, tmp, _payload_bytes(payload))  # the directory exists before any rank writes into it
+        self._agree_or_fail(
+            failure, tmp, _payload_bytes(payload)
+        )  # the directory exists before any rank writes into it
         meta = self._meta(step, list(stateful))
         writer = _FaultWriter(tmp, step, self.ctx.rank) if faults.enabled() else FileSystemWriter(str(tmp))
         no_dist = not self.ctx.distributed
@@ -257,8 +272,12 @@ class Checkpointer:
         self._barrier(None)
         full = _disk_full_cause(failure) if failure is not None else None
         if full is not None or failure is None:  # failure None: another rank's disk filled; it says which
-            raise DiskFullError(self.root, nbytes * self.ctx.world_size,
-                                f"checkpoint save ({tmp.name.removeprefix(store.TMP_PREFIX)})", full)
+            raise DiskFullError(
+                self.root,
+                nbytes * self.ctx.world_size,
+                f"checkpoint save ({tmp.name.removeprefix(store.TMP_PREFIX)})",
+                full,
+            )
         raise failure
 
     def finish(self) -> None:
@@ -277,13 +296,24 @@ class Checkpointer:
     def _meta(self, step: int, extras: list[str]) -> dict[str, Any]:
         p, c = self.cfg.parallel, self.ctx
         return {
-            "format": store.FORMAT, "format_version": store.FORMAT_VERSION, "step": step,
-            "layout": {"world_size": c.world_size, "data_parallel": c.dp, "tensor_parallel": c.tp,
-                       "pipeline_parallel": c.pp, "context_parallel": c.cp, "zero_stage": p.zero_stage,
-                       "name": f"{layout_name(c.dp, c.tp, c.pp, c.cp)} zero{p.zero_stage}"},
-            "tokenizer_sha256": self.tokenizer_sha256, "fitlm_version": __version__,
-            "torch_version": torch.__version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "extras": extras, "config": self.cfg.to_dict(),
+            "format": store.FORMAT,
+            "format_version": store.FORMAT_VERSION,
+            "step": step,
+            "layout": {
+                "world_size": c.world_size,
+                "data_parallel": c.dp,
+                "tensor_parallel": c.tp,
+                "pipeline_parallel": c.pp,
+                "context_parallel": c.cp,
+                "zero_stage": p.zero_stage,
+                "name": f"{layout_name(c.dp, c.tp, c.pp, c.cp)} zero{p.zero_stage}",
+            },
+            "tokenizer_sha256": self.tokenizer_sha256,
+            "fitlm_version": __version__,
+            "torch_version": torch.__version__,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "extras": extras,
+            "config": self.cfg.to_dict(),
         }
 
     def _publish(self, tmp: Path, meta: dict[str, Any]) -> Path:
@@ -368,5 +398,7 @@ def _read_extras(ckpt: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except ValueError as e:
-        raise CheckpointError(f"{path} is not valid JSON ({e}); the checkpoint is damaged: delete {ckpt} to resume "
-                              "from the previous checkpoint") from None
+        raise CheckpointError(
+            f"{path} is not valid JSON ({e}); the checkpoint is damaged: delete {ckpt} to resume "
+            "from the previous checkpoint"
+        ) from None

@@ -47,6 +47,9 @@ def damaged(directory: Path, expected: dict[str, str], names: list[str]) -> list
         f = directory / name
         got = crc32(f) if f.is_file() else None
         if got != expected[name]:
-            problems.append(f"{f} has CRC-32 {got} but {expected[name]} was recorded when it was saved"
-                            if got is not None else f"{f} is missing")
+            problems.append(
+                f"{f} has CRC-32 {got} but {expected[name]} was recorded when it was saved"
+                if got is not None
+                else f"{f} is missing"
+            )
     return problems

@@ -23,7 +23,9 @@ MAY_DIFFER = ("model.init_std", "model.init_from", "data.valid", "data.num_worke
 def global_batch(cfg: dict[str, Any]) -> int | None:
     t, p = cfg.get("train", {}), cfg.get("parallel", {})
     try:
-        return int(t["micro_batch_size"]) * int(t.get("gradient_accumulation_steps", 1)) * int(p.get("data_parallel", 1))
+        return (
+            int(t["micro_batch_size"]) * int(t.get("gradient_accumulation_steps", 1)) * int(p.get("data_parallel", 1))
+        )
     except (KeyError, TypeError, ValueError):
         return None
 
@@ -40,6 +42,8 @@ def resume_conflicts(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
             out.append(f"{k}: {a.get(k)!r} -> {b.get(k)!r}")
     ga, gb = global_batch(saved), global_batch(now)
     if ga is not None and gb is not None and ga != gb:
-        out.append(f"global batch (train.micro_batch_size × train.gradient_accumulation_steps × "
-                   f"parallel.data_parallel): {ga} -> {gb}")
+        out.append(
+            f"global batch (train.micro_batch_size × train.gradient_accumulation_steps × "
+            f"parallel.data_parallel): {ga} -> {gb}"
+        )
     return out

@@ -12,5 +12,7 @@ class TrainingInterrupted(Exception):
 
     def __init__(self, step: int, path: str):
         self.step, self.path = step, path
-        super().__init__(f"stopped by SIGTERM after step {step}; checkpoint {path} is complete. "
-                         "Run the same command again to resume from it")
+        super().__init__(
+            f"stopped by SIGTERM after step {step}; checkpoint {path} is complete. "
+            "Run the same command again to resume from it"
+        )

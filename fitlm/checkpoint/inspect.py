@@ -27,10 +27,19 @@ def inspect_checkpoint(path: str | Path) -> dict:
     files = meta.get("files", {})
     siblings = [s for s, _ in store.list_checkpoints(ckpt.parent)]
     return {
-        "path": str(ckpt), "step": meta["step"], "layout": meta["layout"], "complete": True,
-        "created": meta.get("created"), "fitlm_version": meta.get("fitlm_version"),
-        "torch_version": meta.get("torch_version"), "tokenizer_sha256": meta.get("tokenizer_sha256"),
-        "bytes": sum(files.values()), "files": files, "contents": counts,
-        "params": counts.get("model", {}).get("elements", 0), "extras": meta.get("extras", []),
-        "checkpoints_in_run": siblings, "config": meta.get("config"),
+        "path": str(ckpt),
+        "step": meta["step"],
+        "layout": meta["layout"],
+        "complete": True,
+        "created": meta.get("created"),
+        "fitlm_version": meta.get("fitlm_version"),
+        "torch_version": meta.get("torch_version"),
+        "tokenizer_sha256": meta.get("tokenizer_sha256"),
+        "bytes": sum(files.values()),
+        "files": files,
+        "contents": counts,
+        "params": counts.get("model", {}).get("elements", 0),
+        "extras": meta.get("extras", []),
+        "checkpoints_in_run": siblings,
+        "config": meta.get("config"),
     }

@@ -22,9 +22,9 @@ from fitlm import __version__
 from fitlm.atomic import atomic_dir, atomic_file
 from fitlm.checkpoint import store
 from fitlm.checkpoint.errors import CheckpointError
-from fitlm.models.safetensors_io import StreamingSafetensorsWriter
 from fitlm.config import Config, ConfigError, validate_dict
 from fitlm.models.hf import write_hf_configs
+from fitlm.models.safetensors_io import StreamingSafetensorsWriter
 from fitlm.models.streaming import grouped, stream_to_hf
 
 FORMATS = ("safetensors", "hf", "fitlm")
@@ -40,25 +40,34 @@ def resolve_checkpoint(path: str | Path) -> Path:
         if found:
             return found[-1][1]
     if p.is_dir() and (p / "model").is_dir():
-        raise CheckpointError(f"{p} is a training run without checkpoints (checkpoint.interval was 0); its final "
-                              f"model is {p / 'model'}")
-    raise CheckpointError(f"{p} is not a checkpoint: expected a checkpoints/step_N directory (holding "
-                          f"{store.META_FILE}), or a run directory with checkpoints/")
+        raise CheckpointError(
+            f"{p} is a training run without checkpoints (checkpoint.interval was 0); its final model is {p / 'model'}"
+        )
+    raise CheckpointError(
+        f"{p} is not a checkpoint: expected a checkpoints/step_N directory (holding "
+        f"{store.META_FILE}), or a run directory with checkpoints/"
+    )
 
 
 def checkpoint_config(ckpt: Path, meta: dict) -> Config:
     try:
         return validate_dict(meta["config"], f"{ckpt / store.META_FILE}", written_by_fitlm=True)
     except (ConfigError, KeyError) as e:
-        raise CheckpointError(f"{ckpt / store.META_FILE} holds no valid config ({e}); the checkpoint is damaged") from None
+        raise CheckpointError(
+            f"{ckpt / store.META_FILE} holds no valid config ({e}); the checkpoint is damaged"
+        ) from None
 
 
-def stream_hf_tensors(ckpt: Path, cfg: Config) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]]],
-                                                       Iterator[tuple[str, torch.Tensor]]]:
+def stream_hf_tensors(
+    ckpt: Path, cfg: Config
+) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]]], Iterator[tuple[str, torch.Tensor]]]:
     """(HF name -> (dtype, shape), iterator of (HF name, tensor)) reading one block's tensors at a time."""
     md = store.read_dcp_metadata(ckpt)
-    entries = {k[len("model."):]: e for k, e in md.state_dict_metadata.items()
-               if k.startswith("model.") and isinstance(e, TensorStorageMetadata)}
+    entries = {
+        k[len("model.") :]: e
+        for k, e in md.state_dict_metadata.items()
+        if k.startswith("model.") and isinstance(e, TensorStorageMetadata)
+    }
     if not entries:
         raise CheckpointError(f"{ckpt} holds no model tensors; it is not a fitlm training checkpoint")
     reader = store.SafeReader(ckpt)
@@ -87,11 +96,14 @@ def merge_checkpoint(path: str | Path, out: str | Path, fmt: str = "safetensors"
             f"(model.init_from: {cfg.model.init_from}, quantized again on resume). For the model at step "
             f"{meta['step']}, resume it and stop there: fitlm train CONFIG --set checkpoint.resume={ckpt} "
             f"--set train.max_steps={meta['step']} --set train.output_dir=NEW_DIR (NEW_DIR/model is merged, "
-            f"NEW_DIR/adapter is the PEFT adapter)")
+            f"NEW_DIR/adapter is the PEFT adapter)"
+        )
     out = Path(out)
     if fmt == "safetensors" and out.is_dir():
-        raise CheckpointError(f"--out {out} is a directory; --format safetensors writes one file "
-                              "(e.g. --out merged.safetensors), --format hf or fitlm write a directory")
+        raise CheckpointError(
+            f"--out {out} is a directory; --format safetensors writes one file "
+            "(e.g. --out merged.safetensors), --format hf or fitlm write a directory"
+        )
     if fmt != "safetensors" and out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CheckpointError(f"--out {out} exists and is not an empty directory; choose a new path")
     specs, tensors = stream_hf_tensors(ckpt, cfg)
@@ -107,8 +119,14 @@ def merge_checkpoint(path: str | Path, out: str | Path, fmt: str = "safetensors"
             dtype = str(next(iter(specs.values()))[0]).removeprefix("torch.")
             _write_companions(ckpt, cfg, target, fmt, dtype)
     size = sum(torch.Size(s).numel() * torch.empty((), dtype=d).element_size() for d, s in specs.values())
-    return {"checkpoint": str(ckpt), "step": meta["step"], "out": str(out), "format": fmt,
-            "tensors": len(specs), "bytes": size}
+    return {
+        "checkpoint": str(ckpt),
+        "step": meta["step"],
+        "out": str(out),
+        "format": fmt,
+        "tensors": len(specs),
+        "bytes": size,
+    }
 
 
 def _write_companions(ckpt: Path, cfg: Config, target: Path, fmt: str, dtype: str) -> None:

@@ -23,8 +23,10 @@ def resume_source(cfg) -> Path | None:
     if (path / store.CKPT_DIR).is_dir():  # a run directory: its latest checkpoint
         latest = store.latest_checkpoint(path)
         if latest is None:
-            raise CheckpointError(f"checkpoint.resume: {path} is a run directory without checkpoints; pass a "
-                                  "checkpoint directory (checkpoints/step_N) or set checkpoint.resume: auto")
+            raise CheckpointError(
+                f"checkpoint.resume: {path} is a run directory without checkpoints; pass a "
+                "checkpoint directory (checkpoints/step_N) or set checkpoint.resume: auto"
+            )
         return latest
     return path
 
@@ -34,14 +36,18 @@ def check_resumable(ckpt: Path, cfg, tokenizer_sha256: str) -> dict[str, Any]:
     meta = store.read_meta(ckpt)
     conflicts = resume_conflicts(meta.get("config", {}), cfg.to_dict())
     if conflicts:
-        raise CheckpointError(f"checkpoint {ckpt} belongs to a different run; the config differs in "
-                              f"{'; '.join(conflicts)}. Resume with the config it was saved with "
-                              f"({ckpt / store.META_FILE} holds it), or start a fresh run in another train.output_dir")
+        raise CheckpointError(
+            f"checkpoint {ckpt} belongs to a different run; the config differs in "
+            f"{'; '.join(conflicts)}. Resume with the config it was saved with "
+            f"({ckpt / store.META_FILE} holds it), or start a fresh run in another train.output_dir"
+        )
     if meta.get("tokenizer_sha256") != tokenizer_sha256:
-        raise CheckpointError(f"checkpoint {ckpt} was trained with another tokenizer (sha256 "
-                              f"{str(meta.get('tokenizer_sha256'))[:12]}, now {tokenizer_sha256[:12]}); token ids "
-                              f"would mean other text. Point data.tokenizer at the one it used (a copy is "
-                              f"{ckpt / 'tokenizer.json'}) or start a fresh run")
+        raise CheckpointError(
+            f"checkpoint {ckpt} was trained with another tokenizer (sha256 "
+            f"{str(meta.get('tokenizer_sha256'))[:12]}, now {tokenizer_sha256[:12]}); token ids "
+            f"would mean other text. Point data.tokenizer at the one it used (a copy is "
+            f"{ckpt / 'tokenizer.json'}) or start a fresh run"
+        )
     return meta
 
 

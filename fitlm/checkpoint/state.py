@@ -16,8 +16,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.tensor import DTensor
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 
 from fitlm.checkpoint.errors import CheckpointError
 from fitlm.memory.nf4 import is_nf4
@@ -59,8 +59,10 @@ def _optimizer_params(optimizer: torch.optim.Optimizer, modules: list[nn.Module]
     for group in local_optimizer(optimizer).param_groups:
         for p in group["params"]:
             if id(p) not in names:
-                raise RuntimeError("checkpoint: an optimizer parameter is not a parameter of the model; "
-                                   "fitlm.checkpoint.state cannot name its state")
+                raise RuntimeError(
+                    "checkpoint: an optimizer parameter is not a parameter of the model; "
+                    "fitlm.checkpoint.state cannot name its state"
+                )
             out.append((names[id(p)], p))
     return out
 
@@ -78,8 +80,9 @@ def optimizer_state(optimizer: torch.optim.Optimizer, modules: list[nn.Module]) 
     return out
 
 
-def optimizer_template(optimizer: torch.optim.Optimizer, modules: list[nn.Module], md: Metadata,
-                       prefix: str = "optim.") -> tuple[dict[str, torch.Tensor], list[tuple[torch.Tensor, str, str]]]:
+def optimizer_template(
+    optimizer: torch.optim.Optimizer, modules: list[nn.Module], md: Metadata, prefix: str = "optim."
+) -> tuple[dict[str, torch.Tensor], list[tuple[torch.Tensor, str, str]]]:
     """Empty tensors for the states this rank's optimizer will own, shaped like the checkpoint's.
 
     Returns (state dict to load into, [(param, key in that dict, state name)]). A pipeline's tied head
@@ -92,24 +95,27 @@ def optimizer_template(optimizer: torch.optim.Optimizer, modules: list[nn.Module
         candidates = [name] + ([TIED_SOURCE] if getattr(p, TIED_COPY, False) else [])
         source = next((c for c in candidates if any(k.startswith(f"{prefix}{c}.") for k in keys)), None)
         if source is None:
-            raise CheckpointError(f"the checkpoint has no optimizer state for parameter {name}; it was saved from "
-                                  "another model or fine-tuning method. Resume with the config it was saved with")
+            raise CheckpointError(
+                f"the checkpoint has no optimizer state for parameter {name}; it was saved from "
+                "another model or fine-tuning method. Resume with the config it was saved with"
+            )
         for key, entry in keys.items():
             if not key.startswith(f"{prefix}{source}.") or not isinstance(entry, TensorStorageMetadata):
                 continue
-            state = key[len(prefix) + len(source) + 1:]
+            state = key[len(prefix) + len(source) + 1 :]
             dtype = entry.properties.dtype
             if tuple(entry.size) == tuple(p.shape):
                 t = torch.zeros_like(p, dtype=dtype)  # DTensor params give DTensor states with their placements
             else:
                 t = torch.zeros(tuple(entry.size), dtype=dtype)  # scalars such as Adam's step live on the host
-            template[key[len(prefix):]] = t  # loaded as {"optim": template}
-            targets.append((p, key[len(prefix):], state))
+            template[key[len(prefix) :]] = t  # loaded as {"optim": template}
+            targets.append((p, key[len(prefix) :], state))
     return template, targets
 
 
-def apply_optimizer_state(optimizer: torch.optim.Optimizer, loaded: dict[str, torch.Tensor],
-                          targets: list[tuple[torch.Tensor, str, str]]) -> None:
+def apply_optimizer_state(
+    optimizer: torch.optim.Optimizer, loaded: dict[str, torch.Tensor], targets: list[tuple[torch.Tensor, str, str]]
+) -> None:
     opt = local_optimizer(optimizer)
     used: set[str] = set()
     for p, key, state in targets:
@@ -137,15 +143,22 @@ def full_shapes(sd: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
 
 def check_model_keys(sd: dict[str, torch.Tensor], md: Metadata, ckpt: str, prefix: str = "model.") -> None:
     """Refuse before loading when names or shapes differ: another model shape, said in terms of tensors."""
-    stored = {k[len(prefix):]: v for k, v in md.state_dict_metadata.items() if k.startswith(prefix)}
+    stored = {k[len(prefix) :]: v for k, v in md.state_dict_metadata.items() if k.startswith(prefix)}
     missing = sorted(set(sd) - set(stored))
-    bad = [f"{k}: checkpoint {list(stored[k].size)} vs model {list(s)}" for k, s in full_shapes(sd).items()
-           if k in stored and isinstance(stored[k], TensorStorageMetadata) and tuple(stored[k].size) != s]
+    bad = [
+        f"{k}: checkpoint {list(stored[k].size)} vs model {list(s)}"
+        for k, s in full_shapes(sd).items()
+        if k in stored and isinstance(stored[k], TensorStorageMetadata) and tuple(stored[k].size) != s
+    ]
     if missing or bad:
-        parts = ([f"missing tensors {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}"] if missing else []) + bad[:5]
-        raise CheckpointError(f"checkpoint {ckpt} was saved from another model shape ({'; '.join(parts)}); resume "
-                              "with the model section it was saved with, or start a fresh run in another "
-                              "train.output_dir")
+        parts = (
+            [f"missing tensors {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}"] if missing else []
+        ) + bad[:5]
+        raise CheckpointError(
+            f"checkpoint {ckpt} was saved from another model shape ({'; '.join(parts)}); resume "
+            "with the model section it was saved with, or start a fresh run in another "
+            "train.output_dir"
+        )
 
 
 # --------------------------------------------------------------------------- small stateful objects as JSON
@@ -170,4 +183,3 @@ def decode_state(obj: Any) -> Any:
     if isinstance(obj, list):
         return [decode_state(v) for v in obj]
     return obj
-

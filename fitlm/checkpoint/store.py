@@ -111,34 +111,48 @@ def read_meta(ckpt: str | Path, verify_files: bool = True) -> dict[str, Any]:
     """The metadata of a complete checkpoint; CheckpointError naming the file for anything missing or damaged."""
     ckpt = Path(ckpt)
     if not ckpt.is_dir():
-        raise CheckpointError(f"checkpoint {ckpt} does not exist or is not a directory; pass a checkpoints/step_N "
-                              "directory of a training run")
+        raise CheckpointError(
+            f"checkpoint {ckpt} does not exist or is not a directory; pass a checkpoints/step_N "
+            "directory of a training run"
+        )
     path = ckpt / META_FILE
     if not path.is_file():
-        raise CheckpointError(f"{ckpt} has no {META_FILE}: it is not a complete fitlm checkpoint (a save that did not "
-                              "finish, or files removed by hand). Delete it to resume from the previous checkpoint, "
-                              "or pass another checkpoint directory")
+        raise CheckpointError(
+            f"{ckpt} has no {META_FILE}: it is not a complete fitlm checkpoint (a save that did not "
+            "finish, or files removed by hand). Delete it to resume from the previous checkpoint, "
+            "or pass another checkpoint directory"
+        )
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path} is not valid JSON ({e}); the checkpoint is damaged: delete {ckpt} to resume "
-                              "from the previous checkpoint") from None
+        raise CheckpointError(
+            f"{path} is not valid JSON ({e}); the checkpoint is damaged: delete {ckpt} to resume "
+            "from the previous checkpoint"
+        ) from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise CheckpointError(f"{path} is not fitlm checkpoint metadata (format={meta.get('format') if isinstance(meta, dict) else None!r})")
+        raise CheckpointError(
+            f"{path} is not fitlm checkpoint metadata (format={meta.get('format') if isinstance(meta, dict) else None!r})"
+        )
     version = meta.get("format_version")
     if not isinstance(version, int) or version > FORMAT_VERSION:
-        raise CheckpointError(f"{path}: checkpoint format_version {version!r} is newer than this fitlm reads "
-                              f"({FORMAT_VERSION}); upgrade fitlm")
+        raise CheckpointError(
+            f"{path}: checkpoint format_version {version!r} is newer than this fitlm reads "
+            f"({FORMAT_VERSION}); upgrade fitlm"
+        )
     if verify_files:
         for name, size in meta.get("files", {}).items():
             f = ckpt / name
             if not f.is_file():
-                raise CheckpointError(f"checkpoint file {f} is missing; the checkpoint is incomplete: delete {ckpt} "
-                                      "to resume from the previous checkpoint")
+                raise CheckpointError(
+                    f"checkpoint file {f} is missing; the checkpoint is incomplete: delete {ckpt} "
+                    "to resume from the previous checkpoint"
+                )
             if f.stat().st_size != size:
-                raise CheckpointError(f"checkpoint file {f} has {f.stat().st_size} bytes but {size} were written: "
-                                      f"it is truncated or modified. Delete {ckpt} to resume from the previous "
-                                      "checkpoint (or restore the file)")
+                raise CheckpointError(
+                    f"checkpoint file {f} has {f.stat().st_size} bytes but {size} were written: "
+                    f"it is truncated or modified. Delete {ckpt} to resume from the previous "
+                    "checkpoint (or restore the file)"
+                )
     return meta
 
 
@@ -149,19 +163,36 @@ class _MetadataUnpickler(pickle.Unpickler):
     """DCP's `.metadata` is a pickle. Only DCP's own metadata classes and plain torch types may appear in
     it; anything else (e.g. a callable planted in a downloaded checkpoint) is refused, never run."""
 
-    _ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
-                        "torch.distributed.checkpoint.planner", "torch.distributed.checkpoint._extension")
-    _ALLOWED = {("torch", "Size"), ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
-                ("torch", "device"), ("torch", "layout"), ("torch", "memory_format"), ("builtins", "slice"),
-                ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
-                ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath")}
+    _ALLOWED_MODULES = (
+        "torch.distributed.checkpoint.metadata",
+        "torch.distributed.checkpoint.filesystem",
+        "torch.distributed.checkpoint.planner",
+        "torch.distributed.checkpoint._extension",
+    )
+    _ALLOWED = {
+        ("torch", "Size"),
+        ("collections", "OrderedDict"),
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+        ("torch", "device"),
+        ("torch", "layout"),
+        ("torch", "memory_format"),
+        ("builtins", "slice"),
+        ("torch.serialization", "_get_layout"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PurePosixPath"),
+        ("pathlib", "PureWindowsPath"),
+    }
 
     def find_class(self, module: str, name: str) -> Any:
         import torch
 
         if module in self._ALLOWED_MODULES or (module, name) in self._ALLOWED:
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
+        ):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint index")
 
@@ -169,14 +200,18 @@ class _MetadataUnpickler(pickle.Unpickler):
 def read_dcp_metadata(ckpt: Path) -> Metadata:
     path = Path(ckpt) / ".metadata"
     if not path.is_file():
-        raise CheckpointError(f"{path} is missing: {ckpt} is not a torch.distributed.checkpoint directory or is "
-                              f"incomplete; delete it to resume from the previous checkpoint")
+        raise CheckpointError(
+            f"{path} is missing: {ckpt} is not a torch.distributed.checkpoint directory or is "
+            f"incomplete; delete it to resume from the previous checkpoint"
+        )
     try:
         with open(path, "rb") as f:
             md = _MetadataUnpickler(f).load()
     except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as e:
-        raise CheckpointError(f"{path} cannot be read safely ({e}); the checkpoint is damaged or not from "
-                              "fitlm: delete it or pass another checkpoint") from None
+        raise CheckpointError(
+            f"{path} cannot be read safely ({e}); the checkpoint is damaged or not from "
+            "fitlm: delete it or pass another checkpoint"
+        ) from None
     if not isinstance(md, Metadata):
         raise CheckpointError(f"{path} does not hold a checkpoint index")
     return md

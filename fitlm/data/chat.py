@@ -72,12 +72,16 @@ def resolve_template(spec: str | None, tokenizer_path: Path | None = None) -> tu
     if path.is_dir():
         found = model_chat_template(path)
         if found is None:
-            raise DataError(f"--template {spec}: the directory holds neither chat_template.jinja nor a "
-                            "tokenizer_config.json with a chat_template; pass a built-in name or a .jinja file")
+            raise DataError(
+                f"--template {spec}: the directory holds neither chat_template.jinja nor a "
+                "tokenizer_config.json with a chat_template; pass a built-in name or a .jinja file"
+            )
         return found
     if not path.is_file():
-        raise DataError(f"--template {spec!r} is neither a built-in template ({', '.join(BUILTIN_TEMPLATES)}) nor an "
-                        "existing file; name a built-in, a tokenizer_config.json with a chat_template, or a .jinja file")
+        raise DataError(
+            f"--template {spec!r} is neither a built-in template ({', '.join(BUILTIN_TEMPLATES)}) nor an "
+            "existing file; name a built-in, a tokenizer_config.json with a chat_template, or a .jinja file"
+        )
     if path.suffix == ".json":
         return str(path), config_chat_template(path)
     if path.suffix == ".gguf":
@@ -91,8 +95,9 @@ def _raise(message: str) -> None:
     raise DataError(f"the chat template raised: {message}")
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
     # Jinja's own tojson escapes HTML characters (<, >, &); Hugging Face templates expect plain JSON.
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -106,7 +111,9 @@ def _environment():
         from jinja2.ext import Extension, loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError:
-        raise DataError("chat data needs jinja2 (`pip install jinja2`); it renders chat templates in a sandbox") from None
+        raise DataError(
+            "chat data needs jinja2 (`pip install jinja2`); it renders chat templates in a sandbox"
+        ) from None
 
     class Generation(Extension):
         """{% generation %}...{% endgeneration %} marks assistant text in HF templates; it renders its body."""
@@ -146,8 +153,10 @@ def check_messages(messages: Any, where: str) -> list[dict[str, str]]:
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-            raise DataError(f'{where}: message {i} must be {{"role": one of {"/".join(ROLES)}, "content": "text"}}, '
-                            f"got {json.dumps(m)[:120]}")
+            raise DataError(
+                f'{where}: message {i} must be {{"role": one of {"/".join(ROLES)}, "content": "text"}}, '
+                f"got {json.dumps(m)[:120]}"
+            )
         out.append({"role": m["role"], "content": m["content"]})
     return out
 
@@ -180,16 +189,24 @@ class ChatEncoder:
         from jinja2.exceptions import SecurityError
 
         try:
-            return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                         tools=None, documents=None, **self._names)
+            return self._template.render(
+                messages=list(messages),
+                add_generation_prompt=add_generation_prompt,
+                tools=None,
+                documents=None,
+                **self._names,
+            )
         except SecurityError as e:
-            raise DataError(f"chat template {self.name} tried an unsafe operation ({e}); it was stopped by the "
-                            "sandbox; use a trusted template") from None
+            raise DataError(
+                f"chat template {self.name} tried an unsafe operation ({e}); it was stopped by the "
+                "sandbox; use a trusted template"
+            ) from None
         except TemplateError as e:
             raise DataError(f"chat template {self.name} failed to render ({e})") from None
 
-    def _spans(self, text: str, messages: Sequence[dict[str, str]],
-               strict: bool = True) -> list[tuple[int, int, int, bool]]:
+    def _spans(
+        self, text: str, messages: Sequence[dict[str, str]], strict: bool = True
+    ) -> list[tuple[int, int, int, bool]]:
         """(start, content end, span end, trained) of each rendered message content, in order; an
         assistant span extends past its content over the end-of-turn marker. Not strict (a prompt): a
         message the template does not reproduce verbatim is skipped."""
@@ -202,12 +219,14 @@ class ChatEncoder:
             if at < 0:
                 if not strict:
                     continue
-                raise DataError(f"chat template {self.name} does not reproduce message {i} ({m['role']}) verbatim, so "
-                                "its tokens cannot be located for the loss mask; use a template that inserts "
-                                "message content unchanged")
+                raise DataError(
+                    f"chat template {self.name} does not reproduce message {i} ({m['role']}) verbatim, so "
+                    "its tokens cannot be located for the loss mask; use a template that inserts "
+                    "message content unchanged"
+                )
             end = content_end = at + len(content)
             if m["role"] == "assistant":
-                nxt = [text.find(n["content"].strip(), end) for n in messages[i + 1:] if n["content"].strip()]
+                nxt = [text.find(n["content"].strip(), end) for n in messages[i + 1 :] if n["content"].strip()]
                 limit = min([x for x in nxt if x >= 0], default=len(text))
                 gap = text[end:limit]
                 # Train on the end-of-turn marker too: through the first stop token, else up to the line end.
@@ -240,8 +259,9 @@ class ChatEncoder:
         plain(last, len(text))
         return ids, where
 
-    def encode(self, messages: Sequence[dict[str, str]],
-               add_generation_prompt: bool = False) -> tuple[list[int], list[int]]:
+    def encode(
+        self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = False
+    ) -> tuple[list[int], list[int]]:
         """(ids, mask) of one conversation; mask 1 = train on this token. BOS first when the model adds one,
         EOS last unless a stop token already ends the last turn; with add_generation_prompt (a prompt to
         generate from) nothing is appended."""
@@ -264,5 +284,12 @@ class ChatEncoder:
         return ids, mask
 
 
-__all__ = ["BUILTIN_TEMPLATES", "ChatEncoder", "DEFAULT_TEMPLATE", "ROLES", "check_messages", "compile_template",
-           "resolve_template"]
+__all__ = [
+    "BUILTIN_TEMPLATES",
+    "ChatEncoder",
+    "DEFAULT_TEMPLATE",
+    "ROLES",
+    "check_messages",
+    "compile_template",
+    "resolve_template",
+]

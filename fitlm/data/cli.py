@@ -30,13 +30,21 @@ def add_commands(sub) -> None:
     q.add_argument("--drop-boilerplate", action="store_true", help="remove boilerplate lines (cookies, log in, ...)")
     q.add_argument("--no-exact-dedup", action="store_true", help="keep exact duplicates")
     q.add_argument("--no-near-dedup", action="store_true", help="keep near duplicates")
-    q.add_argument("--jaccard", type=float, default=DEFAULT_JACCARD,
-                   help=f"near-duplicate threshold: estimated Jaccard of per-line character n-gram sets (default "
-                        f"{DEFAULT_JACCARD}: finds copies with up to 3%% of their characters edited)")
-    q.add_argument("--num-perm", type=int, default=DEFAULT_NUM_PERM,
-                   help=f"MinHash permutations (default {DEFAULT_NUM_PERM})")
-    q.add_argument("--ngram", type=int, help="shingle size in characters (default: 5 in spaced scripts, 3 in Chinese, "
-                                             "Japanese, Thai, ...)")
+    q.add_argument(
+        "--jaccard",
+        type=float,
+        default=DEFAULT_JACCARD,
+        help=f"near-duplicate threshold: estimated Jaccard of per-line character n-gram sets (default "
+        f"{DEFAULT_JACCARD}: finds copies with up to 3%% of their characters edited)",
+    )
+    q.add_argument(
+        "--num-perm", type=int, default=DEFAULT_NUM_PERM, help=f"MinHash permutations (default {DEFAULT_NUM_PERM})"
+    )
+    q.add_argument(
+        "--ngram",
+        type=int,
+        help="shingle size in characters (default: 5 in spaced scripts, 3 in Chinese, Japanese, Thai, ...)",
+    )
     _engine_options(q)
     q.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     q.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
@@ -57,14 +65,29 @@ def add_commands(sub) -> None:
     q.add_argument("inputs", nargs="+", help="text (.txt, .jsonl, .parquet) or chat (.jsonl) files or directories")
     q.add_argument("--tokenizer", required=True, help="tokenizer.json (or a directory holding one)")
     q.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
-    q.add_argument("--format", choices=["text", "chat", "preference"], default="text",
-                   help="text documents, chat conversations, or preference pairs (prompt/chosen/rejected, for DPO)")
-    q.add_argument("--template", help="chat template: chatml, inst (= llama2 [INST]), plain, a tokenizer_config.json "
-                                      "or a .jinja file (default: the tokenizer's chat_template, else chatml)")
-    q.add_argument("--max-length", type=int, help="chat: longest conversation in tokens (e.g. data.seq_length + 1); "
-                                                  "preference: longest prompt + response (longer pairs are dropped)")
-    q.add_argument("--overlong", choices=["truncate", "drop"], default="truncate",
-                   help="chat: what to do with a conversation over --max-length (default truncate)")
+    q.add_argument(
+        "--format",
+        choices=["text", "chat", "preference"],
+        default="text",
+        help="text documents, chat conversations, or preference pairs (prompt/chosen/rejected, for DPO)",
+    )
+    q.add_argument(
+        "--template",
+        help="chat template: chatml, inst (= llama2 [INST]), plain, a tokenizer_config.json "
+        "or a .jinja file (default: the tokenizer's chat_template, else chatml)",
+    )
+    q.add_argument(
+        "--max-length",
+        type=int,
+        help="chat: longest conversation in tokens (e.g. data.seq_length + 1); "
+        "preference: longest prompt + response (longer pairs are dropped)",
+    )
+    q.add_argument(
+        "--overlong",
+        choices=["truncate", "drop"],
+        default="truncate",
+        help="chat: what to do with a conversation over --max-length (default truncate)",
+    )
     _split_option(q)
     q.add_argument("--workers", type=int, default=1, help="tokenizer processes (default 1; Ray: concurrent tasks)")
     q.add_argument("--shard-tokens", type=int, default=1 << 28, help="tokens per shard file (default 2^28)")
@@ -93,35 +116,72 @@ def add_commands(sub) -> None:
 
 
 def _split_option(q: argparse.ArgumentParser) -> None:
-    q.add_argument("--split", choices=["blank-lines", "file", "line"], default="blank-lines",
-                   help="how .txt files are cut into documents: blank-line blocks (default), whole file, or one "
-                        "document per line (review and web-text dumps)")
+    q.add_argument(
+        "--split",
+        choices=["blank-lines", "file", "line"],
+        default="blank-lines",
+        help="how .txt files are cut into documents: blank-line blocks (default), whole file, or one "
+        "document per line (review and web-text dumps)",
+    )
 
 
 def _engine_options(q: argparse.ArgumentParser) -> None:
-    q.add_argument("--engine", choices=["local", "ray"], default="local",
-                   help="local (default: this machine's processes) or ray (Ray Data; pip install 'fitlm[ray]')")
-    q.add_argument("--ray-address", help="with --engine ray: a Ray cluster to run on (e.g. ray://head:10001 or auto; "
-                                         "default: a local Ray on this machine)")
+    q.add_argument(
+        "--engine",
+        choices=["local", "ray"],
+        default="local",
+        help="local (default: this machine's processes) or ray (Ray Data; pip install 'fitlm[ray]')",
+    )
+    q.add_argument(
+        "--ray-address",
+        help="with --engine ray: a Ray cluster to run on (e.g. ray://head:10001 or auto; "
+        "default: a local Ray on this machine)",
+    )
 
 
 def cmd_data_clean(args: argparse.Namespace) -> int:
     from fitlm.data.prep.clean import CleanOptions, clean_corpus
 
-    opts = CleanOptions(normalize=args.normalize, min_chars=args.min_chars, max_garbled=args.max_garbled,
-                        max_symbols=args.max_symbols, min_letters=args.min_letters, max_dup_lines=args.max_dup_lines,
-                        min_compress=args.min_compress, drop_code=args.drop_code,
-                        drop_boilerplate=args.drop_boilerplate, exact_dedup=not args.no_exact_dedup,
-                        near_dedup=not args.no_near_dedup, jaccard=args.jaccard, num_perm=args.num_perm,
-                        ngram=args.ngram)
-    report = clean_corpus(args.inputs, args.out, opts, split=args.split, min_doc_chars=args.min_doc_chars,
-                          show_progress=not args.json, overwrite=args.overwrite, engine=args.engine,
-                          ray_address=args.ray_address)
+    opts = CleanOptions(
+        normalize=args.normalize,
+        min_chars=args.min_chars,
+        max_garbled=args.max_garbled,
+        max_symbols=args.max_symbols,
+        min_letters=args.min_letters,
+        max_dup_lines=args.max_dup_lines,
+        min_compress=args.min_compress,
+        drop_code=args.drop_code,
+        drop_boilerplate=args.drop_boilerplate,
+        exact_dedup=not args.no_exact_dedup,
+        near_dedup=not args.no_near_dedup,
+        jaccard=args.jaccard,
+        num_perm=args.num_perm,
+        ngram=args.ngram,
+    )
+    report = clean_corpus(
+        args.inputs,
+        args.out,
+        opts,
+        split=args.split,
+        min_doc_chars=args.min_doc_chars,
+        show_progress=not args.json,
+        overwrite=args.overwrite,
+        engine=args.engine,
+        ray_address=args.ray_address,
+    )
     if args.json:
         emit_json(report)
     else:
-        rows = {k: report[k] for k in ("documents_in", "documents_out", "replaced_invalid_utf8",
-                                        "control_chars_removed", "documents_normalized")}
+        rows = {
+            k: report[k]
+            for k in (
+                "documents_in",
+                "documents_out",
+                "replaced_invalid_utf8",
+                "control_chars_removed",
+                "documents_normalized",
+            )
+        }
         rows.update({f"dropped: {k}": v for k, v in report["dropped"].items()})
         print_table(f"cleaned into {args.out}", rows)
     return 0
@@ -138,18 +198,33 @@ def cmd_data_tokenizer(args: argparse.Namespace) -> int:
     if len(inputs) == 1 and is_tokenizer_file(inputs[0]):
         if not inputs[0].exists():
             raise DataError(f"tokenizer {inputs[0]} does not exist; pass an existing tokenizer.json or .model file")
-        path = import_tokenizer(inputs[0], Path(args.out), overwrite=args.overwrite, bos=args.bos, eos=args.eos,
-                                pad=args.pad)
+        path = import_tokenizer(
+            inputs[0], Path(args.out), overwrite=args.overwrite, bos=args.bos, eos=args.eos, pad=args.pad
+        )
     else:
         if args.vocab_size is None:
-            raise DataError("--vocab-size is required to train a tokenizer (e.g. --vocab-size 32000); to import one, "
-                            "pass a single tokenizer.json or SentencePiece .model")
-        path = train_tokenizer(expand_inputs(inputs), args.vocab_size, Path(args.out),
-                               show_progress=not args.json, overwrite=args.overwrite, engine=args.engine,
-                               ray_address=args.ray_address)
+            raise DataError(
+                "--vocab-size is required to train a tokenizer (e.g. --vocab-size 32000); to import one, "
+                "pass a single tokenizer.json or SentencePiece .model"
+            )
+        path = train_tokenizer(
+            expand_inputs(inputs),
+            args.vocab_size,
+            Path(args.out),
+            show_progress=not args.json,
+            overwrite=args.overwrite,
+            engine=args.engine,
+            ray_address=args.ray_address,
+        )
     tok = Tokenizer.from_file(path)
-    summary = {"path": str(path), "vocab_size": tok.vocab_size, "bos_id": tok.bos_id, "eos_id": tok.eos_id,
-               "pad_id": tok.pad_id, "sha256": tok.sha256}
+    summary = {
+        "path": str(path),
+        "vocab_size": tok.vocab_size,
+        "bos_id": tok.bos_id,
+        "eos_id": tok.eos_id,
+        "pad_id": tok.pad_id,
+        "sha256": tok.sha256,
+    }
     emit_json(summary) if args.json else print_table("tokenizer written", summary)
     return 0
 
@@ -157,11 +232,24 @@ def cmd_data_tokenizer(args: argparse.Namespace) -> int:
 def cmd_data_pack(args: argparse.Namespace) -> int:
     from fitlm.data.prep.pack import pack_corpus
 
-    manifest = pack_corpus([Path(p) for p in args.inputs], Path(args.tokenizer), Path(args.out), split=args.split,
-                           show_progress=not args.json, overwrite=args.overwrite, data_format=args.format,
-                           template=args.template, workers=args.workers, shard_tokens=args.shard_tokens,
-                           shard_index=args.shard_index, num_shards=args.num_shards, max_length=args.max_length,
-                           overlong=args.overlong, engine=args.engine, ray_address=args.ray_address)
+    manifest = pack_corpus(
+        [Path(p) for p in args.inputs],
+        Path(args.tokenizer),
+        Path(args.out),
+        split=args.split,
+        show_progress=not args.json,
+        overwrite=args.overwrite,
+        data_format=args.format,
+        template=args.template,
+        workers=args.workers,
+        shard_tokens=args.shard_tokens,
+        shard_index=args.shard_index,
+        num_shards=args.num_shards,
+        max_length=args.max_length,
+        overlong=args.overlong,
+        engine=args.engine,
+        ray_address=args.ray_address,
+    )
     _print_manifest(args, manifest, f"packed into {args.out}")
     return 0
 
@@ -192,8 +280,10 @@ def cmd_data_inspect(args: argparse.Namespace) -> int:
     if args.json:
         emit_json(report)
     else:
-        print_table(f"packed data {args.path}", {k: v for k, v in report.items()
-                                                 if not isinstance(v, (list, dict)) and not k.startswith("sample")})
+        print_table(
+            f"packed data {args.path}",
+            {k: v for k, v in report.items() if not isinstance(v, (list, dict)) and not k.startswith("sample")},
+        )
         sys.stderr.write("length histogram (tokens per document):\n")
         for row in report["length_histogram"]:
             sys.stderr.write(f"  {row['min']:>7}-{row['max']:<7} {row['count']:>6}\n")

@@ -74,7 +74,7 @@ def _token_name(cfg: dict, key: str, path: Path) -> str | None:
     if isinstance(value, dict):
         value = value.get("content")
     if value is not None and not isinstance(value, str):
-        raise DataError(f"{path}: {key} must be a token string, {{\"content\": ...}} or null, got {value!r}")
+        raise DataError(f'{path}: {key} must be a token string, {{"content": ...}} or null, got {value!r}')
     return value
 
 
@@ -82,8 +82,10 @@ def _id_list(gen: dict, key: str, path: Path, vocab_rows: int) -> list[int]:
     value = gen.get(key)
     ids = [] if value is None else value if isinstance(value, list) else [value]
     if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_rows for i in ids):
-        raise DataError(f"{path}: {key} must be a token id or a list of token ids below the vocabulary size "
-                        f"{vocab_rows}, got {value!r}; fix it or delete the key")
+        raise DataError(
+            f"{path}: {key} must be a token id or a list of token ids below the vocabulary size "
+            f"{vocab_rows}, got {value!r}; fix it or delete the key"
+        )
     return ids
 
 
@@ -93,8 +95,8 @@ def post_processor_wrap(backend: tokenizers.Tokenizer) -> tuple[list[int], list[
     plain = backend.encode("a", add_special_tokens=False).ids
     full = backend.encode("a", add_special_tokens=True).ids
     for i in range(len(full) - len(plain) + 1):
-        if full[i:i + len(plain)] == plain:
-            return full[:i], full[i + len(plain):]
+        if full[i : i + len(plain)] == plain:
+            return full[:i], full[i + len(plain) :]
     return [], []
 
 
@@ -108,8 +110,10 @@ def read_conventions(json_path: Path, backend: tokenizers.Tokenizer, given: dict
     gen_ids = {k: _id_list(gen, f"{k}_token_id", gen_path, vocab_rows) for k in ("bos", "eos", "pad")}
     before = post_processor_wrap(backend)[0]  # what it appends (add_eos) is never put on a prompt
     if len(before) > 1:
-        raise DataError(f"{json_path}: its post_processor puts {len(before)} tokens before each text; fitlm adds "
-                        f"at most one (BOS). Use a tokenizer.json whose post_processor adds BOS only (or nothing)")
+        raise DataError(
+            f"{json_path}: its post_processor puts {len(before)} tokens before each text; fitlm adds "
+            f"at most one (BOS). Use a tokenizer.json whose post_processor adds BOS only (or nothing)"
+        )
 
     def name(key: str) -> str | None:
         if given.get(key):
@@ -125,13 +129,17 @@ def read_conventions(json_path: Path, backend: tokenizers.Tokenizer, given: dict
 
     bos, eos, pad = name("bos"), name("eos"), name("pad")
     if eos is None:
-        raise DataError(f"{json_path}: no EOS token is named by {cfg_path.name} (eos_token), {map_path.name} or "
-                        f"{gen_path.name} (eos_token_id); add \"eos_token\": \"...\" to {cfg_path} or name one with "
-                        f"--eos (`fitlm data tokenizer TOKENIZER --eos TOKEN --out DIR`)")
+        raise DataError(
+            f"{json_path}: no EOS token is named by {cfg_path.name} (eos_token), {map_path.name} or "
+            f'{gen_path.name} (eos_token_id); add "eos_token": "..." to {cfg_path} or name one with '
+            f"--eos (`fitlm data tokenizer TOKENIZER --eos TOKEN --out DIR`)"
+        )
     pad = pad or eos  # documented fallback: PAD positions are masked out, any real token will do
     if before and before[0] != backend.token_to_id(bos or ""):
-        raise DataError(f"{json_path}: its post_processor adds {backend.id_to_token(before[0])!r} before each text "
-                        f"but bos_token is {bos!r}; make {cfg_path.name}'s bos_token that token")
+        raise DataError(
+            f"{json_path}: its post_processor adds {backend.id_to_token(before[0])!r} before each text "
+            f"but bos_token is {bos!r}; make {cfg_path.name}'s bos_token that token"
+        )
     # BOS when the post-processor inserts it (all transformers 5 looks at) or add_bos_token says so (what
     # transformers 4's Llama-family classes and llama.cpp follow); real models state both. No BOS token, no BOS.
     add_bos = bos is not None and (fitlm_style or bool(before) or cfg.get("add_bos_token") is True)
@@ -146,12 +154,16 @@ def _config_template(cfg: dict, path: Path) -> str | None:
     if isinstance(tmpl, list):  # HF allows [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
         named = {t.get("name"): t.get("template") for t in tmpl if isinstance(t, dict)}
         if not isinstance(named.get("default"), str):
-            raise DataError(f"{path}: chat_template is a list without a \"default\" entry (it has "
-                            f"{', '.join(map(str, named)) or 'none'}); add one, or pass --template with a .jinja file")
+            raise DataError(
+                f'{path}: chat_template is a list without a "default" entry (it has '
+                f"{', '.join(map(str, named)) or 'none'}); add one, or pass --template with a .jinja file"
+            )
         return named["default"]
     if tmpl is not None and not isinstance(tmpl, str):
-        raise DataError(f"{path}: chat_template must be a string or a list of {{\"name\", \"template\"}}, got "
-                        f"{type(tmpl).__name__}; fix it or pass --template")
+        raise DataError(
+            f'{path}: chat_template must be a string or a list of {{"name", "template"}}, got '
+            f"{type(tmpl).__name__}; fix it or pass --template"
+        )
     return tmpl
 
 
@@ -174,6 +186,18 @@ def config_chat_template(path: Path) -> str:
     return tmpl
 
 
-__all__ = ["CONFIG_FILE", "Conventions", "END_OF_TURN", "GENERATION_FILE", "SIDE_FILES", "SPECIAL_TOKENS",
-           "SPECIALS_MAP_FILE", "TEMPLATE_FILE", "config_chat_template", "model_chat_template", "post_processor_wrap",
-           "read_conventions", "read_json"]
+__all__ = [
+    "CONFIG_FILE",
+    "Conventions",
+    "END_OF_TURN",
+    "GENERATION_FILE",
+    "SIDE_FILES",
+    "SPECIAL_TOKENS",
+    "SPECIALS_MAP_FILE",
+    "TEMPLATE_FILE",
+    "config_chat_template",
+    "model_chat_template",
+    "post_processor_wrap",
+    "read_conventions",
+    "read_json",
+]

@@ -37,8 +37,10 @@ def _open_shard(path: Path, entry: dict[str, Any], dtype: np.dtype, chat: bool) 
         raise DataError(f"shard {name}: {tpath} is missing; the packed directory is incomplete; {redo}")
     n = int(entry["num_tokens"])
     if tpath.stat().st_size != n * dtype.itemsize:
-        raise DataError(f"shard {name}: {tpath} has {tpath.stat().st_size} bytes but the manifest says {n} "
-                        f"{dtype.name} tokens ({n * dtype.itemsize} bytes); the file was truncated or modified; {redo}")
+        raise DataError(
+            f"shard {name}: {tpath} has {tpath.stat().st_size} bytes but the manifest says {n} "
+            f"{dtype.name} tokens ({n * dtype.itemsize} bytes); the file was truncated or modified; {redo}"
+        )
     # Read-only maps: pages come from the OS cache on demand and are shared between ranks on a node.
     tokens = np.memmap(tpath, dtype=dtype, mode="r", shape=(n,)) if n else np.zeros(0, dtype)
     opath = path / files["offsets"]
@@ -47,8 +49,9 @@ def _open_shard(path: Path, entry: dict[str, Any], dtype: np.dtype, chat: bool) 
     except (OSError, ValueError) as e:
         raise DataError(f"shard {name}: cannot read {opath} ({e}); {redo}") from None
     if offsets.shape != (int(entry["num_docs"]) + 1,) or int(offsets[-1]) != n or int(offsets[0]) != 0:
-        raise DataError(f"shard {name}: {opath} does not match the manifest ({entry['num_docs']} documents, "
-                        f"{n} tokens); {redo}")
+        raise DataError(
+            f"shard {name}: {opath} does not match the manifest ({entry['num_docs']} documents, {n} tokens); {redo}"
+        )
     mask = None
     if chat:
         if "mask" not in files:
@@ -74,10 +77,14 @@ class PackedDataset:
         self.dtype = np.dtype(m["dtype"])
         self.data_format: str = m["data_format"]
         self.shards = [_open_shard(self.path, e, self.dtype, self.data_format == "chat") for e in m["shards"]]
-        if sum(len(s.tokens) for s in self.shards) != m["num_tokens"] or \
-                sum(len(s.offsets) - 1 for s in self.shards) != m["num_docs"]:
-            raise DataError(f"{self.path}: the shards' sizes do not add up to the manifest's num_tokens/num_docs; "
-                            "re-run `fitlm data pack`")
+        if (
+            sum(len(s.tokens) for s in self.shards) != m["num_tokens"]
+            or sum(len(s.offsets) - 1 for s in self.shards) != m["num_docs"]
+        ):
+            raise DataError(
+                f"{self.path}: the shards' sizes do not add up to the manifest's num_tokens/num_docs; "
+                "re-run `fitlm data pack`"
+            )
         starts = np.cumsum([0] + [len(s.tokens) for s in self.shards])
         self.shard_token_starts = starts  # [num_shards + 1]
         # Global document offsets: small (8 bytes per document) and needed by every loader lookup.
@@ -130,7 +137,9 @@ class PackedDataset:
     def tokens(self) -> np.ndarray:
         """The token stream of a one-shard directory (the memmap itself); use `read` for any layout."""
         if len(self.shards) != 1:
-            raise DataError(f"{self.path} has {len(self.shards)} shards; read tokens with PackedDataset.read(start, end)")
+            raise DataError(
+                f"{self.path} has {len(self.shards)} shards; read tokens with PackedDataset.read(start, end)"
+            )
         return self.shards[0].tokens
 
     def __len__(self) -> int:
@@ -148,7 +157,7 @@ class PackedDataset:
             arr = shard.mask if mask else shard.tokens
             if arr is None:
                 arr = np.ones(len(shard.tokens), np.uint8)  # text data: every token is a target
-            out.append(np.asarray(arr[max(start, lo) - lo: min(end, hi) - lo]))
+            out.append(np.asarray(arr[max(start, lo) - lo : min(end, hi) - lo]))
         return np.concatenate(out) if out else np.zeros(0, np.uint8 if mask else self.dtype)
 
     def document(self, index: int) -> np.ndarray:
@@ -180,12 +189,16 @@ class PackedDataset:
                 elif sha256_file(f) != digest:
                     bad.append(f"{what} has changed (sha256 differs from the manifest)")
         if bad:
-            raise DataError(f"packed data {self.path} failed verification: {'; '.join(bad)}; re-run `fitlm data pack` "
-                            "for the named shard(s) (or restore them from a copy)")
+            raise DataError(
+                f"packed data {self.path} failed verification: {'; '.join(bad)}; re-run `fitlm data pack` "
+                "for the named shard(s) (or restore them from a copy)"
+            )
 
     def __repr__(self) -> str:
-        return (f"PackedDataset({str(self.path)!r}, format={self.data_format}, shards={len(self.shards)}, "
-                f"num_tokens={self.num_tokens}, num_docs={self.num_docs})")
+        return (
+            f"PackedDataset({str(self.path)!r}, format={self.data_format}, shards={len(self.shards)}, "
+            f"num_tokens={self.num_tokens}, num_docs={self.num_docs})"
+        )
 
 
 def check_compat(dataset: PackedDataset, model_vocab_size: int) -> None:

@@ -75,34 +75,63 @@ def read_manifest(path: Path) -> dict[str, Any]:
         raise DataError(f"{mpath} is not valid JSON ({e}); re-run `fitlm data pack`") from None
     if not isinstance(m, dict) or m.get("format") != FORMAT:
         got = m.get("format") if isinstance(m, dict) else None
-        raise DataError(f"{path} is not fitlm packed data ({MANIFEST_FILE} has format={got!r}, "
-                        f"expected {FORMAT!r}); {hint}")
+        raise DataError(
+            f"{path} is not fitlm packed data ({MANIFEST_FILE} has format={got!r}, expected {FORMAT!r}); {hint}"
+        )
     version = m.get("format_version")
     if version not in READABLE_VERSIONS:
         if isinstance(version, int) and version > FORMAT_VERSION:
-            raise DataError(f"{path} uses packed-data format_version {version}, newer than this fitlm reads "
-                            f"({FORMAT_VERSION}); upgrade fitlm or re-pack the data with this version")
-        raise DataError(f"{path} has unknown packed-data format_version {version!r} (this fitlm reads "
-                        f"{', '.join(map(str, READABLE_VERSIONS))}); re-run `fitlm data pack`")
+            raise DataError(
+                f"{path} uses packed-data format_version {version}, newer than this fitlm reads "
+                f"({FORMAT_VERSION}); upgrade fitlm or re-pack the data with this version"
+            )
+        raise DataError(
+            f"{path} has unknown packed-data format_version {version!r} (this fitlm reads "
+            f"{', '.join(map(str, READABLE_VERSIONS))}); re-run `fitlm data pack`"
+        )
     missing = [k for k in _REQUIRED if k not in m]
     if version == 2 and "shards" not in m:
         missing.append("shards")
     if missing:
         raise DataError(f"{mpath} lacks {', '.join(missing)}; re-run `fitlm data pack`")
     if m["dtype"] not in _DTYPES:
-        raise DataError(f"{mpath} has dtype {m['dtype']!r}; expected one of {', '.join(_DTYPES)}; re-run `fitlm data pack`")
+        raise DataError(
+            f"{mpath} has dtype {m['dtype']!r}; expected one of {', '.join(_DTYPES)}; re-run `fitlm data pack`"
+        )
     if version == 1:
         checks = m.get("checksums", {})
-        m = {**m, "data_format": "text", "shards": [{
-            "name": "tokens.bin", "num_tokens": m["num_tokens"], "num_docs": m["num_docs"],
-            "files": {"tokens": TOKENS_FILE, "offsets": OFFSETS_FILE},
-            "checksums": {k: checks[k] for k in (TOKENS_FILE, OFFSETS_FILE) if k in checks}}],
-            "checksums": {k: v for k, v in checks.items() if k not in (TOKENS_FILE, OFFSETS_FILE)}}
+        m = {
+            **m,
+            "data_format": "text",
+            "shards": [
+                {
+                    "name": "tokens.bin",
+                    "num_tokens": m["num_tokens"],
+                    "num_docs": m["num_docs"],
+                    "files": {"tokens": TOKENS_FILE, "offsets": OFFSETS_FILE},
+                    "checksums": {k: checks[k] for k in (TOKENS_FILE, OFFSETS_FILE) if k in checks},
+                }
+            ],
+            "checksums": {k: v for k, v in checks.items() if k not in (TOKENS_FILE, OFFSETS_FILE)},
+        }
     if m.get("data_format", "text") not in DATA_FORMATS:
-        raise DataError(f"{mpath} has data_format {m.get('data_format')!r}; expected text or chat; re-run `fitlm data pack`")
+        raise DataError(
+            f"{mpath} has data_format {m.get('data_format')!r}; expected text or chat; re-run `fitlm data pack`"
+        )
     m.setdefault("data_format", "text")
     return m
 
 
-__all__ = ["DATA_FORMATS", "FORMAT", "FORMAT_VERSION", "MANIFEST_FILE", "OFFSETS_FILE", "READABLE_VERSIONS",
-           "TOKENS_FILE", "read_manifest", "sha256_file", "shard_files", "token_dtype"]
+__all__ = [
+    "DATA_FORMATS",
+    "FORMAT",
+    "FORMAT_VERSION",
+    "MANIFEST_FILE",
+    "OFFSETS_FILE",
+    "READABLE_VERSIONS",
+    "TOKENS_FILE",
+    "read_manifest",
+    "sha256_file",
+    "shard_files",
+    "token_dtype",
+]

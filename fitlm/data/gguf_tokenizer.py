@@ -29,8 +29,17 @@ from typing import Any
 
 from fitlm.data.conventions import CONFIG_FILE, GENERATION_FILE, TEMPLATE_FILE
 from fitlm.data.errors import DataError
-from fitlm.data.gguf_vocab import (BYTE, BYTE_PIECE, CONTROL, IGNORE_MERGES, NORMAL, UNKNOWN, USER_DEFINED,
-                                   known_names, rule_tokenizer_json)
+from fitlm.data.gguf_vocab import (
+    BYTE,
+    BYTE_PIECE,
+    CONTROL,
+    IGNORE_MERGES,
+    NORMAL,
+    UNKNOWN,
+    USER_DEFINED,
+    known_names,
+    rule_tokenizer_json,
+)
 
 _K = "tokenizer.ggml."
 
@@ -44,8 +53,10 @@ def _token_id(meta: dict[str, Any], key: str, n: int, source: str) -> int | None
     if value is None:
         return None
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < n:
-        raise DataError(f"{source}: {_K}{key} = {value!r} is not a token id (the vocabulary has {n} tokens); "
-                        f"re-convert the model with llama.cpp's convert_hf_to_gguf.py or fix that key")
+        raise DataError(
+            f"{source}: {_K}{key} = {value!r} is not a token id (the vocabulary has {n} tokens); "
+            f"re-convert the model with llama.cpp's convert_hf_to_gguf.py or fix that key"
+        )
     return value
 
 
@@ -54,8 +65,10 @@ def _token_types(meta: dict[str, Any], tokens: list[str], source: str) -> list[i
     if types is None:  # older files: byte pieces by their spelling, everything else normal
         return [BYTE if BYTE_PIECE.fullmatch(t) else NORMAL for t in tokens]
     if len(types) != len(tokens):
-        raise DataError(f"{source}: {_K}token_type has {len(types)} entries for {len(tokens)} tokens; re-convert "
-                        "the model with llama.cpp's convert_hf_to_gguf.py")
+        raise DataError(
+            f"{source}: {_K}token_type has {len(types)} entries for {len(tokens)} tokens; re-convert "
+            "the model with llama.cpp's convert_hf_to_gguf.py"
+        )
     return [int(t) for t in types]
 
 
@@ -72,21 +85,27 @@ def _byte_level(meta: dict[str, Any], tokens: list[str], source: str):
     pre = meta.get(_K + "pre") or "default"
     split = rule_tokenizer_json(pre)
     if split is None:
-        raise UnsupportedTokenizer(f"{source}: {_K}pre {pre!r} names a split rule fitlm does not reproduce (it does "
-                                   f"{', '.join(known_names())}); to use this model's tokenizer, copy its "
-                                   "tokenizer.json and tokenizer_config.json from the Hugging Face repository into "
-                                   "the imported directory")
+        raise UnsupportedTokenizer(
+            f"{source}: {_K}pre {pre!r} names a split rule fitlm does not reproduce (it does "
+            f"{', '.join(known_names())}); to use this model's tokenizer, copy its "
+            "tokenizer.json and tokenizer_config.json from the Hugging Face repository into "
+            "the imported directory"
+        )
     vocab = _first_ids(tokens)
     merges = []
     for m in meta.get(_K + "merges") or []:
         a, sep, b = m.partition(" ")
         if not sep or a not in vocab or b not in vocab:
-            raise DataError(f"{source}: {_K}merges holds {m!r}, which is not two tokens of the vocabulary; "
-                            "re-convert the model with llama.cpp's convert_hf_to_gguf.py")
+            raise DataError(
+                f"{source}: {_K}merges holds {m!r}, which is not two tokens of the vocabulary; "
+                "re-convert the model with llama.cpp's convert_hf_to_gguf.py"
+            )
         merges.append((a, b))
     if not merges:
-        raise DataError(f"{source}: {_K}model is gpt2 (byte-level BPE) but {_K}merges is missing or empty; "
-                        "re-convert the model with llama.cpp's convert_hf_to_gguf.py")
+        raise DataError(
+            f"{source}: {_K}model is gpt2 (byte-level BPE) but {_K}merges is missing or empty; "
+            "re-convert the model with llama.cpp's convert_hf_to_gguf.py"
+        )
     # llama.cpp's Llama 3 and Tekken rules take a piece that is a whole token before merging (ignore_merges), as
     # those models' tokenizer.json files say.
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in IGNORE_MERGES))
@@ -100,18 +119,27 @@ def _sentencepiece(meta: dict[str, Any], tokens: list[str], types: list[int], so
 
     scores = meta.get(_K + "scores")
     if scores is None or len(scores) != len(tokens):
-        raise DataError(f"{source}: {_K}model is llama (SentencePiece) but {_K}scores is missing or does not match "
-                        f"the {len(tokens)} tokens; fitlm ranks the merges by those scores. Re-convert the model "
-                        "with llama.cpp's convert_hf_to_gguf.py")
+        raise DataError(
+            f"{source}: {_K}model is llama (SentencePiece) but {_K}scores is missing or does not match "
+            f"the {len(tokens)} tokens; fitlm ranks the merges by those scores. Re-convert the model "
+            "with llama.cpp's convert_hf_to_gguf.py"
+        )
     vocab = _first_ids(tokens)
     normal = {t: i for t, i in vocab.items() if types[i] == NORMAL}
     # A piece is made from any two pieces that spell it; higher score merges first, ties by id (as
     # transformers' SentencePiece converter orders them).
-    ranked = sorted((-float(scores[i]), i, normal[p[:k]], normal[p[k:]], p[:k], p[k:])
-                    for p, i in normal.items() for k in range(1, len(p)) if p[:k] in normal and p[k:] in normal)
+    ranked = sorted(
+        (-float(scores[i]), i, normal[p[:k]], normal[p[k:]], p[:k], p[k:])
+        for p, i in normal.items()
+        for k in range(1, len(p))
+        if p[:k] in normal and p[k:] in normal
+    )
     unk = next((t for t, i in vocab.items() if types[i] == UNKNOWN), None)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[(a, b) for *_, a, b in ranked], unk_token=unk, fuse_unk=True,
-                               byte_fallback=True))
+    tok = Tokenizer(
+        models.BPE(
+            vocab=vocab, merges=[(a, b) for *_, a, b in ranked], unk_token=unk, fuse_unk=True, byte_fallback=True
+        )
+    )
     prefix = bool(meta.get(_K + "add_space_prefix", True))
     spaces = normalizers.Replace(" ", "▁")
     tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), spaces]) if prefix else spaces
@@ -128,14 +156,18 @@ def gguf_tokenizer_files(meta: dict[str, Any], source: str) -> dict[str, str]:
     if kind is None or not tokens:
         raise UnsupportedTokenizer(f"{source} carries no tokenizer ({_K}model / {_K}tokens are absent)")
     if kind not in ("gpt2", "llama") and "tokenizer.huggingface.json" not in meta:
-        raise UnsupportedTokenizer(f"{source}: {_K}model {kind!r} is not converted by fitlm (it converts gpt2 = "
-                                   "byte-level BPE and llama = SentencePiece); copy the model's tokenizer.json and "
-                                   "tokenizer_config.json from its Hugging Face repository into the imported directory")
+        raise UnsupportedTokenizer(
+            f"{source}: {_K}model {kind!r} is not converted by fitlm (it converts gpt2 = "
+            "byte-level BPE and llama = SentencePiece); copy the model's tokenizer.json and "
+            "tokenizer_config.json from its Hugging Face repository into the imported directory"
+        )
     n = len(tokens)
     ids = {k: _token_id(meta, f"{k}_token_id", n, source) for k in ("bos", "eos", "padding", "unknown", "eot", "eom")}
     if ids["eos"] is None:
-        raise DataError(f"{source}: {_K}eos_token_id is missing; fitlm needs the EOS token to end documents and "
-                        "generation. Re-convert the model with llama.cpp's convert_hf_to_gguf.py")
+        raise DataError(
+            f"{source}: {_K}eos_token_id is missing; fitlm needs the EOS token to end documents and "
+            "generation. Re-convert the model with llama.cpp's convert_hf_to_gguf.py"
+        )
     types = _token_types(meta, tokens, source)
     add_bos = bool(meta.get(_K + "add_bos_token", kind == "llama"))  # llama.cpp's defaults per vocabulary
     add_eos = bool(meta.get(_K + "add_eos_token", False))
@@ -144,26 +176,53 @@ def gguf_tokenizer_files(meta: dict[str, Any], source: str) -> dict[str, str]:
         tok = Tokenizer.from_str(meta["tokenizer.huggingface.json"])
     else:
         tok = _byte_level(meta, tokens, source) if kind == "gpt2" else _sentencepiece(meta, tokens, types, source)
-        tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                for t, i in _first_ids(tokens).items() if types[i] in (CONTROL, UNKNOWN)])
-        tok.add_tokens([AddedToken(t, special=False, normalized=False)
-                        for t, i in _first_ids(tokens).items() if types[i] == USER_DEFINED])
+        tok.add_special_tokens(
+            [
+                AddedToken(t, special=True, normalized=False)
+                for t, i in _first_ids(tokens).items()
+                if types[i] in (CONTROL, UNKNOWN)
+            ]
+        )
+        tok.add_tokens(
+            [
+                AddedToken(t, special=False, normalized=False)
+                for t, i in _first_ids(tokens).items()
+                if types[i] == USER_DEFINED
+            ]
+        )
         # The post-processor tokenizers-only readers apply; transformers rebuilds it from add_bos_token.
         wrap = [t for t, on in ((name["bos"], add_bos), ("$A", True), (name["eos"], add_eos)) if on and t]
-        template = processors.TemplateProcessing(single=" ".join(wrap), pair=" ".join(wrap + ["$B"]), special_tokens=[
-            (t, ids[k]) for k, t, on in (("bos", name["bos"], add_bos), ("eos", name["eos"], add_eos)) if on and t])
+        template = processors.TemplateProcessing(
+            single=" ".join(wrap),
+            pair=" ".join(wrap + ["$B"]),
+            special_tokens=[
+                (t, ids[k]) for k, t, on in (("bos", name["bos"], add_bos), ("eos", name["eos"], add_eos)) if on and t
+            ],
+        )
         steps = [processors.ByteLevel(trim_offsets=False)] if kind == "gpt2" else []
         tok.post_processor = processors.Sequence([*steps, template])
-    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": name["bos"], "eos_token": name["eos"],
-           "add_bos_token": add_bos, "add_eos_token": add_eos, "clean_up_tokenization_spaces": False,
-           "imported_by": "fitlm", "imported_from": "gguf"}
+    cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": name["bos"],
+        "eos_token": name["eos"],
+        "add_bos_token": add_bos,
+        "add_eos_token": add_eos,
+        "clean_up_tokenization_spaces": False,
+        "imported_by": "fitlm",
+        "imported_from": "gguf",
+    }
     cfg.update({f"{k}_token": name[g] for k, g in (("pad", "padding"), ("unk", "unknown")) if name[g]})
     stops = list(dict.fromkeys(i for i in (ids["eos"], ids["eot"], ids["eom"]) if i is not None))
-    gen = {"bos_token_id": ids["bos"], "eos_token_id": stops if len(stops) > 1 else stops[0],
-           "pad_token_id": ids["padding"]}
-    files = {"tokenizer.json": json.dumps(json.loads(tok.to_str()), ensure_ascii=False),
-             CONFIG_FILE: json.dumps(cfg, indent=2, ensure_ascii=False) + "\n",
-             GENERATION_FILE: json.dumps({k: v for k, v in gen.items() if v is not None}, indent=2) + "\n"}
+    gen = {
+        "bos_token_id": ids["bos"],
+        "eos_token_id": stops if len(stops) > 1 else stops[0],
+        "pad_token_id": ids["padding"],
+    }
+    files = {
+        "tokenizer.json": json.dumps(json.loads(tok.to_str()), ensure_ascii=False),
+        CONFIG_FILE: json.dumps(cfg, indent=2, ensure_ascii=False) + "\n",
+        GENERATION_FILE: json.dumps({k: v for k, v in gen.items() if v is not None}, indent=2) + "\n",
+    }
     template_src = meta.get("tokenizer.chat_template")
     if isinstance(template_src, str) and template_src:
         files[TEMPLATE_FILE] = template_src
@@ -189,8 +248,9 @@ def gguf_chat_template(path: Path) -> str:
     except (ValueError, OSError) as e:
         raise DataError(f"--template {path}: not a readable GGUF file ({e})") from None
     if field is None:
-        raise DataError(f"--template {path}: the GGUF file has no tokenizer.chat_template; pass a built-in name or "
-                        "a .jinja file")
+        raise DataError(
+            f"--template {path}: the GGUF file has no tokenizer.chat_template; pass a built-in name or a .jinja file"
+        )
     return str(field.contents())
 
 

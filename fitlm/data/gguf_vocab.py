@@ -33,10 +33,12 @@ BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # a SentencePiece byte-fallback 
 
 # The check text of llama.cpp's converter (convert_hf_to_gguf.py, get_vocab_base_pre), character for character:
 # whitespace runs, emoji sequences, digit runs, Khmer, Chinese, Cyrillic, punctuation runs and contractions.
-CHECK_TEXT = ("\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n🚀 (normal) 😶\u200d🌫️ (multiple emojis concatenated) ✅ "
-              "🦙🦙 3 33 333 3333 33333 333333 3333333 33333333 3.3 3..3 3...3 កាន់តែពិសេសអាច😁 ?我想在apple工作1314151天～ "
-              "------======= нещо на Български ''''''```````\"\"\"\"......!!!!!!?????? I've been 'told he's there, 'RE "
-              "you sure? 'M not sure I'll make it, 'D you like some tea? We'Ve a'lL")
+CHECK_TEXT = (
+    "\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n🚀 (normal) 😶\u200d🌫️ (multiple emojis concatenated) ✅ "
+    "🦙🦙 3 33 333 3333 33333 333333 3333333 33333333 3.3 3..3 3...3 កាន់តែពិសេសអាច😁 ?我想在apple工作1314151天～ "
+    "------======= нещо на Български ''''''```````\"\"\"\"......!!!!!!?????? I've been 'told he's there, 'RE "
+    "you sure? 'M not sure I'll make it, 'D you like some tea? We'Ve a'lL"
+)
 
 # sha256(str(ids of CHECK_TEXT)) -> name, for the checkpoints llama.cpp's converter knows (its table, the names
 # that llama.cpp's loader accepts). The ids are those of the checkpoint's own vocabulary, so only that
@@ -78,22 +80,39 @@ KNOWN_CHECKPOINTS: dict[str, str] = {
 }
 
 _CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"
-_LLAMA3 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)"
-           r"|\s+")
+_LLAMA3 = (
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)"
+    r"|\s+"
+)
 _QWEN2 = _LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")
 _UPPER, _LOWER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
-_TEKKEN = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*|\p{{N}}"
-           r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_GPT4O = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTIONS}?|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*"
-          rf"{_CONTRACTIONS}?|\p{{N}}{{1,3}}| ?[^\s\p{{L}}\p{{N}}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_DEEPSEEK3 = (r"\p{N}{1,3}", "[一-龥぀-ゟ゠-ヿ]+",
-              r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
-              r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_DEEPSEEK_LETTERS = ("A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-ϵϷ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫᵫ-ᵷᵹ-ᶚḀ-ἕἘ-Ἕἠ-ὅὈ-Ὅὐ-ὗὙὛὝὟ-\u1f7dᾀ-ᾴᾶ-ᾼ\u1fbeῂ-ῄ"
-                     "ῆ-ῌῐ-\u1fd3ῖ-\u1fdbῠ-Ῥῲ-ῴῶ-ῼℂℇℊ-ℓℕℙ-ℝℤ\u2126ℨ\u212a-ℭℯ-ℴℹℼ-ℿⅅ-ⅉⅎↃↄⰀ-ⱻⱾ-ⳤⳫ-ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇꞋ-ꞎꭰ-ꮿﬀ-ﬆﬓ-ﬗＡ-Ｚａ-ｚ"
-                     "\U00010400-\U0001044f𐒰-𐓓𐓘-𐓻𐲀-𐲲𐳀-𐳲𑢠-𑣟𞤀-𞥃")
-_DEEPSEEK_LLM = ("[\r\n]", rf"\s?[{_DEEPSEEK_LETTERS}]+", r"\s?[!-/:-~！-／：-～‘-‟　-。]+", r"\s+$", "[一-龥ࠀ-一가-퟿]+",
-                 r"\p{N}+")
+_TEKKEN = (
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*|\p{{N}}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT4O = (
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTIONS}?|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*"
+    rf"{_CONTRACTIONS}?|\p{{N}}{{1,3}}| ?[^\s\p{{L}}\p{{N}}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_DEEPSEEK3 = (
+    r"\p{N}{1,3}",
+    "[一-龥぀-ゟ゠-ヿ]+",
+    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+)
+_DEEPSEEK_LETTERS = (
+    "A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-ϵϷ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫᵫ-ᵷᵹ-ᶚḀ-ἕἘ-Ἕἠ-ὅὈ-Ὅὐ-ὗὙὛὝὟ-\u1f7dᾀ-ᾴᾶ-ᾼ\u1fbeῂ-ῄ"
+    "ῆ-ῌῐ-\u1fd3ῖ-\u1fdbῠ-Ῥῲ-ῴῶ-ῼℂℇℊ-ℓℕℙ-ℝℤ\u2126ℨ\u212a-ℭℯ-ℴℹℼ-ℿⅅ-ⅉⅎↃↄⰀ-ⱻⱾ-ⳤⳫ-ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇꞋ-ꞎꭰ-ꮿﬀ-ﬆﬓ-ﬗＡ-Ｚａ-ｚ"
+    "\U00010400-\U0001044f𐒰-𐓓𐓘-𐓻𐲀-𐲲𐳀-𐳲𑢠-𑣟𞤀-𞥃"
+)
+_DEEPSEEK_LLM = (
+    "[\r\n]",
+    rf"\s?[{_DEEPSEEK_LETTERS}]+",
+    r"\s?[!-/:-~！-／：-～‘-‟　-。]+",
+    r"\s+$",
+    "[一-龥ࠀ-一가-퟿]+",
+    r"\p{N}+",
+)
 _DEEPSEEK_CODER = ("[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", "[一-龥ࠀ-一가-퟿]+", r"\p{N}")
 
 
@@ -122,12 +141,17 @@ class Rule:
 
 # In the order names are given when two rules split the check text alike (none of these do).
 RULES: tuple[Rule, ...] = (
-    Rule("llama-bpe", _splits(_LLAMA3), aliases=("llama3", "llama-v3", "falcon3", "pixtral", "dbrx", "smaug-bpe",
-                                                 "chatglm-bpe", "glm4")),
+    Rule(
+        "llama-bpe",
+        _splits(_LLAMA3),
+        aliases=("llama3", "llama-v3", "falcon3", "pixtral", "dbrx", "smaug-bpe", "chatglm-bpe", "glm4"),
+    ),
     Rule("qwen2", _splits(_QWEN2), {"type": "NFC"}, aliases=("deepseek-r1-qwen", "megrez", "stablelm2")),
-    Rule("smollm", {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True},
-                                                           _byte_level(True)]},
-         aliases=("starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b")),
+    Rule(
+        "smollm",
+        {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, _byte_level(True)]},
+        aliases=("starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"),
+    ),
     Rule("gpt-2", _byte_level(True), aliases=("gpt2", "default", "phi-2", "mpt", "olmo", "jais", "gigachat")),
     Rule("tekken", _splits(_TEKKEN)),
     Rule("deepseek-v3", _splits(*_DEEPSEEK3)),
@@ -158,10 +182,19 @@ def _rule_tokenizer(spec: dict[str, Any]):
     """A `tokenizers.Tokenizer` with an empty vocabulary and `spec`'s normalizer and pre-tokenizer."""
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_str(json.dumps({
-        "version": "1.0", "added_tokens": [], "normalizer": spec.get("normalizer"),
-        "pre_tokenizer": spec.get("pre_tokenizer"), "post_processor": None, "decoder": None,
-        "model": {"type": "BPE", "vocab": {}, "merges": []}}))
+    return Tokenizer.from_str(
+        json.dumps(
+            {
+                "version": "1.0",
+                "added_tokens": [],
+                "normalizer": spec.get("normalizer"),
+                "pre_tokenizer": spec.get("pre_tokenizer"),
+                "post_processor": None,
+                "decoder": None,
+                "model": {"type": "BPE", "vocab": {}, "merges": []},
+            }
+        )
+    )
 
 
 def pieces(backend, text: str = CHECK_TEXT) -> list[str]:
@@ -175,8 +208,9 @@ def pieces(backend, text: str = CHECK_TEXT) -> list[str]:
 
 @functools.cache  # the rules are constants: split the check text once per process
 def _rule_pieces() -> dict[str, list[str]]:
-    return {r.name: pieces(_rule_tokenizer({"normalizer": r.normalizer, "pre_tokenizer": r.pre_tokenizer}))
-            for r in RULES}
+    return {
+        r.name: pieces(_rule_tokenizer({"normalizer": r.normalizer, "pre_tokenizer": r.pre_tokenizer})) for r in RULES
+    }
 
 
 def checkpoint_hash(ids: list[int]) -> str:
@@ -197,11 +231,13 @@ def _has_byte_level(spec: dict[str, Any]) -> bool:
 
 def add_space_prefix(spec: dict[str, Any]) -> bool:
     """Whether a SentencePiece-kind tokenizer.json puts "▁" before a text (Llama 2, Mistral, Phi-3; not Gemma)."""
+
     def walk(node) -> bool:
         if isinstance(node, dict):
             if node.get("type") == "Metaspace":
-                return node.get("prepend_scheme", "always" if node.get("add_prefix_space", True) else "never") \
-                    != "never"
+                return (
+                    node.get("prepend_scheme", "always" if node.get("add_prefix_space", True) else "never") != "never"
+                )
             if node.get("type") == "Prepend":
                 return node.get("prepend") == "▁"
             return any(walk(v) for v in node.values())
@@ -217,9 +253,11 @@ def pre_tokenizer_name(backend, check_ids: list[list[int]], source: str) -> str:
     `check_ids`, CHECK_TEXT's ids with and without the model's BOS), else the rule that splits CHECK_TEXT alike."""
     spec = json.loads(backend.to_str())
     if (spec.get("model") or {}).get("type") != "BPE" or not _has_byte_level(spec):
-        raise UnnamedTokenizer(f"{source}: llama.cpp reads byte-level BPE (its 'gpt2' vocabulary) and SentencePiece "
-                               f"BPE ('llama'); this tokenizer is {(spec.get('model') or {}).get('type')!r} without "
-                               "either; export with --format hf, or with --no-tokenizer to write the weights alone")
+        raise UnnamedTokenizer(
+            f"{source}: llama.cpp reads byte-level BPE (its 'gpt2' vocabulary) and SentencePiece "
+            f"BPE ('llama'); this tokenizer is {(spec.get('model') or {}).get('type')!r} without "
+            "either; export with --format hf, or with --no-tokenizer to write the weights alone"
+        )
     for ids in check_ids:
         name = KNOWN_CHECKPOINTS.get(checkpoint_hash(ids))
         if name is not None:
@@ -232,7 +270,8 @@ def pre_tokenizer_name(backend, check_ids: list[list[int]], source: str) -> str:
         f"{source}: its pre-tokenizer splits text as none of llama.cpp's rules that fitlm names "
         f"({', '.join(r.name for r in RULES)}), and its vocabulary is no checkpoint llama.cpp's converter knows. "
         "llama.cpp would refuse the file or split text differently from training. Export with --format hf, or with "
-        "--no-tokenizer to write the weights alone (llama.cpp then loads it with tokenizer.ggml.model 'none')")
+        "--no-tokenizer to write the weights alone (llama.cpp then loads it with tokenizer.ggml.model 'none')"
+    )
 
 
 def rule_tokenizer_json(name: str) -> dict[str, Any] | None:
@@ -241,6 +280,26 @@ def rule_tokenizer_json(name: str) -> dict[str, Any] | None:
     return None if r is None else {"normalizer": r.normalizer, "pre_tokenizer": r.pre_tokenizer}
 
 
-__all__ = ["BYTE", "BYTE_PIECE", "CHECK_TEXT", "CONTROL", "NORMAL", "UNKNOWN", "UNUSED", "USER_DEFINED", "IGNORE_MERGES", "KNOWN_CHECKPOINTS", "RULES", "Rule", "UnnamedTokenizer", "add_space_prefix",
-           "checkpoint_hash", "is_sentencepiece", "known_names", "pieces", "pre_tokenizer_name", "rule",
-           "rule_tokenizer_json"]
+__all__ = [
+    "BYTE",
+    "BYTE_PIECE",
+    "CHECK_TEXT",
+    "CONTROL",
+    "NORMAL",
+    "UNKNOWN",
+    "UNUSED",
+    "USER_DEFINED",
+    "IGNORE_MERGES",
+    "KNOWN_CHECKPOINTS",
+    "RULES",
+    "Rule",
+    "UnnamedTokenizer",
+    "add_space_prefix",
+    "checkpoint_hash",
+    "is_sentencepiece",
+    "known_names",
+    "pieces",
+    "pre_tokenizer_name",
+    "rule",
+    "rule_tokenizer_json",
+]

@@ -90,11 +90,25 @@ class SequenceLoader:
     num_workers / prefetch: threads assembling the next `prefetch` batches in the background (0 = inline).
     """
 
-    def __init__(self, dataset: PackedDataset, seq_length: int, micro_batch_size: int, seed: int,
-                 rank: int = 0, world_size: int = 1, shuffle: bool = True, max_length: int | None = None,
-                 packing: str | None = None, num_workers: int = 0, prefetch: int = 0):
-        for name, v in (("data.seq_length", seq_length), ("train.micro_batch_size", micro_batch_size),
-                        ("world_size", world_size)):
+    def __init__(
+        self,
+        dataset: PackedDataset,
+        seq_length: int,
+        micro_batch_size: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        shuffle: bool = True,
+        max_length: int | None = None,
+        packing: str | None = None,
+        num_workers: int = 0,
+        prefetch: int = 0,
+    ):
+        for name, v in (
+            ("data.seq_length", seq_length),
+            ("train.micro_batch_size", micro_batch_size),
+            ("world_size", world_size),
+        ):
             if v < 1:
                 raise DataError(f"{name} must be at least 1 (got {v})")
         if max_length is not None and max_length < 1:
@@ -131,8 +145,10 @@ class SequenceLoader:
             self._kept = np.minimum(lengths, cap if max_length is None else min(cap, max_length))
             if packing == "pairs":  # a row per document; a window is a pair of them
                 if len(lengths) % 2:
-                    raise DataError(f"{dataset.path} holds {len(lengths)} documents, not whole preference pairs; "
-                                    "re-pack it with `fitlm data pack --format preference`")
+                    raise DataError(
+                        f"{dataset.path} holds {len(lengths)} documents, not whole preference pairs; "
+                        "re-pack it with `fitlm data pack --format preference`"
+                    )
                 self._rows = np.arange(len(lengths) + 1, dtype=np.int64)
                 self.num_windows = len(lengths) // 2
             else:
@@ -141,8 +157,11 @@ class SequenceLoader:
         per_step = micro_batch_size * world_size
         self.batches_per_epoch = self.num_windows // per_step
         if self.batches_per_epoch == 0:
-            need = (f"at least {per_step * seq_length + 1} tokens" if packing == "stream" else
-                    f"{per_step} {'pairs' if packing == 'pairs' else 'rows'}")
+            need = (
+                f"at least {per_step * seq_length + 1} tokens"
+                if packing == "stream"
+                else f"{per_step} {'pairs' if packing == 'pairs' else 'rows'}"
+            )
             raise DataError(
                 f"data {dataset.path} is too small for seq_length={seq_length} with micro_batch_size="
                 f"{micro_batch_size} on {world_size} rank(s): need {need}, have {dataset.num_tokens} tokens "
@@ -159,28 +178,50 @@ class SequenceLoader:
         self._pending: deque[tuple[tuple[int, int], Future]] = deque()
 
     @classmethod
-    def from_config(cls, dataset: PackedDataset, data_cfg, micro_batch_size: int, seed: int, rank: int = 0,
-                    world_size: int = 1, shuffle: bool = True) -> SequenceLoader:
+    def from_config(
+        cls,
+        dataset: PackedDataset,
+        data_cfg,
+        micro_batch_size: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        shuffle: bool = True,
+    ) -> SequenceLoader:
         """The loader `data:` describes (seq_length, format, max_length, num_workers, prefetch)."""
         if (data_cfg.format == "preference") != is_preference(dataset.manifest):
             packed_as = "--format preference" if is_preference(dataset.manifest) else f"--format {dataset.data_format}"
-            raise DataError(f"data.format is {data_cfg.format!r} but {dataset.path} was packed with {packed_as}; set "
-                            f"data.format: preference only for (and with) data packed with --format preference")
+            raise DataError(
+                f"data.format is {data_cfg.format!r} but {dataset.path} was packed with {packed_as}; set "
+                f"data.format: preference only for (and with) data packed with --format preference"
+            )
         want = "chat" if data_cfg.format in ("chat", "preference") else "text"
         if dataset.data_format != want:
             packed_as = "--format chat" if dataset.data_format == "chat" else "--format text"
-            raise DataError(f"data.format is {data_cfg.format!r} but {dataset.path} was packed with {packed_as}; "
-                            f"set data.format: {'chat' if dataset.data_format == 'chat' else 'pretrain'} or re-pack "
-                            "the data with the matching --format")
-        return cls(dataset, data_cfg.seq_length, micro_batch_size, seed, rank=rank, world_size=world_size,
-                   shuffle=shuffle, max_length=getattr(data_cfg, "max_length", None),
-                   num_workers=getattr(data_cfg, "num_workers", 0), prefetch=getattr(data_cfg, "prefetch", 0))
+            raise DataError(
+                f"data.format is {data_cfg.format!r} but {dataset.path} was packed with {packed_as}; "
+                f"set data.format: {'chat' if dataset.data_format == 'chat' else 'pretrain'} or re-pack "
+                "the data with the matching --format"
+            )
+        return cls(
+            dataset,
+            data_cfg.seq_length,
+            micro_batch_size,
+            seed,
+            rank=rank,
+            world_size=world_size,
+            shuffle=shuffle,
+            max_length=getattr(data_cfg, "max_length", None),
+            num_workers=getattr(data_cfg, "num_workers", 0),
+            prefetch=getattr(data_cfg, "prefetch", 0),
+        )
 
     def _epoch_order(self, epoch: int) -> np.ndarray:
         with self._lock:  # one permutation cached (epochs are consumed in order); prefetch threads share it
             if self._order_epoch != epoch:
-                self._order = window_order(self.num_windows, self.seed, epoch) if self.shuffle \
-                    else np.arange(self.num_windows)
+                self._order = (
+                    window_order(self.num_windows, self.seed, epoch) if self.shuffle else np.arange(self.num_windows)
+                )
                 self._order_epoch = epoch
             return self._order
 
@@ -226,9 +267,9 @@ class SequenceLoader:
         doc = np.full(n, -1, dtype=np.int64)
         at = 0
         for d, s, e in pieces:
-            tokens[at:at + e - s] = ds.read(s, e)
-            mask[at:at + e - s] = ds.read(s, e, mask=True) if chat else 1
-            doc[at:at + e - s] = d
+            tokens[at : at + e - s] = ds.read(s, e)
+            mask[at : at + e - s] = ds.read(s, e, mask=True) if chat else 1
+            doc[at : at + e - s] = d
             at += e - s
         return tokens, mask, doc
 
@@ -319,9 +360,14 @@ class SequenceLoader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue where `state` left off. A different rank count works when the global micro batch
         (micro_batch_size × world_size) divides the windows already consumed in the epoch."""
-        same = {"seed": self.seed, "seq_length": self.seq_length, "shuffle": self.shuffle,
-                "max_length": self.max_length, "num_tokens": self.dataset.num_tokens,
-                "tokenizer_sha256": self.dataset.tokenizer_sha256}
+        same = {
+            "seed": self.seed,
+            "seq_length": self.seq_length,
+            "shuffle": self.shuffle,
+            "max_length": self.max_length,
+            "num_tokens": self.dataset.num_tokens,
+            "tokenizer_sha256": self.dataset.tokenizer_sha256,
+        }
         if "packing" in state:  # version-1 states predate it (they were all "stream")
             same["packing"] = self.packing
         elif self.packing != "stream":
@@ -329,9 +375,12 @@ class SequenceLoader:
             state = {**state, "packing": "stream"}
         diff = [f"{k}: checkpoint {state.get(k)!r}, now {v!r}" for k, v in same.items() if state.get(k) != v]
         if diff:
-            raise DataError("cannot resume the data loader, the run changed: " + "; ".join(diff)
-                            + ". Resume with the same data, data.seq_length, data.max_length and train.seed, "
-                            "or start a fresh run")
+            raise DataError(
+                "cannot resume the data loader, the run changed: "
+                + "; ".join(diff)
+                + ". Resume with the same data, data.seq_length, data.max_length and train.seed, "
+                "or start a fresh run"
+            )
         per_step = self.micro_batch_size * self.world_size
         consumed = int(state["windows_consumed"])
         if consumed % per_step:

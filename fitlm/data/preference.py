@@ -27,8 +27,10 @@ from fitlm.data.tokenizer import Tokenizer
 
 FIELDS = ("prompt", "chosen", "rejected")
 MANIFEST_KEY = "preference"  # manifest entry of a preference pack: {"pairs", "dropped_overlong", ...}
-PAIR_EXAMPLE = ('{"prompt": [{"role": "user", "content": "..."}], "chosen": [{"role": "assistant", "content": "..."}], '
-            '"rejected": [{"role": "assistant", "content": "..."}]}')
+PAIR_EXAMPLE = (
+    '{"prompt": [{"role": "user", "content": "..."}], "chosen": [{"role": "assistant", "content": "..."}], '
+    '"rejected": [{"role": "assistant", "content": "..."}]}'
+)
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,7 @@ class Pair:
     def chars(self) -> int:
         def n(v: list[dict[str, str]] | str) -> int:
             return len(v) if isinstance(v, str) else sum(len(m["content"]) for m in v)
+
         return n(self.prompt) + n(self.chosen) + n(self.rejected)
 
 
@@ -58,22 +61,29 @@ def check_pair(record: Any, where: str) -> Pair:
     """Validate one row; a conversational row has all three fields as message lists (strings promoted)."""
     if not isinstance(record, dict) or any(k not in record for k in FIELDS):
         missing = [k for k in FIELDS if not isinstance(record, dict) or k not in record]
-        raise DataError(f"{where}: no {', '.join(repr(k) for k in missing)} field; each line of preference data "
-                        f"must be {PAIR_EXAMPLE} (or the three fields as plain strings)")
+        raise DataError(
+            f"{where}: no {', '.join(repr(k) for k in missing)} field; each line of preference data "
+            f"must be {PAIR_EXAMPLE} (or the three fields as plain strings)"
+        )
     values = {k: record[k] for k in FIELDS}
     for k, v in values.items():
         if not (isinstance(v, str) and v.strip()) and not (isinstance(v, list) and v):
-            raise DataError(f'{where}: "{k}" must be a non-empty string or a non-empty list of messages, '
-                            f"got {json.dumps(v)[:120]}")
+            raise DataError(
+                f'{where}: "{k}" must be a non-empty string or a non-empty list of messages, got {json.dumps(v)[:120]}'
+            )
     if all(isinstance(v, str) for v in values.values()):
         return Pair(**values)
     role = {"prompt": "user", "chosen": "assistant", "rejected": "assistant"}
-    msgs = {k: [{"role": role[k], "content": v}] if isinstance(v, str) else check_messages(v, f'{where}: "{k}"')
-            for k, v in values.items()}
+    msgs = {
+        k: [{"role": role[k], "content": v}] if isinstance(v, str) else check_messages(v, f'{where}: "{k}"')
+        for k, v in values.items()
+    }
     for k in ("chosen", "rejected"):
         if not any(m["role"] == "assistant" and m["content"].strip() for m in msgs[k]):
-            raise DataError(f'{where}: "{k}" has no assistant message with content; a response is what the '
-                            "model is trained to prefer (or not)")
+            raise DataError(
+                f'{where}: "{k}" has no assistant message with content; a response is what the '
+                "model is trained to prefer (or not)"
+            )
     return Pair(**msgs)
 
 
@@ -94,8 +104,9 @@ class PreferenceEncoder:
             chosen, rejected = (self.chat.encode([*pair.prompt, *r])[0] for r in (pair.chosen, pair.rejected))
         else:  # text: BOS as the model adds it, EOS closes the response
             prompt = tok.encode(pair.prompt, add_bos=tok.add_bos)
-            chosen, rejected = (tok.encode(pair.prompt + r, add_bos=tok.add_bos, add_eos=True)
-                                for r in (pair.chosen, pair.rejected))
+            chosen, rejected = (
+                tok.encode(pair.prompt + r, add_bos=tok.add_bos, add_eos=True) for r in (pair.chosen, pair.rejected)
+            )
         shared = min(_common_prefix(prompt, chosen), _common_prefix(prompt, rejected))
         return chosen, rejected, shared
 

@@ -18,6 +18,8 @@ from fitlm.data.conventions import SIDE_FILES, SPECIAL_TOKENS, Conventions, read
 from fitlm.data.errors import DataError
 
 TOKENIZER_FILE = "tokenizer.json"
+
+
 def tokenizer_out_path(out_path: Path) -> Path:
     """`out_path` may name the tokenizer.json itself or a directory to hold it."""
     out_path = Path(out_path)
@@ -50,8 +52,9 @@ class Tokenizer:
         self._tok.encode_special_tokens = True
 
     @classmethod
-    def from_file(cls, path: Path | str, bos: str | None = None, eos: str | None = None,
-                  pad: str | None = None) -> Tokenizer:
+    def from_file(
+        cls, path: Path | str, bos: str | None = None, eos: str | None = None, pad: str | None = None
+    ) -> Tokenizer:
         """Load a tokenizer.json (or a directory holding one) and check its BOS, EOS and PAD are real tokens.
 
         Token names come from the arguments, else from the files beside it (tokenizer_config.json,
@@ -60,14 +63,17 @@ class Tokenizer:
         path = Path(path)
         json_path = path / TOKENIZER_FILE if path.is_dir() else path
         if not json_path.is_file():
-            where = f"no {TOKENIZER_FILE} in directory {path}" if path.is_dir() else f"tokenizer file {path} does not exist"
+            where = (
+                f"no {TOKENIZER_FILE} in directory {path}" if path.is_dir() else f"tokenizer file {path} does not exist"
+            )
             raise DataError(f"{where}; train one with `fitlm data tokenizer` or pass the path of a tokenizer.json")
         raw = json_path.read_bytes()
         try:
             backend = tokenizers.Tokenizer.from_str(raw.decode("utf-8"))
         except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
-            raise DataError(f"{json_path} is not a valid tokenizer.json ({e}); "
-                            "re-create it with `fitlm data tokenizer`") from None
+            raise DataError(
+                f"{json_path} is not a valid tokenizer.json ({e}); re-create it with `fitlm data tokenizer`"
+            ) from None
         conv = read_conventions(json_path, backend, {"bos": bos, "eos": eos, "pad": pad})
         names = {"BOS": conv.bos, "EOS": conv.eos, "PAD": conv.pad}
         missing = [f"{k} {v!r}" for k, v in names.items() if v is not None and backend.token_to_id(v) is None]
@@ -99,8 +105,10 @@ class Tokenizer:
 
     def _wrap(self, ids: list[int], add_bos: bool, add_eos: bool) -> list[int]:
         if add_bos and self.bos_id is None:
-            raise DataError(f"tokenizer {self.path} has no BOS token (its model adds none, e.g. Qwen); encode with "
-                            "add_bos=tokenizer.add_bos, or name one with bos=")
+            raise DataError(
+                f"tokenizer {self.path} has no BOS token (its model adds none, e.g. Qwen); encode with "
+                "add_bos=tokenizer.add_bos, or name one with bos="
+            )
         if add_bos:
             ids = [self.bos_id, *ids]
         if add_eos:

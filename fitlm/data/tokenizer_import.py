@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from fitlm.atomic import write_bytes_atomic
+from fitlm.data.conventions import CONFIG_FILE as TOKENIZER_CONFIG_FILE
 from fitlm.data.conventions import SIDE_FILES, read_json
 from fitlm.data.errors import DataError
-from fitlm.data.conventions import CONFIG_FILE as TOKENIZER_CONFIG_FILE
 from fitlm.data.tokenizer import TOKENIZER_FILE, Tokenizer, tokenizer_out_path
 
 _UNIGRAM, _BPE = 1, 2
@@ -53,12 +53,12 @@ def _fields(buf: bytes) -> list[tuple[int, int, Any]]:
         if wt == 0:
             v, i = _varint(buf, i)
         elif wt == 1:
-            v, i = buf[i:i + 8], i + 8
+            v, i = buf[i : i + 8], i + 8
         elif wt == 2:
             n, i = _varint(buf, i)
-            v, i = buf[i:i + n], i + n
+            v, i = buf[i : i + n], i + n
         elif wt == 5:
-            v, i = buf[i:i + 4], i + 4
+            v, i = buf[i : i + 4], i + 4
         else:
             raise ValueError(f"unsupported protobuf wire type {wt}")
         out.append((num, wt, v))
@@ -87,13 +87,21 @@ def read_spm(path: Path) -> dict[str, Any]:
                 add_dummy_prefix = bool(f.get(3, 1))
                 remove_extra_ws = bool(f.get(4, 1))
     except (ValueError, IndexError, UnicodeDecodeError, struct.error) as e:
-        raise DataError(f"{path} is not a SentencePiece model ({e}); pass a .model file written by sentencepiece "
-                        "or a tokenizer.json") from None
+        raise DataError(
+            f"{path} is not a SentencePiece model ({e}); pass a .model file written by sentencepiece "
+            "or a tokenizer.json"
+        ) from None
     if not pieces:
         raise DataError(f"{path} holds no vocabulary pieces; it is not a SentencePiece model")
-    return {"pieces": pieces, "model_type": trainer.get(3, _UNIGRAM), "byte_fallback": bool(trainer.get(35, 0)),
-            "unk_id": trainer.get(40, 0), "charsmap": charsmap, "add_dummy_prefix": add_dummy_prefix,
-            "remove_extra_whitespaces": remove_extra_ws}
+    return {
+        "pieces": pieces,
+        "model_type": trainer.get(3, _UNIGRAM),
+        "byte_fallback": bool(trainer.get(35, 0)),
+        "unk_id": trainer.get(40, 0),
+        "charsmap": charsmap,
+        "add_dummy_prefix": add_dummy_prefix,
+        "remove_extra_whitespaces": remove_extra_ws,
+    }
 
 
 def spm_to_tokenizers(path: Path):
@@ -105,9 +113,11 @@ def spm_to_tokenizers(path: Path):
     spm = read_spm(path)
     if spm["model_type"] != _UNIGRAM:
         kind = {2: "BPE", 3: "word", 4: "char"}.get(spm["model_type"], str(spm["model_type"]))
-        raise DataError(f"{path} is a SentencePiece {kind} model; fitlm converts only Unigram SentencePiece models. "
-                        "Convert it with transformers' convert_slow_tokenizer and pass the tokenizer.json, or "
-                        "train a byte-level BPE with `fitlm data tokenizer TEXT... --vocab-size N`")
+        raise DataError(
+            f"{path} is a SentencePiece {kind} model; fitlm converts only Unigram SentencePiece models. "
+            "Convert it with transformers' convert_slow_tokenizer and pass the tokenizer.json, or "
+            "train a byte-level BPE with `fitlm data tokenizer TEXT... --vocab-size N`"
+        )
     vocab = [(p, s) for p, s, _ in spm["pieces"]]
     tok = HFTokenizer(Unigram(vocab, spm["unk_id"], spm["byte_fallback"]))
     norms = [normalizers.Precompiled(spm["charsmap"])] if spm["charsmap"] else []
@@ -120,13 +130,20 @@ def spm_to_tokenizers(path: Path):
     if spm["byte_fallback"]:
         decs = [decoders.ByteFallback(), decoders.Fuse(), *decs]
     tok.decoder = decoders.Sequence([*decs, decoders.Strip(" ", 1, 0)] if scheme == "always" else decs)
-    tok.add_special_tokens([AddedToken(p, special=True, normalized=False) for p, _, t in spm["pieces"]
-                            if t in ("control", "unknown")])
+    tok.add_special_tokens(
+        [AddedToken(p, special=True, normalized=False) for p, _, t in spm["pieces"] if t in ("control", "unknown")]
+    )
     return tok, spm
 
 
-def import_tokenizer(src: Path, out_path: Path, overwrite: bool = False, bos: str | None = None,
-                     eos: str | None = None, pad: str | None = None) -> Path:
+def import_tokenizer(
+    src: Path,
+    out_path: Path,
+    overwrite: bool = False,
+    bos: str | None = None,
+    eos: str | None = None,
+    pad: str | None = None,
+) -> Path:
     """Copy or convert the tokenizer at `src` into `out_path` (a tokenizer.json path or a directory)."""
     src = Path(src)
     json_path = tokenizer_out_path(Path(out_path))
@@ -143,8 +160,11 @@ def import_tokenizer(src: Path, out_path: Path, overwrite: bool = False, bos: st
         json_path.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(json_src, json_path)
         for name in SIDE_FILES:  # the model's conventions (EOS list, chat template) travel with it
-            if name != TOKENIZER_CONFIG_FILE and json_src.with_name(name).is_file() and \
-                    json_src.with_name(name).resolve() != json_path.with_name(name).resolve():
+            if (
+                name != TOKENIZER_CONFIG_FILE
+                and json_src.with_name(name).is_file()
+                and json_src.with_name(name).resolve() != json_path.with_name(name).resolve()
+            ):
                 shutil.copyfile(json_src.with_name(name), json_path.with_name(name))
     else:
         tok, spm = spm_to_tokenizers(src)
@@ -155,8 +175,10 @@ def import_tokenizer(src: Path, out_path: Path, overwrite: bool = False, bos: st
         for k, given in (("bos", bos), ("eos", eos), ("pad", pad)):
             if given is None and defaults[k] not in have:
                 json_path.unlink()
-                raise DataError(f"{src} has no {k.upper()} token {defaults[k]!r}; PAD/BOS/EOS must be real tokens of "
-                                f"the vocabulary. Name an existing token with --{k} (e.g. --{k} \"</s>\")")
+                raise DataError(
+                    f"{src} has no {k.upper()} token {defaults[k]!r}; PAD/BOS/EOS must be real tokens of "
+                    f'the vocabulary. Name an existing token with --{k} (e.g. --{k} "</s>")'
+                )
         names = {k: given or defaults[k] for k, given in (("bos", bos), ("eos", eos), ("pad", pad))}
         cfg = {"add_bos_token": True}  # Llama-style SentencePiece models put BOS before every text
     given = {k: v for k, v in (("bos", bos), ("eos", eos), ("pad", pad)) if v}
@@ -175,4 +197,8 @@ def import_tokenizer(src: Path, out_path: Path, overwrite: bool = False, bos: st
 
 def is_tokenizer_file(path: Path) -> bool:
     """True for a tokenizer.json or SentencePiece .model (inputs that are imported, not trained on)."""
-    return path.suffix in (".model",) or path.name == TOKENIZER_FILE or (path.is_dir() and (path / TOKENIZER_FILE).is_file())
+    return (
+        path.suffix in (".model",)
+        or path.name == TOKENIZER_FILE
+        or (path.is_dir() and (path / TOKENIZER_FILE).is_file())
+    )

@@ -38,13 +38,22 @@ class ChatSession:
             # The training encoder with the generation prompt: BOS only if the model adds it, no EOS appended.
             ids = self.encoder.encode(head + self.messages, add_generation_prompt=True)[0]
             if len(ids) + reserve <= self.max_context or len(self.messages) <= 1:
-                return ids[-(self.max_context - 1):] if len(ids) >= self.max_context else ids
+                return ids[-(self.max_context - 1) :] if len(ids) >= self.max_context else ids
             self.messages.pop(0)
 
 
-def run_chat(model_path: str, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout, stderr: TextIO = sys.stderr,
-             template: str | None = None, system: str | None = None, max_new_tokens: int = 256,
-             temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> int:
+def run_chat(
+    model_path: str,
+    stdin: TextIO = sys.stdin,
+    stdout: TextIO = sys.stdout,
+    stderr: TextIO = sys.stderr,
+    template: str | None = None,
+    system: str | None = None,
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+) -> int:
     """Read user turns from stdin until /exit or end of input; stream each reply to stdout."""
     check_sampling(temperature, top_p)  # before the model loads or a turn is read
     loaded = load_model_dir(model_path)
@@ -76,8 +85,16 @@ def run_chat(model_path: str, stdin: TextIO = sys.stdin, stdout: TextIO = sys.st
         session.messages.append({"role": "user", "content": text})
         ids = session.prompt_ids(reserve=min(max_new_tokens, session.max_context // 2))
         emit = lambda piece: (stdout.write(piece), stdout.flush())  # noqa: E731
-        new = generate(loaded.model, ids, max_new_tokens, temperature=temperature, top_p=top_p, eos_id=stops,
-                       seed=seed + turn, stream=StreamDecoder(tok, emit))
+        new = generate(
+            loaded.model,
+            ids,
+            max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            eos_id=stops,
+            seed=seed + turn,
+            stream=StreamDecoder(tok, emit),
+        )
         stdout.write("\n")
         stdout.flush()
         reply = tok.decode([i for i in new if i not in stops])

@@ -22,10 +22,10 @@ from fitlm.diskspace import disk_full_guard
 from fitlm.export.errors import ExportError
 from fitlm.export.gguf_quant import BITS_PER_WEIGHT, KQUANTS, quantize
 from fitlm.export.gguf_tokenizer import add_tokenizer
-from fitlm.models.metadata import build_metadata, check_metadata
-from fitlm.models.gguf import gguf_metadata, gguf_tensors
 from fitlm.export.source import StreamedModel, hf_weights
+from fitlm.models.gguf import gguf_metadata, gguf_tensors
 from fitlm.models.io import LoadedModel, Specs
+from fitlm.models.metadata import build_metadata, check_metadata
 
 DTYPES = ("f32", "f16", "q8_0", *KQUANTS)
 
@@ -33,7 +33,11 @@ DTYPES = ("f32", "f16", "q8_0", *KQUANTS)
 def EXPORTABLE(family) -> bool:  # noqa: N802  (read by fitlm.docs for the README families table)
     """Families `--format gguf` writes: those with llama.cpp names (fitlm.models.family.GGUFNames)."""
     return family.gguf is not None
+
+
 META_KEY = "fitlm.export"
+
+
 def _add_value(writer, key: str, value) -> None:
     """One metadata entry with llama.cpp's types: integers uint32, reals float32, text string."""
     if isinstance(value, bool):
@@ -108,13 +112,16 @@ def _check(cfg, dtype: str) -> None:
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype!r} is not supported for GGUF; choose one of {', '.join(DTYPES)}")
     if cfg.family.gguf is None:
-        raise ExportError(f"GGUF export: model.arch {cfg.arch!r} has no llama.cpp architecture; export it with "
-                          f"--format hf")
+        raise ExportError(
+            f"GGUF export: model.arch {cfg.arch!r} has no llama.cpp architecture; export it with --format hf"
+        )
     if cfg.family.gguf.head_is_embedding and not cfg.tie_embeddings:
-        raise ExportError(f"GGUF export: llama.cpp's {cfg.family.gguf.arch} architecture has no output head of its "
-                          f"own (it reuses token_embd), and this model's head is untied (tie_embeddings: false, as "
-                          f"an adapter on lm_head makes it); export it with --format hf, or train the adapter "
-                          f"without lm_head")
+        raise ExportError(
+            f"GGUF export: llama.cpp's {cfg.family.gguf.arch} architecture has no output head of its "
+            f"own (it reuses token_embd), and this model's head is untied (tie_embeddings: false, as "
+            f"an adapter on lm_head makes it); export it with --format hf, or train the adapter "
+            f"without lm_head"
+        )
 
 
 def _write(source: LoadedModel | StreamedModel, tensors, tmp: Path, dtype: str, tokenizer: bool, meta: dict) -> str:
@@ -146,8 +153,9 @@ def _write(source: LoadedModel | StreamedModel, tensors, tmp: Path, dtype: str, 
     return vocabulary
 
 
-def export_gguf(source: LoadedModel | StreamedModel, out: str | Path, dtype: str = "f16",
-                tokenizer: bool = True) -> dict:
+def export_gguf(
+    source: LoadedModel | StreamedModel, out: str | Path, dtype: str = "f16", tokenizer: bool = True
+) -> dict:
     """Write a GGUF file at `out` in `dtype` (f32 | f16 | q8_0 | q4_k_m | q5_k_m | q6_k), with the model's
     tokenizer unless `tokenizer` is False (fitlm.export.gguf_tokenizer: a tokenizer llama.cpp cannot name is
     refused, and nothing is left at `out`).
@@ -181,9 +189,16 @@ def export_gguf(source: LoadedModel | StreamedModel, out: str | Path, dtype: str
     from fitlm.export.modelfile import write_modelfile
 
     modelfile = write_modelfile(source, out)  # for `ollama create` (fitlm/export/modelfile.py)
-    return {"format": "gguf", "out": str(out), "dtype": dtype, "bytes": out.stat().st_size,
-            "tokenizer": vocabulary != "none", "vocabulary": vocabulary, "source_sha256": meta["source_sha256"],
-            "modelfile": str(modelfile)}
+    return {
+        "format": "gguf",
+        "out": str(out),
+        "dtype": dtype,
+        "bytes": out.stat().st_size,
+        "tokenizer": vocabulary != "none",
+        "vocabulary": vocabulary,
+        "source_sha256": meta["source_sha256"],
+        "modelfile": str(modelfile),
+    }
 
 
 def read_export_metadata(path: str | Path) -> dict[str, Any] | None:

@@ -18,8 +18,11 @@ from pathlib import Path
 
 from fitlm.export.errors import ExportError
 
-KQUANTS = {"q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "q5_k_m": "LLAMA_FTYPE_MOSTLY_Q5_K_M",
-           "q6_k": "LLAMA_FTYPE_MOSTLY_Q6_K"}
+KQUANTS = {
+    "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M",
+    "q5_k_m": "LLAMA_FTYPE_MOSTLY_Q5_K_M",
+    "q6_k": "LLAMA_FTYPE_MOSTLY_Q6_K",
+}
 BITS_PER_WEIGHT = {"q4_k_m": 4.9, "q5_k_m": 5.7, "q6_k": 6.6}  # about, with llama.cpp's mixture (disk estimate)
 
 
@@ -27,10 +30,12 @@ def _llama_cpp():
     try:
         import llama_cpp
     except ImportError:
-        raise ExportError("--dtype q4_k_m / q5_k_m / q6_k use llama.cpp's quantizer, which fitlm calls through "
-                          "llama-cpp-python: pip install 'fitlm[llamacpp]' (a 10-15 minute build; "
-                          "CMAKE_ARGS='-DLLAMA_CURL=OFF' skips its download support). Or export --dtype f16 and run "
-                          "llama.cpp's own `llama-quantize model.gguf out.gguf Q4_K_M`") from None
+        raise ExportError(
+            "--dtype q4_k_m / q5_k_m / q6_k use llama.cpp's quantizer, which fitlm calls through "
+            "llama-cpp-python: pip install 'fitlm[llamacpp]' (a 10-15 minute build; "
+            "CMAKE_ARGS='-DLLAMA_CURL=OFF' skips its download support). Or export --dtype f16 and run "
+            "llama.cpp's own `llama-quantize model.gguf out.gguf Q4_K_M`"
+        ) from None
     return llama_cpp
 
 
@@ -53,8 +58,10 @@ def quantize(src: Path, dst: Path, dtype: str, threads: int | None = None) -> No
         if rc != 0:
             log.seek(0)
             tail = log.read().decode("utf-8", "replace").strip().splitlines()[-5:]
-            raise ExportError(f"llama.cpp's quantizer failed ({rc}) making {dtype} from {src}: "
-                              f"{' / '.join(tail)}; export --dtype q8_0 or f16 instead")
+            raise ExportError(
+                f"llama.cpp's quantizer failed ({rc}) making {dtype} from {src}: "
+                f"{' / '.join(tail)}; export --dtype q8_0 or f16 instead"
+            )
 
 
 __all__ = ["BITS_PER_WEIGHT", "KQUANTS", "quantize"]

@@ -19,8 +19,19 @@ import json
 from pathlib import Path
 
 from fitlm.data.chat import resolve_template
-from fitlm.data.gguf_vocab import (BYTE, BYTE_PIECE, CHECK_TEXT, CONTROL, NORMAL, UNKNOWN, UNUSED, USER_DEFINED,
-                                   add_space_prefix, is_sentencepiece, pre_tokenizer_name)
+from fitlm.data.gguf_vocab import (
+    BYTE,
+    BYTE_PIECE,
+    CHECK_TEXT,
+    CONTROL,
+    NORMAL,
+    UNKNOWN,
+    UNUSED,
+    USER_DEFINED,
+    add_space_prefix,
+    is_sentencepiece,
+    pre_tokenizer_name,
+)
 from fitlm.data.tokenizer import Tokenizer
 
 

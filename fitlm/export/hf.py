@@ -21,9 +21,9 @@ from fitlm.data.tokenizer import Tokenizer
 from fitlm.diskspace import disk_full_guard
 from fitlm.export.errors import ExportError
 from fitlm.export.source import StreamedModel, hf_weights
-from fitlm.models.metadata import build_metadata, write_metadata
 from fitlm.models.hf import DEFAULT_MAX_SHARD_BYTES, write_hf_configs
 from fitlm.models.io import TOKENIZER_FILES, LoadedModel
+from fitlm.models.metadata import build_metadata, write_metadata
 from fitlm.models.safetensors_io import spec_bytes, write_safetensors_stream
 
 
@@ -31,8 +31,10 @@ def _check_out_dir(out: Path) -> None:
     if out.is_file():
         raise ExportError(f"--out {out} is a file; --format hf writes a directory")
     if out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():
-        raise ExportError(f"--out {out} exists and holds something other than an HF export; refusing to mix "
-                          f"files into it. Choose an empty or new directory")
+        raise ExportError(
+            f"--out {out} exists and holds something other than an HF export; refusing to mix "
+            f"files into it. Choose an empty or new directory"
+        )
 
 
 def _write_tokenizer(loaded: LoadedModel | StreamedModel, out: Path) -> dict[str, int | None]:
@@ -65,8 +67,9 @@ def _tokenizer_bytes(loaded: LoadedModel | StreamedModel) -> int:
     return sum((src.parent / n).stat().st_size for n in TOKENIZER_FILES if (src.parent / n).is_file())
 
 
-def export_hf(source: LoadedModel | StreamedModel, out: str | Path,
-              max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> dict:
+def export_hf(
+    source: LoadedModel | StreamedModel, out: str | Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+) -> dict:
     """Write the HF directory at `out`; shards (with model.safetensors.index.json) above max_shard_bytes.
 
     `source`: a loaded model, or one opened with fitlm.export.source.open_for_export, whose weights are read,
@@ -89,5 +92,10 @@ def export_hf(source: LoadedModel | StreamedModel, out: str | Path,
         write_hf_configs(tmp, source.config.model, dtype, ids["bos"], ids["eos"], pad_token_id=ids["pad"], **stops)
         write_metadata(tmp, meta)
     shards = sorted(p.name for p in out.glob("*.safetensors"))
-    return {"format": "hf", "out": str(out), "files": shards, "tokenizer": source.tokenizer_path is not None,
-            "source_sha256": meta["source_sha256"]}
+    return {
+        "format": "hf",
+        "out": str(out),
+        "files": shards,
+        "tokenizer": source.tokenizer_path is not None,
+        "source_sha256": meta["source_sha256"],
+    }

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 from fitlm.atomic import atomic_file
 from fitlm.data.chat import ChatEncoder, resolve_template
-from fitlm.data.tokenizer import Tokenizer
 from fitlm.data.errors import DataError
+from fitlm.data.tokenizer import Tokenizer
 from fitlm.models.io import LoadedModel
 
 if TYPE_CHECKING:
@@ -35,7 +35,9 @@ Messages = Sequence[dict[str, str]]
 class Format:
     markers: tuple[str, ...]  # all present in the Jinja source = worth trying this format
     go: str  # Ollama's TEMPLATE (Go text/template over .Messages)
-    render: Callable[[Messages, str, str], str]  # the same prompt in Python (messages, bos, eos), generation prompt included
+    render: Callable[
+        [Messages, str, str], str
+    ]  # the same prompt in Python (messages, bos, eos), generation prompt included
     stops: tuple[str, ...]  # end-of-turn strings for PARAMETER stop
 
     def template(self, bos: str, eos: str) -> str:
@@ -82,45 +84,65 @@ FORMATS: dict[str, Format] = {
         ("<|im_start|>",),
         "{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n{{ end }}<|im_start|>assistant\n",
         _turns(lambda r: f"<|im_start|>{r}\n", "<|im_end|>\n", "<|im_start|>assistant\n"),
-        ("<|im_end|>", "<|im_start|>")),
+        ("<|im_end|>", "<|im_start|>"),
+    ),
     "llama3": Format(
         ("<|start_header_id|>",),
         "{{- range .Messages }}<|start_header_id|>{{ .Role }}<|end_header_id|>\n\n{{ .Content }}<|eot_id|>"
         "{{ end }}<|start_header_id|>assistant<|end_header_id|>\n\n",
-        _turns(lambda r: f"<|start_header_id|>{r}<|end_header_id|>\n\n", "<|eot_id|>",
-               "<|start_header_id|>assistant<|end_header_id|>\n\n"),
-        ("<|eot_id|>", "<|start_header_id|>")),
+        _turns(
+            lambda r: f"<|start_header_id|>{r}<|end_header_id|>\n\n",
+            "<|eot_id|>",
+            "<|start_header_id|>assistant<|end_header_id|>\n\n",
+        ),
+        ("<|eot_id|>", "<|start_header_id|>"),
+    ),
     "gemma": Format(
         ("<start_of_turn>",),
         '{{- $sys := "" }}{{- range .Messages }}{{ if eq .Role "system" }}{{ $sys = printf "%s\\n\\n" .Content }}'
         '{{ else }}<start_of_turn>{{ if eq .Role "assistant" }}model{{ else }}user{{ end }}\n'
         '{{ $sys }}{{ $sys = "" }}{{ .Content }}<end_of_turn>\n{{ end }}{{ end }}<start_of_turn>model\n',
-        _gemma, ("<end_of_turn>", "<start_of_turn>")),
+        _gemma,
+        ("<end_of_turn>", "<start_of_turn>"),
+    ),
     "phi3": Format(
         ("<|assistant|>", "<|end|>"),
         "{{- range .Messages }}<|{{ .Role }}|>\n{{ .Content }}<|end|>\n{{ end }}<|assistant|>\n",
-        _turns(lambda r: f"<|{r}|>\n", "<|end|>\n", "<|assistant|>\n"), ("<|end|>", "<|user|>")),
+        _turns(lambda r: f"<|{r}|>\n", "<|end|>\n", "<|assistant|>\n"),
+        ("<|end|>", "<|user|>"),
+    ),
     "inst": Format(
         ("[INST]",),
         '{{- $sys := "" }}{{- $first := true }}{{- range .Messages }}{{ if eq .Role "system" }}'
         '{{ $sys = printf "<<SYS>>\\n%s\\n<</SYS>>\\n\\n" .Content }}'
         '{{ else if eq .Role "user" }}{{ if not $first }}<s>{{ end }}[INST] {{ $sys }}{{ $sys = "" }}'
-        '{{ $first = false }}{{ .Content }} [/INST]{{ else }} {{ .Content }} </s>{{ end }}{{ end }}',
-        _inst, ("[INST]",)),
+        "{{ $first = false }}{{ .Content }} [/INST]{{ else }} {{ .Content }} </s>{{ end }}{{ end }}",
+        _inst,
+        ("[INST]",),
+    ),
     "plain": Format(
         ("### ", "Assistant:"),
         '{{- range .Messages }}### {{ if eq .Role "system" }}System{{ else if eq .Role "user" }}User'
         "{{ else }}Assistant{{ end }}:\n{{ .Content }}\n\n{{ end }}### Assistant:\n",
-        _turns(lambda r: f"### {_PLAIN_ROLES[r]}:\n", "\n\n", "### Assistant:\n"), ("### User:",)),
+        _turns(lambda r: f"### {_PLAIN_ROLES[r]}:\n", "\n\n", "### Assistant:\n"),
+        ("### User:",),
+    ),
 }
 
 # Conversations an Ollama TEMPLATE must render as the Jinja template does before it is written.
 PROBES: tuple[tuple[dict[str, str], ...], ...] = (
-    ({"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Name a river."},
-     {"role": "assistant", "content": "Nile."}, {"role": "user", "content": "And a sea?"}),
+    (
+        {"role": "system", "content": "Answer in one word."},
+        {"role": "user", "content": "Name a river."},
+        {"role": "assistant", "content": "Nile."},
+        {"role": "user", "content": "And a sea?"},
+    ),
     ({"role": "user", "content": "Name a river."},),
-    ({"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."},
-     {"role": "user", "content": "Name a sea."}),
+    (
+        {"role": "user", "content": "Hi."},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Name a sea."},
+    ),
 )
 
 
@@ -154,7 +176,7 @@ def _default_system(render: Callable[[Messages], str], probe: Messages, jinja: s
     """The system text the Jinja template inserted into a probe without one, if the format can say it."""
     head, _, tail = render([{"role": "system", "content": "\x00"}, *probe]).partition("\x00")
     if len(jinja) > len(head) + len(tail) and jinja.startswith(head) and jinja.endswith(tail):
-        return jinja[len(head):len(jinja) - len(tail)]
+        return jinja[len(head) : len(jinja) - len(tail)]
     return None
 
 
@@ -207,8 +229,10 @@ def modelfile_text(gguf_name: str, template: str | None, tokenizer: Tokenizer | 
             lines.append(_block("SYSTEM", system))
         stops.extend(FORMATS[name].stops)
     elif template:
-        lines.append("# TEMPLATE: no Go template fitlm writes renders this chat template as its Jinja does; "
-                     "Ollama falls back to its own reading of the GGUF's tokenizer.chat_template")
+        lines.append(
+            "# TEMPLATE: no Go template fitlm writes renders this chat template as its Jinja does; "
+            "Ollama falls back to its own reading of the GGUF's tokenizer.chat_template"
+        )
     if tokenizer is not None:
         stops.extend(t for t in (tokenizer.id_to_token(i) for i in tokenizer.stop_ids) if t)
     lines += [f"PARAMETER stop {_quoted(s)}" for s in dict.fromkeys(stops)]
@@ -234,5 +258,13 @@ def write_modelfile(loaded: LoadedModel | StreamedModel, gguf: str | Path) -> Pa
     return out
 
 
-__all__ = ["FORMATS", "PROBES", "Format", "chat_format", "match_format", "modelfile_path", "modelfile_text",
-           "write_modelfile"]
+__all__ = [
+    "FORMATS",
+    "PROBES",
+    "Format",
+    "chat_format",
+    "match_format",
+    "modelfile_path",
+    "modelfile_text",
+    "write_modelfile",
+]

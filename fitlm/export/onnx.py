@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from fitlm.atomic import atomic_file
 from fitlm.diskspace import disk_full_guard, tensor_bytes
 from fitlm.export.errors import ExportError, ONNXShapeError
-from fitlm.models.metadata import build_metadata, check_metadata
 from fitlm.models.io import LoadedModel
+from fitlm.models.metadata import build_metadata, check_metadata
 
 META_KEY = "fitlm.export"
 OPSET = 17
@@ -54,14 +54,16 @@ def _sdpa_for_onnx(sdpa: Callable) -> Callable:
     return wrapped
 
 
-def export_onnx(loaded: LoadedModel, out: str | Path, dynamic_shape: bool = False, batch_size: int = 1,
-                seq_len: int | None = None) -> dict:
+def export_onnx(
+    loaded: LoadedModel, out: str | Path, dynamic_shape: bool = False, batch_size: int = 1, seq_len: int | None = None
+) -> dict:
     """Write an ONNX file; static shape [batch_size, seq_len] (default: the model's max_seq_len)."""
     try:
         import onnx
     except ImportError:
-        raise ExportError("ONNX export needs the optional packages: pip install 'fitlm[export]' "
-                          "(onnx and onnxruntime)") from None
+        raise ExportError(
+            "ONNX export needs the optional packages: pip install 'fitlm[export]' (onnx and onnxruntime)"
+        ) from None
     cfg = loaded.config.model
     seq_len = seq_len or cfg.max_seq_len
     if not 1 <= seq_len <= cfg.max_seq_len:
@@ -74,22 +76,41 @@ def export_onnx(loaded: LoadedModel, out: str | Path, dynamic_shape: bool = Fals
     axes = {"input_ids": {0: "batch", 1: "sequence"}, "logits": {0: "batch", 1: "sequence"}} if dynamic_shape else None
     sdpa = _sdpa_for_onnx(F.scaled_dot_product_attention)
     shape = None if dynamic_shape else [batch_size, seq_len]
-    meta = build_metadata("onnx", loaded.path, {"dynamic_shape": dynamic_shape, "input_shape": shape,
-                                                "max_seq_len": cfg.max_seq_len, "opset": OPSET})
+    meta = build_metadata(
+        "onnx",
+        loaded.path,
+        {"dynamic_shape": dynamic_shape, "input_shape": shape, "max_seq_len": cfg.max_seq_len, "opset": OPSET},
+    )
     # Initializers are stored as float32; the guard outside the atomic block: the partial file is gone first.
     needed = tensor_bytes(loaded.model.state_dict().values(), float_itemsize=4)
-    with disk_full_guard(out, needed + 1024 * 1024, "fitlm export --format onnx"), \
-            atomic_file(out) as tmp:  # never a half-written file at `out`
+    with (
+        disk_full_guard(out, needed + 1024 * 1024, "fitlm export --format onnx"),
+        atomic_file(out) as tmp,
+    ):  # never a half-written file at `out`
         with torch.no_grad(), warnings.catch_warnings(), mock.patch.object(F, "scaled_dot_product_attention", sdpa):
             warnings.simplefilter("ignore")  # tracer warnings about Python ints in shape checks
-            torch.onnx.export(_LogitsOnly(loaded.model.eval()), (example,), str(tmp), input_names=["input_ids"],
-                              output_names=["logits"], dynamic_axes=axes, opset_version=OPSET, dynamo=False)
+            torch.onnx.export(
+                _LogitsOnly(loaded.model.eval()),
+                (example,),
+                str(tmp),
+                input_names=["input_ids"],
+                output_names=["logits"],
+                dynamic_axes=axes,
+                opset_version=OPSET,
+                dynamo=False,
+            )
         proto = onnx.load(str(tmp))
         entry = proto.metadata_props.add()
         entry.key, entry.value = META_KEY, json.dumps(meta)
         onnx.save(proto, str(tmp))
-    return {"format": "onnx", "out": str(out), "dynamic_shape": dynamic_shape, "input_shape": shape,
-            "bytes": out.stat().st_size, "source_sha256": meta["source_sha256"]}
+    return {
+        "format": "onnx",
+        "out": str(out),
+        "dynamic_shape": dynamic_shape,
+        "input_shape": shape,
+        "bytes": out.stat().st_size,
+        "source_sha256": meta["source_sha256"],
+    }
 
 
 def _session(path: Path):
@@ -123,8 +144,10 @@ def run_onnx(path: str | Path, input_ids: np.ndarray | torch.Tensor) -> np.ndarr
     meta = read_export_metadata(session) or {}
     expected = meta.get("input_shape")
     if expected is not None and list(ids.shape) != list(expected):
-        raise ONNXShapeError(f"{path} was exported with a static input shape {expected} but got {list(ids.shape)}; "
-                             f"pad/trim the input to that shape, or re-export with `--dynamic-shape`")
+        raise ONNXShapeError(
+            f"{path} was exported with a static input shape {expected} but got {list(ids.shape)}; "
+            f"pad/trim the input to that shape, or re-export with `--dynamic-shape`"
+        )
     limit = meta.get("max_seq_len")
     if limit is not None and ids.shape[1] > limit:
         raise ONNXShapeError(f"{path}: sequence length {ids.shape[1]} exceeds the model's max_seq_len {limit}")

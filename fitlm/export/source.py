@@ -26,8 +26,10 @@ def _adapter(source_kind: str, cfg: Config, path: Path, adapter: str | Path | No
     if adapter is None:
         return None
     if source_kind == "fitlm" and cfg.finetune.adapters:
-        raise ExportError(f"{path} was written by a LoRA run and already includes its adapter; "
-                          f"export it without --adapter, or pass the base model with --adapter")
+        raise ExportError(
+            f"{path} was written by a LoRA run and already includes its adapter; "
+            f"export it without --adapter, or pass the base model with --adapter"
+        )
     return read_adapter(adapter)
 
 
@@ -38,8 +40,9 @@ def load_for_export(model: str | Path, adapter: str | Path | None = None) -> Loa
     if lora is None:
         return loaded
     config = untied_for(loaded.config, lora.tensors)  # a tied head the adapter adapts is exported untied
-    return replace(loaded, model=with_weights(loaded.model, config.model, lora.merge(loaded.model.state_dict())),
-                   config=config)
+    return replace(
+        loaded, model=with_weights(loaded.model, config.model, lora.merge(loaded.model.state_dict())), config=config
+    )
 
 
 def open_for_export(model: str | Path, adapter: str | Path | None = None) -> StreamedModel:

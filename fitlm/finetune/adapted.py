@@ -40,8 +40,7 @@ class Adapter:
     def scaling(self) -> float:
         return self.spec.scaling
 
-    def merge(self, weights: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor] | None = None
-              ) -> Tensors:
+    def merge(self, weights: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor] | None = None) -> Tensors:
         """`weights` with the adapter's `tensors` (default: all of them) merged in; a QLoRA adapter's base
         weights first quantized and dequantized as its run computed with them (not for the meta shape check)."""
         if not any(t.is_meta for t in weights.values()):
@@ -93,7 +92,7 @@ class StreamedModel:
         names = grouped(model_keys(self.config.model))
         group_of = {n: g for g, ns in names.items() for n in ns}
         adapters: dict[str, Tensors] = {}
-        for k, t in (self.adapter.tensors.items() if self.adapter else ()):
+        for k, t in self.adapter.tensors.items() if self.adapter else ():
             adapters.setdefault(layer_group(k.rsplit(".lora_", 1)[0] + ".weight"), {})[k] = t
         pending: dict[str, Tensors] = {}
         _, stream = self.model.weights()

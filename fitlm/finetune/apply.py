@@ -18,8 +18,16 @@ import torch.nn as nn
 
 from fitlm.config import Config
 from fitlm.finetune.freeze import apply_freeze
-from fitlm.finetune.lora import LoraError, LoraSpec, apply_lora, inject_lora, is_adapted, lora_modules_of, \
-    merge_lora, split_lora_state_dict
+from fitlm.finetune.lora import (
+    LoraError,
+    LoraSpec,
+    apply_lora,
+    inject_lora,
+    is_adapted,
+    lora_modules_of,
+    merge_lora,
+    split_lora_state_dict,
+)
 from fitlm.finetune.peft_format import load_adapter, save_adapter
 from fitlm.finetune.qlora import quantize_base, recipe_of
 from fitlm.memory.nf4 import is_nf4
@@ -73,7 +81,6 @@ def linears_replaced_by(model: nn.Module, prepare: Callable[[nn.Module], None]) 
     return {name for name, m in model.named_modules() if isinstance(m, nn.Linear) and name not in after}
 
 
-
 def refuse_unshardable_adapters(model: nn.Module, cfg: Config) -> None:
     """Under tensor parallel a family's module surgery (Phi-3 splits its fused projections) must not remove
     an adapted Linear; say which targets to use instead."""
@@ -85,11 +92,13 @@ def refuse_unshardable_adapters(model: nn.Module, cfg: Config) -> None:
     if lost:
         split = {name.rsplit(".", 1)[-1] for name in replaced}
         kept = [t for t in cfg.model.family.lora_linears if t not in split]
-        raise LoraError(f"finetune.lora.target_modules: {', '.join(lost)} are fused projections of "
-                        f"model.arch={cfg.model.arch} that tensor parallel splits into separate Linears, and one "
-                        f"adapter on the fused matrix cannot be split with them; with tensor_parallel > 1 target "
-                        f"only {kept}, or set parallel.tensor_parallel: 1 (data and pipeline parallel keep the "
-                        f"fused adapters)")
+        raise LoraError(
+            f"finetune.lora.target_modules: {', '.join(lost)} are fused projections of "
+            f"model.arch={cfg.model.arch} that tensor parallel splits into separate Linears, and one "
+            f"adapter on the fused matrix cannot be split with them; with tensor_parallel > 1 target "
+            f"only {kept}, or set parallel.tensor_parallel: 1 (data and pipeline parallel keep the "
+            f"fused adapters)"
+        )
 
 
 def spec_from_config(cfg: Config, adapter: Mapping[str, torch.Tensor]) -> LoraSpec:
@@ -97,9 +106,12 @@ def spec_from_config(cfg: Config, adapter: Mapping[str, torch.Tensor]) -> LoraSp
     return LoraSpec(r=lora.r, alpha=lora.alpha, dropout=lora.dropout, modules=lora_modules_of(adapter))
 
 
-def final_weights(specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
-                  blocks: Iterable[dict[str, torch.Tensor] | None], cfg: Config, output_dir: str | Path
-                  ) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]]], Iterator[dict[str, torch.Tensor]]]:
+def final_weights(
+    specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
+    blocks: Iterable[dict[str, torch.Tensor] | None],
+    cfg: Config,
+    output_dir: str | Path,
+) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]]], Iterator[dict[str, torch.Tensor]]]:
     """The plain model's weights from the trained ones, block by block (rank 0, from
     `fitlm.parallel.gather.full_groups`): (specs, blocks) of what `output_dir/model/` holds.
 
@@ -113,19 +125,28 @@ def final_weights(specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
         return dict(specs), (b for b in blocks if b is not None)
     base_specs, adapter_specs = split_lora_state_dict(specs)
     spec = spec_from_config(cfg, adapter_specs)
-    plain = {k: (torch.float32 if dtype.is_floating_point else dtype, shape) for k, (dtype, shape) in base_specs.items()}
+    plain = {
+        k: (torch.float32 if dtype.is_floating_point else dtype, shape) for k, (dtype, shape) in base_specs.items()
+    }
 
     def merged() -> Iterator[dict[str, torch.Tensor]]:
         adapter: dict[str, torch.Tensor] = {}
         for block in blocks:
             base, ours = split_lora_state_dict(block)
             adapter.update(ours)
-            out = {k: v.float() if v.is_floating_point() else v for k, v in merge_lora(base, ours, spec.scaling).items()}
+            out = {
+                k: v.float() if v.is_floating_point() else v for k, v in merge_lora(base, ours, spec.scaling).items()
+            }
             del block, base, ours  # the gathered block goes before the next is gathered (rank 0's save peak)
             yield out
             del out
-        save_adapter(adapter, spec, Path(output_dir) / ADAPTER_DIR, base_model=cfg.model.init_from,
-                     recipe=quantized_recipe(cfg) if cfg.finetune.method == "qlora" else None)
+        save_adapter(
+            adapter,
+            spec,
+            Path(output_dir) / ADAPTER_DIR,
+            base_model=cfg.model.init_from,
+            recipe=quantized_recipe(cfg) if cfg.finetune.method == "qlora" else None,
+        )
 
     return plain, merged()
 
@@ -148,8 +169,10 @@ def attach_adapter(model: nn.Module, adapter_dir: str | Path) -> LoraSpec:
         a, b = tensors[f"{m}.lora_A.weight"], tensors[f"{m}.lora_B.weight"]
         if w is None or tuple(w.shape) != (b.shape[0], a.shape[1]):
             have = tuple(w.shape) if w is not None else "missing"
-            raise LoraError(f"{adapter_dir}: adapts {m} as {(b.shape[0], a.shape[1])} but this model's {m} is "
-                            f"{have}: the adapter was made for another base model")
+            raise LoraError(
+                f"{adapter_dir}: adapts {m} as {(b.shape[0], a.shape[1])} but this model's {m} is "
+                f"{have}: the adapter was made for another base model"
+            )
     inject_lora(model, spec)
     dev = next(model.parameters()).device
     missing, unexpected = model.load_state_dict({k: v.to(dev) for k, v in tensors.items()}, strict=False)

@@ -37,6 +37,8 @@ def apply_freeze(model: nn.Module, fraction: float, embeddings: bool = False) ->
                 emb.requires_grad_(False)
     trainable = [name for name, p in model.named_parameters() if p.requires_grad]
     if not trainable:
-        raise FinetuneError("finetune.freeze_layers: nothing is left to train; lower freeze_layers or set "
-                        "finetune.freeze_embeddings: false")
+        raise FinetuneError(
+            "finetune.freeze_layers: nothing is left to train; lower freeze_layers or set "
+            "finetune.freeze_embeddings: false"
+        )
     return trainable

@@ -17,8 +17,15 @@ import torch
 from fitlm.finetune.adapted import StreamedModel
 from fitlm.finetune.errors import FinetuneError
 from fitlm.models.hf import model_from_hf_state_dict, read_hf_config
-from fitlm.models.io import TOKENIZER_FILES, LoadedModel, ModelSource, default_config, open_model, save_model_dir, \
-    write_model_dir
+from fitlm.models.io import (
+    TOKENIZER_FILES,
+    LoadedModel,
+    ModelSource,
+    default_config,
+    open_model,
+    save_model_dir,
+    write_model_dir,
+)
 
 PICKLE_NAMES = ("pytorch_model.bin", "model.bin", "pytorch_model.pt")
 
@@ -33,8 +40,10 @@ def _load_pickled_weights_only(d: Path) -> LoadedModel:
         try:
             sd.update(torch.load(f, map_location="cpu", weights_only=True))
         except Exception as e:  # noqa: BLE001 - the unpickler refused something: say so, never retry unsafely
-            raise FinetuneError(f"{f}: refused by torch.load(weights_only=True) ({type(e).__name__}: {e}); "
-                                f"it holds more than tensors, so fitlm will not load it") from None
+            raise FinetuneError(
+                f"{f}: refused by torch.load(weights_only=True) ({type(e).__name__}: {e}); "
+                f"it holds more than tensors, so fitlm will not load it"
+            ) from None
     cfg = read_hf_config(d)
     model = model_from_hf_state_dict(sd, cfg, str(d), "cpu", None)
     return LoadedModel(model, default_config(cfg), None, "hf", d)
@@ -67,8 +76,14 @@ def import_model(src: str | Path, out: str | Path, weights_only: bool = False) -
             write_model_dir(specs, tensors, source.config, out, tokenizer_path=tok_dir)
             params = sum(math.prod(shape) for _, shape in specs.values())  # HF names: a tied head stored once
             config = source.config
-    summary = {"source": str(src), "kind": kind, "out": str(Path(out)), "arch": config.model.arch,
-               "params": params, "tokenizer": tok_dir is not None}
+    summary = {
+        "source": str(src),
+        "kind": kind,
+        "out": str(Path(out)),
+        "arch": config.model.arch,
+        "params": params,
+        "tokenizer": tok_dir is not None,
+    }
     return {**summary, "tokenizer_note": note} if note else summary
 
 

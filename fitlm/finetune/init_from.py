@@ -51,8 +51,12 @@ def resolve_init_from(cfg: Config, weights: ModelConfig | None = None) -> Config
             raise ConfigError([f"model.init_from: {e}"]) from None
     diffs = shape_conflicts(m, weights)
     if diffs:
-        raise ConfigError([f"model.init_from: {m.init_from} does not match the model section ({'; '.join(diffs)}); "
-                           "remove those keys to take them from the weights, or make them match"])
+        raise ConfigError(
+            [
+                f"model.init_from: {m.init_from} does not match the model section ({'; '.join(diffs)}); "
+                "remove those keys to take them from the weights, or make them match"
+            ]
+        )
     merged = weights.model_copy(update={k: getattr(m, k) for k in INIT_ONLY})  # the network from the weights
     # Re-validate: rules such as data.seq_length <= model.max_seq_len now see the real model.
     return validate_dict(cfg.model_copy(update={"model": merged}).to_dict(), f"model.init_from={m.init_from}")
@@ -68,6 +72,8 @@ def resolve_if_readable(cfg: Config) -> tuple[Config, str | None]:
     try:
         weights = read_model_config(cfg.model.init_from)
     except (OSError, ValueError) as e:
-        return cfg, (f"model.init_from: {cfg.model.init_from} could not be read ({str(e).splitlines()[-1].strip()}); "
-                     "the model section is used as written")
+        return cfg, (
+            f"model.init_from: {cfg.model.init_from} could not be read ({str(e).splitlines()[-1].strip()}); "
+            "the model section is used as written"
+        )
     return resolve_init_from(cfg, weights), None

@@ -40,8 +40,9 @@ def base_weights(cfg: Config, groups: set[str] | None = None) -> Weights:
     return stream_from_hf(path, m, wanted)[1]
 
 
-def initial_weights(cfg: Config, model: nn.Module, prepare: Callable | None = None
-                    ) -> Callable[[set[str] | None], Iterable[tuple[str, torch.Tensor]]]:
+def initial_weights(
+    cfg: Config, model: nn.Module, prepare: Callable | None = None
+) -> Callable[[set[str] | None], Iterable[tuple[str, torch.Tensor]]]:
     """`groups -> weights` for `fitlm.parallel.materialize`, for `model` as apply_finetune left it on the meta
     device (its adapters are listed now). `prepare`: the family's `prepare_state_dict` when the model was
     split for tensor parallel (Phi-3's fused projections), applied to each weight as it arrives."""

@@ -57,8 +57,11 @@ def is_adapted(module: nn.Module) -> bool:
 def candidate_linears(model: nn.Module) -> dict[str, nn.Linear]:
     """The Linears LoRA may wrap: every one except the output head (PEFT's `all-linear` rule too)."""
     head = getattr(model, "lm_head", None)
-    return {name: m for name, m in model.named_modules()
-            if isinstance(m, nn.Linear) and m is not head and not name.endswith(LORA_PARTS)}
+    return {
+        name: m
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear) and m is not head and not name.endswith(LORA_PARTS)
+    }
 
 
 def resolve_targets(model: nn.Module, targets: Iterable[str]) -> tuple[str, ...]:
@@ -67,7 +70,9 @@ def resolve_targets(model: nn.Module, targets: Iterable[str]) -> tuple[str, ...]
     targets = list(targets)
     linears = candidate_linears(model)
     if not targets:
-        raise LoraError("finetune.lora.target_modules is empty; name modules such as [q_proj, v_proj] or use [all-linear]")
+        raise LoraError(
+            "finetune.lora.target_modules is empty; name modules such as [q_proj, v_proj] or use [all-linear]"
+        )
     if ALL_LINEAR in targets:
         return tuple(linears)
     found, unknown = [], []
@@ -76,9 +81,11 @@ def resolve_targets(model: nn.Module, targets: Iterable[str]) -> tuple[str, ...]
         (found.extend(hits) if hits else unknown.append(t))
     if unknown:
         leaves = sorted({n.rsplit(".", 1)[-1] for n in linears})
-        raise LoraError(f"finetune.lora.target_modules: {', '.join(unknown)} match no linear layer of this model; "
-                        f"its linear layers are {', '.join(leaves)} (or use all-linear; the output head lm_head "
-                        f"is never a target)")
+        raise LoraError(
+            f"finetune.lora.target_modules: {', '.join(unknown)} match no linear layer of this model; "
+            f"its linear layers are {', '.join(leaves)} (or use all-linear; the output head lm_head "
+            f"is never a target)"
+        )
     return tuple(n for n in linears if n in set(found))  # model order, no duplicates
 
 
@@ -142,8 +149,11 @@ def lora_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of every adapter weight of a model whose adapters were injected on the meta device,
     drawn as `inject_lora` draws them on a real device: same order, same numbers, one module at a time.
     The adapted modules are listed now (before wrappers rename them); the numbers are drawn when iterated."""
-    adapted = [(name, m.in_features, m.out_features, m.lora_A.out_features) for name, m in model.named_modules()
-               if is_adapted(m)]
+    adapted = [
+        (name, m.in_features, m.out_features, m.lora_A.out_features)
+        for name, m in model.named_modules()
+        if is_adapted(m)
+    ]
 
     def draw() -> Iterator[tuple[str, torch.Tensor]]:
         with torch.no_grad():
@@ -175,8 +185,9 @@ def split_lora_state_dict(sd: Mapping[str, torch.Tensor]) -> tuple[dict[str, tor
     return base, adapter
 
 
-def merge_lora(base: Mapping[str, torch.Tensor], adapter: Mapping[str, torch.Tensor], scaling: float,
-               source: str = "adapter") -> dict[str, torch.Tensor]:
+def merge_lora(
+    base: Mapping[str, torch.Tensor], adapter: Mapping[str, torch.Tensor], scaling: float, source: str = "adapter"
+) -> dict[str, torch.Tensor]:
     """W' = W + scaling · B·A for every adapted module, computed in fp32 and stored in fp32.
 
     Shapes are checked against the base, so an adapter trained on another model is refused instead of
@@ -190,12 +201,16 @@ def merge_lora(base: Mapping[str, torch.Tensor], adapter: Mapping[str, torch.Ten
         if a is None or b is None:
             raise LoraError(f"{source}: {m} has only one of lora_A / lora_B; the adapter is incomplete")
         if w is None:
-            raise LoraError(f"{source}: adapts {m}, which this base model does not have: the adapter was made "
-                            f"for another model (or architecture); use the base model it was trained on")
+            raise LoraError(
+                f"{source}: adapts {m}, which this base model does not have: the adapter was made "
+                f"for another model (or architecture); use the base model it was trained on"
+            )
         if a.shape[0] != b.shape[1] or tuple(w.shape) != (b.shape[0], a.shape[1]):
-            raise LoraError(f"{source}: {m} is {tuple(w.shape)} in the base model but the adapter expects "
-                            f"{(b.shape[0], a.shape[1])}: the adapter was made for another base model; "
-                            f"use the base model it was trained on")
+            raise LoraError(
+                f"{source}: {m} is {tuple(w.shape)} in the base model but the adapter expects "
+                f"{(b.shape[0], a.shape[1])}: the adapter was made for another base model; "
+                f"use the base model it was trained on"
+            )
         delta = b.float() @ a.float()  # [out, r] @ [r, in]
         out[f"{m}.weight"] = (w.float() + scaling * delta).to(torch.float32)
     return out

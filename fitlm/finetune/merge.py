@@ -21,10 +21,17 @@ def merge_model(model: str | Path, adapter: str | Path, out: str | Path) -> dict
         raise FinetuneError(
             f"{src.path} was written by a LoRA run, so its weights already include that run's adapter; merging "
             f"again would add it twice. Pass the base model instead"
-            + (f" (that run's model.init_from: {src.config.model.init_from})" if src.config.model.init_from else ""))
+            + (f" (that run's model.init_from: {src.config.model.init_from})" if src.config.model.init_from else "")
+        )
     lora = read_adapter(adapter)
     merged = StreamedModel(src, lora)
     specs, tensors = merged.hf_weights()  # an adapter made for another base is refused here, before any write
     write_model_dir(specs, tensors, merged.config, out, tokenizer_path=src.tokenizer_path, what="fitlm merge")
-    return {"model": str(src.path), "adapter": str(adapter), "out": str(Path(out)), "modules": len(lora.spec.modules),
-            "r": lora.spec.r, "scaling": lora.scaling}
+    return {
+        "model": str(src.path),
+        "adapter": str(adapter),
+        "out": str(Path(out)),
+        "modules": len(lora.spec.modules),
+        "r": lora.spec.r,
+        "scaling": lora.scaling,
+    }

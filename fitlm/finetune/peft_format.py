@@ -33,16 +33,33 @@ PREFIX = "base_model.model."
 def adapter_config(spec: LoraSpec, base_model: str | None = None) -> dict[str, Any]:
     leaves = sorted({m.rsplit(".", 1)[-1] for m in spec.modules})
     return {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
-        "r": spec.r, "lora_alpha": spec.alpha, "lora_dropout": spec.dropout, "target_modules": leaves,
-        "bias": "none", "fan_in_fan_out": False, "use_rslora": spec.use_rslora, "use_dora": False,
-        "modules_to_save": None, "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {},
-        "init_lora_weights": True, "inference_mode": True,
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": spec.r,
+        "lora_alpha": spec.alpha,
+        "lora_dropout": spec.dropout,
+        "target_modules": leaves,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": spec.use_rslora,
+        "use_dora": False,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "init_lora_weights": True,
+        "inference_mode": True,
     }
 
 
-def save_adapter(adapter: Mapping[str, torch.Tensor], spec: LoraSpec, out_dir: str | Path,
-                 base_model: str | None = None, recipe: Mapping[str, int] | None = None) -> Path:
+def save_adapter(
+    adapter: Mapping[str, torch.Tensor],
+    spec: LoraSpec,
+    out_dir: str | Path,
+    base_model: str | None = None,
+    recipe: Mapping[str, int] | None = None,
+) -> Path:
     """Write adapter tensors (fitlm FQNs) and their config as a PEFT adapter directory, atomically; a full
     disk raises fitlm.diskspace.DiskFullError after the partial directory is removed. `recipe`: QLoRA's
     quantized base (`fitlm.finetune.qlora.write_recipe`), recorded beside the adapter."""
@@ -81,14 +98,18 @@ def load_adapter(path: str | Path) -> tuple[LoraSpec, dict[str, torch.Tensor]]:
     d = Path(path).expanduser()
     cfg_file, weights = d / CONFIG_FILE, d / WEIGHTS_FILE
     if not cfg_file.is_file():
-        raise LoraError(f"{d}: no {CONFIG_FILE}; pass a PEFT LoRA adapter directory (adapter_config.json + "
-                        f"adapter_model.safetensors), e.g. a training run's adapter/")
+        raise LoraError(
+            f"{d}: no {CONFIG_FILE}; pass a PEFT LoRA adapter directory (adapter_config.json + "
+            f"adapter_model.safetensors), e.g. a training run's adapter/"
+        )
     if not weights.is_file():
         pickled = d / "adapter_model.bin"
         if pickled.is_file():
-            raise LoraError(f"{d} holds adapter_model.bin, a pickle, which fitlm never loads (it can run code). "
-                            f"Re-save it in a trusted environment with PeftModel.save_pretrained(DIR, "
-                            f"safe_serialization=True) and pass DIR")
+            raise LoraError(
+                f"{d} holds adapter_model.bin, a pickle, which fitlm never loads (it can run code). "
+                f"Re-save it in a trusted environment with PeftModel.save_pretrained(DIR, "
+                f"safe_serialization=True) and pass DIR"
+            )
         raise LoraError(f"{d}: {WEIGHTS_FILE} is missing; the adapter directory is incomplete")
     try:
         cfg = json.loads(cfg_file.read_text())
@@ -112,7 +133,14 @@ def load_adapter(path: str | Path) -> tuple[LoraSpec, dict[str, torch.Tensor]]:
     ranks = {tensors[f"{m}.lora_A.weight"].shape[0] for m in modules if f"{m}.lora_A.weight" in tensors}
     r = int(cfg.get("r", 8))
     if ranks != {r}:
-        raise LoraError(f"{cfg_file}: r={r} but the adapter's matrices have rank {sorted(ranks)}; the files do not match")
-    spec = LoraSpec(r=r, alpha=float(cfg.get("lora_alpha", 8)), dropout=float(cfg.get("lora_dropout", 0.0)),
-                    modules=modules, use_rslora=bool(cfg.get("use_rslora", False)))
+        raise LoraError(
+            f"{cfg_file}: r={r} but the adapter's matrices have rank {sorted(ranks)}; the files do not match"
+        )
+    spec = LoraSpec(
+        r=r,
+        alpha=float(cfg.get("lora_alpha", 8)),
+        dropout=float(cfg.get("lora_dropout", 0.0)),
+        modules=modules,
+        use_rslora=bool(cfg.get("use_rslora", False)),
+    )
     return spec, tensors

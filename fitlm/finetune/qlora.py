@@ -54,8 +54,13 @@ def recipe_of(model: nn.Module) -> dict[str, int]:
 
 def write_recipe(adapter_dir: Path, recipe: Mapping[str, int]) -> None:
     """Record the quantized base beside the adapter (PEFT reads only its own two files and ignores this one)."""
-    body = {"method": "qlora", "format": "nf4", "block_size": nf4.BLOCK, "stored_dtype": str(nf4.STORED_DTYPE),
-            "weights": dict(recipe)}
+    body = {
+        "method": "qlora",
+        "format": "nf4",
+        "block_size": nf4.BLOCK,
+        "stored_dtype": str(nf4.STORED_DTYPE),
+        "weights": dict(recipe),
+    }
     (adapter_dir / RECIPE_FILE).write_text(json.dumps(body, indent=2) + "\n")
 
 
@@ -70,9 +75,11 @@ def read_recipe(adapter_dir: str | Path) -> dict[str, int] | None:
             raise ValueError(f"format {body['format']!r} with block_size {body['block_size']} (fitlm reads nf4, 64)")
         return {str(k): int(v) for k, v in body["weights"].items()}
     except (ValueError, KeyError, TypeError) as e:
-        raise LoraError(f"{f}: not a QLoRA recipe fitlm can read ({e}); it records how the base was quantized "
-                        f"for this adapter. Restore it from the training run's adapter/, or delete it to merge "
-                        f"onto the unquantized base") from None
+        raise LoraError(
+            f"{f}: not a QLoRA recipe fitlm can read ({e}); it records how the base was quantized "
+            f"for this adapter. Restore it from the training run's adapter/, or delete it to merge "
+            f"onto the unquantized base"
+        ) from None
 
 
 @torch.no_grad()

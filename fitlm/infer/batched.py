@@ -44,8 +44,9 @@ def attention_mask(model: nn.Module, mask: torch.Tensor | None) -> Iterator[None
             bound.arguments["attn_mask"] = mask
         return bound.args, bound.kwargs
 
-    handles = [m.register_forward_pre_hook(hook, with_kwargs=True)
-               for m in model.modules() if isinstance(m, SelfAttention)]
+    handles = [
+        m.register_forward_pre_hook(hook, with_kwargs=True) for m in model.modules() if isinstance(m, SelfAttention)
+    ]
     try:
         yield
     finally:
@@ -77,8 +78,10 @@ class SlotBatch:
             raise ValueError(f"slot {key!r} is already decoding")
         limit = int(self.model.config.max_seq_len)
         if not 1 <= len(prompt_ids) < max_len <= limit:
-            raise ValueError(f"a slot needs 1 <= prompt ({len(prompt_ids)} tokens) < max_len ({max_len}) <= "
-                             f"the model's context ({limit})")
+            raise ValueError(
+                f"a slot needs 1 <= prompt ({len(prompt_ids)} tokens) < max_len ({max_len}) <= "
+                f"the model's context ({limit})"
+            )
         with torch.inference_mode():
             solo = self.model.new_kv_cache(1, len(prompt_ids))
             ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)  # [1,P]
@@ -126,8 +129,8 @@ class SlotBatch:
         for j, (src, row, n) in enumerate(rows):
             start = src.length - n  # right-aligned in its source too (a solo cache: 0)
             for layer in range(len(new.k)):
-                new.k[layer][j, :, f - n:f] = src.k[layer][row, :, start:start + n]
-                new.v[layer][j, :, f - n:f] = src.v[layer][row, :, start:start + n]
+                new.k[layer][j, :, f - n : f] = src.k[layer][row, :, start : start + n]
+                new.v[layer][j, :, f - n : f] = src.v[layer][row, :, start : start + n]
         new.length = f
         self.cache = new
 

@@ -21,11 +21,13 @@ def check_sampling(temperature: float, top_p: float) -> None:
     """Refuse sampling settings outside their ranges, naming the command-line option (GenerationError)."""
     problems = []
     if not temperature >= 0:  # also NaN
-        problems.append(f"--temperature {temperature}: temperature must be >= 0 "
-                        "(0 = greedy decoding; e.g. 0.8 to sample)")
+        problems.append(
+            f"--temperature {temperature}: temperature must be >= 0 (0 = greedy decoding; e.g. 0.8 to sample)"
+        )
     if not 0.0 < top_p <= 1.0:
-        problems.append(f"--top-p {top_p}: top_p must be in (0, 1], the probability mass sampled from "
-                        "(e.g. 0.9; 1.0 = every token)")
+        problems.append(
+            f"--top-p {top_p}: top_p must be in (0, 1], the probability mass sampled from (e.g. 0.9; 1.0 = every token)"
+        )
     if problems:
         raise GenerationError("; ".join(problems))
 
@@ -37,8 +39,7 @@ def _max_seq_len(model: nn.Module) -> int:
     return int(cfg.max_seq_len)
 
 
-def sample_next(logits: torch.Tensor, temperature: float, top_p: float,
-                generator: torch.Generator | None) -> int:
+def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
     """Pick a token from last-position logits [V]: argmax when temperature == 0, else nucleus sampling."""
     if temperature == 0.0:
         return int(torch.argmax(logits))
@@ -61,9 +62,16 @@ def last_logits(model: nn.Module, ids: torch.Tensor, cache, position_ids: torch.
     return model.output_layer(h)  # [B,V]
 
 
-def generate(model: nn.Module, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
-             top_p: float = 1.0, eos_id: int | Collection[int] | None = None, seed: int | None = None,
-             stream: Callable[[int], None] | None = None) -> list[int]:
+def generate(
+    model: nn.Module,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    eos_id: int | Collection[int] | None = None,
+    seed: int | None = None,
+    stream: Callable[[int], None] | None = None,
+) -> list[int]:
     """Continue `prompt_ids`; return only the new tokens (ending with EOS if it was produced).
 
     `eos_id` is one id or several (a model may end a text and a turn differently, e.g. Llama 3's
@@ -75,12 +83,15 @@ def generate(model: nn.Module, prompt_ids: list[int], max_new_tokens: int, tempe
     """
     check_sampling(temperature, top_p)
     if not prompt_ids:
-        raise GenerationError("the prompt is empty: generation needs at least one token (e.g. the BOS token); "
-                              "pass a non-empty --prompt")
+        raise GenerationError(
+            "the prompt is empty: generation needs at least one token (e.g. the BOS token); pass a non-empty --prompt"
+        )
     limit = _max_seq_len(model)
     if len(prompt_ids) > limit:
-        raise GenerationError(f"the prompt has {len(prompt_ids)} tokens but the model handles at most {limit} "
-                              f"(model.max_seq_len); shorten the prompt")
+        raise GenerationError(
+            f"the prompt has {len(prompt_ids)} tokens but the model handles at most {limit} "
+            f"(model.max_seq_len); shorten the prompt"
+        )
     max_new_tokens = min(max_new_tokens, limit - len(prompt_ids))
     if max_new_tokens <= 0:
         return []

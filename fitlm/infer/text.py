@@ -27,7 +27,7 @@ class StreamDecoder:
         text = self.tokenizer.decode(self.ids)
         if text.endswith("\ufffd"):
             return
-        self.emit(text[len(self.sent):])
+        self.emit(text[len(self.sent) :])
         self.sent = text
 
 
@@ -42,8 +42,10 @@ def _gguf_tokenizer(path) -> Tokenizer:
         try:
             write_gguf_tokenizer(read_gguf_metadata(path), Path(tmp), str(path))
         except UnsupportedTokenizer as e:
-            raise ModelDirError(f"{path}: {e}; generate from an imported directory with a tokenizer.json "
-                                f"(`fitlm import {path} --out DIR`, then copy the model's tokenizer into DIR)") from None
+            raise ModelDirError(
+                f"{path}: {e}; generate from an imported directory with a tokenizer.json "
+                f"(`fitlm import {path} --out DIR`, then copy the model's tokenizer into DIR)"
+            ) from None
         return Tokenizer.from_file(Path(tmp))
 
 
@@ -52,19 +54,36 @@ def load_tokenizer(loaded: LoadedModel, model_path: str | Path) -> Tokenizer:
     if loaded.tokenizer_path is None and loaded.source == "gguf":
         return _gguf_tokenizer(loaded.path)
     if loaded.tokenizer_path is None:
-        raise ModelDirError(f"{model_path}: no tokenizer.json beside the weights; copy the tokenizer the model was "
-                            "trained with into that directory")
+        raise ModelDirError(
+            f"{model_path}: no tokenizer.json beside the weights; copy the tokenizer the model was "
+            "trained with into that directory"
+        )
     return Tokenizer.from_file(loaded.tokenizer_path)
 
 
-def generate_text(model_path: str, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0,
-                  top_p: float = 1.0, seed: int | None = 0, stream: Callable[[str], None] | None = None) -> dict:
+def generate_text(
+    model_path: str,
+    prompt: str,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int | None = 0,
+    stream: Callable[[str], None] | None = None,
+) -> dict:
     check_sampling(temperature, top_p)  # before the model is read
     loaded = load_model_dir(model_path)
     tok = load_tokenizer(loaded, model_path)
     # BOS exactly when the model's tokenizer adds it (fitlm's own tokenizers: always; Qwen: never).
     prompt_ids = tok.encode(prompt, add_bos=tok.add_bos)
     decoder = StreamDecoder(tok, stream) if stream else None
-    new_ids = generate(loaded.model, prompt_ids, max_new_tokens, temperature=temperature, top_p=top_p,
-                       eos_id=tok.stop_ids, seed=seed, stream=decoder)
+    new_ids = generate(
+        loaded.model,
+        prompt_ids,
+        max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        eos_id=tok.stop_ids,
+        seed=seed,
+        stream=decoder,
+    )
     return {"prompt": prompt, "text": tok.decode(new_ids), "token_ids": new_ids}

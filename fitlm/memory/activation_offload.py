@@ -209,7 +209,8 @@ def offload_saved_tensors(stage: nn.Module, mode: bool | str, offloader: Activat
             raise ValueError(
                 "memory.activation_offload with memory.compile compiling the whole model: its one backward graph "
                 "takes every saved tensor back at once, so nothing is saved. Set memory.recompute (compile then "
-                "goes per block), or turn one of memory.compile and memory.activation_offload off.")
+                "goes per block), or turn one of memory.compile and memory.activation_offload off."
+            )
         offloader.next_group()
         hooks.__enter__()
         open_regions.append(module)

@@ -29,12 +29,19 @@ def compiles_whole_model(memory: MemoryConfig, dims: ParallelDims) -> bool:
     only where nothing wraps or splits blocks after compile (no FSDP2, recompute, tensor or pipeline parallel)
     and no activation offload, whose hooks need a block's saved tensors back one block at a time (a whole
     compiled backward unpacks every saved tensor at once)."""
-    return (memory.compile and memory.recompute == "none" and not dims.fsdp_sharded and dims.tp == 1
-            and dims.pp == 1 and memory.activation_offload is False)
+    return (
+        memory.compile
+        and memory.recompute == "none"
+        and not dims.fsdp_sharded
+        and dims.tp == 1
+        and dims.pp == 1
+        and memory.activation_offload is False
+    )
 
 
-def apply_compile(model: nn.Module, memory: MemoryConfig, dims: ParallelDims | None = None,
-                  backend="inductor") -> nn.Module:
+def apply_compile(
+    model: nn.Module, memory: MemoryConfig, dims: ParallelDims | None = None, backend="inductor"
+) -> nn.Module:
     """Apply after tensor parallel, precision and recompute, before the chunked loss and data parallel
     (torchtitan's order). `dims`: this rank's layout, which decides the scope (`compiles_whole_model`);
     None compiles per block, for a caller that wraps the blocks itself. `backend`: torch.compile's (the

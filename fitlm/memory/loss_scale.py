@@ -25,7 +25,11 @@ class LossScaler:
         self.enabled = uses_loss_scaling(cfg)
         self.dynamic = cfg.loss_scale == "dynamic"
         self.scale = float(s.initial_scale if self.dynamic else cfg.loss_scale) if self.enabled else 1.0
-        self.growth_factor, self.backoff_factor, self.growth_interval = s.growth_factor, s.backoff_factor, s.growth_interval
+        self.growth_factor, self.backoff_factor, self.growth_interval = (
+            s.growth_factor,
+            s.backoff_factor,
+            s.growth_interval,
+        )
         self.clean_steps = 0  # consecutive steps without overflow since the scale last changed
         self.skipped_steps = 0
         self.device = device

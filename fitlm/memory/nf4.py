@@ -41,8 +41,10 @@ def _nf4():
             lg.setLevel(logging.ERROR)
         from torchao.quantization import NF4Tensor, to_nf4
     except ImportError as e:
-        raise NF4Unavailable("finetune.method: qlora stores the frozen base in 4-bit NF4 through torchao, which "
-                             "is not installed: pip install 'fitlm[qlora]' (torchao 0.18)") from e
+        raise NF4Unavailable(
+            "finetune.method: qlora stores the frozen base in 4-bit NF4 through torchao, which "
+            "is not installed: pip install 'fitlm[qlora]' (torchao 0.18)"
+        ) from e
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
@@ -104,8 +106,9 @@ def dequantized(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     if isinstance(t, DTensor) and is_nf4(t.to_local()):
-        return DTensor.from_local(t.to_local().get_original_weight(), t.device_mesh, t.placements,
-                                  shape=t.shape, stride=t.stride())
+        return DTensor.from_local(
+            t.to_local().get_original_weight(), t.device_mesh, t.placements, shape=t.shape, stride=t.stride()
+        )
     return t.get_original_weight() if is_nf4(t) else t
 
 

@@ -65,9 +65,23 @@ class HostAdamW(torch.optim.AdamW):
                 steps.append(state["step"])
             beta1, beta2 = group["betas"]
             # Fused on the host (one pass, no temporaries): the device AdamW is fused too, same arithmetic.
-            adam(hosts, grads, exp_avgs, exp_avg_sqs, [], steps, fused=True, decoupled_weight_decay=True,
-                 amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
-                 eps=group["eps"], maximize=False)
+            adam(
+                hosts,
+                grads,
+                exp_avgs,
+                exp_avg_sqs,
+                [],
+                steps,
+                fused=True,
+                decoupled_weight_decay=True,
+                amsgrad=False,
+                beta1=beta1,
+                beta2=beta2,
+                lr=group["lr"],
+                weight_decay=group["weight_decay"],
+                eps=group["eps"],
+                maximize=False,
+            )
             for p, host in zip(live, hosts):
                 p.copy_(host, non_blocking=True)
                 self._version[p] = p._version

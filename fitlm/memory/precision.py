@@ -60,8 +60,9 @@ def fsdp_mixed_precision(cfg: MemoryConfig):
     return MixedPrecisionPolicy()
 
 
-def recasts_in_backward(level: str, recompute: str, compiled: bool, sharded: bool, tensor_parallel: int,
-                        offload: bool = False) -> bool:
+def recasts_in_backward(
+    level: str, recompute: str, compiled: bool, sharded: bool, tensor_parallel: int, offload: bool = False
+) -> bool:
     """Whether O2's half weight casts are made again in backward instead of being kept from forward
     (2 bytes per parameter less during backward, for one more cast of each weight).
 
@@ -69,8 +70,9 @@ def recasts_in_backward(level: str, recompute: str, compiled: bool, sharded: boo
     take them over, FSDP2 casts by its own policy, tensor-parallel weights are DTensors, and activation
     offload (`offload`: memory.activation_offload is on) hooks each block, where the recast's own per-Linear
     hooks, innermost, would keep the Linears' inputs on the device."""
-    return (level == "O2" and recompute == "none" and not compiled and not sharded and tensor_parallel == 1
-            and not offload)
+    return (
+        level == "O2" and recompute == "none" and not compiled and not sharded and tensor_parallel == 1 and not offload
+    )
 
 
 def apply_precision(model: nn.Module, cfg: MemoryConfig, sharded: bool, tensor_parallel: int = 1) -> nn.Module:
@@ -83,8 +85,9 @@ def apply_precision(model: nn.Module, cfg: MemoryConfig, sharded: bool, tensor_p
         return model.to(half_dtype(cfg))
     if cfg.mixed_precision == "O2" and not sharded:
         dtype = half_dtype(cfg)
-        recast = recasts_in_backward("O2", cfg.recompute, cfg.compile, sharded, tensor_parallel,
-                                     offload=cfg.activation_offload is not False)
+        recast = recasts_in_backward(
+            "O2", cfg.recompute, cfg.compile, sharded, tensor_parallel, offload=cfg.activation_offload is not False
+        )
         for module in model.modules():
             if any(True for _ in module.parameters(recurse=False)):
                 _cast_own_parameters(module, dtype, recast)

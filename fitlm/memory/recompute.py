@@ -23,7 +23,9 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
 # redo, while what lies between them (norms, SwiGLU, RoPE, residual adds, casts) is cheap element-wise
 # work whose activations are the bulk of a block's saved memory.
 _SAVE_OPS = {
-    torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,

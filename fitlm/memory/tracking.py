@@ -28,16 +28,29 @@ class _NoHandle:
         pass
 
 
-CATEGORIES = {"PARAM": "params", "BUFFER": "buffers", "GRAD": "grads", "OPT": "optimizer", "ACT": "activations",
-              "TEMP": "temporaries", "OTH": "other"}
+CATEGORIES = {
+    "PARAM": "params",
+    "BUFFER": "buffers",
+    "GRAD": "grads",
+    "OPT": "optimizer",
+    "ACT": "activations",
+    "TEMP": "temporaries",
+    "OTH": "other",
+}
 
 
 def plan_components(cats: dict[str, int]) -> dict[str, int]:
     """These categories (CATEGORIES' names, and "total") -> the planner's components. A storage tracker
     cannot tell logits from other activations: they are inside `activations` (and `logits` is 0)."""
-    return {"params": cats["params"], "grads": cats["grads"], "optimizer": cats["optimizer"],
-            "activations": cats["activations"] + cats["temporaries"], "logits": 0,
-            "other": cats["buffers"] + cats["other"], "total": cats["total"]}
+    return {
+        "params": cats["params"],
+        "grads": cats["grads"],
+        "optimizer": cats["optimizer"],
+        "activations": cats["activations"] + cats["temporaries"],
+        "logits": 0,
+        "other": cats["buffers"] + cats["other"],
+        "total": cats["total"],
+    }
 
 
 class _StepTracker(MemTracker):
@@ -54,7 +67,6 @@ class _StepTracker(MemTracker):
             stats.local_peak = {dev: snap[TOTAL] for dev, snap in snapshot.items()}
             stats.snapshots.setdefault(_ModState.PEAK_FW, []).append(snapshot)
             stats.snapshots.setdefault(_ModState.PRE_FW, []).append(self.get_tracker_snapshot())
-
 
     def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
         # MemTracker hooks every parameter's gradient, which torch refuses for frozen ones (LoRA, freeze):
@@ -85,15 +97,17 @@ class StepMemory:
     modules: list[dict] = field(default_factory=list)  # see module_rows
 
 
-def peak_live_bytes(step: Callable[[], object], modules: list[nn.Module], optimizer: torch.optim.Optimizer | None,
-                    warmup_steps: int = 1) -> dict[str, int]:
+def peak_live_bytes(
+    step: Callable[[], object], modules: list[nn.Module], optimizer: torch.optim.Optimizer | None, warmup_steps: int = 1
+) -> dict[str, int]:
     """Run `step` `warmup_steps` times (optimizer states appear in the first step), then once more
     measured; returns peak bytes by category plus `total`, summed over devices."""
     return track_step(step, modules, optimizer, warmup_steps).peak
 
 
-def track_step(step: Callable[[], object], modules: list[nn.Module], optimizer: torch.optim.Optimizer | None,
-               warmup_steps: int = 1) -> StepMemory:
+def track_step(
+    step: Callable[[], object], modules: list[nn.Module], optimizer: torch.optim.Optimizer | None, warmup_steps: int = 1
+) -> StepMemory:
     """`peak_live_bytes` with the per-module rows of the measured step."""
     tracker = tracker_for(modules, optimizer)
     with tracker:
@@ -132,8 +146,13 @@ def module_rows(tracker: MemTracker) -> list[dict]:
     backward). A module includes its children."""
     rows = []
     for stats in tracker.memory_tracking.values():
-        rows.append({"module": stats.mod_fqn, "params": int(getattr(stats, "parameter_mem", 0)),
-                     "forward_kept": _rise(stats, _ModState.PRE_FW, _ModState.POST_FW),
-                     "forward_peak": _rise(stats, _ModState.PRE_FW, _ModState.PEAK_FW),
-                     "backward_peak": _rise(stats, _ModState.PRE_BW, _ModState.PEAK_BW)})
+        rows.append(
+            {
+                "module": stats.mod_fqn,
+                "params": int(getattr(stats, "parameter_mem", 0)),
+                "forward_kept": _rise(stats, _ModState.PRE_FW, _ModState.POST_FW),
+                "forward_peak": _rise(stats, _ModState.PRE_FW, _ModState.PEAK_FW),
+                "backward_peak": _rise(stats, _ModState.PRE_BW, _ModState.PEAK_BW),
+            }
+        )
     return rows

@@ -27,8 +27,12 @@ class CausalLMMixin:
 
     def tie_weights(self) -> None:
         """With tie_embeddings, lm_head.weight is the embedding Parameter itself (one tensor, one grad)."""
-        if self.config.tie_embeddings and self.lm_head is not None and self.model.embed_tokens is not None \
-                and self.lm_head.weight is not self.model.embed_tokens.weight:
+        if (
+            self.config.tie_embeddings
+            and self.lm_head is not None
+            and self.model.embed_tokens is not None
+            and self.lm_head.weight is not self.model.embed_tokens.weight
+        ):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @torch.no_grad()
@@ -69,8 +73,13 @@ class CausalLMMixin:
     def output_layer(self) -> nn.Linear:
         return self.lm_head
 
-    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                      kv_cache: KVCache | None = None, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """input_ids [B,T] -> final-norm hidden states [B,T,C] (what lm_head consumes).
 
         document_ids [B,T] (ints, equal within one packed document of a row) makes attention
@@ -81,8 +90,13 @@ class CausalLMMixin:
             return self.model(input_ids, position_ids, kv_cache)
         return self.model(input_ids, position_ids, kv_cache, document_ids=document_ids)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                kv_cache: KVCache | None = None, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """input_ids [B,T] -> logits [B,T,V] (hidden states [B,T,C] on a pipeline stage without the head).
         document_ids: see `hidden_states`."""
         h = self.hidden_states(input_ids, position_ids, kv_cache, document_ids=document_ids)
@@ -95,5 +109,12 @@ class CausalLMMixin:
     def new_kv_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
         """An empty cache sized for this model, on its device and in its dtype."""
         w = self.model.embed_tokens.weight
-        return KVCache(self.config.num_layers, batch_size, max_len or self.config.max_seq_len,
-                       self.config.kv_heads, self.config.head_size, w.dtype, w.device)
+        return KVCache(
+            self.config.num_layers,
+            batch_size,
+            max_len or self.config.max_seq_len,
+            self.config.kv_heads,
+            self.config.head_size,
+            w.dtype,
+            w.device,
+        )

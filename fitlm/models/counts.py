@@ -33,16 +33,24 @@ def with_qk_norm(block_bytes: dict, extra: dict) -> dict:
     return {lv: (r, q + extra[lv], kv + extra[lv], f, d) for lv, (r, q, kv, f, d) in block_bytes.items()}
 
 
-def rope_block(cfg: ModelConfig, bias: bool = False, qk_norm: bool = False, norms: int = 2,
-               fused: bool = False) -> BlockShape:
+def rope_block(
+    cfg: ModelConfig, bias: bool = False, qk_norm: bool = False, norms: int = 2, fused: bool = False
+) -> BlockShape:
     """Linears of one pre-norm/sandwich block: q/k/v/o (or Phi-3's fused qkv), gate/up/down."""
     h, q, kv, f = cfg.hidden_size, cfg.num_heads * cfg.head_size, cfg.kv_heads * cfg.head_size, cfg.ffn_size
     if fused:
         linears = (("qkv_proj", h, q + 2 * kv), ("o_proj", q, h), ("gate_up_proj", h, 2 * f), ("down_proj", f, h))
         groups = (("qkv_proj",), ("gate_up_proj",))
     else:
-        linears = (("q_proj", h, q), ("k_proj", h, kv), ("v_proj", h, kv), ("o_proj", q, h),
-                   ("gate_proj", h, f), ("up_proj", h, f), ("down_proj", f, h))
+        linears = (
+            ("q_proj", h, q),
+            ("k_proj", h, kv),
+            ("v_proj", h, kv),
+            ("o_proj", q, h),
+            ("gate_proj", h, f),
+            ("up_proj", h, f),
+            ("down_proj", f, h),
+        )
         groups = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
     extra = norms * h + (q + 2 * kv if bias else 0) + (2 * cfg.head_size if qk_norm else 0)
     return BlockShape(linears, groups, extra)
@@ -54,4 +62,6 @@ def rope_planner(block_bytes: dict = LLAMA_BYTES, **block_options) -> PlannerCou
         block=lambda cfg: rope_block(cfg, **{k: (v(cfg) if callable(v) else v) for k, v in block_options.items()}),
         embedding_params=lambda cfg: cfg.vocab_size * cfg.hidden_size,
         head_norm_params=lambda cfg: cfg.hidden_size,
-        block_bytes=block_bytes, outside_bytes=LLAMA_OUTSIDE)
+        block_bytes=block_bytes,
+        outside_bytes=LLAMA_OUTSIDE,
+    )

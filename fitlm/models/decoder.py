@@ -14,8 +14,16 @@ import torch
 import torch.nn as nn
 
 from fitlm.config import ModelConfig
-from fitlm.models.layers import GatedMLP, KVCache, RMSNorm, SelfAttention, attention_inputs, check_inputs, make_blocks, \
-    shared_mask
+from fitlm.models.layers import (
+    GatedMLP,
+    KVCache,
+    RMSNorm,
+    SelfAttention,
+    attention_inputs,
+    check_inputs,
+    make_blocks,
+    shared_mask,
+)
 from fitlm.models.rope import RotaryEmbedding
 
 
@@ -33,16 +41,23 @@ class PreNormBlock(nn.Module):
         self.post_attention_layernorm = norm(cfg.hidden_size)
         self.mlp = mlp
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: KVCache | None = None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache | None = None,
+        attn_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """x [B,T,C]; cos/sin [B,T,D] from the body's rotary table; attn_mask [B,1,T,T] (bool or additive) or
         None (causal)."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attn_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def llama_style_block(cfg: ModelConfig, layer_idx: int, bias: bool = False, qk_norm: bool = False,
-                      fused: bool = False) -> PreNormBlock:
+def llama_style_block(
+    cfg: ModelConfig, layer_idx: int, bias: bool = False, qk_norm: bool = False, fused: bool = False
+) -> PreNormBlock:
     """A pre-norm block with Llama's RMSNorm and SwiGLU; the options are what Qwen and Phi-3 change."""
     norm = partial(RMSNorm, eps=cfg.norm_eps)
     attn = SelfAttention(cfg, layer_idx, bias=bias, out_bias=False, qk_norm=norm if qk_norm else None, fused=fused)
@@ -56,13 +71,14 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.embed_scale = cfg.hidden_size ** 0.5 if embed_scale else None
+        self.embed_scale = cfg.hidden_size**0.5 if embed_scale else None
         self.layers = make_blocks(block, cfg)
         self.norm = norm(cfg.hidden_size)
         self.rotary_emb = RotaryEmbedding(cfg.head_size, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
         # Gemma 3's sliding layers rotate with their own, unscaled base.
-        self.rotary_emb_local = RotaryEmbedding(cfg.head_size, cfg.max_seq_len, cfg.rope_local_theta) \
-            if cfg.local_rope else None
+        self.rotary_emb_local = (
+            RotaryEmbedding(cfg.head_size, cfg.max_seq_len, cfg.rope_local_theta) if cfg.local_rope else None
+        )
         # Each block's attention type, looked up once (a pipeline stage keeps only its blocks' keys).
         self.layer_rope = {name: cfg.layer_type(int(name)) for name in self.layers}
 
@@ -71,8 +87,13 @@ class DecoderModel(nn.Module):
             if rope is not None:
                 rope.reset(device)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                kv_cache: KVCache | None = None, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         start = check_inputs(input_ids, kv_cache, self.config.max_seq_len)
         t = input_ids.shape[1]
         position_ids, mask = attention_inputs(input_ids, position_ids, document_ids, start)  # [B,T], [B,1,T,T]|None

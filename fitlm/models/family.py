@@ -89,8 +89,13 @@ class TPBlockPlan:
 
     norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
     inputs: tuple[str, ...] = ("self_attn", "mlp")
-    colwise: tuple[str, ...] = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
-                                "mlp.up_proj")
+    colwise: tuple[str, ...] = (
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+    )
     rowwise: tuple[str, ...] = ("self_attn.o_proj", "mlp.down_proj")
     head_norms: tuple[str, ...] = ("self_attn.q_norm", "self_attn.k_norm")
     post_norms: tuple[str, ...] = ()  # norms on a sub-block's output, added to the residual (Gemma): local output

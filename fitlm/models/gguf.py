@@ -19,8 +19,8 @@ import torch
 
 from fitlm import registry
 from fitlm.config import ModelConfig, RopeScalingConfig
-from fitlm.models.rope import longrope_attention_factor, frequency_factors, scaling_from_factors
 from fitlm.models.hf import HFFormatError, StateDict
+from fitlm.models.rope import frequency_factors, longrope_attention_factor, scaling_from_factors
 
 
 class GGUFError(HFFormatError):
@@ -35,8 +35,9 @@ def _reader(path: Path):
     try:
         return GGUFReader(str(path))
     except (ValueError, OSError) as e:
-        raise GGUFError(f"{path}: not a readable GGUF file ({e}); it may be truncated: download or convert it "
-                        f"again") from None
+        raise GGUFError(
+            f"{path}: not a readable GGUF file ({e}); it may be truncated: download or convert it again"
+        ) from None
 
 
 def _meta(reader) -> dict[str, Any]:
@@ -57,8 +58,10 @@ def _family(meta: dict[str, Any], source: str):
     family = registry.family_for_gguf(arch)
     if family is None:
         known = sorted(f.gguf.arch for f in registry.families() if f.gguf is not None)
-        raise GGUFError(f"{source}: general.architecture {arch!r} is not supported; fitlm imports GGUF files of "
-                        f"the llama.cpp architectures {', '.join(known)}. Convert other models from their HF directory")
+        raise GGUFError(
+            f"{source}: general.architecture {arch!r} is not supported; fitlm imports GGUF files of "
+            f"the llama.cpp architectures {', '.join(known)}. Convert other models from their HF directory"
+        )
     return family
 
 
@@ -78,21 +81,33 @@ def config_from_gguf(meta: dict[str, Any], vocab_rows: int, source: str) -> Mode
     scaling = None
     kind = k("rope.scaling.type")
     if kind in ("linear", "yarn"):
-        scaling = RopeScalingConfig(type=kind, factor=float(k("rope.scaling.factor")),
-                                    original_max_seq_len=k("rope.scaling.original_context_length"))
+        scaling = RopeScalingConfig(
+            type=kind,
+            factor=float(k("rope.scaling.factor")),
+            original_max_seq_len=k("rope.scaling.original_context_length"),
+        )
     elif kind not in (None, "none"):
-        raise GGUFError(f"{source}: RoPE scaling {kind!r} is not implemented for GGUF import; import the model "
-                        f"from its Hugging Face directory")
+        raise GGUFError(
+            f"{source}: RoPE scaling {kind!r} is not implemented for GGUF import; import the model "
+            f"from its Hugging Face directory"
+        )
     window = k("attention.sliding_window")
     layers = int(k("block_count"))
     fields = dict(
-        arch=family.name, hidden_size=hidden, num_layers=layers, num_heads=heads,
+        arch=family.name,
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
         num_kv_heads=None if kv == heads else kv,
         head_dim=int(head_dim) if head_dim and int(head_dim) != hidden // heads else None,
-        intermediate_size=int(k("feed_forward_length")), vocab_size=vocab_rows,
-        max_seq_len=int(k("context_length", 2048)), rope_theta=float(k("rope.freq_base", 10000.0)),
-        rope_scaling=scaling, sliding_window=int(window) if window else None,
-        norm_eps=float(k("attention.layer_norm_rms_epsilon", 1e-5)))
+        intermediate_size=int(k("feed_forward_length")),
+        vocab_size=vocab_rows,
+        max_seq_len=int(k("context_length", 2048)),
+        rope_theta=float(k("rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        sliding_window=int(window) if window else None,
+        norm_eps=float(k("attention.layer_norm_rms_epsilon", 1e-5)),
+    )
     fields.update(family.gguf.read_extra(k))
     try:
         return ModelConfig(**fields)
@@ -104,20 +119,28 @@ def gguf_metadata(cfg: ModelConfig) -> dict[str, Any]:
     """The "<arch>.<key>" metadata `fitlm export --format gguf` writes for this model (inverse of config_from_gguf)."""
     names = cfg.family.gguf
     out: dict[str, Any] = {
-        "context_length": cfg.max_seq_len, "embedding_length": cfg.hidden_size, "block_count": cfg.num_layers,
-        "feed_forward_length": cfg.ffn_size, "attention.head_count": cfg.num_heads,
-        "attention.head_count_kv": cfg.kv_heads, "attention.key_length": cfg.head_size,
-        "attention.value_length": cfg.head_size, "rope.dimension_count": cfg.head_size,
-        "rope.freq_base": float(cfg.rope_theta), "attention.layer_norm_rms_epsilon": float(cfg.norm_eps),
-        "vocab_size": cfg.vocab_size}
+        "context_length": cfg.max_seq_len,
+        "embedding_length": cfg.hidden_size,
+        "block_count": cfg.num_layers,
+        "feed_forward_length": cfg.ffn_size,
+        "attention.head_count": cfg.num_heads,
+        "attention.head_count_kv": cfg.kv_heads,
+        "attention.key_length": cfg.head_size,
+        "attention.value_length": cfg.head_size,
+        "rope.dimension_count": cfg.head_size,
+        "rope.freq_base": float(cfg.rope_theta),
+        "attention.layer_norm_rms_epsilon": float(cfg.norm_eps),
+        "vocab_size": cfg.vocab_size,
+    }
     sc = cfg.rope_scaling
     if sc is not None and sc.type == "longrope":  # the factors are tensors (gguf_tensors); these keys go beside
         out["rope.scaling.attn_factor"] = float(longrope_attention_factor(sc, cfg.max_seq_len))
         out["rope.scaling.original_context_length"] = sc.original_max_seq_len or cfg.max_seq_len
     elif sc is not None and sc.type != "llama3":
         if sc.type not in ("linear", "yarn"):
-            raise GGUFError(f"GGUF export: RoPE scaling {sc.type!r} has no llama.cpp metadata key; export with "
-                            f"--format hf")
+            raise GGUFError(
+                f"GGUF export: RoPE scaling {sc.type!r} has no llama.cpp metadata key; export with --format hf"
+            )
         out["rope.scaling.type"] = sc.type
         out["rope.scaling.factor"] = float(sc.factor)
         if sc.original_max_seq_len:
@@ -146,11 +169,15 @@ def _rope_tensors(cfg: ModelConfig) -> dict[str, torch.Tensor]:
     if sc is None or sc.type not in ("llama3", "longrope"):
         return {}
     if sc.type == "llama3":
-        return {"rope_freqs.weight": torch.tensor(frequency_factors(sc, cfg.head_size, cfg.rope_theta, cfg.max_seq_len))}
+        return {
+            "rope_freqs.weight": torch.tensor(frequency_factors(sc, cfg.head_size, cfg.rope_theta, cfg.max_seq_len))
+        }
     if sc.short_factor == sc.long_factor and longrope_attention_factor(sc, cfg.max_seq_len) == 1.0:
         return {"rope_freqs.weight": torch.tensor(sc.short_factor)}  # fixed factors (a Llama 3 ramp read back)
-    return {"rope_factors_short.weight": torch.tensor(sc.short_factor),
-            "rope_factors_long.weight": torch.tensor(sc.long_factor)}
+    return {
+        "rope_factors_short.weight": torch.tensor(sc.short_factor),
+        "rope_factors_long.weight": torch.tensor(sc.long_factor),
+    }
 
 
 def _scaling_from_tensors(cfg: ModelConfig, factors: dict[str, np.ndarray], meta: dict[str, Any]) -> ModelConfig:
@@ -160,9 +187,12 @@ def _scaling_from_tensors(cfg: ModelConfig, factors: dict[str, np.ndarray], meta
         sc = scaling_from_factors(values["rope_freqs.weight"], cfg.head_size, cfg.rope_theta, cfg.max_seq_len)
     elif "rope_factors_short.weight" in values and "rope_factors_long.weight" in values:
         k = lambda key, default=None: _value(meta.get(f"{cfg.family.gguf.arch}.{key}", default))  # noqa: E731
-        sc = RopeScalingConfig(type="longrope", short_factor=values["rope_factors_short.weight"],
-                               long_factor=values["rope_factors_long.weight"],
-                               original_max_seq_len=k("rope.scaling.original_context_length"))
+        sc = RopeScalingConfig(
+            type="longrope",
+            short_factor=values["rope_factors_short.weight"],
+            long_factor=values["rope_factors_long.weight"],
+            original_max_seq_len=k("rope.scaling.original_context_length"),
+        )
         stored = k("rope.scaling.attn_factor")
         if stored is not None and abs(stored - longrope_attention_factor(sc, cfg.max_seq_len)) > 1e-6:
             sc = sc.model_copy(update={"attention_factor": stored})  # only when it is not the formula's value
@@ -214,8 +244,10 @@ def _dequantize(t, source: str, data: np.ndarray | None = None) -> np.ndarray:
     try:
         return dequantize(data, t.tensor_type)
     except NotImplementedError:
-        raise GGUFError(f"{source}: tensor {t.name} has type {t.tensor_type.name}, which the installed gguf package "
-                        f"cannot dequantize; re-quantize the model to Q8_0/Q4_K/Q6_K or F16") from None
+        raise GGUFError(
+            f"{source}: tensor {t.name} has type {t.tensor_type.name}, which the installed gguf package "
+            f"cannot dequantize; re-quantize the model to Q8_0/Q4_K/Q6_K or F16"
+        ) from None
 
 
 _ROPE = ("rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight")
@@ -270,8 +302,10 @@ class GGUFTensors:
             return f"model.layers.{pieces[1]}.{names.layer[pieces[2]]}.{part}"
         if base in names.top:
             return f"{names.top[base]}.{part}"
-        raise GGUFError(f"{self.path}: tensor {name!r} has no place in a fitlm {self.config.arch}; this GGUF model "
-                        f"uses parts fitlm does not implement")
+        raise GGUFError(
+            f"{self.path}: tensor {name!r} has no place in a fitlm {self.config.arch}; this GGUF model "
+            f"uses parts fitlm does not implement"
+        )
 
     def spec(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
         """(fp32, HF shape) of `name`, from the tensor table alone (GGML lists dimensions innermost first)."""
@@ -283,8 +317,9 @@ class GGUFTensors:
         with open(self.path, "rb") as f:
             f.seek(t.data_offset)
             if f.readinto(memoryview(raw.reshape(-1).view(np.uint8))) != raw.nbytes:
-                raise GGUFError(f"{self.path}: tensor {t.name} is cut short; the file is truncated, download or "
-                                f"convert it again")
+                raise GGUFError(
+                    f"{self.path}: tensor {t.name} is cut short; the file is truncated, download or convert it again"
+                )
         w = torch.from_numpy(np.ascontiguousarray(_dequantize(t, str(self.path), raw), dtype=np.float32))
         del raw
         names, cfg, kind = self.config.family.gguf, self.config, t.name.rpartition(".")[0].split(".")[-1]
@@ -307,8 +342,9 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, StateDict, dict[str, Any]]
 Specs = dict[str, tuple[torch.dtype, tuple[int, ...]]]
 
 
-def stream_gguf(path: str | Path | GGUFTensors, wanted: Callable[[str], bool] | None = None
-                ) -> tuple[ModelConfig, Specs, Iterator[tuple[str, torch.Tensor]]]:
+def stream_gguf(
+    path: str | Path | GGUFTensors, wanted: Callable[[str], bool] | None = None
+) -> tuple[ModelConfig, Specs, Iterator[tuple[str, torch.Tensor]]]:
     """(the file's config, fitlm name -> (fp32, shape), iterator of (fitlm name, fp32 tensor)) of a GGUF file,
     one tensor read and dequantized at a time, through the family's HF adapter
     (`fitlm.models.streaming.stream_source`, as for safetensors; `wanted` as there)."""

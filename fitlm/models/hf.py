@@ -41,14 +41,30 @@ def config_from_hf(hf: Mapping[str, Any], source: str = "config.json") -> ModelC
     if family is not None:
         return family.config_from_hf(hf, source)
     if model_type in UNSUPPORTED_MOE:
-        raise HFFormatError(f"{source}: model_type {model_type!r} is a mixture-of-experts model, which fitlm does not "
-                            f"support yet; dense families only ({', '.join(supported_model_types())})")
-    raise HFFormatError(f"{source}: model_type {model_type!r} is not supported; fitlm reads "
-                        f"{', '.join(repr(t) for t in supported_model_types())} Hugging Face models")
+        raise HFFormatError(
+            f"{source}: model_type {model_type!r} is a mixture-of-experts model, which fitlm does not "
+            f"support yet; dense families only ({', '.join(supported_model_types())})"
+        )
+    raise HFFormatError(
+        f"{source}: model_type {model_type!r} is not supported; fitlm reads "
+        f"{', '.join(repr(t) for t in supported_model_types())} Hugging Face models"
+    )
 
 
-UNSUPPORTED_MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "phimoe", "dbrx", "olmoe",
-                   "granitemoe", "jamba", "llama4", "llama4_text")
+UNSUPPORTED_MOE = (
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "deepseek_v2",
+    "deepseek_v3",
+    "phimoe",
+    "dbrx",
+    "olmoe",
+    "granitemoe",
+    "jamba",
+    "llama4",
+    "llama4_text",
+)
 
 
 def supported_model_types() -> list[str]:
@@ -62,11 +78,14 @@ def refuse(problems: list[str], source: str) -> None:
 
 _ROPE_TYPES = ("linear", "dynamic", "yarn", "llama3", "longrope")
 # RopeScalingConfig's keys spelled as transformers spells them (type, original length and truncate differ).
-_SCALING_KEYS = tuple(k for k in RopeScalingConfig.model_fields if k not in ("type", "original_max_seq_len", "truncate"))
+_SCALING_KEYS = tuple(
+    k for k in RopeScalingConfig.model_fields if k not in ("type", "original_max_seq_len", "truncate")
+)
 
 
-def rope_from_hf(hf: Mapping[str, Any], problems: list[str], layer_type: str = "full_attention"
-                 ) -> tuple[float, RopeScalingConfig | None]:
+def rope_from_hf(
+    hf: Mapping[str, Any], problems: list[str], layer_type: str = "full_attention"
+) -> tuple[float, RopeScalingConfig | None]:
     """(theta, scaling) of one attention type, from transformers 5's `rope_parameters` (flat, or per
     layer type as Gemma 3 writes it) or 4.x's `rope_theta` + `rope_scaling`."""
     params = hf.get("rope_parameters")
@@ -114,8 +133,9 @@ def rope_legacy_hf(cfg: ModelConfig) -> dict[str, Any]:
     return {"rope_theta": cfg.rope_theta, "rope_scaling": scaling}
 
 
-def sliding_from_hf(hf: Mapping[str, Any], num_layers: int, default, problems: list[str]
-                    ) -> tuple[int | None, list[str] | None]:
+def sliding_from_hf(
+    hf: Mapping[str, Any], num_layers: int, default, problems: list[str]
+) -> tuple[int | None, list[str] | None]:
     """(sliding_window, layer_types) from `layer_types` (transformers 5) or the family's rule for older
     configs (`default(i)` -> "full" | "sliding"); (None, None) when no layer slides."""
     window = hf.get("sliding_window")
@@ -134,8 +154,7 @@ def sliding_from_hf(hf: Mapping[str, Any], num_layers: int, default, problems: l
 
 def layer_types_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     types = [cfg.layer_type(i) for i in range(cfg.num_layers)]
-    return {"sliding_window": cfg.sliding_window,
-            "layer_types": [f"{t}_attention" for t in types]}
+    return {"sliding_window": cfg.sliding_window, "layer_types": [f"{t}_attention" for t in types]}
 
 
 def normalized(cfg: ModelConfig) -> ModelConfig:
@@ -145,48 +164,74 @@ def normalized(cfg: ModelConfig) -> ModelConfig:
         update["intermediate_size"] = None
     if cfg.head_dim == cfg.hidden_size // cfg.num_heads and cfg.hidden_size % cfg.num_heads == 0:
         update["head_dim"] = None
-    if cfg.layer_types is not None and cfg.sliding_window is not None and \
-            cfg.layer_types == [cfg.family.default_layer_type(i) for i in range(cfg.num_layers)]:
+    if (
+        cfg.layer_types is not None
+        and cfg.sliding_window is not None
+        and cfg.layer_types == [cfg.family.default_layer_type(i) for i in range(cfg.num_layers)]
+    ):
         update["layer_types"] = None
     return cfg.model_copy(update=update) if update else cfg
 
 
-def config_to_hf(cfg: ModelConfig, dtype: str = "float32", bos_token_id: int | None = None,
-                 eos_token_id: int | list[int] | None = None) -> dict[str, Any]:
+def config_to_hf(
+    cfg: ModelConfig,
+    dtype: str = "float32",
+    bos_token_id: int | None = None,
+    eos_token_id: int | list[int] | None = None,
+) -> dict[str, Any]:
     """The config.json Hugging Face transformers needs to rebuild this model."""
     family = cfg.family
     if family.config_to_hf is None:
         raise HFFormatError(f"model.arch={cfg.arch!r} has no Hugging Face export")
-    common = {"architectures": [family.hf_architecture], "vocab_size": cfg.vocab_size,
-              "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std,
-              "bos_token_id": bos_token_id, "eos_token_id": eos_token_id,
-              # Families default pad to an id of their own vocabulary (Phi-3: 32000), which may not exist here.
-              "pad_token_id": None,
-              # transformers 5 reads `dtype`, 4.x reads `torch_dtype`.
-              "dtype": dtype, "torch_dtype": dtype, "use_cache": True}
+    common = {
+        "architectures": [family.hf_architecture],
+        "vocab_size": cfg.vocab_size,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "initializer_range": cfg.init_std,
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+        # Families default pad to an id of their own vocabulary (Phi-3: 32000), which may not exist here.
+        "pad_token_id": None,
+        # transformers 5 reads `dtype`, 4.x reads `torch_dtype`.
+        "dtype": dtype,
+        "torch_dtype": dtype,
+        "use_cache": True,
+    }
     return {**common, **family.config_to_hf(cfg)}
 
 
 def _hf_max_positions(cfg: ModelConfig) -> int:
     sc = cfg.rope_scaling
-    return sc.original_max_seq_len if sc is not None and sc.type == "dynamic" and sc.original_max_seq_len \
+    return (
+        sc.original_max_seq_len
+        if sc is not None and sc.type == "dynamic" and sc.original_max_seq_len
         else cfg.max_seq_len
+    )
 
 
 def rope_family_config_to_hf(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
     """The config.json keys every RoPE decoder shares (Llama, Qwen, Gemma, Phi-3 add their own)."""
-    return {"model_type": model_type, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_size,
-            "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
-            "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_size,
-            "max_position_embeddings": _hf_max_positions(cfg),
-            "rms_norm_eps": cfg.norm_eps, "attention_dropout": 0.0,
-            # Both spellings: transformers 5 reads rope_parameters, 4.x reads rope_theta/rope_scaling.
-            "rope_parameters": rope_to_hf(cfg.rope_theta, cfg.rope_scaling), **rope_legacy_hf(cfg),
-            **layer_types_to_hf(cfg)}
+    return {
+        "model_type": model_type,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.ffn_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.head_size,
+        "max_position_embeddings": _hf_max_positions(cfg),
+        "rms_norm_eps": cfg.norm_eps,
+        "attention_dropout": 0.0,
+        # Both spellings: transformers 5 reads rope_parameters, 4.x reads rope_theta/rope_scaling.
+        "rope_parameters": rope_to_hf(cfg.rope_theta, cfg.rope_scaling),
+        **rope_legacy_hf(cfg),
+        **layer_types_to_hf(cfg),
+    }
 
 
-def rope_family_config(hf: Mapping[str, Any], arch: str, problems: list[str], default_layer_type,
-                       **extra: Any) -> ModelConfig:
+def rope_family_config(
+    hf: Mapping[str, Any], arch: str, problems: list[str], default_layer_type, **extra: Any
+) -> ModelConfig:
     """The ModelConfig fields every RoPE decoder reads the same way; `extra` are the family's own."""
     hidden, heads, layers = int(hf["hidden_size"]), int(hf["num_attention_heads"]), int(hf["num_hidden_layers"])
     kv = hf.get("num_key_value_heads")
@@ -196,12 +241,24 @@ def rope_family_config(hf: Mapping[str, Any], arch: str, problems: list[str], de
     if scaling is not None and scaling.type == "dynamic":
         max_len = int(max_len * scaling.factor)
     return ModelConfig(
-        arch=arch, hidden_size=hidden, num_layers=layers, num_heads=heads,
-        num_kv_heads=None if kv in (None, heads) else int(kv), head_dim=hf.get("head_dim"),
-        intermediate_size=int(hf["intermediate_size"]), vocab_size=int(hf["vocab_size"]),
-        max_seq_len=max_len, rope_theta=theta, rope_scaling=scaling,
-        sliding_window=window, layer_types=types, tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), init_std=float(hf.get("initializer_range", 0.02)), **extra)
+        arch=arch,
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=None if kv in (None, heads) else int(kv),
+        head_dim=hf.get("head_dim"),
+        intermediate_size=int(hf["intermediate_size"]),
+        vocab_size=int(hf["vocab_size"]),
+        max_seq_len=max_len,
+        rope_theta=theta,
+        rope_scaling=scaling,
+        sliding_window=window,
+        layer_types=types,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        init_std=float(hf.get("initializer_range", 0.02)),
+        **extra,
+    )
 
 
 # --------------------------------------------------------------------------- state-dict adapters
@@ -209,8 +266,10 @@ def rope_family_config(hf: Mapping[str, Any], arch: str, problems: list[str], de
 
 def take(src: StateDict, key: str, source: str) -> torch.Tensor:
     if key not in src:
-        raise HFFormatError(f"{source}: weight {key!r} is missing; the weights do not match the config "
-                            f"(num_layers, tie_embeddings) or are not a complete checkpoint")
+        raise HFFormatError(
+            f"{source}: weight {key!r} is missing; the weights do not match the config "
+            f"(num_layers, tie_embeddings) or are not a complete checkpoint"
+        )
     return src.pop(key)
 
 
@@ -218,8 +277,10 @@ def no_leftovers(src: StateDict, source: str) -> None:
     if src:
         keys = sorted(src)
         more = f" and {len(keys) - 5} more" if len(keys) > 5 else ""
-        raise HFFormatError(f"{source}: unexpected weights {keys[:5]}{more}; merge adapters (LoRA) first or check "
-                            f"that the config matches the weights")
+        raise HFFormatError(
+            f"{source}: unexpected weights {keys[:5]}{more}; merge adapters (LoRA) first or check "
+            f"that the config matches the weights"
+        )
 
 
 def model_keys(cfg: ModelConfig) -> list[str]:
@@ -252,8 +313,10 @@ def head_from_hf(src: StateDict, out: StateDict, cfg: ModelConfig, source: str) 
     if cfg.tie_embeddings:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]  # same tensor under both names
     elif head is None:
-        raise HFFormatError(f"{source}: 'lm_head.weight' is missing but tie_word_embeddings is false; "
-                            f"set tie_word_embeddings: true in config.json if the head is tied")
+        raise HFFormatError(
+            f"{source}: 'lm_head.weight' is missing but tie_word_embeddings is false; "
+            f"set tie_word_embeddings: true in config.json if the head is tied"
+        )
     else:
         out["lm_head.weight"] = head
     no_leftovers(src, source)
@@ -330,9 +393,12 @@ def read_safetensors_dir(path: str | Path, device: str | torch.device = "cpu") -
             f"{path} holds pickled weights ({', '.join(pickles)}) but no model.safetensors: fitlm reads safetensors "
             f"only, because loading a pickle can run arbitrary code. Convert it once in a trusted environment, e.g. "
             f"AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(OUT) (transformers writes safetensors), "
-            f"and pass OUT")
-    raise HFFormatError(f"{path}: no model.safetensors or model.safetensors.index.json found; "
-                        f"pass a directory holding the weights in safetensors format")
+            f"and pass OUT"
+        )
+    raise HFFormatError(
+        f"{path}: no model.safetensors or model.safetensors.index.json found; "
+        f"pass a directory holding the weights in safetensors format"
+    )
 
 
 def read_hf_config(path: str | Path) -> ModelConfig:
@@ -349,13 +415,19 @@ def read_hf_config(path: str | Path) -> ModelConfig:
         raise HFFormatError(f"{cfg_file}: required key {e} is missing") from None
 
 
-def model_from_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], cfg: ModelConfig, source: str,
-                             device: str | torch.device = "cpu",
-                             dtype: torch.dtype | None = torch.float32) -> nn.Module:
+def model_from_hf_state_dict(
+    hf_sd: Mapping[str, torch.Tensor],
+    cfg: ModelConfig,
+    source: str,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = torch.float32,
+) -> nn.Module:
     """Build the registered model for `cfg` directly from HF-named weights, without a random init pass."""
     sd = from_hf_state_dict(hf_sd, cfg, source)
-    sd = {k: v.to(device=device, dtype=dtype if dtype is not None and v.is_floating_point() else v.dtype)
-          for k, v in sd.items()}
+    sd = {
+        k: v.to(device=device, dtype=dtype if dtype is not None and v.is_floating_point() else v.dtype)
+        for k, v in sd.items()
+    }
     with torch.device("meta"):
         model = registry.build_model(cfg)
     try:
@@ -367,8 +439,9 @@ def model_from_hf_state_dict(hf_sd: Mapping[str, torch.Tensor], cfg: ModelConfig
     return model.eval()
 
 
-def load_hf_dir(path: str | Path, device: str | torch.device = "cpu",
-                dtype: torch.dtype | None = torch.float32) -> tuple[nn.Module, ModelConfig]:
+def load_hf_dir(
+    path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = torch.float32
+) -> tuple[nn.Module, ModelConfig]:
     """Load a Hugging Face directory of a registered family (config.json + safetensors). dtype=None keeps the stored one."""
     path = Path(path)
     if not path.is_dir():
@@ -384,8 +457,9 @@ def _plain_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu").contiguous()
 
 
-def write_safetensors(sd: Mapping[str, torch.Tensor], out_dir: str | Path,
-                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[Path]:
+def write_safetensors(
+    sd: Mapping[str, torch.Tensor], out_dir: str | Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+) -> list[Path]:
     """Write HF-named tensors as model.safetensors, or as shards plus an index when they exceed the limit."""
     clear_weights(out_dir)
     specs = {k: (v.dtype, tuple(v.shape)) for k, v in sd.items()}
@@ -395,8 +469,11 @@ def write_safetensors(sd: Mapping[str, torch.Tensor], out_dir: str | Path,
 def clear_weights(out_dir: str | Path) -> None:
     """Remove the weights of an earlier save (single file vs shards would shadow or mix with new ones)."""
     out_dir = Path(out_dir)
-    for old in [*out_dir.glob("model-*-of-*.safetensors"), out_dir / "model.safetensors",
-                out_dir / "model.safetensors.index.json"]:
+    for old in [
+        *out_dir.glob("model-*-of-*.safetensors"),
+        out_dir / "model.safetensors",
+        out_dir / "model.safetensors.index.json",
+    ]:
         old.unlink(missing_ok=True)
 
 
@@ -405,8 +482,14 @@ def _dtype_name(model: nn.Module) -> str:
     return str(p.dtype).removeprefix("torch.") if p is not None else "float32"
 
 
-def save_hf_dir(model: nn.Module, cfg: ModelConfig, out_dir: str | Path, bos_token_id: int | None = None,
-                eos_token_id: int | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+def save_hf_dir(
+    model: nn.Module,
+    cfg: ModelConfig,
+    out_dir: str | Path,
+    bos_token_id: int | None = None,
+    eos_token_id: int | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> Path:
     """Write config.json, generation_config.json and safetensors weights that transformers loads as-is."""
     cfg = _model_cfg(cfg)
     out_dir = Path(out_dir)
@@ -416,8 +499,9 @@ def save_hf_dir(model: nn.Module, cfg: ModelConfig, out_dir: str | Path, bos_tok
     return out_dir
 
 
-def write_hf_configs(out_dir: Path, cfg: ModelConfig, dtype: str, bos: int | None, eos: int | None,
-                     **generation) -> None:
+def write_hf_configs(
+    out_dir: Path, cfg: ModelConfig, dtype: str, bos: int | None, eos: int | None, **generation
+) -> None:
     """config.json and generation_config.json beside HF weights stored in `dtype` ("float32", ...);
     `generation`: generation_config keys to add or override (pad_token_id, a list of eos_token_id, ...)."""
     hf_cfg = config_to_hf(cfg, dtype, bos, eos)
@@ -426,6 +510,17 @@ def write_hf_configs(out_dir: Path, cfg: ModelConfig, dtype: str, bos: int | Non
     (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
 
 
-__all__ = ["HFFormatError", "config_from_hf", "config_to_hf", "to_hf_state_dict", "from_hf_state_dict",
-           "read_safetensors_dir", "read_hf_config", "model_from_hf_state_dict", "load_hf_dir",
-           "write_safetensors", "save_hf_dir", "write_hf_configs"]
+__all__ = [
+    "HFFormatError",
+    "config_from_hf",
+    "config_to_hf",
+    "to_hf_state_dict",
+    "from_hf_state_dict",
+    "read_safetensors_dir",
+    "read_hf_config",
+    "model_from_hf_state_dict",
+    "load_hf_dir",
+    "write_safetensors",
+    "save_hf_dir",
+    "write_hf_configs",
+]

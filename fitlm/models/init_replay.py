@@ -27,8 +27,11 @@ def cpu_copy(module: nn.Module) -> nn.Module:
 
 
 def _leaves_with_weights(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    return [(name, m) for name, m in model.named_modules()
-            if not list(m.children()) and next(m.parameters(recurse=False), None) is not None]
+    return [
+        (name, m)
+        for name, m in model.named_modules()
+        if not list(m.children()) and next(m.parameters(recurse=False), None) is not None
+    ]
 
 
 def seeded_weights(cfg: ModelConfig, seed: int) -> Iterator[tuple[str, torch.Tensor]]:

@@ -27,17 +27,32 @@ import torch.nn as nn
 
 from fitlm import __version__, faults
 from fitlm.atomic import atomic_dir
-from fitlm.diskspace import disk_full_guard
 from fitlm.config import Config, DataConfig, ModelConfig, load_config, validate_dict
-from fitlm.models.hf import DEFAULT_MAX_SHARD_BYTES, HFFormatError, read_hf_config, model_from_hf_state_dict, \
-    read_safetensors_dir, to_hf_state_dict
+from fitlm.diskspace import disk_full_guard
+from fitlm.models.hf import (
+    DEFAULT_MAX_SHARD_BYTES,
+    HFFormatError,
+    model_from_hf_state_dict,
+    read_hf_config,
+    read_safetensors_dir,
+    to_hf_state_dict,
+)
 from fitlm.models.safetensors_io import spec_bytes, write_safetensors_stream
 from fitlm.models.streaming import stream_from_hf
 
 FORMAT_VERSION = 1
 MARKER = "fitlm.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "generation_config.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+)
 
 
 class ModelDirError(ValueError):
@@ -51,8 +66,6 @@ class LoadedModel:
     tokenizer_path: Path | None  # tokenizer.json beside the weights, if any
     source: str  # "fitlm" or "hf": which kind of directory it came from
     path: Path  # the directory the weights were read from
-
-
 
 
 def default_config(model_cfg: ModelConfig) -> Config:
@@ -72,8 +85,10 @@ def resolve_model_path(path: str | Path) -> tuple[str, Path]:
     """Classify a MODEL argument: ("fitlm", dir), ("hf", dir) or ("gguf", file). Raises ModelDirError."""
     p = Path(path).expanduser()
     if not p.exists():
-        raise ModelDirError(f"{p} does not exist; pass a fitlm model directory, a training output directory, "
-                            f"a Hugging Face directory or a GGUF file")
+        raise ModelDirError(
+            f"{p} does not exist; pass a fitlm model directory, a training output directory, "
+            f"a Hugging Face directory or a GGUF file"
+        )
     if p.is_file():
         if p.suffix == ".gguf":
             return "gguf", p
@@ -90,19 +105,24 @@ def resolve_model_path(path: str | Path) -> tuple[str, Path]:
             return "hf", p
         read_safetensors_dir(p)  # raises the precise error (pickles refused, or no weights)
     if (p / "checkpoints").is_dir():
-        raise ModelDirError(f"{p} is a training output without model/ (the run did not finish); turn a checkpoint "
-                            f"into a model directory with `fitlm ckpt merge`, then pass that")
+        raise ModelDirError(
+            f"{p} is a training output without model/ (the run did not finish); turn a checkpoint "
+            f"into a model directory with `fitlm ckpt merge`, then pass that"
+        )
     raise ModelDirError(
         f"{p} is not a model. Looked for {p / MARKER} (fitlm model directory), {p / 'model' / MARKER} "
-        f"(training output), and {p / 'config.json'} with model.safetensors (Hugging Face directory)")
+        f"(training output), and {p / 'config.json'} with model.safetensors (Hugging Face directory)"
+    )
 
 
 def _check_writable_target(out_dir: Path) -> None:
     if out_dir.is_file():
         raise ModelDirError(f"{out_dir} is a file; pass a directory path for the model")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not is_fitlm_model_dir(out_dir):
-        raise ModelDirError(f"{out_dir} exists, is not empty and is not a fitlm model directory; refusing to "
-                            f"replace it. Choose another --out path or empty it yourself")
+        raise ModelDirError(
+            f"{out_dir} exists, is not empty and is not a fitlm model directory; refusing to "
+            f"replace it. Choose another --out path or empty it yourself"
+        )
 
 
 def _tokenizer_files(tokenizer_path: str | Path) -> dict[str, Path]:
@@ -119,8 +139,13 @@ def _tokenizer_files(tokenizer_path: str | Path) -> dict[str, Path]:
     raise ModelDirError(f"tokenizer {src} not found: pass a tokenizer.json file or a directory containing one")
 
 
-def save_model_dir(model: nn.Module, cfg: Config | ModelConfig, out_dir: str | Path,
-                   tokenizer_path: str | Path | None = None, what: str = "model save") -> Path:
+def save_model_dir(
+    model: nn.Module,
+    cfg: Config | ModelConfig,
+    out_dir: str | Path,
+    tokenizer_path: str | Path | None = None,
+    what: str = "model save",
+) -> Path:
     """Write a fitlm model directory atomically; an existing fitlm model directory is replaced.
 
     A full disk raises fitlm.diskspace.DiskFullError (its text starts with `what`), after the partial
@@ -130,10 +155,15 @@ def save_model_dir(model: nn.Module, cfg: Config | ModelConfig, out_dir: str | P
     return write_model_dir(specs, sd.items(), cfg, out_dir, tokenizer_path, what)
 
 
-def write_model_dir(specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
-                    tensors: Iterable[tuple[str, torch.Tensor]], cfg: Config | ModelConfig, out_dir: str | Path,
-                    tokenizer_path: str | Path | None = None, what: str = "model save",
-                    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+def write_model_dir(
+    specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    cfg: Config | ModelConfig,
+    out_dir: str | Path,
+    tokenizer_path: str | Path | None = None,
+    what: str = "model save",
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> Path:
     """`save_model_dir` from HF-named tensors that arrive one at a time (`specs`: each one's dtype and shape),
     so no process needs the whole model in memory (the final save of a sharded run streams block by block)."""
     if isinstance(cfg, ModelConfig):
@@ -145,15 +175,16 @@ def write_model_dir(specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
     tok = _tokenizer_files(tokenizer_path) if tokenizer_path is not None else {}
     needed = sum(spec_bytes(s) for s in specs.values()) + sum(src.stat().st_size for src in tok.values()) + 64 * 1024
     # The guard outside the atomic block: the partial directory is gone before the error is raised.
-    with disk_full_guard(out_dir, needed, what), \
-            atomic_dir(out_dir, durable=True) as tmp:  # a previous model directory survives a failed write
+    with (
+        disk_full_guard(out_dir, needed, what),
+        atomic_dir(out_dir, durable=True) as tmp,
+    ):  # a previous model directory survives a failed write
         write_safetensors_stream(dict(specs), tensors, tmp, max_shard_bytes)
         faults.maybe_die("final", 0, 0)  # recovery tests: a power loss half-way through the save
         (tmp / "config.yaml").write_text(cfg.to_yaml())
         for name, src in tok.items():
             shutil.copyfile(src, tmp / name)
-        info = {"format_version": FORMAT_VERSION, "fitlm_version": __version__,
-                "torch_version": torch.__version__}
+        info = {"format_version": FORMAT_VERSION, "fitlm_version": __version__, "torch_version": torch.__version__}
         (tmp / MARKER).write_text(json.dumps(info, indent=2) + "\n")
     return out_dir
 
@@ -165,8 +196,10 @@ def _fitlm_dir_config(d: Path) -> Config:
         raise ModelDirError(f"{d / MARKER}: not valid JSON ({e}); the directory is damaged, save it again") from None
     version = info.get("format_version") if isinstance(info, dict) else None
     if not isinstance(version, int) or version > FORMAT_VERSION:
-        raise ModelDirError(f"{d / MARKER}: format_version {version!r} is not readable by this fitlm "
-                            f"(reads up to {FORMAT_VERSION}); upgrade fitlm")
+        raise ModelDirError(
+            f"{d / MARKER}: format_version {version!r} is not readable by this fitlm "
+            f"(reads up to {FORMAT_VERSION}); upgrade fitlm"
+        )
     return load_config(d / "config.yaml", written_by_fitlm=True)
 
 
@@ -184,8 +217,7 @@ class ModelSource:
     path: Path
     gguf: Any = None  # the GGUF file's fitlm.models.gguf.GGUFTensors (its header parsed once)
 
-    def weights(self, wanted: Callable[[str], bool] | None = None
-                ) -> tuple[Specs, Iterator[tuple[str, torch.Tensor]]]:
+    def weights(self, wanted: Callable[[str], bool] | None = None) -> tuple[Specs, Iterator[tuple[str, torch.Tensor]]]:
         """(fitlm name -> (stored dtype, shape), iterator of (fitlm name, tensor)), one source tensor read at a
         time (GGUF: dequantized to fp32); `wanted` as in fitlm.models.streaming.stream_from_hf."""
         if self.source == "gguf":
@@ -233,8 +265,9 @@ def read_model_config(path: str | Path) -> ModelConfig:
     return load_config(d / "config.yaml", written_by_fitlm=True).model if kind == "fitlm" else read_hf_config(d)
 
 
-def load_model_dir(path: str | Path, device: str | torch.device = "cpu",
-                   dtype: torch.dtype | None = torch.float32) -> LoadedModel:
+def load_model_dir(
+    path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = torch.float32
+) -> LoadedModel:
     """Load a fitlm model directory, a training output (its model/), a Hugging Face directory or a GGUF file
     (dequantized on the fly; `fitlm import` keeps the result, with its tokenizer)."""
     src = open_model(path)
@@ -242,6 +275,17 @@ def load_model_dir(path: str | Path, device: str | torch.device = "cpu",
     return LoadedModel(model.eval(), src.config, src.tokenizer_path, src.source, src.path)
 
 
-__all__ = ["LoadedModel", "ModelSource", "open_model", "ModelDirError", "HFFormatError", "default_config",
-           "is_fitlm_model_dir", "resolve_model_path", "read_model_config", "save_model_dir", "write_model_dir",
-           "load_model_dir"]
+__all__ = [
+    "LoadedModel",
+    "ModelSource",
+    "open_model",
+    "ModelDirError",
+    "HFFormatError",
+    "default_config",
+    "is_fitlm_model_dir",
+    "resolve_model_path",
+    "read_model_config",
+    "save_model_dir",
+    "write_model_dir",
+    "load_model_dir",
+]

@@ -49,8 +49,16 @@ class KVCache:
     layers have run, so the offset means "tokens already processed" throughout one forward.
     """
 
-    def __init__(self, num_layers: int, batch_size: int, max_len: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        num_layers: int,
+        batch_size: int,
+        max_len: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
         self.max_len = max_len
         self.length = 0
         # One tensor per layer (not one stacked tensor) so layers may live on different devices.
@@ -66,10 +74,12 @@ class KVCache:
         """Store k/v [B,K,T,D] after the cached ones; return all keys/values so far, [B,K,S,D]."""
         end = self.length + k.shape[2]
         if end > self.max_len:
-            raise ValueError(f"KV cache is full: {self.length} cached + {k.shape[2]} new tokens exceed its "
-                             f"{self.max_len} positions; allocate a longer cache")
-        self.k[layer_idx][:, :, self.length:end] = k
-        self.v[layer_idx][:, :, self.length:end] = v
+            raise ValueError(
+                f"KV cache is full: {self.length} cached + {k.shape[2]} new tokens exceed its "
+                f"{self.max_len} positions; allocate a longer cache"
+            )
+        self.k[layer_idx][:, :, self.length : end] = k
+        self.v[layer_idx][:, :, self.length : end] = v
         return self.k[layer_idx][:, :, :end], self.v[layer_idx][:, :, :end]
 
     def advance(self, n: int) -> None:
@@ -80,9 +90,16 @@ class KVCache:
         self.length = 0
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int = 0,
-                     attn_mask: torch.Tensor | None = None, window: int | None = None, scale: float | None = None,
-                     softcap: float | None = None) -> torch.Tensor:
+def causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_start: int = 0,
+    attn_mask: torch.Tensor | None = None,
+    window: int | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """Scaled dot-product attention where query i (absolute position q_start+i) sees keys 0..q_start+i.
 
     q [B,H,T,D]; k, v [B,K,S,D] with S = q_start + T and K dividing H (grouped-query attention:
@@ -154,8 +171,9 @@ def _band_mask(t: int, s: int, q_start: int, window: int | None, device: torch.d
     return allowed
 
 
-def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                          scale: float | None, cap: float) -> torch.Tensor:
+def softcapped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None, cap: float
+) -> torch.Tensor:
     """Eager attention with tanh-capped scores; softmax in fp32 like the reference. Returns [B,H,T,D]."""
     group = q.shape[1] // k.shape[1]
     if group > 1:
@@ -197,8 +215,9 @@ def document_position_ids(document_ids: torch.Tensor) -> torch.Tensor:
     return idx - start_idx
 
 
-def attention_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor | None, document_ids: torch.Tensor | None,
-                     start: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+def attention_inputs(
+    input_ids: torch.Tensor, position_ids: torch.Tensor | None, document_ids: torch.Tensor | None, start: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(position_ids [B,T], attention mask [B,1,T,T] or None) for a body's forward.
 
     With `document_ids`, positions default to restarting per document and attention is block-causal;
@@ -210,8 +229,10 @@ def attention_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor | None,
             position_ids = default_position_ids(b, t, start, input_ids.device)
         return position_ids, None
     if start:
-        raise ValueError("document_ids cannot be combined with a filled KV cache: generation runs one document; "
-                         "pass document_ids only for packed training/scoring rows")
+        raise ValueError(
+            "document_ids cannot be combined with a filled KV cache: generation runs one document; "
+            "pass document_ids only for packed training/scoring rows"
+        )
     if tuple(document_ids.shape) != (b, t):
         raise ValueError(f"document_ids has shape {tuple(document_ids.shape)}, expected {(b, t)} like input_ids")
     document_ids = document_ids.to(input_ids.device)
@@ -232,8 +253,10 @@ def check_inputs(input_ids: torch.Tensor, kv_cache: KVCache | None, max_seq_len:
         raise ValueError(f"input_ids must be [batch, seq] token ids, got shape {tuple(input_ids.shape)}")
     start = kv_cache.length if kv_cache is not None else 0
     if start + input_ids.shape[1] > max_seq_len:
-        raise ValueError(f"sequence of {start + input_ids.shape[1]} tokens exceeds model.max_seq_len={max_seq_len}; "
-                         f"shorten the input or use a model with a larger max_seq_len")
+        raise ValueError(
+            f"sequence of {start + input_ids.shape[1]} tokens exceeds model.max_seq_len={max_seq_len}; "
+            f"shorten the input or use a model with a larger max_seq_len"
+        )
     if kv_cache is not None and kv_cache.batch_size != input_ids.shape[0]:
         raise ValueError(f"KV cache holds batch {kv_cache.batch_size} but input_ids has batch {input_ids.shape[0]}")
     return start
@@ -256,8 +279,9 @@ class SelfAttention(nn.Module):
     Rotary positions are applied when `cos`/`sin` are given; learned-position families pass none.
     """
 
-    def __init__(self, cfg, layer_idx: int, bias: bool, out_bias: bool | None = None, qk_norm=None,
-                 fused: bool = False):
+    def __init__(
+        self, cfg, layer_idx: int, bias: bool, out_bias: bool | None = None, qk_norm=None, fused: bool = False
+    ):
         super().__init__()
         self.layer_idx = layer_idx
         self.head_dim = d = cfg.head_size
@@ -274,7 +298,7 @@ class SelfAttention(nn.Module):
         self.k_norm = qk_norm(d) if qk_norm is not None else None
         self.attention_type = cfg.layer_type(layer_idx)
         self.window = cfg.sliding_window if self.attention_type == "sliding" else None
-        self.scale = cfg.query_pre_attn_scalar ** -0.5 if cfg.query_pre_attn_scalar else None
+        self.scale = cfg.query_pre_attn_scalar**-0.5 if cfg.query_pre_attn_scalar else None
         self.softcap = cfg.attn_logit_softcap
         # The attention core: causal_attention, or context parallel's (fitlm.parallel.context_parallel), which
         # gathers the other ranks' keys and values and masks by global position, under the same contract.
@@ -286,11 +310,20 @@ class SelfAttention(nn.Module):
         if hasattr(self, "qkv_proj"):
             q, k, v = self.qkv_proj(x).view(b, t, -1, self.head_dim).split(self.heads, dim=2)  # [B,T,H+2K,D]
             return q, k, v
-        return (self.q_proj(x).view(b, t, -1, self.head_dim), self.k_proj(x).view(b, t, -1, self.head_dim),
-                self.v_proj(x).view(b, t, -1, self.head_dim))
+        return (
+            self.q_proj(x).view(b, t, -1, self.head_dim),
+            self.k_proj(x).view(b, t, -1, self.head_dim),
+            self.v_proj(x).view(b, t, -1, self.head_dim),
+        )
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
-                kv_cache: "KVCache | None" = None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor | None = None,
+        sin: torch.Tensor | None = None,
+        kv_cache: "KVCache | None" = None,
+        attn_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         b, t, _ = x.shape  # x [B,T,C]
         q, k, v = self.project(x)
         if self.q_norm is not None:  # per head, before RoPE, as Qwen3 and Gemma 3 do

@@ -19,13 +19,16 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     loss is then computed on the vocab shards. The result is always a plain tensor, equal on every rank.
     """
     try:
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
-                               reduction="sum")
+        loss = F.cross_entropy(
+            logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
     except RuntimeError as e:
         if isinstance(logits, DTensor) and "mixed torch.Tensor and DTensor" in str(e):
-            raise RuntimeError("cross_entropy_sum got vocab-sharded tensor-parallel logits outside loss_parallel: "
-                               "compute the loss and call .backward() inside "
-                               "fitlm.parallel.tensor_parallel.loss_context(model)") from e
+            raise RuntimeError(
+                "cross_entropy_sum got vocab-sharded tensor-parallel logits outside loss_parallel: "
+                "compute the loss and call .backward() inside "
+                "fitlm.parallel.tensor_parallel.loss_context(model)"
+            ) from e
         raise
     # Differentiable DTensor -> plain tensor, so callers can add, log and backprop it as usual.
     return loss.full_tensor() if isinstance(loss, DTensor) else loss
@@ -35,8 +38,7 @@ def count_targets(labels: torch.Tensor) -> int:
     return int((labels != IGNORE_INDEX).sum())
 
 
-def _chunk(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, need_grad: bool,
-           grad_weight: torch.Tensor | None):
+def _chunk(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, need_grad: bool, grad_weight: torch.Tensor | None):
     """Summed CE of one chunk and, with `need_grad`, d(sum CE)/d h; the weight's gradient is accumulated in
     place into the fp32 `grad_weight` when given (None: a frozen head, as under LoRA, needs none).
 
@@ -62,8 +64,9 @@ def _chunk(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, need_grad: bo
     return total, _backprop(grad.to(h.dtype), h, weight, grad_weight)  # [c,V] as the plain path's backward sees it
 
 
-def _fused_chunk(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, need_grad: bool,
-                 grad_weight: torch.Tensor | None):
+def _fused_chunk(
+    h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, need_grad: bool, grad_weight: torch.Tensor | None
+):
     """`_chunk`'s arithmetic written for torch.compile (memory.compile): out of place, the one-hot as a
     comparison with the column index, so inductor fuses log-sum-exp, softmax, one-hot and mask into passes
     over the [c,V] logits that store nothing but the half gradient. Compiled, the in-place form's scatter
@@ -124,13 +127,16 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if need_grad else None
         # A frozen head (LoRA, freeze) gets no [V, C] fp32 gradient buffer: for a 128K vocabulary that is GiBs.
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
-            if ctx.needs_input_grad[1] else None
+        grad_weight = (
+            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
+        )
         for start in range(0, hidden.shape[0], chunk):
-            loss, gh = step(hidden[start:start + chunk], weight, labels[start:start + chunk], need_grad, grad_weight)
+            loss, gh = step(
+                hidden[start : start + chunk], weight, labels[start : start + chunk], need_grad, grad_weight
+            )
             total += loss
             if need_grad:
-                grad_hidden[start:start + chunk] = gh
+                grad_hidden[start : start + chunk] = gh
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         return total
@@ -143,8 +149,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         return gh, gw, None, None, None
 
 
-def chunked_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                              chunk_size: int, compiled: bool = False) -> torch.Tensor:
+def chunked_cross_entropy_sum(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int, compiled: bool = False
+) -> torch.Tensor:
     """Same value and gradients as `cross_entropy_sum(hidden @ weight.T, labels)`, without whole logits.
 
     hidden: [B, T, C]; weight: [V, C] (the output layer); labels: [B, T]. `compiled`: each chunk's

@@ -50,8 +50,9 @@ def _unfold(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x.reshape(b, heads, gt * k // heads, d)
 
 
-def _block_scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, r0: int, r1: int,
-                  scale: float) -> torch.Tensor:
+def _block_scores(
+    q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, r0: int, r1: int, scale: float
+) -> torch.Tensor:
     """fp32 masked scores of query rows r0..r1-1 against keys 0..r1-1: [B,K,g,t,s] (t = r1-r0, s = r1).
 
     In fp32: rounded to half, exp() would carry their rounding (~0.4% of a score of 5) into every probability and
@@ -69,8 +70,19 @@ def _block_scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, r
     return scores
 
 
-def _block_backward(probs: torch.Tensor, q, k, v, grad_out, r0: int, r1: int, scale: float,
-                    dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
+def _block_backward(
+    probs: torch.Tensor,
+    q,
+    k,
+    v,
+    grad_out,
+    r0: int,
+    r1: int,
+    scale: float,
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+) -> None:
     """Add one query block's gradients: `probs` fp32 [B,K,g·t,s] (the block's probabilities, only read);
     dq [B,H,T,D] is written for rows r0..r1-1, the fp32 dk, dv [B,K,T,D] accumulate over keys 0..r1-1."""
     heads, kv_heads = q.shape[1], k.shape[1]
@@ -112,7 +124,8 @@ class FlashMatmulAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, scale: float, rows: int):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, mask is None, attn_mask=mask, scale=scale)  # [B,H,T,D], lse [B,H,T] fp32
+            q, k, v, 0.0, mask is None, attn_mask=mask, scale=scale
+        )  # [B,H,T,D], lse [B,H,T] fp32
         ctx.save_for_backward(q, k, v, lse, mask)
         ctx.scale, ctx.rows = scale, rows
         return out
@@ -180,9 +193,16 @@ def _blocked_inputs(q, k, v, q_start: int, attn_mask, window, scale, softcap):
 
 # Two functions, not one closure over the autograd Function: torch.compile caches by code object, and one code
 # object serving both would guard on which Function it closes over and recompile between them.
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int = 0,
-           attn_mask: torch.Tensor | None = None, window: int | None = None, scale: float | None = None,
-           softcap: float | None = None) -> torch.Tensor:
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_start: int = 0,
+    attn_mask: torch.Tensor | None = None,
+    window: int | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """memory.attention_backward: matmul -- `fitlm.models.layers.causal_attention`'s contract, by
     FlashMatmulAttention where it applies (`_blocked_inputs`)."""
     args = _blocked_inputs(q, k, v, q_start, attn_mask, window, scale, softcap)
@@ -191,9 +211,16 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int = 0,
     return FlashMatmulAttention.apply(*args, BLOCK_ROWS)
 
 
-def attend_saved(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int = 0,
-                 attn_mask: torch.Tensor | None = None, window: int | None = None, scale: float | None = None,
-                 softcap: float | None = None) -> torch.Tensor:
+def attend_saved(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_start: int = 0,
+    attn_mask: torch.Tensor | None = None,
+    window: int | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """memory.attention_backward: matmul_saved -- the same contract, by SavedMatmulAttention where it applies."""
     args = _blocked_inputs(q, k, v, q_start, attn_mask, window, scale, softcap)
     if args is None:

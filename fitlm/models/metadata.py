@@ -26,8 +26,9 @@ class ExportCompatibilityWarning(UserWarning):
 
 def weights_sha256(path: Path) -> str:
     """sha256 over the source's weight files (sorted by name), so two exports of one checkpoint match."""
-    files = [path] if path.is_file() else sorted(
-        [*path.glob("*.safetensors"), *path.glob("model.safetensors.index.json")])
+    files = (
+        [path] if path.is_file() else sorted([*path.glob("*.safetensors"), *path.glob("model.safetensors.index.json")])
+    )
     h = hashlib.sha256()
     for f in files:
         h.update(f.name.encode())
@@ -38,9 +39,15 @@ def weights_sha256(path: Path) -> str:
 
 
 def build_metadata(fmt: str, source: Path, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {"format": fmt, "format_version": EXPORT_FORMAT_VERSION, "fitlm_version": __version__,
-            "torch_version": torch.__version__, "source": str(source), "source_sha256": weights_sha256(source),
-            **(extra or {})}
+    return {
+        "format": fmt,
+        "format_version": EXPORT_FORMAT_VERSION,
+        "fitlm_version": __version__,
+        "torch_version": torch.__version__,
+        "source": str(source),
+        "source_sha256": weights_sha256(source),
+        **(extra or {}),
+    }
 
 
 def metadata_path(out: Path) -> Path:
@@ -66,12 +73,16 @@ def check_metadata(meta: dict[str, Any], where: str) -> list[str]:
     problems = []
     version = meta.get("format_version")
     if not isinstance(version, int) or version > EXPORT_FORMAT_VERSION:
-        problems.append(f"{where}: export format_version {version!r} is newer than this fitlm reads "
-                        f"({EXPORT_FORMAT_VERSION}); upgrade fitlm (`pip install -U fitlm`) or re-export")
+        problems.append(
+            f"{where}: export format_version {version!r} is newer than this fitlm reads "
+            f"({EXPORT_FORMAT_VERSION}); upgrade fitlm (`pip install -U fitlm`) or re-export"
+        )
     theirs, ours = _major_minor(str(meta.get("fitlm_version", ""))), _major_minor(__version__)
     if theirs and ours and theirs > ours:
-        problems.append(f"{where}: written by fitlm {meta.get('fitlm_version')}, newer than this fitlm "
-                        f"{__version__}; upgrade fitlm if loading fails")
+        problems.append(
+            f"{where}: written by fitlm {meta.get('fitlm_version')}, newer than this fitlm "
+            f"{__version__}; upgrade fitlm if loading fails"
+        )
     for msg in problems:
         warnings.warn(msg, ExportCompatibilityWarning, stacklevel=2)
     return problems
@@ -85,8 +96,11 @@ def read_metadata(out: Path) -> dict[str, Any] | None:
     try:
         meta = json.loads(p.read_text())
     except ValueError:
-        warnings.warn(f"{p}: export metadata is not valid JSON; its provenance is unknown", ExportCompatibilityWarning,
-                      stacklevel=2)
+        warnings.warn(
+            f"{p}: export metadata is not valid JSON; its provenance is unknown",
+            ExportCompatibilityWarning,
+            stacklevel=2,
+        )
         return None
     check_metadata(meta, str(p))
     return meta

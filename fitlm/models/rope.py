@@ -21,7 +21,7 @@ from fitlm.config import RopeScalingConfig
 def _base_inv_freq(dim: int, theta: float, device) -> torch.Tensor:
     # int64 arange then float, as transformers does, so the exponents round identically.
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
-    return 1.0 / (theta ** exponents)  # [D/2]
+    return 1.0 / (theta**exponents)  # [D/2]
 
 
 def _llama3(inv: torch.Tensor, sc: RopeScalingConfig, max_seq_len: int) -> torch.Tensor:
@@ -45,8 +45,11 @@ def _yarn(dim: int, theta: float, sc: RopeScalingConfig, max_seq_len: int, devic
     factor = sc.factor or max_seq_len / original
     attn = sc.attention_factor
     if attn is None:
-        attn = _mscale(factor, sc.mscale) / _mscale(factor, sc.mscale_all_dim) if sc.mscale and sc.mscale_all_dim \
+        attn = (
+            _mscale(factor, sc.mscale) / _mscale(factor, sc.mscale_all_dim)
+            if sc.mscale and sc.mscale_all_dim
             else _mscale(factor)
+        )
     beta_fast, beta_slow = sc.beta_fast or 32, sc.beta_slow or 1
 
     def correction_dim(rotations: float) -> float:
@@ -79,8 +82,9 @@ class RotaryEmbedding(nn.Module):
     cos_cached: torch.Tensor
     sin_cached: torch.Tensor
 
-    def __init__(self, head_dim: int, max_seq_len: int, theta: float = 10000.0,
-                 scaling: RopeScalingConfig | None = None):
+    def __init__(
+        self, head_dim: int, max_seq_len: int, theta: float = 10000.0, scaling: RopeScalingConfig | None = None
+    ):
         super().__init__()
         if head_dim % 2:
             raise ValueError(f"RoPE needs an even head dimension, got {head_dim}")
@@ -111,7 +115,7 @@ class RotaryEmbedding(nn.Module):
         original = sc.original_max_seq_len or self.max_seq_len
         ext = sc.long_factor if seq_len and seq_len > original else sc.short_factor
         exponents = torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d
-        inv = 1.0 / (torch.tensor(ext, dtype=torch.float32, device=device) * theta ** exponents)
+        inv = 1.0 / (torch.tensor(ext, dtype=torch.float32, device=device) * theta**exponents)
         return inv, longrope_attention_factor(sc, self.max_seq_len)
 
     def _tables(self, positions: torch.Tensor, seq_len: int | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,14 +175,25 @@ def scaling_from_factors(factors: list[float], head_dim: int, theta: float, max_
     medium = (f > 1 + 1e-6) & (f < factor - 1e-6)
     if factor > 1 and int(medium.sum()) >= 2:
         smooth = (1 / f[medium] - 1 / factor) / (1 - 1 / factor)  # linear in 1/wavelength: a·x + b
-        a, b = torch.linalg.lstsq(torch.stack([x[medium], torch.ones_like(x[medium])], 1), smooth[:, None]).solution[:, 0]
+        a, b = torch.linalg.lstsq(torch.stack([x[medium], torch.ones_like(x[medium])], 1), smooth[:, None]).solution[
+            :, 0
+        ]
         if b < 0 and a > 0:
             high = 1 - 1 / float(b)
-            candidate = RopeScalingConfig(type="llama3", factor=factor, low_freq_factor=1.0,
-                                          high_freq_factor=round(high, 6), original_max_seq_len=round(-float(a / b)))
-            if torch.allclose(torch.tensor(frequency_factors(candidate, head_dim, theta, max_seq_len),
-                                           dtype=torch.float64), f, rtol=1e-5):
+            candidate = RopeScalingConfig(
+                type="llama3",
+                factor=factor,
+                low_freq_factor=1.0,
+                high_freq_factor=round(high, 6),
+                original_max_seq_len=round(-float(a / b)),
+            )
+            if torch.allclose(
+                torch.tensor(frequency_factors(candidate, head_dim, theta, max_seq_len), dtype=torch.float64),
+                f,
+                rtol=1e-5,
+            ):
                 return candidate
     values = [float(v) for v in factors]
-    return RopeScalingConfig(type="longrope", short_factor=values, long_factor=values, attention_factor=1.0,
-                             original_max_seq_len=max_seq_len)
+    return RopeScalingConfig(
+        type="longrope", short_factor=values, long_factor=values, attention_factor=1.0, original_max_seq_len=max_seq_len
+    )

@@ -20,9 +20,18 @@ from typing import Iterable
 
 import torch
 
-DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-          torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-          torch.bool: "BOOL"}
+DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
 
 NAMES = {v: k for k, v in DTYPES.items()}
@@ -42,15 +51,18 @@ class SafetensorsReader:
                 (n,) = struct.unpack("<Q", f.read(8))
                 header = json.loads(f.read(n))
         except (OSError, struct.error, ValueError) as e:
-            raise SafetensorsFormatError(f"{self.path}: not a readable safetensors file ({e}); download or save "
-                                         f"it again") from None
+            raise SafetensorsFormatError(
+                f"{self.path}: not a readable safetensors file ({e}); download or save it again"
+            ) from None
         self._data_start = 8 + n
         header.pop("__metadata__", None)
         self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
         for name, e in header.items():
             if e.get("dtype") not in NAMES:
-                raise SafetensorsFormatError(f"{self.path}: tensor {name!r} has dtype {e.get('dtype')!r}, which "
-                                             f"fitlm does not read ({', '.join(NAMES)})")
+                raise SafetensorsFormatError(
+                    f"{self.path}: tensor {name!r} has dtype {e.get('dtype')!r}, which "
+                    f"fitlm does not read ({', '.join(NAMES)})"
+                )
             begin, end = e["data_offsets"]
             self.entries[name] = (NAMES[e["dtype"]], tuple(e["shape"]), begin, end)
 
@@ -64,8 +76,9 @@ class SafetensorsReader:
         with open(self.path, "rb") as f:
             f.seek(self._data_start + begin)
             if f.readinto(memoryview(raw.numpy())) != end - begin:
-                raise SafetensorsFormatError(f"{self.path}: tensor {name!r} is cut short; the file is truncated, "
-                                             f"download or save it again")
+                raise SafetensorsFormatError(
+                    f"{self.path}: tensor {name!r} is cut short; the file is truncated, download or save it again"
+                )
         return raw.view(dtype).reshape(shape)
 
 
@@ -75,8 +88,12 @@ class StreamingSafetensorsWriter:
     Written to `path`.tmp and renamed on a clean exit, after checking every declared tensor arrived.
     """
 
-    def __init__(self, path: str | Path, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
-                 metadata: dict[str, str] | None = None):
+    def __init__(
+        self,
+        path: str | Path,
+        specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+        metadata: dict[str, str] | None = None,
+    ):
         self.path = Path(path)
         self.tmp = self.path.with_name(self.path.name + ".tmp")
         header: dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
@@ -136,9 +153,12 @@ def spec_bytes(spec: tuple[torch.dtype, tuple[int, ...]]) -> int:
     return torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
 
 
-def write_safetensors_stream(specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
-                             tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str | Path,
-                             max_shard_bytes: int) -> list[Path]:
+def write_safetensors_stream(
+    specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    out_dir: str | Path,
+    max_shard_bytes: int,
+) -> list[Path]:
     """Write model.safetensors -- or, past `max_shard_bytes`, numbered shards plus model.safetensors.index.json
     as Hugging Face lays them out -- from tensors that arrive one at a time, in any order (`specs`: every
     tensor's dtype and shape, known up front). Peak memory: the tensor being written."""
@@ -163,7 +183,9 @@ def write_safetensors_stream(specs: dict[str, tuple[torch.dtype, tuple[int, ...]
             writers[where[name]].write(name, t)
             del t  # not held while the next one is produced: a gathered block, or the embedding (rank 0's save peak)
     if len(files) > 1:
-        index = {"metadata": {"total_size": sum(spec_bytes(s) for s in specs.values())},
-                 "weight_map": {name: files[i].name for name, i in where.items()}}
+        index = {
+            "metadata": {"total_size": sum(spec_bytes(s) for s in specs.values())},
+            "weight_map": {name: files[i].name for name, i in where.items()},
+        }
         (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return files

@@ -37,8 +37,9 @@ def meta_like(specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> State
     return {k: torch.empty(shape, dtype=dtype, device="meta") for k, (dtype, shape) in specs.items()}
 
 
-def real_part(convert: Callable[[StateDict], StateDict], meta_sd: Mapping[str, torch.Tensor],
-              real: Mapping[str, torch.Tensor]) -> StateDict:
+def real_part(
+    convert: Callable[[StateDict], StateDict], meta_sd: Mapping[str, torch.Tensor], real: Mapping[str, torch.Tensor]
+) -> StateDict:
     """What `real` becomes under `convert` (a whole-state-dict adapter), the rest standing in as meta."""
     return {k: v for k, v in convert({**meta_sd, **real}).items() if v.device.type != "meta"}
 
@@ -71,16 +72,17 @@ def hf_source(path: str | Path) -> dict[str, SafetensorsReader]:
     return out
 
 
-def stream_from_hf(path: str | Path, cfg: ModelConfig, wanted: Callable[[str], bool] | None = None
-                   ) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]]], Iterator[tuple[str, torch.Tensor]]]:
+def stream_from_hf(
+    path: str | Path, cfg: ModelConfig, wanted: Callable[[str], bool] | None = None
+) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]]], Iterator[tuple[str, torch.Tensor]]]:
     """(fitlm name -> (stored dtype, shape), iterator of (fitlm name, tensor in its stored dtype)) for an HF or
     fitlm model directory, reading one source tensor at a time (`stream_source`)."""
     return stream_source(hf_source(path), cfg, str(path), wanted)
 
 
-def stream_source(source: Mapping[str, Any], cfg: ModelConfig, label: str,
-                  wanted: Callable[[str], bool] | None = None
-                  ) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]]], Iterator[tuple[str, torch.Tensor]]]:
+def stream_source(
+    source: Mapping[str, Any], cfg: ModelConfig, label: str, wanted: Callable[[str], bool] | None = None
+) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]]], Iterator[tuple[str, torch.Tensor]]]:
     """(fitlm name -> (dtype, shape), iterator of (fitlm name, tensor)) from `source`: HF weight name -> a reader
     with `spec(name)` (dtype, shape) and `read(name)` (the tensor), such as a SafetensorsReader or a GGUF file's
     `fitlm.models.gguf.GGUFTensors`; one source tensor is read at a time, through the family's HF adapter.
@@ -110,9 +112,9 @@ def stream_source(source: Mapping[str, Any], cfg: ModelConfig, label: str,
     return specs, produce()
 
 
-def stream_to_hf(specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], cfg: ModelConfig,
-                 groups: Iterable[StateDict]) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]]],
-                                                       Iterator[tuple[str, torch.Tensor]]]:
+def stream_to_hf(
+    specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], cfg: ModelConfig, groups: Iterable[StateDict]
+) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]]], Iterator[tuple[str, torch.Tensor]]]:
     """(HF name -> (dtype, shape), iterator of (HF name, tensor)) from fitlm weights given group by group
     (`specs`: every fitlm weight's dtype and shape; each group holds tensors the adapter converts together,
     e.g. one block: GPT-2 fuses a block's q/k/v, Phi-3 its split projections)."""

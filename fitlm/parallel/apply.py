@@ -22,13 +22,13 @@ from torch.distributed.tensor import DTensor
 
 from fitlm.config import Config
 from fitlm.memory.activation_offload import apply_activation_offload
-from fitlm.memory.chunked_loss import apply_chunked_loss
 from fitlm.memory.attention_backward import apply_attention_backward
+from fitlm.memory.chunked_loss import apply_chunked_loss
 from fitlm.memory.compile import apply_compile
 from fitlm.memory.precision import apply_precision
 from fitlm.memory.recompute import apply_recompute
-from fitlm.parallel.grad_norm import clip_by_norm, squared_norm
 from fitlm.parallel.data_parallel import apply_data_parallel, set_gradient_sync, sync_gradients, unwrap
+from fitlm.parallel.grad_norm import clip_by_norm, squared_norm
 from fitlm.parallel.mesh import ParallelContext
 
 
@@ -92,11 +92,13 @@ def prepares_for_tensor_parallel(cfg: Config) -> bool:
     except under tensor parallel, which needs the split; there its adapters stay on the Linears the split
     leaves alone (fitlm.finetune.apply.refuse_unshardable_adapters)."""
     return cfg.model.family.prepare_tensor_parallel is not None and (
-        not cfg.finetune.adapters or cfg.parallel.tensor_parallel > 1)
+        not cfg.finetune.adapters or cfg.parallel.tensor_parallel > 1
+    )
 
 
-def parallelize(model: nn.Module, cfg: Config, ctx: ParallelContext,
-                materialize: Callable[[list[nn.Module]], None] | None = None) -> ParallelModel:
+def parallelize(
+    model: nn.Module, cfg: Config, ctx: ParallelContext, materialize: Callable[[list[nn.Module]], None] | None = None
+) -> ParallelModel:
     """`materialize(parts)`, for a model built on the meta device: called once, on the parts this rank
     holds, after they are split and sharded (pipeline, tensor parallel, FSDP2) -- so only this rank's
     share is ever allocated -- but before DDP, which starts from real weights."""
@@ -124,7 +126,8 @@ def parallelize(model: nn.Module, cfg: Config, ctx: ParallelContext,
     parts = []
     for stage in stages:
         if p.tensor_parallel > 1:
-            from fitlm.parallel.tensor_parallel import apply_tensor_parallel, loss_context as tp_loss_context
+            from fitlm.parallel.tensor_parallel import apply_tensor_parallel
+            from fitlm.parallel.tensor_parallel import loss_context as tp_loss_context
 
             stage = apply_tensor_parallel(stage, ctx.submesh("tp"), sequence_parallel=p.sequence_parallel)
             loss_context = lambda stage=stage: tp_loss_context(stage)  # noqa: E731

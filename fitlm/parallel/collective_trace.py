@@ -68,8 +68,14 @@ def describe(tensor: Any) -> str:
 def collective(op: str, what: str, dim: str, tensor: Any = None, peer: str = "") -> Iterator[None]:
     """Record that this rank is inside collective `op` ("all-reduce", "send/recv") of `what` (the tensor's
     role and name) over mesh dimension `dim`, for the time of the block."""
-    record = {"op": op, "what": what, "dim": dim, "tensor": describe(tensor) if tensor is not None else "",
-              "peer": peer, "inside": True}
+    record = {
+        "op": op,
+        "what": what,
+        "dim": dim,
+        "tensor": describe(tensor) if tensor is not None else "",
+        "peer": peer,
+        "inside": True,
+    }
     _write(record)
     yield
     _write(dict(record, inside=False))
@@ -91,8 +97,9 @@ def read_reports(root: Path | str, world: int, skip: int | None = None) -> list[
         peer = f" with {rec['peer']}" if rec.get("peer") else ""
         stack = Path(root) / f"rank{rank}.stack"
         where = f"; its Python stack is in {stack}" if stack.exists() and stack.stat().st_size else ""
-        lines.append(f"rank {rank} was inside {rec['op']} of {rec['what']}{tensor} over mesh dimension "
-                     f"{rec['dim']}{peer}{where}")
+        lines.append(
+            f"rank {rank} was inside {rec['op']} of {rec['what']}{tensor} over mesh dimension {rec['dim']}{peer}{where}"
+        )
     return lines
 
 

@@ -36,11 +36,17 @@ from fitlm.models.layers import SelfAttention, _band_mask, additive_mask, docume
 def zigzag_index(seq_len: int, cp: int, rank: int) -> torch.Tensor:
     """Global positions this rank holds, in its local order: chunks `rank` and 2C-1-`rank` of 2C. [T/C]"""
     if seq_len % (2 * cp):
-        raise ValueError(f"a sequence of {seq_len} tokens cannot be cut into the {2 * cp} equal chunks context "
-                         f"parallel over {cp} ranks needs; data.seq_length must be a multiple of {2 * cp}")
+        raise ValueError(
+            f"a sequence of {seq_len} tokens cannot be cut into the {2 * cp} equal chunks context "
+            f"parallel over {cp} ranks needs; data.seq_length must be a multiple of {2 * cp}"
+        )
     chunk = seq_len // (2 * cp)
-    return torch.cat([torch.arange(rank * chunk, (rank + 1) * chunk),
-                      torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk)])
+    return torch.cat(
+        [
+            torch.arange(rank * chunk, (rank + 1) * chunk),
+            torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk),
+        ]
+    )
 
 
 @dataclass
@@ -159,31 +165,44 @@ class ContextParallel:
             self._shard = previous
 
     @torch.compiler.disable  # collectives and a per-batch mask: a graph break for torch.compile
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int = 0,
-               attn_mask: torch.Tensor | None = None, window: int | None = None, scale: float | None = None,
-               softcap: float | None = None) -> torch.Tensor:
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_start: int = 0,
+        attn_mask: torch.Tensor | None = None,
+        window: int | None = None,
+        scale: float | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
         """`fitlm.models.layers.causal_attention`'s contract for this rank's queries q [B,H,t,D] and keys and
         values k, v [B,K,t,D]: gathered to [B,K,T,D], masked by global position. Returns [B,H,t,D]."""
         shard = self._shard
         if shard is None:
-            raise RuntimeError("context-parallel attention ran outside a split micro batch: run the model "
-                               "inside ContextParallel.using(shard), with the inputs ContextParallel.split gave")
+            raise RuntimeError(
+                "context-parallel attention ran outside a split micro batch: run the model "
+                "inside ContextParallel.using(shard), with the inputs ContextParallel.split gave"
+            )
         if q_start or attn_mask is not None:
-            raise RuntimeError("context-parallel attention got a KV cache offset or a mask of its own: it is for "
-                               "training and scoring split batches; generate with an unsplit model")
+            raise RuntimeError(
+                "context-parallel attention got a KV cache offset or a mask of its own: it is for "
+                "training and scoring split batches; generate with an unsplit model"
+            )
         k = _GatherSequence.apply(k, self.group, self.cp)  # [B,K,T,D]
         v = _GatherSequence.apply(v, self.group, self.cp)
         if shard.document_ids is None and window is None and softcap is None:
             return self._causal_by_chunk(q, k, v, shard, scale)
         if softcap is not None:
             return softcapped_attention(q, k, v, shard.mask(window), scale, softcap)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=shard.additive_mask(window, q.dtype), scale=scale,
-                                              enable_gqa=q.shape[1] != k.shape[1])
-
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=shard.additive_mask(window, q.dtype), scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        )
 
     @staticmethod
-    def _causal_by_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: SequenceShard,
-                         scale: float | None) -> torch.Tensor:
+    def _causal_by_chunk(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: SequenceShard, scale: float | None
+    ) -> torch.Tensor:
         """Plain causal attention chunk by chunk: each of the rank's two chunks (global index g, c queries)
         attends only the keys before its end, positions 0..(g+1)c-1, under a [c, (g+1)c] bottom-right causal
         mask. Against one [T/C, T] mask over all gathered keys this computes and masks about half the scores
@@ -196,9 +215,16 @@ class ContextParallel:
         outs = []
         for row, g in shard.chunks:
             end = (g + 1) * c
-            outs.append(F.scaled_dot_product_attention(
-                q[:, :, row:row + c], k[:, :, :end], v[:, :, :end], attn_mask=shard.prefix_mask(c, end, q.dtype),
-                scale=scale, enable_gqa=gqa))  # [B,H,c,D]
+            outs.append(
+                F.scaled_dot_product_attention(
+                    q[:, :, row : row + c],
+                    k[:, :, :end],
+                    v[:, :, :end],
+                    attn_mask=shard.prefix_mask(c, end, q.dtype),
+                    scale=scale,
+                    enable_gqa=gqa,
+                )
+            )  # [B,H,c,D]
         return torch.cat(outs, dim=2)
 
 
@@ -206,8 +232,10 @@ def apply_context_parallel(model: nn.Module, cp: ContextParallel) -> nn.Module:
     """Every attention layer of `model` attends through `cp` (in place; parameters untouched)."""
     layers = [m for m in model.modules() if isinstance(m, SelfAttention)]
     if not layers:
-        raise ValueError(f"context parallel found no attention layer (fitlm.models.layers.SelfAttention) in "
-                         f"{type(model).__name__}; this model cannot be split over the sequence")
+        raise ValueError(
+            f"context parallel found no attention layer (fitlm.models.layers.SelfAttention) in "
+            f"{type(model).__name__}; this model cannot be split over the sequence"
+        )
     for layer in layers:
         layer.attend = cp.attend
     return model

@@ -43,12 +43,17 @@ def apply_data_parallel(model: nn.Module, ctx: ParallelContext, memory: MemoryCo
     dp_mesh = ctx.submesh(ctx.dims.token_dim)
     if ctx.dims.fsdp_sharded:
         memory = memory or MemoryConfig()
-        policies = dict(mesh=dp_mesh, mp_policy=fsdp_mixed_precision(memory),
-                        offload_policy=fsdp_offload_policy(memory.cpu_offload, ctx.device),
-                        # ZeRO-3 frees gathered parameters after forward; ZeRO-2 keeps them for backward.
-                        reshard_after_forward=ctx.dims.zero_stage == 3)
+        policies = dict(
+            mesh=dp_mesh,
+            mp_policy=fsdp_mixed_precision(memory),
+            offload_policy=fsdp_offload_policy(memory.cpu_offload, ctx.device),
+            # ZeRO-3 frees gathered parameters after forward; ZeRO-2 keeps them for backward.
+            reshard_after_forward=ctx.dims.zero_stage == 3,
+        )
         # Frozen vocabulary tables stay out of FSDP2, their rows streamed piece by piece (fitlm.parallel.streamed_vocab).
-        tables = [] if ctx.tp > 1 or ctx.pp > 1 or memory.cpu_offload else streamed_tables(model, memory.loss_chunk_size)
+        tables = (
+            [] if ctx.tp > 1 or ctx.pp > 1 or memory.cpu_offload else streamed_tables(model, memory.loss_chunk_size)
+        )
         ignored = apply_streamed_tables(tables, dp_mesh) or None
         host = dist.get_backend(dp_mesh.get_group()) == "gloo"
         for block in transformer_blocks(model):
@@ -109,8 +114,9 @@ def gather_chunks_in_place(out: torch.Tensor, group: dist.ProcessGroup, last_asy
     buffer of their own and copy it out, so a gather holds twice its output (a 262 MB fp32 head: 524 MB),
     and on a CPU device that is host memory. The bytes sent are the same as a ring all-gather's.
     `last_async`: the last broadcast is left running and its work returned (the earlier ones have finished)."""
-    sends = [(i, chunk) for i, chunk in enumerate(out.chunk(dist.get_world_size(group)))
-             if chunk.numel()]  # torch.chunk leaves trailing ranks empty on short dims; every rank skips alike
+    sends = [
+        (i, chunk) for i, chunk in enumerate(out.chunk(dist.get_world_size(group))) if chunk.numel()
+    ]  # torch.chunk leaves trailing ranks empty on short dims; every rank skips alike
     work = None
     for n, (i, chunk) in enumerate(sends):
         work = dist.broadcast(chunk, group_src=i, group=group, async_op=last_async and n == len(sends) - 1)
@@ -131,8 +137,9 @@ class InPlaceAllGather(AllGather):
             return_freed_host_memory()
         return torch.empty(*size, dtype=dtype, device=device)
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                 async_op: bool = False) -> dist.Work | None:
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
+    ) -> dist.Work | None:
         return gather_chunks_in_place(output_tensor, group, last_async=True)
 
 

@@ -37,8 +37,17 @@ def torchrun_command(nproc: int, argv: list[str], max_restarts: int = 0) -> list
     # --standalone: a private rendezvous on localhost, so several jobs on one machine never collide.
     restarts = [f"--max-restarts={max_restarts}"] if max_restarts > 0 else []
     # fitlm.parallel.lifetime is torchrun that also stops when the launcher dies (no orphan ranks).
-    return [sys.executable, "-m", "fitlm.parallel.lifetime", "--standalone", f"--nproc-per-node={nproc}", *restarts,
-            "-m", "fitlm.cli", *without_nproc(argv)]
+    return [
+        sys.executable,
+        "-m",
+        "fitlm.parallel.lifetime",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        *restarts,
+        "-m",
+        "fitlm.cli",
+        *without_nproc(argv),
+    ]
 
 
 def launch_local(nproc: int, argv: list[str], max_restarts: int = 0, extra_env: dict[str, str] | None = None) -> int:
@@ -54,6 +63,7 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0, extra_env: 
     trace = tempfile.mkdtemp(prefix="fitlm-collectives-")  # each rank's current collective (collective_trace)
     env[TRACE_ENV] = trace
     agent = subprocess.Popen(torchrun_command(nproc, argv, max_restarts), env=env)
+
     # SIGTERM / Ctrl-C / SIGHUP to the launcher: pass SIGTERM to the agent (which forwards it to the ranks:
     # a checkpoint, then exit 143) and wait for it, instead of dying at once and leaving them behind.
     def forward(signum, frame) -> None:
@@ -74,9 +84,11 @@ def report_collectives(trace: str, nproc: int, rc: int) -> None:
     """After a failed job, say which collective each dead rank was inside (torchrun only gives the signal)."""
     lines = read_reports(trace, nproc) if rc != 0 else []
     if lines:
-        print("fitlm: the job failed while these ranks were inside a collective (a rank that aborts there usually "
-              "disagrees with its peers on the tensor's shape or on the order of collectives):\n  "
-              + "\n  ".join(lines), file=sys.stderr)
+        print(
+            "fitlm: the job failed while these ranks were inside a collective (a rank that aborts there usually "
+            "disagrees with its peers on the tensor's shape or on the order of collectives):\n  " + "\n  ".join(lines),
+            file=sys.stderr,
+        )
     else:
         shutil.rmtree(trace, ignore_errors=True)
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from fitlm.config import Config
 from fitlm.parallel_dims import divisors, layout_name
 
+
 @dataclass(frozen=True)
 class Layout:
     dp: int
@@ -27,8 +28,9 @@ class Layout:
 def tp_problems(cfg: Config, tp: int) -> list[str]:
     from fitlm.parallel.tensor_parallel import tensor_parallel_problems  # rules live beside the code they protect
 
-    return tensor_parallel_problems(cfg.model, tp, sequence_parallel=cfg.parallel.sequence_parallel and tp > 1,
-                                    seq_length=cfg.data.seq_length)
+    return tensor_parallel_problems(
+        cfg.model, tp, sequence_parallel=cfg.parallel.sequence_parallel and tp > 1, seq_length=cfg.data.seq_length
+    )
 
 
 def pp_problems(cfg: Config) -> list[str]:
@@ -48,9 +50,19 @@ def valid_layouts(cfg: Config, world_size: int, context_parallel: bool = False) 
         for tp in divisors(world_size // cp):
             for pp in divisors(world_size // (cp * tp)) if cp == 1 else [1]:
                 dp = world_size // (cp * tp * pp)
-                trial = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={
-                    "data_parallel": dp, "tensor_parallel": tp, "pipeline_parallel": pp, "context_parallel": cp,
-                    "micro_batch_num": max(cfg.parallel.micro_batch_num, pp)})})
+                trial = cfg.model_copy(
+                    update={
+                        "parallel": cfg.parallel.model_copy(
+                            update={
+                                "data_parallel": dp,
+                                "tensor_parallel": tp,
+                                "pipeline_parallel": pp,
+                                "context_parallel": cp,
+                                "micro_batch_num": max(cfg.parallel.micro_batch_num, pp),
+                            }
+                        )
+                    }
+                )
                 if not tp_problems(cfg, tp) and not pp_problems(trial):
                     out.append(Layout(dp, tp, pp, cp))
     return out
@@ -64,9 +76,11 @@ def layout_problems(cfg: Config, world_size: int) -> list[str]:
         layouts = ", ".join(str(x) for x in valid_layouts(cfg, world_size)) or "none for this model"
         cp = " × context_parallel" if p.context_parallel > 1 else ""
         cpv = f" × {p.context_parallel}" if p.context_parallel > 1 else ""
-        out.append(f"parallel: data_parallel{cp} × tensor_parallel × pipeline_parallel = {p.data_parallel}{cpv} × "
-                   f"{p.tensor_parallel} × {p.pipeline_parallel} = {p.world_size}, but {world_size} processes run; "
-                   f"valid layouts for {world_size}: {layouts}")
+        out.append(
+            f"parallel: data_parallel{cp} × tensor_parallel × pipeline_parallel = {p.data_parallel}{cpv} × "
+            f"{p.tensor_parallel} × {p.pipeline_parallel} = {p.world_size}, but {world_size} processes run; "
+            f"valid layouts for {world_size}: {layouts}"
+        )
     out += tp_problems(cfg, p.tensor_parallel)
     out += pp_problems(cfg)
     return out

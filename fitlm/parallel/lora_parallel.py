@@ -32,21 +32,30 @@ from torch.distributed.tensor.placement_types import Placement
 # submodule name within the adapted Linear ("" = the Linear itself) -> parameter name -> placement
 Placements = dict[str, dict[str, Placement]]
 
-COLWISE: Placements = {"": {"weight": Shard(0), "bias": Shard(0)},  # W [out/tp, in], bias [out/tp]
-                       "lora_A": {"weight": Replicate()},  # A [r, in]
-                       "lora_B": {"weight": Shard(0)}}  # B [out/tp, r]
-ROWWISE: Placements = {"": {"weight": Shard(1), "bias": Replicate()},  # W [out, in/tp]; bias added once
-                       "lora_A": {"weight": Shard(1)},  # A [r, in/tp]
-                       "lora_B": {"weight": Replicate()}}  # B [out, r]
+COLWISE: Placements = {
+    "": {"weight": Shard(0), "bias": Shard(0)},  # W [out/tp, in], bias [out/tp]
+    "lora_A": {"weight": Replicate()},  # A [r, in]
+    "lora_B": {"weight": Shard(0)},
+}  # B [out/tp, r]
+ROWWISE: Placements = {
+    "": {"weight": Shard(1), "bias": Replicate()},  # W [out, in/tp]; bias added once
+    "lora_A": {"weight": Shard(1)},  # A [r, in/tp]
+    "lora_B": {"weight": Replicate()},
+}  # B [out, r]
 
 
-def _distribute_own(module: nn.Module, mesh: DeviceMesh, placements: dict[str, Placement],
-                    src_data_rank: int | None) -> None:
+def _distribute_own(
+    module: nn.Module, mesh: DeviceMesh, placements: dict[str, Placement], src_data_rank: int | None
+) -> None:
     # Only the module's own parameters: the adapter's children get theirs when distribute_module reaches them.
     for name, param in list(module.named_parameters(recurse=False)):
-        module.register_parameter(name, nn.Parameter(
-            distribute_tensor(param, mesh, [placements[name]], src_data_rank=src_data_rank),
-            requires_grad=param.requires_grad))
+        module.register_parameter(
+            name,
+            nn.Parameter(
+                distribute_tensor(param, mesh, [placements[name]], src_data_rank=src_data_rank),
+                requires_grad=param.requires_grad,
+            ),
+        )
 
 
 class LoraColwiseParallel(ColwiseParallel):

@@ -24,7 +24,6 @@ from fitlm.models.hf import strip_wrappers
 from fitlm.models.streaming import layer_group
 
 
-
 class MaterializeError(ValueError):
     """The weights do not fit the model built from the config (a name or a shape); the message names it."""
 
@@ -50,27 +49,38 @@ def tied_aliases(model: nn.Module) -> dict[str, list[str]]:
 def _fill(param: torch.Tensor, full: torch.Tensor, name: str) -> None:
     """Copy this rank's part of the full weight into `param` (a plain tensor or a DTensor of any placement)."""
     if tuple(full.shape) != tuple(param.shape):
-        raise MaterializeError(f"weight {name}: the weights hold {list(full.shape)} but the model built from the "
-                               f"config needs {list(param.shape)}; the config does not match the weights")
+        raise MaterializeError(
+            f"weight {name}: the weights hold {list(full.shape)} but the model built from the "
+            f"config needs {list(param.shape)}; the config does not match the weights"
+        )
     local = param._local_tensor if isinstance(param, DTensor) else param  # the storage FSDP2 gathers from
     if nf4.is_nf4(local):  # QLoRA's 4-bit base: quantized here, this rank's rows kept (FSDP2 shards dim 0)
         sharded = isinstance(param, DTensor) and any(pl.is_shard() for pl in param.placements)
-        nf4.fill(local, full, param.device_mesh.size() if sharded else 1,
-                 param.device_mesh.get_local_rank() if sharded else 0)
+        nf4.fill(
+            local,
+            full,
+            param.device_mesh.size() if sharded else 1,
+            param.device_mesh.get_local_rank() if sharded else 0,
+        )
         return
     full = full.to(param.dtype)
     if isinstance(param, DTensor):
         # src_data_rank=None: every rank has the full tensor, so each slices locally, without communication.
-        local = distribute_tensor(full.to(param.device), param.device_mesh, param.placements,
-                                  src_data_rank=None).to_local()
+        local = distribute_tensor(
+            full.to(param.device), param.device_mesh, param.placements, src_data_rank=None
+        ).to_local()
         param.to_local().copy_(local)
     else:
         param.copy_(full)
 
 
 @torch.no_grad()
-def materialize(modules: list[nn.Module], weights: Callable[[set[str]], Iterable[tuple[str, torch.Tensor]]],
-                device: torch.device | str, aliases: dict[str, list[str]] | None = None) -> None:
+def materialize(
+    modules: list[nn.Module],
+    weights: Callable[[set[str]], Iterable[tuple[str, torch.Tensor]]],
+    device: torch.device | str,
+    aliases: dict[str, list[str]] | None = None,
+) -> None:
     """Allocate `modules` (this rank's parts, built on meta) on `device` and fill them from
     `weights(groups)`: (plain name, full tensor) pairs, each name once; `groups` are the blocks
     (`fitlm.models.streaming.layer_group`) these modules hold, so a stream may skip the others.
@@ -100,8 +110,10 @@ def materialize(modules: list[nn.Module], weights: Callable[[set[str]], Iterable
     missing = [n for n in targets if n not in filled]
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-        raise MaterializeError(f"the weights give no value for {', '.join(missing[:3])}{more}; they do not match "
-                               f"the model built from the config")
+        raise MaterializeError(
+            f"the weights give no value for {', '.join(missing[:3])}{more}; they do not match "
+            f"the model built from the config"
+        )
     for module in modules:
         for m in module.modules():
             if hasattr(m, "reset_rope"):

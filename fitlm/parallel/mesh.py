@@ -144,9 +144,17 @@ def context_on_mesh(mesh: DeviceMesh, dims: ParallelDims, device: torch.device) 
     parallel it also flattens dp x cp into "dp_cp" (collective: every rank builds it)."""
     if dims.cp > 1:
         mesh["dp", "cp"]._flatten(DP_CP)
-    return ParallelContext(world_size=dist.get_world_size(), rank=dist.get_rank(), device=device, mesh=mesh,
-                           dims=dims, dp_rank=mesh["dp"].get_local_rank(), tp_rank=mesh["tp"].get_local_rank(),
-                           pp_rank=mesh["pp"].get_local_rank(), cp_rank=mesh["cp"].get_local_rank())
+    return ParallelContext(
+        world_size=dist.get_world_size(),
+        rank=dist.get_rank(),
+        device=device,
+        mesh=mesh,
+        dims=dims,
+        dp_rank=mesh["dp"].get_local_rank(),
+        tp_rank=mesh["tp"].get_local_rank(),
+        pp_rank=mesh["pp"].get_local_rank(),
+        cp_rank=mesh["cp"].get_local_rank(),
+    )
 
 
 def shutdown(ctx: ParallelContext) -> None:

@@ -25,13 +25,23 @@ from typing import Callable, Iterable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                          ScheduleLoopedBFS)
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleLoopedBFS,
+)
 
 from fitlm.models.loss import cross_entropy_sum
 from fitlm.parallel.collective_trace import collective
-from fitlm.parallel.pipeline_state import (TIED_COPY, _as_group, clip_grad_norm_pp,  # noqa: F401 (re-exported)
-                                           gather_full_state_dict, sync_tied_grads, tag_tied_copies)
+from fitlm.parallel.pipeline_state import (
+    _as_group,
+    clip_grad_norm_pp,  # noqa: F401 (re-exported)
+    gather_full_state_dict,
+    sync_tied_grads,
+    tag_tied_copies,
+)
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 VIRTUAL_STAGES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2}
@@ -55,14 +65,17 @@ def split_layers(num_layers: int, num_stages: int, layers_per_stage: list[int] |
         raise ValueError(f"need at least one pipeline stage, got {num_stages}")
     if layers_per_stage is None:
         if num_layers < num_stages:
-            raise ValueError(f"{num_stages} pipeline stages need at least {num_stages} layers "
-                             f"(model.num_layers={num_layers}); lower parallel.pipeline_parallel")
+            raise ValueError(
+                f"{num_stages} pipeline stages need at least {num_stages} layers "
+                f"(model.num_layers={num_layers}); lower parallel.pipeline_parallel"
+            )
         base, extra = divmod(num_layers, num_stages)
         layers_per_stage = [base + (1 if s < extra else 0) for s in range(num_stages)]
     counts = list(layers_per_stage)
     if len(counts) != num_stages or sum(counts) != num_layers or min(counts) < 1:
-        raise ValueError(f"layers_per_stage={counts} must list {num_stages} positive counts summing to "
-                         f"model.num_layers={num_layers}")
+        raise ValueError(
+            f"layers_per_stage={counts} must list {num_stages} positive counts summing to model.num_layers={num_layers}"
+        )
     starts = [sum(counts[:s]) for s in range(num_stages)]
     return [range(a, a + n) for a, n in zip(starts, counts)]
 
@@ -74,8 +87,9 @@ def stage_ids(pp_rank: int, pp_size: int, schedule: str) -> list[int]:
     return [pp_rank + k * pp_size for k in range(VIRTUAL_STAGES[schedule])]
 
 
-def build_stage_modules(model: nn.Module, pp_rank: int, pp_size: int, schedule: str,
-                        layers_per_stage: list[int] | None = None) -> list[tuple[int, nn.Module]]:
+def build_stage_modules(
+    model: nn.Module, pp_rank: int, pp_size: int, schedule: str, layers_per_stage: list[int] | None = None
+) -> list[tuple[int, nn.Module]]:
     """This rank's stage modules as (stage_id, module), stage ids ascending.
 
     Non-destructive: each stage is a deep copy of only the parts it owns (the others are mapped to
@@ -89,8 +103,10 @@ def build_stage_modules(model: nn.Module, pp_rank: int, pp_size: int, schedule: 
     body = model.model
     num_layers = len(body.layers)
     if layers_per_stage is None and num_layers < num_stages:
-        raise ValueError(f"parallel.pipeline_schedule={schedule} with pipeline_parallel={pp_size} makes {num_stages} "
-                         f"stages but model.num_layers={num_layers}; every stage needs a block")
+        raise ValueError(
+            f"parallel.pipeline_schedule={schedule} with pipeline_parallel={pp_size} makes {num_stages} "
+            f"stages but model.num_layers={num_layers}; every stage needs a block"
+        )
     ranges = split_layers(num_layers, num_stages, layers_per_stage)
     out = []
     for sid in ids:
@@ -115,8 +131,9 @@ def _dropped(model: nn.Module, sid: int, num_stages: int, blocks: range) -> list
     return [m for m in drop if m is not None]
 
 
-def check_every_stage_trains(model: nn.Module, num_stages: int, layers_per_stage: list[int] | None = None,
-                             key: str = "finetune.freeze_layers") -> None:
+def check_every_stage_trains(
+    model: nn.Module, num_stages: int, layers_per_stage: list[int] | None = None, key: str = "finetune.freeze_layers"
+) -> None:
     """Refuse a split in which some stage holds only frozen parameters (finetune: freeze, or LoRA adapters on
     some blocks only): its rank would have nothing to optimise. Checked on the whole model, so every rank
     raises the same error instead of some ranks waiting for the others."""
@@ -132,10 +149,12 @@ def check_every_stage_trains(model: nn.Module, num_stages: int, layers_per_stage
             kept.append(model.lm_head.weight)
         if not any(p.requires_grad for p in kept):
             what = f"blocks {blocks.start}-{blocks.stop - 1}" + (" and the embeddings" if sid == 0 else "")
-            raise ValueError(f"{key}: pipeline stage {sid} ({what}) would hold only frozen parameters, and a "
-                             "stage must have something to train; freeze fewer layers or keep the embeddings "
-                             "trainable (finetune.freeze_embeddings: false), adapt a block of that stage, give "
-                             "it a trained block with parallel.pipeline_layers, or use data parallel")
+            raise ValueError(
+                f"{key}: pipeline stage {sid} ({what}) would hold only frozen parameters, and a "
+                "stage must have something to train; freeze fewer layers or keep the embeddings "
+                "trainable (finetune.freeze_embeddings: false), adapt a block of that stage, give "
+                "it a trained block with parallel.pipeline_layers, or use data parallel"
+            )
 
 
 # --------------------------------------------------------------------------- schedule
@@ -149,6 +168,7 @@ def token_mean_loss(logits: torch.Tensor, labels: torch.Tensor, total_targets: i
 @dataclass
 class PipelineSchedule:
     """A torch schedule plus what `pipeline_step` needs to feed it and report its loss."""
+
     schedule: object
     stages: list[PipelineStage]
     group: dist.ProcessGroup
@@ -164,9 +184,15 @@ class PipelineSchedule:
         return any(s.is_last for s in self.stages)
 
 
-def build_schedule(stages: list[tuple[int, nn.Module]], pp_group, n_microbatches: int,
-                   loss_fn: Callable | None = None, schedule_name: str = "1f1b",
-                   device: torch.device | str = "cpu", forward_only: bool = False) -> PipelineSchedule:
+def build_schedule(
+    stages: list[tuple[int, nn.Module]],
+    pp_group,
+    n_microbatches: int,
+    loss_fn: Callable | None = None,
+    schedule_name: str = "1f1b",
+    device: torch.device | str = "cpu",
+    forward_only: bool = False,
+) -> PipelineSchedule:
     """PipelineStage objects for this rank's (stage_id, module) pairs and the named schedule over
     `n_microbatches` chunks per run. `forward_only`: an evaluation schedule (EVAL_SCHEDULES, any count).
 
@@ -183,14 +209,17 @@ def build_schedule(stages: list[tuple[int, nn.Module]], pp_group, n_microbatches
         raise ValueError(problem)
     if [sid for sid, _ in stages] != expected:
         got = [sid for sid, _ in stages]
-        raise ValueError(f"this rank must hold stages {expected} for {schedule_name}, got {got}; "
-                         "build them with build_stage_modules(..., schedule=the same name)")
+        raise ValueError(
+            f"this rank must hold stages {expected} for {schedule_name}, got {got}; "
+            "build them with build_stage_modules(..., schedule=the same name)"
+        )
     device = torch.device(device)
     pstages = [PipelineStage(mod, sid, num_stages, device, group=group) for sid, mod in stages]
     loss_fn = loss_fn or token_mean_loss
     cls = EVAL_SCHEDULES[len(pstages)] if forward_only else SCHEDULES[schedule_name]
-    sched = cls(pstages[0] if len(pstages) == 1 else pstages, n_microbatches=n_microbatches, loss_fn=loss_fn,
-                scale_grads=False)
+    sched = cls(
+        pstages[0] if len(pstages) == 1 else pstages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False
+    )
     return PipelineSchedule(sched, pstages, group, n_microbatches, device)
 
 
@@ -222,13 +251,20 @@ def _stage_args(pp: PipelineSchedule, input_ids: torch.Tensor, doc: dict[str, to
 
 def _check_split(pp: PipelineSchedule, rows: int, what: str) -> None:
     if rows % pp.n_microbatches:
-        raise ValueError(f"{what} of {rows} sequences cannot be split into {pp.n_microbatches} equal pipeline chunks "
-                         f"(parallel.micro_batch_num per micro batch); make train.micro_batch_size a multiple of "
-                         "parallel.micro_batch_num")
+        raise ValueError(
+            f"{what} of {rows} sequences cannot be split into {pp.n_microbatches} equal pipeline chunks "
+            f"(parallel.micro_batch_num per micro batch); make train.micro_batch_size a multiple of "
+            "parallel.micro_batch_num"
+        )
 
 
-def pipeline_step(pp: PipelineSchedule, input_ids: torch.Tensor, labels: torch.Tensor,
-                  total_targets: int | torch.Tensor, **doc: torch.Tensor) -> torch.Tensor:
+def pipeline_step(
+    pp: PipelineSchedule,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    total_targets: int | torch.Tensor,
+    **doc: torch.Tensor,
+) -> torch.Tensor:
     """Forward + backward of a batch [N,T] through one schedule run (fill and drain once), in
     `pp.n_microbatches` chunks of N / n_microbatches rows; gradients accumulate into .grad.
 
@@ -240,10 +276,16 @@ def pipeline_step(pp: PipelineSchedule, input_ids: torch.Tensor, labels: torch.T
     args = _stage_args(pp, input_ids, doc)
     target = labels.to(pp.device) if pp.has_last else None
     losses: list[torch.Tensor] | None = [] if pp.has_last else None
-    with collective("send/recv", "the pipeline schedule's activations and their gradients between stages "
-                    f"({pp.n_microbatches} chunks of the batch)", "pp", input_ids):
-        pp.schedule.step(*args, target=target, losses=losses, return_outputs=False,
-                         loss_kwargs={"total_targets": total_targets})
+    with collective(
+        "send/recv",
+        "the pipeline schedule's activations and their gradients between stages "
+        f"({pp.n_microbatches} chunks of the batch)",
+        "pp",
+        input_ids,
+    ):
+        pp.schedule.step(
+            *args, target=target, losses=losses, return_outputs=False, loss_kwargs={"total_targets": total_targets}
+        )
     loss = torch.stack(losses).detach().sum().float() if losses else torch.zeros((), device=pp.device)
     with collective("all-reduce", "the step's loss", "pp", loss):
         dist.all_reduce(loss, group=pp.group)  # only the last stage has a non-zero loss
@@ -251,15 +293,17 @@ def pipeline_step(pp: PipelineSchedule, input_ids: torch.Tensor, labels: torch.T
 
 
 @torch.no_grad()
-def pipeline_eval(pp: PipelineSchedule, input_ids: torch.Tensor, labels: torch.Tensor,
-                  **doc: torch.Tensor) -> torch.Tensor:
+def pipeline_eval(
+    pp: PipelineSchedule, input_ids: torch.Tensor, labels: torch.Tensor, **doc: torch.Tensor
+) -> torch.Tensor:
     """Forward only: the batch's token-summed CE (divide by count_targets yourself), on every pp rank."""
     _check_split(pp, input_ids.shape[0], "an eval batch")
     args = _stage_args(pp, input_ids, doc)
     losses: list[torch.Tensor] | None = [] if pp.has_last else None
     # eval() forwards extra keywords to step(), whose loss_kwargs reach the loss: divide by 1 = keep sums.
-    pp.schedule.eval(*args, target=labels.to(pp.device) if pp.has_last else None, losses=losses,
-                     loss_kwargs={"total_targets": 1})
+    pp.schedule.eval(
+        *args, target=labels.to(pp.device) if pp.has_last else None, losses=losses, loss_kwargs={"total_targets": 1}
+    )
     loss = torch.stack(losses).sum().float() if losses else torch.zeros((), device=pp.device)
     dist.all_reduce(loss, group=pp.group)
     return loss
@@ -283,8 +327,12 @@ class Pipeline:
         self.accumulation = train.gradient_accumulation_steps if train is not None else 1  # micro batches per step
         self.document_mask = bool(getattr(getattr(cfg, "data", None), "document_mask", False))
         method = getattr(getattr(cfg, "finetune", None), "method", "full")
-        check_every_stage_trains(model, ctx.pp * VIRTUAL_STAGES[self.schedule_name], p.pipeline_layers,
-                                 "finetune.lora.target_modules" if method in ("lora", "qlora") else "finetune.freeze_layers")
+        check_every_stage_trains(
+            model,
+            ctx.pp * VIRTUAL_STAGES[self.schedule_name],
+            p.pipeline_layers,
+            "finetune.lora.target_modules" if method in ("lora", "qlora") else "finetune.freeze_layers",
+        )
         self.stages = build_stage_modules(model, ctx.pp_rank, ctx.pp, self.schedule_name, p.pipeline_layers)
         self.stage_modules = [m for _, m in self.stages]
         self.schedule: PipelineSchedule | None = None  # the training step's: chunks × accumulation per run
@@ -306,12 +354,14 @@ class Pipeline:
         # batches per run; another count (a caller stepping micro batch by micro batch) gets its own schedule
         # over the same modules.
         if micro_batches not in self._schedules:
-            self._schedules[micro_batches] = build_schedule(self.stages, self.group, self.chunks * micro_batches,
-                                                            None, self.schedule_name, self.ctx.device)
+            self._schedules[micro_batches] = build_schedule(
+                self.stages, self.group, self.chunks * micro_batches, None, self.schedule_name, self.ctx.device
+            )
         return self._schedules[micro_batches]
 
-    def step(self, input_ids: torch.Tensor, labels: torch.Tensor, scale: float, micro_batches: int = 1,
-             **doc: torch.Tensor) -> torch.Tensor:
+    def step(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, scale: float, micro_batches: int = 1, **doc: torch.Tensor
+    ) -> torch.Tensor:
         """Backward of (summed CE × scale) for `micro_batches` accumulation micro batches concatenated along
         the batch dimension, input_ids/labels [micro_batches·B, T], in one schedule run; returns the summed CE
         on every pp rank. `doc`: position_ids and document_ids [micro_batches·B, T] when data.document_mask is on."""
@@ -320,8 +370,9 @@ class Pipeline:
     def eval_step(self, input_ids: torch.Tensor, labels: torch.Tensor, **doc: torch.Tensor) -> torch.Tensor:
         """Summed CE of one eval micro batch [B, T], forward only, in micro_batch_num chunks as in training."""
         if self._eval is None:  # its own PipelineStages: the training schedule keeps its buffers and set-up
-            self._eval = build_schedule(self.stages, self.group, self.chunks, None, self.schedule_name,
-                                        self.ctx.device, forward_only=True)
+            self._eval = build_schedule(
+                self.stages, self.group, self.chunks, None, self.schedule_name, self.ctx.device, forward_only=True
+            )
         return pipeline_eval(self._eval, input_ids, labels, **doc)
 
     def clip_grad_norm(self, params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
@@ -330,8 +381,10 @@ class Pipeline:
         return clip_grad_norm_pp(params, max_norm if max_norm > 0 else float("inf"), self.group)
 
     def _bare(self) -> list[tuple[int, nn.Module]]:
-        return [(sid, getattr(m, "module", m) if isinstance(m, nn.parallel.DistributedDataParallel) else m)
-                for sid, m in self.stages]
+        return [
+            (sid, getattr(m, "module", m) if isinstance(m, nn.parallel.DistributedDataParallel) else m)
+            for sid, m in self.stages
+        ]
 
     def gather_full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The full HF-named state dict on global rank 0 (None elsewhere). Collective: call on all ranks.
@@ -356,20 +409,23 @@ def _micro_batch_problem(pp: int, m: int, sched: str, accumulation: int = 1) -> 
     n = m * accumulation
     count = f"{m}" if accumulation == 1 else f"{m} × train.gradient_accumulation_steps={accumulation} = {n}"
     if n < pp:
-        return (f"parallel.micro_batch_num: {count} is below parallel.pipeline_parallel={pp}; a step's one schedule "
-                "run (micro_batch_num × gradient_accumulation_steps chunks) needs at least one chunk per stage: set "
-                f"parallel.micro_batch_num >= {-(-pp // accumulation)} or raise train.gradient_accumulation_steps "
-                "(more chunks per step also shrink the pipeline bubble)")
+        return (
+            f"parallel.micro_batch_num: {count} is below parallel.pipeline_parallel={pp}; a step's one schedule "
+            "run (micro_batch_num × gradient_accumulation_steps chunks) needs at least one chunk per stage: set "
+            f"parallel.micro_batch_num >= {-(-pp // accumulation)} or raise train.gradient_accumulation_steps "
+            "(more chunks per step also shrink the pipeline bubble)"
+        )
     rounds = max(1, n // pp)
     if sched == "interleaved_1f1b" and n % rounds:
-        return (f"parallel.micro_batch_num: interleaved_1f1b cuts the {count} chunks of a step into {rounds} equal "
-                f"rounds, which {n} does not allow; make the chunks per step a multiple of "
-                f"parallel.pipeline_parallel={pp}")
+        return (
+            f"parallel.micro_batch_num: interleaved_1f1b cuts the {count} chunks of a step into {rounds} equal "
+            f"rounds, which {n} does not allow; make the chunks per step a multiple of "
+            f"parallel.pipeline_parallel={pp}"
+        )
     return None
 
 
-def pipeline_problems(model_cfg, parallel_cfg, micro_batch_size: int | None = None,
-                      accumulation: int = 1) -> list[str]:
+def pipeline_problems(model_cfg, parallel_cfg, micro_batch_size: int | None = None, accumulation: int = 1) -> list[str]:
     """Layout problems a pipeline run would hit, each naming the key and the fix ([] when fine).
     `accumulation`: train.gradient_accumulation_steps, whose micro batches share the step's one schedule run."""
     pp, m, sched = parallel_cfg.pipeline_parallel, parallel_cfg.micro_batch_num, parallel_cfg.pipeline_schedule
@@ -378,12 +434,16 @@ def pipeline_problems(model_cfg, parallel_cfg, micro_batch_size: int | None = No
         return []
     errs = []
     if pp > L:
-        errs.append(f"parallel.pipeline_parallel: {pp} stages but model.num_layers={L}; every stage needs at least "
-                    f"one block: set parallel.pipeline_parallel <= {L}")
+        errs.append(
+            f"parallel.pipeline_parallel: {pp} stages but model.num_layers={L}; every stage needs at least "
+            f"one block: set parallel.pipeline_parallel <= {L}"
+        )
     elif sched == "interleaved_1f1b" and L < 2 * pp:
-        errs.append(f"parallel.pipeline_schedule: interleaved_1f1b puts 2 virtual stages on each of {pp} ranks, which "
-                    f"needs model.num_layers >= {2 * pp} (got {L}); use 1f1b or gpipe, or lower "
-                    "parallel.pipeline_parallel")
+        errs.append(
+            f"parallel.pipeline_schedule: interleaved_1f1b puts 2 virtual stages on each of {pp} ranks, which "
+            f"needs model.num_layers >= {2 * pp} (got {L}); use 1f1b or gpipe, or lower "
+            "parallel.pipeline_parallel"
+        )
     layers = getattr(parallel_cfg, "pipeline_layers", None)
     if layers is not None:
         stages = len(stage_ids(0, pp, sched)) * pp
@@ -395,6 +455,8 @@ def pipeline_problems(model_cfg, parallel_cfg, micro_batch_size: int | None = No
     if problem:
         errs.append(problem)
     if micro_batch_size is not None and micro_batch_size % m:
-        errs.append(f"train.micro_batch_size: {micro_batch_size} sequences cannot be split into "
-                    f"parallel.micro_batch_num={m} equal pipeline chunks; make train.micro_batch_size a multiple of {m}")
+        errs.append(
+            f"train.micro_batch_size: {micro_batch_size} sequences cannot be split into "
+            f"parallel.micro_batch_num={m} equal pipeline chunks; make train.micro_batch_size a multiple of {m}"
+        )
     return errs

@@ -67,8 +67,10 @@ def sync_tied_grads(stage_modules: list[tuple[int, nn.Module]], pp_group) -> Non
             param.grad = grad = grad.redistribute(placements=param.placements)
         mine = grad._local_tensor if isinstance(grad, DTensor) else grad  # dp/tp shards now match
         theirs = torch.empty_like(mine)
-        ops = [dist.P2POp(dist.isend, mine.contiguous(), group=group, group_peer=peer),
-               dist.P2POp(dist.irecv, theirs, group=group, group_peer=peer)]
+        ops = [
+            dist.P2POp(dist.isend, mine.contiguous(), group=group, group_peer=peer),
+            dist.P2POp(dist.irecv, theirs, group=group, group_peer=peer),
+        ]
         with collective("send/recv", f"the tied embedding gradient {name}", "pp", mine, f"pp rank {peer}"):
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
@@ -86,8 +88,11 @@ def clip_grad_norm_pp(parameters: Iterable[torch.Tensor], max_norm: float, pp_gr
     counted = [p.grad for p in params if not getattr(p, TIED_COPY, False)]
     sq = squared_norm(counted)
     # A rank without gradients (a frozen stage) still joins the all-reduce, on the backend's device.
-    device = params[0].grad.device if params else (
-        torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else sq.device)
+    device = (
+        params[0].grad.device
+        if params
+        else (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else sq.device)
+    )
     sq = sq.to(device)
     with collective("all-reduce", "the squared gradient norm", "pp", sq):
         dist.all_reduce(sq, group=group)
@@ -100,8 +105,9 @@ def clip_grad_norm_pp(parameters: Iterable[torch.Tensor], max_norm: float, pp_gr
 
 
 @torch.no_grad()
-def gather_full_state_dict(stage_modules: list[tuple[int, nn.Module]], pp_group,
-                           gather: bool = True) -> dict[str, torch.Tensor] | None:
+def gather_full_state_dict(
+    stage_modules: list[tuple[int, nn.Module]], pp_group, gather: bool = True
+) -> dict[str, torch.Tensor] | None:
     """The unsplit model's state_dict (same keys, same order, CPU tensors) on pp rank 0; None elsewhere.
 
     DTensor entries (tp/FSDP) are materialised with full_tensor(), a collective over their mesh, so
@@ -110,8 +116,13 @@ def gather_full_state_dict(stage_modules: list[tuple[int, nn.Module]], pp_group,
     gather_object: fine for a final export; use torch.distributed.checkpoint for resumable checkpoints.
     """
     group = _as_group(pp_group)
-    local = [(sid, {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
-                    for k, v in mod.state_dict().items()}) for sid, mod in stage_modules]
+    local = [
+        (
+            sid,
+            {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in mod.state_dict().items()},
+        )
+        for sid, mod in stage_modules
+    ]
     if not gather:
         return None
     gathered: list | None = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None

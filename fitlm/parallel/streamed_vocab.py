@@ -55,10 +55,15 @@ def _streamed(table: nn.Module, mesh: DeviceMesh) -> nn.Parameter:
     w = table.weight
     rows = _row_ranges(w.shape[0], mesh.size())
     start, stop = rows[mesh.get_local_rank()]
-    local = w.detach()[start:stop].clone() if w.device.type != "meta" else \
-        torch.empty(stop - start, w.shape[1], dtype=w.dtype, device=w.device)
-    param = nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=w.shape,
-                                            stride=w.stride()), requires_grad=False)
+    local = (
+        w.detach()[start:stop].clone()
+        if w.device.type != "meta"
+        else torch.empty(stop - start, w.shape[1], dtype=w.dtype, device=w.device)
+    )
+    param = nn.Parameter(
+        DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=w.shape, stride=w.stride()),
+        requires_grad=False,
+    )
     table.weight = param
     group = mesh.get_group()
     if isinstance(table, nn.Embedding):
@@ -77,8 +82,9 @@ def _row_ranges(n: int, world: int) -> list[tuple[int, int]]:
 def _pieces(rows: list[tuple[int, int]], width: int, itemsize: int) -> list[tuple[int, int, int]]:
     """(owner, start, stop) row pieces of the whole weight, each at most PIECE_BYTES, in row order."""
     step = max(1, PIECE_BYTES // max(1, width * itemsize))
-    return [(owner, a, min(a + step, stop)) for owner, (start, stop) in enumerate(rows)
-            for a in range(start, stop, step)]
+    return [
+        (owner, a, min(a + step, stop)) for owner, (start, stop) in enumerate(rows) for a in range(start, stop, step)
+    ]
 
 
 def _stream(local: torch.Tensor, rows: list[tuple[int, int]], group: dist.ProcessGroup):
@@ -89,20 +95,24 @@ def _stream(local: torch.Tensor, rows: list[tuple[int, int]], group: dist.Proces
     buf = local.new_empty(size, local.shape[1]) if len(rows) > 1 else None  # [piece rows, C], reused
     for owner, a, b in pieces:
         if owner == me:
-            w = local[a - rows[me][0]:b - rows[me][0]]  # a view of this rank's rows, contiguous
+            w = local[a - rows[me][0] : b - rows[me][0]]  # a view of this rank's rows, contiguous
         else:
-            w = buf[:b - a]
+            w = buf[: b - a]
         dist.broadcast(w, group_src=owner, group=group)
         yield a, b, w
 
 
 @torch.no_grad()
-def _lookup(ids: torch.Tensor, local: torch.Tensor, rows: list[tuple[int, int]], group: dist.ProcessGroup) -> torch.Tensor:
+def _lookup(
+    ids: torch.Tensor, local: torch.Tensor, rows: list[tuple[int, int]], group: dist.ProcessGroup
+) -> torch.Tensor:
     """Embedding rows for token ids [...] -> [..., C] (frozen: no gradient), each piece's rows copied to its tokens."""
     vocab = rows[-1][1]
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):  # nn.Embedding's check: never leave rows unset
-        raise IndexError(f"token id {int(ids.max()) if int(ids.max()) >= vocab else int(ids.min())} is outside the "
-                         f"embedding's {vocab} rows; the tokenizer does not match the model's vocab_size")
+        raise IndexError(
+            f"token id {int(ids.max()) if int(ids.max()) >= vocab else int(ids.min())} is outside the "
+            f"embedding's {vocab} rows; the tokenizer does not match the model's vocab_size"
+        )
     # Static shapes (no boolean indexing), so the planner's fake-tensor simulation runs it too: each piece's rows
     # are gathered for every token (ids clamped into the piece) and added where the token falls in the piece;
     # every token falls in exactly one, onto zeros, so the sum is the row itself.

@@ -34,8 +34,16 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
-from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleOutput, RowwiseParallel, \
-    SequenceParallel, loss_parallel as _torch_loss_parallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.parallel import (
+    loss_parallel as _torch_loss_parallel,
+)
 from torch.distributed.tensor.parallel.style import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 
@@ -109,12 +117,16 @@ def _has(module: nn.Module, path: str) -> bool:
 def _norm_style(sequence_parallel: bool, local_output: bool = False) -> ParallelStyle:
     # SP: the norm runs on its sequence shard; its output stays a Shard(1) DTensor for the next input hook,
     # or (`local_output`, a post-norm added to the residual stream) becomes the local shard again.
-    return SequenceParallel(use_local_output=local_output) if sequence_parallel \
+    return (
+        SequenceParallel(use_local_output=local_output)
+        if sequence_parallel
         else ReplicateParallel(Replicate(), Replicate())
+    )
 
 
-def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False,
-                         loss_parallel: bool = True) -> dict[str, ParallelStyle]:
+def tensor_parallel_plan(
+    model: nn.Module, sequence_parallel: bool = False, loss_parallel: bool = True
+) -> dict[str, ParallelStyle]:
     """The plan for any registered family (its `tp_plan` roles), keyed by fully qualified module name.
 
     Modules a pipeline stage dropped (set to None) are left out.
@@ -152,13 +164,17 @@ def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False,
     if getattr(body, "norm", None) is not None:
         plan["model.norm"] = _norm_style(sequence_parallel)
     if getattr(model, "lm_head", None) is not None:
-        plan["lm_head"] = ColwiseParallel(input_layouts=act, output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                          use_local_output=not loss_parallel)
+        plan["lm_head"] = ColwiseParallel(
+            input_layouts=act,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
     return plan
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False,
-                          loss_parallel: bool = True) -> nn.Module:
+def apply_tensor_parallel(
+    model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False, loss_parallel: bool = True
+) -> nn.Module:
     """Shard `model` in place over the 1-D `tp_mesh` (e.g. `mesh["tp"]`); returns it.
 
     Every rank must hold the same weights beforehand (same seed, or the same checkpoint): sharded
@@ -189,8 +205,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
         if getattr(model.model, "embed_tokens", None) is None:
             parallelize_module(blocks[0], tp_mesh, FirstArgLayout(Replicate(), Shard(1), to_local=True))
         if getattr(model.model, "norm", None) is None:
-            parallelize_module(blocks[-1], tp_mesh, PrepareModuleOutput(
-                output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True))
+            parallelize_module(
+                blocks[-1],
+                tp_mesh,
+                PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True),
+            )
     if tied:
         # parallelize_module gave each module its own new Parameter; both are Shard(0) of the same
         # [V, C] matrix, so sharing one again makes their gradients accumulate into one tensor.
@@ -221,8 +240,10 @@ def _check_seq_len(tp: int, _mod: nn.Module, args: tuple, kwargs: dict) -> None:
     # Uneven sequence shards would fail deep inside (or hang a collective); say what to change instead.
     x = args[0] if args else kwargs.get("input_ids")
     if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[1] % tp:
-        raise ValueError(f"parallel.sequence_parallel: the sequence length {x.shape[1]} is not divisible by "
-                         f"tensor_parallel={tp}; use a data.seq_length that is a multiple of {tp}")
+        raise ValueError(
+            f"parallel.sequence_parallel: the sequence length {x.shape[1]} is not divisible by "
+            f"tensor_parallel={tp}; use a data.seq_length that is a multiple of {tp}"
+        )
 
 
 def _is_tied(model: nn.Module) -> bool:
@@ -251,8 +272,9 @@ def loss_context(model: nn.Module) -> contextlib.AbstractContextManager[Any]:
     return contextlib.nullcontext()
 
 
-def tensor_parallel_problems(model_cfg: ModelConfig, tp: int, *, sequence_parallel: bool = False,
-                             seq_length: int | None = None) -> list[str]:
+def tensor_parallel_problems(
+    model_cfg: ModelConfig, tp: int, *, sequence_parallel: bool = False, seq_length: int | None = None
+) -> list[str]:
     """Why `tp` cannot shard this model evenly (empty list: it can). Each message names the key,
     the arithmetic and the tensor_parallel values that work for the whole model."""
     if tp < 1:
@@ -260,16 +282,24 @@ def tensor_parallel_problems(model_cfg: ModelConfig, tp: int, *, sequence_parall
     if tp == 1:
         return []
     if not model_cfg.family.tensor_parallel:
-        return [f"parallel.tensor_parallel: model.arch={model_cfg.arch!r} cannot be tensor-parallel yet; "
-                f"set tensor_parallel to 1 and use data_parallel with zero_stage 3 to shard it"]
-    sizes = {"model.num_heads": model_cfg.num_heads, "model.num_kv_heads": model_cfg.kv_heads,
-             "model.intermediate_size": model_cfg.ffn_size, "model.vocab_size": model_cfg.vocab_size}
+        return [
+            f"parallel.tensor_parallel: model.arch={model_cfg.arch!r} cannot be tensor-parallel yet; "
+            f"set tensor_parallel to 1 and use data_parallel with zero_stage 3 to shard it"
+        ]
+    sizes = {
+        "model.num_heads": model_cfg.num_heads,
+        "model.num_kv_heads": model_cfg.kv_heads,
+        "model.intermediate_size": model_cfg.ffn_size,
+        "model.vocab_size": model_cfg.vocab_size,
+    }
     if sequence_parallel and seq_length:
         sizes["data.seq_length"] = seq_length  # sequence shards must be equal for DTensor.from_local
     valid = [d for d in divisors(sizes["model.num_heads"]) if all(v % d == 0 for v in sizes.values())]
     out = []
     for key, value in sizes.items():
         if value % tp:
-            out.append(f"parallel.tensor_parallel: {tp} does not divide {key}={value} ({value} % {tp} = {value % tp}); "
-                       f"tensor_parallel values that divide every sharded size of this model: {valid}")
+            out.append(
+                f"parallel.tensor_parallel: {tp} does not divide {key}={value} ({value} % {tp} = {value % tp}); "
+                f"tensor_parallel values that divide every sharded size of this model: {valid}"
+            )
     return out

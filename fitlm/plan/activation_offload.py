@@ -52,8 +52,10 @@ def note(s: Setup) -> str | None:
     if not s.act_offload:
         return None
     if s.device_kind == "cpu":
-        return ("memory.activation_offload: on the cpu device the saved activations are in host memory already; "
-                "the runtime moves nothing and the plan is unchanged")
+        return (
+            "memory.activation_offload: on the cpu device the saved activations are in host memory already; "
+            "the runtime moves nothing and the plan is unchanged"
+        )
     return None
 
 

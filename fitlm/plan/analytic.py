@@ -45,9 +45,15 @@ LOGIT_BYTES = 12
 # (20 was fitted to a simulation that also counted DTensor's global-shape metadata run: fitlm.plan.fake_world.)
 LOGIT_BYTES_TP = 16
 WEIGHT_CAST = {"O0": 0, "O1": 2, "O2": 2, "O3": 0}  # half weight copies saved by the matmuls, per parameter
-REFERENCE = "DPO reference model (frozen, unsharded)"  # the part of `other` that fitlm.plan.finetune.reference_bytes counts
-ATTN_BACKWARD = "matmul attention backward (one query block's scores)"  # a part of `activations` (attention_backward_bytes)
-ATTN_PROBS = "matmul_saved attention probabilities (fp32, kept for backward)"  # a part of `activations` (kept_probabilities)
+REFERENCE = (
+    "DPO reference model (frozen, unsharded)"  # the part of `other` that fitlm.plan.finetune.reference_bytes counts
+)
+ATTN_BACKWARD = (
+    "matmul attention backward (one query block's scores)"  # a part of `activations` (attention_backward_bytes)
+)
+ATTN_PROBS = (
+    "matmul_saved attention probabilities (fp32, kept for backward)"  # a part of `activations` (kept_probabilities)
+)
 
 
 def param_bytes(s: Setup) -> int:
@@ -86,8 +92,15 @@ class Breakdown:
         return self.params + self.grads + self.optimizer + self.activations + self.logits + self.other
 
     def as_dict(self) -> dict[str, int]:
-        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
-                "activations": self.activations, "logits": self.logits, "other": self.other, "total": self.total}
+        return {
+            "params": self.params,
+            "grads": self.grads,
+            "optimizer": self.optimizer,
+            "activations": self.activations,
+            "logits": self.logits,
+            "other": self.other,
+            "total": self.total,
+        }
 
 
 def stage_params(s: Setup, first: bool) -> int:
@@ -123,12 +136,19 @@ def block_act_per_token(s: Setup) -> float:
     masked = s.doc_mask or s.sliding  # a masked SDPA expands k, v to every query head
     # (not context parallel's: its gathered k, v are attended unexpanded and counted per layer, fitlm.plan.context_parallel)
     # (nor the blocked matmul attentions': they fold a key head's query heads onto it)
-    gqa_repeat = 2 * act_bytes(s) * (s.q - s.kv) if masked and s.kv < s.q and s.cp == 1 and not blocked_attention(s) else 0
+    gqa_repeat = (
+        2 * act_bytes(s) * (s.q - s.kv) if masked and s.kv < s.q and s.cp == 1 and not blocked_attention(s) else 0
+    )
     # Soft-capped eager attention keeps, per score, tanh's output and the fp32 softmax (8 bytes; the half
     # cast of the probabilities at half levels replaces nothing: 2 + 4 + 2).
     scores = 8 * s.heads * s.seq if s.softcap else 0
-    return rep_h + (shard * s.q + kv * s.kv + f * s.ffn + gqa_repeat + scores + attention_kept(s)) / t \
-        + d * s.head_dim + 8 - cp.local_kv_per_token(s)
+    return (
+        rep_h
+        + (shard * s.q + kv * s.kv + f * s.ffn + gqa_repeat + scores + attention_kept(s)) / t
+        + d * s.head_dim
+        + 8
+        - cp.local_kv_per_token(s)
+    )
 
 
 def blocked_attention(s: Setup) -> str | None:
@@ -172,13 +192,19 @@ def block_act_recompute(s: Setup, tokens: float) -> float:
         e, t = act_bytes(s), s.tp
         width = s.h / (t if s.sp else 1)
         # (matmul_saved: its score matmuls' fp32 outputs are the saved matmul outputs, as many bytes as its probabilities)
-        return tokens * (residual_bytes(s) * width + e * (2 * s.q + 2 * s.kv + 2 * s.ffn) / t
-                         + 2 * e * width + attention_kept(s) / t - cp.local_kv_per_token(s))
+        return tokens * (
+            residual_bytes(s) * width
+            + e * (2 * s.q + 2 * s.kv + 2 * s.ffn) / t
+            + 2 * e * width
+            + attention_kept(s) / t
+            - cp.local_kv_per_token(s)
+        )
     return tokens * per_token
 
 
-def activations(s: Setup, tokens: float, layers: int, in_flight: float, first: bool = True
-                ) -> tuple[float, float, float]:
+def activations(
+    s: Setup, tokens: float, layers: int, in_flight: float, first: bool = True
+) -> tuple[float, float, float]:
     """(kept, casts, working): saved activations of `layers` blocks for `in_flight` micro-chunks of `tokens`
     tokens each, the saved half weight copies among them, and -- under recompute -- the extra working set of
     the one block rebuilt in backward (a second peak candidate, after the logits are freed). `first`: the
@@ -287,8 +313,14 @@ def model_states(s: Setup, n: float, trained: float | None = None) -> tuple[floa
 
 def recasts(s: Setup) -> bool:
     """fitlm.memory.precision.recasts_in_backward for this variant."""
-    return recasts_in_backward(s.level, s.recompute, s.cfg.memory.compile, s.dims.fsdp_sharded, s.tp,
-                               offload=s.cfg.memory.activation_offload is not False)
+    return recasts_in_backward(
+        s.level,
+        s.recompute,
+        s.cfg.memory.compile,
+        s.dims.fsdp_sharded,
+        s.tp,
+        offload=s.cfg.memory.activation_offload is not False,
+    )
 
 
 def foreach_adamw(s: Setup) -> bool:
@@ -329,8 +361,10 @@ def _stage(s: Setup, first: bool) -> Breakdown:
     outside = in_flight * outside_bytes(s, tokens) * (1 if has_logits else 0.5)
     moved = offload(s, kept - casts, layers, outside)  # memory.activation_offload (fitlm.plan.activation_offload)
     kept, outside, host_act = moved.blocks + casts, moved.outside, moved.host
-    act_parts = {cp.GATHERED: in_flight * gathered_layers(s, layers) * cp.gathered_kv(s),
-                 ATTN_PROBS: kept_probabilities(s, tokens, layers, in_flight)}
+    act_parts = {
+        cp.GATHERED: in_flight * gathered_layers(s, layers) * cp.gathered_kv(s),
+        ATTN_PROBS: kept_probabilities(s, tokens, layers, in_flight),
+    }
     if host_act:
         act_parts[cp.GATHERED] *= min(layers, RESIDENT_BLOCKS) / layers  # the rest went to the host with its blocks
     logit = logits_bytes(s, tokens) if has_logits else 0.0
@@ -355,8 +389,9 @@ def _stage(s: Setup, first: bool) -> Breakdown:
         # QLoRA peaks in the last block's backward, while it dequantizes: that block gathered, the next one's
         # prefetch not yet issued (measured, MemTracker: one block, its NF4 codes, norms and adapters)
         nf4_block = ft.nf4_params(s) / s.layers
-        staging = (layer_params(s) + ft.rank_block_adapters(s) - nf4_block) * gathered_pb \
-            + ft.nf4_rank_bytes(s, gathered=True) / s.layers
+        staging = (layer_params(s) + ft.rank_block_adapters(s) - nf4_block) * gathered_pb + ft.nf4_rank_bytes(
+            s, gathered=True
+        ) / s.layers
     elif sharded and s.device_kind == "cpu" and not s.cfg.memory.compile:
         # Over gloo each Linear is its own FSDP2 unit (fitlm.parallel.data_parallel): in backward the one computing,
         # the prefetched one's all-gather buffer and its copy-out, at most three of the largest
@@ -368,7 +403,9 @@ def _stage(s: Setup, first: bool) -> Breakdown:
     # rebuilt by recompute).
     head_grad = s.vocab * s.h * param_bytes(s) / s.tp if has_logits and ft.head_trains(s) else 0.0
     cp_backward = cp.backward_bytes(s)  # context parallel: full-length K/V gradients in a block's backward
-    dequant = ft.dequant_bytes(s, tokens)  # QLoRA: the last block's largest NF4 weight dequantized for its input gradient
+    dequant = ft.dequant_bytes(
+        s, tokens
+    )  # QLoRA: the last block's largest NF4 weight dequantized for its input gradient
     attn_bwd = attention_backward_bytes(s, tokens / s.local_seq)  # memory.attention_backward: matmul
     # It peaks in the last block's attention backward, after that block's MLP backward let go of its saved tensors.
     attn_net = max(0.0, attn_bwd - tokens * s.level_bytes()[3] * s.ffn / s.tp)
@@ -397,8 +434,12 @@ def _stage(s: Setup, first: bool) -> Breakdown:
         grads_fb = (0.0 if s.accum == 1 else held) + grads_extra
     nf4_part = ((ft.NF4_PARAMS, int(ft.nf4_rank_bytes(s))),) if params and ft.nf4_params(s) else ()
     fb = _with_parts(params, grads_fb, opt, act, logit, parts, "forward/backward", host + host_act)
-    fb = replace(fb, activation_parts=tuple((k, int(v)) for k, v in act_parts.items() if v), host_activations=int(host_act),
-                 param_parts=nf4_part)
+    fb = replace(
+        fb,
+        activation_parts=tuple((k, int(v)) for k, v in act_parts.items() if v),
+        host_activations=int(host_act),
+        param_parts=nf4_part,
+    )
     # Optimizer step: gradients complete (DDP's are views into its buckets: no second copy), plus foreach
     # AdamW's one state-sized temporary (sqrt of v) where sharded DTensors keep it off the fused kernel.
     step_tmp = opt / 2 if not s.offload and foreach_adamw(s) else 0.0
@@ -439,8 +480,10 @@ def _backward_before_peak(s: Setup, first: bool) -> float:
     return 0.5 if s.schedule == "interleaved_1f1b" and not first else 1.0
 
 
-def _with_parts(params: float, grads: float, opt: float, act: float, logit: float, parts: dict[str, float],
-                phase: str, host: float) -> Breakdown:
+def _with_parts(
+    params: float, grads: float, opt: float, act: float, logit: float, parts: dict[str, float], phase: str, host: float
+) -> Breakdown:
     named = tuple((k, int(v)) for k, v in parts.items() if v)
-    return Breakdown(int(params), int(grads), int(opt), int(act), int(logit), sum(v for _, v in named), phase,
-                     int(host), named)
+    return Breakdown(
+        int(params), int(grads), int(opt), int(act), int(logit), sum(v for _, v in named), phase, int(host), named
+    )

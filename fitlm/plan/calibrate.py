@@ -26,19 +26,27 @@ def sustained_tflops(path: str | Path) -> tuple[float, str]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise CalibrationError(f"--calibrate {path}: no such file; give the profile.json that `fitlm profile` wrote "
-                               "(or its --out directory)") from None
+        raise CalibrationError(
+            f"--calibrate {path}: no such file; give the profile.json that `fitlm profile` wrote "
+            "(or its --out directory)"
+        ) from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CalibrationError(f"--calibrate {path}: not a JSON file ({exc}); give the profile.json of `fitlm profile`") from None
+        raise CalibrationError(
+            f"--calibrate {path}: not a JSON file ({exc}); give the profile.json of `fitlm profile`"
+        ) from None
     timing = (data.get("plan") or {}).get("timing") if isinstance(data, dict) else None
     measured = data.get("step_time_s") if isinstance(data, dict) else None
     if not timing or not measured or not all(timing.get(k) for k in ("step_time_s", "efficiency", "tflops")):
-        raise CalibrationError(f"--calibrate {path}: holds no measured step time and planned timing "
-                               "(`step_time_s`, `plan.timing`); re-run `fitlm profile` to get a complete profile.json")
+        raise CalibrationError(
+            f"--calibrate {path}: holds no measured step time and planned timing "
+            "(`step_time_s`, `plan.timing`); re-run `fitlm profile` to get a complete profile.json"
+        )
     rate = timing["tflops"] * timing["efficiency"] * timing["step_time_s"] / measured
-    note = (f"calibrated from {path}: measured step {measured:.3g} s vs planned {timing['step_time_s']:.3g} s "
-            f"({timing.get('device', '?')} at {timing['efficiency']:.0%} of {timing['tflops']:.3g} TFLOP/s), "
-            f"so the device sustains {rate:.3g} TFLOP/s")
+    note = (
+        f"calibrated from {path}: measured step {measured:.3g} s vs planned {timing['step_time_s']:.3g} s "
+        f"({timing.get('device', '?')} at {timing['efficiency']:.0%} of {timing['tflops']:.3g} TFLOP/s), "
+        f"so the device sustains {rate:.3g} TFLOP/s"
+    )
     return rate, note
 
 

@@ -27,21 +27,45 @@ class ConfigImportError(ValueError):
     """The source YAML cannot be translated; the message names the file or key and the fix."""
 
 
-ARCHS = {"llamaconfig": "llama", "llama2config": "llama", "llamaforcausallm": "llama", "gpt2config": "gpt2",
-         "gpt2lmheadmodel": "gpt2"}
+ARCHS = {
+    "llamaconfig": "llama",
+    "llama2config": "llama",
+    "llamaforcausallm": "llama",
+    "gpt2config": "gpt2",
+    "gpt2lmheadmodel": "gpt2",
+}
 HALF = {"float16": "fp16", "bfloat16": "bf16"}
-SCHEDULES = {"cosinewithwarmuplr": "cosine", "cosinewithrestartswithwarmuplr": "cosine", "linearwithwarmuplr": "linear",
-             "constantwarmuplr": "constant", "constantwithwarmuplr": "constant", "polynomialwithwarmuplr": "linear"}
+SCHEDULES = {
+    "cosinewithwarmuplr": "cosine",
+    "cosinewithrestartswithwarmuplr": "cosine",
+    "linearwithwarmuplr": "linear",
+    "constantwarmuplr": "constant",
+    "constantwithwarmuplr": "constant",
+    "polynomialwithwarmuplr": "linear",
+}
 ADAMW = {"adamw", "fusedadamweightdecay", "adamweightdecay", "fp32stateadamweightdecay"}
 # MindFormers' llama module names -> fitlm's (HF) names, for pet_config.target_modules.
-LORA_NAMES = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj", "w1": "gate_proj", "w3": "up_proj",
-              "w2": "down_proj", "q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "o_proj": "o_proj",
-              "gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
+LORA_NAMES = {
+    "wq": "q_proj",
+    "wk": "k_proj",
+    "wv": "v_proj",
+    "wo": "o_proj",
+    "w1": "gate_proj",
+    "w3": "up_proj",
+    "w2": "down_proj",
+    "q_proj": "q_proj",
+    "k_proj": "k_proj",
+    "v_proj": "v_proj",
+    "o_proj": "o_proj",
+    "gate_proj": "gate_proj",
+    "up_proj": "up_proj",
+    "down_proj": "down_proj",
+}
 # Why a block's keys (when not translated) have no equivalent.
 BLOCK_REASONS = {
     "context": "a MindSpore runtime setting; fitlm runs PyTorch on CUDA or CPU",
     "train_dataset": "the MindSpore dataset pipeline; fitlm reads token directories made by `fitlm data pack` "
-                     "(set data.train)",
+    "(set data.train)",
     "train_dataset_task": "the MindSpore dataset pipeline; fitlm reads `fitlm data pack` output (set data.train)",
     "eval_dataset": "the MindSpore dataset pipeline; set data.valid to a `fitlm data pack` directory",
     "eval_dataset_task": "the MindSpore dataset pipeline; set data.valid to a `fitlm data pack` directory",
@@ -61,7 +85,7 @@ BLOCK_REASONS = {
 # Keys whose reason is more specific than their block's.
 KEY_REASONS = {
     "load_checkpoint": "a MindSpore .ckpt cannot be read; convert the weights to Hugging Face safetensors and set "
-                       "model.init_from",
+    "model.init_from",
     "resume_training": "fitlm resumes from its own checkpoints (checkpoint.resume: auto)",
     "run_mode": "fitlm trains whenever it is given a config; fine-tuning is model.init_from + finetune.method",
     "use_parallel": "fitlm launches one process per device from the parallel layout (`fitlm train --nproc`)",
@@ -72,15 +96,19 @@ KEY_REASONS = {
     "parallel_config.vocab_emb_dp": "fitlm shards the embedding by vocabulary under tensor parallel",
     "parallel_config.gradient_aggregation_group": "gradient communication fusion; DDP/FSDP2 bucket gradients themselves",
     "train_dataset.data_loader.dataset_dir": "MindRecord data cannot be read; pack the source text with "
-                                             "`fitlm data pack` and set data.train (a placeholder is written)",
+    "`fitlm data pack` and set data.train (a placeholder is written)",
 }
+
 
 @dataclass
 class Translation:
     source: dict[str, Any]
     path: str
-    out: dict[str, dict[str, Any]] = field(default_factory=lambda: {k: {} for k in (
-        "model", "data", "parallel", "memory", "finetune", "train", "checkpoint")})
+    out: dict[str, dict[str, Any]] = field(
+        default_factory=lambda: {
+            k: {} for k in ("model", "data", "parallel", "memory", "finetune", "train", "checkpoint")
+        }
+    )
     notes: list[dict[str, str]] = field(default_factory=list)
     used: set[str] = field(default_factory=set)
 
@@ -120,8 +148,10 @@ class Translation:
 def read_source(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if p.suffix.lower() not in (".yaml", ".yml"):
-        raise ConfigImportError(f"{p}: not a YAML file (expected .yaml or .yml); pass a MindSpore Transformers "
-                                "training YAML such as run_llama2_7b.yaml")
+        raise ConfigImportError(
+            f"{p}: not a YAML file (expected .yaml or .yml); pass a MindSpore Transformers "
+            "training YAML such as run_llama2_7b.yaml"
+        )
     if not p.is_file():
         raise ConfigImportError(f"{p} does not exist: pass the path of a MindSpore Transformers YAML file")
     try:
@@ -129,7 +159,9 @@ def read_source(path: str | Path) -> dict[str, Any]:
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
-        raise ConfigImportError(f"{p}: malformed YAML{where}: {getattr(e, 'problem', None) or e}; fix the syntax") from None
+        raise ConfigImportError(
+            f"{p}: malformed YAML{where}: {getattr(e, 'problem', None) or e}; fix the syntax"
+        ) from None
     if not isinstance(data, dict):
         raise ConfigImportError(f"{p}: the top level must be a mapping (run_mode:, model:, parallel_config:, ...)")
     return data
@@ -159,25 +191,33 @@ def translate(source: dict[str, Any], path: str = "<yaml>") -> tuple[Config, lis
 def _model(t: Translation) -> None:
     mc = t.peek("model.model_config")
     if not isinstance(mc, dict):
-        raise ConfigImportError(f"{t.path}: model.model_config is missing; a MindFormers training YAML describes "
-                                "the network there (type: LlamaConfig, hidden_size, num_layers, ...)")
+        raise ConfigImportError(
+            f"{t.path}: model.model_config is missing; a MindFormers training YAML describes "
+            "the network there (type: LlamaConfig, hidden_size, num_layers, ...)"
+        )
     key, kind = t.first("model.model_config.type", "model.arch.type")
     arch = ARCHS.get(str(kind).lower()) if kind else "llama"
     if arch is None:
-        raise ConfigImportError(f"{t.path}: {key}: {kind} is not a model fitlm has; supported types are "
-                                f"{', '.join(sorted({'LlamaConfig', 'LlamaForCausalLM', 'GPT2Config'}))} "
-                                "(Llama 2/3-style models use LlamaConfig)")
+        raise ConfigImportError(
+            f"{t.path}: {key}: {kind} is not a model fitlm has; supported types are "
+            f"{', '.join(sorted({'LlamaConfig', 'LlamaForCausalLM', 'GPT2Config'}))} "
+            "(Llama 2/3-style models use LlamaConfig)"
+        )
     if kind is None:
         t.note("model.model_config.type", "absent; assumed a Llama model (LlamaConfig)")
     t.get("model.arch.type")
     t.set("model", "arch", arch)
     p = "model.model_config."
-    for fitlm_key, names in (("hidden_size", ("hidden_size",)), ("num_layers", ("num_layers", "num_hidden_layers")),
-                             ("num_heads", ("num_heads", "num_attention_heads")),
-                             ("num_kv_heads", ("n_kv_heads", "num_key_value_heads")), ("vocab_size", ("vocab_size",)),
-                             ("norm_eps", ("rms_norm_eps", "layernorm_epsilon", "layer_norm_epsilon")),
-                             ("rope_theta", ("theta", "rope_theta")),
-                             ("tie_embeddings", ("tie_word_embeddings", "tie_embeddings"))):
+    for fitlm_key, names in (
+        ("hidden_size", ("hidden_size",)),
+        ("num_layers", ("num_layers", "num_hidden_layers")),
+        ("num_heads", ("num_heads", "num_attention_heads")),
+        ("num_kv_heads", ("n_kv_heads", "num_key_value_heads")),
+        ("vocab_size", ("vocab_size",)),
+        ("norm_eps", ("rms_norm_eps", "layernorm_epsilon", "layer_norm_epsilon")),
+        ("rope_theta", ("theta", "rope_theta")),
+        ("tie_embeddings", ("tie_word_embeddings", "tie_embeddings")),
+    ):
         _, v = t.first(*(p + n for n in names))
         if v is not None:
             t.set("model", fitlm_key, v)
@@ -223,8 +263,11 @@ def _pet(t: Translation, pet: Any) -> None:
         unknown = sorted({n for n in names if n not in LORA_NAMES})
         if targets:
             lora["target_modules"] = targets
-        t.note(p + "target_modules", f"regex {regex!r} read as module names {targets or 'none (default q_proj, v_proj)'}"
-               + (f"; unrecognised parts {unknown} ignored" if unknown else ""))
+        t.note(
+            p + "target_modules",
+            f"regex {regex!r} read as module names {targets or 'none (default q_proj, v_proj)'}"
+            + (f"; unrecognised parts {unknown} ignored" if unknown else ""),
+        )
     t.set("finetune", "lora", lora)
 
 
@@ -234,8 +277,11 @@ def _layout(t: Translation) -> None:
     cp = int(t.get(pc + "context_parallel", 1) or 1)
     if cp > 1:
         dp *= cp
-        t.note(pc + "context_parallel", f"{cp}: fitlm has no context parallel; its ranks were folded into "
-                                        f"data_parallel ({dp}), so the device count is unchanged")
+        t.note(
+            pc + "context_parallel",
+            f"{cp}: fitlm has no context parallel; its ranks were folded into "
+            f"data_parallel ({dp}), so the device count is unchanged",
+        )
     t.out["parallel"].update(data_parallel=dp, tensor_parallel=tp, pipeline_parallel=pp)
     mbn = t.get(pc + "micro_batch_num")
     if mbn is not None and pp > 1:
@@ -251,18 +297,27 @@ def _layout(t: Translation) -> None:
     if shard and dp > 1:
         stage = 1 if tp == 1 and pp == 1 else 2
         t.set("parallel", "zero_stage", stage)
-        key = "parallel.enable_parallel_optimizer" if "enable_parallel_optimizer" in (t.source.get("parallel") or {}) \
+        key = (
+            "parallel.enable_parallel_optimizer"
+            if "enable_parallel_optimizer" in (t.source.get("parallel") or {})
             else pc + "optimizer_shard"
-        t.note(key, f"true: MindSpore's parallel optimizer shards optimizer states (and weights) over data parallel; "
-                    f"approximated by parallel.zero_stage: {stage}" + ("" if stage == 1 else " (FSDP2; ZeRO-1 works "
-                    "with plain data parallel only)") + "; try zero_stage 3 in `fitlm plan --search`")
+        )
+        t.note(
+            key,
+            f"true: MindSpore's parallel optimizer shards optimizer states (and weights) over data parallel; "
+            f"approximated by parallel.zero_stage: {stage}"
+            + ("" if stage == 1 else " (FSDP2; ZeRO-1 works with plain data parallel only)")
+            + "; try zero_stage 3 in `fitlm plan --search`",
+        )
     elif shard:
         t.note("parallel.enable_parallel_optimizer", "true with data_parallel 1: nothing to shard; zero_stage 0")
     rc = "recompute_config."
     full, select = t.get(rc + "recompute"), t.get(rc + "select_recompute")
     if isinstance(full, list) or isinstance(select, list):
-        t.note(rc + ("recompute" if isinstance(full, list) else "select_recompute"),
-               "per-stage layer counts approximated: every block recomputed in the same mode")
+        t.note(
+            rc + ("recompute" if isinstance(full, list) else "select_recompute"),
+            "per-stage layer counts approximated: every block recomputed in the same mode",
+        )
     if _truthy(full):
         t.set("memory", "recompute", "full")
         if _truthy(select):
@@ -287,14 +342,20 @@ def _precision(t: Translation) -> None:
     for key in ("softmax_compute_type", "layernorm_compute_type", "rotary_dtype"):
         v = t.get(p + key)
         if v is not None and str(v).lower() != "float32":
-            t.note(p + key, f"{v}: fitlm keeps softmax statistics, norm statistics and RoPE tables in fp32 at every "
-                            "precision level")
+            t.note(
+                p + key,
+                f"{v}: fitlm keeps softmax statistics, norm statistics and RoPE tables in fp32 at every "
+                "precision level",
+            )
     rw = "runner_wrapper.scale_sense."
     kind = str(t.get(rw + "type", "")).lower()
     if "dynamic" in kind:
         ls = {}
-        for src, dst in (("loss_scale_value", "initial_scale"), ("scale_factor", "growth_factor"),
-                         ("scale_window", "growth_interval")):
+        for src, dst in (
+            ("loss_scale_value", "initial_scale"),
+            ("scale_factor", "growth_factor"),
+            ("scale_window", "growth_interval"),
+        ):
             if (v := t.get(rw + src)) is not None:
                 ls[dst] = v
         if "growth_factor" in ls:
@@ -315,19 +376,28 @@ def _precision(t: Translation) -> None:
 
 def _training(t: Translation) -> None:
     tr = t.out["train"]
-    for src, dst in (("runner_config.batch_size", "micro_batch_size"),
-                     ("runner_config.gradient_accumulation_steps", "gradient_accumulation_steps"),
-                     ("optimizer.beta1", "beta1"), ("optimizer.beta2", "beta2"), ("optimizer.eps", "eps"),
-                     ("optimizer.weight_decay", "weight_decay"), ("seed", "seed"), ("output_dir", "output_dir")):
+    for src, dst in (
+        ("runner_config.batch_size", "micro_batch_size"),
+        ("runner_config.gradient_accumulation_steps", "gradient_accumulation_steps"),
+        ("optimizer.beta1", "beta1"),
+        ("optimizer.beta2", "beta2"),
+        ("optimizer.eps", "eps"),
+        ("optimizer.weight_decay", "weight_decay"),
+        ("seed", "seed"),
+        ("output_dir", "output_dir"),
+    ):
         v = t.get(src)
         if v is not None:
             tr[dst] = v
     chunks = t.out["parallel"].get("micro_batch_num", 1)
     if chunks > 1:  # MindFormers: batch_size per pipeline micro batch; fitlm splits one micro batch into chunks
         tr["micro_batch_size"] = tr.get("micro_batch_size", 1) * chunks
-        t.note("parallel_config.micro_batch_num", f"{chunks}: fitlm splits each micro batch into micro_batch_num "
-                                                  f"pipeline chunks, so train.micro_batch_size = batch_size × "
-                                                  f"{chunks} = {tr['micro_batch_size']} (same global batch)")
+        t.note(
+            "parallel_config.micro_batch_num",
+            f"{chunks}: fitlm splits each micro batch into micro_batch_num "
+            f"pipeline chunks, so train.micro_batch_size = batch_size × "
+            f"{chunks} = {tr['micro_batch_size']} (same global batch)",
+        )
     kind = t.get("optimizer.type")
     if kind is not None and str(kind).lower() not in ADAMW:
         t.note("optimizer.type", f"{kind}: fitlm trains with AdamW; its betas, eps and weight decay were kept")
@@ -347,8 +417,11 @@ def _training(t: Translation) -> None:
     if total is not None and int(total) > 0:
         tr["max_steps"] = int(total)
     elif t.get("runner_config.epochs") is not None:
-        t.note("runner_config.epochs", "fitlm counts optimizer steps: set train.max_steps (epochs × sequences / "
-                                       "global batch); the default was kept")
+        t.note(
+            "runner_config.epochs",
+            "fitlm counts optimizer steps: set train.max_steps (epochs × sequences / "
+            "global batch); the default was kept",
+        )
     warm, ratio = t.get("lr_schedule.warmup_steps"), t.get("lr_schedule.warmup_ratio")
     if warm is not None:
         tr["warmup_steps"] = int(warm)
@@ -367,8 +440,11 @@ def _training(t: Translation) -> None:
             t.used.add(f"callbacks[{i}].type")
     context_memory = t.get("context.max_device_memory")
     if context_memory is not None:
-        t.note("context.max_device_memory", f"{context_memory}: plan against it with `fitlm plan CONFIG "
-                                            f"--device-memory {str(context_memory).replace(' ', '')}`")
+        t.note(
+            "context.max_device_memory",
+            f"{context_memory}: plan against it with `fitlm plan CONFIG "
+            f"--device-memory {str(context_memory).replace(' ', '')}`",
+        )
     if str(t.get("context.device_target", "")).lower() == "ascend":
         t.note("context.device_target", "Ascend: fitlm trains on CUDA or CPU; plan for it with --device ascend-910b")
 

@@ -54,22 +54,95 @@ class Device:
 # DGX user guides); consumer cards: a typical 8-GPU RTX server, 256 GB (configurations vary); Atlas 800T A2 as
 # commonly configured, 1 TB. `fitlm plan --host-memory` sets yours.
 _TB = 10**12
-CATALOG: dict[str, Device] = {d.name: d for d in [
-    Device("a100-40g", 40 * GiB, 312.0, 1555.0, 300.0, 25.0, source="NVIDIA A100 datasheet",
-           host_memory_bytes=1 * _TB, host_source="DGX A100 320 GB: 1 TB"),
-    Device("a100-80g", 80 * GiB, 312.0, 2039.0, 300.0, 25.0, source="NVIDIA A100 datasheet",
-           host_memory_bytes=2 * _TB, host_source="DGX A100 640 GB: 2 TB"),
-    Device("h100-80g", 80 * GiB, 989.0, 3350.0, 450.0, 50.0, efficiency=0.45, source="NVIDIA H100 SXM datasheet",
-           host_memory_bytes=2 * _TB, host_source="DGX H100: 2 TB", host_link_gbs=50.0),
-    Device("h200", 141 * 10**9, 989.0, 4800.0, 450.0, 50.0, efficiency=0.45, source="NVIDIA H200 datasheet",
-           host_memory_bytes=2 * _TB, host_source="DGX H200: 2 TB", host_link_gbs=50.0),
-    Device("rtx4090", 24 * GiB, 165.0, 1008.0, 25.0, 3.0, node_size=8, source="NVIDIA Ada whitepaper",
-           host_memory_bytes=256 * 10**9, host_source="an 8-GPU RTX server, 256 GB (typical; set --host-memory)"),
-    Device("rtx3090", 24 * GiB, 71.0, 936.0, 25.0, 3.0, node_size=8, source="NVIDIA GA102 whitepaper",
-           host_memory_bytes=256 * 10**9, host_source="an 8-GPU RTX server, 256 GB (typical; set --host-memory)"),
-    Device("ascend-910b", 64 * GiB, 313.0, 1600.0, 196.0, 25.0, efficiency=0.4, source="Huawei Atlas 800T A2",
-           host_memory_bytes=1 * _TB, host_source="Atlas 800T A2, 1 TB (as commonly configured)"),
-]}
+CATALOG: dict[str, Device] = {
+    d.name: d
+    for d in [
+        Device(
+            "a100-40g",
+            40 * GiB,
+            312.0,
+            1555.0,
+            300.0,
+            25.0,
+            source="NVIDIA A100 datasheet",
+            host_memory_bytes=1 * _TB,
+            host_source="DGX A100 320 GB: 1 TB",
+        ),
+        Device(
+            "a100-80g",
+            80 * GiB,
+            312.0,
+            2039.0,
+            300.0,
+            25.0,
+            source="NVIDIA A100 datasheet",
+            host_memory_bytes=2 * _TB,
+            host_source="DGX A100 640 GB: 2 TB",
+        ),
+        Device(
+            "h100-80g",
+            80 * GiB,
+            989.0,
+            3350.0,
+            450.0,
+            50.0,
+            efficiency=0.45,
+            source="NVIDIA H100 SXM datasheet",
+            host_memory_bytes=2 * _TB,
+            host_source="DGX H100: 2 TB",
+            host_link_gbs=50.0,
+        ),
+        Device(
+            "h200",
+            141 * 10**9,
+            989.0,
+            4800.0,
+            450.0,
+            50.0,
+            efficiency=0.45,
+            source="NVIDIA H200 datasheet",
+            host_memory_bytes=2 * _TB,
+            host_source="DGX H200: 2 TB",
+            host_link_gbs=50.0,
+        ),
+        Device(
+            "rtx4090",
+            24 * GiB,
+            165.0,
+            1008.0,
+            25.0,
+            3.0,
+            node_size=8,
+            source="NVIDIA Ada whitepaper",
+            host_memory_bytes=256 * 10**9,
+            host_source="an 8-GPU RTX server, 256 GB (typical; set --host-memory)",
+        ),
+        Device(
+            "rtx3090",
+            24 * GiB,
+            71.0,
+            936.0,
+            25.0,
+            3.0,
+            node_size=8,
+            source="NVIDIA GA102 whitepaper",
+            host_memory_bytes=256 * 10**9,
+            host_source="an 8-GPU RTX server, 256 GB (typical; set --host-memory)",
+        ),
+        Device(
+            "ascend-910b",
+            64 * GiB,
+            313.0,
+            1600.0,
+            196.0,
+            25.0,
+            efficiency=0.4,
+            source="Huawei Atlas 800T A2",
+            host_memory_bytes=1 * _TB,
+            host_source="Atlas 800T A2, 1 TB (as commonly configured)",
+        ),
+    ]
+}
 
 
 def this_host_ram() -> int:
@@ -81,6 +154,7 @@ def this_host_ram() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
 
 _cpu_cache: dict[str, Device] = {}
 
@@ -102,30 +176,56 @@ def measure_cpu() -> Device:
         memory = this_host_ram()
         # Processes on one host exchange through shared memory (gloo): about a memory copy's speed. A CPU rank's
         # process (interpreter, torch, fitlm) is ~0.4 GiB resident before its tensors (measured by fitlm profile).
-        _cpu_cache["cpu"] = Device("cpu", memory, flops / 1e12, bw, bw / 2, bw / 2, node_size=10**6,
-                                   reserved_bytes=int(0.1 * memory), efficiency=0.6,
-                                   source="measured on this machine (fp32 GEMM, memory copy)",
-                                   host_memory_bytes=memory, host_runtime_bytes=GiB // 2,
-                                   host_source="this machine (/proc/meminfo)")
+        _cpu_cache["cpu"] = Device(
+            "cpu",
+            memory,
+            flops / 1e12,
+            bw,
+            bw / 2,
+            bw / 2,
+            node_size=10**6,
+            reserved_bytes=int(0.1 * memory),
+            efficiency=0.6,
+            source="measured on this machine (fp32 GEMM, memory copy)",
+            host_memory_bytes=memory,
+            host_runtime_bytes=GiB // 2,
+            host_source="this machine (/proc/meminfo)",
+        )
     return _cpu_cache["cpu"]
 
 
-def get_device(name: str | None = None, memory: str | None = None, tflops: float | None = None,
-               bandwidth: float | None = None, efficiency: float | None = None, host_memory: str | None = None) -> Device:
+def get_device(
+    name: str | None = None,
+    memory: str | None = None,
+    tflops: float | None = None,
+    bandwidth: float | None = None,
+    efficiency: float | None = None,
+    host_memory: str | None = None,
+) -> Device:
     """A catalog device (default a100-80g), with any custom number from the flags replacing its own. A custom
     device is taken to be in this machine (its RAM is the host's) unless `host_memory` says otherwise."""
     if name == "cpu":
         dev = measure_cpu()
     elif name is None and memory is not None and tflops is not None:
-        dev = Device("custom", parse_bytes(memory), tflops, 2000.0, bandwidth or 100.0, source="command-line flags",
-                     host_memory_bytes=this_host_ram(), host_source="this machine (/proc/meminfo)")
+        dev = Device(
+            "custom",
+            parse_bytes(memory),
+            tflops,
+            2000.0,
+            bandwidth or 100.0,
+            source="command-line flags",
+            host_memory_bytes=this_host_ram(),
+            host_source="this machine (/proc/meminfo)",
+        )
     elif name is None:
         dev = CATALOG["a100-80g"]
     elif name in CATALOG:
         dev = CATALOG[name]
     else:
-        raise DeviceError(f"--device {name!r} is not in the catalog; use one of {', '.join([*CATALOG, 'cpu'])}, "
-                          "or give --device-memory and --device-tflops for any other device")
+        raise DeviceError(
+            f"--device {name!r} is not in the catalog; use one of {', '.join([*CATALOG, 'cpu'])}, "
+            "or give --device-memory and --device-tflops for any other device"
+        )
     changes: dict = {}
     if memory is not None:
         changes["memory_bytes"] = parse_bytes(memory)
@@ -145,15 +245,29 @@ class DeviceError(ValueError):
     """A device name or number the planner cannot use."""
 
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
-          "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def parse_bytes(text: str, flag: str = "--device-memory") -> int:
     """'80GiB', '40GB', '24g', '1e9' -> bytes (GB = 10^9, GiB = 2^30)."""
     s = str(text).strip().lower().replace(" ", "")
     num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = s[len(num):]
+    unit = s[len(num) :]
     if unit not in _UNITS or not num:
         raise DeviceError(f"{flag} {text!r}: write a size such as 80GiB, 40GB or 24e9")
     return int(float(num) * _UNITS[unit])

@@ -59,32 +59,53 @@ def remedies(s: Setup) -> list[Remedy]:
     if s.dims.fsdp_sharded and s.accum > 1 and not s.sync_every and s.pp == 1:  # pp reduces once per step anyway
         trials.append(("parallel.gradient_sync: every_micro_batch", replace(s, gradient_sync="every_micro_batch")))
     if s.mbs > 1 and s.mbs % 2 == 0 and (s.pp == 1 or (s.mbs // 2) % s.chunks == 0):
-        trials.append((f"train.micro_batch_size: {s.mbs // 2} (gradient_accumulation_steps: {s.accum * 2})",
-                       replace(s, mbs=s.mbs // 2, accum=s.accum * 2)))
+        trials.append(
+            (
+                f"train.micro_batch_size: {s.mbs // 2} (gradient_accumulation_steps: {s.accum * 2})",
+                replace(s, mbs=s.mbs // 2, accum=s.accum * 2),
+            )
+        )
     if not s.offload:
         trials.append(("memory.cpu_offload: true", replace(s, offload=True)))
     if not s.act_offload and s.device_kind != "cpu":
         trials.append(("memory.activation_offload: true", replace(s, act_offload=True)))
     cp = s.cp * 2  # context parallel instead of half the data-parallel replicas: each sequence over twice the ranks
     if s.dp % 2 == 0 and s.pp == 1 and s.seq % (2 * cp) == 0 and s.method == "full":
-        trials.append((f"parallel.context_parallel: {cp} (data_parallel: {s.dp // 2})",
-                       replace(s, cp=cp, dp=s.dp // 2, accum=s.accum * 2)))
+        trials.append(
+            (
+                f"parallel.context_parallel: {cp} (data_parallel: {s.dp // 2})",
+                replace(s, cp=cp, dp=s.dp // 2, accum=s.accum * 2),
+            )
+        )
     if s.dp % 2 == 0 and _tp_ok(s, s.tp * 2):
-        trials.append((f"parallel.tensor_parallel: {s.tp * 2} (data_parallel: {s.dp // 2})",
-                       replace(s, tp=s.tp * 2, dp=s.dp // 2, zero=s.zero if s.zero != 1 else 2,
-                               accum=s.accum * 2)))
+        trials.append(
+            (
+                f"parallel.tensor_parallel: {s.tp * 2} (data_parallel: {s.dp // 2})",
+                replace(s, tp=s.tp * 2, dp=s.dp // 2, zero=s.zero if s.zero != 1 else 2, accum=s.accum * 2),
+            )
+        )
     if s.tp > 1 and not s.sp:
         trials.append(("parallel.sequence_parallel: true", replace(s, sp=True)))
     if s.level in ("O0", "O1"):
         trials.append(("memory.mixed_precision: O2", replace(s, level="O2")))
     if s.pretrained and s.method == "full":  # LoRA and freeze run under every layout
         qv = replace(s, lora_r=8, lora_targets=("q_proj", "v_proj"))
-        trials.append(("finetune.method: lora (r 8 on q_proj, v_proj; trains adapters only)", replace(qv, method="lora")))
+        trials.append(
+            ("finetune.method: lora (r 8 on q_proj, v_proj; trains adapters only)", replace(qv, method="lora"))
+        )
         # QLoRA only where fitlm.rules lets it run (torchao installed, no TP/PP/CP, not O3): `_allowed` drops it
-        trials.append(("finetune.method: qlora (r 8 on q_proj, v_proj; adapters on a 4-bit NF4 base)",
-                       replace(qv, method="qlora")))
-        trials.append(("finetune.method: freeze (freeze_layers: 0.5; trains the top half only)",
-                       replace(s, method="freeze", freeze_layers=0.5, freeze_embeddings=False)))
+        trials.append(
+            (
+                "finetune.method: qlora (r 8 on q_proj, v_proj; adapters on a 4-bit NF4 base)",
+                replace(qv, method="qlora"),
+            )
+        )
+        trials.append(
+            (
+                "finetune.method: freeze (freeze_layers: 0.5; trains the top half only)",
+                replace(s, method="freeze", freeze_layers=0.5, freeze_embeddings=False),
+            )
+        )
     if s.pretrained and s.method == "lora":  # the same adapters on the base stored in 4 bits
         trials.append(("finetune.method: qlora (the same adapters on a 4-bit NF4 base)", replace(s, method="qlora")))
     before = breakdown(s).total
@@ -103,13 +124,20 @@ def oom_message(cfg, phase: str, rank: int, device_memory: int | None = None) ->
     b = breakdown(s)
     gib = 1024**3
     parts = ", ".join(f"{k} {v / gib:.2f} GiB" for k, v in b.as_dict().items())
-    lines = [f"out of memory on rank {rank} during {phase}. The plan for this layout ({parts}; peak during "
-             f"{b.phase}) is dominated by {dominant(b)}."]
+    lines = [
+        f"out of memory on rank {rank} during {phase}. The plan for this layout ({parts}; peak during "
+        f"{b.phase}) is dominated by {dominant(b)}."
+    ]
     if device_memory:
         lines.append(f"The device holds {device_memory / gib:.2f} GiB.")
     fixes = remedies(s)[:5]
     if fixes:
-        lines.append("Remedies, by memory saved: " + "; ".join(
-            f"{r.change} saves {r.saved(b) / gib:.2f} GiB (-> {r.memory.total / gib:.2f} GiB)" for r in fixes) + ".")
+        lines.append(
+            "Remedies, by memory saved: "
+            + "; ".join(
+                f"{r.change} saves {r.saved(b) / gib:.2f} GiB (-> {r.memory.total / gib:.2f} GiB)" for r in fixes
+            )
+            + "."
+        )
     lines.append("Run `fitlm plan CONFIG --search` for the fastest layout that fits.")
     return " ".join(lines)

@@ -112,7 +112,9 @@ def _deepcopy_in_mode(self, memo: dict) -> torch.Tensor:
     if id(self) not in memo:
         out = self.detach().clone()
         is_param = isinstance(self, torch.nn.Parameter)
-        memo[id(self)] = torch.nn.Parameter(out, self.requires_grad) if is_param else out.requires_grad_(self.requires_grad)
+        memo[id(self)] = (
+            torch.nn.Parameter(out, self.requires_grad) if is_param else out.requires_grad_(self.requires_grad)
+        )
     return memo[id(self)]
 
 
@@ -125,8 +127,10 @@ def _pipeline_peers(boundary: dict[str, Any]) -> Iterator[None]:
         dynamic, backward_meta = stage.InferenceMode.DYNAMIC, stage._StageBackwardMeta
         send_meta, base = stage.PipelineStage._send_meta, schedules._PipelineSchedule
     except (ImportError, AttributeError) as e:
-        raise SimulationUnsupported(f"this torch's pipelining has no {e.name if hasattr(e, 'name') else e}: "
-                                    "pipeline layouts cannot be simulated; the analytic engine covers them") from None
+        raise SimulationUnsupported(
+            f"this torch's pipelining has no {e.name if hasattr(e, 'name') else e}: "
+            "pipeline layouts cannot be simulated; the analytic engine covers them"
+        ) from None
 
     def warmup(self, stages, has_backward, p2p_done) -> None:
         for s in stages:
@@ -149,8 +153,12 @@ def _pipeline_peers(boundary: dict[str, Any]) -> Iterator[None]:
     def held_p2p(p2p_ops, desc=None) -> list:
         return _HeldWorks(batch_p2p(p2p_ops, desc), [op.tensor for op in p2p_ops])
 
-    with mock.patch.object(base, "_warmup_p2p", warmup), mock.patch.object(stage.PipelineStage, "_send_meta", send), \
-            mock.patch.object(stage.PipelineStage, "_recv_meta", recv), mock.patch.object(schedules, "_batch_p2p", held_p2p):
+    with (
+        mock.patch.object(base, "_warmup_p2p", warmup),
+        mock.patch.object(stage.PipelineStage, "_send_meta", send),
+        mock.patch.object(stage.PipelineStage, "_recv_meta", recv),
+        mock.patch.object(schedules, "_batch_p2p", held_p2p),
+    ):
         yield
 
 

@@ -91,8 +91,9 @@ def rank_block_adapters(s: Setup) -> int:
     """LoRA parameters of one block on one tensor-parallel rank: r·(in + out/tp) per column-parallel target
     (A [r, in] whole, B [out/tp, r]), r·(in/tp + out) per row-parallel one (A [r, in/tp], B [out, r] whole)."""
     shapes, rows = linear_shapes(s), row_parallel(s)
-    return sum(s.lora_r * (i // s.tp + o if n in rows else i + o // s.tp)
-               for n in lora_targets(s) for i, o in [shapes[n]])
+    return sum(
+        s.lora_r * (i // s.tp + o if n in rows else i + o // s.tp) for n in lora_targets(s) for i, o in [shapes[n]]
+    )
 
 
 def nf4_shards(s: Setup) -> int:
@@ -153,7 +154,9 @@ def stage_trainable(s: Setup, first: bool) -> float:
     if first and embeddings_train(s):
         out += embedding_params(s)
     if s.pp == 1 or not first:
-        out += head_params(s)  # the final norm, and an untied head (a tied one is the embedding, as in trainable_params)
+        out += head_params(
+            s
+        )  # the final norm, and an untied head (a tied one is the embedding, as in trainable_params)
     if s.pp > 1 and not first and s.tied and embeddings_train(s):
         out += s.vocab * s.h  # the last stage's copy of a tied embedding is its head, and trains with it
     return out / s.tp

@@ -59,8 +59,11 @@ def source_tensor(s: Setup) -> SourceTensor:
 
         specs = [reader.spec(name) for name, reader in hf_source(Path(init_from)).items()]
         dtype, shape = max(specs, key=lambda spec: _numel(spec[1]))
-        return SourceTensor(_numel(shape), _DTYPE_BYTES.get(str(dtype).removeprefix("torch."), 4),
-                            f"{init_from} (safetensors header: {str(dtype).removeprefix('torch.')} {list(shape)})")
+        return SourceTensor(
+            _numel(shape),
+            _DTYPE_BYTES.get(str(dtype).removeprefix("torch."), 4),
+            f"{init_from} (safetensors header: {str(dtype).removeprefix('torch.')} {list(shape)})",
+        )
     except Exception:  # noqa: BLE001 - unreadable or not safetensors (GGUF, a hub name): plan from the config
         return SourceTensor(from_config, 2, f"{init_from} unread: assumed bf16 tensors of the config's shapes")
 
@@ -115,8 +118,7 @@ def host_peaks(s: Setup, mem: Breakdown, dev: Device, source: SourceTensor) -> H
         params_at_load = mem.params
         state = mem.total + mem.host
     else:
-        params_at_load = model_states(replace(s, offload=False), rank_params(s, True))[0] \
-            if fsdp_offload else 0
+        params_at_load = model_states(replace(s, offload=False), rank_params(s, True))[0] if fsdp_offload else 0
         state = mem.host
     state_at_save = params_at_load  # the trainer releases gradients and optimizer states before the save
     # O2 stores frozen weights in half (fitlm.finetune.apply.stores_frozen_in_half): under LoRA every weight
@@ -134,13 +136,23 @@ def host_peaks(s: Setup, mem: Breakdown, dev: Device, source: SourceTensor) -> H
     save = runtime + state_at_save + gathered + converted
     save_other = runtime + state_at_save + (gathered if sharded else 0)
     parts = {
-        "load": {"runtime": runtime, "parameters on the host": int(params_at_load),
-                 "largest source tensor (file dtype)": source.numel * source.file_bytes,
-                 "its training-dtype copy": source.numel * convert},
-        "step": {"runtime": runtime, "training state on the host": int(state - mem.host_activations),
-                 "offloaded activations (pinned)": mem.host_activations},
-        "save": {"runtime": runtime, "parameters on the host": int(state_at_save),
-                 "largest group, gathered": gathered, "largest group, converted for the file": converted},
+        "load": {
+            "runtime": runtime,
+            "parameters on the host": int(params_at_load),
+            "largest source tensor (file dtype)": source.numel * source.file_bytes,
+            "its training-dtype copy": source.numel * convert,
+        },
+        "step": {
+            "runtime": runtime,
+            "training state on the host": int(state - mem.host_activations),
+            "offloaded activations (pinned)": mem.host_activations,
+        },
+        "save": {
+            "runtime": runtime,
+            "parameters on the host": int(state_at_save),
+            "largest group, gathered": gathered,
+            "largest group, converted for the file": converted,
+        },
     }
     ranks = min(s.world, dev.node_size)
     return HostPeaks(int(load), int(step), int(save), int(save_other), ranks, dev.host_memory_bytes, parts)
@@ -149,14 +161,22 @@ def host_peaks(s: Setup, mem: Breakdown, dev: Device, source: SourceTensor) -> H
 def host_report(h: HostPeaks, source: SourceTensor, ram_source: str) -> dict:
     """The plan JSON's `host` section."""
     moment, peak = h.worst
-    return {"ram_bytes": h.ram_bytes, "usable_bytes": h.usable_bytes, "ram_source": ram_source,
-            "ranks_per_node": h.ranks_per_node,
-            "per_rank": {"load": h.load, "step": h.step, "save": h.save, "save_other_ranks": h.save_other},
-            "per_node": h.node, "parts": h.parts, "peak_moment": moment, "fits": h.fits,
-            "over_by_bytes": max(0, peak - h.usable_bytes),
-            "source_tensor": {"numel": source.numel, "file_bytes_per_element": source.file_bytes,
-                              "from": source.origin},
-            "formulas": {"load": "runtime + parameters on the host + largest source tensor x (file + training bytes)",
-                         "step": "runtime + training state on the host",
-                         "save": "runtime + parameters on the host + largest gathered group, gathered + converted (rank 0)",
-                         "node": "ranks per node x per rank (save: rank 0 + the others' gathered copies)"}}
+    return {
+        "ram_bytes": h.ram_bytes,
+        "usable_bytes": h.usable_bytes,
+        "ram_source": ram_source,
+        "ranks_per_node": h.ranks_per_node,
+        "per_rank": {"load": h.load, "step": h.step, "save": h.save, "save_other_ranks": h.save_other},
+        "per_node": h.node,
+        "parts": h.parts,
+        "peak_moment": moment,
+        "fits": h.fits,
+        "over_by_bytes": max(0, peak - h.usable_bytes),
+        "source_tensor": {"numel": source.numel, "file_bytes_per_element": source.file_bytes, "from": source.origin},
+        "formulas": {
+            "load": "runtime + parameters on the host + largest source tensor x (file + training bytes)",
+            "step": "runtime + training state on the host",
+            "save": "runtime + parameters on the host + largest gathered group, gathered + converted (rank 0)",
+            "node": "ranks per node x per rank (save: rank 0 + the others' gathered copies)",
+        },
+    }

@@ -35,17 +35,27 @@ class MaxSeq:
 
     def as_dict(self) -> dict[str, Any]:
         if self.length == 0:
-            note = (f"not even {self.multiple} tokens fit this layout: lower the memory (see the diagnosis) "
-                    "before lengthening sequences")
+            note = (
+                f"not even {self.multiple} tokens fit this layout: lower the memory (see the diagnosis) "
+                "before lengthening sequences"
+            )
         elif self.limited_by == "model.max_seq_len":
-            note = (f"{self.length} tokens fit, the longest multiple of {self.multiple} within model.max_seq_len="
-                    f"{self.limit}; raise it (--set model.max_seq_len=N) to search "
-                    "longer sequences")
+            note = (
+                f"{self.length} tokens fit, the longest multiple of {self.multiple} within model.max_seq_len="
+                f"{self.limit}; raise it (--set model.max_seq_len=N) to search "
+                "longer sequences"
+            )
         else:
             note = f"{self.length + self.multiple} tokens would need {self.next_total} bytes per device"
-        return {"length": self.length, "multiple_of": self.multiple, "limit": self.limit,
-                "limited_by": self.limited_by, "per_device_total": self.total, "next_per_device_total": self.next_total,
-                "note": note}
+        return {
+            "length": self.length,
+            "multiple_of": self.multiple,
+            "limit": self.limit,
+            "limited_by": self.limited_by,
+            "per_device_total": self.total,
+            "next_per_device_total": self.next_total,
+            "note": note,
+        }
 
 
 def _fits(s: Setup, dev: Device, source: SourceTensor, seq: int) -> tuple[bool, int]:

@@ -20,8 +20,17 @@ from fitlm.plan.activation_offload import note as offload_note
 from fitlm.plan.analytic import breakdown
 from fitlm.plan.devices import Device
 from fitlm.plan.diagnose import dominant, remedies
-from fitlm.plan.finetune import adapter_params, adapters, dequant_bytes, lora_targets, nf4_params, nf4_rank_bytes, \
-    reference_bytes, stage_trainable, trainable_params
+from fitlm.plan.finetune import (
+    adapter_params,
+    adapters,
+    dequant_bytes,
+    lora_targets,
+    nf4_params,
+    nf4_rank_bytes,
+    reference_bytes,
+    stage_trainable,
+    trainable_params,
+)
 from fitlm.plan.host import host_peaks, host_report, source_tensor
 from fitlm.plan.max_seq import max_seq
 from fitlm.plan.setup import Setup, from_config, on_device, to_overrides, total_params
@@ -49,27 +58,45 @@ def _memory_opts(s: Setup) -> str:
 
 
 def _finetune(s: Setup) -> dict[str, Any]:
-    out: dict[str, Any] = {"method": s.method, "trainable_params": trainable_params(s),
-                           "adapter_params": adapter_params(s), "objective": s.objective,
-                           # the most loaded rank's share (tensor-split; under pipeline parallel its stage's)
-                           "trainable_params_per_rank": int(max(stage_trainable(s, True), stage_trainable(s, False)))}
+    out: dict[str, Any] = {
+        "method": s.method,
+        "trainable_params": trainable_params(s),
+        "adapter_params": adapter_params(s),
+        "objective": s.objective,
+        # the most loaded rank's share (tensor-split; under pipeline parallel its stage's)
+        "trainable_params_per_rank": int(max(stage_trainable(s, True), stage_trainable(s, False))),
+    }
     if s.objective == "dpo":
-        out["dpo"] = {"rows_per_micro_batch": s.rows, "reference": s.dpo_reference or "starting model",
-                      "reference_bytes": reference_bytes(s)}  # 0: LoRA's base with the adapters off
+        out["dpo"] = {
+            "rows_per_micro_batch": s.rows,
+            "reference": s.dpo_reference or "starting model",
+            "reference_bytes": reference_bytes(s),
+        }  # 0: LoRA's base with the adapters off
     elif s.pairs:  # SimPO: the pairs' rows, no reference model
         out[s.objective] = {"rows_per_micro_batch": s.rows, "reference_bytes": reference_bytes(s)}
     if adapters(s):
         out["lora"] = {"r": s.lora_r, "targets": list(lora_targets(s))}
     if s.method == "qlora":  # the 4-bit base: what it stores, and the one weight dequantized at a time
-        out["qlora"] = {"nf4_params": nf4_params(s), "nf4_bytes_per_device": int(nf4_rank_bytes(s)),
-                        "dequant_bytes": int(dequant_bytes(s, s.rows * s.local_seq))}
+        out["qlora"] = {
+            "nf4_params": nf4_params(s),
+            "nf4_bytes_per_device": int(nf4_rank_bytes(s)),
+            "dequant_bytes": int(dequant_bytes(s, s.rows * s.local_seq)),
+        }
     elif s.method == "freeze":
         out["freeze"] = {"layers": s.freeze_layers, "embeddings": s.freeze_embeddings}
     return out
 
 
-def plan(cfg: Config, dev: Device, num_devices: int | None = None, simulate: bool = False,
-         search: bool = False, top: int = 5, best_out: str | None = None, longest: bool = False) -> dict[str, Any]:
+def plan(
+    cfg: Config,
+    dev: Device,
+    num_devices: int | None = None,
+    simulate: bool = False,
+    search: bool = False,
+    top: int = 5,
+    best_out: str | None = None,
+    longest: bool = False,
+) -> dict[str, Any]:
     """The plan's JSON; `longest` adds `max_seq` (fitlm plan --max-seq)."""
     # With model.init_from the weights define the network, as in training (the same resolver).
     cfg, note = resolve_if_readable(cfg)
@@ -88,19 +115,40 @@ def plan(cfg: Config, dev: Device, num_devices: int | None = None, simulate: boo
     out: dict[str, Any] = {
         "model": {"arch": s.arch, "params": total_params(s), "layers": s.layers, "hidden_size": s.h},
         "finetune": _finetune(s),
-        "device": {"name": dev.name, "memory_bytes": dev.memory_bytes, "usable_bytes": dev.usable_bytes,
-                   "tflops": dev.tflops, "efficiency": dev.efficiency, "num_devices": n, "source": dev.source},
-        "layout": _layout(s), "memory_options": _memory_opts(s),
-        "per_device": mem.as_dict(), "other_parts": dict(mem.other_parts), "param_parts": dict(mem.param_parts),
-        "activation_parts": dict(mem.activation_parts), "peak_phase": mem.phase,
-        "host_bytes_per_device": mem.host, "host_activation_bytes": mem.host_activations,
+        "device": {
+            "name": dev.name,
+            "memory_bytes": dev.memory_bytes,
+            "usable_bytes": dev.usable_bytes,
+            "tflops": dev.tflops,
+            "efficiency": dev.efficiency,
+            "num_devices": n,
+            "source": dev.source,
+        },
+        "layout": _layout(s),
+        "memory_options": _memory_opts(s),
+        "per_device": mem.as_dict(),
+        "other_parts": dict(mem.other_parts),
+        "param_parts": dict(mem.param_parts),
+        "activation_parts": dict(mem.activation_parts),
+        "peak_phase": mem.phase,
+        "host_bytes_per_device": mem.host,
+        "host_activation_bytes": mem.host_activations,
         "host": host_report(host, source, dev.host_source),
-        "fits": fits, "fits_device": fits_device, "step_time_s": t.step_s, "tokens_per_s": t.tokens_per_s, "mfu": t.mfu,
+        "fits": fits,
+        "fits_device": fits_device,
+        "step_time_s": t.step_s,
+        "tokens_per_s": t.tokens_per_s,
+        "mfu": t.mfu,
         "flops_per_token": t.flops_per_token,
-        "time_breakdown_s": {"compute": t.compute_s, "tensor_parallel_comm": t.tp_comm_s,
-                             "data_parallel_comm_exposed": t.dp_comm_s, "pipeline_comm": t.pp_comm_s,
-                             "pipeline_bubble": t.bubble_s, "context_parallel_comm": t.cp_comm_s,
-                             "activation_offload_copies": t.offload_s},
+        "time_breakdown_s": {
+            "compute": t.compute_s,
+            "tensor_parallel_comm": t.tp_comm_s,
+            "data_parallel_comm_exposed": t.dp_comm_s,
+            "pipeline_comm": t.pp_comm_s,
+            "pipeline_bubble": t.bubble_s,
+            "context_parallel_comm": t.cp_comm_s,
+            "activation_offload_copies": t.offload_s,
+        },
     }
     notes = [n for n in (note, offload_note(s)) if n]
     if notes:
@@ -110,9 +158,17 @@ def plan(cfg: Config, dev: Device, num_devices: int | None = None, simulate: boo
     if not fits_device:
         fixes = remedies(s)
         out["diagnosis"] = {
-            "dominant": dominant(mem), "over_by_bytes": mem.total - dev.usable_bytes,
-            "remedies": [{"change": r.change, "saves_bytes": r.saved(mem), "total": r.memory.total,
-                          "fits": r.memory.total <= dev.usable_bytes} for r in fixes[:6]],
+            "dominant": dominant(mem),
+            "over_by_bytes": mem.total - dev.usable_bytes,
+            "remedies": [
+                {
+                    "change": r.change,
+                    "saves_bytes": r.saved(mem),
+                    "total": r.memory.total,
+                    "fits": r.memory.total <= dev.usable_bytes,
+                }
+                for r in fixes[:6]
+            ],
         }
     if simulate:
         from fitlm.plan.simulate import SimulationUnsupported, run_step
@@ -132,10 +188,23 @@ def plan(cfg: Config, dev: Device, num_devices: int | None = None, simulate: boo
 
         found = candidates(cfg, n, dev)
         best = best_per_layout(found, top)
-        out["search"] = {"num_devices": n, "fitting_candidates": len(found), "top": [
-            {"layout": _layout(c.setup), "memory_options": _memory_opts(c.setup), "per_device_total": c.memory.total,
-             "host_per_node": c.host.worst[1], "tokens_per_s": c.timing.tokens_per_s, "mfu": c.timing.mfu,
-             "step_time_s": c.timing.step_s, "why": c.why(dev)} for c in best]}
+        out["search"] = {
+            "num_devices": n,
+            "fitting_candidates": len(found),
+            "top": [
+                {
+                    "layout": _layout(c.setup),
+                    "memory_options": _memory_opts(c.setup),
+                    "per_device_total": c.memory.total,
+                    "host_per_node": c.host.worst[1],
+                    "tokens_per_s": c.timing.tokens_per_s,
+                    "mfu": c.timing.mfu,
+                    "step_time_s": c.timing.step_s,
+                    "why": c.why(dev),
+                }
+                for c in best
+            ],
+        }
         if best and best_out:
             out["search"]["best_yaml"] = write_best(cfg, best[0].setup, best_out)
     return out
@@ -151,13 +220,17 @@ def write_best(cfg: Config, s: Setup, path: str) -> str:
 
 def _render_host(console, h: dict[str, Any]) -> None:
     r, node = h["per_rank"], h["per_node"]
-    console.print(f"host per rank: load {gib(r['load'])}, step {gib(r['step'])}, save {gib(r['save'])} (rank 0); "
-                  f"per node ({h['ranks_per_node']} rank{'s' if h['ranks_per_node'] != 1 else ''}): {gib(node[h['peak_moment']])} at {h['peak_moment']} of "
-                  f"{gib(h['usable_bytes'])} usable ({h['ram_source'] or 'host RAM'})")
+    console.print(
+        f"host per rank: load {gib(r['load'])}, step {gib(r['step'])}, save {gib(r['save'])} (rank 0); "
+        f"per node ({h['ranks_per_node']} rank{'s' if h['ranks_per_node'] != 1 else ''}): {gib(node[h['peak_moment']])} at {h['peak_moment']} of "
+        f"{gib(h['usable_bytes'])} usable ({h['ram_source'] or 'host RAM'})"
+    )
     if not h["fits"]:
-        console.print(f"[red]warning: host memory[/red]: the {h['peak_moment']} needs {gib(node[h['peak_moment']])} "
-                      f"per node, {gib(h['over_by_bytes'])} over the host's usable RAM; give fewer ranks per node, "
-                      "a host with more RAM (--host-memory), or less offload")
+        console.print(
+            f"[red]warning: host memory[/red]: the {h['peak_moment']} needs {gib(node[h['peak_moment']])} "
+            f"per node, {gib(h['over_by_bytes'])} over the host's usable RAM; give fewer ranks per node, "
+            "a host with more RAM (--host-memory), or less offload"
+        )
 
 
 def gib(n: float) -> str:
@@ -171,10 +244,18 @@ def render(result: dict[str, Any]) -> None:
     console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
     d = result["device"]
     f = result["finetune"]
-    what = "" if f["method"] == "full" else (f" ({f['method']}: {f['trainable_params'] / 1e6:.3g}M trainable, "
-                                             f"{f['trainable_params'] / result['model']['params']:.2%})")
-    console.print(f"[bold]{result['model']['arch']} {result['model']['params'] / 1e9:.3g}B params[/bold]{what} · "
-                  f"{result['layout']} · {result['memory_options']} · {d['num_devices']}× {d['name']}")
+    what = (
+        ""
+        if f["method"] == "full"
+        else (
+            f" ({f['method']}: {f['trainable_params'] / 1e6:.3g}M trainable, "
+            f"{f['trainable_params'] / result['model']['params']:.2%})"
+        )
+    )
+    console.print(
+        f"[bold]{result['model']['arch']} {result['model']['params'] / 1e9:.3g}B params[/bold]{what} · "
+        f"{result['layout']} · {result['memory_options']} · {d['num_devices']}× {d['name']}"
+    )
     table = Table()
     table.add_column("per device")
     table.add_column("analytic", justify="right")
@@ -190,9 +271,11 @@ def render(result: dict[str, Any]) -> None:
                 table.add_row(f"  {part}", gib(nbytes), *([""] if sim else []), style="dim")
     console.print(table)
     verdict = "[green]fits[/green]" if result["fits_device"] else "[red]does not fit[/red]"
-    console.print(f"{verdict}: {gib(result['per_device']['total'])} of {gib(d['usable_bytes'])} usable "
-                  f"({gib(d['memory_bytes'])} minus runtime reserve); peak during {result['peak_phase']}"
-                  + (f"; {gib(result['host_bytes_per_device'])} in host memory" if result["host_bytes_per_device"] else ""))
+    console.print(
+        f"{verdict}: {gib(result['per_device']['total'])} of {gib(d['usable_bytes'])} usable "
+        f"({gib(d['memory_bytes'])} minus runtime reserve); peak during {result['peak_phase']}"
+        + (f"; {gib(result['host_bytes_per_device'])} in host memory" if result["host_bytes_per_device"] else "")
+    )
     _render_host(console, result["host"])
     for note in result.get("notes", []):
         console.print(f"note: {note}")
@@ -200,10 +283,14 @@ def render(result: dict[str, Any]) -> None:
         console.print(f"simulation: {result['simulated']['error']}")
     longest = result.get("max_seq")
     if longest:
-        console.print(f"longest data.seq_length that fits: [bold]{longest['length']}[/bold] (multiples of "
-                      f"{longest['multiple_of']}, limited by {longest['limited_by']}); {longest['note']}")
-    console.print(f"step {result['step_time_s']:.3g} s · {result['tokens_per_s']:,.0f} tokens/s · MFU "
-                  f"{result['mfu']:.1%} (device efficiency {d['efficiency']:.0%} of {d['tflops']:g} TFLOP/s)")
+        console.print(
+            f"longest data.seq_length that fits: [bold]{longest['length']}[/bold] (multiples of "
+            f"{longest['multiple_of']}, limited by {longest['limited_by']}); {longest['note']}"
+        )
+    console.print(
+        f"step {result['step_time_s']:.3g} s · {result['tokens_per_s']:,.0f} tokens/s · MFU "
+        f"{result['mfu']:.1%} (device efficiency {d['efficiency']:.0%} of {d['tflops']:g} TFLOP/s)"
+    )
     diag = result.get("diagnosis")
     if diag:
         console.print(f"[bold]{diag['dominant']}[/bold] dominates; over by {gib(diag['over_by_bytes'])}. Remedies:")
@@ -212,13 +299,22 @@ def render(result: dict[str, Any]) -> None:
             console.print(f"  {r['change']}: saves {gib(r['saves_bytes'])} -> {gib(r['total'])} ({mark})")
     found = result.get("search")
     if found:
-        st = Table(title=f"fastest fitting layouts on {found['num_devices']} devices "
-                         f"({found['fitting_candidates']} candidates fit)")
+        st = Table(
+            title=f"fastest fitting layouts on {found['num_devices']} devices "
+            f"({found['fitting_candidates']} candidates fit)"
+        )
         for col in ("#", "layout", "memory", "per device", "tokens/s", "MFU", "why"):
             st.add_column(col)
         for i, c in enumerate(found["top"], 1):
-            st.add_row(str(i), c["layout"], c["memory_options"], gib(c["per_device_total"]),
-                       f"{c['tokens_per_s']:,.0f}", f"{c['mfu']:.1%}", c["why"])
+            st.add_row(
+                str(i),
+                c["layout"],
+                c["memory_options"],
+                gib(c["per_device_total"]),
+                f"{c['tokens_per_s']:,.0f}",
+                f"{c['mfu']:.1%}",
+                c["why"],
+            )
         console.print(st)
         if not found["top"]:
             console.print("[red]no layout fits[/red]: add devices, or a device with more memory")

@@ -17,12 +17,12 @@ from dataclasses import dataclass, replace
 from fitlm import rules
 from fitlm.config import Config
 from fitlm.parallel.layout import Layout, valid_layouts
+from fitlm.parallel_dims import ParallelDims, divisors
 from fitlm.plan.analytic import Breakdown, breakdown
 from fitlm.plan.devices import Device
 from fitlm.plan.host import HostPeaks, host_peaks, source_tensor
 from fitlm.plan.setup import Setup, from_config, on_device
 from fitlm.plan.throughput import Timing, timing
-from fitlm.parallel_dims import ParallelDims, divisors
 
 SAFETY = 0.9  # a candidate must leave 10% of the usable memory free (fragmentation, spikes)
 
@@ -81,19 +81,41 @@ def candidates(cfg: Config, n: int, dev: Device, max_micro_batch: int = 64) -> l
         for mbs in micro_batches:
             for zero in (0, 1, 2, 3):
                 accum = per_replica // mbs
-                options = itertools.product((False, True) if lay.tp > 1 else (False,),  # sequence parallel
-                                            _pipeline_options(lay.pp, mbs, base.layers, accum),
-                                            ("none", "selective", "full"), (0, 4096), (False, True),
-                                            _sync_options(zero, lay.dp * lay.cp, accum, lay.pp), act_offloads)
+                options = itertools.product(
+                    (False, True) if lay.tp > 1 else (False,),  # sequence parallel
+                    _pipeline_options(lay.pp, mbs, base.layers, accum),
+                    ("none", "selective", "full"),
+                    (0, 4096),
+                    (False, True),
+                    _sync_options(zero, lay.dp * lay.cp, accum, lay.pp),
+                    act_offloads,
+                )
                 fits_on_device = False  # the same candidate without activation offload (tried first) fits
                 for sp, (sched, chunks), recompute, chunk, offload, sync, act_offload in options:
                     # Offload costs copies and host memory for device memory alone: only to fit what does not
-                    if (act_offload and fits_on_device) or _refused(values, kept, lay, zero, sp, chunk, offload,
-                                                                    act_offload):
+                    if (act_offload and fits_on_device) or _refused(
+                        values, kept, lay, zero, sp, chunk, offload, act_offload
+                    ):
                         continue
-                    s = replace(base, dp=lay.dp, tp=lay.tp, pp=lay.pp, cp=lay.cp, zero=zero, sp=sp, schedule=sched,
-                                chunks=chunks, mbs=mbs, accum=accum, recompute=recompute, recompute_every=1,
-                                loss_chunk=chunk, offload=offload, gradient_sync=sync, act_offload=act_offload)
+                    s = replace(
+                        base,
+                        dp=lay.dp,
+                        tp=lay.tp,
+                        pp=lay.pp,
+                        cp=lay.cp,
+                        zero=zero,
+                        sp=sp,
+                        schedule=sched,
+                        chunks=chunks,
+                        mbs=mbs,
+                        accum=accum,
+                        recompute=recompute,
+                        recompute_every=1,
+                        loss_chunk=chunk,
+                        offload=offload,
+                        gradient_sync=sync,
+                        act_offload=act_offload,
+                    )
                     mem = breakdown(s)
                     fits_on_device = mem.total <= limit
                     if not fits_on_device:
@@ -105,13 +127,22 @@ def candidates(cfg: Config, n: int, dev: Device, max_micro_batch: int = 64) -> l
     return out
 
 
-def _refused(values: dict, kept: set, lay: Layout, zero: int, sp: bool, chunk: int, offload: bool,
-             act_offload: bool) -> bool:
+def _refused(
+    values: dict, kept: set, lay: Layout, zero: int, sp: bool, chunk: int, offload: bool, act_offload: bool
+) -> bool:
     """Whether this candidate breaks a rule (of either stage: a run would start from it) the config keeps."""
-    trial = {**values, "parallel.data_parallel": lay.dp, "parallel.tensor_parallel": lay.tp,
-             "parallel.pipeline_parallel": lay.pp, "parallel.context_parallel": lay.cp, "parallel.zero_stage": zero,
-             "parallel.sequence_parallel": sp, "memory.loss_chunk_size": chunk, "memory.cpu_offload": offload,
-             "memory.activation_offload": act_offload}
+    trial = {
+        **values,
+        "parallel.data_parallel": lay.dp,
+        "parallel.tensor_parallel": lay.tp,
+        "parallel.pipeline_parallel": lay.pp,
+        "parallel.context_parallel": lay.cp,
+        "parallel.zero_stage": zero,
+        "parallel.sequence_parallel": sp,
+        "memory.loss_chunk_size": chunk,
+        "memory.cpu_offload": offload,
+        "memory.activation_offload": act_offload,
+    }
     return any(rule in kept for rule in rules.broken(trial, STAGES))
 
 

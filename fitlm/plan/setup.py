@@ -21,16 +21,29 @@ from fitlm.rules import flatten
 LEVELS = ("O0", "O1", "O2", "O3")
 # Setup field -> the config key it stands for.
 KNOBS = {
-    "dp": "parallel.data_parallel", "tp": "parallel.tensor_parallel", "pp": "parallel.pipeline_parallel",
-    "sp": "parallel.sequence_parallel", "zero": "parallel.zero_stage", "schedule": "parallel.pipeline_schedule",
-    "chunks": "parallel.micro_batch_num", "gradient_sync": "parallel.gradient_sync",
-    "mbs": "train.micro_batch_size", "accum": "train.gradient_accumulation_steps",
-    "level": "memory.mixed_precision", "recompute": "memory.recompute",
-    "recompute_every": "memory.recompute_every_n_layers", "offload": "memory.cpu_offload",
-    "loss_chunk": "memory.loss_chunk_size", "method": "finetune.method", "lora_r": "finetune.lora.r",
-    "lora_targets": "finetune.lora.target_modules", "freeze_layers": "finetune.freeze_layers",
+    "dp": "parallel.data_parallel",
+    "tp": "parallel.tensor_parallel",
+    "pp": "parallel.pipeline_parallel",
+    "sp": "parallel.sequence_parallel",
+    "zero": "parallel.zero_stage",
+    "schedule": "parallel.pipeline_schedule",
+    "chunks": "parallel.micro_batch_num",
+    "gradient_sync": "parallel.gradient_sync",
+    "mbs": "train.micro_batch_size",
+    "accum": "train.gradient_accumulation_steps",
+    "level": "memory.mixed_precision",
+    "recompute": "memory.recompute",
+    "recompute_every": "memory.recompute_every_n_layers",
+    "offload": "memory.cpu_offload",
+    "loss_chunk": "memory.loss_chunk_size",
+    "method": "finetune.method",
+    "lora_r": "finetune.lora.r",
+    "lora_targets": "finetune.lora.target_modules",
+    "freeze_layers": "finetune.freeze_layers",
     "freeze_embeddings": "finetune.freeze_embeddings",
-    "seq": "data.seq_length", "cp": "parallel.context_parallel", "act_offload": "memory.activation_offload",
+    "seq": "data.seq_length",
+    "cp": "parallel.context_parallel",
+    "act_offload": "memory.activation_offload",
     "objective": "finetune.objective",
 }
 
@@ -55,10 +68,19 @@ class ModelCounts:
     def of(cls, m: ModelConfig) -> "ModelCounts":
         pc = m.family.planner
         block = pc.block(m)
-        return cls(block.params, pc.embedding_params(m), pc.head_norm_params(m), block.linears, block.input_groups,
-                   tuple(pc.block_bytes[lv] for lv in LEVELS), tuple(pc.outside_bytes[lv] for lv in LEVELS),
-                   (2 if m.local_rope else 1) if pc.rope else 0, pc.activation_finetune,
-                   any(m.layer_type(i) == "sliding" for i in range(m.num_layers)), m.attn_logit_softcap is not None)
+        return cls(
+            block.params,
+            pc.embedding_params(m),
+            pc.head_norm_params(m),
+            block.linears,
+            block.input_groups,
+            tuple(pc.block_bytes[lv] for lv in LEVELS),
+            tuple(pc.outside_bytes[lv] for lv in LEVELS),
+            (2 if m.local_rope else 1) if pc.rope else 0,
+            pc.activation_finetune,
+            any(m.layer_type(i) == "sliding" for i in range(m.num_layers)),
+            m.attn_logit_softcap is not None,
+        )
 
 
 @dataclass(frozen=True)
@@ -224,7 +246,6 @@ class Setup:
     def tokens_per_step(self) -> int:
         """Tokens the step trains on: both rows of every DPO or SimPO pair."""
         return self.rows * self.dp * self.accum * self.seq
-
 
 
 def from_config(cfg: Config) -> Setup:

@@ -62,8 +62,12 @@ class _ScalarStub(TorchDispatchMode):
 def _batch(cfg: Config) -> dict[str, torch.Tensor]:
     b, t = from_config(cfg).rows, cfg.data.seq_length  # DPO: B pairs are 2B rows
     ids = torch.zeros(b, t, dtype=torch.long)
-    return {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.arange(t).expand(b, t).contiguous(),
-            "document_ids": torch.zeros(b, t, dtype=torch.long)}
+    return {
+        "input_ids": ids,
+        "labels": ids.clone(),
+        "position_ids": torch.arange(t).expand(b, t).contiguous(),
+        "document_ids": torch.zeros(b, t, dtype=torch.long),
+    }
 
 
 def run_step(cfg: Config, fake: bool = True) -> dict[str, int]:

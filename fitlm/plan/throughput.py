@@ -106,7 +106,9 @@ def timing(s: Setup, dev: Device) -> Timing:
     gather_b = n_rank * (2 if s.level == "O2" else param_bytes(s))
     syncs = s.accum if s.sync_every else 1
     if s.zero <= 1:
-        dp_comm = syncs * ring("all_reduce", grad_b, dp, bw_dp) + (ring("all_gather", gather_b, dp, bw_dp) if s.zero == 1 else 0)
+        dp_comm = syncs * ring("all_reduce", grad_b, dp, bw_dp) + (
+            ring("all_gather", gather_b, dp, bw_dp) if s.zero == 1 else 0
+        )
     else:
         gathers = s.accum * (1 if s.zero == 2 else 2)
         dp_comm = syncs * ring("reduce_scatter", grad_b, dp, bw_dp) + gathers * ring("all_gather", gather_b, dp, bw_dp)

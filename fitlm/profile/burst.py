@@ -20,9 +20,9 @@ import torch
 
 from fitlm.config import Config, validate_dict
 from fitlm.finetune.init_from import resolve_init_from
+from fitlm.hardware import peak_memory_bytes
 from fitlm.memory.tracking import plan_components, track_step
 from fitlm.profile.trace import trace_steps
-from fitlm.hardware import peak_memory_bytes
 
 TRACED_STEPS = 2
 TRACKED_STEPS = 2  # one warm-up, one measured (MemTracker)
@@ -35,8 +35,13 @@ def burst_config(cfg: Config, out: Path, steps: int) -> Config:
     # Resolve model.init_from before serialising: the dump sets every key, so the user's config,
     # validated again unresolved, would contradict the weights in each default it spells out.
     data = resolve_init_from(cfg).to_dict()
-    data["train"].update(output_dir=str(out / SCRATCH), max_steps=steps + TRACED_STEPS + TRACKED_STEPS,
-                         eval_interval=0, early_stopping_patience=0, progress=False)
+    data["train"].update(
+        output_dir=str(out / SCRATCH),
+        max_steps=steps + TRACED_STEPS + TRACKED_STEPS,
+        eval_interval=0,
+        early_stopping_patience=0,
+        progress=False,
+    )
     data["checkpoint"].update(interval=0, resume="never")
     return validate_dict(data, "fitlm profile")
 
@@ -69,8 +74,17 @@ def run_burst(cfg: Config, steps: int, out: Path) -> list[dict] | None:
         step = one_step()
         loss = step.loss.item()  # waits for the device: the step is done
         wall = time.perf_counter() - start
-        records.append({"step": count, "loss": loss, "grad_norm": float(step.grad_norm), "skipped": step.skipped,
-                        "step_s": wall, "tokens_per_s": trainer.tokens_per_step / wall, "phases_s": step.seconds})
+        records.append(
+            {
+                "step": count,
+                "loss": loss,
+                "grad_norm": float(step.grad_norm),
+                "skipped": step.skipped,
+                "step_s": wall,
+                "tokens_per_s": trainer.tokens_per_step / wall,
+                "phases_s": step.seconds,
+            }
+        )
         if i == 0 or (i + 1) % max(1, steps // 5) == 0 or i + 1 == steps:
             _say(main, f"step {i + 1}/{steps} loss {loss:.4f} {records[-1]['tokens_per_s']:,.0f} tokens/s")
     _say(main, f"tracing {TRACED_STEPS} steps with torch.profiler")
@@ -105,15 +119,25 @@ def summarize(trainer, records: list[dict], traced: dict, memory, memory_error: 
     phase_s["other"] = max(0.0, step_s - sum(phase_s.values()))  # host work outside the timed phases
     tokens_per_s = trainer.tokens_per_step / step_s
     out = {
-        "rank": ctx.rank, "dp_rank": ctx.dp_rank, "tp_rank": ctx.tp_rank, "pp_rank": ctx.pp_rank,
-        "device": str(device), "step_s": step_s, "tokens_per_s": tokens_per_s,
+        "rank": ctx.rank,
+        "dp_rank": ctx.dp_rank,
+        "tp_rank": ctx.tp_rank,
+        "pp_rank": ctx.pp_rank,
+        "device": str(device),
+        "step_s": step_s,
+        "tokens_per_s": tokens_per_s,
         "mfu": tokens_per_s * trainer.flops_per_token / (trainer.peak_flops * ctx.world_size),
-        "flops_per_token": trainer.flops_per_token, "peak_flops": trainer.peak_flops,
-        "tokens_per_step": trainer.tokens_per_step, "phase_s": phase_s, "steps": records,
-        "comm": traced, "rss_peak_bytes": peak_memory_bytes(torch.device("cpu")),
+        "flops_per_token": trainer.flops_per_token,
+        "peak_flops": trainer.peak_flops,
+        "tokens_per_step": trainer.tokens_per_step,
+        "phase_s": phase_s,
+        "steps": records,
+        "comm": traced,
+        "rss_peak_bytes": peak_memory_bytes(torch.device("cpu")),
         "cuda_peak_bytes": int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None,
         "memory": plan_components(memory.peak) if memory else None,
         "memory_categories": memory.peak if memory else None,
-        "modules": memory.modules if memory else [], "memory_error": memory_error,
+        "modules": memory.modules if memory else [],
+        "memory_error": memory_error,
     }
     return out

@@ -22,25 +22,42 @@ class ProfileError(ValueError):
 
 
 def add_commands(sub) -> None:
-    p = sub.add_parser("profile", help="a short measured training burst: speed, memory by category, held against the plan",
-                       formatter_class=argparse.RawDescriptionHelpFormatter,
-                       description="Train --steps real steps under the config's layout (into a scratch directory; "
-                                   "train.output_dir is never touched) and measure per rank: tokens/s, MFU, step time by "
-                                   "phase and communication, peak live tensor bytes by category and by module. Holds the "
-                                   "result against `fitlm plan` (analytic and simulated) and writes report.md, PNG plots "
-                                   "and profile.json into --out.",
-                       epilog="examples:\n"
-                              "  fitlm profile configs/tiny.yaml --steps 20 --out runs/tiny-profile\n"
-                              "  fitlm profile configs/tiny.yaml --nproc 2 --set parallel.data_parallel=2 --json")
+    p = sub.add_parser(
+        "profile",
+        help="a short measured training burst: speed, memory by category, held against the plan",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Train --steps real steps under the config's layout (into a scratch directory; "
+        "train.output_dir is never touched) and measure per rank: tokens/s, MFU, step time by "
+        "phase and communication, peak live tensor bytes by category and by module. Holds the "
+        "result against `fitlm plan` (analytic and simulated) and writes report.md, PNG plots "
+        "and profile.json into --out.",
+        epilog="examples:\n"
+        "  fitlm profile configs/tiny.yaml --steps 20 --out runs/tiny-profile\n"
+        "  fitlm profile configs/tiny.yaml --nproc 2 --set parallel.data_parallel=2 --json",
+    )
     add_config_args(p)
-    p.add_argument("--steps", type=int, default=50, metavar="N",
-                   help="timed training steps (default 50; at least 2: the first is warm-up); four more are traced "
-                        "and memory-tracked")
-    p.add_argument("--out", default=None, metavar="DIR",
-                   help="where report.md, the plots and profile.json go (default: train.output_dir + '-profile')")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=50,
+        metavar="N",
+        help="timed training steps (default 50; at least 2: the first is warm-up); four more are traced "
+        "and memory-tracked",
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        metavar="DIR",
+        help="where report.md, the plots and profile.json go (default: train.output_dir + '-profile')",
+    )
     p.add_argument("--force", action="store_true", help="replace an earlier profile in --out")
-    p.add_argument("--nproc", type=process_count, default=None, metavar="N",
-                   help="processes to launch on this node (default: the layout's data×tensor×pipeline product)")
+    p.add_argument(
+        "--nproc",
+        type=process_count,
+        default=None,
+        metavar="N",
+        help="processes to launch on this node (default: the layout's data×tensor×pipeline product)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(func=cmd_profile)
 
@@ -57,11 +74,15 @@ def check_out(out: Path, force: bool, clear: bool) -> None:
     if not (out.is_dir() and any(out.iterdir())):
         return
     if not force:
-        raise ProfileError(f"--out: {out} is not empty; choose a new or empty directory, or pass --force to replace "
-                           "the earlier profile there")
+        raise ProfileError(
+            f"--out: {out} is not empty; choose a new or empty directory, or pass --force to replace "
+            "the earlier profile there"
+        )
     if not any((out / m).exists() for m in MARKERS):
-        raise ProfileError(f"--out: {out} is not empty and holds no fitlm profile (no profile.json or report.md); "
-                           "--force replaces only an earlier profile, so choose a new or empty directory")
+        raise ProfileError(
+            f"--out: {out} is not empty and holds no fitlm profile (no profile.json or report.md); "
+            "--force replaces only an earlier profile, so choose a new or empty directory"
+        )
     if clear:
         shutil.rmtree(out)
 
@@ -75,8 +96,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from fitlm.profile.burst import burst_config, run_burst
 
     if args.steps < 2:
-        raise ProfileError(f"--steps {args.steps}: at least 2 steps are needed (the first is warm-up, left out of "
-                           "the averages); the default is 50")
+        raise ProfileError(
+            f"--steps {args.steps}: at least 2 steps are needed (the first is warm-up, left out of "
+            "the averages); the default is 50"
+        )
     if not Path(args.config).is_file():
         raise ProfileError(f"CONFIG: {args.config} does not exist; pass a fitlm YAML config (e.g. configs/tiny.yaml)")
     # Resolved once, here, from the user's own YAML and --set (the only place that knows which model keys
@@ -115,8 +138,11 @@ def report(cfg, config_path: str, steps: int, ranks: list[dict], out: Path) -> d
     result = assemble(cfg, config_path, steps, ranks, plan)
     out.mkdir(parents=True, exist_ok=True)
     plots = write_plots(result, out)
-    result["files"] = {"report": str(out / "report.md"), "json": str(out / "profile.json"),
-                       "plots": [str(out / p) for p in plots]}
+    result["files"] = {
+        "report": str(out / "report.md"),
+        "json": str(out / "profile.json"),
+        "plots": [str(out / p) for p in plots],
+    }
     write_json(result, out)
     write_markdown(result, out, plots)
     return result
@@ -126,11 +152,16 @@ def _print_summary(r: dict, out: Path) -> None:
     MiB = 2**20
     err = r["errors"].get("analytic", {}).get("total")
     sim = r["errors"].get("simulated", {}).get("total")
-    lines = [f"{r['layout']} · {r['world_size']} process(es) · {r['steps']} steps",
-             f"{r['tokens_per_s']:,.0f} tokens/s · MFU {r['mfu']:.2%} · step {r['step_time_s']:.4f} s · "
-             f"communication {r['comm_share']:.1%}",
-             f"peak {r['peak_bytes'] / MiB:,.2f} MiB ({r['peak_kind']}) · RSS {r['rss_peak_bytes'] / MiB:,.1f} MiB"]
+    lines = [
+        f"{r['layout']} · {r['world_size']} process(es) · {r['steps']} steps",
+        f"{r['tokens_per_s']:,.0f} tokens/s · MFU {r['mfu']:.2%} · step {r['step_time_s']:.4f} s · "
+        f"communication {r['comm_share']:.1%}",
+        f"peak {r['peak_bytes'] / MiB:,.2f} MiB ({r['peak_kind']}) · RSS {r['rss_peak_bytes'] / MiB:,.1f} MiB",
+    ]
     if err is not None:
-        lines.append(f"plan error vs measured total: analytic {err:+.1%}" + (f", simulated {sim:+.1%}" if sim is not None else ""))
+        lines.append(
+            f"plan error vs measured total: analytic {err:+.1%}"
+            + (f", simulated {sim:+.1%}" if sim is not None else "")
+        )
     lines.append(f"report: {out / 'report.md'}")
     sys.stderr.write("\n".join(lines) + "\n")

@@ -52,9 +52,17 @@ def plan_for(cfg: Config, device: str, peak_flops: float, simulate: bool = True)
     s = on_device(from_config(cfg), dev.name)  # on a CPU, activation offload moves nothing
     mem = breakdown(s)
     t = timing(s, dev)
-    out: dict[str, Any] = {"analytic": {"per_device": mem.as_dict(), "peak_phase": mem.phase},
-                           "timing": {"device": dev.name, "tflops": dev.tflops, "efficiency": dev.efficiency, "step_time_s": t.step_s,
-                                      "tokens_per_s": t.tokens_per_s, "mfu": t.mfu}}
+    out: dict[str, Any] = {
+        "analytic": {"per_device": mem.as_dict(), "peak_phase": mem.phase},
+        "timing": {
+            "device": dev.name,
+            "tflops": dev.tflops,
+            "efficiency": dev.efficiency,
+            "step_time_s": t.step_s,
+            "tokens_per_s": t.tokens_per_s,
+            "mfu": t.mfu,
+        },
+    }
     if simulate:
         from fitlm.plan.simulate import SimulationUnsupported, run_step
 

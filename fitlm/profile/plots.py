@@ -59,8 +59,14 @@ def step_time_plot(r: dict[str, Any], path: Path) -> bool:
         left = [a + b for a, b in zip(left, widths)]
     comm = [x["comm"]["comm_s"] for x in ranks]
     if any(comm):
-        ax.scatter(comm, [f"rank {x['rank']}" for x in ranks], marker="|", s=400, color="black",
-                   label="communication (overlaps)")
+        ax.scatter(
+            comm,
+            [f"rank {x['rank']}" for x in ranks],
+            marker="|",
+            s=400,
+            color="black",
+            label="communication (overlaps)",
+        )
     ax.set_xlabel("seconds per step")
     ax.set_title("step-time breakdown")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")  # beside: never over the axis label
@@ -76,7 +82,9 @@ def burst_plot(r: dict[str, Any], path: Path) -> bool:
     top.set_ylabel("loss")
     top.set_title("the burst (rank 0); step 1 is warm-up")
     bottom.plot(steps, [h["tokens_per_s"] for h in hist], marker="o", markersize=3, color="tab:green")
-    bottom.axhline(r["tokens_per_s"], linestyle="--", color="gray", label="tokens per step / mean step time (after warm-up)")
+    bottom.axhline(
+        r["tokens_per_s"], linestyle="--", color="gray", label="tokens per step / mean step time (after warm-up)"
+    )
     bottom.set_ylabel("tokens/s")
     bottom.set_xlabel("step")
     bottom.legend()

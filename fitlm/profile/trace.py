@@ -18,9 +18,23 @@ from typing import Callable
 import torch
 
 # Substrings of profiler event names that are collectives or point-to-point transfers.
-_COMM_MARKERS = ("gloo:", "nccl:", "allreduce", "all_reduce", "allgather", "all_gather", "reduce_scatter",
-                 "_reduce_scatter", "broadcast", "alltoall", "all_to_all", "c10d::send", "c10d::recv",
-                 "c10d::recv_any", "barrier")
+_COMM_MARKERS = (
+    "gloo:",
+    "nccl:",
+    "allreduce",
+    "all_reduce",
+    "allgather",
+    "all_gather",
+    "reduce_scatter",
+    "_reduce_scatter",
+    "broadcast",
+    "alltoall",
+    "all_to_all",
+    "c10d::send",
+    "c10d::recv",
+    "c10d::recv_any",
+    "barrier",
+)
 # When the backend-level events exist (they hold the transfer time), the c10d wrappers around them
 # would count the same time twice: prefer the backend's.
 _BACKEND = ("gloo:", "nccl:")
@@ -54,5 +68,10 @@ def trace_steps(run_step: Callable[[], object], steps: int, device: torch.device
     ops.sort(key=lambda r: -r["bytes"])
     step_s = wall / steps
     comm_s = sum(comm.values())
-    return {"comm_s": comm_s, "comm_share": comm_s / step_s if step_s else 0.0, "step_s": step_s,
-            "comm_ops": dict(sorted(comm.items(), key=lambda kv: -kv[1])), "ops": ops[:15]}
+    return {
+        "comm_s": comm_s,
+        "comm_share": comm_s / step_s if step_s else 0.0,
+        "step_s": step_s,
+        "comm_ops": dict(sorted(comm.items(), key=lambda kv: -kv[1])),
+        "ops": ops[:15],
+    }

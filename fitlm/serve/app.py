@@ -64,8 +64,13 @@ def create_app(served: ServedModel, max_batch: int = 8, engine: Engine | None = 
 
     @app.get("/v1/models")
     async def models() -> dict:
-        card = {"id": served.name, "object": "model", "created": int(time.time()), "owned_by": "fitlm",
-                "max_model_len": served.context}
+        card = {
+            "id": served.name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "fitlm",
+            "max_model_len": served.context,
+        }
         return {"object": "list", "data": [card]}
 
     @app.get("/health")
@@ -79,8 +84,12 @@ def create_app(served: ServedModel, max_batch: int = 8, engine: Engine | None = 
             raise protocol.APIError(f"the request body is not valid JSON ({e})") from None
         p = protocol.parse(body, chat)
         if p.model is not None and p.model != served.name:
-            raise protocol.APIError(f"The model `{p.model}` does not exist; this server serves `{served.name}` "
-                                    f"(GET /v1/models)", "model", status=404, code="model_not_found")
+            raise protocol.APIError(
+                f"The model `{p.model}` does not exist; this server serves `{served.name}` (GET /v1/models)",
+                "model",
+                status=404,
+                code="model_not_found",
+            )
         try:
             if chat:
                 ids = served.chat_ids(p.messages)
@@ -89,16 +98,30 @@ def create_app(served: ServedModel, max_batch: int = 8, engine: Engine | None = 
         except DataError as e:  # the chat template refused the conversation (raise_exception, ...)
             raise protocol.APIError(str(e), "messages" if chat else "prompt") from None
         if not chat and isinstance(p.prompt, list) and max(ids) >= served.model.config.vocab_size:
-            raise protocol.APIError(f"prompt holds token id {max(ids)} but the vocabulary has "
-                                    f"{served.model.config.vocab_size} ids", "prompt")
+            raise protocol.APIError(
+                f"prompt holds token id {max(ids)} but the vocabulary has {served.model.config.vocab_size} ids",
+                "prompt",
+            )
         where = "messages" if chat else "prompt"
         max_tokens = protocol.check_length(len(ids), p.max_tokens, served.context, where)
-        req, q = await _events(engine, dict(prompt_ids=ids, max_tokens=max_tokens, temperature=p.temperature,
-                                            top_p=p.top_p, seed=p.seed, stop=p.stop))
+        req, q = await _events(
+            engine,
+            dict(
+                prompt_ids=ids,
+                max_tokens=max_tokens,
+                temperature=p.temperature,
+                top_p=p.top_p,
+                seed=p.seed,
+                stop=p.stop,
+            ),
+        )
         rid = protocol.new_id(chat)
         if p.stream:
-            return StreamingResponse(_stream(req, q, rid, chat, len(ids), p.include_usage),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return StreamingResponse(
+                _stream(req, q, rid, chat, len(ids), p.include_usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
         return await _whole(request, req, q, rid, chat, len(ids))
 
     async def _whole(request: Request, req: GenRequest, q: asyncio.Queue, rid: str, chat: bool, n_prompt: int):
@@ -115,15 +138,17 @@ def create_app(served: ServedModel, max_batch: int = 8, engine: Engine | None = 
                 if ev[0] == "delta":
                     pieces.append(ev[1])
                 elif ev[0] == "done":
-                    return protocol.completion(rid, served.name, chat, "".join(pieces), ev[1],
-                                               protocol.usage(n_prompt, ev[2]))
+                    return protocol.completion(
+                        rid, served.name, chat, "".join(pieces), ev[1], protocol.usage(n_prompt, ev[2])
+                    )
                 else:
                     return _error(protocol.APIError(f"generation failed: {ev[1]}", None, 500, "server_error"))
         finally:
             req.cancel()  # a no-op once done; frees the slot when this handler is cancelled
 
-    async def _stream(req: GenRequest, q: asyncio.Queue, rid: str, chat: bool, n_prompt: int,
-                      include_usage: bool) -> AsyncIterator[str]:
+    async def _stream(
+        req: GenRequest, q: asyncio.Queue, rid: str, chat: bool, n_prompt: int, include_usage: bool
+    ) -> AsyncIterator[str]:
         def sse(obj: dict) -> str:
             return f"data: {json.dumps(obj)}\n\n"
 

@@ -21,8 +21,9 @@ class ServerThread:
         self.sock = bind_socket(host, port)
         self.url = f"http://{host}:{self.sock.getsockname()[1]}/v1"
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
-                                       name="fitlm-serve-http")
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True, name="fitlm-serve-http"
+        )
 
     def __enter__(self) -> "ServerThread":
         self.thread.start()

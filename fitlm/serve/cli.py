@@ -18,35 +18,45 @@ def batch_size(text: str) -> int:
     try:
         n = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; pass the most requests decoded "
-                                         "together, e.g. 8") from None
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a whole number; pass the most requests decoded together, e.g. 8"
+        ) from None
     if n < 1:
         raise argparse.ArgumentTypeError(f"{n}: at least 1 request must fit; pass e.g. 8 (1 = one at a time)")
     return n
 
 
 def add_commands(sub) -> None:
-    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (batched, streaming)",
-                       formatter_class=argparse.RawDescriptionHelpFormatter,
-                       description="Serve MODEL at http://HOST:PORT/v1 with OpenAI's /v1/models, "
-                                   "/v1/chat/completions (the model's chat template) and /v1/completions; "
-                                   "stream: true sends server-sent events. Concurrent requests are decoded "
-                                   "together, up to --max-batch at a time. SIGTERM finishes the requests in "
-                                   "flight, then exits.",
-                       epilog="examples:\n"
-                              "  fitlm serve runs/tour                         # http://127.0.0.1:8000/v1\n"
-                              "  fitlm serve demo/base --adapter demo/lora/adapter --port 8080 --max-batch 16\n"
-                              "  curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' "
-                              "\\\n    -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], "
-                              "\"max_tokens\": 20}'")
+    p = sub.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API (batched, streaming)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Serve MODEL at http://HOST:PORT/v1 with OpenAI's /v1/models, "
+        "/v1/chat/completions (the model's chat template) and /v1/completions; "
+        "stream: true sends server-sent events. Concurrent requests are decoded "
+        "together, up to --max-batch at a time. SIGTERM finishes the requests in "
+        "flight, then exits.",
+        epilog="examples:\n"
+        "  fitlm serve runs/tour                         # http://127.0.0.1:8000/v1\n"
+        "  fitlm serve demo/base --adapter demo/lora/adapter --port 8080 --max-batch 16\n"
+        "  curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' "
+        '\\\n    -d \'{"messages": [{"role": "user", "content": "Hi"}], '
+        '"max_tokens": 20}\'',
+    )
     p.add_argument("model", metavar="MODEL", help="fitlm model dir, training output dir, HF dir or GGUF file")
     p.add_argument("--adapter", metavar="DIR", help="PEFT LoRA adapter to merge into MODEL before serving")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0 = any free port)")
-    p.add_argument("--max-batch", type=batch_size, default=8, metavar="N",
-                   help="requests decoded together at most; more wait in a queue (default 8)")
-    p.add_argument("--served-name", metavar="NAME",
-                   help='the model id clients pass as "model" (default: the last part of MODEL)')
+    p.add_argument(
+        "--max-batch",
+        type=batch_size,
+        default=8,
+        metavar="N",
+        help="requests decoded together at most; more wait in a queue (default 8)",
+    )
+    p.add_argument(
+        "--served-name", metavar="NAME", help='the model id clients pass as "model" (default: the last part of MODEL)'
+    )
     p.set_defaults(func=cmd_serve)
 
 
@@ -60,8 +70,10 @@ def bind_socket(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise ServeError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port (0 = any free "
-                         f"port) or stop what is using it") from None
+        raise ServeError(
+            f"cannot listen on {host}:{port} ({e.strerror}); pick another --port (0 = any free "
+            f"port) or stop what is using it"
+        ) from None
     sock.listen(128)
     sock.set_inheritable(True)
     return sock
@@ -80,8 +92,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     served = load_served(args.model, args.adapter, args.served_name)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    sys.stderr.write(f"fitlm serve: {served.name} ({served.path}, template {served.template_name}, context "
-                     f"{served.context}, max batch {args.max_batch}) at http://{shown}:{port}/v1\n")
+    sys.stderr.write(
+        f"fitlm serve: {served.name} ({served.path}, template {served.template_name}, context "
+        f"{served.context}, max batch {args.max_batch}) at http://{shown}:{port}/v1\n"
+    )
     sys.stderr.flush()
     config = uvicorn.Config(create_app(served, args.max_batch), log_level="warning", timeout_graceful_shutdown=None)
     server = uvicorn.Server(config)

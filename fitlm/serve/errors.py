@@ -13,8 +13,10 @@ def require_server_packages() -> None:
     """Refuse early, naming the extra to install, when FastAPI or uvicorn is missing."""
     missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
     if missing:
-        raise ServeError(f"fitlm serve needs {' and '.join(missing)}, which are not installed; "
-                         "install them with `pip install -e '.[serve]'` (or `pip install fastapi uvicorn`)")
+        raise ServeError(
+            f"fitlm serve needs {' and '.join(missing)}, which are not installed; "
+            "install them with `pip install -e '.[serve]'` (or `pip install fastapi uvicorn`)"
+        )
 
 
 __all__ = ["ServeError", "require_server_packages"]

@@ -62,8 +62,14 @@ def load_served(model_path: str | Path, adapter: str | Path | None = None, name:
     loaded = load_for_export(model_path, adapter)
     tok = load_tokenizer(loaded, model_path)
     template_name, source = _template(loaded, tok)
-    return ServedModel(name or default_name(model_path), loaded.model, tok, ChatEncoder(tok, source, template_name),
-                       template_name, loaded.path)
+    return ServedModel(
+        name or default_name(model_path),
+        loaded.model,
+        tok,
+        ChatEncoder(tok, source, template_name),
+        template_name,
+        loaded.path,
+    )
 
 
 __all__ = ["ServedModel", "default_name", "load_served"]

@@ -18,23 +18,58 @@ ROLES = ("system", "user", "assistant")
 MAX_STOPS = 4
 # Known fields that are accepted only at these neutral values.
 NEUTRAL: dict[str, tuple] = {
-    "n": (1, None), "logprobs": (False, None), "top_logprobs": (0, None), "presence_penalty": (0, 0.0, None),
-    "frequency_penalty": (0, 0.0, None), "logit_bias": (None,), "echo": (False, None), "best_of": (1, None),
-    "suffix": (None,), "tools": (None,), "tool_choice": (None, "none", "auto"),
+    "n": (1, None),
+    "logprobs": (False, None),
+    "top_logprobs": (0, None),
+    "presence_penalty": (0, 0.0, None),
+    "frequency_penalty": (0, 0.0, None),
+    "logit_bias": (None,),
+    "echo": (False, None),
+    "best_of": (1, None),
+    "suffix": (None,),
+    "tools": (None,),
+    "tool_choice": (None, "none", "auto"),
     "parallel_tool_calls": (None, True, False),
 }
-COMMON = {"model", "max_tokens", "temperature", "top_p", "stop", "seed", "stream", "stream_options", "user", "n",
-          "logprobs", "presence_penalty", "frequency_penalty", "logit_bias"}
-CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
-                        "tool_choice", "parallel_tool_calls"}
+COMMON = {
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "stop",
+    "seed",
+    "stream",
+    "stream_options",
+    "user",
+    "n",
+    "logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+}
+CHAT_FIELDS = COMMON | {
+    "messages",
+    "max_completion_tokens",
+    "top_logprobs",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+}
 COMPLETION_FIELDS = COMMON | {"prompt", "echo", "best_of", "suffix"}
 
 
 class APIError(Exception):
     """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 type_: str = "invalid_request_error", code: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        status: int = 400,
+        type_: str = "invalid_request_error",
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.message, self.param, self.status, self.type, self.code = message, param, status, type_, code
 
@@ -71,7 +106,7 @@ def _number(body: dict, name: str, default: float, lo: float, hi: float, lo_open
     if v is None:
         return default
     if not _is_number(v):
-        raise APIError(f"{name} must be a number, got {v!r}; e.g. \"{name}\": {default}", name)
+        raise APIError(f'{name} must be a number, got {v!r}; e.g. "{name}": {default}', name)
     if not (lo < v if lo_open else lo <= v) or v > hi:
         span = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
         raise APIError(f"{name} {v!r} is out of range: it must be in {span}", name)
@@ -103,26 +138,30 @@ def _content(m: dict, i: int) -> str:
     c = m.get("content")
     if isinstance(c, str):
         return c
-    if isinstance(c, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                                   for p in c):
+    if isinstance(c, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in c
+    ):
         return "".join(p["text"] for p in c)
-    raise APIError(f"messages[{i}].content must be a string or a list of text parts "
-                   f"([{{\"type\": \"text\", \"text\": ...}}]); fitlm serves text only", f"messages[{i}].content")
+    raise APIError(
+        f"messages[{i}].content must be a string or a list of text parts "
+        f'([{{"type": "text", "text": ...}}]); fitlm serves text only',
+        f"messages[{i}].content",
+    )
 
 
 def _messages(body: dict) -> list[dict[str, str]]:
     msgs = body.get("messages")
     if msgs is None:
-        raise APIError("messages is required: a non-empty list of {\"role\", \"content\"} objects", "messages")
+        raise APIError('messages is required: a non-empty list of {"role", "content"} objects', "messages")
     if not isinstance(msgs, list) or not msgs:
-        raise APIError(f"messages must be a non-empty list of {{\"role\", \"content\"}} objects, got {msgs!r:.80}",
-                       "messages")
+        raise APIError(
+            f'messages must be a non-empty list of {{"role", "content"}} objects, got {msgs!r:.80}', "messages"
+        )
     out = []
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             role = m.get("role") if isinstance(m, dict) else None
-            raise APIError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}",
-                           f"messages[{i}].role")
+            raise APIError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}", f"messages[{i}].role")
         out.append({"role": m["role"], "content": _content(m, i)})
     return out
 
@@ -133,8 +172,7 @@ def _prompt(body: dict) -> str | list[int]:
         p = p[0]  # a batch of one prompt
     if isinstance(p, str) or (isinstance(p, list) and p and all(_is_int(t) and t >= 0 for t in p)):
         return p
-    raise APIError(f"prompt must be a string (or a list of token ids), got {p!r:.80}; one prompt per request",
-                   "prompt")
+    raise APIError(f"prompt must be a string (or a list of token ids), got {p!r:.80}; one prompt per request", "prompt")
 
 
 def parse(body: Any, chat: bool) -> Params:
@@ -148,11 +186,14 @@ def parse(body: Any, chat: bool) -> Params:
     for name, allowed in NEUTRAL.items():
         v = body.get(name)
         if name in known and v not in allowed and not (name == "logit_bias" and v == {}):
-            raise APIError(f"{name}={v!r} is not supported by fitlm serve; leave it out "
-                           f"(supported: {' or '.join(repr(a) for a in allowed if a is not None) or 'null'})", name)
+            raise APIError(
+                f"{name}={v!r} is not supported by fitlm serve; leave it out "
+                f"(supported: {' or '.join(repr(a) for a in allowed if a is not None) or 'null'})",
+                name,
+            )
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
-        raise APIError("response_format: only {\"type\": \"text\"} is supported; leave it out", "response_format")
+        raise APIError('response_format: only {"type": "text"} is supported; leave it out', "response_format")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise APIError(f"model must be a string, got {model!r}", "model")
@@ -161,30 +202,45 @@ def parse(body: Any, chat: bool) -> Params:
         raise APIError(f"stream must be true or false, got {stream!r}", "stream")
     opts = body.get("stream_options") or {}
     if not isinstance(opts, dict) or not isinstance(opts.get("include_usage", False), bool):
-        raise APIError(f"stream_options must be {{\"include_usage\": true|false}}, got {opts!r}", "stream_options")
+        raise APIError(f'stream_options must be {{"include_usage": true|false}}, got {opts!r}', "stream_options")
     seed = body.get("seed")
     if seed is not None and not _is_int(seed):
         raise APIError(f"seed must be a whole number, got {seed!r}", "seed")
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise APIError("user must be a string", "user")
-    return Params(model=model, max_tokens=_max_tokens(body), temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-                  top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True), stop=_stop(body), seed=seed,
-                  stream=bool(stream), include_usage=bool(opts.get("include_usage", False)),
-                  messages=_messages(body) if chat else None, prompt=None if chat else _prompt(body))
+    return Params(
+        model=model,
+        max_tokens=_max_tokens(body),
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        stop=_stop(body),
+        seed=seed,
+        stream=bool(stream),
+        include_usage=bool(opts.get("include_usage", False)),
+        messages=_messages(body) if chat else None,
+        prompt=None if chat else _prompt(body),
+    )
 
 
 def check_length(prompt_tokens: int, max_tokens: int | None, context: int, where: str) -> int:
     """The max_tokens to run with: the request's, or what the context leaves; APIError if it does not fit."""
     room = context - prompt_tokens
     if room < 1:
-        raise APIError(f"the {where} has {prompt_tokens} tokens but the model's context is {context} tokens "
-                       f"(with at least 1 to generate); shorten the {where}", where, code="context_length_exceeded")
+        raise APIError(
+            f"the {where} has {prompt_tokens} tokens but the model's context is {context} tokens "
+            f"(with at least 1 to generate); shorten the {where}",
+            where,
+            code="context_length_exceeded",
+        )
     if max_tokens is None:
         return room
     if max_tokens > room:
-        raise APIError(f"max_tokens {max_tokens} plus the {prompt_tokens}-token {where} exceeds the model's context of "
-                       f"{context} tokens; ask for at most {room} tokens, or shorten the {where}", "max_tokens",
-                       code="context_length_exceeded")
+        raise APIError(
+            f"max_tokens {max_tokens} plus the {prompt_tokens}-token {where} exceeds the model's context of "
+            f"{context} tokens; ask for at most {room} tokens, or shorten the {where}",
+            "max_tokens",
+            code="context_length_exceeded",
+        )
     return max_tokens
 
 
@@ -193,23 +249,43 @@ def new_id(chat: bool) -> str:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def completion(rid: str, model: str, chat: bool, text: str, finish: str, use: dict) -> dict:
     """The whole (non-streamed) response object."""
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish}
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": finish,
+        }
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": [choice], "usage": use}
+    return {
+        "id": rid,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": use,
+    }
 
 
-def chunk(rid: str, model: str, chat: bool, text: str | None, finish: str | None = None, first: bool = False,
-          use: dict | None = None) -> dict:
+def chunk(
+    rid: str,
+    model: str,
+    chat: bool,
+    text: str | None,
+    finish: str | None = None,
+    first: bool = False,
+    use: dict | None = None,
+) -> dict:
     """One server-sent event of a streamed response (usage chunk: no choices, as OpenAI sends it)."""
     if use is not None:
         choices: list = []
@@ -218,8 +294,13 @@ def chunk(rid: str, model: str, chat: bool, text: str | None, finish: str | None
         choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
     else:
         choices = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]
-    out = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
-           "model": model, "choices": choices}
+    out = {
+        "id": rid,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+    }
     if use is not None:
         out["usage"] = use
     return out

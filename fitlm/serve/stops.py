@@ -41,7 +41,7 @@ class TextStream:
         self.text = text
         cuts = [i for i in (text.find(s) for s in self.stops) if i >= 0]
         if cuts:
-            self.text = text[:min(cuts)]
+            self.text = text[: min(cuts)]
             return self._take(len(self.text)), True
         return self._take(len(text) - _held_back(text, self.stops)), False
 
@@ -52,7 +52,7 @@ class TextStream:
         return self._take(len(self.text))
 
     def _take(self, upto: int) -> str:
-        piece = self.text[self.sent:upto] if upto > self.sent else ""
+        piece = self.text[self.sent : upto] if upto > self.sent else ""
         self.sent = max(self.sent, upto)
         return piece
 

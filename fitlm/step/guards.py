@@ -47,11 +47,16 @@ class GuardEvent:
 
     def record(self) -> dict[str, Any]:
         """The metrics.jsonl record (no `loss` key: step records are told apart by it)."""
-        return {"step": self.step, "guard": self.kind or "other_rank", "reason": self.reason, "action": self.action,
-                "see": self.see()}
+        return {
+            "step": self.step,
+            "guard": self.kind or "other_rank",
+            "reason": self.reason,
+            "action": self.action,
+            "see": self.see(),
+        }
 
     def see(self) -> str:
-        return f"{DOCS}, section \"{SECTIONS.get(self.kind, 'Loss is NaN')}\""
+        return f'{DOCS}, section "{SECTIONS.get(self.kind, "Loss is NaN")}"'
 
     def message(self) -> str:
         return f"step {self.step}: {self.reason}; action: {self.action} (see {self.see()})"
@@ -92,12 +97,15 @@ class StepGuards:
         # Statistics need at least one accepted step, even with warmup_steps 0.
         if self.cfg.spike == "none" or self.accepted < max(1, self.cfg.warmup_steps):
             return "", ""
-        for kind, name, value, stats, sigma in (("loss_spike", "loss", loss, self.loss, self.cfg.loss_spike_sigma),
-                                                ("grad_spike", "gradient norm", grad_norm, self.grad,
-                                                 self.cfg.grad_spike_sigma)):
+        for kind, name, value, stats, sigma in (
+            ("loss_spike", "loss", loss, self.loss, self.cfg.loss_spike_sigma),
+            ("grad_spike", "gradient norm", grad_norm, self.grad, self.cfg.grad_spike_sigma),
+        ):
             if sigma > 0 and value > (limit := stats.threshold(sigma)):
-                return kind, (f"{name} spike: {value:.4g} is above {limit:.4g} (running mean {stats.mean():.4g} "
-                              f"+ {sigma:g} standard deviations over the last {len(stats.values)} steps)")
+                return kind, (
+                    f"{name} spike: {value:.4g} is above {limit:.4g} (running mean {stats.mean():.4g} "
+                    f"+ {sigma:g} standard deviations over the last {len(stats.values)} steps)"
+                )
         return "", ""
 
     def inspect(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> GuardEvent | None:
@@ -135,8 +143,12 @@ class StepGuards:
         self.streak = 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"loss": list(self.loss.values), "grad": list(self.grad.values), "accepted": self.accepted,
-                "rollbacks": self.rollbacks}
+        return {
+            "loss": list(self.loss.values),
+            "grad": list(self.grad.values),
+            "accepted": self.accepted,
+            "rollbacks": self.rollbacks,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loss.values.clear()
@@ -147,7 +159,12 @@ class StepGuards:
 
 
 def stop_error(event: GuardEvent, checkpoint: str | None) -> TrainingDiverged:
-    where = (f"the last checkpoint ({checkpoint}) holds the weights from before it; fix the cause and resume"
-             if checkpoint else "no checkpoint was written yet (checkpoint.interval)")
-    return TrainingDiverged(f"training stopped by train.observe.guards at {event.message()}. The update of step "
-                            f"{event.step} was not applied; {where}.")
+    where = (
+        f"the last checkpoint ({checkpoint}) holds the weights from before it; fix the cause and resume"
+        if checkpoint
+        else "no checkpoint was written yet (checkpoint.interval)"
+    )
+    return TrainingDiverged(
+        f"training stopped by train.observe.guards at {event.message()}. The update of step "
+        f"{event.step} was not applied; {where}."
+    )

@@ -12,8 +12,8 @@ from torch.distributed.tensor import DTensor
 
 from fitlm.config import Config, TrainConfig
 from fitlm.memory.offload import HostAdamW
-from fitlm.parallel.mesh import ParallelContext
 from fitlm.models.flops import is_embedding
+from fitlm.parallel.mesh import ParallelContext
 
 
 def param_groups(modules: nn.Module | list[nn.Module], weight_decay: float) -> list[dict]:
@@ -32,8 +32,12 @@ def param_groups(modules: nn.Module | list[nn.Module], weight_decay: float) -> l
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(modules: nn.Module | list[nn.Module], cfg: TrainConfig,
-                    zero1_group: "dist.ProcessGroup | None" = None, host_states: bool = False) -> torch.optim.Optimizer:
+def build_optimizer(
+    modules: nn.Module | list[nn.Module],
+    cfg: TrainConfig,
+    zero1_group: "dist.ProcessGroup | None" = None,
+    host_states: bool = False,
+) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters of `modules` (a model, or this rank's pipeline stages).
 
     Frozen parameters (requires_grad False) get no optimizer state at all. With `zero1_group`
@@ -64,15 +68,20 @@ def implementation(params: list[torch.Tensor]) -> dict[str, bool]:
 
 
 def uses_fused(params: list[torch.Tensor]) -> bool:
-    return all(not isinstance(p, DTensor) and p.device.type in ("cpu", "cuda") and p.is_floating_point()
-               for p in params)
+    return all(
+        not isinstance(p, DTensor) and p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params
+    )
 
 
 def optimizer_for(cfg: Config, ctx: ParallelContext, modules: list[nn.Module]) -> torch.optim.Optimizer:
     """The optimizer of this config on this rank's (parallelized) modules: ZeRO-1 shards its states over the
     data-parallel group; memory.cpu_offload keeps them on the host unless FSDP2 (ZeRO-2/3) offloads itself."""
-    return build_optimizer(modules, cfg.train, zero1_group=ctx.group(ctx.dims.token_dim) if ctx.dims.zero1 else None,
-                           host_states=cfg.memory.cpu_offload and not ctx.dims.fsdp_sharded)
+    return build_optimizer(
+        modules,
+        cfg.train,
+        zero1_group=ctx.group(ctx.dims.token_dim) if ctx.dims.zero1 else None,
+        host_states=cfg.memory.cpu_offload and not ctx.dims.fsdp_sharded,
+    )
 
 
 def scale_for_batch(cfg: TrainConfig, data_parallel: int) -> tuple[TrainConfig, str | None]:
@@ -87,17 +96,24 @@ def scale_for_batch(cfg: TrainConfig, data_parallel: int) -> tuple[TrainConfig, 
     if batch == reference:
         return cfg, None
     factor = math.sqrt(batch / reference)
-    scaled = cfg.model_copy(update={"lr": cfg.lr * factor, "min_lr": cfg.min_lr * factor,
-                                    "warmup_steps": round(cfg.warmup_steps * factor)})
-    what = (f"global batch {batch} sequences (micro_batch_size {cfg.micro_batch_size} × data_parallel "
-            f"{data_parallel} × gradient_accumulation_steps {cfg.gradient_accumulation_steps}) is {batch / reference:g}× "
-            f"the reference batch {reference}")
+    scaled = cfg.model_copy(
+        update={"lr": cfg.lr * factor, "min_lr": cfg.min_lr * factor, "warmup_steps": round(cfg.warmup_steps * factor)}
+    )
+    what = (
+        f"global batch {batch} sequences (micro_batch_size {cfg.micro_batch_size} × data_parallel "
+        f"{data_parallel} × gradient_accumulation_steps {cfg.gradient_accumulation_steps}) is {batch / reference:g}× "
+        f"the reference batch {reference}"
+    )
     if cfg.lr_scaling == "sqrt":
-        return scaled, (f"{what}: train.lr_scaling=sqrt sets lr {cfg.lr:g} -> {scaled.lr:.4g}, min_lr -> "
-                        f"{scaled.min_lr:.4g}, warmup_steps {cfg.warmup_steps} -> {scaled.warmup_steps}")
-    return cfg, (f"{what}; lr {cfg.lr:g} is used unchanged. If lr was tuned for the reference batch, the "
-                 f"sqrt rule suggests lr {scaled.lr:.4g} and warmup_steps {scaled.warmup_steps}: set "
-                 "train.lr_scaling=sqrt to apply it (train.lr_reference_batch names the tuned batch)")
+        return scaled, (
+            f"{what}: train.lr_scaling=sqrt sets lr {cfg.lr:g} -> {scaled.lr:.4g}, min_lr -> "
+            f"{scaled.min_lr:.4g}, warmup_steps {cfg.warmup_steps} -> {scaled.warmup_steps}"
+        )
+    return cfg, (
+        f"{what}; lr {cfg.lr:g} is used unchanged. If lr was tuned for the reference batch, the "
+        f"sqrt rule suggests lr {scaled.lr:.4g} and warmup_steps {scaled.warmup_steps}: set "
+        "train.lr_scaling=sqrt to apply it (train.lr_reference_batch names the tuned batch)"
+    )
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

@@ -51,8 +51,9 @@ METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/acc
 
 def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """log p of each row's target tokens, summed, in fp32: logits [N, T, V], labels [N, T] -> [N]."""
-    per_token = -F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
-                                 reduction="none")  # [N·T], 0 where ignored
+    per_token = -F.cross_entropy(
+        logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+    )  # [N·T], 0 where ignored
     return per_token.view(labels.shape).sum(-1)
 
 
@@ -62,8 +63,9 @@ def average_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return sequence_logps(logits, labels) / (labels != IGNORE_INDEX).sum(-1).clamp(min=1)
 
 
-def pair_terms(scores: torch.Tensor, beta: float, gamma: float = 0.0
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pair_terms(
+    scores: torch.Tensor, beta: float, gamma: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, chosen reward, rejected reward), each [B], from the [2B] row scores (the B chosen rows first):
     rewards β · score, loss −log σ(chosen reward − rejected reward − γ)."""
     chosen, rejected = (beta * scores).chunk(2)
@@ -74,9 +76,11 @@ def pair_count(labels: torch.Tensor) -> int:
     """Pairs in a micro batch of 2B rows; a batch that is not whole pairs cannot be scored."""
     rows = labels.shape[0]
     if rows % 2:
-        raise FinetuneError(f"a preference micro batch holds 2 × train.micro_batch_size rows (chosen, then "
-                            f"rejected); got {rows} rows: feed it from data packed with "
-                            f"`fitlm data pack --format preference`")
+        raise FinetuneError(
+            f"a preference micro batch holds 2 × train.micro_batch_size rows (chosen, then "
+            f"rejected); got {rows} rows: feed it from data packed with "
+            f"`fitlm data pack --format preference`"
+        )
     return rows // 2
 
 
@@ -99,8 +103,9 @@ class PairObjective:
     def count(labels: torch.Tensor) -> int:
         return pair_count(labels)
 
-    def micro_loss(self, step: "TrainStep", input_ids: torch.Tensor, labels: torch.Tensor, doc: dict
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    def micro_loss(
+        self, step: "TrainStep", input_ids: torch.Tensor, labels: torch.Tensor, doc: dict
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(summed pair loss of a micro batch [2B, T], detached [chosen reward, rejected reward, chosen wins]
         summed over its pairs)."""
         scores = self.score(step.pm.model, input_ids, labels, doc)
@@ -140,8 +145,12 @@ def reference_config(cfg: Config) -> Config:
     plain = cfg.finetune.model_copy(update={"method": "full"})  # no adapters, nothing frozen by the method
     ref = resolve_init_from(cfg.model_copy(update={"model": model, "finetune": plain}))
     if ref.model.vocab_size != cfg.model.vocab_size:
-        raise ConfigError([f"finetune.dpo.reference: {path} has a vocabulary of {ref.model.vocab_size} tokens but the "
-                           f"trained model has {cfg.model.vocab_size}; the reference must share the tokenizer"])
+        raise ConfigError(
+            [
+                f"finetune.dpo.reference: {path} has a vocabulary of {ref.model.vocab_size} tokens but the "
+                f"trained model has {cfg.model.vocab_size}; the reference must share the tokenizer"
+            ]
+        )
     return ref
 
 
@@ -160,8 +169,9 @@ def frozen_copy(cfg: Config, ctx: "ParallelContext") -> nn.Module:
     return apply_precision(model, cfg.memory, sharded=False).eval()
 
 
-def objective_for(cfg: Config, ctx: "ParallelContext", pm: "ParallelModel", simulate: bool = False
-                  ) -> PairObjective | None:
+def objective_for(
+    cfg: Config, ctx: "ParallelContext", pm: "ParallelModel", simulate: bool = False
+) -> PairObjective | None:
     """The step's objective when it is not SFT (None: SFT, the step's own loss)."""
     f = cfg.finetune
     if f.objective == "simpo":
@@ -169,9 +179,11 @@ def objective_for(cfg: Config, ctx: "ParallelContext", pm: "ParallelModel", simu
     if f.objective != "dpo":
         return None
     if f.adapters and f.dpo.reference is None:
+
         def base(input_ids: torch.Tensor, **doc: torch.Tensor) -> torch.Tensor:
             with adapters_off(pm.model):
                 return pm.model(input_ids, **doc)
+
         return PairObjective(f.dpo.beta, dpo_score(base))
     if simulate:
         # A simulation measures the step on fake tensors: the policy stands in for the reference's forward.
@@ -180,5 +192,17 @@ def objective_for(cfg: Config, ctx: "ParallelContext", pm: "ParallelModel", simu
     return PairObjective(f.dpo.beta, dpo_score(frozen_copy(cfg, ctx)))
 
 
-__all__ = ["METRICS", "PairObjective", "Score", "average_logps", "dpo_score", "frozen_copy",
-           "objective_for", "pair_count", "pair_terms", "reference_config", "sequence_logps", "simpo_score"]
+__all__ = [
+    "METRICS",
+    "PairObjective",
+    "Score",
+    "average_logps",
+    "dpo_score",
+    "frozen_copy",
+    "objective_for",
+    "pair_count",
+    "pair_terms",
+    "reference_config",
+    "sequence_logps",
+    "simpo_score",
+]

@@ -23,9 +23,9 @@ from fitlm.models.loss import count_targets, cross_entropy_sum
 from fitlm.parallel.apply import ParallelModel
 from fitlm.parallel.mesh import ParallelContext
 from fitlm.parallel_dims import WORLD
-from fitlm.step.pair_objectives import PairObjective, objective_for
 from fitlm.step.guards import GuardEvent, StepGuards
 from fitlm.step.optim import optimizer_for
+from fitlm.step.pair_objectives import PairObjective, objective_for
 from fitlm.step.timing import PhaseTimer
 
 
@@ -49,8 +49,16 @@ class _NoTimer:
 
 
 class TrainStep:
-    def __init__(self, cfg: Config, ctx: ParallelContext, pm: ParallelModel, optimizer: torch.optim.Optimizer,
-                 scaler: LossScaler, guards: StepGuards, timer: PhaseTimer | _NoTimer):
+    def __init__(
+        self,
+        cfg: Config,
+        ctx: ParallelContext,
+        pm: ParallelModel,
+        optimizer: torch.optim.Optimizer,
+        scaler: LossScaler,
+        guards: StepGuards,
+        timer: PhaseTimer | _NoTimer,
+    ):
         self.cfg, self.ctx, self.pm, self.device = cfg, ctx, pm, ctx.device
         self.optimizer, self.scaler, self.guards, self.timer = optimizer, scaler, guards, timer
         self.guard_event: GuardEvent | None = None  # set by optimizer_step
@@ -63,9 +71,15 @@ class TrainStep:
         overflow check would read a fake flag (and skip every step) and phase wall times mean nothing."""
         scaler = LossScaler(cfg.memory, ctx.device)
         scaler.enabled = scaler.enabled and not simulate
-        step = cls(cfg, ctx, pm, optimizer_for(cfg, ctx, pm.modules), scaler,
-                   StepGuards(cfg.train.observe.guards, partial(ctx.all_reduce_max, dim=WORLD)),
-                   _NoTimer() if simulate else PhaseTimer(ctx.device))
+        step = cls(
+            cfg,
+            ctx,
+            pm,
+            optimizer_for(cfg, ctx, pm.modules),
+            scaler,
+            StepGuards(cfg.train.observe.guards, partial(ctx.all_reduce_max, dim=WORLD)),
+            _NoTimer() if simulate else PhaseTimer(ctx.device),
+        )
         step.objective = objective_for(cfg, ctx, pm, simulate)
         return step
 
@@ -73,8 +87,10 @@ class TrainStep:
         """Per-document positions and ids (block-causal attention), when data.document_mask is on."""
         if not self.cfg.data.document_mask:
             return {}
-        return {"position_ids": batch["position_ids"].to(self.device, non_blocking=True),  # [B, T]
-                "document_ids": batch["document_ids"].to(self.device, non_blocking=True)}  # [B, T]
+        return {
+            "position_ids": batch["position_ids"].to(self.device, non_blocking=True),  # [B, T]
+            "document_ids": batch["document_ids"].to(self.device, non_blocking=True),
+        }  # [B, T]
 
     def forward_backward(self, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """Accumulate gradients over micro batches; returns the step's loss.
@@ -91,7 +107,8 @@ class TrainStep:
         the same.
         """
         n_targets = self.ctx.all_reduce_sum(
-            torch.tensor(float(sum(self._count(b["labels"]) for b in batches)), device=self.device), "dp")
+            torch.tensor(float(sum(self._count(b["labels"]) for b in batches)), device=self.device), "dp"
+        )
         n_targets = max(1.0, n_targets.item())
         scale = self.ctx.dims.dp_cp / n_targets * self.scaler.scale  # loss scale: 1 unless fp16
         if self.pm.pipeline is not None:
@@ -120,8 +137,9 @@ class TrainStep:
         """What the step's loss is a mean over in `labels`: target tokens (SFT) or the objective's unit (pairs)."""
         return self.objective.count(labels) if self.objective is not None else count_targets(labels)
 
-    def _micro_loss(self, input_ids: torch.Tensor, labels: torch.Tensor, doc: dict[str, torch.Tensor]
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _micro_loss(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, doc: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(summed loss of one micro batch, detached sums of the objective's metrics [k]; SFT has none, k = 0)."""
         if self.objective is not None:
             return self.objective.micro_loss(self, input_ids, labels, doc)
@@ -139,14 +157,16 @@ class TrainStep:
         The schedule also defers data-parallel gradient reduction (FSDP2) to its last backward, so under
         pipeline parallel gradients are reduced once per step.
         """
+
         def joined(key: str) -> torch.Tensor:  # [G·B, T]
             return torch.cat([b[key].to(self.device, non_blocking=True) for b in batches])
 
         doc = {k: joined(k) for k in ("position_ids", "document_ids")} if self.cfg.data.document_mask else {}
         # the timer's phase is forward_backward: the schedule interleaves both over the chunks
         with autocast(self.cfg.memory, self.device), self.pm.loss_context(), self.timer("forward_backward"):
-            loss_sum = self.pm.pipeline.step(joined("input_ids"), joined("labels"), scale,
-                                             micro_batches=len(batches), **doc)
+            loss_sum = self.pm.pipeline.step(
+                joined("input_ids"), joined("labels"), scale, micro_batches=len(batches), **doc
+            )
         return loss_sum.detach()
 
     def model_inputs(self, batch: dict[str, torch.Tensor]):
@@ -157,8 +177,12 @@ class TrainStep:
         if cp is not None:
             input_ids, labels, doc, shard = cp.split(batch, self.cfg.data.document_mask, self.device)
             return input_ids, labels, doc, cp.using(shard)
-        return (batch["input_ids"].to(self.device, non_blocking=True), batch["labels"].to(self.device, non_blocking=True),
-                self.document_inputs(batch), contextlib.nullcontext())
+        return (
+            batch["input_ids"].to(self.device, non_blocking=True),
+            batch["labels"].to(self.device, non_blocking=True),
+            self.document_inputs(batch),
+            contextlib.nullcontext(),
+        )
 
     def loss_sum(self, input_ids: torch.Tensor, labels: torch.Tensor, **doc: torch.Tensor) -> torch.Tensor:
         """Summed token loss of one micro batch through the (non-pipelined) model."""
@@ -176,8 +200,9 @@ class TrainStep:
                 loss_sum = self.pm.pipeline.eval_step(input_ids, labels, **doc)
             else:
                 loss_sum, _ = self._micro_loss(input_ids, labels, doc)
-        return torch.stack([loss_sum.float().detach().reshape(()),
-                            torch.tensor(float(self._count(labels)), device=loss_sum.device)])
+        return torch.stack(
+            [loss_sum.float().detach().reshape(()), torch.tensor(float(self._count(labels)), device=loss_sum.device)]
+        )
 
     def optimizer_step(self, loss: torch.Tensor | None = None, step: int = 0) -> tuple[torch.Tensor, bool]:
         """Unscale (fp16), clip, step, clear; returns the pre-clip global gradient norm and whether the

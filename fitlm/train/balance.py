@@ -111,11 +111,16 @@ class InputMonitor:
             for rank, v in enumerate(values):
                 others = (sum(values) - v) / (len(values) - 1)
                 if others > 0 and v / others > self.balance_threshold and self._due("data_balance"):
-                    return {"step": step, "warning": "data_balance", "dp_rank": rank, "ratio": round(v / others, 3),
-                            "message": f"data-parallel rank {rank} got {v / others:.2f}x the {what} of the other "
-                                       f"ranks ({int(v)} vs {others:.0f} on average) in the last log interval "
-                                       f"(train.observe.balance_threshold={self.balance_threshold:g}); see {DOCS}, section "
-                                       "\"One rank runs out of memory (long samples)\""}
+                    return {
+                        "step": step,
+                        "warning": "data_balance",
+                        "dp_rank": rank,
+                        "ratio": round(v / others, 3),
+                        "message": f"data-parallel rank {rank} got {v / others:.2f}x the {what} of the other "
+                        f"ranks ({int(v)} vs {others:.0f} on average) in the last log interval "
+                        f"(train.observe.balance_threshold={self.balance_threshold:g}); see {DOCS}, section "
+                        '"One rank runs out of memory (long samples)"',
+                    }
         return None
 
     def _wait_warning(self, step: int, per_rank: list[list[float]]) -> dict[str, Any] | None:
@@ -125,13 +130,17 @@ class InputMonitor:
         worst = max(range(len(shares)), key=shares.__getitem__)
         if shares[worst] <= self.wait_threshold or not self._due("data_wait"):
             return None
-        return {"step": step, "warning": "data_wait", "dp_rank": worst, "ratio": round(shares[worst], 4),
-                "message": f"waiting for input batches took {shares[worst]:.0%} of the step time on data-parallel "
-                           f"rank {worst} (train.observe.data_wait_warn={self.wait_threshold:g}): the input pipeline is the "
-                           f"bottleneck; raise data.prefetch / data.num_workers. See {DOCS}, section "
-                           "\"Slow input pipeline\""}
+        return {
+            "step": step,
+            "warning": "data_wait",
+            "dp_rank": worst,
+            "ratio": round(shares[worst], 4),
+            "message": f"waiting for input batches took {shares[worst]:.0%} of the step time on data-parallel "
+            f"rank {worst} (train.observe.data_wait_warn={self.wait_threshold:g}): the input pipeline is the "
+            f"bottleneck; raise data.prefetch / data.num_workers. See {DOCS}, section "
+            '"Slow input pipeline"',
+        }
 
 
 def _share(part: float, whole: float) -> float:
     return part / whole if whole > 0 else 0.0
-

@@ -9,11 +9,11 @@ import torch
 from fitlm.config import Config, ConfigError
 from fitlm.data.loader import SequenceLoader
 from fitlm.finetune.init_from import resolve_init_from
+from fitlm.models.flops import flops_per_token
 from fitlm.parallel.layout import layout_problems
 from fitlm.parallel_dims import layout_name
 from fitlm.registry import build_model
 from fitlm.train import preflight
-from fitlm.models.flops import flops_per_token
 from fitlm.train.trainer import open_data
 
 
@@ -29,21 +29,32 @@ def dry_run(cfg: Config, world_size: int | None = None, overwrite: bool = False)
         raise ConfigError(problems)
     train, valid, tok = open_data(cfg)
     t = cfg.train
-    loader = SequenceLoader(train, cfg.data.seq_length, t.micro_batch_size, seed=t.seed, world_size=cfg.parallel.data_parallel)
+    loader = SequenceLoader(
+        train, cfg.data.seq_length, t.micro_batch_size, seed=t.seed, world_size=cfg.parallel.data_parallel
+    )
     with torch.device("meta"):  # count parameters without allocating them
         model = build_model(cfg.model)
     params = sum(p.numel() for p in model.parameters())
     p = cfg.parallel
-    tokens_per_step = t.micro_batch_size * t.gradient_accumulation_steps * cfg.data.seq_length * cfg.parallel.data_parallel
+    tokens_per_step = (
+        t.micro_batch_size * t.gradient_accumulation_steps * cfg.data.seq_length * cfg.parallel.data_parallel
+    )
     out = Path(t.output_dir)
     return {
-        "model": cfg.model.arch, "hidden_size": cfg.model.hidden_size, "layers": cfg.model.num_layers,
-        "params": params, "processes": world_size,
+        "model": cfg.model.arch,
+        "hidden_size": cfg.model.hidden_size,
+        "layers": cfg.model.num_layers,
+        "params": params,
+        "processes": world_size,
         "layout": f"{layout_name(p.data_parallel, p.tensor_parallel, p.pipeline_parallel, p.context_parallel)}"
-                  f" zero{p.zero_stage}", "train_tokens": train.num_tokens,
-        "valid_tokens": valid.num_tokens if valid else 0, "tokenizer": str(tok.path), "vocab_size": tok.vocab_size,
+        f" zero{p.zero_stage}",
+        "train_tokens": train.num_tokens,
+        "valid_tokens": valid.num_tokens if valid else 0,
+        "tokenizer": str(tok.path),
+        "vocab_size": tok.vocab_size,
         "global_batch_sequences": t.micro_batch_size * t.gradient_accumulation_steps * cfg.parallel.data_parallel,
-        "tokens_per_step": tokens_per_step, "total_tokens": tokens_per_step * t.max_steps,
+        "tokens_per_step": tokens_per_step,
+        "total_tokens": tokens_per_step * t.max_steps,
         "epochs": round(tokens_per_step * t.max_steps / max(1, loader.windows_per_epoch * cfg.data.seq_length), 3),
         "train_flops": flops_per_token(model, cfg.model, cfg.data.seq_length) * tokens_per_step * t.max_steps,
         "output_dir": str(out),

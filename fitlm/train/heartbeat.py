@@ -26,8 +26,16 @@ from fitlm.parallel.collective_trace import reports_of_this_job
 
 KEY = "fitlm/heartbeat/{rank}"
 # Phases in the order a step passes through them; a rank whose (step, phase) is earlier did not reach ours.
-PHASES = ("startup", "data loading", "forward/backward", "optimizer", "logging", "evaluation",
-          "checkpoint save", "final save")
+PHASES = (
+    "startup",
+    "data loading",
+    "forward/backward",
+    "optimizer",
+    "logging",
+    "evaluation",
+    "checkpoint save",
+    "final save",
+)
 READ_TIMEOUT_S = 5.0  # bound on the store reads made while diagnosing (each one, and all of them together)
 MAX_NAMED = 8  # ranks described in the message; the rest are counted
 # What gloo (RuntimeError / DistBackendError), nccl with blocking wait and the c10d store say when a peer
@@ -64,8 +72,16 @@ def position(phase: str, step: int) -> tuple[int, int]:
 
 
 class Heartbeat:
-    def __init__(self, store: Any | None, rank: int, world_size: int, timeout_s: float,
-                 backend: str = "gloo", clock: Callable[[], float] = time.time, beat: bool = True):
+    def __init__(
+        self,
+        store: Any | None,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        backend: str = "gloo",
+        clock: Callable[[], float] = time.time,
+        beat: bool = True,
+    ):
         self.store, self.rank, self.world_size = store, rank, world_size
         self.timeout_s, self.backend, self.clock = timeout_s, backend, clock
         self.interval = beat_interval(timeout_s)
@@ -87,8 +103,13 @@ class Heartbeat:
             return cls(None, 0, 1, timeout_s)
         import torch.distributed as dist
 
-        return cls(dist.distributed_c10d._get_default_store(), ctx.rank, ctx.world_size, timeout_s,
-                   backend=str(dist.get_backend()))
+        return cls(
+            dist.distributed_c10d._get_default_store(),
+            ctx.rank,
+            ctx.world_size,
+            timeout_s,
+            backend=str(dist.get_backend()),
+        )
 
     # ------------------------------------------------------------------ writing
 
@@ -179,29 +200,39 @@ class Heartbeat:
         if missing:
             names = ", ".join(map(str, missing[:MAX_NAMED]))
             names += f" and {len(missing) - MAX_NAMED} more" if len(missing) > MAX_NAMED else ""
-            suspects.append(f"rank{'s' if len(missing) > 1 else ''} {names} {'have' if len(missing) > 1 else 'has'} no "
-                            "heartbeat in the store (never reached training, or the store is unreachable)")
+            suspects.append(
+                f"rank{'s' if len(missing) > 1 else ''} {names} {'have' if len(missing) > 1 else 'has'} no "
+                "heartbeat in the store (never reached training, or the store is unreachable)"
+            )
         here = f"{me['phase']} of step {me['step']}"
         cause = f" ({self.backend}: {_first_sentence(exc)})" if exc is not None else ""
         if suspects:
             more = f"; and {len(suspects) - MAX_NAMED} more ranks" if len(suspects) > MAX_NAMED else ""
             who = "; ".join(suspects[:MAX_NAMED]) + more
         else:
-            others = ", ".join(f"rank {r} in {rec['phase']} of step {rec['step']}"
-                               for r, rec in records.items() if r != self.rank and rec)
-            who = (f"no other rank's heartbeat is stale or behind ({others or 'no other rank'}): one of them "
-                   + ("exited" if lost else "is stuck inside that phase"))
+            others = ", ".join(
+                f"rank {r} in {rec['phase']} of step {rec['step']}"
+                for r, rec in records.items()
+                if r != self.rank and rec
+            )
+            who = f"no other rank's heartbeat is stale or behind ({others or 'no other rank'}): one of them " + (
+                "exited" if lost else "is stuck inside that phase"
+            )
         if lost:
             died = "; ".join(reports_of_this_job(self.world_size, skip=self.rank))
             who += f". {died[0].upper()}{died[1:]}" if died else ""
-            return (f"rank {self.rank} lost its connection to another rank in {here}{cause}. {who}. A rank that closes "
-                    f"its connection has usually died: torchrun's failure report and that rank's own output give its "
-                    f"exit code and error (out of host or device memory, killed by a signal, a crash).")
-        return (f"a collective on rank {self.rank} waited longer than parallel.timeout_s = {self.timeout_s:g} s in "
-                f"{here}{cause}. {who}. Check that process: is it alive and not stopped (ps -o pid,stat,cmd; "
-                f"py-spy dump --pid PID shows where it is), out of host or device memory, swapping, or waiting on a "
-                f"slow filesystem or network. If that phase legitimately takes longer on one rank (a large "
-                f"checkpoint or final save, a long evaluation), raise parallel.timeout_s.")
+            return (
+                f"rank {self.rank} lost its connection to another rank in {here}{cause}. {who}. A rank that closes "
+                f"its connection has usually died: torchrun's failure report and that rank's own output give its "
+                f"exit code and error (out of host or device memory, killed by a signal, a crash)."
+            )
+        return (
+            f"a collective on rank {self.rank} waited longer than parallel.timeout_s = {self.timeout_s:g} s in "
+            f"{here}{cause}. {who}. Check that process: is it alive and not stopped (ps -o pid,stat,cmd; "
+            f"py-spy dump --pid PID shows where it is), out of host or device memory, swapping, or waiting on a "
+            f"slow filesystem or network. If that phase legitimately takes longer on one rank (a large "
+            f"checkpoint or final save, a long evaluation), raise parallel.timeout_s."
+        )
 
 
 def _first_sentence(exc: BaseException) -> str:

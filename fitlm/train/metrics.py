@@ -59,8 +59,10 @@ class MetricsLog:
 
     def _drop(self, tracker: Tracker, step: int, error: Exception) -> None:
         self.trackers.remove(tracker)
-        message = (f"the {tracker.name} tracker failed ({type(error).__name__}: {error}); it gets no more metrics "
-                   "in this run, metrics.jsonl and the other trackers go on")
+        message = (
+            f"the {tracker.name} tracker failed ({type(error).__name__}: {error}); it gets no more metrics "
+            "in this run, metrics.jsonl and the other trackers go on"
+        )
         self._line({"step": step, "warning": "tracker_failed", "tracker": tracker.name, "message": message})
         print(f"fitlm: warning: step {step}: {message}", file=sys.stderr)
 

@@ -14,14 +14,17 @@ import torch
 from fitlm.config import Config
 from fitlm.plan.diagnose import oom_message
 
-
 # Phases whose memory the layout plan does not describe (host memory, mostly) get their own first advice.
 PHASE_ADVICE = {
-    "data loading": ("data loading holds host memory: lower data.prefetch and data.num_workers, "
-                     "or cap sample length with data.max_length."),
-    "checkpoint save": ("saving gathers or copies state: turn off checkpoint.async_save (it keeps a host copy "
-                        "of every shard while writing), and make sure the host has room for one rank's "
-                        "shard; the final model directory is gathered on rank 0 in full."),
+    "data loading": (
+        "data loading holds host memory: lower data.prefetch and data.num_workers, "
+        "or cap sample length with data.max_length."
+    ),
+    "checkpoint save": (
+        "saving gathers or copies state: turn off checkpoint.async_save (it keeps a host copy "
+        "of every shard while writing), and make sure the host has room for one rank's "
+        "shard; the final model directory is gathered on rank 0 in full."
+    ),
 }
 
 
@@ -39,4 +42,4 @@ def oom_guard(cfg: Config, phase: str, rank: int, device: torch.device) -> Itera
         message = oom_message(cfg, phase, rank, total)
         if advice:
             message = f"{message} First, for this phase: {advice}"
-        raise TrainingOutOfMemory(f"{message} See docs/troubleshooting.md, section \"Out of memory\".") from exc
+        raise TrainingOutOfMemory(f'{message} See docs/troubleshooting.md, section "Out of memory".') from exc

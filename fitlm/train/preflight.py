@@ -41,16 +41,20 @@ def output_dir_problem(cfg: Config, overwrite: bool = False) -> str | None:
     key = "train.output_dir"
     mode = cfg.checkpoint.resume
     if mode not in ("auto", "never") and not Path(mode).is_dir():
-        return (f"checkpoint.resume: {mode!r} is neither `auto`, `never` nor an existing checkpoint directory; "
-                "pass a checkpoints/step_N directory (or a run directory holding checkpoints/)")
+        return (
+            f"checkpoint.resume: {mode!r} is neither `auto`, `never` nor an existing checkpoint directory; "
+            "pass a checkpoints/step_N directory (or a run directory holding checkpoints/)"
+        )
     if out.exists() and not out.is_dir():
         return f"{key}: {out} is a file; point it at a directory"
     if not (out.is_dir() and any(p.name != LOCK_FILE for p in out.iterdir())):  # only a lock: a fresh start
         return None
     previous = out / RUN_CONFIG
     if not previous.is_file():  # not ours: even --overwrite must not delete it
-        return (f"{key}: {out} is not empty and holds no fitlm run ({RUN_CONFIG} missing); "
-                "choose a new or empty directory, so nothing there is overwritten")
+        return (
+            f"{key}: {out} is not empty and holds no fitlm run ({RUN_CONFIG} missing); "
+            "choose a new or empty directory, so nothing there is overwritten"
+        )
     if overwrite:
         return None
     saved = upgrade_moved_keys(yaml.safe_load(previous.read_text()) or {})  # a run of an older fitlm
@@ -58,19 +62,25 @@ def output_dir_problem(cfg: Config, overwrite: bool = False) -> str | None:
         # checkpoint.resume: continue an unfinished run (or extend a finished one with more max_steps).
         conflicts = resume_conflicts(saved, cfg.to_dict())
         if conflicts:
-            return (f"{key}: {out} holds a run that checkpoint.resume={cfg.checkpoint.resume} cannot continue: its config "
-                    f"differs in {'; '.join(conflicts)}. Only optimizer, schedule, logging, memory, checkpoint and "
-                    "layout keys may change on resume; use that run's values, choose another train.output_dir, or "
-                    "pass --overwrite to delete that run and start again")
+            return (
+                f"{key}: {out} holds a run that checkpoint.resume={cfg.checkpoint.resume} cannot continue: its config "
+                f"differs in {'; '.join(conflicts)}. Only optimizer, schedule, logging, memory, checkpoint and "
+                "layout keys may change on resume; use that run's values, choose another train.output_dir, or "
+                "pass --overwrite to delete that run and start again"
+            )
         done = list_checkpoints(checkpoints_root(out))
         if not (out / "model").is_dir() or (done and done[-1][0] < cfg.train.max_steps):
             return None
     diffs = config_differences(saved, cfg.to_dict())
     if diffs:
-        return (f"{key}: {out} holds a different run; its config differs in {'; '.join(diffs)}. "
-                "Choose another train.output_dir, or pass --overwrite to delete that run and start again")
-    return (f"{key}: {out} already holds a run of this config; choose another train.output_dir, "
-            "or pass --overwrite to delete it and start again")
+        return (
+            f"{key}: {out} holds a different run; its config differs in {'; '.join(diffs)}. "
+            "Choose another train.output_dir, or pass --overwrite to delete that run and start again"
+        )
+    return (
+        f"{key}: {out} already holds a run of this config; choose another train.output_dir, "
+        "or pass --overwrite to delete it and start again"
+    )
 
 
 def prepare_output_dir(cfg: Config, overwrite: bool = False) -> Path:

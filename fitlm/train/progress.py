@@ -13,10 +13,16 @@ class TrainProgress:
         if not enabled:
             return
         self.progress = Progress(
-            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("eval {task.fields[eval_loss]:.4f}"),
-            TextColumn("{task.fields[tokens_per_s]:,.0f} tok/s"), TimeElapsedColumn(), TimeRemainingColumn(),
-            console=console or Console(stderr=True), transient=False,
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]:.4f}"),
+            TextColumn("eval {task.fields[eval_loss]:.4f}"),
+            TextColumn("{task.fields[tokens_per_s]:,.0f} tok/s"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=console or Console(stderr=True),
+            transient=False,
         )
         self.task = self.progress.add_task("train", total=total_steps, **self.fields)
 

@@ -75,17 +75,28 @@ def acquire_run_lock(output_dir: str | Path, command: str | None = None) -> RunL
     except BlockingIOError:
         who = _holder(fd)
         os.close(fd)
-        raise ConfigError([f"train.output_dir: {out} is in use by a live run (pid {who.get('pid', '?')} on host "
-                           f"{who.get('host', '?')}, started {who.get('started', '?')}: {who.get('command', '?')}). "
-                           "Two runs must not write into one directory: wait for that run to finish, stop it "
-                           "(SIGTERM saves a checkpoint; the same command resumes), or choose another "
-                           "train.output_dir"]) from None
+        raise ConfigError(
+            [
+                f"train.output_dir: {out} is in use by a live run (pid {who.get('pid', '?')} on host "
+                f"{who.get('host', '?')}, started {who.get('started', '?')}: {who.get('command', '?')}). "
+                "Two runs must not write into one directory: wait for that run to finish, stop it "
+                "(SIGTERM saves a checkpoint; the same command resumes), or choose another "
+                "train.output_dir"
+            ]
+        ) from None
     previous = _holder(fd)
     if previous.get("pid"):
-        print(f"fitlm: {out} was locked by a run that ended without releasing it (pid {previous['pid']} on host "
-              f"{previous.get('host', '?')}, started {previous.get('started', '?')}); taking it over", file=sys.stderr)
-    info = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "command": command or " ".join(["fitlm", *sys.argv[1:]])}
+        print(
+            f"fitlm: {out} was locked by a run that ended without releasing it (pid {previous['pid']} on host "
+            f"{previous.get('host', '?')}, started {previous.get('started', '?')}); taking it over",
+            file=sys.stderr,
+        )
+    info = {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": command or " ".join(["fitlm", *sys.argv[1:]]),
+    }
     os.ftruncate(fd, 0)
     os.pwrite(fd, (json.dumps(info) + "\n").encode("utf-8"), 0)
     os.fsync(fd)

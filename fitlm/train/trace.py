@@ -65,6 +65,8 @@ class OOMSnapshot:
         except torch.OutOfMemoryError:
             if self.enabled:
                 torch.cuda.memory._dump_snapshot(str(self.path))
-                print(f"fitlm: CUDA memory snapshot written to {self.path} (open it at pytorch.org/memory_viz)",
-                      file=sys.stderr)
+                print(
+                    f"fitlm: CUDA memory snapshot written to {self.path} (open it at pytorch.org/memory_viz)",
+                    file=sys.stderr,
+                )
             raise

@@ -64,8 +64,16 @@ class Wandb:
     def __init__(self, output_dir: Path, config: dict[str, Any], run_id: str | None, project: str, mode: str):
         import wandb
 
-        self._run = wandb.init(project=project, dir=str(output_dir), mode=mode, config=config, name=output_dir.name,
-                               id=run_id, resume="allow", reinit="create_new")
+        self._run = wandb.init(
+            project=project,
+            dir=str(output_dir),
+            mode=mode,
+            config=config,
+            name=output_dir.name,
+            id=run_id,
+            resume="allow",
+            reinit="create_new",
+        )
         self.run_id = self._run.id
 
     def scalars(self, step: int, values: Iterable[tuple[str, float]]) -> None:
@@ -81,8 +89,7 @@ class Wandb:
 class Mlflow:
     name = "mlflow"
 
-    def __init__(self, output_dir: Path, config: dict[str, Any], run_id: str | None, uri: str | None,
-                 experiment: str):
+    def __init__(self, output_dir: Path, config: dict[str, Any], run_id: str | None, uri: str | None, experiment: str):
         from mlflow.tracking import MlflowClient
 
         uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or (output_dir / "mlruns").resolve().as_uri()
@@ -106,7 +113,7 @@ class Mlflow:
         params = [Param(k, json.dumps(v) if not isinstance(v, str) else v) for k, v in flatten(config).items()]
         params = [Param(p.key, p.value[:500]) for p in params]  # MLflow's limit on a parameter's value
         for i in range(0, len(params), 100):  # and on one batch
-            self._client.log_batch(run_id, params=params[i:i + 100])
+            self._client.log_batch(run_id, params=params[i : i + 100])
         self._client.log_dict(run_id, config, "config.json")
 
     def scalars(self, step: int, values: Iterable[tuple[str, float]]) -> None:
@@ -117,7 +124,7 @@ class Mlflow:
         now = int(time.time() * 1000)
         metrics = [Metric(tag, value, now, step) for tag, value in values]
         for i in range(0, len(metrics), 1000):
-            self._client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
+            self._client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
 
     def text(self, step: int, tag: str, text: str) -> None:
         self._client.log_text(self.run_id, text, f"events/step{step:08d}-{tag.replace('/', '_')}.txt")
@@ -138,13 +145,18 @@ def open_trackers(names: list[str], output_dir: Path, config: dict[str, Any], ob
             elif name == "wandb":
                 out.append(Wandb(output_dir, config, ids.get("wandb"), observe.wandb_project, observe.wandb_mode))
             else:
-                out.append(Mlflow(output_dir, config, ids.get("mlflow"), observe.mlflow_tracking_uri,
-                                  observe.mlflow_experiment))
+                out.append(
+                    Mlflow(
+                        output_dir, config, ids.get("mlflow"), observe.mlflow_tracking_uri, observe.mlflow_experiment
+                    )
+                )
         except Exception as e:  # before any step: stop with what failed and where it is configured
             for started in out:
                 started.close()
-            raise RuntimeError(f"train.observe.report_to: the {name} tracker did not start ({type(e).__name__}: "
-                               f"{e}); fix its train.observe settings or remove it from report_to") from e
+            raise RuntimeError(
+                f"train.observe.report_to: the {name} tracker did not start ({type(e).__name__}: "
+                f"{e}); fix its train.observe settings or remove it from report_to"
+            ) from e
         if hasattr(out[-1], "run_id"):
             ids[name] = out[-1].run_id  # type: ignore[attr-defined]
     if ids:

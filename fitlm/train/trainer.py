@@ -33,30 +33,30 @@ from fitlm.hardware import device_peak_flops, mfu_warning, peak_memory_bytes, re
 from fitlm.host_allocator import apply_host_allocator
 from fitlm.memory.precision import compute_dtype
 from fitlm.models.flops import flops_per_token
-from fitlm.models.streaming import stream_to_hf
 from fitlm.models.io import write_model_dir
+from fitlm.models.streaming import stream_to_hf
 from fitlm.parallel.apply import parallelize, prepares_for_tensor_parallel
 from fitlm.parallel.gather import full_groups, handed_over, weight_specs
-from fitlm.parallel.materialize import materialize, tied_aliases
 from fitlm.parallel.layout import layout_problems
+from fitlm.parallel.materialize import materialize, tied_aliases
 from fitlm.parallel.mesh import env_world_size, init_parallel, shutdown
 from fitlm.parallel_dims import WORLD
 from fitlm.registry import build_model
 from fitlm.rules import tensorboard_installed
-from fitlm.train import preflight
-from fitlm.train.balance import InputMonitor
-from fitlm.train.consistency import ConsistencyCheck
 from fitlm.step.guards import GuardEvent, stop_error
 from fitlm.step.optim import lr_at, scale_for_batch, set_lr
 from fitlm.step.train_step import StepOutput, TrainStep
+from fitlm.train import preflight
+from fitlm.train.balance import InputMonitor
+from fitlm.train.consistency import ConsistencyCheck
 from fitlm.train.heartbeat import Heartbeat
 from fitlm.train.host_memory import HostMemory
 from fitlm.train.metrics import MetricsLog, report
-from fitlm.train.trackers import open_trackers, tracker_names
 from fitlm.train.oom import oom_guard
 from fitlm.train.progress import TrainProgress
 from fitlm.train.run_lock import lock_for_run
 from fitlm.train.trace import OOMSnapshot, ProfileWindow
+from fitlm.train.trackers import open_trackers, tracker_names
 
 
 @dataclass
@@ -88,8 +88,12 @@ def open_data(cfg: Config) -> tuple[PackedDataset, PackedDataset | None, Tokeniz
         if ds is None:
             continue
         if ds.tokenizer_sha256 != tok.sha256:
-            raise ConfigError([f"{name}: {ds.path} was packed with another tokenizer than {tok.path}; "
-                               "re-pack it with this tokenizer or point data.tokenizer at the one it was packed with"])
+            raise ConfigError(
+                [
+                    f"{name}: {ds.path} was packed with another tokenizer than {tok.path}; "
+                    "re-pack it with this tokenizer or point data.tokenizer at the one it was packed with"
+                ]
+            )
         check_compat(ds, cfg.model.vocab_size)
     return train, valid, tok
 
@@ -174,19 +178,23 @@ class Trainer:
         if batch_note and self.ctx.is_main:
             print(f"fitlm: note: {batch_note}", file=sys.stderr)
         rows = 2 if cfg.finetune.pairs else 1  # DPO, SimPO: a sample is a pair of sequences
-        self.tokens_per_step = (rows * t.micro_batch_size * cfg.data.seq_length * t.gradient_accumulation_steps
-                                * self.ctx.dp)
+        self.tokens_per_step = (
+            rows * t.micro_batch_size * cfg.data.seq_length * t.gradient_accumulation_steps * self.ctx.dp
+        )
         # One peak for every rank: a CPU measures its own at start-up, and ranks sharing cores would
         # otherwise report different MFUs for the same speed.
         peak = device_peak_flops(self.device, compute_dtype(cfg.memory), t.peak_tflops)
-        self.peak_flops = float(self.ctx.all_reduce_max(torch.tensor(peak, dtype=torch.float64, device=self.device),
-                                                        WORLD))
+        self.peak_flops = float(
+            self.ctx.all_reduce_max(torch.tensor(peak, dtype=torch.float64, device=self.device), WORLD)
+        )
         self.mfu_warned = False
         # Resumable checkpoints (fitlm.checkpoint): stale temporary saves are removed here; fit resumes and saves.
         self.checkpointer = Checkpointer(cfg, self.ctx, self.output_dir, self.tokenizer.sha256, self.tokenizer.path)
         # Observers (docs/troubleshooting.md): replica checksums, input balance, traces (the guards are the step's).
         self.consistency = ConsistencyCheck(t.observe.consistency_interval, self.ctx, self.pm.modules)
-        self.inputs = InputMonitor(self.ctx, self.train_data.pad_id, t.observe.balance_threshold, t.observe.data_wait_warn)
+        self.inputs = InputMonitor(
+            self.ctx, self.train_data.pad_id, t.observe.balance_threshold, t.observe.data_wait_warn
+        )
         self.profile_window = ProfileWindow(t.observe.profile_steps, self.output_dir, self.ctx.rank, self.device)
         self.oom_snapshot = OOMSnapshot(t.observe.oom_snapshot, self.output_dir, self.ctx.rank, self.device)
 
@@ -204,8 +212,15 @@ class Trainer:
     def _loader(self, data: PackedDataset, shuffle: bool) -> SequenceLoader:
         # Each data-parallel rank reads its own disjoint windows; tensor/pipeline ranks of a replica share them.
         t = self.cfg.train
-        return SequenceLoader.from_config(data, self.cfg.data, t.micro_batch_size, seed=t.seed,
-                                          rank=self.ctx.dp_rank, world_size=self.ctx.dp, shuffle=shuffle)
+        return SequenceLoader.from_config(
+            data,
+            self.cfg.data,
+            t.micro_batch_size,
+            seed=t.seed,
+            rank=self.ctx.dp_rank,
+            world_size=self.ctx.dp,
+            shuffle=shuffle,
+        )
 
     def train_step(self, step: int, batches: Iterator[dict[str, torch.Tensor]]) -> StepOutput:
         """One optimizer step (1-based `step`): read the micro batches, forward/backward, update."""
@@ -333,10 +348,14 @@ class Trainer:
         peak = self.ctx.all_reduce_max(torch.tensor(peak_memory_bytes(self.device)), WORLD)
         mfu = tps * self.flops_per_token / (self.peak_flops * self.ctx.world_size)
         record = {
-            "step": step, "loss": round(out.loss.item(), 6), "lr": lr_at(step - 1, self.schedule),
-            "grad_norm": round(float(out.grad_norm), 6), "tokens_per_s": round(tps, 1),
+            "step": step,
+            "loss": round(out.loss.item(), 6),
+            "lr": lr_at(step - 1, self.schedule),
+            "grad_norm": round(float(out.grad_norm), 6),
+            "tokens_per_s": round(tps, 1),
             "mfu": round(mfu, 4),
-            "peak_bytes": int(peak), "tokens": step * self.tokens_per_step,
+            "peak_bytes": int(peak),
+            "tokens": step * self.tokens_per_step,
         }
         if self.step.objective is not None:  # DPO: the pairs' rewards, margin and accuracy beside the loss
             record.update({k: round(v, 6) for k, v in self.step.objective.metrics.items()})
@@ -364,7 +383,9 @@ class Trainer:
             restored = self.checkpointer.rollback(self.pm, self.step.optimizer, {"scaler": self.step.scaler})
             if restored is None:
                 event.action = record["action"] = "stop"
-                event.reason = record["reason"] = event.reason + "; rollback needs a checkpoint and none was written yet"
+                event.reason = record["reason"] = (
+                    event.reason + "; rollback needs a checkpoint and none was written yet"
+                )
             else:
                 record["restored_step"] = restored
                 self.step.guards.rolled_back()
@@ -396,16 +417,18 @@ class Trainer:
                 # HF's names and layouts, whatever the layout changed (Phi-3's projections, split for sharding,
                 # are fused again as the module and HF store them).
                 hf_specs, tensors = stream_to_hf(specs, self.cfg.model, handed_over(plain))
-                write_model_dir(hf_specs, tensors, self.cfg, model_dir, tokenizer_path=self.tokenizer.path,
-                                what="final model save")
+                write_model_dir(
+                    hf_specs, tensors, self.cfg, model_dir, tokenizer_path=self.tokenizer.path, what="final model save"
+                )
             except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks are told
                 failed = exc
         for _ in blocks:  # the rest of the walk: the other ranks' gathers need this rank to the end
             pass
         # In place of a barrier: every rank learns whether rank 0 succeeded.
         if self.ctx.any_rank(failed is not None) and failed is None:
-            raise FinalSaveFailed(f"rank 0 could not write the final model to {model_dir} (its message says "
-                                  f"why); this rank stops too")
+            raise FinalSaveFailed(
+                f"rank 0 could not write the final model to {model_dir} (its message says why); this rank stops too"
+            )
         if failed is not None:
             raise failed
         return model_dir

@@ -18,8 +18,15 @@ def single_process_reference(tiny_corpus, tmp_path_factory):
         key = (document_mask, tied)
         if key not in runs:
             root = tmp_path_factory.mktemp(f"ref-dm{int(document_mask)}-tied{int(tied)}")
-            runs[key] = run(tiny_corpus, root, "single", {}, REFERENCE, data={"document_mask": document_mask},
-                            model={"tie_embeddings": tied})
+            runs[key] = run(
+                tiny_corpus,
+                root,
+                "single",
+                {},
+                REFERENCE,
+                data={"document_mask": document_mask},
+                model={"tie_embeddings": tied},
+            )
         return runs[key]
 
     return get

@@ -18,15 +18,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_world(worker: Callable, preload: str, world: int, cases, out_dir: Path, timeout: float,
-              what: str) -> list[dict]:
+def run_world(
+    worker: Callable, preload: str, world: int, cases, out_dir: Path, timeout: float, what: str
+) -> list[dict]:
     """Run `worker(rank, world, port, cases, out_dir)` on `world` ranks; returns each rank's JSON results.
 
     A forkserver that has imported `preload` (the test module) once forks the workers: a fresh interpreter
     per rank would spend most of the test importing torch again (seconds of CPU each, on 2 cores)."""
     mp.get_context("forkserver").set_forkserver_preload([preload])
-    ctx = mp.start_processes(worker, args=(world, free_port(), cases, str(out_dir)), nprocs=world, join=False,
-                             start_method="forkserver")
+    ctx = mp.start_processes(
+        worker, args=(world, free_port(), cases, str(out_dir)), nprocs=world, join=False, start_method="forkserver"
+    )
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=1.0):  # raises if a worker failed
         if time.monotonic() > deadline:

@@ -26,15 +26,21 @@ from tests.unit.test_checkpoint import ckpt_config, losses, train_in_process
 
 def train_cli(cfg_path: Path, fault: str, *extra: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, FITLM_FAULT=fault)
-    return subprocess.run([sys.executable, "-m", "fitlm.cli", "train", str(cfg_path), "--max-restarts", "1", *extra],
-                          capture_output=True, text=True, timeout=400, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "fitlm.cli", "train", str(cfg_path), "--max-restarts", "1", *extra],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env=env,
+    )
 
 
 def assert_a_rank_failed(proc: subprocess.CompletedProcess) -> None:
     """torchrun saw a failed attempt: rank 1's SIGKILL (-9), or, when its monitor polls late on a loaded
     machine, the survivor that lost its peer first (its own non-zero exit) — the restart follows either way."""
-    assert "exitcode: -9" in proc.stderr or re.search(r"failed \(exitcode: [1-9]\d*\) local_rank", proc.stderr), \
+    assert "exitcode: -9" in proc.stderr or re.search(r"failed \(exitcode: [1-9]\d*\) local_rank", proc.stderr), (
         proc.stderr[-3000:]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +65,13 @@ def assert_losses_continue(out: Path, reference: Path, from_step: int) -> None:
 def zero3_killed_during_save(tiny_corpus, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     """dp2 ZeRO-3, checkpoint every 3 steps; rank 1 dies after writing its shards of step 6, before step 6 completes."""
     root = tmp_path_factory.mktemp("zero3")
-    cfg = ckpt_config(tiny_corpus, root / "run", train={"micro_batch_size": 2}, checkpoint={"interval": 3},
-                      parallel={"data_parallel": 2, "zero_stage": 3})
+    cfg = ckpt_config(
+        tiny_corpus,
+        root / "run",
+        train={"micro_batch_size": 2},
+        checkpoint={"interval": 3},
+        parallel={"data_parallel": 2, "zero_stage": 3},
+    )
     proc = train_cli(write_config(root / "c.yaml", cfg), "save:6:1")
     return root / "run", proc
 
@@ -100,8 +111,12 @@ def test_merge_of_a_sharded_checkpoint_equals_the_live_weights(zero3_killed_duri
 def test_kill_during_training_resumes_a_resharded_run(tiny_corpus, tmp_path, reference):
     """Starts tp2 from the single-process step-4 checkpoint; rank 1 dies at step 7; the restart
     continues from the job's own step-6 checkpoint, not from the one it started with."""
-    cfg = ckpt_config(tiny_corpus, tmp_path / "run", parallel={"tensor_parallel": 2},
-                      checkpoint={"resume": str(reference / "checkpoints/step_00000004")})
+    cfg = ckpt_config(
+        tiny_corpus,
+        tmp_path / "run",
+        parallel={"tensor_parallel": 2},
+        checkpoint={"resume": str(reference / "checkpoints/step_00000004")},
+    )
     proc = train_cli(write_config(tmp_path / "c.yaml", cfg), "step:7:1")
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert_a_rank_failed(proc)

@@ -35,16 +35,23 @@ def test_aborted_rank_is_reported_with_its_collective_tensor_and_mesh_dim(tmp_pa
     trace = tmp_path / "trace"
     trace.mkdir()
     env = dict(os.environ, **{TRACE_ENV: str(trace)}, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           str(script)], env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode != 0, proc.stderr[-3000:]
     lines = read_reports(trace, 2)
     assert lines, proc.stderr[-3000:]
     assert all("send/recv of the tied embedding gradient model.embed_tokens.weight" in line for line in lines)
     assert all("over mesh dimension pp" in line for line in lines)
     # The receiver of the longer message aborts; its record has its own (smaller) buffer and names the peer.
-    assert any("rank 1 was inside" in line and "local [256, 64] float32, 65536 bytes" in line
-               and "with pp rank 0" in line for line in lines), lines
+    assert any(
+        "rank 1 was inside" in line and "local [256, 64] float32, 65536 bytes" in line and "with pp rank 0" in line
+        for line in lines
+    ), lines
     assert not any("warm-up" in line for line in lines)  # a finished collective is not reported
     report_collectives(str(trace), 2, proc.returncode)
     err = capsys.readouterr().err

@@ -30,8 +30,9 @@ def run_case(rank: int, cfg: dict, perturb: bool) -> dict:
 
 
 def worker(rank: int, world: int, port: int, cases: list, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     torch.set_num_threads(1)  # 2 cores, 2 processes
     # The perturbed case comes first: it stops without tearing the process group down, so the next reuses it.
     results = {name: run_case(rank, cfg, perturb) for name, cfg, perturb in cases}
@@ -42,9 +43,17 @@ def worker(rank: int, world: int, port: int, cases: list, out_dir: str) -> None:
 
 def test_desynchronised_replica_is_caught_and_healthy_replicas_pass(tiny_corpus, tmp_path):
     def cfg(name: str, zero_stage: int) -> dict:
-        return tiny_config(tiny_corpus, tmp_path / name, parallel={"data_parallel": 2, "zero_stage": zero_stage},
-                           train={"max_steps": 4, "eval_interval": 0, "micro_batch_size": 2,
-                                  "observe": {"consistency_interval": 2, "tensorboard": False}})
+        return tiny_config(
+            tiny_corpus,
+            tmp_path / name,
+            parallel={"data_parallel": 2, "zero_stage": zero_stage},
+            train={
+                "max_steps": 4,
+                "eval_interval": 0,
+                "micro_batch_size": 2,
+                "observe": {"consistency_interval": 2, "tensorboard": False},
+            },
+        )
 
     cases = [("ddp-perturbed", cfg("a", 0), True), ("zero1-healthy", cfg("b", 1), False)]
     results = run_world(worker, __name__, 2, cases, tmp_path, 240, "consistency world")

@@ -20,13 +20,17 @@ from tests.distributed.test_layouts import REFERENCE, STEPS, assert_same_trainin
 HALF = {"micro_batch_size": 2, "gradient_accumulation_steps": 2}  # two data-parallel replicas
 BOTH, ON = (False, True), (True,)  # data.document_mask values a layout runs with
 LAYOUTS = {  # world size -> (name, parallel, train, document masks)
-    2: [("cp2", {"context_parallel": 2}, REFERENCE, BOTH),
-        ("cp2-zero3", {"context_parallel": 2, "zero_stage": 3}, REFERENCE, ON)],
-    4: [("dp2-cp2", {"data_parallel": 2, "context_parallel": 2}, HALF, BOTH),
+    2: [
+        ("cp2", {"context_parallel": 2}, REFERENCE, BOTH),
+        ("cp2-zero3", {"context_parallel": 2, "zero_stage": 3}, REFERENCE, ON),
+    ],
+    4: [
+        ("dp2-cp2", {"data_parallel": 2, "context_parallel": 2}, HALF, BOTH),
         ("dp2-cp2-zero3", {"data_parallel": 2, "context_parallel": 2, "zero_stage": 3}, HALF, ON),
         ("tp2-cp2", {"tensor_parallel": 2, "context_parallel": 2}, REFERENCE, BOTH),
         # FSDP2 over the flattened dp x cp ranks beside tensor parallel's DTensors (2-D sharding)
-        ("tp2-cp2-zero3", {"tensor_parallel": 2, "context_parallel": 2, "zero_stage": 3}, REFERENCE, ON)],
+        ("tp2-cp2-zero3", {"tensor_parallel": 2, "context_parallel": 2, "zero_stage": 3}, REFERENCE, ON),
+    ],
 }
 
 
@@ -43,8 +47,11 @@ def test_head_tail_chunks_partition_the_sequence_and_balance_causal_work():
 def test_a_sequence_length_the_chunks_cannot_split_is_refused_naming_the_key():
     from fitlm.config import ConfigError, validate_dict
 
-    cfg = {"model": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "vocab_size": 128, "max_seq_len": 64},
-           "data": {"train": "unused", "seq_length": 30}, "parallel": {"context_parallel": 2}}
+    cfg = {
+        "model": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "vocab_size": 128, "max_seq_len": 64},
+        "data": {"train": "unused", "seq_length": 30},
+        "parallel": {"context_parallel": 2},
+    }
     with pytest.raises(ConfigError, match=r"data.seq_length: 30 .* multiple of 4"):
         validate_dict(cfg)
 
@@ -67,10 +74,21 @@ def test_shard_mask_is_the_full_mask_at_the_ranks_rows_and_gathered_keys(window)
 # soft-capped eager attention (Gemma 2), q/k norms and a free head_dim (Qwen3), learned positions (GPT-2).
 FAMILIES = {
     "qwen3": {"arch": "qwen3", "head_dim": 24},
-    "gemma3": {"arch": "gemma3", "head_dim": 24, "sliding_window": 6, "rope_local_theta": 1e4,
-               "layer_types": ["sliding", "full"]},
-    "gemma2": {"arch": "gemma2", "head_dim": 24, "sliding_window": 6, "query_pre_attn_scalar": 24,
-               "attn_logit_softcap": 50.0, "final_logit_softcap": 30.0},
+    "gemma3": {
+        "arch": "gemma3",
+        "head_dim": 24,
+        "sliding_window": 6,
+        "rope_local_theta": 1e4,
+        "layer_types": ["sliding", "full"],
+    },
+    "gemma2": {
+        "arch": "gemma2",
+        "head_dim": 24,
+        "sliding_window": 6,
+        "query_pre_attn_scalar": 24,
+        "attn_logit_softcap": 50.0,
+        "final_logit_softcap": 30.0,
+    },
     "phi3": {"arch": "phi3", "sliding_window": 10},
     "gpt2": {"arch": "gpt2", "num_kv_heads": None},
 }
@@ -100,8 +118,20 @@ def family_worker(rank: int, world: int, port: int, cases: dict, out_dir: str) -
     results = {}
     for name, overrides in cases.items():
         torch.manual_seed(0)
-        ref = build_model(ModelConfig(**{"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
-                                         "intermediate_size": 128, "vocab_size": 128, "max_seq_len": 32, **overrides}))
+        ref = build_model(
+            ModelConfig(
+                **{
+                    "hidden_size": 64,
+                    "num_layers": 2,
+                    "num_heads": 4,
+                    "num_kv_heads": 2,
+                    "intermediate_size": 128,
+                    "vocab_size": 128,
+                    "max_seq_len": 32,
+                    **overrides,
+                }
+            )
+        )
         model = copy.deepcopy(ref)
         cp = ContextParallel(dist.group.WORLD, world, rank)
         apply_context_parallel(model, cp)
@@ -110,7 +140,12 @@ def family_worker(rank: int, world: int, port: int, cases: dict, out_dir: str) -
             kw = {"document_ids": doc} if mask else {}
             want = cross_entropy_sum(ref(ids, **kw), labels)
             want.backward()
-            batch = {"input_ids": ids, "labels": labels, "document_ids": doc, "position_ids": document_position_ids(doc)}
+            batch = {
+                "input_ids": ids,
+                "labels": labels,
+                "document_ids": doc,
+                "position_ids": document_position_ids(doc),
+            }
             local_ids, local_labels, local, shard = cp.split(batch, mask, torch.device("cpu"))
             with cp.using(shard):
                 got = cross_entropy_sum(model(local_ids, **local), local_labels)
@@ -124,8 +159,12 @@ def family_worker(rank: int, world: int, port: int, cases: dict, out_dir: str) -
                 # constant added to every key's score), what both runs get is rounding noise
                 grads[pname] = (p.grad - q.grad).abs().max().item() / (1e-6 + 1e-4 * q.grad.abs().max().item())
             worst = max(grads, key=grads.get)
-            results[f"{name}-dm{int(mask)}"] = {"want": want.item(), "got": total.item(), "grad_rel": grads[worst],
-                                                "worst": worst}
+            results[f"{name}-dm{int(mask)}"] = {
+                "want": want.item(),
+                "got": total.item(),
+                "grad_rel": grads[worst],
+                "worst": worst,
+            }
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
     exit_process(0)
@@ -140,8 +179,9 @@ def test_every_family_attends_the_same_under_context_parallel(tmp_path):
 
 
 def worker(rank: int, world: int, port: int, cases: dict, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     torch.set_num_threads(1)  # 2 cores, up to 4 processes
     import torch.distributed as dist
 
@@ -175,8 +215,13 @@ def test_context_parallel_layouts_equal_single_process(tiny_corpus, tmp_path, si
     for name, parallel, train, masks in LAYOUTS[world]:
         for mask in masks:
             cases[f"{name}-dm{int(mask)}"] = layout_config(  # the reference's config, as the layout tests
-                tiny_corpus, tmp_path, f"{name}-dm{int(mask)}", parallel, {"observe": {"tensorboard": False}, **train},
-                data={"document_mask": mask})
+                tiny_corpus,
+                tmp_path,
+                f"{name}-dm{int(mask)}",
+                parallel,
+                {"observe": {"tensorboard": False}, **train},
+                data={"document_mask": mask},
+            )
     ranks = run_world(worker, __name__, world, cases, tmp_path, 420, f"context-parallel workers ({world} ranks)")
     for key in cases:
         got = dict(ranks[0][key], weights=torch.load(tmp_path / f"{key}.pt"))

@@ -28,8 +28,9 @@ def build(case: str) -> torch.nn.Module:
     from fitlm.registry import build_model
 
     torch.manual_seed(0)
-    cfg = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, vocab_size=V, max_seq_len=32,
-                      intermediate_size=128, **CASES[case])
+    cfg = ModelConfig(
+        hidden_size=64, num_layers=2, num_heads=4, vocab_size=V, max_seq_len=32, intermediate_size=128, **CASES[case]
+    )
     model = build_model(cfg)
     with torch.no_grad():
         for p in model.parameters():
@@ -55,11 +56,16 @@ def run(case: str, sp: bool, mesh) -> dict:
     got = model(ids, document_ids=doc)
     got.square().mean().backward()
     q = model.model.layers["0"].self_attn.q_proj.weight
-    grads = {k: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad) for k, p in model.named_parameters()}
+    grads = {
+        k: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad) for k, p in model.named_parameters()
+    }
     ref_grads = dict(ref.named_parameters())
-    return {"logit_diff": (got - want).abs().max().item(), "local_heads": q.to_local().shape[0] // 16,
-            "grad_diff": max((g - ref_grads[k].grad).abs().max().item() for k, g in grads.items()),
-            "unmasked_diff": (ref(ids) - want).abs().max().item()}
+    return {
+        "logit_diff": (got - want).abs().max().item(),
+        "local_heads": q.to_local().shape[0] // 16,
+        "grad_diff": max((g - ref_grads[k].grad).abs().max().item() for k, g in grads.items()),
+        "unmasked_diff": (ref(ids) - want).abs().max().item(),
+    }
 
 
 def worker(rank: int, world: int, port: int, out_path: str) -> None:

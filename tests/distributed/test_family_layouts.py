@@ -13,11 +13,23 @@ from tests.distributed.test_layouts import assert_same_training, run_shared, sel
 
 FAMILIES = {  # model section overrides of the tiny config (hidden 64, 2 layers, 4 heads, 2 kv heads)
     "qwen3": {"arch": "qwen3", "head_dim": 24},
-    "gemma3": {"arch": "gemma3", "head_dim": 24, "sliding_window": 16, "rope_theta": 1e6, "rope_local_theta": 1e4,
-               "layer_types": ["sliding", "full"]},
+    "gemma3": {
+        "arch": "gemma3",
+        "head_dim": 24,
+        "sliding_window": 16,
+        "rope_theta": 1e6,
+        "rope_local_theta": 1e4,
+        "layer_types": ["sliding", "full"],
+    },
     "qwen2": {"arch": "qwen2"},
-    "gemma2": {"arch": "gemma2", "head_dim": 24, "sliding_window": 16, "query_pre_attn_scalar": 24,
-               "attn_logit_softcap": 50.0, "final_logit_softcap": 30.0},
+    "gemma2": {
+        "arch": "gemma2",
+        "head_dim": 24,
+        "sliding_window": 16,
+        "query_pre_attn_scalar": 24,
+        "attn_logit_softcap": 50.0,
+        "final_logit_softcap": 30.0,
+    },
     "phi3": {"arch": "phi3", "sliding_window": 24},
 }
 FAST = ("qwen3", "gemma3")
@@ -28,9 +40,16 @@ LAYOUTS = {
 
 
 REFERENCE_BATCH = {"micro_batch_size": 4, "gradient_accumulation_steps": 2}
-CASES = [pytest.param(f, lay, id=f"{f}-{lay}", marks=() if f in FAST and lay == "dp2-zero3" or
-                      (f == "gemma3" and lay == "pp2") else pytest.mark.slow)
-         for f in FAMILIES for lay in LAYOUTS]
+CASES = [
+    pytest.param(
+        f,
+        lay,
+        id=f"{f}-{lay}",
+        marks=() if f in FAST and lay == "dp2-zero3" or (f == "gemma3" and lay == "pp2") else pytest.mark.slow,
+    )
+    for f in FAMILIES
+    for lay in LAYOUTS
+]
 
 
 @pytest.fixture(scope="module")
@@ -62,17 +81,22 @@ def test_phi3_checkpoint_reshards_between_layouts(tiny_corpus, tmp_path):
     from tests.e2e.helpers import fitlm, read_metrics, tiny_config, write_config
 
     def train(name, parallel, checkpoint):
-        cfg = tiny_config(tiny_corpus, tmp_path / name, model={**FAMILIES["phi3"], "tie_embeddings": False},
-                          parallel=parallel, checkpoint=checkpoint,
-                          train={"max_steps": 4, "eval_interval": 0, "micro_batch_size": 4,
-                                 "gradient_accumulation_steps": 2})
+        cfg = tiny_config(
+            tiny_corpus,
+            tmp_path / name,
+            model={**FAMILIES["phi3"], "tie_embeddings": False},
+            parallel=parallel,
+            checkpoint=checkpoint,
+            train={"max_steps": 4, "eval_interval": 0, "micro_batch_size": 4, "gradient_accumulation_steps": 2},
+        )
         proc = fitlm("train", write_config(tmp_path / f"{name}.yaml", cfg), "--json")
         assert proc.returncode == 0, proc.stderr[-4000:]
         return {r["step"]: r["loss"] for r in read_metrics(tmp_path / name) if "loss" in r}
 
     ref = train("single", {}, {"interval": 2})
-    resumed = train("tp2", {"tensor_parallel": 2},
-                    {"resume": str(tmp_path / "single" / "checkpoints" / "step_00000002")})
+    resumed = train(
+        "tp2", {"tensor_parallel": 2}, {"resume": str(tmp_path / "single" / "checkpoints" / "step_00000002")}
+    )
     assert sorted(resumed) == [3, 4]
     assert [resumed[s] for s in (3, 4)] == pytest.approx([ref[s] for s in (3, 4)], rel=2e-5, abs=1e-5)
     weights = load_file(str(tmp_path / "tp2" / "model" / "model.safetensors"))

@@ -30,8 +30,10 @@ def _o2_lora_run(cfg: dict, frozen_in_half_rule) -> dict:
     from fitlm.parallel.data_parallel import InPlaceAllGather
     from fitlm.train.trainer import Trainer
 
-    rule, apply_mod.stores_frozen_in_half = apply_mod.stores_frozen_in_half, frozen_in_half_rule or \
-        apply_mod.stores_frozen_in_half
+    rule, apply_mod.stores_frozen_in_half = (
+        apply_mod.stores_frozen_in_half,
+        frozen_in_half_rule or apply_mod.stores_frozen_in_half,
+    )
     try:
         trainer = Trainer(validate_dict(cfg))
     finally:
@@ -42,13 +44,18 @@ def _o2_lora_run(cfg: dict, frozen_in_half_rule) -> dict:
     batches = iter(trainer.loader)
     losses = [trainer.train_step(step, batches).loss.item() for step in (1, 2)]
     trainer.release_lock()
-    return {"losses": losses,
-            "frozen": sorted({str(p.dtype) for n, p in model.named_parameters() if not p.requires_grad}),
-            "trained": sorted({str(p.dtype) for n, p in model.named_parameters() if p.requires_grad}),
-            "in_place": all(isinstance(g._all_gather_comm, InPlaceAllGather) for g in groups) and len(groups) > 2,  # the blocks and the root
-            # The frozen tables are no FSDP2 units: their rows stay sharded and are streamed (fitlm.parallel.streamed_vocab).
-            "tables_streamed": [not hasattr(m, "_get_fsdp_state") and str(m.weight.placements) == "(Shard(dim=0),)"
-                                for m in (model.model.embed_tokens, model.lm_head)]}
+    return {
+        "losses": losses,
+        "frozen": sorted({str(p.dtype) for n, p in model.named_parameters() if not p.requires_grad}),
+        "trained": sorted({str(p.dtype) for n, p in model.named_parameters() if p.requires_grad}),
+        "in_place": all(isinstance(g._all_gather_comm, InPlaceAllGather) for g in groups)
+        and len(groups) > 2,  # the blocks and the root
+        # The frozen tables are no FSDP2 units: their rows stay sharded and are streamed (fitlm.parallel.streamed_vocab).
+        "tables_streamed": [
+            not hasattr(m, "_get_fsdp_state") and str(m.weight.placements) == "(Shard(dim=0),)"
+            for m in (model.model.embed_tokens, model.lm_head)
+        ],
+    }
 
 
 def _save_gather_growth() -> tuple[int, bool]:
@@ -72,8 +79,9 @@ def _save_gather_growth() -> tuple[int, bool]:
 
 
 def worker(rank: int, world: int, port: int, cfgs: dict, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     torch.set_num_threads(1)
     from fitlm.parallel.mesh import exit_process
 
@@ -88,12 +96,23 @@ def worker(rank: int, world: int, port: int, cfgs: dict, out_dir: str) -> None:
 
 
 def test_zero3_lora_o2_half_base_in_place_gathers(tiny_corpus, tmp_path):
-    cfgs = {name: tiny_config(tiny_corpus, tmp_path / name, parallel={"data_parallel": 2, "zero_stage": 3},
-                              memory={"mixed_precision": "O2"},
-                              finetune={"method": "lora", "lora": {"r": 4, "alpha": 8, "target_modules": ["all-linear"]}},
-                              train={"micro_batch_size": 2, "gradient_accumulation_steps": 1, "max_steps": 2,
-                                     "eval_interval": 0, "observe": {"tensorboard": False}})
-            for name in ("half", "fp32")}
+    cfgs = {
+        name: tiny_config(
+            tiny_corpus,
+            tmp_path / name,
+            parallel={"data_parallel": 2, "zero_stage": 3},
+            memory={"mixed_precision": "O2"},
+            finetune={"method": "lora", "lora": {"r": 4, "alpha": 8, "target_modules": ["all-linear"]}},
+            train={
+                "micro_batch_size": 2,
+                "gradient_accumulation_steps": 1,
+                "max_steps": 2,
+                "eval_interval": 0,
+                "observe": {"tensorboard": False},
+            },
+        )
+        for name in ("half", "fp32")
+    }
     ranks = run_world(worker, __name__, 2, cfgs, tmp_path, timeout=240, what="ZeRO-3 host memory")
     for r in ranks:
         half, fp32 = r["half"], r["fp32"]

@@ -57,11 +57,19 @@ def kill_all(pids) -> None:
 @pytest.mark.slow  # ~55 s: start-up, parallel.timeout_s (10 s), then torchrun's 30 s grace for the stopped rank
 def test_a_stopped_rank_fails_the_run_naming_it_and_its_phase(tiny_corpus, tmp_path):
     out = tmp_path / "run"
-    cfg = tiny_config(tiny_corpus, out, parallel={"data_parallel": 2, "timeout_s": 10},
-                      train={"max_steps": 100000, "eval_interval": 0, "peak_tflops": 1.0, "observe": {"tensorboard": False}})
+    cfg = tiny_config(
+        tiny_corpus,
+        out,
+        parallel={"data_parallel": 2, "timeout_s": 10},
+        train={"max_steps": 100000, "eval_interval": 0, "peak_tflops": 1.0, "observe": {"tensorboard": False}},
+    )
     cfg_path = write_config(tmp_path / "c.yaml", cfg)
-    proc = subprocess.Popen([sys.executable, "-m", "fitlm.cli", "train", str(cfg_path)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fitlm.cli", "train", str(cfg_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     pids: dict[str, int] = {}
     try:
         deadline = time.monotonic() + 180
@@ -109,8 +117,9 @@ def stop_worker(rank: int, port: int, out_dir: str) -> None:
 
 def test_gloo_timeout_becomes_a_diagnosis_naming_the_stopped_rank(tmp_path):
     mp.get_context("forkserver").set_forkserver_preload([__name__])
-    ctx = mp.start_processes(stop_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=False,
-                             start_method="forkserver")
+    ctx = mp.start_processes(
+        stop_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=False, start_method="forkserver"
+    )
     try:
         ctx.processes[0].join(timeout=60)
         assert not ctx.processes[0].is_alive(), "rank 0 did not give up"
@@ -120,6 +129,8 @@ def test_gloo_timeout_becomes_a_diagnosis_naming_the_stopped_rank(tmp_path):
             p.join(5)
     waited, message = (tmp_path / "rank0.txt").read_text().split(" ", 1)
     assert 3.5 < float(waited) < 10, waited
-    assert message.startswith("a collective on rank 0 waited longer than parallel.timeout_s = 4 s in forward/backward "
-                              "of step 1 (gloo: Timed out waiting 4000ms for recv operation to complete)."), message
+    assert message.startswith(
+        "a collective on rank 0 waited longer than parallel.timeout_s = 4 s in forward/backward "
+        "of step 1 (gloo: Timed out waiting 4000ms for recv operation to complete)."
+    ), message
     assert "rank 1 stopped responding: its last heartbeat is" in message and "in data loading of step 1" in message

@@ -21,8 +21,16 @@ STEPS = 4
 REFERENCE = {"micro_batch_size": 4, "gradient_accumulation_steps": 2}
 
 
-def layout_config(tiny_corpus, root, name, parallel: dict, train: dict, memory: dict | None = None,
-                  model: dict | None = None, data: dict | None = None) -> dict:
+def layout_config(
+    tiny_corpus,
+    root,
+    name,
+    parallel: dict,
+    train: dict,
+    memory: dict | None = None,
+    model: dict | None = None,
+    data: dict | None = None,
+) -> dict:
     """The layout tests' config: the golden tiny run for STEPS steps, one eval at the end.
 
     AdamW's eps is 1e-6, not 1e-8: an element whose gradient cancels to ~1e-10 is all fp32 reduction-order noise,
@@ -30,19 +38,39 @@ def layout_config(tiny_corpus, root, name, parallel: dict, train: dict, memory: 
     embedding row 5e-4 apart after 4 steps under tp2-sp x pp2 interleaved, and under Gemma 2 ZeRO-3). Losses and
     gradient norms are equal either way; the larger eps keeps the weight comparison about the layout."""
     train = {"max_steps": STEPS, "eval_interval": STEPS, "eps": 1e-6, **train}
-    return tiny_config(tiny_corpus, root / name, train=train, parallel=parallel,
-                       model={"tie_embeddings": False, **(model or {})}, memory=memory or {}, data=data or {})
+    return tiny_config(
+        tiny_corpus,
+        root / name,
+        train=train,
+        parallel=parallel,
+        model={"tie_embeddings": False, **(model or {})},
+        memory=memory or {},
+        data=data or {},
+    )
 
 
 def collect(out_dir, eval_loss: float) -> dict:
     """What a layout test compares: per-step losses and gradient norms, the final eval loss and weights."""
     metrics = [r for r in read_metrics(out_dir) if "loss" in r]
-    return {"losses": [r["loss"] for r in metrics], "grad_norms": [r["grad_norm"] for r in metrics],
-            "eval_loss": eval_loss, "weights": load_file(str(out_dir / "model" / "model.safetensors"))}
+    return {
+        "losses": [r["loss"] for r in metrics],
+        "grad_norms": [r["grad_norm"] for r in metrics],
+        "eval_loss": eval_loss,
+        "weights": load_file(str(out_dir / "model" / "model.safetensors")),
+    }
 
 
-def run(tiny_corpus, root, name, parallel: dict, train: dict, *extra: str, memory: dict | None = None,
-        model: dict | None = None, data: dict | None = None):
+def run(
+    tiny_corpus,
+    root,
+    name,
+    parallel: dict,
+    train: dict,
+    *extra: str,
+    memory: dict | None = None,
+    model: dict | None = None,
+    data: dict | None = None,
+):
     """One `fitlm train` through the CLI (which starts torchrun itself for a parallel layout)."""
     cfg = layout_config(tiny_corpus, root, name, parallel, train, memory, model, data)
     proc = fitlm("train", write_config(root / f"{name}.yaml", cfg), "--json", *extra)
@@ -50,8 +78,9 @@ def run(tiny_corpus, root, name, parallel: dict, train: dict, *extra: str, memor
     return collect(root / name, json.loads(proc.stdout.strip().splitlines()[-1])["eval_loss"])
 
 
-def run_shared(tiny_corpus, root, cases: dict[str, dict], timeout: int = 900,
-               keep_going: bool = False) -> dict[str, dict]:
+def run_shared(
+    tiny_corpus, root, cases: dict[str, dict], timeout: int = 900, keep_going: bool = False
+) -> dict[str, dict]:
     """Many layouts as `run` trains each, with one torchrun world per world size for all of them
     (tests/distributed/train_world.py): `cases` maps a name to layout_config's keyword arguments.
     `keep_going`: a refused case gives {"error": its message} and the world goes on to the next."""
@@ -63,20 +92,41 @@ def run_shared(tiny_corpus, root, cases: dict[str, dict], timeout: int = 900,
         (root / f"world{world}.json").write_text(json.dumps([str(root / f"{n}.yaml") for n in names]))
         # as fitlm.parallel.launch: the cores shared between the ranks
         env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // world)))
-        proc = subprocess.run([sys.executable, "-m", "fitlm.parallel.lifetime", "--standalone",
-                               f"--nproc-per-node={world}", "-m", "tests.distributed.train_world",
-                               str(root / f"world{world}.json"), *(["--keep-going"] if keep_going else [])],
-                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "fitlm.parallel.lifetime",
+                "--standalone",
+                f"--nproc-per-node={world}",
+                "-m",
+                "tests.distributed.train_world",
+                str(root / f"world{world}.json"),
+                *(["--keep-going"] if keep_going else []),
+            ],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         assert proc.returncode == 0, f"world of {world} ({', '.join(names)}):\n" + proc.stderr[-6000:]
     refused = {n: (root / f"{n}.error.txt").read_text() for n in cases if (root / f"{n}.error.txt").exists()}
-    return {n: {"error": refused[n]} if n in refused else
-            collect(root / n, json.loads((root / f"{n}.summary.json").read_text())["eval_loss"]) for n in cases}
+    return {
+        n: {"error": refused[n]}
+        if n in refused
+        else collect(root / n, json.loads((root / f"{n}.summary.json").read_text())["eval_loss"])
+        for n in cases
+    }
 
 
 def selected(request, test: str) -> list[dict]:
     """The parameters of `test`'s items in this module that this session runs (selected, not skipped)."""
-    return [item.callspec.params for item in request.session.items
-            if item.module is request.module and item.originalname == test and not item.get_closest_marker("skip")]
+    return [
+        item.callspec.params
+        for item in request.session.items
+        if item.module is request.module and item.originalname == test and not item.get_closest_marker("skip")
+    ]
 
 
 TIES = [pytest.param(True, id="tied"), pytest.param(False, id="untied")]  # tied first: the shipped configs' default
@@ -92,8 +142,14 @@ def reference(single_process_reference, tiny_corpus, tmp_path_factory):
         if not model:
             return single_process_reference(True, tied)  # data.document_mask's default
         if tied not in deep:
-            deep[tied] = run(tiny_corpus, tmp_path_factory.mktemp(f"ref-deep-tied{int(tied)}"), "single", {},
-                             REFERENCE, model={**model, "tie_embeddings": tied})
+            deep[tied] = run(
+                tiny_corpus,
+                tmp_path_factory.mktemp(f"ref-deep-tied{int(tied)}"),
+                "single",
+                {},
+                REFERENCE,
+                model={**model, "tie_embeddings": tied},
+            )
         return deep[tied]
 
     return get
@@ -122,26 +178,68 @@ HALF = {"micro_batch_size": 2, "gradient_accumulation_steps": 2}  # two replicas
 SLOW = pytest.mark.slow  # `make test-quick` leaves these out; CI (`make test`) runs them
 MODEL_LAYOUTS = [
     pytest.param("pp2-1f1b", {"pipeline_parallel": 2, "micro_batch_num": 2}, REPLICA, None, id="pp2-1f1b"),
-    pytest.param("pp2-gpipe-m4", {"pipeline_parallel": 2, "pipeline_schedule": "gpipe", "micro_batch_num": 4}, REPLICA,
-                 None, marks=SLOW, id="pp2-gpipe-m4"),
-    pytest.param("pp2-interleaved", {"pipeline_parallel": 2, "pipeline_schedule": "interleaved_1f1b",
-                                     "micro_batch_num": 2}, REPLICA, DEEP, marks=SLOW, id="pp2-interleaved"),
+    pytest.param(
+        "pp2-gpipe-m4",
+        {"pipeline_parallel": 2, "pipeline_schedule": "gpipe", "micro_batch_num": 4},
+        REPLICA,
+        None,
+        marks=SLOW,
+        id="pp2-gpipe-m4",
+    ),
+    pytest.param(
+        "pp2-interleaved",
+        {"pipeline_parallel": 2, "pipeline_schedule": "interleaved_1f1b", "micro_batch_num": 2},
+        REPLICA,
+        DEEP,
+        marks=SLOW,
+        id="pp2-interleaved",
+    ),
     pytest.param("tp2", {"tensor_parallel": 2}, REPLICA, None, id="tp2"),
     pytest.param("tp2-sp", {"tensor_parallel": 2, "sequence_parallel": True}, REPLICA, None, marks=SLOW, id="tp2-sp"),
     pytest.param("dp2-tp2", {"data_parallel": 2, "tensor_parallel": 2}, HALF, None, marks=SLOW, id="dp2-tp2"),
-    pytest.param("dp2-zero3-tp2", {"data_parallel": 2, "zero_stage": 3, "tensor_parallel": 2}, HALF, None,
-                 id="dp2-zero3-tp2"),
-    pytest.param("tp2-pp2", {"tensor_parallel": 2, "pipeline_parallel": 2, "micro_batch_num": 2}, REPLICA, None,
-                 id="tp2-pp2"),
-    pytest.param("tp2-sp-pp2-interleaved", {"tensor_parallel": 2, "sequence_parallel": True, "pipeline_parallel": 2,
-                                            "pipeline_schedule": "interleaved_1f1b", "micro_batch_num": 2}, REPLICA,
-                 DEEP, marks=SLOW, id="tp2-sp-pp2-interleaved"),
-    pytest.param("dp2-zero2-pp2", {"data_parallel": 2, "zero_stage": 2, "pipeline_parallel": 2, "micro_batch_num": 2},
-                 HALF, None, id="dp2-zero2-pp2"),
-    pytest.param("dp2-zero3-pp2", {"data_parallel": 2, "zero_stage": 3, "pipeline_parallel": 2, "micro_batch_num": 2},
-                 HALF, None, marks=SLOW, id="dp2-zero3-pp2"),
-    pytest.param("dp2-tp2-pp2", {"data_parallel": 2, "tensor_parallel": 2, "pipeline_parallel": 2,
-                                 "micro_batch_num": 2}, HALF, None, marks=SLOW, id="dp2-tp2-pp2"),
+    pytest.param(
+        "dp2-zero3-tp2", {"data_parallel": 2, "zero_stage": 3, "tensor_parallel": 2}, HALF, None, id="dp2-zero3-tp2"
+    ),
+    pytest.param(
+        "tp2-pp2", {"tensor_parallel": 2, "pipeline_parallel": 2, "micro_batch_num": 2}, REPLICA, None, id="tp2-pp2"
+    ),
+    pytest.param(
+        "tp2-sp-pp2-interleaved",
+        {
+            "tensor_parallel": 2,
+            "sequence_parallel": True,
+            "pipeline_parallel": 2,
+            "pipeline_schedule": "interleaved_1f1b",
+            "micro_batch_num": 2,
+        },
+        REPLICA,
+        DEEP,
+        marks=SLOW,
+        id="tp2-sp-pp2-interleaved",
+    ),
+    pytest.param(
+        "dp2-zero2-pp2",
+        {"data_parallel": 2, "zero_stage": 2, "pipeline_parallel": 2, "micro_batch_num": 2},
+        HALF,
+        None,
+        id="dp2-zero2-pp2",
+    ),
+    pytest.param(
+        "dp2-zero3-pp2",
+        {"data_parallel": 2, "zero_stage": 3, "pipeline_parallel": 2, "micro_batch_num": 2},
+        HALF,
+        None,
+        marks=SLOW,
+        id="dp2-zero3-pp2",
+    ),
+    pytest.param(
+        "dp2-tp2-pp2",
+        {"data_parallel": 2, "tensor_parallel": 2, "pipeline_parallel": 2, "micro_batch_num": 2},
+        HALF,
+        None,
+        marks=SLOW,
+        id="dp2-tp2-pp2",
+    ),
 ]
 
 
@@ -152,20 +250,26 @@ LAYOUTS = {p.values[0]: p.values[1:] for p in MODEL_LAYOUTS} | {n: (par, tr, Non
 def layout_runs(request, tiny_corpus, tmp_path_factory) -> dict[tuple[str, bool], dict]:
     """Every layout case this session runs in this module, trained in shared worlds (run_shared), once."""
     cases = {}
-    for test in ("test_model_parallel_and_hybrid_layouts_equal_single_process",
-                 "test_data_parallel_layouts_equal_single_process"):
+    for test in (
+        "test_model_parallel_and_hybrid_layouts_equal_single_process",
+        "test_data_parallel_layouts_equal_single_process",
+    ):
         for params in selected(request, test):
             parallel, train, model = LAYOUTS[params["name"]]
             cases[f"{params['name']}-{'tied' if params['tied'] else 'untied'}"] = {
-                "parallel": parallel, "train": train, "model": {**(model or {}), "tie_embeddings": params["tied"]}}
+                "parallel": parallel,
+                "train": train,
+                "model": {**(model or {}), "tie_embeddings": params["tied"]},
+            }
     runs = run_shared(tiny_corpus, tmp_path_factory.mktemp("layouts"), cases) if cases else {}
     return {(name.rsplit("-", 1)[0], name.endswith("-tied")): result for name, result in runs.items()}
 
 
 @pytest.mark.parametrize("tied", TIES)
 @pytest.mark.parametrize("name,parallel,train,model", MODEL_LAYOUTS)
-def test_model_parallel_and_hybrid_layouts_equal_single_process(layout_runs, reference, name, parallel, train, model,
-                                                                 tied):
+def test_model_parallel_and_hybrid_layouts_equal_single_process(
+    layout_runs, reference, name, parallel, train, model, tied
+):
     assert_same_training(layout_runs[name, tied], reference(tied, model))
 
 
@@ -186,11 +290,29 @@ def test_two_node_rendezvous_on_localhost(tiny_corpus, tmp_path, reference):
         port = s.getsockname()[1]
     cfg = layout_config(tiny_corpus, tmp_path, "nodes", {"data_parallel": 2}, HALF)
     path = write_config(tmp_path / "nodes.yaml", cfg)
-    nodes = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={rank}", "--nproc-per-node=1",
-         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=fitlm-test",
-         "-m", "fitlm.cli", "train", str(path)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                f"--node-rank={rank}",
+                "--nproc-per-node=1",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{port}",
+                "--rdzv-id=fitlm-test",
+                "-m",
+                "fitlm.cli",
+                "train",
+                str(path),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
     outputs = [node.communicate(timeout=300) for node in nodes]
     assert all(node.returncode == 0 for node in nodes), outputs
     losses = [r["loss"] for r in read_metrics(tmp_path / "nodes") if "loss" in r]
@@ -201,6 +323,7 @@ def test_two_node_rendezvous_on_localhost(tiny_corpus, tmp_path, reference):
 def test_matmul_attention_under_tensor_parallel_equals_single_process(tiny_corpus, tmp_path, reference, kind):
     """memory.attention_backward: matmul / matmul_saved on each tensor-parallel rank's heads (document masks on, GQA)
     trains as the single process does with SDPA: the kernels differ by fp32 rounding only."""
-    result = run(tiny_corpus, tmp_path, f"tp2-{kind}-attn", {"tensor_parallel": 2}, REPLICA,
-                 memory={"attention_backward": kind})
+    result = run(
+        tiny_corpus, tmp_path, f"tp2-{kind}-attn", {"tensor_parallel": 2}, REPLICA, memory={"attention_backward": kind}
+    )
     assert_same_training(result, reference(False))

@@ -25,33 +25,43 @@ REFERENCES = {
     "lora": ({"method": "lora", "lora": {"r": 4, "alpha": 8.0, "target_modules": ["all-linear"]}}, {}),
     "freeze": ({"method": "freeze", "freeze_layers": 0.5}, {}),  # block 0 frozen
     # tied embeddings (the shipped configs' default): the head is the embedding, on the first and last stage
-    "lora-tied": ({"method": "lora", "lora": {"r": 4, "alpha": 8.0, "target_modules": ["all-linear"]}},
-                  {"tie_embeddings": True}),
+    "lora-tied": (
+        {"method": "lora", "lora": {"r": 4, "alpha": 8.0, "target_modules": ["all-linear"]}},
+        {"tie_embeddings": True},
+    ),
     "freeze-tied": ({"method": "freeze", "freeze_layers": 0.5}, {"tie_embeddings": True}),
     "freeze-embeddings": ({"method": "freeze", "freeze_layers": 0.5, "freeze_embeddings": True}, {}),
     # Phi-3 under tensor parallel: the fused projections are split, so adapters go on o_proj and down_proj.
-    "lora-phi3": ({"method": "lora", "lora": {"r": 4, "alpha": 8.0, "target_modules": ["o_proj", "down_proj"]}},
-                  {"arch": "phi3"}),
+    "lora-phi3": (
+        {"method": "lora", "lora": {"r": 4, "alpha": 8.0, "target_modules": ["o_proj", "down_proj"]}},
+        {"arch": "phi3"},
+    ),
 }
 PP2 = {"pipeline_parallel": 2, "micro_batch_num": 2}
 REPLICA = {"micro_batch_size": 4, "gradient_accumulation_steps": 2}  # the reference's batch
 HALF = {"micro_batch_size": 2, "gradient_accumulation_steps": 2}  # two data-parallel replicas, same global batch
 # layout name -> (reference, parallel block, train block)
-FAST = {"tp2-lora": ("lora", {"tensor_parallel": 2}, REPLICA),
-        "pp2-lora": ("lora", PP2, REPLICA),
-        # sequence parallel's norms are new Parameters: the frozen block's must stay frozen
-        "tp2-sp-freeze": ("freeze", {"tensor_parallel": 2, "sequence_parallel": True}, REPLICA),
-        "pp2-freeze": ("freeze", PP2, REPLICA),
-        "pp2-lora-tied": ("lora-tied", PP2, REPLICA)}
+FAST = {
+    "tp2-lora": ("lora", {"tensor_parallel": 2}, REPLICA),
+    "pp2-lora": ("lora", PP2, REPLICA),
+    # sequence parallel's norms are new Parameters: the frozen block's must stay frozen
+    "tp2-sp-freeze": ("freeze", {"tensor_parallel": 2, "sequence_parallel": True}, REPLICA),
+    "pp2-freeze": ("freeze", PP2, REPLICA),
+    "pp2-lora-tied": ("lora-tied", PP2, REPLICA),
+}
 SLOW_WORLDS = {
-    2: {"tp2-freeze-embeddings": ("freeze-embeddings", {"tensor_parallel": 2}, REPLICA),
+    2: {
+        "tp2-freeze-embeddings": ("freeze-embeddings", {"tensor_parallel": 2}, REPLICA),
         "tp2-sp-lora": ("lora", {"tensor_parallel": 2, "sequence_parallel": True}, REPLICA),
-        "tp2-lora-phi3": ("lora-phi3", {"tensor_parallel": 2}, REPLICA)},
-    4: {"dp2-tp2-lora": ("lora", {"data_parallel": 2, "tensor_parallel": 2}, HALF),
+        "tp2-lora-phi3": ("lora-phi3", {"tensor_parallel": 2}, REPLICA),
+    },
+    4: {
+        "dp2-tp2-lora": ("lora", {"data_parallel": 2, "tensor_parallel": 2}, HALF),
         "dp2-zero3-tp2-lora": ("lora", {"data_parallel": 2, "tensor_parallel": 2, "zero_stage": 3}, HALF),
         "tp2-pp2-lora": ("lora", {"tensor_parallel": 2, **PP2}, REPLICA),
         "tp2-pp2-lora-tied": ("lora-tied", {"tensor_parallel": 2, **PP2}, REPLICA),
-        "tp2-pp2-freeze-tied": ("freeze-tied", {"tensor_parallel": 2, **PP2}, REPLICA)},
+        "tp2-pp2-freeze-tied": ("freeze-tied", {"tensor_parallel": 2, **PP2}, REPLICA),
+    },
 }
 
 
@@ -71,8 +81,9 @@ def train_and_save(cfg: dict) -> dict:
 
 
 def worker(rank: int, world: int, port: int, cases: dict, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     torch.set_num_threads(1)  # 2 cores, up to 4 processes
     import torch.distributed as dist
 
@@ -94,16 +105,24 @@ def adapter_placements(modules: list) -> dict[str, str]:
     for module in modules:
         for name, p in module.named_parameters():
             if ".lora_" in name and isinstance(p, DTensor):
-                out[".".join(name.split(".")[-3:-1])] = str(p.placements[p.device_mesh.mesh_dim_names.index("tp")]
-                                                            if p.device_mesh.ndim > 1 else p.placements[0])
+                out[".".join(name.split(".")[-3:-1])] = str(
+                    p.placements[p.device_mesh.mesh_dim_names.index("tp")]
+                    if p.device_mesh.ndim > 1
+                    else p.placements[0]
+                )
     return out
 
 
 def config(corpus: dict, root: Path, name: str, reference: str, parallel: dict, train: dict) -> dict:
     finetune, model = REFERENCES[reference]
-    return tiny_config(corpus, root / name, parallel=parallel, finetune=finetune,
-                       model={"tie_embeddings": False, **model},
-                       train={"max_steps": STEPS, "eval_interval": 0, "observe": {"tensorboard": False}, **train})
+    return tiny_config(
+        corpus,
+        root / name,
+        parallel=parallel,
+        finetune=finetune,
+        model={"tie_embeddings": False, **model},
+        train={"max_steps": STEPS, "eval_interval": 0, "observe": {"tensorboard": False}, **train},
+    )
 
 
 def saved(run: Path) -> dict:
@@ -190,8 +209,10 @@ def collectives_worker(rank: int, world: int, port: int, cases: dict, out_dir: s
         with CommDebugMode() as comm:
             got = linear(x.chunk(world, -1)[rank] if name == "rowwise" else x)  # row-parallel reads its input shard
         shard = want if name == "rowwise" else want.chunk(world, -1)[rank]  # column-parallel gives its out shard
-        results[name] = {"collectives": {str(op): n for op, n in comm.get_comm_counts().items()},
-                         "equal": torch.allclose(got, shard, atol=1e-6)}
+        results[name] = {
+            "collectives": {str(op): n for op, n in comm.get_comm_counts().items()},
+            "equal": torch.allclose(got, shard, atol=1e-6),
+        }
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
     exit_process(0)
 

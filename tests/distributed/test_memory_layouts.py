@@ -12,16 +12,29 @@ from tests.distributed.test_layouts import HALF, REFERENCE, REPLICA, run_shared,
 CASES = [
     # FSDP2 MixedPrecisionPolicy (half gather, fp32 reduce) + fp16 scaler over ranks + chunked loss + offload
     # (slow tier: 40 s, fp16 has no fast CPU GEMM)
-    pytest.param("dp2-zero3-o2-fp16-chunked-offload", {"data_parallel": 2, "zero_stage": 3}, HALF,
-                 {"mixed_precision": "O2", "half_dtype": "fp16", "loss_chunk_size": 48, "cpu_offload": True},
-                 marks=pytest.mark.slow),
+    pytest.param(
+        "dp2-zero3-o2-fp16-chunked-offload",
+        {"data_parallel": 2, "zero_stage": 3},
+        HALF,
+        {"mixed_precision": "O2", "half_dtype": "fp16", "loss_chunk_size": 48, "cpu_offload": True},
+        marks=pytest.mark.slow,
+    ),
     # parameter casting on DTensor shards + selective recompute (slow tier: make test-all)
-    pytest.param("tp2-o2-bf16-selective", {"tensor_parallel": 2}, REPLICA,
-                 {"mixed_precision": "O2", "recompute": "selective"}, marks=pytest.mark.slow),
+    pytest.param(
+        "tp2-o2-bf16-selective",
+        {"tensor_parallel": 2},
+        REPLICA,
+        {"mixed_precision": "O2", "recompute": "selective"},
+        marks=pytest.mark.slow,
+    ),
     # fp16 loss scale through the pipeline schedule + full recompute of every second block (slow tier)
-    pytest.param("pp2-o2-fp16-recompute", {"pipeline_parallel": 2, "micro_batch_num": 2}, REPLICA,
-                 {"mixed_precision": "O2", "half_dtype": "fp16", "recompute": "full", "recompute_every_n_layers": 2},
-                 marks=pytest.mark.slow),
+    pytest.param(
+        "pp2-o2-fp16-recompute",
+        {"pipeline_parallel": 2, "micro_batch_num": 2},
+        REPLICA,
+        {"mixed_precision": "O2", "half_dtype": "fp16", "recompute": "full", "recompute_every_n_layers": 2},
+        marks=pytest.mark.slow,
+    ),
 ]
 
 
@@ -40,8 +53,9 @@ def memory_runs(request, tiny_corpus, tmp_path_factory) -> dict[str, dict]:
 
 
 @pytest.mark.parametrize("name,parallel,train,memory", CASES, ids=IDS)
-def test_memory_options_under_layouts_match_single_process(memory_runs, single_process_reference, name, parallel,
-                                                          train, memory):
+def test_memory_options_under_layouts_match_single_process(
+    memory_runs, single_process_reference, name, parallel, train, memory
+):
     single, split = memory_runs[f"single-{name}"], memory_runs[name]
     assert split["losses"] == pytest.approx(single["losses"], rel=5e-4)
     assert split["grad_norms"] == pytest.approx(single["grad_norms"], rel=5e-3)

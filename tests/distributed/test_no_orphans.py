@@ -51,12 +51,22 @@ def wait_for(cond, timeout: float, what: str):
 
 def start(tiny_corpus, root: Path) -> tuple[subprocess.Popen, Path, Path]:
     out = root / "run"
-    cfg = tiny_config(tiny_corpus, out, parallel={"data_parallel": 2}, checkpoint={"interval": 2},
-                      train={"max_steps": 100000, "eval_interval": 0, "micro_batch_size": 2, "observe": {"tensorboard": False}})
+    cfg = tiny_config(
+        tiny_corpus,
+        out,
+        parallel={"data_parallel": 2},
+        checkpoint={"interval": 2},
+        train={"max_steps": 100000, "eval_interval": 0, "micro_batch_size": 2, "observe": {"tensorboard": False}},
+    )
     path = write_config(root / "orphan-check.yaml", cfg)
     # A session of its own, as a terminal job or a job manager's child would be: killpg reaches exactly it.
-    proc = subprocess.Popen([sys.executable, "-m", "fitlm.cli", "train", str(path)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fitlm.cli", "train", str(path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     wait_for(lambda: latest_checkpoint(out) is not None or proc.poll() is not None, 180, "the first checkpoint")
     assert proc.poll() is None, proc.communicate()[1][-3000:]
     return proc, out, path
@@ -83,8 +93,9 @@ def test_sigkill_leaves_no_rank_running(tiny_corpus, tmp_path, target):
     try:
         if target == "process group":
             # While it runs, a second launcher into the same directory is refused, naming the live run.
-            second = subprocess.run([sys.executable, "-m", "fitlm.cli", "train", marker], capture_output=True,
-                                    text=True, timeout=120)
+            second = subprocess.run(
+                [sys.executable, "-m", "fitlm.cli", "train", marker], capture_output=True, text=True, timeout=120
+            )
             assert second.returncode == 2, second.stderr
             assert f"pid {proc.pid}" in second.stderr and "in use by a live run" in second.stderr
             os.killpg(proc.pid, signal.SIGKILL)
@@ -101,12 +112,21 @@ def test_sigterm_to_the_launcher_checkpoints_every_rank_and_exits_143(tiny_corpu
     """SIGTERM reaches the ranks through the launcher (it forwards, then waits): the ranks agree to stop, save
     a checkpoint at the end of the step (async saves on, so a pending one is published first), exit 143."""
     out = tmp_path / "run"
-    cfg = tiny_config(tiny_corpus, out, parallel={"data_parallel": 2},
-                      checkpoint={"interval": 3, "async_save": True},
-                      train={"max_steps": 100000, "eval_interval": 0, "micro_batch_size": 2, "observe": {"tensorboard": False}})
+    cfg = tiny_config(
+        tiny_corpus,
+        out,
+        parallel={"data_parallel": 2},
+        checkpoint={"interval": 3, "async_save": True},
+        train={"max_steps": 100000, "eval_interval": 0, "micro_batch_size": 2, "observe": {"tensorboard": False}},
+    )
     path = write_config(tmp_path / "sigterm-check.yaml", cfg)
-    proc = subprocess.Popen([sys.executable, "-m", "fitlm.cli", "train", str(path)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fitlm.cli", "train", str(path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         wait_for(lambda: latest_checkpoint(out) is not None or proc.poll() is not None, 180, "the first checkpoint")
         assert proc.poll() is None, proc.communicate()[1][-3000:]

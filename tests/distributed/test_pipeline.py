@@ -15,44 +15,63 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
 from fitlm.config import ModelConfig, ParallelConfig, validate_dict
+from fitlm.models.loss import count_targets, cross_entropy_sum
 from fitlm.parallel.apply import parallelize
 from fitlm.parallel.mesh import ParallelContext, context_on_mesh, exit_process
+from fitlm.parallel.pipeline import (
+    Pipeline,
+    build_schedule,
+    build_stage_modules,
+    clip_grad_norm_pp,
+    gather_full_state_dict,
+    pipeline_eval,
+    pipeline_problems,
+    pipeline_step,
+    split_layers,
+    sync_tied_grads,
+    tag_tied_copies,
+)
 from fitlm.parallel_dims import MESH_DIMS
-from fitlm.parallel.pipeline import (Pipeline, build_schedule, build_stage_modules, clip_grad_norm_pp,
-                                    gather_full_state_dict, pipeline_eval, pipeline_problems,
-                                    pipeline_step, split_layers, sync_tied_grads, tag_tied_copies)
 from fitlm.registry import build_model
 from fitlm.step.optim import param_groups
 from fitlm.step.train_step import TrainStep
-from fitlm.models.loss import count_targets, cross_entropy_sum
 from tests.distributed import spawn
 
 STEPS, LR, WD, CLIP = 3, 1e-3, 0.1, 1.0
 MODELS = {
-    "llama": dict(arch="llama", hidden_size=64, num_heads=4, num_kv_heads=2, num_layers=4, vocab_size=128,
-                  max_seq_len=32),
+    "llama": dict(
+        arch="llama", hidden_size=64, num_heads=4, num_kv_heads=2, num_layers=4, vocab_size=128, max_seq_len=32
+    ),
     # gpt2 with a tied head: the first and last stage each hold a copy and must stay equal.
-    "gpt2": dict(arch="gpt2", hidden_size=64, num_heads=4, num_layers=4, vocab_size=128, max_seq_len=32,
-                 tie_embeddings=True),
+    "gpt2": dict(
+        arch="gpt2", hidden_size=64, num_heads=4, num_layers=4, vocab_size=128, max_seq_len=32, tie_embeddings=True
+    ),
 }
 # (case id, arch, pp, schedule, micro_batch_num, accumulation micro batches per optimizer step, dp)
-CASES_2 = [(f"{a}-{s}-m{m}", a, 2, s, m, 1, 1) for a in MODELS for s in ("gpipe", "1f1b", "interleaved_1f1b")
-           for m in (2, 4)] + [("llama-1f1b-m2-accum2", "llama", 2, "1f1b", 2, 2, 1),
-                               # through the Pipeline class that fitlm.parallel.apply and the trainer use
-                               ("gpt2-interleaved_1f1b-m2-class", "gpt2", 2, "interleaved_1f1b", 2, 2, 1)]
+CASES_2 = [
+    (f"{a}-{s}-m{m}", a, 2, s, m, 1, 1) for a in MODELS for s in ("gpipe", "1f1b", "interleaved_1f1b") for m in (2, 4)
+] + [
+    ("llama-1f1b-m2-accum2", "llama", 2, "1f1b", 2, 2, 1),
+    # through the Pipeline class that fitlm.parallel.apply and the trainer use
+    ("gpt2-interleaved_1f1b-m2-class", "gpt2", 2, "interleaved_1f1b", 2, 2, 1),
+]
 # The trainer's own step (TrainStep over parallelize) with 4 accumulation micro batches and document masks; one
 # micro_batch_num=1 case, which only the whole step's chunk count (1 × 4 >= 2 stages) makes a valid layout.
-TRAIN_STEP_CASES = [("llama-1f1b-m2-accum4-trainstep", "llama", 2, "1f1b", 2, 4, 1),
-                    ("gpt2-interleaved_1f1b-m1-accum4-trainstep", "gpt2", 2, "interleaved_1f1b", 1, 4, 1)]
-CASES_4 = [("gpt2-1f1b-m4-pp4", "gpt2", 4, "1f1b", 4, 1, 1), ("llama-gpipe-m4-pp4", "llama", 4, "gpipe", 4, 1, 1),
-           # pp2 x dp2, FSDP2 on each stage: DTensor grads in the clip, sync and state-dict gather
-           ("gpt2-interleaved_1f1b-m2-dp2-fsdp", "gpt2", 2, "interleaved_1f1b", 2, 1, 2)]
+TRAIN_STEP_CASES = [
+    ("llama-1f1b-m2-accum4-trainstep", "llama", 2, "1f1b", 2, 4, 1),
+    ("gpt2-interleaved_1f1b-m1-accum4-trainstep", "gpt2", 2, "interleaved_1f1b", 1, 4, 1),
+]
+CASES_4 = [
+    ("gpt2-1f1b-m4-pp4", "gpt2", 4, "1f1b", 4, 1, 1),
+    ("llama-gpipe-m4-pp4", "llama", 4, "gpipe", 4, 1, 1),
+    # pp2 x dp2, FSDP2 on each stage: DTensor grads in the clip, sync and state-dict gather
+    ("gpt2-interleaved_1f1b-m2-dp2-fsdp", "gpt2", 2, "interleaved_1f1b", 2, 1, 2),
+]
 
 
 def batch(rows: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,8 +164,15 @@ def compare(out: dict, full: dict | None, arch: str, rows: int) -> dict:
 
 def run_pipeline_class(rank: int, arch: str, pp: int, schedule: str, m: int, accum: int) -> dict:
     """The trainer's calls, in its order (see fitlm/train/trainer.py)."""
-    ctx = SimpleNamespace(group=lambda dim: dist.group.WORLD, pp=pp, pp_rank=rank, dp_rank=0, tp_rank=0,
-                          device=torch.device("cpu"), is_main=rank == 0)
+    ctx = SimpleNamespace(
+        group=lambda dim: dist.group.WORLD,
+        pp=pp,
+        pp_rank=rank,
+        dp_rank=0,
+        tp_rank=0,
+        device=torch.device("cpu"),
+        is_main=rank == 0,
+    )
     cfg = SimpleNamespace(parallel=ParallelConfig(pipeline_parallel=pp, pipeline_schedule=schedule, micro_batch_num=m))
     pipe = Pipeline(make_model(arch), cfg, ctx)
     pipe.build_schedule(pipe.stage_modules)
@@ -161,8 +187,12 @@ def run_pipeline_class(rank: int, arch: str, pp: int, schedule: str, m: int, acc
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss_sum) / n_targets)
-    out = {"loss": losses, "norm": norms, "eval": float(pipe.eval_step(ids, labels)),
-           "blocks": [sorted(mod.model.layers.keys(), key=int) for mod in pipe.stage_modules]}
+    out = {
+        "loss": losses,
+        "norm": norms,
+        "eval": float(pipe.eval_step(ids, labels)),
+        "blocks": [sorted(mod.model.layers.keys(), key=int) for mod in pipe.stage_modules],
+    }
     return compare(out, pipe.gather_full_state_dict(), arch, 4)
 
 
@@ -189,6 +219,7 @@ def schedule_runs(runs: list[int]):
             if self._has_backward:
                 runs.append(self._n_microbatches)
             return original(self, *args, **kwargs)
+
         return step
 
     for cls, original in originals.items():
@@ -218,12 +249,22 @@ def train_steps(cfg, ctx: ParallelContext) -> dict:
 
 def run_train_step(rank: int, arch: str, pp: int, schedule: str, m: int, accum: int) -> dict:
     """The pipelined TrainStep on two ranks against the same TrainStep in one process (rank 0 alone)."""
-    sections = {"model": MODELS[arch], "data": {"seq_length": 16, "document_mask": True},
-                "train": {"micro_batch_size": 8 // accum, "gradient_accumulation_steps": accum, "lr": LR,
-                          "weight_decay": WD, "grad_clip": CLIP, "warmup_steps": 0}}
+    sections = {
+        "model": MODELS[arch],
+        "data": {"seq_length": 16, "document_mask": True},
+        "train": {
+            "micro_batch_size": 8 // accum,
+            "gradient_accumulation_steps": accum,
+            "lr": LR,
+            "weight_decay": WD,
+            "grad_clip": CLIP,
+            "warmup_steps": 0,
+        },
+    }
     try:  # a layout the old per-micro-batch chunk rule refused must fail only its own tests
-        cfg = validate_dict({**sections, "parallel": {"pipeline_parallel": pp, "pipeline_schedule": schedule,
-                                                      "micro_batch_num": m}})
+        cfg = validate_dict(
+            {**sections, "parallel": {"pipeline_parallel": pp, "pipeline_schedule": schedule, "micro_batch_num": m}}
+        )
         mesh = init_device_mesh("cpu", cfg.parallel.dims.mesh_shape, mesh_dim_names=MESH_DIMS)
         out = train_steps(cfg, context_on_mesh(mesh, cfg.parallel.dims, torch.device("cpu")))
     except ValueError as e:
@@ -231,9 +272,13 @@ def run_train_step(rank: int, arch: str, pp: int, schedule: str, m: int, accum: 
     full = out.pop("state")
     if full is not None:
         ref = train_steps(validate_dict(sections), ParallelContext())
-        out.update(ref_loss=ref["loss"], ref_norm=ref["norm"], ref_eval=ref["eval"],
-                   keys_match=list(full) == list(ref["state"]),
-                   max_diff=max(float((full[k] - v).abs().max()) for k, v in ref["state"].items() if k in full))
+        out.update(
+            ref_loss=ref["loss"],
+            ref_norm=ref["norm"],
+            ref_eval=ref["eval"],
+            keys_match=list(full) == list(ref["state"]),
+            max_diff=max(float((full[k] - v).abs().max()) for k, v in ref["state"].items() if k in full),
+        )
     return out
 
 
@@ -341,8 +386,8 @@ def test_split_layers_rejects(args):
 
 def test_stage_modules_own_their_parts():
     model = make_model("gpt2")
-    (s0, first), = build_stage_modules(model, 0, 2, "1f1b")
-    (s1, last), = build_stage_modules(model, 1, 2, "1f1b")
+    ((s0, first),) = build_stage_modules(model, 0, 2, "1f1b")
+    ((s1, last),) = build_stage_modules(model, 1, 2, "1f1b")
     assert (s0, s1) == (0, 1) and len(model.model.layers) == 4  # the full model is left intact
     assert first.model.embed_tokens is not None and first.model.embed_positions is not None
     assert first.lm_head is None and first.model.norm is None and list(first.model.layers) == ["0", "1"]
@@ -361,15 +406,26 @@ def test_interleaved_needs_enough_layers():
         build_stage_modules(make_model("llama"), 0, 4, "interleaved_1f1b")
 
 
-@pytest.mark.parametrize("model_kw, par_kw, mbs, key", [
-    ({"num_layers": 2}, {"pipeline_parallel": 4, "micro_batch_num": 4}, None, "parallel.pipeline_parallel"),
-    ({}, {"pipeline_parallel": 2, "micro_batch_num": 1}, None, "parallel.micro_batch_num"),
-    ({"num_layers": 3}, {"pipeline_parallel": 2, "micro_batch_num": 2, "pipeline_schedule": "interleaved_1f1b"}, None,
-     "parallel.pipeline_schedule"),
-    ({}, {"pipeline_parallel": 2, "micro_batch_num": 5, "pipeline_schedule": "interleaved_1f1b"}, 10,
-     "parallel.micro_batch_num"),
-    ({}, {"pipeline_parallel": 2, "micro_batch_num": 4}, 6, "train.micro_batch_size"),
-])
+@pytest.mark.parametrize(
+    "model_kw, par_kw, mbs, key",
+    [
+        ({"num_layers": 2}, {"pipeline_parallel": 4, "micro_batch_num": 4}, None, "parallel.pipeline_parallel"),
+        ({}, {"pipeline_parallel": 2, "micro_batch_num": 1}, None, "parallel.micro_batch_num"),
+        (
+            {"num_layers": 3},
+            {"pipeline_parallel": 2, "micro_batch_num": 2, "pipeline_schedule": "interleaved_1f1b"},
+            None,
+            "parallel.pipeline_schedule",
+        ),
+        (
+            {},
+            {"pipeline_parallel": 2, "micro_batch_num": 5, "pipeline_schedule": "interleaved_1f1b"},
+            10,
+            "parallel.micro_batch_num",
+        ),
+        ({}, {"pipeline_parallel": 2, "micro_batch_num": 4}, 6, "train.micro_batch_size"),
+    ],
+)
 def test_pipeline_problems(model_kw, par_kw, mbs, key):
     problems = pipeline_problems(ModelConfig(**model_kw), ParallelConfig(**par_kw), mbs)
     assert len(problems) == 1 and problems[0].startswith(key), problems
@@ -377,8 +433,14 @@ def test_pipeline_problems(model_kw, par_kw, mbs, key):
 
 def test_pipeline_problems_accepts_good_layouts():
     assert pipeline_problems(ModelConfig(num_layers=4), ParallelConfig(pipeline_parallel=2, micro_batch_num=2), 8) == []
-    assert pipeline_problems(ModelConfig(num_layers=4), ParallelConfig(
-        pipeline_parallel=2, micro_batch_num=2, pipeline_schedule="interleaved_1f1b"), 4) == []
+    assert (
+        pipeline_problems(
+            ModelConfig(num_layers=4),
+            ParallelConfig(pipeline_parallel=2, micro_batch_num=2, pipeline_schedule="interleaved_1f1b"),
+            4,
+        )
+        == []
+    )
     assert pipeline_problems(ModelConfig(num_layers=1), ParallelConfig(micro_batch_num=3), 8) == []  # pp = 1
 
 
@@ -387,9 +449,17 @@ def test_pipeline_problems_count_chunks_over_the_whole_step():
     reach pipeline_parallel (and divide into interleaved rounds)."""
     model = ModelConfig(num_layers=8)
     assert pipeline_problems(model, ParallelConfig(pipeline_parallel=2, micro_batch_num=1), 2, accumulation=4) == []
-    assert pipeline_problems(model, ParallelConfig(pipeline_parallel=2, micro_batch_num=5,
-                                                   pipeline_schedule="interleaved_1f1b"), 10, accumulation=2) == []
+    assert (
+        pipeline_problems(
+            model,
+            ParallelConfig(pipeline_parallel=2, micro_batch_num=5, pipeline_schedule="interleaved_1f1b"),
+            10,
+            accumulation=2,
+        )
+        == []
+    )
     (msg,) = pipeline_problems(model, ParallelConfig(pipeline_parallel=4, micro_batch_num=1), 2, accumulation=2)
-    assert msg.startswith("parallel.micro_batch_num: 1 × train.gradient_accumulation_steps=2 = 2 is below "
-                          "parallel.pipeline_parallel=4")
+    assert msg.startswith(
+        "parallel.micro_batch_num: 1 × train.gradient_accumulation_steps=2 = 2 is below parallel.pipeline_parallel=4"
+    )
     assert "set parallel.micro_batch_num >= 2" in msg

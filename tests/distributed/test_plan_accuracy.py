@@ -31,79 +31,215 @@ CONFIGS = [
     ("O2 h128", {"model": {"hidden_size": 128, "intermediate_size": 352}, "memory": {"mixed_precision": "O2"}}, 1),
     ("O3 full recompute", {"memory": {"mixed_precision": "O3", "recompute": "full"}}, 1),
     ("O1 mbs8", {"memory": {"mixed_precision": "O1"}, "train": {"micro_batch_size": 8}}, 1),
-    ("O0 selective, 4 layers, accum 2", {"model": {"num_layers": 4}, "memory": {"recompute": "selective"},
-                                         "train": {"gradient_accumulation_steps": 2}}, 1),
+    (
+        "O0 selective, 4 layers, accum 2",
+        {"model": {"num_layers": 4}, "memory": {"recompute": "selective"}, "train": {"gradient_accumulation_steps": 2}},
+        1,
+    ),
     ("O0 chunked loss, vocab 2048", {"model": {"vocab_size": 2048}, "memory": {"loss_chunk_size": 64}}, 1),
-    ("O2 seq 32, no doc mask", {"data": {"seq_length": 32, "document_mask": False}, "memory": {"mixed_precision": "O2"}}, 1),
-    ("O0 tied, full every 2nd of 4", {"model": {"tie_embeddings": True, "num_layers": 4},
-                                      "memory": {"recompute": "full", "recompute_every_n_layers": 2}}, 1),
+    (
+        "O2 seq 32, no doc mask",
+        {"data": {"seq_length": 32, "document_mask": False}, "memory": {"mixed_precision": "O2"}},
+        1,
+    ),
+    (
+        "O0 tied, full every 2nd of 4",
+        {
+            "model": {"tie_embeddings": True, "num_layers": 4},
+            "memory": {"recompute": "full", "recompute_every_n_layers": 2},
+        },
+        1,
+    ),
     ("dp2 zero2", {"parallel": {"data_parallel": 2, "zero_stage": 2}, "train": {"micro_batch_size": 2}}, 2),
     ("dp2 zero1", {"parallel": {"data_parallel": 2, "zero_stage": 1}, "train": {"micro_batch_size": 2}}, 2),
-    ("dp2 ddp O2", {"parallel": {"data_parallel": 2}, "memory": {"mixed_precision": "O2"},
-                    "train": {"micro_batch_size": 2}}, 2),
-    ("dp2 zero2 accum 2, sync every", {"parallel": {"data_parallel": 2, "zero_stage": 2},
-                                       "train": {"micro_batch_size": 2, "gradient_accumulation_steps": 2}}, 2),
-    ("dp2 zero2 accum 2, sync last", {"parallel": {"data_parallel": 2, "zero_stage": 2,
-                                                   "gradient_sync": "last_micro_batch"},
-                                      "train": {"micro_batch_size": 2, "gradient_accumulation_steps": 2}}, 2),
+    (
+        "dp2 ddp O2",
+        {"parallel": {"data_parallel": 2}, "memory": {"mixed_precision": "O2"}, "train": {"micro_batch_size": 2}},
+        2,
+    ),
+    (
+        "dp2 zero2 accum 2, sync every",
+        {
+            "parallel": {"data_parallel": 2, "zero_stage": 2},
+            "train": {"micro_batch_size": 2, "gradient_accumulation_steps": 2},
+        },
+        2,
+    ),
+    (
+        "dp2 zero2 accum 2, sync last",
+        {
+            "parallel": {"data_parallel": 2, "zero_stage": 2, "gradient_sync": "last_micro_batch"},
+            "train": {"micro_batch_size": 2, "gradient_accumulation_steps": 2},
+        },
+        2,
+    ),
     ("tp2", {"parallel": {"tensor_parallel": 2}}, 2),
-    ("dp2 zero3 O2", {"parallel": {"data_parallel": 2, "zero_stage": 3}, "memory": {"mixed_precision": "O2"},
-                      "train": {"micro_batch_size": 2}}, 2),
+    (
+        "dp2 zero3 O2",
+        {
+            "parallel": {"data_parallel": 2, "zero_stage": 3},
+            "memory": {"mixed_precision": "O2"},
+            "train": {"micro_batch_size": 2},
+        },
+        2,
+    ),
     ("dp2 ddp", {"parallel": {"data_parallel": 2}, "train": {"micro_batch_size": 2}}, 2),
-    ("dp2 ddp accum 2", {"parallel": {"data_parallel": 2},
-                         "train": {"micro_batch_size": 2, "gradient_accumulation_steps": 2}}, 2),
+    (
+        "dp2 ddp accum 2",
+        {"parallel": {"data_parallel": 2}, "train": {"micro_batch_size": 2, "gradient_accumulation_steps": 2}},
+        2,
+    ),
     # Context parallel: each rank keeps T/C tokens of activations and every layer's gathered full-length K/V
     # (document masks on: a [B, 1, T/C, T] mask); ZeRO shards over dp x cp ranks.
     ("cp2", {"parallel": {"context_parallel": 2}}, 2),
-    ("dp2 cp2 zero2", {"parallel": {"data_parallel": 2, "context_parallel": 2, "zero_stage": 2},
-                       "train": {"micro_batch_size": 2}}, 4),
+    (
+        "dp2 cp2 zero2",
+        {"parallel": {"data_parallel": 2, "context_parallel": 2, "zero_stage": 2}, "train": {"micro_batch_size": 2}},
+        4,
+    ),
     # Plain causal: each of a rank's two chunks attends the keys before its end ([c, (g+1)c] masks).
-    ("cp2 O2 no doc mask", {"parallel": {"context_parallel": 2}, "data": {"document_mask": False},
-                            "memory": {"mixed_precision": "O2"}}, 2),
+    (
+        "cp2 O2 no doc mask",
+        {"parallel": {"context_parallel": 2}, "data": {"document_mask": False}, "memory": {"mixed_precision": "O2"}},
+        2,
+    ),
     # Pipelines: the first stage keeps the embedding and the in-flight chunks' activations, the last the head
     # and the logits; every pp rank is measured and simulated, the most loaded compared.
     ("pp2 1f1b x2", {"parallel": {"pipeline_parallel": 2, "micro_batch_num": 2}}, 2),
-    ("pp2 gpipe x2 accum 2 O2", {"parallel": {"pipeline_parallel": 2, "micro_batch_num": 2, "pipeline_schedule": "gpipe"},
-                                 "memory": {"mixed_precision": "O2"}, "train": {"gradient_accumulation_steps": 2}}, 2),
-    ("pp2 interleaved 4 layers", {"model": {"num_layers": 4},
-                                  "parallel": {"pipeline_parallel": 2, "micro_batch_num": 2,
-                                               "pipeline_schedule": "interleaved_1f1b"}}, 2),
-    ("pp2 1f1b x4 vocab 2048", {"model": {"vocab_size": 2048}, "parallel": {"pipeline_parallel": 2, "micro_batch_num": 4}}, 2),
+    (
+        "pp2 gpipe x2 accum 2 O2",
+        {
+            "parallel": {"pipeline_parallel": 2, "micro_batch_num": 2, "pipeline_schedule": "gpipe"},
+            "memory": {"mixed_precision": "O2"},
+            "train": {"gradient_accumulation_steps": 2},
+        },
+        2,
+    ),
+    (
+        "pp2 interleaved 4 layers",
+        {
+            "model": {"num_layers": 4},
+            "parallel": {"pipeline_parallel": 2, "micro_batch_num": 2, "pipeline_schedule": "interleaved_1f1b"},
+        },
+        2,
+    ),
+    (
+        "pp2 1f1b x4 vocab 2048",
+        {"model": {"vocab_size": 2048}, "parallel": {"pipeline_parallel": 2, "micro_batch_num": 4}},
+        2,
+    ),
     # Other families' blocks (counted by their family units, fitlm.models.counts): Qwen3's per-head q/k
     # norms with head_dim independent of hidden/heads; Gemma 3's sandwich of four (1 + w) norms, q/k norms,
     # sliding-window layers (a masked SDPA) and a second RoPE table; Gemma 2's soft-capped eager attention.
     ("qwen3 O0 head_dim 24", {"model": {"arch": "qwen3", "head_dim": 24}}, 1),
     ("qwen3 O2", {"model": {"arch": "qwen3", "head_dim": 24}, "memory": {"mixed_precision": "O2"}}, 1),
-    ("gemma3 O0", {"model": {"arch": "gemma3", "head_dim": 24, "sliding_window": 16, "rope_local_theta": 1e4,
-                             "layer_types": ["sliding", "full"]}}, 1),
-    ("gemma3 O2", {"model": {"arch": "gemma3", "head_dim": 24, "sliding_window": 16, "rope_local_theta": 1e4,
-                             "layer_types": ["sliding", "full"]}, "memory": {"mixed_precision": "O2"}}, 1),
-    ("gemma3 cp2 no doc mask", {"model": {"arch": "gemma3", "head_dim": 24, "sliding_window": 16,
-                                          "rope_local_theta": 1e4, "layer_types": ["sliding", "full"]},
-                                "parallel": {"context_parallel": 2}, "data": {"document_mask": False}}, 2),
-    ("gemma2 O0 softcap", {"model": {"arch": "gemma2", "head_dim": 24, "sliding_window": 16,
-                                     "attn_logit_softcap": 50.0, "final_logit_softcap": 30.0}}, 1),
+    (
+        "gemma3 O0",
+        {
+            "model": {
+                "arch": "gemma3",
+                "head_dim": 24,
+                "sliding_window": 16,
+                "rope_local_theta": 1e4,
+                "layer_types": ["sliding", "full"],
+            }
+        },
+        1,
+    ),
+    (
+        "gemma3 O2",
+        {
+            "model": {
+                "arch": "gemma3",
+                "head_dim": 24,
+                "sliding_window": 16,
+                "rope_local_theta": 1e4,
+                "layer_types": ["sliding", "full"],
+            },
+            "memory": {"mixed_precision": "O2"},
+        },
+        1,
+    ),
+    (
+        "gemma3 cp2 no doc mask",
+        {
+            "model": {
+                "arch": "gemma3",
+                "head_dim": 24,
+                "sliding_window": 16,
+                "rope_local_theta": 1e4,
+                "layer_types": ["sliding", "full"],
+            },
+            "parallel": {"context_parallel": 2},
+            "data": {"document_mask": False},
+        },
+        2,
+    ),
+    (
+        "gemma2 O0 softcap",
+        {
+            "model": {
+                "arch": "gemma2",
+                "head_dim": 24,
+                "sliding_window": 16,
+                "attn_logit_softcap": 50.0,
+                "final_logit_softcap": 30.0,
+            }
+        },
+        1,
+    ),
     # DPO on preference pairs (`_preference_corpus`): micro batch 2 = 4 rows; LoRA's reference is its base with
     # the adapters off, full fine-tuning keeps a frozen fp32 copy (the profile files it under params).
-    ("lora dpo O0", {"finetune": {"method": "lora", "objective": "dpo"}, "data": {"format": "preference"},
-                     "train": {"micro_batch_size": 2}}, 1),
-    ("full dpo O0", {"finetune": {"method": "full", "objective": "dpo"}, "data": {"format": "preference"},
-                     "train": {"micro_batch_size": 2}}, 1),
+    (
+        "lora dpo O0",
+        {
+            "finetune": {"method": "lora", "objective": "dpo"},
+            "data": {"format": "preference"},
+            "train": {"micro_batch_size": 2},
+        },
+        1,
+    ),
+    (
+        "full dpo O0",
+        {
+            "finetune": {"method": "full", "objective": "dpo"},
+            "data": {"format": "preference"},
+            "train": {"micro_batch_size": 2},
+        },
+        1,
+    ),
     # QLoRA: every block Linear stored as 4-bit NF4 (widths whose Linears, and their halves at dp2, are whole
     # double-quantization groups), its dequantization working set at the backward peak; O1 keeps no half casts
     # of NF4 weights; ZeRO-3 shards the codes and gathers one block at that peak.
     ("qlora O1", {"model": QLORA_MODEL, "finetune": QLORA, "memory": {"mixed_precision": "O1"}}, 1),
     ("qlora O2", {"model": QLORA_MODEL, "finetune": QLORA, "memory": {"mixed_precision": "O2"}}, 1),
-    ("qlora dp2 zero3 O2", {"model": QLORA_MODEL, "finetune": QLORA, "memory": {"mixed_precision": "O2"},
-                            "parallel": {"data_parallel": 2, "zero_stage": 3}, "train": {"micro_batch_size": 2}}, 2),
+    (
+        "qlora dp2 zero3 O2",
+        {
+            "model": QLORA_MODEL,
+            "finetune": QLORA,
+            "memory": {"mixed_precision": "O2"},
+            "parallel": {"data_parallel": 2, "zero_stage": 3},
+            "train": {"micro_batch_size": 2},
+        },
+        2,
+    ),
 ]
-FAST = {"O0", "O2 h128", "O3 full recompute", "dp2 zero2", "dp2 zero2 accum 2, sync every", "qwen3 O0 head_dim 24",
-        "gemma3 O2", "qlora O2"}
+FAST = {
+    "O0",
+    "O2 h128",
+    "O3 full recompute",
+    "dp2 zero2",
+    "dp2 zero2 accum 2, sync every",
+    "qwen3 O0 head_dim 24",
+    "gemma3 O2",
+    "qlora O2",
+}
 # Where an engine misses the bar, the miss is recorded here (strict: the test fails once it is fixed) rather
 # than the tolerance loosened. Numbers in the README's accuracy table.
 SIMULATION_MISSES: dict[str, str] = {
     "qlora dp2 zero3 O2": "simulated +12% (parameters +53%, activations +6%): FSDP2's all-gather of torchao's NF4 "
-                          "codes on the fake process group holds more than the gloo run does",
+    "codes on the fake process group holds more than the gloo run does"
 }
 _results: dict[str, dict] = {}
 
@@ -119,8 +255,9 @@ def _preference_corpus(tiny_corpus, root) -> dict:
 
     root.mkdir(parents=True, exist_ok=True)
     src = write_jsonl(root / "pairs.jsonl", rows() * 4)
-    pack_corpus([src], tiny_corpus["tokenizer"], root / "pairs", data_format="preference", max_length=65,
-                show_progress=False)
+    pack_corpus(
+        [src], tiny_corpus["tokenizer"], root / "pairs", data_format="preference", max_length=65, show_progress=False
+    )
     return {**tiny_corpus, "train": root / "pairs", "valid": root / "pairs"}
 
 
@@ -132,8 +269,7 @@ def measure(tiny_corpus, root, name: str) -> dict:
     if sections.get("data", {}).get("format") == "preference":
         tiny_corpus = _preference_corpus(tiny_corpus, root / "preference")
     train = {"max_steps": 4, "eval_interval": 0, "gradient_accumulation_steps": 1, **sections.get("train", {})}
-    cfg = tiny_config(tiny_corpus, root / "run", train=train,
-                      **{k: v for k, v in sections.items() if k != "train"})
+    cfg = tiny_config(tiny_corpus, root / "run", train=train, **{k: v for k, v in sections.items() if k != "train"})
     out = root / "out"
     if nproc > 1:  # the real command: torchrun, gloo, every rank measured and gathered to rank 0
         proc = fitlm("profile", write_config(root / "cfg.yaml", cfg), "--steps", "2", "--out", out, "--json")
@@ -150,8 +286,10 @@ def measure(tiny_corpus, root, name: str) -> dict:
     measured = result["per_device"]["total"]
     analytic = result["plan"]["analytic"]["per_device"]["total"]
     sim = result["plan"].get("simulated", {}).get("per_device", {}).get("total")
-    print(f"\n{name:<34} measured {measured:>10,} analytic {analytic:>10,} ({analytic / measured - 1:+.1%})"
-          + (f" simulated {sim:>10,} ({sim / measured - 1:+.1%})" if sim else " simulated –"))
+    print(
+        f"\n{name:<34} measured {measured:>10,} analytic {analytic:>10,} ({analytic / measured - 1:+.1%})"
+        + (f" simulated {sim:>10,} ({sim / measured - 1:+.1%})" if sim else " simulated –")
+    )
     _results[name] = result
     return result
 

@@ -26,10 +26,15 @@ from fitlm.checkpoint.store import TMP_PREFIX, checkpoints_root, list_checkpoint
 from tests.distributed.test_no_orphans import run_pids, wait_for
 from tests.e2e.helpers import read_metrics, tiny_config, write_config
 
+
 def config(tiny_corpus, root: Path, name: str, steps: int) -> Path:
-    cfg = tiny_config(tiny_corpus, root / name / "run", parallel={"data_parallel": 2, "zero_stage": 2},
-                      checkpoint={"interval": 2, "keep_last": 2},
-                      train={"max_steps": steps, "eval_interval": 0, "micro_batch_size": 2, "observe": {"tensorboard": False}})
+    cfg = tiny_config(
+        tiny_corpus,
+        root / name / "run",
+        parallel={"data_parallel": 2, "zero_stage": 2},
+        checkpoint={"interval": 2, "keep_last": 2},
+        train={"max_steps": steps, "eval_interval": 0, "micro_batch_size": 2, "observe": {"tensorboard": False}},
+    )
     return write_config(root / f"{name}.yaml", cfg)
 
 
@@ -37,8 +42,14 @@ def launch(cfg: Path, fault: str | None = None) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "FITLM_FAULT"}
     if fault:
         env["FITLM_FAULT"] = fault
-    return subprocess.Popen([sys.executable, "-m", "fitlm.cli", "train", str(cfg)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
+    return subprocess.Popen(
+        [sys.executable, "-m", "fitlm.cli", "train", str(cfg)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env=env,
+    )
 
 
 def weights(run: Path) -> dict[str, torch.Tensor]:
@@ -61,17 +72,22 @@ def next_kill(rng: random.Random, resume: int, steps: int, kills_left: int, save
         return ("fault", "final:0:all")
     if not saved_once:
         return ("fault", f"save:{rng.choice(saves)}:all")
-    return rng.choice([("timer", round(rng.uniform(1.0, 14.0), 2)),  # start-up (~8 s here) included
-                       ("fault", f"step:{rng.randint(resume + 3, min(steps, resume + 8))}:all"),
-                       ("fault", f"save:{rng.choice(saves)}:all")])
+    return rng.choice(
+        [
+            ("timer", round(rng.uniform(1.0, 14.0), 2)),  # start-up (~8 s here) included
+            ("fault", f"step:{rng.randint(resume + 3, min(steps, resume + 8))}:all"),
+            ("fault", f"save:{rng.choice(saves)}:all"),
+        ]
+    )
 
 
 def campaign(tiny_corpus, root: Path, seed: int, kills: int, steps: int) -> None:
     print(f"power-loss campaign: seed {seed} (FITLM_POWER_LOSS_SEED={seed} replays it), {kills} kills, {steps} steps")
     rng = random.Random(seed)
     ref_cfg = config(tiny_corpus, root, "reference", steps)
-    ref = subprocess.run([sys.executable, "-m", "fitlm.cli", "train", str(ref_cfg)], capture_output=True, text=True,
-                         timeout=600)
+    ref = subprocess.run(
+        [sys.executable, "-m", "fitlm.cli", "train", str(ref_cfg)], capture_output=True, text=True, timeout=600
+    )
     assert ref.returncode == 0, ref.stderr[-3000:]
     cfg = config(tiny_corpus, root, "killed", steps)
     run = cfg.parent / "killed" / "run"

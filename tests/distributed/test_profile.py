@@ -10,12 +10,17 @@ from tests.unit.test_profile import check_report
 
 
 def test_two_rank_profile_gathers_every_rank(tiny_corpus, tmp_path):
-    cfg = tiny_config(tiny_corpus, tmp_path / "run", parallel={"data_parallel": 2, "zero_stage": 1},
-                      train={"micro_batch_size": 2, "gradient_accumulation_steps": 1})
+    cfg = tiny_config(
+        tiny_corpus,
+        tmp_path / "run",
+        parallel={"data_parallel": 2, "zero_stage": 1},
+        train={"micro_batch_size": 2, "gradient_accumulation_steps": 1},
+    )
     out = tmp_path / "out"
     # --nproc as a user types it: the relaunch under torchrun must not pass it on (torchrun would refuse it)
-    proc = fitlm("profile", write_config(tmp_path / "cfg.yaml", cfg), "--steps", "2", "--out", out, "--json",
-                 "--nproc", "2")
+    proc = fitlm(
+        "profile", write_config(tmp_path / "cfg.yaml", cfg), "--steps", "2", "--out", out, "--json", "--nproc", "2"
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert len(proc.stdout.strip().splitlines()) == 1  # rank 0 alone prints, once
     result = json.loads(proc.stdout)

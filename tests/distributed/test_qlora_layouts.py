@@ -21,13 +21,27 @@ SLOW = {"dp2-zero1": {"data_parallel": 2, "zero_stage": 1}, "dp2-zero2": {"data_
 
 
 def config(corpus: dict, root, name: str, parallel: dict, train: dict, memory: dict) -> dict:
-    return tiny_config(corpus, root / name, parallel=parallel, finetune=QLORA, model=MODEL, memory=memory,
-                       train={"max_steps": STEPS, "eval_interval": 0, "observe": {"tensorboard": False}, **train})
+    return tiny_config(
+        corpus,
+        root / name,
+        parallel=parallel,
+        finetune=QLORA,
+        model=MODEL,
+        memory=memory,
+        train={"max_steps": STEPS, "eval_interval": 0, "observe": {"tensorboard": False}, **train},
+    )
 
 
 def check(corpus: dict, tmp_path, layouts: dict, memory: dict) -> None:
-    single = run_world(worker, __name__, 1, {"single": config(corpus, tmp_path, "single", {}, REPLICA, memory)},
-                       tmp_path, 300, "one-process QLoRA")[0]["single"]
+    single = run_world(
+        worker,
+        __name__,
+        1,
+        {"single": config(corpus, tmp_path, "single", {}, REPLICA, memory)},
+        tmp_path,
+        300,
+        "one-process QLoRA",
+    )[0]["single"]
     cases = {name: config(corpus, tmp_path, name, parallel, HALF, memory) for name, parallel in layouts.items()}
     ranks = run_world(worker, __name__, 2, cases, tmp_path, 420, "QLoRA layouts (2 ranks)")
     for name in layouts:

@@ -30,8 +30,9 @@ MiB = 2**20
 
 
 def worker(rank: int, world: int, port: int, cfg: dict, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     torch.set_num_threads(1)
     dist.init_process_group("gloo")  # the Trainer joins it
     dist.barrier()  # the process group's own memory is part of the baseline
@@ -55,9 +56,16 @@ def worker(rank: int, world: int, port: int, cfg: dict, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def hf_checkpoint(tmp_path_factory) -> tuple[Path, int, int]:
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
-                                   num_attention_heads=8, num_key_value_heads=4, vocab_size=VOCAB,
-                                   max_position_embeddings=256, tie_word_embeddings=False)
+    cfg = transformers.LlamaConfig(
+        hidden_size=HIDDEN,
+        intermediate_size=FFN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=VOCAB,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg)
     path = tmp_path_factory.mktemp("hf")
@@ -71,11 +79,13 @@ def test_lora_zero3_ranks_load_and_save_their_share_only(tiny_corpus, tmp_path, 
     from safetensors.torch import load_file
 
     path, fp32, largest = hf_checkpoint
-    cfg = tiny_config(tiny_corpus, tmp_path / "run",
-                      parallel={"data_parallel": 2, "zero_stage": 3},
-                      finetune={"method": "lora", "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}},
-                      train={"micro_batch_size": 1, "gradient_accumulation_steps": 1, "max_steps": 1,
-                             "eval_interval": 0})
+    cfg = tiny_config(
+        tiny_corpus,
+        tmp_path / "run",
+        parallel={"data_parallel": 2, "zero_stage": 3},
+        finetune={"method": "lora", "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}},
+        train={"micro_batch_size": 1, "gradient_accumulation_steps": 1, "max_steps": 1, "eval_interval": 0},
+    )
     cfg["model"] = {"init_from": str(path)}  # the network is the checkpoint's
     cfg["data"]["seq_length"] = 32
     ranks = run_world(worker, __name__, 2, cfg, tmp_path, timeout=240, what="sharded load")
@@ -84,8 +94,10 @@ def test_lora_zero3_ranks_load_and_save_their_share_only(tiny_corpus, tmp_path, 
     # whole-model path held on every rank on top of the file (it grew by 377 MiB).
     load_limit = fp32
     for r in ranks:
-        assert r["load"] < load_limit, f"a rank grew by {r['load'] / MiB:.0f} MiB while loading " \
-                                       f"(limit {load_limit / MiB:.0f}, the fp32 model is {fp32 / MiB:.0f})"
+        assert r["load"] < load_limit, (
+            f"a rank grew by {r['load'] / MiB:.0f} MiB while loading "
+            f"(limit {load_limit / MiB:.0f}, the fp32 model is {fp32 / MiB:.0f})"
+        )
     # The save on rank 0: one gathered unit (the largest tensor) in flight, never the model.
     assert ranks[0]["save"] < 2 * largest + 48 * MiB < fp32
     saved = load_file(tmp_path / "run" / "model" / "model.safetensors")

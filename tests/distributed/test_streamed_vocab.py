@@ -43,11 +43,14 @@ def _equal_to_full_linear(mesh) -> dict:
                 got, want = head(x), F.linear(ref_x, full)
             got.backward(g)
             want.backward(g)
-            out[name] = {"rows": local.shape[0], "dtype": [str(got.dtype), str(want.dtype)],
-                         "logits": (got.float() - want.float()).abs().max().item(),
-                         "logit_scale": want.float().abs().max().item(),
-                         "grad": (x.grad - ref_x.grad).abs().max().item(),
-                         "grad_scale": ref_x.grad.abs().max().item()}
+            out[name] = {
+                "rows": local.shape[0],
+                "dtype": [str(got.dtype), str(want.dtype)],
+                "logits": (got.float() - want.float()).abs().max().item(),
+                "logit_scale": want.float().abs().max().item(),
+                "grad": (x.grad - ref_x.grad).abs().max().item(),
+                "grad_scale": ref_x.grad.abs().max().item(),
+            }
         embed = nn.Embedding(37, 16).requires_grad_(False)
         embed.weight.copy_(full)
         sh.apply_streamed_tables([embed], mesh)
@@ -81,8 +84,9 @@ def _memory_growth(mesh) -> dict:
 
 
 def worker(rank: int, world: int, port: int, cases, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     torch.set_num_threads(1)
     from torch.distributed.device_mesh import init_device_mesh
 

@@ -34,19 +34,46 @@ CASES = {
     # Gemma's four norms, soft-capped scores and logits, sliding windows, a local RoPE base.
     "qwen2": dict(arch="qwen2", num_kv_heads=2, intermediate_size=128),
     "qwen3": dict(arch="qwen3", num_kv_heads=2, head_dim=20, intermediate_size=128),
-    "gemma2": dict(arch="gemma2", num_kv_heads=2, head_dim=24, intermediate_size=128, sliding_window=5,
-                   query_pre_attn_scalar=20, attn_logit_softcap=50.0, final_logit_softcap=30.0, tie_embeddings=True),
-    "gemma3": dict(arch="gemma3", num_kv_heads=2, head_dim=24, intermediate_size=128, sliding_window=5,
-                   rope_theta=1e6, rope_local_theta=1e4, tie_embeddings=True),
+    "gemma2": dict(
+        arch="gemma2",
+        num_kv_heads=2,
+        head_dim=24,
+        intermediate_size=128,
+        sliding_window=5,
+        query_pre_attn_scalar=20,
+        attn_logit_softcap=50.0,
+        final_logit_softcap=30.0,
+        tie_embeddings=True,
+    ),
+    "gemma3": dict(
+        arch="gemma3",
+        num_kv_heads=2,
+        head_dim=24,
+        intermediate_size=128,
+        sliding_window=5,
+        rope_theta=1e6,
+        rope_local_theta=1e4,
+        tie_embeddings=True,
+    ),
     "phi3": dict(arch="phi3", num_kv_heads=2, intermediate_size=128, sliding_window=7),
     # tp=4 on 4 ranks: 8 query heads, 4 kv heads (2 per kv group), 2 heads per rank.
     "llama_tp4": dict(arch="llama", num_heads=8, num_kv_heads=4, intermediate_size=128, tie_embeddings=True),
 }
 # (case, sequence_parallel, loss_parallel)
-RUNS = [("llama", False, True), ("llama", True, True), ("llama_tied", True, True), ("llama_tied", True, False),
-        ("gpt2", False, True), ("gpt2", True, True), ("gpt2_untied", True, True),
-        ("qwen2", True, True), ("qwen3", True, True), ("gemma2", True, True), ("gemma3", False, True),
-        ("phi3", True, True)]
+RUNS = [
+    ("llama", False, True),
+    ("llama", True, True),
+    ("llama_tied", True, True),
+    ("llama_tied", True, False),
+    ("gpt2", False, True),
+    ("gpt2", True, True),
+    ("gpt2_untied", True, True),
+    ("qwen2", True, True),
+    ("qwen3", True, True),
+    ("gemma2", True, True),
+    ("gemma3", False, True),
+    ("phi3", True, True),
+]
 RUNS4 = [("llama_tp4", True, True)]
 STAGES = [("llama", True, True), ("gpt2_untied", True, False)]  # split in two pipeline stages
 
@@ -123,12 +150,11 @@ def train(model: torch.nn.Module, ctx_fn) -> dict:
 
 def run_case(case: str, sp: bool, lp: bool, mesh) -> dict:
     import contextlib
-
     from functools import partial
 
     from fitlm.models.hf import to_hf_state_dict
-    from fitlm.parallel.tensor_parallel import apply_tensor_parallel, loss_context
     from fitlm.models.loss import cross_entropy_sum
+    from fitlm.parallel.tensor_parallel import apply_tensor_parallel, loss_context
 
     ref = build(case)
     ref_out = train(ref, lambda m: contextlib.nullcontext())
@@ -174,8 +200,8 @@ def run_refusal(case: str, sp: bool, lp: bool, mesh) -> dict:
 
 def run_stages(case: str, sp: bool, lp: bool, mesh) -> dict:
     """Two pipeline stages (layer 0 | layer 1, norm, head) on the same tp group, joined by hand."""
-    from fitlm.parallel.tensor_parallel import apply_tensor_parallel, loss_context
     from fitlm.models.loss import count_targets, cross_entropy_sum
+    from fitlm.parallel.tensor_parallel import apply_tensor_parallel, loss_context
 
     ids, labels = batch()
     ref = build(case)
@@ -197,8 +223,12 @@ def run_stages(case: str, sp: bool, lp: bool, mesh) -> dict:
     want = dict(ref.named_parameters())
     got = {k: full(p.grad) for stage in (first, last) for k, p in stage.named_parameters()}
     diff = {k: [(g - want[k].grad).abs().max().item(), want[k].grad.abs().max().item()] for k, g in got.items()}
-    return {"sent_shape": list(h.shape), "loss": [loss.item(), ref_loss.item()],
-            "keys_equal": sorted(got) == sorted(want), "grad_diff": diff}
+    return {
+        "sent_shape": list(h.shape),
+        "loss": [loss.item(), ref_loss.item()],
+        "keys_equal": sorted(got) == sorted(want),
+        "grad_diff": diff,
+    }
 
 
 def worker(rank: int, world: int, jobs: list, port: int, out_path: str) -> None:
@@ -291,4 +321,5 @@ def test_problems_name_key_arithmetic_and_valid_values():
     assert [p.split(" does not divide ")[1].split("=")[0] for p in probs] == ["model.num_heads", "model.num_kv_heads"]
     assert tensor_parallel_problems(ModelConfig(arch="gpt2", hidden_size=64, num_heads=4, vocab_size=128), 2) == []
     assert tensor_parallel_problems(cfg, 2, sequence_parallel=True, seq_length=15)[0].startswith(
-        "parallel.tensor_parallel: 2 does not divide data.seq_length=15")
+        "parallel.tensor_parallel: 2 does not divide data.seq_length=15"
+    )

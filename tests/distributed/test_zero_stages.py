@@ -46,8 +46,9 @@ def measure(cfg: dict) -> dict:
 
 
 def worker(rank: int, world: int, port: int, cases: dict, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     torch.set_num_threads(1)  # 2 cores, 2 processes
     results = {stage: measure(cfg) for stage, cfg in cases.items()}
     dist.barrier()
@@ -57,10 +58,21 @@ def worker(rank: int, world: int, port: int, cases: dict, out_dir: str) -> None:
 
 
 def test_each_zero_stage_stores_what_the_table_says(tiny_corpus, tmp_path):
-    cases = {str(z): tiny_config(tiny_corpus, tmp_path / f"zero{z}", parallel={"data_parallel": DP, "zero_stage": z},
-                                 train={"max_steps": 1, "eval_interval": 0, "micro_batch_size": 2,
-                                        "gradient_accumulation_steps": 1, "observe": {"tensorboard": False}})
-             for z in ZERO_STAGES}
+    cases = {
+        str(z): tiny_config(
+            tiny_corpus,
+            tmp_path / f"zero{z}",
+            parallel={"data_parallel": DP, "zero_stage": z},
+            train={
+                "max_steps": 1,
+                "eval_interval": 0,
+                "micro_batch_size": 2,
+                "gradient_accumulation_steps": 1,
+                "observe": {"tensorboard": False},
+            },
+        )
+        for z in ZERO_STAGES
+    }
     ranks = run_world(worker, __name__, DP, cases, tmp_path, 240, "ZeRO stage workers")
     for stage, table in ZERO_STAGES.items():
         per_rank = [r[str(stage)] for r in ranks]

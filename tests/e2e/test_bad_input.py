@@ -73,8 +73,15 @@ def test_seq_length_above_max_seq_len(capsys, tmp_path, cfg):
 
 def test_override_errors_are_reported_with_the_file_ones(capsys, tmp_path, cfg):
     cfg["model"]["num_kv_heads"] = 3
-    train_fails(capsys, tmp_path, cfg, "2 problem(s)", "model.num_kv_heads", "data.seq_length",
-                extra=["--set", "data.seq_length=1000"])
+    train_fails(
+        capsys,
+        tmp_path,
+        cfg,
+        "2 problem(s)",
+        "model.num_kv_heads",
+        "data.seq_length",
+        extra=["--set", "data.seq_length=1000"],
+    )
 
 
 def test_data_vocab_larger_than_model_vocab(capsys, tmp_path, cfg):

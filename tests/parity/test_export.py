@@ -25,7 +25,11 @@ def _randomize(model: torch.nn.Module) -> None:
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
-            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g) if p.dim() == 1 else 0.15 * torch.randn(p.shape, generator=g))
+            p.copy_(
+                1.0 + 0.1 * torch.randn(p.shape, generator=g)
+                if p.dim() == 1
+                else 0.15 * torch.randn(p.shape, generator=g)
+            )
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +39,16 @@ def model_dir(tmp_path_factory) -> Path:
     text = root / "text.txt"
     text.write_text(PLAY.read_text(encoding="utf-8")[:60_000], encoding="utf-8")
     tok = train_tokenizer([text], V, root / "tok" / "tokenizer.json")
-    cfg = ModelConfig(arch="llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                      intermediate_size=160, vocab_size=V, max_seq_len=64)
+    cfg = ModelConfig(
+        arch="llama",
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=160,
+        vocab_size=V,
+        max_seq_len=64,
+    )
     model = build_model(cfg)
     _randomize(model)
     return save_model_dir(model.eval(), cfg, root / "model", tokenizer_path=tok)
@@ -75,12 +87,20 @@ def test_hf_export_matches_transformers(loaded, tmp_path, shard):
         assert torch.allclose(hf(ids).logits, _logits(loaded.model, ids), atol=1e-5)
     prompt = _ids(1, 6, seed=1)
     ours = generate(loaded.model, prompt[0].tolist(), 12)
-    theirs = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12, min_new_tokens=12,
-                         do_sample=False, eos_token_id=None, pad_token_id=0)[0, 6:].tolist()
+    theirs = hf.generate(
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        max_new_tokens=12,
+        min_new_tokens=12,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )[0, 6:].tolist()
     assert ours == theirs
     tok = AutoTokenizer.from_pretrained(out)
-    assert tok.chat_template and "<|im_start|>" in tok.apply_chat_template([{"role": "user", "content": "hi"}],
-                                                                             tokenize=False)
+    assert tok.chat_template and "<|im_start|>" in tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False
+    )
     gen = json.loads((out / "generation_config.json").read_text())
     assert gen["eos_token_id"] == tok.eos_token_id
 
@@ -103,7 +123,9 @@ def test_gguf_round_trip_through_fitlm_import(loaded, tmp_path, dtype, tol):
     text = "Fair is foul, and foul is fair."
     from fitlm.data.tokenizer import Tokenizer
 
-    assert Tokenizer.from_file(back.tokenizer_path).encode(text) == Tokenizer.from_file(loaded.tokenizer_path).encode(text)
+    assert Tokenizer.from_file(back.tokenizer_path).encode(text) == Tokenizer.from_file(loaded.tokenizer_path).encode(
+        text
+    )
 
 
 def test_gguf_metadata_read_by_gguf_reader(loaded, tmp_path):

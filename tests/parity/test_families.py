@@ -22,41 +22,142 @@ from fitlm.models import load_hf_dir, save_hf_dir
 
 V = 131  # not a power of two
 PROMPT, NEW = 20, 32
-COMMON = dict(vocab_size=V, num_hidden_layers=3, max_position_embeddings=64, bos_token_id=None, eos_token_id=None,
-              pad_token_id=None)
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 16}
+COMMON = dict(
+    vocab_size=V,
+    num_hidden_layers=3,
+    max_position_embeddings=64,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
 CASES = {  # name -> (model_type, config overrides, fitlm arch)
-    "llama3.1_gqa6-2_tied": ("llama", dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=2,
-                                           intermediate_size=160, rope_scaling=LLAMA3, tie_word_embeddings=True), "llama"),
-    "llama_yarn": ("llama", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
-                                 rope_scaling={"rope_type": "yarn", "factor": 4.0,
-                                               "original_max_position_embeddings": 16}), "llama"),
-    "llama_linear": ("llama", dict(hidden_size=64, num_attention_heads=4, intermediate_size=96,
-                                   rope_scaling={"rope_type": "linear", "factor": 2.0}), "llama"),
-    "llama_dynamic": ("llama", dict(hidden_size=64, num_attention_heads=4, intermediate_size=96,
-                                    max_position_embeddings=24, rope_scaling={"rope_type": "dynamic", "factor": 4.0}),
-                      "llama"),
-    "mistral_window7_headdim16": ("mistral", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1,
-                                                  intermediate_size=96, sliding_window=7, head_dim=16), "llama"),
-    "qwen2.5_gqa6-2": ("qwen2", dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=2,
-                                     intermediate_size=160, tie_word_embeddings=True), "qwen2"),
-    "qwen3_gqa9-3_headdim20": ("qwen3", dict(hidden_size=72, num_attention_heads=9, num_key_value_heads=3, head_dim=20,
-                                             intermediate_size=160), "qwen3"),
-    "gemma2_window6": ("gemma2", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
-                                      intermediate_size=128, sliding_window=6, query_pre_attn_scalar=20,
-                                      tie_word_embeddings=False), "gemma2"),
-    "gemma3_window6": ("gemma3_text", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
-                                           intermediate_size=128, sliding_window=6, num_hidden_layers=7,
-                                           rope_scaling={"rope_type": "linear", "factor": 8.0}), "gemma3"),
-    "phi3_gqa6-2": ("phi3", dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=2, intermediate_size=160,
-                                 sliding_window=9), "phi3"),
-    "phi3.5_longrope": ("phi3", dict(hidden_size=64, num_attention_heads=4, intermediate_size=96,
-                                     original_max_position_embeddings=16,
-                                     rope_scaling={"type": "longrope",
-                                                   "short_factor": [round(1.0 + 0.1 * i, 2) for i in range(8)],
-                                                   "long_factor": [round(2.0 + 0.3 * i, 2) for i in range(8)]}),
-                        "phi3"),
+    "llama3.1_gqa6-2_tied": (
+        "llama",
+        dict(
+            hidden_size=96,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            intermediate_size=160,
+            rope_scaling=LLAMA3,
+            tie_word_embeddings=True,
+        ),
+        "llama",
+    ),
+    "llama_yarn": (
+        "llama",
+        dict(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=96,
+            rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+        ),
+        "llama",
+    ),
+    "llama_linear": (
+        "llama",
+        dict(
+            hidden_size=64,
+            num_attention_heads=4,
+            intermediate_size=96,
+            rope_scaling={"rope_type": "linear", "factor": 2.0},
+        ),
+        "llama",
+    ),
+    "llama_dynamic": (
+        "llama",
+        dict(
+            hidden_size=64,
+            num_attention_heads=4,
+            intermediate_size=96,
+            max_position_embeddings=24,
+            rope_scaling={"rope_type": "dynamic", "factor": 4.0},
+        ),
+        "llama",
+    ),
+    "mistral_window7_headdim16": (
+        "mistral",
+        dict(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            intermediate_size=96,
+            sliding_window=7,
+            head_dim=16,
+        ),
+        "llama",
+    ),
+    "qwen2.5_gqa6-2": (
+        "qwen2",
+        dict(
+            hidden_size=96,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            intermediate_size=160,
+            tie_word_embeddings=True,
+        ),
+        "qwen2",
+    ),
+    "qwen3_gqa9-3_headdim20": (
+        "qwen3",
+        dict(hidden_size=72, num_attention_heads=9, num_key_value_heads=3, head_dim=20, intermediate_size=160),
+        "qwen3",
+    ),
+    "gemma2_window6": (
+        "gemma2",
+        dict(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=24,
+            intermediate_size=128,
+            sliding_window=6,
+            query_pre_attn_scalar=20,
+            tie_word_embeddings=False,
+        ),
+        "gemma2",
+    ),
+    "gemma3_window6": (
+        "gemma3_text",
+        dict(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=24,
+            intermediate_size=128,
+            sliding_window=6,
+            num_hidden_layers=7,
+            rope_scaling={"rope_type": "linear", "factor": 8.0},
+        ),
+        "gemma3",
+    ),
+    "phi3_gqa6-2": (
+        "phi3",
+        dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=2, intermediate_size=160, sliding_window=9),
+        "phi3",
+    ),
+    "phi3.5_longrope": (
+        "phi3",
+        dict(
+            hidden_size=64,
+            num_attention_heads=4,
+            intermediate_size=96,
+            original_max_position_embeddings=16,
+            rope_scaling={
+                "type": "longrope",
+                "short_factor": [round(1.0 + 0.1 * i, 2) for i in range(8)],
+                "long_factor": [round(2.0 + 0.3 * i, 2) for i in range(8)],
+            },
+        ),
+        "phi3",
+    ),
 }
 
 
@@ -108,8 +209,15 @@ def test_greedy_tokens_through_the_kv_cache_equal_transformers(case):
     prompt = ids(PROMPT, seed=1)[:1]
     if mcfg.sliding_window:
         assert PROMPT > mcfg.sliding_window  # the cache holds more than a window
-    ref = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW, min_new_tokens=NEW,
-                      do_sample=False, eos_token_id=None, pad_token_id=0)[0, PROMPT:].tolist()
+    ref = hf.generate(
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        max_new_tokens=NEW,
+        min_new_tokens=NEW,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )[0, PROMPT:].tolist()
     got = generate(ours, prompt[0].tolist(), NEW, temperature=0.0, eos_id=None)
     assert got == ref
     assert len(set(ref)) > 3  # not a degenerate repetition
@@ -183,12 +291,28 @@ def test_gemma3_multimodal_checkpoint_imports_its_language_model(tmp_path):
     greedy tokens are the multimodal model's."""
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
-    text = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=24, intermediate_size=96,
-                num_hidden_layers=3, vocab_size=V, sliding_window=6, max_position_embeddings=64)
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
-                  patch_size=14)
-    cfg = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=V - 1,
-                       boi_token_index=V - 3, eoi_token_index=V - 2)
+    text = dict(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        vocab_size=V,
+        sliding_window=6,
+        max_position_embeddings=64,
+    )
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+    )
+    cfg = Gemma3Config(
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=4,
+        image_token_index=V - 1,
+        boi_token_index=V - 3,
+        eoi_token_index=V - 2,
+    )
     cfg._attn_implementation = "eager"
     cfg.text_config._attn_implementation = "eager"
     hf = Gemma3ForConditionalGeneration(cfg).float().eval()
@@ -200,6 +324,13 @@ def test_gemma3_multimodal_checkpoint_imports_its_language_model(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(ours(x), hf(input_ids=x).logits, rtol=1e-4, atol=1e-4)
     prompt = x[:1, :PROMPT]
-    ref = hf.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW,
-                      min_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)[0, PROMPT:].tolist()
+    ref = hf.generate(
+        input_ids=prompt,
+        attention_mask=torch.ones_like(prompt),
+        max_new_tokens=NEW,
+        min_new_tokens=NEW,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )[0, PROMPT:].tolist()
     assert generate(ours, prompt[0].tolist(), NEW, temperature=0.0, eos_id=None) == ref

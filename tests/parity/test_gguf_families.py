@@ -17,6 +17,7 @@ from fitlm.export.gguf import export_gguf
 from fitlm.models import load_model_dir
 from tests.parity.test_families import CASES, case  # noqa: F401, F811  (the module-scoped HF checkpoints)
 
+
 def _rope_type(kw: dict) -> str | None:
     sc = kw.get("rope_scaling") or {}
     return sc.get("rope_type", sc.get("type"))
@@ -34,8 +35,11 @@ def _gemma_scale_differs(model_type: str, kw: dict) -> bool:
 
 
 # Cases whose RoPE llama.cpp can store: metadata (linear, yarn), factor tensors (llama3, longrope) or plain.
-EXPORTABLE = [n for n, (t, kw, _) in CASES.items() if _rope_type(kw) != "dynamic" and not _untied_gemma2(t, kw)
-              and not _gemma_scale_differs(t, kw)]
+EXPORTABLE = [
+    n
+    for n, (t, kw, _) in CASES.items()
+    if _rope_type(kw) != "dynamic" and not _untied_gemma2(t, kw) and not _gemma_scale_differs(t, kw)
+]
 UNTIED_GEMMA2 = [n for n, (t, kw, _) in CASES.items() if _untied_gemma2(t, kw)]
 GEMMA_SCALE = [n for n, (t, kw, _) in CASES.items() if _gemma_scale_differs(t, kw) and not _untied_gemma2(t, kw)]
 # transformers' GGUF loader reads these completely (short inputs: within every sliding window). Not Phi-3:
@@ -94,11 +98,13 @@ def test_gguf_names_are_llama_cpps(case, exported):
         assert "rope_freqs.weight" in names
     if sc is not None and sc.type == "longrope":
         assert {"rope_factors_short.weight", "rope_factors_long.weight"} <= names
-    expected = {"phi3": {"blk.0.attn_qkv.weight", "blk.0.ffn_up.weight"},
-                "gemma2": {"blk.0.post_attention_norm.weight", "blk.0.post_ffw_norm.weight"},
-                "gemma3": {"blk.0.attn_q_norm.weight", "blk.0.post_ffw_norm.weight"},
-                "qwen3": {"blk.0.attn_q_norm.weight", "blk.0.attn_k_norm.weight"},
-                "qwen2": {"blk.0.attn_q.bias", "blk.0.attn_k.bias", "blk.0.attn_v.bias"}}.get(arch, set())
+    expected = {
+        "phi3": {"blk.0.attn_qkv.weight", "blk.0.ffn_up.weight"},
+        "gemma2": {"blk.0.post_attention_norm.weight", "blk.0.post_ffw_norm.weight"},
+        "gemma3": {"blk.0.attn_q_norm.weight", "blk.0.post_ffw_norm.weight"},
+        "qwen3": {"blk.0.attn_q_norm.weight", "blk.0.attn_k_norm.weight"},
+        "qwen2": {"blk.0.attn_q.bias", "blk.0.attn_k.bias", "blk.0.attn_v.bias"},
+    }.get(arch, set())
     assert expected <= names
     if mcfg.family.gguf.norm_offset:  # Gemma: llama.cpp stores the scale 1 + w
         t = next(t for t in reader.tensors if t.name == "blk.0.attn_norm.weight")
@@ -154,8 +160,9 @@ def test_llama_3_1_rope_factors_name_their_parameters_again():
     from fitlm.config import RopeScalingConfig
     from fitlm.models.rope import frequency_factors, scaling_from_factors
 
-    meta = RopeScalingConfig(type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                             original_max_seq_len=8192)
+    meta = RopeScalingConfig(
+        type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=8192
+    )
     factors = frequency_factors(meta, 128, 500000.0, 131072)
     assert factors[0] == 1.0 and max(factors) == 8.0  # high frequencies kept, low ones divided by 8
     assert scaling_from_factors(factors, 128, 500000.0, 131072) == meta

@@ -38,8 +38,17 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
 
 
 def hf_llama(name: str, attn: str) -> LlamaForCausalLM:
-    kw = dict(num_hidden_layers=2, intermediate_size=160, vocab_size=V, max_position_embeddings=64,
-              rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    kw = dict(
+        num_hidden_layers=2,
+        intermediate_size=160,
+        vocab_size=V,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     cfg = LlamaConfig(**{**kw, **LLAMA[name]})
     cfg._attn_implementation = attn
     model = LlamaForCausalLM(cfg).to(torch.float32).eval()
@@ -48,8 +57,9 @@ def hf_llama(name: str, attn: str) -> LlamaForCausalLM:
 
 
 def hf_gpt2(name: str, attn: str) -> GPT2LMHeadModel:
-    cfg = GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=64, vocab_size=V, bos_token_id=None,
-                     eos_token_id=None, **GPT2[name])
+    cfg = GPT2Config(
+        n_embd=64, n_layer=2, n_head=4, n_positions=64, vocab_size=V, bos_token_id=None, eos_token_id=None, **GPT2[name]
+    )
     cfg._attn_implementation = attn
     model = GPT2LMHeadModel(cfg).to(torch.float32).eval()
     randomize(model, seed=len(name) + 100)
@@ -75,9 +85,16 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def hf_greedy(hf, prompt: torch.Tensor, n: int) -> list[int]:
-    out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, min_new_tokens=n,
-                      do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, prompt.shape[1]:].tolist()
+    out = hf.generate(
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        max_new_tokens=n,
+        min_new_tokens=n,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, prompt.shape[1] :].tolist()
 
 
 @pytest.mark.parametrize("family,name,attn", CASES)
@@ -101,8 +118,10 @@ def test_hf_checkpoint_loads_with_equal_logits_and_generations(tmp_path, family,
     assert len(set(expected)) > 2  # not a degenerate constant continuation
 
 
-@pytest.mark.parametrize("family,name", [("llama", "gqa_6_2"), ("llama", "tied_gqa"), ("llama", "theta_500k"),
-                                         ("gpt2", "tied"), ("gpt2", "untied")])
+@pytest.mark.parametrize(
+    "family,name",
+    [("llama", "gqa_6_2"), ("llama", "tied_gqa"), ("llama", "theta_500k"), ("gpt2", "tied"), ("gpt2", "untied")],
+)
 def test_fitlm_export_loads_in_transformers(tmp_path, family, name):
     hf_ref = make_hf(family, name, "sdpa")
     hf_ref.save_pretrained(tmp_path / "src")
@@ -120,8 +139,18 @@ def test_fitlm_export_loads_in_transformers(tmp_path, family, name):
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_fitlm_initialised_model_roundtrips_through_transformers(tmp_path, arch):
-    cfg = ModelConfig(arch=arch, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2 if arch == "llama" else None,
-                      vocab_size=V, max_seq_len=64, init_std=0.1, rope_theta=5000.0, norm_eps=1e-6)
+    cfg = ModelConfig(
+        arch=arch,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2 if arch == "llama" else None,
+        vocab_size=V,
+        max_seq_len=64,
+        init_std=0.1,
+        rope_theta=5000.0,
+        norm_eps=1e-6,
+    )
     torch.manual_seed(3)
     model = build_model(cfg).eval()
     randomize(model, seed=3)

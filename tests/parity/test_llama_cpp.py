@@ -29,11 +29,19 @@ from fitlm.models import load_model_dir
 from tests.parity.llama_cpp_models import CASES, build
 from tests.unit.model_tokenizers import MULTILINGUAL, NUMBERS
 
-PROMPTS = [MULTILINGUAL, NUMBERS, "Hello world! I'm here, DON'T panic:\n\n  indented\ttab   end.", CHECK_TEXT,
-           "What is a river?  Water   that flows...\r\nend"]
-CONVERSATION = [{"role": "system", "content": "You answer in one short sentence."},
-                {"role": "user", "content": "What is a river?"}, {"role": "assistant", "content": "Water that flows."},
-                {"role": "user", "content": "And 河流?"}]
+PROMPTS = [
+    MULTILINGUAL,
+    NUMBERS,
+    "Hello world! I'm here, DON'T panic:\n\n  indented\ttab   end.",
+    CHECK_TEXT,
+    "What is a river?  Water   that flows...\r\nend",
+]
+CONVERSATION = [
+    {"role": "system", "content": "You answer in one short sentence."},
+    {"role": "user", "content": "What is a river?"},
+    {"role": "assistant", "content": "Water that flows."},
+    {"role": "user", "content": "And 河流?"},
+]
 # Largest |llama.cpp - fitlm| logit, relative to the largest |fitlm| logit, over 24 teacher-forced positions, on
 # random weights (larger errors than trained ones). f32 measured 1e-6 (2e-4 for Gemma: ggml's GELU goes through an
 # f16 table); f16 about 2e-3; q8_0 2-6e-2 (llama.cpp also rounds the activations to 8 bits in q8_0 products).
@@ -53,8 +61,9 @@ llama_cpp.llama_log_set(_LOG, ctypes.c_void_p(0))
 def open_llama(path) -> llama_cpp.Llama:
     """The file in llama.cpp, its KV cache in f32 (llama.cpp's default f16 cache would be most of the f32 error)."""
     f32 = llama_cpp.GGML_TYPE_F32
-    return llama_cpp.Llama(str(path), n_ctx=256, logits_all=True, verbose=False, n_threads=2, seed=0, type_k=f32,
-                           type_v=f32)
+    return llama_cpp.Llama(
+        str(path), n_ctx=256, logits_all=True, verbose=False, n_threads=2, seed=0, type_k=f32, type_v=f32
+    )
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -101,7 +110,7 @@ def _compare(model, path, ids: list[int]) -> tuple[np.ndarray, np.ndarray, float
     llm = open_llama(path)
     try:
         llm.eval(ids)
-        theirs = np.array(llm.scores[:len(ids)])
+        theirs = np.array(llm.scores[: len(ids)])
     finally:
         llm.close()
     return ours, theirs, float(np.abs(theirs - ours).max() / np.abs(ours).max())
@@ -119,8 +128,9 @@ def test_llama_cpp_logits_follow_fitlm_teacher_forced(case, files, dtype):
 
 
 def _llama_cpp_chat(template: str, messages: list[dict[str, str]]) -> str:
-    chat = (llama_cpp.llama_chat_message * len(messages))(*[
-        llama_cpp.llama_chat_message(role=m["role"].encode(), content=m["content"].encode()) for m in messages])
+    chat = (llama_cpp.llama_chat_message * len(messages))(
+        *[llama_cpp.llama_chat_message(role=m["role"].encode(), content=m["content"].encode()) for m in messages]
+    )
     buf = ctypes.create_string_buffer(1 << 16)
     n = llama_cpp.llama_chat_apply_template(template.encode(), chat, len(messages), True, buf, len(buf))
     assert n > 0, "llama.cpp does not recognise the embedded chat template"
@@ -138,7 +148,7 @@ def test_llama_cpp_renders_the_embedded_chat_template_as_fitlm(case, files):
     ours = ChatEncoder(tok, embedded).render(CONVERSATION, add_generation_prompt=True)
     bos = tok.special_tokens["bos"]
     if tok.add_bos and bos and ours.startswith(bos):
-        ours = ours[len(bos):]  # llama.cpp's formats leave BOS to the tokenizer (add_bos_token)
+        ours = ours[len(bos) :]  # llama.cpp's formats leave BOS to the tokenizer (add_bos_token)
     assert _llama_cpp_chat(embedded, CONVERSATION) == ours
 
 

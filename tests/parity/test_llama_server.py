@@ -23,8 +23,10 @@ from fitlm.infer import generate
 from fitlm.models import load_model_dir
 from tests.parity.llama_cpp_models import build
 
-CONVERSATION = [{"role": "system", "content": "You answer in one short sentence."},
-                {"role": "user", "content": "What is a river?"}]
+CONVERSATION = [
+    {"role": "system", "content": "You answer in one short sentence."},
+    {"role": "user", "content": "What is a river?"},
+]
 NEW_TOKENS = 16
 
 
@@ -58,14 +60,34 @@ def test_llama_server_chats_as_fitlm(tmp_path, name):
     ours = generate(loaded.model, ids, NEW_TOKENS + 8)
 
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
-                             "--port", str(port), "--n_ctx", "256", "--n_threads", "2", "--verbose", "false"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "llama_cpp.server",
+            "--model",
+            str(gguf),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--n_ctx",
+            "256",
+            "--n_threads",
+            "2",
+            "--verbose",
+            "false",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=120)
         _wait(proc, client)
-        reply = client.chat.completions.create(model="m", messages=CONVERSATION, max_tokens=NEW_TOKENS,
-                                               temperature=0.0, extra_body={"repeat_penalty": 1.0})
+        reply = client.chat.completions.create(
+            model="m", messages=CONVERSATION, max_tokens=NEW_TOKENS, temperature=0.0, extra_body={"repeat_penalty": 1.0}
+        )
     finally:
         proc.terminate()
         proc.wait(timeout=30)

@@ -41,7 +41,8 @@ GEMMA3_TEMPLATE = (
     "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
     "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
     "{{ message['content'] | trim }}{{ '<end_of_turn>\n' }}{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}")
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
 # Mistral v0.3's: the system text goes into the last user turn; no format fitlm writes says that.
 MISTRAL_TEMPLATE = (
     "{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content'] %}"
@@ -49,7 +50,8 @@ MISTRAL_TEMPLATE = (
     "{{- bos_token }}{%- for message in loop_messages %}{%- if message['role'] == 'user' %}"
     "{%- if loop.last and system_message is defined %}{{- '[INST] ' + system_message + '\n\n' + message['content'] + '[/INST]' }}"
     "{%- else %}{{- '[INST] ' + message['content'] + '[/INST]' }}{%- endif %}"
-    "{%- elif message['role'] == 'assistant' %}{{- ' ' + message['content'] | trim + eos_token }}{%- endif %}{%- endfor %}")
+    "{%- elif message['role'] == 'assistant' %}{{- ' ' + message['content'] | trim + eos_token }}{%- endif %}{%- endfor %}"
+)
 
 # (tokenizer style, Jinja template, the format the Modelfile should use)
 CASES = {
@@ -63,10 +65,15 @@ CASES = {
     "plain": ("qwen", BUILTIN_TEMPLATES["plain"], "plain"),
 }
 MORE = [  # beyond the probes: a long alternating conversation, one without a generation turn before it
-    [{"role": "system", "content": "Sé breve."}, {"role": "user", "content": "¿Qué es un río?"},
-     {"role": "assistant", "content": "Agua que fluye."}, {"role": "user", "content": "河流"},
-     {"role": "assistant", "content": "是的。"}, {"role": "user", "content": "Done?"}],
-    [{"role": "user", "content": "Say \"hi\" {{ .Role }} %s"}],
+    [
+        {"role": "system", "content": "Sé breve."},
+        {"role": "user", "content": "¿Qué es un río?"},
+        {"role": "assistant", "content": "Agua que fluye."},
+        {"role": "user", "content": "河流"},
+        {"role": "assistant", "content": "是的。"},
+        {"role": "user", "content": "Done?"},
+    ],
+    [{"role": "user", "content": 'Say "hi" {{ .Role }} %s'}],
 ]
 
 
@@ -83,6 +90,7 @@ def ollama(tmp_path_factory):
         reqs = [{"template": template, "system": system or "", "messages": list(c)} for c in conversations]
         done = subprocess.run([str(out)], input=json.dumps(reqs), capture_output=True, text=True, check=True)
         return json.loads(done.stdout)
+
     return render
 
 
@@ -114,8 +122,9 @@ def test_the_modelfile_renders_as_the_jinja_template(ollama, tokenizers, case):
     assert blocks["TEMPLATE"] == FORMATS[fmt].template(bos, eos)
     assert blocks.get("SYSTEM") == ("You are a helpful assistant." if case == "qwen" else None)
     encoder = ChatEncoder(tok, jinja)
-    conversations = [c for c in [*PROBES, *MORE]
-                     if not (case == "gemma2" and c[0]["role"] == "system")]  # Gemma 2's template refuses one
+    conversations = [
+        c for c in [*PROBES, *MORE] if not (case == "gemma2" and c[0]["role"] == "system")
+    ]  # Gemma 2's template refuses one
     expected = [encoder.render(c, True).removeprefix(bos) for c in conversations]
     assert ollama(blocks["TEMPLATE"], blocks.get("SYSTEM"), conversations) == expected
 

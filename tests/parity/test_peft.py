@@ -24,9 +24,19 @@ X = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(3))
 
 
 def hf_base(tmp_path, tied: bool = False) -> LlamaForCausalLM:
-    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-                      intermediate_size=96, vocab_size=V, max_position_embeddings=64, tie_word_embeddings=tied,
-                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    cfg = LlamaConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        intermediate_size=96,
+        vocab_size=V,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     model = LlamaForCausalLM(cfg).eval()
     randomize(model, seed=5)
     model.save_pretrained(tmp_path / "hf")
@@ -72,9 +82,19 @@ def test_peft_made_adapter_loads_in_fitlm_with_equal_logits(tmp_path):
 
 
 def test_mistral_imports_with_its_sliding_window_and_moe_is_refused(tmp_path):
-    cfg = MistralConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-                        intermediate_size=96, vocab_size=V, max_position_embeddings=128, sliding_window=5,
-                        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    cfg = MistralConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        intermediate_size=96,
+        vocab_size=V,
+        max_position_embeddings=128,
+        sliding_window=5,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     hf = MistralForCausalLM(cfg).eval()
     randomize(hf, seed=9)
     hf.save_pretrained(tmp_path / "mistral")
@@ -109,9 +129,17 @@ def write_gguf(path, model: LlamaForCausalLM, qtype) -> None:
     w.add_rope_freq_base(float(getattr(c, "rope_theta", None) or 10000.0))
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     names = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
-    layer = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    layer = {
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+    }
     for name, t in model.state_dict().items():
         base = name.rsplit(".", 1)[0]
         if base.startswith("model.layers."):

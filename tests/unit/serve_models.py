@@ -23,9 +23,17 @@ def chat_model_dir(root: Path, style: str = "qwen", context: int = 256, seed: in
 
     tok_dir = hf_dir(style, root / "tokenizers")
     vocab = max(__import__("json").loads((tok_dir / "tokenizer.json").read_text())["model"]["vocab"].values()) + 8
-    cfg = AutoConfig.for_model(FAMILIES[style], vocab_size=vocab, hidden_size=32, intermediate_size=64,
-                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                               max_position_embeddings=context, tie_word_embeddings=False)
+    cfg = AutoConfig.for_model(
+        FAMILIES[style],
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=context,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(seed)
     hf = AutoModelForCausalLM.from_config(cfg).float().eval()
     g = torch.Generator().manual_seed(seed)
@@ -38,4 +46,3 @@ def chat_model_dir(root: Path, style: str = "qwen", context: int = 256, seed: in
     for f in tok_dir.iterdir():
         shutil.copy(f, out / f.name)
     return out
-

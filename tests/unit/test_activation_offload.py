@@ -12,15 +12,31 @@ import pytest
 import torch
 
 from fitlm.config import MemoryConfig, ModelConfig
-from fitlm.memory.activation_offload import (ActivationOffloader, apply_activation_offload, is_weight,
-                                             offload_mode, offload_saved_tensors, offload_stats, offloads)
+from fitlm.memory.activation_offload import (
+    ActivationOffloader,
+    apply_activation_offload,
+    is_weight,
+    offload_mode,
+    offload_saved_tensors,
+    offload_stats,
+    offloads,
+)
 from fitlm.memory.precision import apply_precision
 from fitlm.memory.recompute import apply_recompute, transformer_blocks
 from fitlm.models.loss import cross_entropy_sum
 from fitlm.registry import build_model
 
-TINY = ModelConfig(arch="llama", hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2, intermediate_size=64,
-                   vocab_size=96, max_seq_len=16, tie_embeddings=False)
+TINY = ModelConfig(
+    arch="llama",
+    hidden_size=32,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=64,
+    vocab_size=96,
+    max_seq_len=16,
+    tie_embeddings=False,
+)
 CPU = torch.device("cpu")
 # Between the small saved tensors (norm statistics [2, 16, 1] fp32: 128 B) and the activations and weights
 # ([2, 16, 32] fp32: 4 KiB; q_proj 4 KiB), so both the size rule and the weight rule are exercised.
@@ -62,8 +78,10 @@ def prepared(tiny, recompute="none", memory=None):
     return model
 
 
-@pytest.mark.parametrize("mode,recompute", [("blocks", "none"), ("model", "none"), ("blocks", "full"),
-                                            ("model", "full"), ("blocks", "selective")])
+@pytest.mark.parametrize(
+    "mode,recompute",
+    [("blocks", "none"), ("model", "none"), ("blocks", "full"), ("model", "full"), ("blocks", "selective")],
+)
 def test_offload_gives_equal_losses_and_gradients(tiny, mode, recompute):
     _, ids, labels = tiny
     loss, grads = loss_and_grads(prepared(tiny, recompute), ids, labels)

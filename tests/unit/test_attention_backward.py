@@ -128,16 +128,26 @@ def test_autocast_runs_in_the_autocast_dtype_like_sdpa(kind):
         ref = _grads(causal_attention, q, k, v, grad)
         got = _grads(ATTENDS[kind], q, k, v, grad)
     assert got[0].dtype == ref[0].dtype == torch.bfloat16
-    torch.testing.assert_close(got[0], ref[0], rtol=0 if kind == "matmul" else 0.02,
-                               atol=0 if kind == "matmul" else 0.01)
+    torch.testing.assert_close(
+        got[0], ref[0], rtol=0 if kind == "matmul" else 0.02, atol=0 if kind == "matmul" else 0.01
+    )
     for a, b in zip(got[1:], ref[1:]):
         assert a.dtype == b.dtype == torch.float32
         torch.testing.assert_close(a, b, rtol=0.05, atol=0.02)
 
 
 def _model(attention_backward: str):
-    cfg = ModelConfig(arch="llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=96,
-                      vocab_size=128, max_seq_len=160, tie_embeddings=False)
+    cfg = ModelConfig(
+        arch="llama",
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=96,
+        vocab_size=128,
+        max_seq_len=160,
+        tie_embeddings=False,
+    )
     torch.manual_seed(0)
     model = build_model(cfg)
     return apply_attention_backward(model, attention_backward)
@@ -153,8 +163,11 @@ def test_a_model_trains_alike_with_either_attention(mode, kind):
     grads = {}
     for name in ("sdpa", kind):
         model = _model(name)
-        assert all((layer.attend is ATTENDS.get(name, causal_attention))
-                   for layer in model.modules() if isinstance(layer, SelfAttention))
+        assert all(
+            (layer.attend is ATTENDS.get(name, causal_attention))
+            for layer in model.modules()
+            if isinstance(layer, SelfAttention)
+        )
         if mode.endswith("recompute"):
             apply_recompute(model, mode.split()[0], 1)
         run = torch.compile(model, dynamic=False) if mode == "compiled" else model
@@ -175,8 +188,11 @@ def test_band_mask_matches_the_window_rule():
 def test_config_refuses_it_with_context_parallel_and_names_the_fix(kind):
     from fitlm.config import ConfigError, validate_dict
 
-    with pytest.raises(ConfigError, match=rf"memory\.attention_backward: {kind} .* context_parallel=2 .* set "
-                                          r"memory\.attention_backward: sdpa"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"memory\.attention_backward: {kind} .* context_parallel=2 .* set "
+        r"memory\.attention_backward: sdpa",
+    ):
         validate_dict({"parallel": {"context_parallel": 2}, "memory": {"attention_backward": kind}})
     with pytest.raises(ConfigError, match="memory.attention_backward"):
         validate_dict({"memory": {"attention_backward": "flash"}})

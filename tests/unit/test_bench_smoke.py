@@ -17,15 +17,29 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
 
-THROUGHPUT_KEYS = {"vocab_size", "fitlm_tokens_per_s", "hf_trainer_tokens_per_s", "fitlm_best_tokens_per_s",
-                   "hf_trainer_best_tokens_per_s", "loop_tokens_per_s", "fitlm_peak_bytes", "hf_trainer_peak_bytes",
-                   "gemm_peak_flops", "fitlm_best_mfu"}
+THROUGHPUT_KEYS = {
+    "vocab_size",
+    "fitlm_tokens_per_s",
+    "hf_trainer_tokens_per_s",
+    "fitlm_best_tokens_per_s",
+    "hf_trainer_best_tokens_per_s",
+    "loop_tokens_per_s",
+    "fitlm_peak_bytes",
+    "hf_trainer_peak_bytes",
+    "gemm_peak_flops",
+    "fitlm_best_mfu",
+}
 
 
 def run_script(name: str, *args) -> dict:
     """Run bench/<name> with --json; stdout must be exactly one JSON object."""
-    proc = subprocess.run([sys.executable, str(BENCH / name), *map(str, args), "--json"], capture_output=True,
-                          text=True, cwd=ROOT, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / name), *map(str, args), "--json"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [x for x in proc.stdout.splitlines() if x.strip()]
     assert len(lines) == 1, proc.stdout[-2000:]
@@ -44,9 +58,28 @@ def bench_module(name: str):
 def throughput(tmp_path_factory) -> dict:
     pytest.importorskip("transformers")
     out = tmp_path_factory.mktemp("bench") / "throughput.json"
-    report = run_script("train_throughput.py", "--sizes", "tiny", "--steps", "1", "--warmup", "1", "--batch", "2",
-                        "--seq", "32", "--rounds", "1", "--no-compile", "--fitlm-best", "O3,chunk=16",
-                        "--identical-chunk", "0", "--out", out)
+    report = run_script(
+        "train_throughput.py",
+        "--sizes",
+        "tiny",
+        "--steps",
+        "1",
+        "--warmup",
+        "1",
+        "--batch",
+        "2",
+        "--seq",
+        "32",
+        "--rounds",
+        "1",
+        "--no-compile",
+        "--fitlm-best",
+        "O3,chunk=16",
+        "--identical-chunk",
+        "0",
+        "--out",
+        out,
+    )
     assert json.loads(out.read_text()) == report
     return report
 
@@ -60,8 +93,9 @@ def test_train_throughput_contract(throughput):
         assert r[key] > 0, key
     # MFU is defined, not bounded: a GEMM peak measured while other work shares the CPU can be low enough to
     # put it above 1, so the test checks the formula (tokens/s × FLOPs per token / the bf16 peak), not the speed.
-    assert r["fitlm_best_mfu"] == pytest.approx(r["fitlm_best_tokens_per_s"] * r["flops_per_token"]
-                                                / r["gemm_peak_flops"], rel=1e-4, abs=2e-6)  # stored to 6 places
+    assert r["fitlm_best_mfu"] == pytest.approx(
+        r["fitlm_best_tokens_per_s"] * r["flops_per_token"] / r["gemm_peak_flops"], rel=1e-4, abs=2e-6
+    )  # stored to 6 places
     assert r["gemm_peak_dtype"] == "bf16" and r["gemm_peak_flops"] == throughput["gemm_peak_flops"]["bf16"]
     assert r["fitlm_best_settings"] == "O3 + chunked loss 16" and "compile" not in r["hf_trainer_best_settings"]
     assert len(r["fitlm_step_times_s"]) == len(r["hf_trainer_step_times_s"]) == 2
@@ -71,16 +105,22 @@ def test_train_throughput_contract(throughput):
 def test_train_throughput_markdown(throughput, tmp_path):
     path = tmp_path / "t.json"
     path.write_text(json.dumps(throughput))
-    proc = subprocess.run([sys.executable, str(BENCH / "train_throughput.py"), "--markdown", str(path)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "train_throughput.py"), "--markdown", str(path)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "| tiny | 1,024 |" in proc.stdout and "peak live MiB" in proc.stdout
     assert "--sizes tiny" in proc.stdout  # the command that produced the numbers
 
 
 def test_gemm_peak_tiny(tmp_path):
-    report = run_script("gemm_peak.py", "--sizes", "128", "--repeats", "1", "--dtypes", "fp32", "bf16",
-                        "--out", tmp_path / "g.json")
+    report = run_script(
+        "gemm_peak.py", "--sizes", "128", "--repeats", "1", "--dtypes", "fp32", "bf16", "--out", tmp_path / "g.json"
+    )
     assert set(report["per_dtype"]) == {"fp32", "bf16"}
     assert all(d["peak_flops"] > 0 for d in report["per_dtype"].values())
     assert "machine" in report and (tmp_path / "g.json").exists()
@@ -96,14 +136,22 @@ def test_gpu_1b_dry_run(tmp_path):
 
 def test_scaling_markdown():
     scaling = bench_module("scaling")
-    rows = [{"layout": "single", "kind": "none", "degree": 1, "processes": 1, "tokens_per_s": 1000.0,
-             "step_time_s": 2.048},
-            {"layout": "dp2 (DDP)", "kind": "dp", "degree": 2, "processes": 2, "tokens_per_s": 800.0,
-             "step_time_s": 2.56},
-            {"layout": "tp2", "kind": "tp", "degree": 2, "error": "boom"}]
-    report = scaling.summarize({"benchmark": "scaling", "machine": {"cpus": 2}, "global_batch": 8,
-                                "seq_length": 256, "steps": 4, "command": "python bench/scaling.py",
-                                "results": rows})
+    rows = [
+        {"layout": "single", "kind": "none", "degree": 1, "processes": 1, "tokens_per_s": 1000.0, "step_time_s": 2.048},
+        {"layout": "dp2 (DDP)", "kind": "dp", "degree": 2, "processes": 2, "tokens_per_s": 800.0, "step_time_s": 2.56},
+        {"layout": "tp2", "kind": "tp", "degree": 2, "error": "boom"},
+    ]
+    report = scaling.summarize(
+        {
+            "benchmark": "scaling",
+            "machine": {"cpus": 2},
+            "global_batch": 8,
+            "seq_length": 256,
+            "steps": 4,
+            "command": "python bench/scaling.py",
+            "results": rows,
+        }
+    )
     dp = report["results"][1]
     assert dp["overhead_s"] == pytest.approx(0.512) and dp["scaling_efficiency"] == pytest.approx(0.8)
     text = scaling.table(report)
@@ -113,10 +161,33 @@ def test_scaling_markdown():
 def _tiny_standalone(tmp_path, *contenders: str) -> tuple[Path, dict]:
     """bench/train_standalone.py on the tiny model, one round of one timed step: (its JSON path, the result row)."""
     out = tmp_path / "standalone.json"
-    proc = subprocess.run([sys.executable, str(BENCH / "train_standalone.py"), "--sizes", "tiny", "--rounds", "1",
-                           "--steps", "1", "--warmup", "1", "--batch", "2", "--seq", "32", "--no-compile",
-                           "--contenders", *contenders, "--out", str(out)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "train_standalone.py"),
+            "--sizes",
+            "tiny",
+            "--rounds",
+            "1",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--batch",
+            "2",
+            "--seq",
+            "32",
+            "--no-compile",
+            "--contenders",
+            *contenders,
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (r,) = json.loads(out.read_text())["results"]
     return out, r
@@ -128,21 +199,38 @@ def test_train_standalone_contract(tmp_path):
     out, r = _tiny_standalone(tmp_path, "fitlm", "hf_eager")
     assert r["fitlm"]["tokens_per_s"] > 0 and r["hf_eager"]["tokens_per_s"] > 0 and "hf_sdpa" not in r
     assert r["fitlm_vs_hf_eager"]["ratio"] == pytest.approx(
-        r["hf_eager"]["round_step_s"][0] / r["fitlm"]["round_step_s"][0], rel=1e-3, abs=5e-4)  # rounded to 3 places
+        r["hf_eager"]["round_step_s"][0] / r["fitlm"]["round_step_s"][0], rel=1e-3, abs=5e-4
+    )  # rounded to 3 places
     # fitlm's Trainer keeps freed memory (train.host_allocator: reuse); its run counts its faults like HF's
     assert r["fitlm"]["faults_per_step"] >= 0 and len(r["fitlm"]["runs"][0]["step_times_s"]) == 2
     assert r["fitlm_best_settings"].endswith("chunked loss 4096 + matmul_saved attention")  # O2, or O0 without bf16
     assert "compile" not in r["fitlm_best_settings"] + r["hf_trainer_best_settings"]
     assert r["fitlm"]["runs"][0]["jemalloc"] is False and r["hf_eager"]["runs"][0]["jemalloc"] is False
-    md = subprocess.run([sys.executable, str(BENCH / "train_standalone.py"), "--markdown", str(out)],
-                        capture_output=True, text=True, cwd=ROOT, timeout=120)
+    md = subprocess.run(
+        [sys.executable, str(BENCH / "train_standalone.py"), "--markdown", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert md.returncode == 0 and "| tiny |" in md.stdout and "--sizes tiny" in md.stdout
 
 
 def test_train_standalone_refuses_a_missing_jemalloc(tmp_path):
-    proc = subprocess.run([sys.executable, str(BENCH / "train_standalone.py"), "--contenders", "hf_eager_jemalloc",
-                           "--jemalloc", str(tmp_path / "libjemalloc.so.2")],
-                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "train_standalone.py"),
+            "--contenders",
+            "hf_eager_jemalloc",
+            "--jemalloc",
+            str(tmp_path / "libjemalloc.so.2"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert proc.returncode != 0 and "no such file" in proc.stderr and "apt-get install libjemalloc2" in proc.stderr
 
 

@@ -70,7 +70,10 @@ def test_sigterm_saves_then_resume_is_bit_exact(tiny_corpus, tmp_path, reference
 
     train_in_process(cfg)  # checkpoint.resume: auto continues from step 5 in the same output_dir
     assert losses(tmp_path / "run") == losses(reference)  # steps 1-5 from the first attempt, 6-8 resumed
-    ours, theirs = load_file(str(tmp_path / "run/model/model.safetensors")), load_file(str(reference / "model/model.safetensors"))
+    ours, theirs = (
+        load_file(str(tmp_path / "run/model/model.safetensors")),
+        load_file(str(reference / "model/model.safetensors")),
+    )
     assert ours.keys() == theirs.keys()
     for name in theirs:
         assert torch.equal(ours[name], theirs[name]), name
@@ -124,7 +127,9 @@ def test_inspect_json_through_the_cli(reference, capsys):
     assert info["contents"]["optim"]["elements"] == 2 * info["params"] + info["contents"]["optim"]["tensors"] // 3
 
 
-def test_stale_temporary_checkpoint_is_removed_and_training_resumes_from_the_last_complete(tiny_corpus, tmp_path, reference):
+def test_stale_temporary_checkpoint_is_removed_and_training_resumes_from_the_last_complete(
+    tiny_corpus, tmp_path, reference
+):
     cfg = ckpt_config(tiny_corpus, tmp_path / "run")
     with pytest.raises(TrainingInterrupted):
         train_in_process(cfg, stop_at=4)

@@ -41,8 +41,9 @@ def resume_from(capsys, tiny_corpus, tmp_path, ckpt: Path, **sections) -> tuple[
 
 
 def test_checkpoint_of_another_model_shape(capsys, tiny_corpus, tmp_path, run):
-    code, err = resume_from(capsys, tiny_corpus, tmp_path, run / "checkpoints" / "step_00000004",
-                            model={"intermediate_size": 192})
+    code, err = resume_from(
+        capsys, tiny_corpus, tmp_path, run / "checkpoints" / "step_00000004", model={"intermediate_size": 192}
+    )
     assert code == 2
     assert "belongs to a different run" in err and "model.intermediate_size: 176 -> 192" in err
     assert "Resume with the config it was saved with" in err
@@ -124,8 +125,12 @@ def test_output_dir_whose_config_differs_only_in_harmless_keys_resumes(capsys, t
     work = tmp_path / "run"
     shutil.copytree(run, work)
     # same global batch of 8 split differently, another lr, more steps, recompute: all the same run
-    cfg = ckpt_config(tiny_corpus, work, train={"max_steps": 6, "lr": 5e-3, "log_interval": 2, "micro_batch_size": 2,
-                                                "gradient_accumulation_steps": 4}, memory={"recompute": "full"})
+    cfg = ckpt_config(
+        tiny_corpus,
+        work,
+        train={"max_steps": 6, "lr": 5e-3, "log_interval": 2, "micro_batch_size": 2, "gradient_accumulation_steps": 4},
+        memory={"recompute": "full"},
+    )
     code, err = cli(capsys, "train", write_config(tmp_path / "c.yaml", cfg))
     assert code == 0, err
     assert "resumed from" in err and "step_00000004" in err
@@ -133,7 +138,9 @@ def test_output_dir_whose_config_differs_only_in_harmless_keys_resumes(capsys, t
 
 def test_finished_run_with_the_same_config_is_still_refused(capsys, tiny_corpus, tmp_path, run):
     before = sorted(p.name for p in (run / "checkpoints").iterdir())
-    code, err = cli(capsys, "train", write_config(tmp_path / "c.yaml", ckpt_config(tiny_corpus, run, train={"max_steps": 4})))
+    code, err = cli(
+        capsys, "train", write_config(tmp_path / "c.yaml", ckpt_config(tiny_corpus, run, train={"max_steps": 4}))
+    )
     assert code == 2 and "already holds a run of this config" in err
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
 

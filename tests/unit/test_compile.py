@@ -15,8 +15,17 @@ from fitlm.memory.recompute import transformer_blocks
 from fitlm.parallel_dims import ParallelDims
 from fitlm.registry import build_model
 
-TINY = ModelConfig(arch="llama", hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64,
-                   vocab_size=96, max_seq_len=16, tie_embeddings=False)
+TINY = ModelConfig(
+    arch="llama",
+    hidden_size=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=64,
+    vocab_size=96,
+    max_seq_len=16,
+    tie_embeddings=False,
+)
 
 
 class Recorder:
@@ -65,12 +74,15 @@ def test_one_process_compiles_one_graph_from_ids_to_loss():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("memory, dims", [
-    (MemoryConfig(compile=True, recompute="selective"), ParallelDims()),  # checkpoint wraps each block
-    (MemoryConfig(compile=True), ParallelDims(dp=2, zero_stage=2)),  # FSDP2 shards each block
-    (MemoryConfig(compile=True), ParallelDims(tp=2)),  # DTensor blocks
-    (MemoryConfig(compile=True), ParallelDims(pp=2)),  # a stage is a slice of the blocks
-])
+@pytest.mark.parametrize(
+    "memory, dims",
+    [
+        (MemoryConfig(compile=True, recompute="selective"), ParallelDims()),  # checkpoint wraps each block
+        (MemoryConfig(compile=True), ParallelDims(dp=2, zero_stage=2)),  # FSDP2 shards each block
+        (MemoryConfig(compile=True), ParallelDims(tp=2)),  # DTensor blocks
+        (MemoryConfig(compile=True), ParallelDims(pp=2)),  # a stage is a slice of the blocks
+    ],
+)
 def test_layouts_that_wrap_or_split_blocks_compile_per_block(memory, dims):
     model = build_model(TINY)
     assert not compiles_whole_model(memory, dims)

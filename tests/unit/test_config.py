@@ -24,9 +24,16 @@ def test_shipped_configs_validate():
 
 
 def test_overrides_are_typed_and_nested(tmp_path):
-    cfg = load_config(write(tmp_path, "train: {lr: 0.1}\n"),
-                      ["train.lr=1e-4", "model.tie_embeddings=true", "data.valid=null", "finetune.lora.r=4",
-                       "finetune.lora.target_modules=[q_proj, k_proj]"])
+    cfg = load_config(
+        write(tmp_path, "train: {lr: 0.1}\n"),
+        [
+            "train.lr=1e-4",
+            "model.tie_embeddings=true",
+            "data.valid=null",
+            "finetune.lora.r=4",
+            "finetune.lora.target_modules=[q_proj, k_proj]",
+        ],
+    )
     assert cfg.train.lr == pytest.approx(1e-4)
     assert cfg.model.tie_embeddings is True and cfg.data.valid is None
     assert cfg.finetune.lora.r == 4 and cfg.finetune.lora.target_modules == ["q_proj", "k_proj"]
@@ -69,8 +76,13 @@ def test_wrong_type_and_bad_choice_name_the_key():
 
 def test_cross_field_errors_are_all_reported_at_once():
     with pytest.raises(ConfigError) as e:
-        validate_dict({"model": {"hidden_size": 100, "num_heads": 6, "num_kv_heads": 4, "max_seq_len": 128},
-                       "data": {"seq_length": 256}, "train": {"lr": 1e-4, "min_lr": 1e-3}})
+        validate_dict(
+            {
+                "model": {"hidden_size": 100, "num_heads": 6, "num_kv_heads": 4, "max_seq_len": 128},
+                "data": {"seq_length": 256},
+                "train": {"lr": 1e-4, "min_lr": 1e-3},
+            }
+        )
     problems = e.value.problems
     assert len(problems) == 4, problems
     joined = "\n".join(problems)
@@ -86,7 +98,9 @@ def test_non_power_of_two_gqa_is_valid():
 
 
 def test_parallel_timeout_must_be_positive():
-    with pytest.raises(ConfigError, match=r"parallel.timeout_s: must be a positive number of seconds \(got 0\); set it"):
+    with pytest.raises(
+        ConfigError, match=r"parallel.timeout_s: must be a positive number of seconds \(got 0\); set it"
+    ):
         validate_dict({"parallel": {"timeout_s": 0}})
     assert validate_dict({}).parallel.timeout_s == 1800
 
@@ -101,17 +115,22 @@ def test_family_keys_are_validated_with_the_key_and_the_fix():
 
     cases = {
         "model.rope_scaling.factor: type 'llama3' needs a factor": {"model": {"rope_scaling": {"type": "llama3"}}},
-        "model.rope_scaling.long_factor: longrope needs head_dim/2 = 32 values":
-            {"model": {"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 32}}},
+        "model.rope_scaling.long_factor: longrope needs head_dim/2 = 32 values": {
+            "model": {"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 32}}
+        },
         "model.sliding_window: gpt2 has no such feature": {"model": {"arch": "gpt2", "sliding_window": 8}},
-        "model.layer_types: lists 1 blocks but model.num_layers=4": {"model": {"sliding_window": 8,
-                                                                            "layer_types": ["full"]}},
+        "model.layer_types: lists 1 blocks but model.num_layers=4": {
+            "model": {"sliding_window": 8, "layer_types": ["full"]}
+        },
         "model.arch: unknown family 'mixtral'": {"model": {"arch": "mixtral"}},
-        "memory.loss_chunk_size: the chunked loss computes plain logits":
-            {"model": {"arch": "gemma2", "final_logit_softcap": 30.0}, "memory": {"loss_chunk_size": 64}},
+        "memory.loss_chunk_size: the chunked loss computes plain logits": {
+            "model": {"arch": "gemma2", "final_logit_softcap": 30.0},
+            "memory": {"loss_chunk_size": 64},
+        },
         "model.attention_bias: qwen2 always has q/k/v biases": {"model": {"arch": "qwen2", "attention_bias": False}},
-        "model.layer_types: a llama with a sliding window slides every layer":
-            {"model": {"sliding_window": 8, "layer_types": ["full", "sliding", "sliding", "sliding"]}},
+        "model.layer_types: a llama with a sliding window slides every layer": {
+            "model": {"sliding_window": 8, "layer_types": ["full", "sliding", "sliding", "sliding"]}
+        },
     }
     for message, data in cases.items():
         with pytest.raises(ConfigError) as err:

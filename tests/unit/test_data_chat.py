@@ -9,15 +9,18 @@ import numpy as np
 import pytest
 
 from fitlm.data import IGNORE_INDEX, DataError, PackedDataset, SequenceLoader, Tokenizer
-
-from fitlm.data.prep import pack_corpus, train_tokenizer
 from fitlm.data.chat import BUILTIN_TEMPLATES, ChatEncoder, resolve_template
+from fitlm.data.prep import pack_corpus, train_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 CHAT = REPO / "examples" / "data" / "chat" / "chatterbot_corpus.jsonl"
-CONV = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a river? <|eos|>"},
-        {"role": "assistant", "content": "Water that flows."}, {"role": "user", "content": "And 河流?"},
-        {"role": "assistant", "content": "The same, in Chinese."}]
+CONV = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is a river? <|eos|>"},
+    {"role": "assistant", "content": "Water that flows."},
+    {"role": "user", "content": "And 河流?"},
+    {"role": "assistant", "content": "The same, in Chinese."},
+]
 
 
 @pytest.fixture(scope="module")
@@ -79,18 +82,39 @@ def _write_chat(path: Path, rows: list) -> Path:
 
 def test_pack_chat_counts_bad_samples_and_loader_trains_on_assistant_only(tok, tmp_path):
     long_answer = " ".join(["flows"] * 300)
-    rows = [{"messages": CONV}, {"messages": [{"role": "user", "content": "hello?"}]},  # no assistant turn
-            {"messages": [{"role": "user", "content": "tell me"}, {"role": "assistant", "content": long_answer}]},
-            *({"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"answer {i}"}]}
-              for i in range(40))]
+    rows = [
+        {"messages": CONV},
+        {"messages": [{"role": "user", "content": "hello?"}]},  # no assistant turn
+        {"messages": [{"role": "user", "content": "tell me"}, {"role": "assistant", "content": long_answer}]},
+        *(
+            {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"answer {i}"}]}
+            for i in range(40)
+        ),
+    ]
     src = _write_chat(tmp_path / "chat.jsonl", rows)
     limit = max(64, len(ChatEncoder(tok, BUILTIN_TEMPLATES["inst"]).encode(CONV)[0]))  # CONV fits, the long one not
-    m = pack_corpus([src], tok.path, tmp_path / "t", show_progress=False, data_format="chat", template="inst",
-                    max_length=limit, overlong="truncate")
+    m = pack_corpus(
+        [src],
+        tok.path,
+        tmp_path / "t",
+        show_progress=False,
+        data_format="chat",
+        template="inst",
+        max_length=limit,
+        overlong="truncate",
+    )
     assert m["data_format"] == "chat" and m["chat"]["no_assistant"] == 1 and m["chat"]["truncated"] == 1
     assert m["num_docs"] == 42 and m["chat"]["conversations"] == 43 and m["chat_template"] == "inst"
-    d = pack_corpus([src], tok.path, tmp_path / "d", show_progress=False, data_format="chat", template="inst",
-                    max_length=limit, overlong="drop")
+    d = pack_corpus(
+        [src],
+        tok.path,
+        tmp_path / "d",
+        show_progress=False,
+        data_format="chat",
+        template="inst",
+        max_length=limit,
+        overlong="drop",
+    )
     assert d["chat"]["dropped_overlong"] == 1 and d["num_docs"] == 41
     ds = PackedDataset(tmp_path / "t")
     assert ds.data_format == "chat" and all(s.mask is not None for s in ds.shards)
@@ -124,7 +148,8 @@ def test_chat_bad_inputs(tok, tmp_path):
 
 
 def test_pad_must_be_a_real_token(tmp_path):
-    from tokenizers import Tokenizer as HF, models, pre_tokenizers
+    from tokenizers import Tokenizer as HF
+    from tokenizers import models, pre_tokenizers
 
     hf = HF(models.BPE(vocab={"a": 0, "<s>": 1, "</s>": 2}, merges=[]))
     hf.pre_tokenizer = pre_tokenizers.ByteLevel()
@@ -139,7 +164,9 @@ def test_example_chat_set_packs(tok, tmp_path):
     m = pack_corpus([CHAT], tok.path, tmp_path / "ex", show_progress=False, data_format="chat", workers=2)
     assert m["num_docs"] > 1000 and m["chat"]["no_assistant"] == 0 and m["chat_template"] == "chatml"
     ds = PackedDataset(tmp_path / "ex")
-    multi = [i for i in range(50) if tok.decode(ds.document(i), skip_special_tokens=False).count("<|im_start|>assistant") > 1]
+    multi = [
+        i for i in range(50) if tok.decode(ds.document(i), skip_special_tokens=False).count("<|im_start|>assistant") > 1
+    ]
     assert multi or ds.num_docs > 0
 
 
@@ -150,4 +177,6 @@ def test_text_pack_after_chat_pack_in_one_process(tok, tmp_path):
     txt = tmp_path / "t.txt"
     txt.write_text("plain text document\n", encoding="utf-8")
     m = pack_corpus([txt], tok.path, tmp_path / "text", show_progress=False)
-    assert m["data_format"] == "text" and tok.decode(PackedDataset(tmp_path / "text").document(0)) == "plain text document"
+    assert (
+        m["data_format"] == "text" and tok.decode(PackedDataset(tmp_path / "text").document(0)) == "plain text document"
+    )

@@ -14,8 +14,10 @@ from fitlm.data.prep.dedup import MinHashLSH, jaccard, lsh_params
 
 REPO = Path(__file__).resolve().parents[2]
 PLAYS = REPO / "examples" / "data" / "shakespeare"
-ZH = ("人工智能是计算机科学的一个分支，它企图了解智能的实质，并生产出一种新的能以人类智能相似的方式做出反应的智能机器。"
-      "该领域的研究包括机器人、语言识别、图像识别、自然语言处理和专家系统等。自诞生以来，理论和技术日益成熟，应用领域也不断扩大。")
+ZH = (
+    "人工智能是计算机科学的一个分支，它企图了解智能的实质，并生产出一种新的能以人类智能相似的方式做出反应的智能机器。"
+    "该领域的研究包括机器人、语言识别、图像识别、自然语言处理和专家系统等。自诞生以来，理论和技术日益成熟，应用领域也不断扩大。"
+)
 ZH_CHARS = "的一是在不了有和人这中大为上个国我以要他时来用们生到作地于出就分对成会可主发年动同工也能下过子说产种面而方后多定行学法所民得经十三之进着等部度家电力里如水化高自二理起小物现实加量都两体制机当使点从业本去把性好应开它合还因由其些然前外天政四日那社义事平形相全表间样与关各重新线内数正心反你明看原又么利比或但质气第向道命此变条只没结解问意建月公无系军很情者最立代想已通并提直题党程展五果料象员革位入常文总次品式活设及管特件长求老头基资边流路级少图山统接知较将组见计别她手角期根论运农指几九区强放决西被干做必战先回则任取据处队南给色光门即保治北造百规热领七海口东导器压志世金增争济阶油思术极交受联什认六共权收证改清己美再采转更单风切打白教速花带安场身车例真务具万每目至达走积示议声报斗完类八离华名确才科张信马节话米整空元况今集温传土许步群广石记需段研界拉林律叫且究观越织装影算低持音众书布复容儿须际商非验连断深难近矿千周委素技备半办青省列习响约支般史感劳便团往酸历市克何除消构府称太准精值号率族维划选标写存候毛亲快效斯院查江型眼王按格养易置派层片始却专状育厂京识适属圆包火住调满县局照参红细引听该铁价严"
 
 
@@ -59,11 +61,15 @@ def test_filters_work_without_spaces_and_name_their_reason():
     assert check_document("哈哈哈哈哈哈哈哈哈哈" * 40, o)[0] == "repetition"
     assert check_document("\ufffd\ufffd\ufffd" + ZH, o)[0] == "garbled"
     assert check_document("!!! ??? ### ... $$$ " * 10 + "abc", o)[0] == "symbols"
-    assert check_document("12.5% | 13.1% | 7.2% | 8.8% | 9.9% | 10.1% | 11.4% | 3.3% " * 3, o)[0] in ("symbols",
-                                                                                                    "few_letters")
+    assert check_document("12.5% | 13.1% | 7.2% | 8.8% | 9.9% | 10.1% | 11.4% | 3.3% " * 3, o)[0] in (
+        "symbols",
+        "few_letters",
+    )
     code = "def f(x):\n    return x + 1;\nclass A {\n  int y;\n}\nimport os\nfor (i = 0; i < n; i++) {\n}\n"
-    assert check_document(code * 3, CleanOptions(drop_code=True, max_symbols=0.9, max_dup_lines=1.0,
-                                                 min_compress=0.0))[0] == "code"
+    assert (
+        check_document(code * 3, CleanOptions(drop_code=True, max_symbols=0.9, max_dup_lines=1.0, min_compress=0.0))[0]
+        == "code"
+    )
     page = ZH + "\n版权所有 © 2024\n登录 | 注册\nAccept cookie policy\n"
     reason, text = check_document(page, CleanOptions(drop_boilerplate=True, max_boilerplate=0.8))
     assert reason is None and "登录" not in text and "cookie" not in text and ZH in text
@@ -74,8 +80,16 @@ def test_clean_corpus_counts_each_filter_and_dedups(tmp_path):
     rng = random.Random(2)
     words = PLAYS.joinpath("macbeth_gut.txt").read_text().split()[:3000]
     docs = [_en_doc(rng, words) for _ in range(20)] + [_zh_doc(rng) for _ in range(20)]
-    rows = docs + [docs[3], docs[25], docs[25].replace("。", "."), _perturb(docs[7], rng, 2), _perturb(docs[30], rng, 2),
-                   "tiny", "哈" * 300, "ｆｕｌｌｗｉｄｔｈ " + _en_doc(rng, words) + "\u200b\x07"]
+    rows = docs + [
+        docs[3],
+        docs[25],
+        docs[25].replace("。", "."),
+        _perturb(docs[7], rng, 2),
+        _perturb(docs[30], rng, 2),
+        "tiny",
+        "哈" * 300,
+        "ｆｕｌｌｗｉｄｔｈ " + _en_doc(rng, words) + "\u200b\x07",
+    ]
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in rows), encoding="utf-8")
     bad = tmp_path / "bad.txt"

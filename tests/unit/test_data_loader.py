@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from fitlm.data import IGNORE_INDEX, DataError, PackedDataset, SequenceLoader
-
-from fitlm.data.prep import pack_corpus, train_tokenizer
 from fitlm.data.loader import pack_rows, restart_positions
+from fitlm.data.prep import pack_corpus, train_tokenizer
 
 WORDS = "alpha beta gamma delta river stone cloud light shadow north south song bird tree 河流 石头 云".split()
 
@@ -158,8 +157,21 @@ def test_format_v1_directories_still_read(setup, tmp_path):
     shutil.copyfile(setup["one"] / "shard-00000.offsets.npy", old / "doc_offsets.npy")
     shutil.copyfile(setup["one"] / "tokenizer.json", old / "tokenizer.json")
     m = json.loads((setup["one"] / "manifest.json").read_text())
-    v1 = {k: m[k] for k in ("format", "dtype", "num_tokens", "num_docs", "vocab_size", "tokenizer_sha256",
-                            "bos_id", "eos_id", "pad_id", "special_tokens")}
+    v1 = {
+        k: m[k]
+        for k in (
+            "format",
+            "dtype",
+            "num_tokens",
+            "num_docs",
+            "vocab_size",
+            "tokenizer_sha256",
+            "bos_id",
+            "eos_id",
+            "pad_id",
+            "special_tokens",
+        )
+    }
     v1.update(format_version=1, checksums={"tokens.bin": m["shards"][0]["checksums"]["shard-00000.tokens.bin"]})
     (old / "manifest.json").write_text(json.dumps(v1))
     ds1 = PackedDataset(old)

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from fitlm.data import DataError
-
 from fitlm.data.prep import iter_documents, pack_corpus, train_tokenizer
 from fitlm.data.prep.clean import CleanOptions, clean_corpus
 from fitlm.data.prep.dedup import MIN_BUCKET_RECALL, MinHashLSH, bucket_probability, jaccard, lsh_params
@@ -59,7 +58,10 @@ def test_banding_is_recall_first():
 
 
 def test_copy_of_a_dropped_copy_is_dropped_and_order_decides():
-    base = "第一行文字内容在这里出现，大家好。\n" * 1 + "第二行的内容也很重要，请注意阅读。\n第三行结束了这篇文章的全部内容。"
+    base = (
+        "第一行文字内容在这里出现，大家好。\n" * 1
+        + "第二行的内容也很重要，请注意阅读。\n第三行结束了这篇文章的全部内容。"
+    )
     step = base.replace("大家好", "大家早")
     two = step.replace("请注意", "请留意")
     lsh = MinHashLSH()
@@ -99,6 +101,7 @@ def test_line_split_and_gzip_inputs(tmp_path):
     b = pack_corpus([gz], tok, tmp_path / "b", show_progress=False)
     assert a["num_docs"] == b["num_docs"] == 30 and a["num_tokens"] == b["num_tokens"]
     from fitlm.data.prep.sources import expand_inputs
+
     assert [p.name for p in expand_inputs([tmp_path / "sub"])] == ["more.txt.gz"]
 
 
@@ -116,9 +119,11 @@ def test_bad_split_and_engine_name_the_option(tmp_path):
 def test_engine_ray_without_ray_names_the_extra(tmp_path):
     src = tmp_path / "a.txt"
     src.write_text("hello world, this is a document long enough to keep. " * 5, encoding="utf-8")
-    code = ("import sys; sys.modules['ray'] = None\n"
-            "from fitlm.cli import main\n"
-            f"sys.exit(main(['data', 'clean', {str(src)!r}, '--out', {str(tmp_path / 'o')!r}, '--engine', 'ray']))")
+    code = (
+        "import sys; sys.modules['ray'] = None\n"
+        "from fitlm.cli import main\n"
+        f"sys.exit(main(['data', 'clean', {str(src)!r}, '--out', {str(tmp_path / 'o')!r}, '--engine', 'ray']))"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode != 0
     assert "pip install 'fitlm[ray]'" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]

@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 
 from fitlm.data import DataError, PackedDataset, Tokenizer
-
-from fitlm.data.prep import pack_corpus, train_tokenizer
 from fitlm.data.format import token_dtype
+from fitlm.data.prep import pack_corpus, train_tokenizer
 from fitlm.data.prep.merge import merge_packed
 from fitlm.data.tokenizer_import import import_tokenizer
 
@@ -64,7 +63,9 @@ def test_split_pack_and_merge_equal_one_pack(tok, inputs, tmp_path):
     parts = []
     for i in (2, 0, 1):  # machines finish in any order
         m = pack_corpus(inputs, tok, tmp_path / f"part{i}", show_progress=False, shard_index=i, num_shards=3)
-        assert m["part"] == {"index": i, "count": 3, "inputs_total": 6} and m["sources"] == [str(f) for f in inputs[i::3]]
+        assert m["part"] == {"index": i, "count": 3, "inputs_total": 6} and m["sources"] == [
+            str(f) for f in inputs[i::3]
+        ]
         parts.append(tmp_path / f"part{i}")
     with pytest.raises(DataError, match=r"parts of 3 expected; missing \[1\]"):
         merge_packed(parts[:2], tmp_path / "merged")
@@ -74,8 +75,9 @@ def test_split_pack_and_merge_equal_one_pack(tok, inputs, tmp_path):
     ds.verify()
     # Same documents (in part order rather than file order).
     key = lambda d: tuple(d.tolist())  # noqa: E731
-    assert sorted(key(ds.document(i)) for i in range(ds.num_docs)) == \
-        sorted(key(whole.document(i)) for i in range(whole.num_docs))
+    assert sorted(key(ds.document(i)) for i in range(ds.num_docs)) == sorted(
+        key(whole.document(i)) for i in range(whole.num_docs)
+    )
     other = train_tokenizer([inputs[0]], 300, tmp_path / "tok2")
     pack_corpus([inputs[0]], other, tmp_path / "foreign", show_progress=False)
     with pytest.raises(DataError, match="differ in tokenizer_sha256"):
@@ -112,26 +114,71 @@ def cli_runner(capsys, monkeypatch):
         rc = main(list(args))
         out = capsys.readouterr()
         return _Result(rc, out.out, out.err)
+
     return run
 
 
 def test_cli_subprocess_smoke(tmp_path):
     """One real process: the console entry point parses `data` and prints exactly one JSON object."""
-    r = subprocess.run([sys.executable, "-m", "fitlm.cli", "data", "tokenizer", str(PLAYS / "tempest_gut.txt"),
-                        "--vocab-size", "300", "--out", "t.json", "--json"], cwd=tmp_path, capture_output=True,
-                       text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fitlm.cli",
+            "data",
+            "tokenizer",
+            str(PLAYS / "tempest_gut.txt"),
+            "--vocab-size",
+            "300",
+            "--out",
+            "t.json",
+            "--json",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["vocab_size"] == 300
 
 
 def test_cli_pack_inspect_merge_with_json(tok, inputs, tmp_path, cli_runner):
     _cli = cli_runner
-    r = _cli("data", "pack", *map(str, inputs), "--tokenizer", str(tok), "--out", "p0", "--shard-index", "0",
-             "--num-shards", "2", "--workers", "2", "--json", cwd=tmp_path)
+    r = _cli(
+        "data",
+        "pack",
+        *map(str, inputs),
+        "--tokenizer",
+        str(tok),
+        "--out",
+        "p0",
+        "--shard-index",
+        "0",
+        "--num-shards",
+        "2",
+        "--workers",
+        "2",
+        "--json",
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["part"]["index"] == 0
-    r = _cli("data", "pack", *map(str, inputs), "--tokenizer", str(tok), "--out", "p1", "--shard-index", "1",
-             "--num-shards", "2", "--json", cwd=tmp_path)
+    r = _cli(
+        "data",
+        "pack",
+        *map(str, inputs),
+        "--tokenizer",
+        str(tok),
+        "--out",
+        "p1",
+        "--shard-index",
+        "1",
+        "--num-shards",
+        "2",
+        "--json",
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr
     r = _cli("data", "merge", "p0", "p1", "--out", "all", "--json", cwd=tmp_path)
     assert r.returncode == 0, r.stderr

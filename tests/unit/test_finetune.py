@@ -10,7 +10,6 @@ from safetensors.torch import load_file
 
 from fitlm.config import ModelConfig, validate_dict
 from fitlm.finetune.apply import apply_finetune, attach_adapter
-from tests.unit.counting import trainable_parameter_count
 from fitlm.finetune.early_stopping import EarlyStopping
 from fitlm.finetune.errors import FinetuneError
 from fitlm.finetune.lora import LoraError, apply_lora, merge_lora, split_lora_state_dict
@@ -19,9 +18,18 @@ from fitlm.models.io import load_model_dir
 from fitlm.registry import build_model
 from fitlm.train.trainer import Trainer
 from tests.e2e.helpers import read_metrics, tiny_config
+from tests.unit.counting import trainable_parameter_count
 
-MODEL = dict(arch="llama", hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=96,
-             vocab_size=128, max_seq_len=32)
+MODEL = dict(
+    arch="llama",
+    hidden_size=64,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=96,
+    vocab_size=128,
+    max_seq_len=32,
+)
 
 
 def tiny(**kw):
@@ -109,15 +117,24 @@ def test_bad_lora_inputs_get_clear_errors(tmp_path):
         load_adapter(tmp_path / "a")
     with pytest.raises(FinetuneError, match="between 0.0 and 1.0"):
         from fitlm.finetune.freeze import frozen_layer_count
+
         frozen_layer_count(4, 1.5)
 
 
 def phi3_lora_under_tensor_parallel(targets: list[str]) -> None:
     with torch.device("meta"):  # structure only: the check needs no weights
         model = build_model(ModelConfig(**{**MODEL, "arch": "phi3"}))
-    apply_finetune(model, validate_dict({"model": {**MODEL, "arch": "phi3"}, "data": {"seq_length": 32},
-                                         "parallel": {"tensor_parallel": 2},
-                                         "finetune": {"method": "lora", "lora": {"target_modules": targets}}}))
+    apply_finetune(
+        model,
+        validate_dict(
+            {
+                "model": {**MODEL, "arch": "phi3"},
+                "data": {"seq_length": 32},
+                "parallel": {"tensor_parallel": 2},
+                "finetune": {"method": "lora", "lora": {"target_modules": targets}},
+            }
+        ),
+    )
 
 
 def test_layouts_that_cannot_shard_or_split_the_trained_part_are_refused_naming_the_key():
@@ -157,8 +174,12 @@ def test_early_stopping_counts_evaluations_without_improvement():
 @pytest.fixture(scope="module")
 def lora_run(tiny_corpus, tmp_path_factory):
     out = tmp_path_factory.mktemp("lora") / "run"
-    cfg = tiny_config(tiny_corpus, out, finetune={"method": "lora", "lora": {"r": 4, "alpha": 8}},
-                      train={"max_steps": 6, "eval_interval": 3, "lr": 5e-2, "warmup_steps": 0, "peak_tflops": 1.0})
+    cfg = tiny_config(
+        tiny_corpus,
+        out,
+        finetune={"method": "lora", "lora": {"r": 4, "alpha": 8}},
+        train={"max_steps": 6, "eval_interval": 3, "lr": 5e-2, "warmup_steps": 0, "peak_tflops": 1.0},
+    )
     trainer = Trainer(validate_dict(cfg))
     before = {k: v.clone() for k, v in trainer.pm.model.state_dict().items()}
     result = trainer.fit()
@@ -186,8 +207,12 @@ def test_lora_training_changes_only_adapters_and_saves_merged_model_plus_peft_ad
 
 
 def test_freeze_keeps_the_bottom_layers_unchanged(tiny_corpus, tmp_path):
-    cfg = tiny_config(tiny_corpus, tmp_path / "out", finetune={"method": "freeze", "freeze_layers": 0.5},
-                      train={"max_steps": 2, "eval_interval": 0, "warmup_steps": 0, "peak_tflops": 1.0})
+    cfg = tiny_config(
+        tiny_corpus,
+        tmp_path / "out",
+        finetune={"method": "freeze", "freeze_layers": 0.5},
+        train={"max_steps": 2, "eval_interval": 0, "warmup_steps": 0, "peak_tflops": 1.0},
+    )
     trainer = Trainer(validate_dict(cfg))
     before = {k: v.clone() for k, v in trainer.pm.model.state_dict().items()}
     trainer.fit()
@@ -199,9 +224,19 @@ def test_freeze_keeps_the_bottom_layers_unchanged(tiny_corpus, tmp_path):
 
 def test_early_stopping_stops_the_run_and_still_saves_the_model(tiny_corpus, tmp_path):
     # lr so high the validation loss cannot keep improving: patience 1 stops at the first non-improvement.
-    cfg = tiny_config(tiny_corpus, tmp_path / "out", train={"max_steps": 40, "eval_interval": 2, "lr": 1.0,
-                                                            "warmup_steps": 0, "peak_tflops": 1.0, "early_stopping_patience": 1,
-                                                            "grad_clip": 0.0})
+    cfg = tiny_config(
+        tiny_corpus,
+        tmp_path / "out",
+        train={
+            "max_steps": 40,
+            "eval_interval": 2,
+            "lr": 1.0,
+            "warmup_steps": 0,
+            "peak_tflops": 1.0,
+            "early_stopping_patience": 1,
+            "grad_clip": 0.0,
+        },
+    )
     result = Trainer(validate_dict(cfg)).fit()
     stop = [r for r in read_metrics(result.output_dir) if r.get("early_stop")]
     assert len(stop) == 1 and result.steps == stop[0]["step"] < 40
@@ -210,12 +245,21 @@ def test_early_stopping_stops_the_run_and_still_saves_the_model(tiny_corpus, tmp
 
 def test_a_lora_run_resumes_from_its_checkpoint_exactly(tiny_corpus, tmp_path):
     lora = {"method": "lora", "lora": {"r": 2, "target_modules": ["all-linear"]}}
-    first = tiny_config(tiny_corpus, tmp_path / "a", finetune=lora, checkpoint={"interval": 2},
-                        train={"max_steps": 4, "eval_interval": 0, "warmup_steps": 0, "peak_tflops": 1.0})
+    first = tiny_config(
+        tiny_corpus,
+        tmp_path / "a",
+        finetune=lora,
+        checkpoint={"interval": 2},
+        train={"max_steps": 4, "eval_interval": 0, "warmup_steps": 0, "peak_tflops": 1.0},
+    )
     Trainer(validate_dict(first)).fit()
-    second = tiny_config(tiny_corpus, tmp_path / "b", finetune=lora,
-                         checkpoint={"resume": str(tmp_path / "a" / "checkpoints" / "step_00000002")},
-                         train={"max_steps": 4, "eval_interval": 0, "warmup_steps": 0, "peak_tflops": 1.0})
+    second = tiny_config(
+        tiny_corpus,
+        tmp_path / "b",
+        finetune=lora,
+        checkpoint={"resume": str(tmp_path / "a" / "checkpoints" / "step_00000002")},
+        train={"max_steps": 4, "eval_interval": 0, "warmup_steps": 0, "peak_tflops": 1.0},
+    )
     Trainer(validate_dict(second)).fit()
     ref = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "a") if "loss" in r}
     got = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "b") if "loss" in r}

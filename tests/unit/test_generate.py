@@ -14,8 +14,16 @@ V = 128
 
 @pytest.fixture(params=["llama", "gpt2"])
 def model(request):
-    cfg = ModelConfig(arch=request.param, hidden_size=64, num_layers=2, num_heads=4, vocab_size=V, max_seq_len=48,
-                      init_std=0.2, num_kv_heads=2 if request.param == "llama" else None)
+    cfg = ModelConfig(
+        arch=request.param,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        vocab_size=V,
+        max_seq_len=48,
+        init_std=0.2,
+        num_kv_heads=2 if request.param == "llama" else None,
+    )
     torch.manual_seed(0)
     return build_model(cfg).eval()
 
@@ -28,7 +36,7 @@ def greedy_without_cache(model, prompt, n):
     with torch.no_grad():
         for _ in range(n):
             seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
-    return seq[len(prompt):]
+    return seq[len(prompt) :]
 
 
 def test_greedy_is_deterministic_and_matches_full_recompute(model):

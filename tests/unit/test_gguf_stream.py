@@ -75,8 +75,9 @@ def test_init_from_gguf_streams_only_the_blocks_a_rank_holds(family_gguf):
     part = dict(base_weights(cfg, groups))
     want = {k for k in reference if layer_group(k) in groups}
     # A tensor read comes out under every name it feeds (as from an HF directory): the tied embedding too.
-    assert want <= set(part) and set(part) - want <= ({"model.embed_tokens.weight"} if cfg.model.tie_embeddings
-                                                      else set())
+    assert want <= set(part) and set(part) - want <= (
+        {"model.embed_tokens.weight"} if cfg.model.tie_embeddings else set()
+    )
     assert all(torch.equal(part[k], reference[k]) for k in part)
 
 
@@ -84,15 +85,22 @@ def test_init_from_gguf_streams_only_the_blocks_a_rank_holds(family_gguf):
 
 H, FFN, V, HEADS, KV = 256, 512, 64, 4, 2  # K-quants pack 256 values per block along a row
 BLOCK = {  # llama.cpp name -> (HF module, rows, columns; 0: a vector)
-    "attn_q": ("self_attn.q_proj", H, H), "attn_k": ("self_attn.k_proj", H // 2, H),
-    "attn_v": ("self_attn.v_proj", H // 2, H), "attn_output": ("self_attn.o_proj", H, H),
-    "ffn_gate": ("mlp.gate_proj", FFN, H), "ffn_up": ("mlp.up_proj", FFN, H), "ffn_down": ("mlp.down_proj", H, FFN),
-    "attn_norm": ("input_layernorm", H, 0), "ffn_norm": ("post_attention_layernorm", H, 0)}
+    "attn_q": ("self_attn.q_proj", H, H),
+    "attn_k": ("self_attn.k_proj", H // 2, H),
+    "attn_v": ("self_attn.v_proj", H // 2, H),
+    "attn_output": ("self_attn.o_proj", H, H),
+    "ffn_gate": ("mlp.gate_proj", FFN, H),
+    "ffn_up": ("mlp.up_proj", FFN, H),
+    "ffn_down": ("mlp.down_proj", H, FFN),
+    "attn_norm": ("input_layernorm", H, 0),
+    "ffn_norm": ("post_attention_layernorm", H, 0),
+}
 
 
 def _k_blocks(rows: int, cols: int, qtype, rng: np.random.Generator) -> np.ndarray:
     """Q4_K / Q6_K blocks (the gguf package cannot quantize to them): random quants, small finite scales."""
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
+    from gguf.constants import GGML_QUANT_SIZES
+    from gguf.constants import GGMLQuantizationType as T
 
     block, size = GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
@@ -113,12 +121,22 @@ def _write_llama(path, qtype) -> dict[str, torch.Tensor]:
     T = gguf.GGMLQuantizationType
     rng = np.random.default_rng(0)
     w = gguf.GGUFWriter(str(path), "llama")
-    for add, v in [(w.add_context_length, 64), (w.add_embedding_length, H), (w.add_block_count, 2),
-                   (w.add_feed_forward_length, FFN), (w.add_head_count, HEADS), (w.add_head_count_kv, KV),
-                   (w.add_rope_freq_base, 10000.0), (w.add_layer_norm_rms_eps, 1e-5)]:
+    for add, v in [
+        (w.add_context_length, 64),
+        (w.add_embedding_length, H),
+        (w.add_block_count, 2),
+        (w.add_feed_forward_length, FFN),
+        (w.add_head_count, HEADS),
+        (w.add_head_count_kv, KV),
+        (w.add_rope_freq_base, 10000.0),
+        (w.add_layer_norm_rms_eps, 1e-5),
+    ]:
         add(v)
-    shapes = {"token_embd": ("model.embed_tokens", V, H), "output": ("lm_head", V, H),
-              "output_norm": ("model.norm", H, 0)}
+    shapes = {
+        "token_embd": ("model.embed_tokens", V, H),
+        "output": ("lm_head", V, H),
+        "output_norm": ("model.norm", H, 0),
+    }
     for i in range(2):
         for g, (ours, rows, cols) in BLOCK.items():
             shapes[f"blk.{i}.{g}"] = (f"model.layers.{i}.{ours}", rows, cols)

@@ -18,8 +18,12 @@ from fitlm.data.gguf_tokenizer import UnsupportedTokenizer, gguf_tokenizer_files
 from tests.e2e.helpers import fitlm
 from tests.unit.model_tokenizers import PHI3_TEMPLATE, STYLES, TEXTS, corpus, hf_dir
 
-CONV = [{"role": "user", "content": "What is a river?"}, {"role": "assistant", "content": "Water that flows."},
-        {"role": "user", "content": "And 河流?"}, {"role": "assistant", "content": "The same, in Chinese."}]
+CONV = [
+    {"role": "user", "content": "What is a river?"},
+    {"role": "assistant", "content": "Water that flows."},
+    {"role": "user", "content": "And 河流?"},
+    {"role": "assistant", "content": "The same, in Chinese."},
+]
 SPM_TEXTS = [*TEXTS, "  leading and trailing  ", "<|user|>\nhi<|end|>\n"]  # special strings in text stay text
 
 
@@ -34,8 +38,15 @@ def write_gguf(path: Path, n_vocab: int, add_tokenizer: Callable) -> Path:
     from fitlm.models.io import load_model_dir, save_model_dir
     from fitlm.registry import build_model
 
-    cfg = ModelConfig(arch="llama", hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64,
-                      vocab_size=n_vocab, max_seq_len=64)
+    cfg = ModelConfig(
+        arch="llama",
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        intermediate_size=64,
+        vocab_size=n_vocab,
+        max_seq_len=64,
+    )
     torch.manual_seed(0)
     save_model_dir(build_model(cfg), cfg, path.with_suffix(".src"))
     plain = export_gguf(load_model_dir(path.with_suffix(".src")), path.with_suffix(".plain.gguf"), "f32")["out"]
@@ -80,6 +91,7 @@ def bpe_metadata(ref: Path, style: str) -> tuple[Callable, int]:
             w.add_pad_token_id(vocab[s["pad"]])
         w.add_add_bos_token(s["bos"] is not None)
         w.add_chat_template(s["template"])
+
     return add, len(tokens)
 
 
@@ -103,8 +115,9 @@ def test_byte_level_gguf_imports_with_specials_and_template_then_packs_chat(refs
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["tokenizer"] is True
     out, ref, s = tmp_path / "m", _hf(refs[style]), STYLES[style]
-    assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"} <= \
-        {p.name for p in out.iterdir()}
+    assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"} <= {
+        p.name for p in out.iterdir()
+    }
     tok, theirs = Tokenizer.from_file(out), _hf(out)
     for text in TEXTS:  # the model's own tokenizer, fitlm, and transformers on the imported files agree
         want = ref(text)["input_ids"]
@@ -113,7 +126,7 @@ def test_byte_level_gguf_imports_with_specials_and_template_then_packs_chat(refs
     assert tok.add_bos == (style == "llama3") and tok.eos_id == ref.eos_token_id
     gen = json.loads((out / "generation_config.json").read_text())  # tokenizer.ggml.eot_token_id is a stop id
     stops = list(dict.fromkeys([tok.eos_id, tok.token_to_id(s["end_of_turn"])]))  # Qwen: eot is eos
-    assert gen["eos_token_id"] == (stops if len(stops) > 1 else stops[0]) and list(tok.stop_ids[:len(stops)]) == stops
+    assert gen["eos_token_id"] == (stops if len(stops) > 1 else stops[0]) and list(tok.stop_ids[: len(stops)]) == stops
     assert tok.pad_id == (ref.eos_token_id if ref.pad_token_id is None else ref.pad_token_id)
     chat = tmp_path / "chat.jsonl"
     chat.write_text(json.dumps({"messages": CONV}) + "\n")
@@ -129,7 +142,8 @@ def test_byte_level_gguf_imports_with_specials_and_template_then_packs_chat(refs
 def spm_reference(root: Path, prefix: bool) -> Path:
     """A SentencePiece-style (Llama 2 / Phi-3 layout) HF tokenizer: <unk> <s> </s>, 256 byte pieces, then BPE
     pieces trained on "▁"-spaced text in merge order; byte fallback; Phi-3's chat tokens added last."""
-    from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, normalizers, processors, trainers
+    from tokenizers import AddedToken, decoders, models, normalizers, processors, trainers
+    from tokenizers import Tokenizer as HFTokenizer
     from transformers import PreTrainedTokenizerFast
 
     spaces = normalizers.Replace(" ", "▁")
@@ -147,12 +161,18 @@ def spm_reference(root: Path, prefix: bool) -> Path:
     tok.normalizer = norm
     decs = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     tok.decoder = decoders.Sequence(decs + [decoders.Strip(" ", 1, 0)] if prefix else decs)
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in
-                            ("<unk>", "<s>", "</s>", "<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>")])
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
-                                                       special_tokens=[("<s>", 1)])
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="<|endoftext|>", unk_token="<unk>",
-                                 pad_token="<|endoftext|>")
+    tok.add_special_tokens(
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t in ("<unk>", "<s>", "</s>", "<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>")
+        ]
+    )
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
+    )
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="<|endoftext|>", unk_token="<unk>", pad_token="<|endoftext|>"
+    )
     hf.chat_template = PHI3_TEMPLATE
     out = root / f"spm-{prefix}"
     hf.save_pretrained(out)
@@ -166,8 +186,10 @@ def spm_metadata(ref: Path, prefix: bool) -> tuple[Callable, int]:
     backend = tokenizers.Tokenizer.from_file(str(ref / "tokenizer.json"))
     vocab = backend.get_vocab(with_added_tokens=True)
     tokens = sorted(vocab, key=vocab.get)
-    types = [2 if t == "<unk>" else 6 if 3 <= i < 259 else 3 if i < 3 or t.startswith("<|") else 1
-             for i, t in enumerate(tokens)]
+    types = [
+        2 if t == "<unk>" else 6 if 3 <= i < 259 else 3 if i < 3 or t.startswith("<|") else 1
+        for i, t in enumerate(tokens)
+    ]
 
     def add(w) -> None:
         w.add_tokenizer_model("llama")
@@ -181,6 +203,7 @@ def spm_metadata(ref: Path, prefix: bool) -> tuple[Callable, int]:
         w.add_add_bos_token(True)
         w.add_add_space_prefix(prefix)
         w.add_chat_template(PHI3_TEMPLATE)
+
     return add, len(tokens)
 
 
@@ -214,8 +237,15 @@ def test_fitlm_export_round_trip_keeps_the_split_rule_and_specials(refs, tmp_pat
     from fitlm.registry import build_model
 
     ref = Tokenizer.from_file(refs["llama3"])
-    cfg = ModelConfig(arch="llama", hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64,
-                      vocab_size=ref.vocab_size, max_seq_len=64)
+    cfg = ModelConfig(
+        arch="llama",
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        intermediate_size=64,
+        vocab_size=ref.vocab_size,
+        max_seq_len=64,
+    )
     save_model_dir(build_model(cfg), cfg, tmp_path / "src", tokenizer_path=refs["llama3"])
     export_gguf(load_model_dir(tmp_path / "src"), tmp_path / "m.gguf", "f32")
     import_model(tmp_path / "m.gguf", tmp_path / "back")
@@ -228,16 +258,22 @@ def test_fitlm_export_round_trip_keeps_the_split_rule_and_specials(refs, tmp_pat
 def test_unsupported_and_bad_gguf_tokenizers_are_explained(refs, tmp_path):
     from fitlm.finetune.importer import import_model
 
-    base = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b", "ab", "</s>"],
-            "tokenizer.ggml.merges": ["a b"], "tokenizer.ggml.eos_token_id": 3}
+    base = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.tokens": ["a", "b", "ab", "</s>"],
+        "tokenizer.ggml.merges": ["a b"],
+        "tokenizer.ggml.eos_token_id": 3,
+    }
     assert json.loads(gguf_tokenizer_files(base, "x.gguf")["tokenizer_config.json"])["eos_token"] == "</s>"
-    cases = [({"tokenizer.ggml.model": "bert"}, UnsupportedTokenizer, r"\.model 'bert' is not converted"),
-             ({"tokenizer.ggml.pre": "bloom"}, UnsupportedTokenizer, r"tokenizer\.ggml\.pre 'bloom'"),
-             ({"tokenizer.ggml.eos_token_id": 9}, DataError, r"tokenizer\.ggml\.eos_token_id = 9 is not a token id"),
-             ({"tokenizer.ggml.eos_token_id": None}, DataError, r"tokenizer\.ggml\.eos_token_id is missing"),
-             ({"tokenizer.ggml.merges": ["a c"]}, DataError, r"tokenizer\.ggml\.merges holds 'a c'"),
-             ({"tokenizer.ggml.model": "llama"}, DataError, r"tokenizer\.ggml\.scores is missing"),
-             ({"tokenizer.ggml.token_type": [1]}, DataError, r"token_type has 1 entries for 4 tokens")]
+    cases = [
+        ({"tokenizer.ggml.model": "bert"}, UnsupportedTokenizer, r"\.model 'bert' is not converted"),
+        ({"tokenizer.ggml.pre": "bloom"}, UnsupportedTokenizer, r"tokenizer\.ggml\.pre 'bloom'"),
+        ({"tokenizer.ggml.eos_token_id": 9}, DataError, r"tokenizer\.ggml\.eos_token_id = 9 is not a token id"),
+        ({"tokenizer.ggml.eos_token_id": None}, DataError, r"tokenizer\.ggml\.eos_token_id is missing"),
+        ({"tokenizer.ggml.merges": ["a c"]}, DataError, r"tokenizer\.ggml\.merges holds 'a c'"),
+        ({"tokenizer.ggml.model": "llama"}, DataError, r"tokenizer\.ggml\.scores is missing"),
+        ({"tokenizer.ggml.token_type": [1]}, DataError, r"token_type has 1 entries for 4 tokens"),
+    ]
     for change, error, message in cases:
         with pytest.raises(error, match=message):
             gguf_tokenizer_files({**base, **change}, "x.gguf")
@@ -245,6 +281,7 @@ def test_unsupported_and_bad_gguf_tokenizers_are_explained(refs, tmp_path):
     def bert(w) -> None:
         w.add_tokenizer_model("bert")
         w.add_token_list(["[CLS]", "a"])
+
     summary = import_model(write_gguf(tmp_path / "b.gguf", 8, bert), tmp_path / "b")
     assert summary["tokenizer"] is False and "'bert' is not converted" in summary["tokenizer_note"]
     assert not (tmp_path / "b" / "tokenizer.json").exists()

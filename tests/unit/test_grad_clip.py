@@ -44,6 +44,7 @@ def test_clip_by_norm_is_torchs_clip_and_skips_the_pass_when_it_changes_nothing(
 
     def refuse(*a, **k):
         raise AssertionError("a pass over the gradients that changes nothing")
+
     monkeypatch.setattr(torch.nn.utils, "clip_grads_with_norm_", refuse)
     small = _params(1e-3)
     before = [p.grad.clone() for p in small]
@@ -63,9 +64,12 @@ def test_the_trainers_step_clips_as_torch_does(tiny_corpus, tmp_path, clip):
     copies = {id(p): torch.nn.Parameter(p.detach().clone()) for p in params}
     for p in params:
         copies[id(p)].grad = p.grad.clone()
-    ref_opt = torch.optim.AdamW([{**{k: v for k, v in g.items() if k != "params"},
-                                  "params": [copies[id(p)] for p in g["params"]]}
-                                 for g in step.optimizer.param_groups])
+    ref_opt = torch.optim.AdamW(
+        [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": [copies[id(p)] for p in g["params"]]}
+            for g in step.optimizer.param_groups
+        ]
+    )
     ref_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     torch.nn.utils.clip_grads_with_norm_(list(copies.values()), clip, squared_norm([p.grad for p in params]).sqrt())
     ref_opt.step()

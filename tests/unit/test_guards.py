@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from fitlm.config import ConfigError, GuardsConfig, validate_dict
-from fitlm.train.balance import InputMonitor, batch_counts
 from fitlm.step.guards import StepGuards, TrainingDiverged
+from fitlm.train.balance import InputMonitor, batch_counts
 from fitlm.train.trainer import Trainer
 from tests.e2e.helpers import read_metrics, tiny_config
 
@@ -20,8 +20,11 @@ SPIKE = {"spike": "skip", "warmup_steps": 3, "window": 10, "loss_spike_sigma": 3
 
 
 def make(tiny_corpus, tmp_path, guards=None, checkpoint=None, **train) -> Trainer:
-    observe = {"tensorboard": False, "guards": guards or {},
-               **{k: train.pop(k) for k in ("tensorboard", "profile_steps") if k in train}}
+    observe = {
+        "tensorboard": False,
+        "guards": guards or {},
+        **{k: train.pop(k) for k in ("tensorboard", "profile_steps") if k in train},
+    }
     train = {"max_steps": STEPS, "eval_interval": 0, "observe": observe, **train}
     return Trainer(validate_dict(tiny_config(tiny_corpus, tmp_path / "out", train=train, checkpoint=checkpoint or {})))
 
@@ -98,8 +101,9 @@ def test_spike_with_stop_policy_stops_naming_step_and_reason(tiny_corpus, tmp_pa
 
 
 def test_spike_with_rollback_policy_reloads_the_checkpoint_and_continues(tiny_corpus, tmp_path):
-    trainer = make(tiny_corpus, tmp_path, guards={**SPIKE, "spike": "rollback", "rollback_after": 2},
-                   checkpoint={"interval": 2})
+    trainer = make(
+        tiny_corpus, tmp_path, guards={**SPIKE, "spike": "rollback", "rollback_after": 2}, checkpoint={"interval": 2}
+    )
     inject(trainer, {5, 6}, 50.0)  # two bad steps in a row: the first is skipped, the second rolls back
     assert trainer.fit().steps == STEPS
     records = guard_records(tmp_path / "out")
@@ -110,8 +114,9 @@ def test_spike_with_rollback_policy_reloads_the_checkpoint_and_continues(tiny_co
 
 
 def test_rollback_without_a_checkpoint_stops_and_says_so(tiny_corpus, tmp_path):
-    trainer = make(tiny_corpus, tmp_path, guards={"nonfinite": "rollback", "rollback_after": 1},
-                   checkpoint={"interval": 100})
+    trainer = make(
+        tiny_corpus, tmp_path, guards={"nonfinite": "rollback", "rollback_after": 1}, checkpoint={"interval": 100}
+    )
     inject(trainer, {2}, float("nan"))
     with pytest.raises(TrainingDiverged, match="none was written yet"):
         trainer.fit()
@@ -152,8 +157,11 @@ def test_spike_statistics_warm_up_and_floor():
 
 
 def test_batch_counts_and_balance_warning():
-    batch = {"input_ids": torch.tensor([[5, 6, 7, 0, 0]]), "labels": torch.tensor([[6, 7, -100, -100, -100]]),
-             "position_ids": torch.tensor([[0, 1, 2, 3, 4]])}
+    batch = {
+        "input_ids": torch.tensor([[5, 6, 7, 0, 0]]),
+        "labels": torch.tensor([[6, 7, -100, -100, -100]]),
+        "position_ids": torch.tensor([[0, 1, 2, 3, 4]]),
+    }
     assert batch_counts(batch, pad_id=0) == (2, 5, 2, 3)
     monitor = InputMonitor(ctx=None, pad_id=0, balance_threshold=1.5, wait_threshold=0.1)
     even = [[100, 500, 0, 64, 0.0, 1.0], [110, 500, 0, 64, 0.0, 1.0]]
@@ -172,7 +180,9 @@ def test_metrics_carry_input_fields_tensorboard_and_profiler_trace(tiny_corpus, 
     make(tiny_corpus, tmp_path, max_steps=3, tensorboard=True, profile_steps=[2, 3]).fit()
     out = tmp_path / "out"
     record = [r for r in read_metrics(out) if "loss" in r][-1]
-    assert 0 <= record["data_wait_share"] <= 1 and {"data", "forward", "backward", "optimizer"} <= set(record["step_seconds"])
+    assert 0 <= record["data_wait_share"] <= 1 and {"data", "forward", "backward", "optimizer"} <= set(
+        record["step_seconds"]
+    )
     assert record["target_tokens"][0] > 0 and record["padding_share"] == [0.0]
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()
@@ -184,11 +194,26 @@ def test_metrics_carry_input_fields_tensorboard_and_profiler_trace(tiny_corpus, 
 
 def test_observer_config_rules_name_their_keys(monkeypatch, tiny_corpus, tmp_path):
     with pytest.raises(ConfigError) as err:
-        validate_dict({"train": {"observe": {"guards": {"spike": "rollback", "window": 1}, "profile_steps": [5, 2],
-                                             "balance_threshold": 0.5, "consistency_interval": -1}}})
+        validate_dict(
+            {
+                "train": {
+                    "observe": {
+                        "guards": {"spike": "rollback", "window": 1},
+                        "profile_steps": [5, 2],
+                        "balance_threshold": 0.5,
+                        "consistency_interval": -1,
+                    }
+                }
+            }
+        )
     text = str(err.value)
-    for key in ("train.observe.guards.window", "train.observe.guards.spike", "train.observe.profile_steps", "train.observe.balance_threshold",
-                "train.observe.consistency_interval"):
+    for key in (
+        "train.observe.guards.window",
+        "train.observe.guards.spike",
+        "train.observe.profile_steps",
+        "train.observe.balance_threshold",
+        "train.observe.consistency_interval",
+    ):
         assert key in text
     monkeypatch.setattr("fitlm.rules.tensorboard_installed", lambda: False)
     with pytest.raises(ConfigError, match=r"train.observe.tensorboard: true.*pip install tensorboard"):
@@ -201,12 +226,15 @@ def test_sections_named_by_messages_exist_in_troubleshooting(tiny_corpus, tmp_pa
     import re
     from pathlib import Path
 
-    from fitlm.train.consistency import DOCS as CONSISTENCY_DOCS
     from fitlm.step.guards import GuardEvent
+    from fitlm.train.consistency import DOCS as CONSISTENCY_DOCS
     from fitlm.train.oom import TrainingOutOfMemory, oom_guard
 
-    headings = {line[3:].strip() for line in (Path(__file__).parents[2] / "docs" / "troubleshooting.md")
-                .read_text().splitlines() if line.startswith("## ")}
+    headings = {
+        line[3:].strip()
+        for line in (Path(__file__).parents[2] / "docs" / "troubleshooting.md").read_text().splitlines()
+        if line.startswith("## ")
+    }
     messages = [GuardEvent(1, kind, "r", "skip").message() for kind in ("nonfinite", "loss_spike", "grad_spike", "")]
     monitor = InputMonitor(ctx=None, pad_id=0, balance_threshold=1.5, wait_threshold=0.1)
     messages.append(monitor._balance_warning(1, [[100, 1, 0, 1, 0, 1], [400, 1, 0, 1, 0, 1]])["message"])

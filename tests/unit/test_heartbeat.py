@@ -12,8 +12,10 @@ import torch.distributed as dist
 from fitlm.train.heartbeat import Heartbeat, RankTimeoutError, is_peer_failure
 
 GLOO_TIMEOUT = "[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms for recv operation to complete"
-GLOO_RESET = ("Read error [127.0.0.1]:32658: Connection reset by peer. This is typically caused by a remote worker "
-              "hanging or bugs in the application. Check the logs of the remote worker before reporting an error.")
+GLOO_RESET = (
+    "Read error [127.0.0.1]:32658: Connection reset by peer. This is typically caused by a remote worker "
+    "hanging or bugs in the application. Check the logs of the remote worker before reporting an error."
+)
 
 
 class Clock:
@@ -53,8 +55,10 @@ def test_a_live_rank_that_did_not_reach_this_phase_and_a_missing_one_are_named()
     r0.mark("checkpoint save", 100)
     clock.t += 1
     msg = r0.diagnosis(RuntimeError(GLOO_TIMEOUT))
-    assert "rank 1 is alive (heartbeat 1.0 s ago) but did not reach this phase: its last one is evaluation of step 100 " \
-           "(entered 6.0 s ago)" in msg
+    assert (
+        "rank 1 is alive (heartbeat 1.0 s ago) but did not reach this phase: its last one is evaluation of step 100 "
+        "(entered 6.0 s ago)" in msg
+    )
     assert "rank 2 has no heartbeat in the store" in msg
     assert "in checkpoint save of step 100" in msg
 
@@ -75,8 +79,10 @@ def test_a_closed_connection_reads_as_a_dead_rank():
     r0.mark("optimizer", 18)
     clock.t += 0.1
     msg = r0.diagnosis(RuntimeError(GLOO_RESET))
-    assert msg.startswith("rank 0 lost its connection to another rank in optimizer of step 18 "
-                          "(gloo: Read error [127.0.0.1]:32658: Connection reset by peer)")
+    assert msg.startswith(
+        "rank 0 lost its connection to another rank in optimizer of step 18 "
+        "(gloo: Read error [127.0.0.1]:32658: Connection reset by peer)"
+    )
     assert "rank 1 did not reach this phase: its last one is forward/backward of step 18" in msg
     assert "usually died" in msg
 
@@ -88,8 +94,14 @@ def test_a_lost_peer_is_named_with_the_collective_it_died_in(tmp_path, monkeypat
 
     from fitlm.parallel.collective_trace import TRACE_ENV
 
-    inside = {"op": "send/recv", "what": "the tied embedding gradient model.embed_tokens.weight", "dim": "pp",
-              "tensor": "local [256, 64] float32, 65536 bytes", "peer": "pp rank 0", "inside": True}
+    inside = {
+        "op": "send/recv",
+        "what": "the tied embedding gradient model.embed_tokens.weight",
+        "dim": "pp",
+        "tensor": "local [256, 64] float32, 65536 bytes",
+        "peer": "pp rank 0",
+        "inside": True,
+    }
     (tmp_path / "rank1.json").write_text(json.dumps(inside))
     (tmp_path / "rank0.json").write_text(json.dumps(dict(inside, what="this rank's own")))
     monkeypatch.setenv(TRACE_ENV, str(tmp_path))
@@ -97,8 +109,10 @@ def test_a_lost_peer_is_named_with_the_collective_it_died_in(tmp_path, monkeypat
     r0, r1 = world(dist.HashStore(), 2, clock)
     r0.mark("optimizer", 3)
     msg = r0.diagnosis(RuntimeError(GLOO_RESET))
-    assert ("Rank 1 was inside send/recv of the tied embedding gradient model.embed_tokens.weight (local [256, 64] "
-            "float32, 65536 bytes) over mesh dimension pp with pp rank 0") in msg
+    assert (
+        "Rank 1 was inside send/recv of the tied embedding gradient model.embed_tokens.weight (local [256, 64] "
+        "float32, 65536 bytes) over mesh dimension pp with pp rank 0"
+    ) in msg
     assert "this rank's own" not in msg
 
 

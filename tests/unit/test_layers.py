@@ -32,8 +32,10 @@ def _imports(tree: ast.AST):
             continue  # annotations only: no import at run time
         if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "fitlm":
             if node.module == "fitlm":  # from fitlm import hardware / __version__
-                yield from (f"fitlm.{a.name}" if (PACKAGE / f"{a.name}.py").exists() or (PACKAGE / a.name).is_dir()
-                            else "fitlm" for a in node.names)
+                yield from (
+                    f"fitlm.{a.name}" if (PACKAGE / f"{a.name}.py").exists() or (PACKAGE / a.name).is_dir() else "fitlm"
+                    for a in node.names
+                )
             else:
                 yield node.module
         elif isinstance(node, ast.Import):
@@ -57,16 +59,24 @@ def test_every_unit_has_a_layer():
     layers = documented_layers()
     placed = [u for layer in layers for u in layer]
     assert len(placed) == len(set(placed)), "a unit is listed in two layers"
-    units = {p.stem if p.is_file() else p.name for p in PACKAGE.iterdir()
-             if (p.suffix == ".py" or (p.is_dir() and (p / "__init__.py").exists() or p.is_dir() and any(p.glob("*.py"))))
-             and p.name != "__pycache__"}
-    assert units - set(placed) == set(), f"units missing from docs/architecture.md's Layers table: {units - set(placed)}"
+    units = {
+        p.stem if p.is_file() else p.name
+        for p in PACKAGE.iterdir()
+        if (p.suffix == ".py" or (p.is_dir() and (p / "__init__.py").exists() or p.is_dir() and any(p.glob("*.py"))))
+        and p.name != "__pycache__"
+    }
+    assert units - set(placed) == set(), (
+        f"units missing from docs/architecture.md's Layers table: {units - set(placed)}"
+    )
 
 
 def test_imports_go_down_the_layers_only():
     level = {u: i for i, layer in enumerate(documented_layers()) for u in layer}
-    upward = [f"{f}: {src} (layer {level[src]}) imports {dst} (layer {level.get(dst)})"
-              for src, dst, f in import_edges() if level.get(dst, 99) >= level[src]]
+    upward = [
+        f"{f}: {src} (layer {level[src]}) imports {dst} (layer {level.get(dst)})"
+        for src, dst, f in import_edges()
+        if level.get(dst, 99) >= level[src]
+    ]
     assert not upward, "imports that go up or sideways:\n" + "\n".join(upward)
 
 
@@ -85,6 +95,7 @@ def module_of(target: str, modules: set[str]) -> str | None:
 
 def module_graph() -> dict[str, set[str]]:
     """module -> the fitlm modules it imports, function-level imports included, TYPE_CHECKING ones not."""
+
     def name(path: Path) -> str:
         parts = path.relative_to(ROOT).with_suffix("").parts
         return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -132,7 +143,8 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_no_import_circle_between_files():
     found = circles(module_graph())
     assert not found, "files that import each other (directly or around a circle):\n" + "\n".join(
-        " <-> ".join(c) for c in found)
+        " <-> ".join(c) for c in found
+    )
 
 
 def test_the_circle_finder_finds_one():
@@ -143,6 +155,7 @@ def test_the_circle_finder_finds_one():
 def _module_paths(tree: ast.Module):
     """Module paths in strings that are imports: the argument of import_module(...), and the entries of a
     module-level tuple or list of module paths (the registry's BUILTIN_FAMILIES, the CLI's COMMAND_MODULES)."""
+
     def paths(values):
         names = [v.value for v in values if isinstance(v, ast.Constant) and isinstance(v.value, str)]
         return [n for n in names if re.fullmatch(r"fitlm(\.[a-z_0-9]+)+", n)]
@@ -165,8 +178,10 @@ def module_strings() -> list[tuple[str, str, str]]:
 
 
 def test_the_string_checker_sees_import_module_and_module_tables():
-    tree = ast.parse('import importlib\nMODS = ("fitlm.train.trainer", "x")\nNAME = "fitlm.json"\n'
-                     'def f():\n    importlib.import_module("fitlm.serve.app")\n    return ["-m", "fitlm.cli"]\n')
+    tree = ast.parse(
+        'import importlib\nMODS = ("fitlm.train.trainer", "x")\nNAME = "fitlm.json"\n'
+        'def f():\n    importlib.import_module("fitlm.serve.app")\n    return ["-m", "fitlm.cli"]\n'
+    )
     assert sorted(_module_paths(tree)) == ["fitlm.serve.app", "fitlm.train.trainer"]
 
 
@@ -175,7 +190,9 @@ def test_module_path_strings_do_not_climb_a_layer():
     lower one. The registry, below the models it lists, is the one documented exception (it knows the built-in
     families by module path, as entry points name plugins)."""
     level = {u: i for i, layer in enumerate(documented_layers()) for u in layer}
-    upward = [f"{f}: {src} (layer {level[src]}) names {dst} (layer {level.get(dst)})"
-              for src, dst, f in module_strings() if dst != src and level.get(dst, 99) >= level[src]
-              and not (src == "registry" and dst == "models")]
+    upward = [
+        f"{f}: {src} (layer {level[src]}) names {dst} (layer {level.get(dst)})"
+        for src, dst, f in module_strings()
+        if dst != src and level.get(dst, 99) >= level[src] and not (src == "registry" and dst == "models")
+    ]
     assert not upward, "module-path strings that go up or sideways:\n" + "\n".join(upward)

@@ -7,13 +7,26 @@ import pytest
 from fitlm.config import ConfigError, validate_dict
 from fitlm.parallel.layout import layout_problems, valid_layouts
 
-MODEL = {"hidden_size": 96, "num_layers": 2, "num_heads": 6, "num_kv_heads": 3, "intermediate_size": 192,
-         "vocab_size": 512, "max_seq_len": 64}
+MODEL = {
+    "hidden_size": 96,
+    "num_layers": 2,
+    "num_heads": 6,
+    "num_kv_heads": 3,
+    "intermediate_size": 192,
+    "vocab_size": 512,
+    "max_seq_len": 64,
+}
 
 
 def problems(parallel: dict, world: int, train: dict | None = None, model: dict | None = None) -> list[str]:
-    cfg = validate_dict({"model": {**MODEL, **(model or {})}, "data": {"seq_length": 64}, "parallel": parallel,
-                         "train": {"micro_batch_size": 4, **(train or {})}})
+    cfg = validate_dict(
+        {
+            "model": {**MODEL, **(model or {})},
+            "data": {"seq_length": 64},
+            "parallel": parallel,
+            "train": {"micro_batch_size": 4, **(train or {})},
+        }
+    )
     return layout_problems(cfg, world)
 
 

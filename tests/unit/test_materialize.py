@@ -26,8 +26,9 @@ FAMILIES = ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "gpt2"]
 
 
 def tiny(arch: str, tie: bool = False, **kw) -> ModelConfig:
-    return ModelConfig(arch=arch, hidden_size=64, num_layers=2, num_heads=4, vocab_size=128, max_seq_len=64,
-                       tie_embeddings=tie, **kw)
+    return ModelConfig(
+        arch=arch, hidden_size=64, num_layers=2, num_heads=4, vocab_size=128, max_seq_len=64, tie_embeddings=tie, **kw
+    )
 
 
 def meta(cfg: ModelConfig) -> torch.nn.Module:
@@ -95,12 +96,25 @@ def hf_dirs(tmp_path_factory):
     transformers = pytest.importorskip("transformers")
     out = {}
     specs = {
-        "llama": transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=128),
+        "llama": transformers.LlamaConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=128,
+        ),
         "gpt2": transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64),
-        "phi3": transformers.Phi3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=4, vocab_size=128,
-                                        pad_token_id=0, tie_word_embeddings=False),
+        "phi3": transformers.Phi3Config(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            vocab_size=128,
+            pad_token_id=0,
+            tie_word_embeddings=False,
+        ),
     }
     for name, cfg in specs.items():
         torch.manual_seed(0)
@@ -165,7 +179,13 @@ def test_streamed_shards_read_back_by_safetensors_and_round_trip_to_hf(hf_dirs, 
     assert set(index["weight_map"]) == set(back)
     ref = tmp_path / "ref"
     ref.mkdir()
-    write_safetensors({k: v for k, v in load_file(hf_dirs["gpt2"] / "model.safetensors").items()
-                       if not k.endswith((".attn.bias", ".attn.masked_bias"))}, ref)
+    write_safetensors(
+        {
+            k: v
+            for k, v in load_file(hf_dirs["gpt2"] / "model.safetensors").items()
+            if not k.endswith((".attn.bias", ".attn.masked_bias"))
+        },
+        ref,
+    )
     want = load_file(ref / "model.safetensors")
     assert sorted(back) == sorted(want) and all(torch.equal(back[k], want[k]) for k in want)

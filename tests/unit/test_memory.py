@@ -60,9 +60,16 @@ def test_o2_gives_fp32_gradients_to_fp32_parameters(tiny_corpus, tmp_path):
 
 
 def test_fp16_overflow_skips_exactly_that_step_and_recovers(tiny_corpus, tmp_path):
-    trainer = make_trainer(tiny_corpus, tmp_path, train={"max_steps": 6, "eval_interval": 0},
-                           memory={"mixed_precision": "O2", "half_dtype": "fp16",
-                                   "loss_scaling": {"initial_scale": 1024.0, "growth_interval": 2}})
+    trainer = make_trainer(
+        tiny_corpus,
+        tmp_path,
+        train={"max_steps": 6, "eval_interval": 0},
+        memory={
+            "mixed_precision": "O2",
+            "half_dtype": "fp16",
+            "loss_scaling": {"initial_scale": 1024.0, "growth_interval": 2},
+        },
+    )
     model = trainer.pm.model
     real_forward_backward, calls, snapshots = trainer.step.forward_backward, [], {}
 
@@ -90,8 +97,8 @@ def test_fp16_overflow_skips_exactly_that_step_and_recovers(tiny_corpus, tmp_pat
 
 
 def test_static_loss_scale_stays_fixed_and_still_skips(tiny_corpus, tmp_path):
-    from fitlm.memory.loss_scale import LossScaler
     from fitlm.config import MemoryConfig
+    from fitlm.memory.loss_scale import LossScaler
 
     scaler = LossScaler(MemoryConfig(mixed_precision="O1", half_dtype="fp16", loss_scale=128.0), torch.device("cpu"))
     p = torch.nn.Parameter(torch.ones(3))
@@ -110,6 +117,7 @@ def peak_of(trainer, batch) -> int:
     def step():
         trainer.step.forward_backward([batch])
         trainer.step.optimizer_step()
+
     return peak_live_bytes(step, trainer.pm.modules, trainer.step.optimizer)["total"]
 
 
@@ -118,7 +126,9 @@ def test_recompute_modes_give_equal_gradients_and_lower_the_peak(tiny_corpus, tm
     plain = make_trainer(tiny_corpus, tmp_path / "a")
     other = make_trainer(tiny_corpus, tmp_path / "b", memory=memory)
     batch = next(iter(plain.loader))
-    assert other.step.forward_backward([batch]).item() == pytest.approx(plain.step.forward_backward([batch]).item(), rel=1e-6)
+    assert other.step.forward_backward([batch]).item() == pytest.approx(
+        plain.step.forward_backward([batch]).item(), rel=1e-6
+    )
     ga, gb = grads(plain.pm.model), grads(other.pm.model)
     for name in ga:
         torch.testing.assert_close(gb[name], ga[name], rtol=1e-5, atol=1e-7)
@@ -150,8 +160,11 @@ class NewTensorsOfShape(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor) and tuple(t.shape) in self.shapes and \
-                    t.untyped_storage().data_ptr() != self.ptr:
+            if (
+                isinstance(t, torch.Tensor)
+                and tuple(t.shape) in self.shapes
+                and t.untyped_storage().data_ptr() != self.ptr
+            ):
                 self.count += 1
         return out
 

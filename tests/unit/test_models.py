@@ -11,8 +11,17 @@ import torch.nn.functional as F
 
 from fitlm.config import Config, ModelConfig
 from fitlm.models import GPT2LMHeadModel, LlamaForCausalLM, load_model_dir, resolve_model_path, save_model_dir
-from fitlm.models.hf import HFFormatError, config_from_hf, config_to_hf, from_hf_state_dict, load_hf_dir, \
-    read_safetensors_dir, save_hf_dir, to_hf_state_dict, write_safetensors
+from fitlm.models.hf import (
+    HFFormatError,
+    config_from_hf,
+    config_to_hf,
+    from_hf_state_dict,
+    load_hf_dir,
+    read_safetensors_dir,
+    save_hf_dir,
+    to_hf_state_dict,
+    write_safetensors,
+)
 from fitlm.models.io import ModelDirError
 from fitlm.registry import RegistryError, build_model, get_model_class, model_names, register_family
 
@@ -51,7 +60,7 @@ def _ref_rope(x, pos, theta):
     d = x.shape[-1]
     freqs = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
     ang = pos[:, None].float() * freqs[None]  # [T,D/2]
-    z = torch.complex(x[..., : d // 2], x[..., d // 2:]) * torch.polar(torch.ones_like(ang), ang)
+    z = torch.complex(x[..., : d // 2], x[..., d // 2 :]) * torch.polar(torch.ones_like(ang), ang)
     return torch.cat([z.real, z.imag], dim=-1)
 
 
@@ -99,9 +108,20 @@ def test_shapes_and_output_layer(arch):
 def test_llama_state_dict_names_are_hf_names():
     model = make(tiny("llama", num_kv_heads=2))
     keys = set(model.state_dict())
-    layer = {f"model.layers.0.{n}.weight" for n in ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                                                  "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
-                                                  "input_layernorm", "post_attention_layernorm"]}
+    layer = {
+        f"model.layers.0.{n}.weight"
+        for n in [
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+            "input_layernorm",
+            "post_attention_layernorm",
+        ]
+    }
     assert layer <= keys
     assert {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"} <= keys
     assert len(keys) == 3 + 2 * 9  # no biases, no rope buffers
@@ -170,7 +190,7 @@ def test_kv_cache_incremental_equals_full_forward(arch, kv):
         cache = model.new_kv_cache(2, 32)
         # prompt, then a multi-token chunk after the prefix (explicit-mask path), then one at a time
         parts = [model(x[:, :8], kv_cache=cache), model(x[:, 8:11], kv_cache=cache)]
-        parts += [model(x[:, i:i + 1], kv_cache=cache) for i in range(11, 20)]
+        parts += [model(x[:, i : i + 1], kv_cache=cache) for i in range(11, 20)]
     assert cache.length == 20
     torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=0, atol=1e-5)
 
@@ -230,8 +250,10 @@ def test_gpt2_adapter_layout_and_roundtrip():
 def test_adapters_see_through_compile_and_checkpoint_wrappers():
     cfg = tiny("llama")
     sd = make(cfg).state_dict()
-    wrapped = {k.replace("layers.0.", "layers.0._orig_mod.")
-                .replace("layers.1.", "layers.1._checkpoint_wrapped_module."): v for k, v in sd.items()}
+    wrapped = {
+        k.replace("layers.0.", "layers.0._orig_mod.").replace("layers.1.", "layers.1._checkpoint_wrapped_module."): v
+        for k, v in sd.items()
+    }
     assert wrapped != sd and to_hf_state_dict(wrapped, cfg).keys() == sd.keys()
 
 
@@ -260,8 +282,9 @@ def test_adapter_refuses_leftover_and_missing_weights(arch):
 def test_config_to_hf_and_back(arch, tied):
     cfg = tiny(arch, tie_embeddings=tied, rope_theta=123.0, norm_eps=1e-6, intermediate_size=96)
     back = config_from_hf(config_to_hf(cfg))
-    assert back.model_dump(exclude={"rope_theta"} if arch == "gpt2" else set()) == \
-        cfg.model_dump(exclude={"rope_theta"} if arch == "gpt2" else set())
+    assert back.model_dump(exclude={"rope_theta"} if arch == "gpt2" else set()) == cfg.model_dump(
+        exclude={"rope_theta"} if arch == "gpt2" else set()
+    )
 
 
 def test_config_from_hf_refuses_unsupported_features():
@@ -278,9 +301,18 @@ def test_config_from_hf_refuses_unsupported_features():
     for moe in ("mixtral", "qwen3_moe", "deepseek_v3"):
         with pytest.raises(HFFormatError, match="mixture-of-experts"):
             config_from_hf({**hf, "model_type": moe})
-    scaled = config_from_hf({**legacy, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                        "high_freq_factor": 4.0,
-                                                        "original_max_position_embeddings": 32}})
+    scaled = config_from_hf(
+        {
+            **legacy,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        }
+    )
     assert scaled.rope_scaling.type == "llama3" and scaled.rope_scaling.original_max_seq_len == 32
 
 
@@ -327,8 +359,13 @@ def test_model_dir_roundtrip(tmp_path, arch, tied):
     (tmp_path / "tok" / "tokenizer.json").write_text('{"model": {}}')
     (tmp_path / "tok" / "chat_template.jinja").write_text("{{ messages }}")
     out = save_model_dir(model, cfg, tmp_path / "m", tokenizer_path=tmp_path / "tok" / "tokenizer.json")
-    assert sorted(p.name for p in out.iterdir()) == ["chat_template.jinja", "config.yaml", "fitlm.json",
-                                                   "model.safetensors", "tokenizer.json"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "chat_template.jinja",
+        "config.yaml",
+        "fitlm.json",
+        "model.safetensors",
+        "tokenizer.json",
+    ]
     info = json.loads((out / "fitlm.json").read_text())
     assert info["format_version"] == 1 and info["torch_version"] == torch.__version__
     loaded = load_model_dir(out)

@@ -23,28 +23,57 @@ from tests.e2e.helpers import tiny_config, write_config
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 ANALYTIC_TOLERANCE = 0.10  # the issue's bar: analytic total within 10% of the measured peak
 
-LLAMA_7B = {"arch": "llama", "hidden_size": 4096, "num_layers": 32, "num_heads": 32, "num_kv_heads": 32,
-            "intermediate_size": 11008, "vocab_size": 32000, "max_seq_len": 4096}
-LLAMA_70B = {"arch": "llama", "hidden_size": 8192, "num_layers": 80, "num_heads": 64, "num_kv_heads": 8,
-             "intermediate_size": 28672, "vocab_size": 128256, "max_seq_len": 8192}
+LLAMA_7B = {
+    "arch": "llama",
+    "hidden_size": 4096,
+    "num_layers": 32,
+    "num_heads": 32,
+    "num_kv_heads": 32,
+    "intermediate_size": 11008,
+    "vocab_size": 32000,
+    "max_seq_len": 4096,
+}
+LLAMA_70B = {
+    "arch": "llama",
+    "hidden_size": 8192,
+    "num_layers": 80,
+    "num_heads": 64,
+    "num_kv_heads": 8,
+    "intermediate_size": 28672,
+    "vocab_size": 128256,
+    "max_seq_len": 8192,
+}
 
 # (name, sections): differ in size, batch, sequence, precision, recompute, loss path, accumulation.
 MEASURED = [
     ("O0 base", {}),
     ("O2 wider", {"model": {"hidden_size": 128, "intermediate_size": 352}, "memory": {"mixed_precision": "O2"}}),
-    ("O1 mbs8", {"memory": {"mixed_precision": "O1"}, "train": {"micro_batch_size": 8, "gradient_accumulation_steps": 1}}),
+    (
+        "O1 mbs8",
+        {"memory": {"mixed_precision": "O1"}, "train": {"micro_batch_size": 8, "gradient_accumulation_steps": 1}},
+    ),
     ("O3 full recompute", {"memory": {"mixed_precision": "O3", "recompute": "full"}}),
     ("O0 selective, 4 layers", {"model": {"num_layers": 4}, "memory": {"recompute": "selective"}}),
     ("O0 chunked loss, vocab 2048", {"model": {"vocab_size": 2048}, "memory": {"loss_chunk_size": 64}}),
-    ("O2 seq 32, no doc mask", {"data": {"seq_length": 32, "document_mask": False}, "memory": {"mixed_precision": "O2"}}),
-    ("O0 tied, full every 2", {"model": {"tie_embeddings": True, "num_layers": 4},
-                               "memory": {"recompute": "full", "recompute_every_n_layers": 2}}),
+    (
+        "O2 seq 32, no doc mask",
+        {"data": {"seq_length": 32, "document_mask": False}, "memory": {"mixed_precision": "O2"}},
+    ),
+    (
+        "O0 tied, full every 2",
+        {
+            "model": {"tie_embeddings": True, "num_layers": 4},
+            "memory": {"recompute": "full", "recompute_every_n_layers": 2},
+        },
+    ),
 ]
 
 
 def _cfg(tiny_corpus, path, sections):
     # accumulation 1: MemTracker (the measuring side) follows one forward per module per step
-    base = tiny_config(tiny_corpus, path / "out", train={"max_steps": 4, "eval_interval": 0, "gradient_accumulation_steps": 1})
+    base = tiny_config(
+        tiny_corpus, path / "out", train={"max_steps": 4, "eval_interval": 0, "gradient_accumulation_steps": 1}
+    )
     for section, values in sections.items():
         base.setdefault(section, {}).update(values)
     return validate_dict(base)
@@ -95,8 +124,11 @@ def test_matmul_attentions_are_planned_by_name(tiny_corpus, tmp_path):
 
     totals, plans = {}, {}
     for kind in ("sdpa", "matmul", "matmul_saved"):
-        sections = {"model": {"max_seq_len": 1024}, "data": {"seq_length": 1024},
-                    "memory": {"attention_backward": kind, "loss_chunk_size": 64}}
+        sections = {
+            "model": {"max_seq_len": 1024},
+            "data": {"seq_length": 1024},
+            "memory": {"attention_backward": kind, "loss_chunk_size": 64},
+        }
         cfg = _cfg(tiny_corpus, tmp_path / kind, sections)
         plans[kind] = breakdown(on_device(from_config(cfg), "cpu"))
         totals[kind] = (plans[kind].total, measured_peak(cfg)["total"])
@@ -130,7 +162,9 @@ def test_lora_and_full_finetuning_plans_match_measured_peaks(tiny_corpus, tmp_pa
 
     totals = {}
     for method in ("full", "lora"):
-        cfg = _cfg(tiny_corpus, tmp_path / method, {"finetune": {"method": method}, "memory": {"mixed_precision": "O2"}})
+        cfg = _cfg(
+            tiny_corpus, tmp_path / method, {"finetune": {"method": method}, "memory": {"mixed_precision": "O2"}}
+        )
         measured = measured_peak(cfg)["total"]
         analytic, simulated = breakdown(from_config(cfg)).total, run_step(cfg)["total"]
         assert abs(analytic / measured - 1) <= ANALYTIC_TOLERANCE, (method, measured, analytic)
@@ -139,17 +173,34 @@ def test_lora_and_full_finetuning_plans_match_measured_peaks(tiny_corpus, tmp_pa
     assert all(lora < full for lora, full in zip(totals["lora"], totals["full"])), totals
 
 
-@pytest.mark.parametrize("finetune", [{"method": "lora", "lora": {"r": 4, "target_modules": ["all-linear"]}},
-                                      {"method": "lora"}, {"method": "freeze", "freeze_layers": 0.5},
-                                      {"method": "freeze", "freeze_layers": 0.5, "freeze_embeddings": True}])
+@pytest.mark.parametrize(
+    "finetune",
+    [
+        {"method": "lora", "lora": {"r": 4, "target_modules": ["all-linear"]}},
+        {"method": "lora"},
+        {"method": "freeze", "freeze_layers": 0.5},
+        {"method": "freeze", "freeze_layers": 0.5, "freeze_embeddings": True},
+    ],
+)
 def test_planner_counts_the_parameters_finetune_trains(finetune):
     from fitlm.finetune.apply import apply_finetune
-    from tests.unit.counting import trainable_parameter_count
     from fitlm.plan.finetune import adapter_params, trainable_params
     from fitlm.registry import build_model
+    from tests.unit.counting import trainable_parameter_count
 
-    cfg = validate_dict({"model": {"num_layers": 4, "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2,
-                                   "vocab_size": 256, "tie_embeddings": True}, "finetune": finetune})
+    cfg = validate_dict(
+        {
+            "model": {
+                "num_layers": 4,
+                "hidden_size": 64,
+                "num_heads": 4,
+                "num_kv_heads": 2,
+                "vocab_size": 256,
+                "tie_embeddings": True,
+            },
+            "finetune": finetune,
+        }
+    )
     model = build_model(cfg.model)
     apply_finetune(model, cfg)
     s = from_config(cfg)
@@ -157,26 +208,53 @@ def test_planner_counts_the_parameters_finetune_trains(finetune):
     assert total_params(s) + adapter_params(s) == sum(p.numel() for p in model.parameters())
 
 
-@pytest.mark.parametrize("parallel", [
-    {"pipeline_parallel": 2, "micro_batch_num": 2}, {"data_parallel": 2},  # torch's schedule, torch's DDP
-    {"context_parallel": 2},  # the K/V gathers on the fake group: full-length keys and values per layer
-    *(pytest.param(p, marks=pytest.mark.slow) for p in (
-        {"data_parallel": 2, "context_parallel": 2, "zero_stage": 2}, {"context_parallel": 2, "zero_stage": 1},
-        {"data_parallel": 2, "zero_stage": 3}, {"data_parallel": 2, "zero_stage": 2}, {"data_parallel": 2, "zero_stage": 1},
-        {"tensor_parallel": 2}, {"pipeline_parallel": 2, "micro_batch_num": 2, "pipeline_schedule": "gpipe"},
-        {"data_parallel": 2, "tensor_parallel": 2, "zero_stage": 3}))])
+@pytest.mark.parametrize(
+    "parallel",
+    [
+        {"pipeline_parallel": 2, "micro_batch_num": 2},
+        {"data_parallel": 2},  # torch's schedule, torch's DDP
+        {"context_parallel": 2},  # the K/V gathers on the fake group: full-length keys and values per layer
+        *(
+            pytest.param(p, marks=pytest.mark.slow)
+            for p in (
+                {"data_parallel": 2, "context_parallel": 2, "zero_stage": 2},
+                {"context_parallel": 2, "zero_stage": 1},
+                {"data_parallel": 2, "zero_stage": 3},
+                {"data_parallel": 2, "zero_stage": 2},
+                {"data_parallel": 2, "zero_stage": 1},
+                {"tensor_parallel": 2},
+                {"pipeline_parallel": 2, "micro_batch_num": 2, "pipeline_schedule": "gpipe"},
+                {"data_parallel": 2, "tensor_parallel": 2, "zero_stage": 3},
+            )
+        ),
+    ],
+)
 def test_multi_rank_simulation_on_fake_process_group_agrees_with_analytic(tiny_corpus, tmp_path, parallel):
     from fitlm.plan.simulate import run_step
 
-    cfg = _cfg(tiny_corpus, tmp_path, {"parallel": parallel, "data": {"document_mask": False},
-                                       "train": {"micro_batch_size": 2 if parallel.get("data_parallel") else 4}})
+    cfg = _cfg(
+        tiny_corpus,
+        tmp_path,
+        {
+            "parallel": parallel,
+            "data": {"document_mask": False},
+            "train": {"micro_batch_size": 2 if parallel.get("data_parallel") else 4},
+        },
+    )
     sim = run_step(cfg)
     assert abs(breakdown(from_config(cfg)).total / sim["total"] - 1) <= 0.05
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("parallel", [{"pipeline_parallel": 2, "micro_batch_num": 2}, {"tensor_parallel": 2},
-                                      {"data_parallel": 2}, {"context_parallel": 2}])
+@pytest.mark.parametrize(
+    "parallel",
+    [
+        {"pipeline_parallel": 2, "micro_batch_num": 2},
+        {"tensor_parallel": 2},
+        {"data_parallel": 2},
+        {"context_parallel": 2},
+    ],
+)
 def test_fake_tensors_hold_what_real_tensors_hold_on_the_fake_process_group(tiny_corpus, tmp_path, parallel):
     """The simulation's fake-tensor answers (deep copies of pipeline stages, DTensor's sharding propagation) keep
     the bytes of the same step on real tensors; tests/distributed/test_plan_accuracy.py holds both against the
@@ -207,10 +285,16 @@ def test_model_states_follow_the_zero_arithmetic():
 def test_70b_plan_is_instant_and_allocates_nothing(tmp_path, capsys):
     from fitlm.cli import main
 
-    path = write_config(tmp_path / "70b.yaml", {"model": LLAMA_70B, "data": {"seq_length": 8192},
-                                                "parallel": {"data_parallel": 8, "tensor_parallel": 8, "zero_stage": 3},
-                                                "memory": {"mixed_precision": "O2", "recompute": "full"},
-                                                "train": {"micro_batch_size": 1, "gradient_accumulation_steps": 4}})
+    path = write_config(
+        tmp_path / "70b.yaml",
+        {
+            "model": LLAMA_70B,
+            "data": {"seq_length": 8192},
+            "parallel": {"data_parallel": 8, "tensor_parallel": 8, "zero_stage": 3},
+            "memory": {"mixed_precision": "O2", "recompute": "full"},
+            "train": {"micro_batch_size": 1, "gradient_accumulation_steps": 4},
+        },
+    )
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # No wall-clock bound here (tests never depend on the machine's speed or load): planning is analytic, so
     # the memory it needs is the check that it never builds the 70B model.
@@ -249,8 +333,23 @@ def test_search_ranks_fitting_layouts_for_the_shipped_7b_config_on_8_a100(tmp_pa
     from fitlm.cli import main
 
     best = tmp_path / "best.yaml"
-    assert main(["plan", str(CONFIGS / "llama2-7b.yaml"), "--device", "a100-80g", "--num-devices", "8", "--search",
-                 "--json", "--best-out", str(best)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                str(CONFIGS / "llama2-7b.yaml"),
+                "--device",
+                "a100-80g",
+                "--num-devices",
+                "8",
+                "--search",
+                "--json",
+                "--best-out",
+                str(best),
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert 6.6e9 < out["model"]["params"] < 6.8e9 and out["fits"] is True  # the shipped layout: ZeRO-3 over 8
     # One replica of 7B with AdamW states (16 bytes per parameter, ~100 GiB) does not fit one A100.
@@ -276,8 +375,14 @@ def test_shipped_70b_config_plans_on_64_gpus():
 def test_search_covers_1024_devices():
     from fitlm.plan.search import candidates
 
-    cfg = validate_dict({"model": LLAMA_70B, "data": {"seq_length": 4096}, "memory": {"mixed_precision": "O2"},
-                         "train": {"micro_batch_size": 1, "gradient_accumulation_steps": 1024}})
+    cfg = validate_dict(
+        {
+            "model": LLAMA_70B,
+            "data": {"seq_length": 4096},
+            "memory": {"mixed_precision": "O2"},
+            "train": {"micro_batch_size": 1, "gradient_accumulation_steps": 1024},
+        }
+    )
     found = candidates(cfg, 1024, CATALOG["h100-80g"], max_micro_batch=4)
     assert found and all(c.setup.dp * c.setup.cp * c.setup.tp * c.setup.pp == 1024 for c in found)
 
@@ -319,8 +424,14 @@ def test_plan_refuses_bad_config_before_planning():
 def test_oom_message_names_phase_rank_dominant_component_and_remedies():
     from fitlm.plan.diagnose import oom_message
 
-    cfg = validate_dict({"model": LLAMA_7B, "data": {"seq_length": 4096}, "parallel": {"data_parallel": 8},
-                         "train": {"micro_batch_size": 4}})
+    cfg = validate_dict(
+        {
+            "model": LLAMA_7B,
+            "data": {"seq_length": 4096},
+            "parallel": {"data_parallel": 8},
+            "train": {"micro_batch_size": 4},
+        }
+    )
     msg = oom_message(cfg, "backward", 3, device_memory=80 * 2**30)
     assert "rank 3 during backward" in msg and "dominated by" in msg
     assert "parallel.zero_stage: 3 saves" in msg and "memory.recompute: full saves" in msg
@@ -329,8 +440,12 @@ def test_oom_message_names_phase_rank_dominant_component_and_remedies():
 def test_oom_remedies_offer_lora_and_freeze_when_fine_tuning_a_pretrained_model():
     from fitlm.plan.diagnose import oom_message, remedies
 
-    base = {"model": {**LLAMA_7B, "init_from": "hf/llama-2-7b"}, "data": {"seq_length": 4096},
-            "memory": {"mixed_precision": "O2"}, "train": {"micro_batch_size": 1}}
+    base = {
+        "model": {**LLAMA_7B, "init_from": "hf/llama-2-7b"},
+        "data": {"seq_length": 4096},
+        "memory": {"mixed_precision": "O2"},
+        "train": {"micro_batch_size": 1},
+    }
     s = from_config(validate_dict(base))
     fixes = {r.change.split(" (")[0]: r for r in remedies(s)}
     lora, freeze = fixes["finetune.method: lora"], fixes["finetune.method: freeze"]
@@ -341,8 +456,15 @@ def test_oom_remedies_offer_lora_and_freeze_when_fine_tuning_a_pretrained_model(
     assert not any(r.change.startswith("finetune.") for r in remedies(pretraining))
 
 
-@pytest.mark.parametrize("overrides", [[], ["parallel.zero_stage=2"], ["parallel.zero_stage=3", "memory.recompute=none"],
-                                       ["parallel.zero_stage=0", "train.gradient_accumulation_steps=1"]])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["parallel.zero_stage=2"],
+        ["parallel.zero_stage=3", "memory.recompute=none"],
+        ["parallel.zero_stage=0", "train.gradient_accumulation_steps=1"],
+    ],
+)
 def test_other_is_named_to_the_last_byte(overrides):
     from fitlm.plan.report import plan
 
@@ -356,9 +478,15 @@ def test_other_is_named_to_the_last_byte(overrides):
 def test_pipeline_bubble_is_paid_once_per_step():
     """One schedule run per optimizer step takes all micro_batch_num × accumulation chunks: the bubble is
     (p-1)/(m·G+p-1) of the step, not (p-1)/(m+p-1) paid G times."""
-    s = from_config(validate_dict({"model": {"num_layers": 4},
-                                   "parallel": {"pipeline_parallel": 2, "micro_batch_num": 2},
-                                   "train": {"micro_batch_size": 4, "gradient_accumulation_steps": 4}}))
+    s = from_config(
+        validate_dict(
+            {
+                "model": {"num_layers": 4},
+                "parallel": {"pipeline_parallel": 2, "micro_batch_num": 2},
+                "train": {"micro_batch_size": 4, "gradient_accumulation_steps": 4},
+            }
+        )
+    )
     for accum in (1, 4):
         t = timing(replace(s, accum=accum), get_device())
         assert t.bubble_s / t.step_s == pytest.approx(1 / (2 * accum + 1))  # dp = 1: the step is busy time + bubble

@@ -19,11 +19,27 @@ from fitlm.plan.throughput import timing
 from tests.e2e.helpers import write_config
 
 # A small GQA Llama: h64, 4 layers, 4 heads over 2 kv heads (head dim 16), vocab 512.
-SMALL = {"arch": "llama", "hidden_size": 64, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
-         "intermediate_size": 176, "vocab_size": 512, "max_seq_len": 512, "tie_embeddings": False}
+SMALL = {
+    "arch": "llama",
+    "hidden_size": 64,
+    "num_layers": 4,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "intermediate_size": 176,
+    "vocab_size": 512,
+    "max_seq_len": 512,
+    "tie_embeddings": False,
+}
 GATHERED = "context parallel: gathered K/V (kept for backward)"
-LLAMA_7B = {"arch": "llama", "hidden_size": 4096, "num_layers": 32, "num_heads": 32, "num_kv_heads": 32,
-            "intermediate_size": 11008, "vocab_size": 32000}
+LLAMA_7B = {
+    "arch": "llama",
+    "hidden_size": 4096,
+    "num_layers": 32,
+    "num_heads": 32,
+    "num_kv_heads": 32,
+    "intermediate_size": 11008,
+    "vocab_size": 32000,
+}
 
 
 def _cfg(seq: int = 512, model: dict | None = None, **sections):
@@ -117,9 +133,14 @@ def test_offload_copies_are_timed_when_they_outlast_compute():
 
 
 def test_search_splits_a_long_sequence_over_context_parallel_ranks():
-    cfg = validate_dict({"model": {**LLAMA_7B, "max_seq_len": 131072}, "data": {"seq_length": 131072},
-                         "memory": {"mixed_precision": "O2"},
-                         "train": {"micro_batch_size": 1, "gradient_accumulation_steps": 8}})
+    cfg = validate_dict(
+        {
+            "model": {**LLAMA_7B, "max_seq_len": 131072},
+            "data": {"seq_length": 131072},
+            "memory": {"mixed_precision": "O2"},
+            "train": {"micro_batch_size": 1, "gradient_accumulation_steps": 8},
+        }
+    )
     found = candidates(cfg, 4, CATALOG["h100-80g"])
     split = [c for c in found if c.setup.cp > 1]
     assert split and all(c.setup.pp == 1 and 131072 % (2 * c.setup.cp) == 0 for c in split)

@@ -14,19 +14,31 @@ from fitlm.finetune.lora import apply_lora, is_adapted
 from fitlm.parallel.lora_parallel import COLWISE, ROWWISE
 from fitlm.plan import finetune as ft
 from fitlm.plan.analytic import REFERENCE, breakdown
+from fitlm.plan.devices import CATALOG
 from fitlm.plan.setup import from_config, matmul_params, total_params
 from fitlm.plan.throughput import timing
-from fitlm.plan.devices import CATALOG
 from fitlm.registry import build_model
 
-MODEL = {"arch": "llama", "hidden_size": 64, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
-         "intermediate_size": 128, "vocab_size": 512, "max_seq_len": 64}
+MODEL = {
+    "arch": "llama",
+    "hidden_size": 64,
+    "num_layers": 4,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "intermediate_size": 128,
+    "vocab_size": 512,
+    "max_seq_len": 64,
+}
 
 
 def _cfg(finetune: dict, **sections):
     dpo = finetune.get("objective") == "dpo"
-    cfg = {"model": dict(MODEL), "finetune": finetune, "train": {"micro_batch_size": 2, "gradient_accumulation_steps": 1},
-           "data": {"seq_length": 64, "format": "preference" if dpo else "pretrain"}}
+    cfg = {
+        "model": dict(MODEL),
+        "finetune": finetune,
+        "train": {"micro_batch_size": 2, "gradient_accumulation_steps": 1},
+        "data": {"seq_length": 64, "format": "preference" if dpo else "pretrain"},
+    }
     for section, values in sections.items():
         cfg.setdefault(section, {}).update(values)
     return validate_dict(cfg)
@@ -51,28 +63,40 @@ def test_dpo_remedies_keep_the_rules_dpo_keeps():
 
     s = from_config(_cfg({"method": "full", "objective": "dpo"}, parallel={"data_parallel": 2}))
     changes = [r.change for r in remedies(s)]
-    assert changes and not any(c.startswith(("memory.loss_chunk_size", "parallel.tensor_parallel",
-                                             "parallel.context_parallel")) for c in changes), changes
+    assert changes and not any(
+        c.startswith(("memory.loss_chunk_size", "parallel.tensor_parallel", "parallel.context_parallel"))
+        for c in changes
+    ), changes
 
 
 def test_reference_copy_for_full_finetuning_none_for_lora_without_a_reference():
     full = from_config(_cfg({"method": "full", "objective": "dpo"}))
     assert _other(full)[REFERENCE] == 4 * total_params(full)  # fp32 at O0
-    half = from_config(_cfg({"method": "freeze", "freeze_layers": 0.5, "objective": "dpo"},
-                            memory={"mixed_precision": "O2"}))
+    half = from_config(
+        _cfg({"method": "freeze", "freeze_layers": 0.5, "objective": "dpo"}, memory={"mixed_precision": "O2"})
+    )
     assert _other(half)[REFERENCE] == 2 * total_params(half)  # O2 stores weights in half
     lora = from_config(_cfg({"method": "lora", "objective": "dpo"}))
     assert REFERENCE not in _other(lora)
-    named = replace(lora, cfg=lora.cfg.model_copy(update={"finetune": lora.cfg.finetune.model_copy(
-        update={"dpo": lora.cfg.finetune.dpo.model_copy(update={"reference": "/models/other"})})}))
+    named = replace(
+        lora,
+        cfg=lora.cfg.model_copy(
+            update={
+                "finetune": lora.cfg.finetune.model_copy(
+                    update={"dpo": lora.cfg.finetune.dpo.model_copy(update={"reference": "/models/other"})}
+                )
+            }
+        ),
+    )
     assert _other(named)[REFERENCE] == 4 * total_params(named)  # another model: a copy even under LoRA
     assert REFERENCE not in _other(from_config(_cfg({"method": "full"})))  # SFT: none
 
 
 def test_zero3_shards_the_policy_but_not_the_reference():
     one = breakdown(from_config(_cfg({"method": "full", "objective": "dpo"})))
-    zero3 = breakdown(from_config(_cfg({"method": "full", "objective": "dpo"},
-                                       parallel={"data_parallel": 2, "zero_stage": 3})))
+    zero3 = breakdown(
+        from_config(_cfg({"method": "full", "objective": "dpo"}, parallel={"data_parallel": 2, "zero_stage": 3}))
+    )
     assert zero3.params == one.params // 2
     assert dict(zero3.other_parts)[REFERENCE] == dict(one.other_parts)[REFERENCE]
 
@@ -91,8 +115,7 @@ def test_simulate_runs_dpo_with_one_pair_per_micro_batch_and_adds_the_reference(
     """The fake batch is 2 × micro_batch_size rows (one row would be half a pair: the step refuses it)."""
     from fitlm.plan.simulate import run_step
 
-    cfg = _cfg({"method": "full", "objective": "dpo"}, model={"num_layers": 2},
-               train={"micro_batch_size": 1})
+    cfg = _cfg({"method": "full", "objective": "dpo"}, model={"num_layers": 2}, train={"micro_batch_size": 1})
     sim, s = run_step(cfg), from_config(cfg)
     assert sim["other"] >= ft.reference_bytes(s) > 0
     assert abs(breakdown(s).total / sim["total"] - 1) <= 0.05
@@ -114,8 +137,9 @@ def _per_rank_adapter_params(model, tp: int, blocks: range) -> int:
     return held
 
 
-@pytest.mark.parametrize("parallel", [{"tensor_parallel": 2}, {"tensor_parallel": 2, "pipeline_parallel": 2},
-                                      {"pipeline_parallel": 2}])
+@pytest.mark.parametrize(
+    "parallel", [{"tensor_parallel": 2}, {"tensor_parallel": 2, "pipeline_parallel": 2}, {"pipeline_parallel": 2}]
+)
 def test_lora_per_rank_trainable_count_matches_a_real_model(parallel):
     cfg = _cfg({"method": "lora", "lora": {"r": 4, "target_modules": ["all-linear"]}}, parallel=parallel)
     model = build_model(cfg.model)
@@ -148,10 +172,14 @@ def test_plan_json_names_the_dpo_reference_and_the_per_rank_trainable_count():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("finetune, parallel", [
-    ({"method": "lora", "lora": {"target_modules": ["all-linear"]}}, {"tensor_parallel": 2}),
-    ({"method": "freeze", "freeze_layers": 0.5}, {"pipeline_parallel": 2, "micro_batch_num": 2}),
-    ({"method": "lora"}, {"pipeline_parallel": 2, "micro_batch_num": 2})])
+@pytest.mark.parametrize(
+    "finetune, parallel",
+    [
+        ({"method": "lora", "lora": {"target_modules": ["all-linear"]}}, {"tensor_parallel": 2}),
+        ({"method": "freeze", "freeze_layers": 0.5}, {"pipeline_parallel": 2, "micro_batch_num": 2}),
+        ({"method": "lora"}, {"pipeline_parallel": 2, "micro_batch_num": 2}),
+    ],
+)
 def test_finetuning_under_tp_and_pp_agrees_with_the_fake_world_simulation(finetune, parallel):
     """The per-rank adapters and per-stage optimizer states as the real step holds them (fake process group);
     measured here: +1.6% (LoRA all-linear tp2), +1.4% (freeze pp2), +3.8% (LoRA pp2) over the simulation."""

@@ -17,8 +17,16 @@ from fitlm.plan.report import plan
 from tests.e2e.helpers import write_config
 
 H, F, V, L = 4096, 11008, 32000, 32  # Llama 2 7B
-LLAMA_7B = {"arch": "llama", "hidden_size": H, "num_layers": L, "num_heads": 32, "num_kv_heads": 32,
-            "intermediate_size": F, "vocab_size": V, "max_seq_len": 4096}
+LLAMA_7B = {
+    "arch": "llama",
+    "hidden_size": H,
+    "num_layers": L,
+    "num_heads": 32,
+    "num_kv_heads": 32,
+    "intermediate_size": F,
+    "vocab_size": V,
+    "max_seq_len": 4096,
+}
 BLOCK = 4 * H * H + 3 * H * F + 2 * H  # q, k, v, o; gate, up, down; two norms
 TOP = V * H  # the embedding (or the head): the largest weight outside the blocks, gathered one by one
 GROUP = max(BLOCK, TOP)  # what a save gathers at once, at most (7B: a block)
@@ -51,8 +59,16 @@ def test_zero3_on_a100_nodes_load_and_save_follow_the_formulas():
 
 def test_loading_a_bf16_checkpoint_reads_the_largest_tensor_and_its_fp32_copy(tmp_path):
     # A real safetensors header: the planner reads the dtypes and shapes, not the data.
-    tiny = {"arch": "llama", "hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
-            "intermediate_size": 176, "vocab_size": 512, "max_seq_len": 64}
+    tiny = {
+        "arch": "llama",
+        "hidden_size": 64,
+        "num_layers": 2,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "intermediate_size": 176,
+        "vocab_size": 512,
+        "max_seq_len": 64,
+    }
     from fitlm.models.hf import save_hf_dir
     from fitlm.registry import build_model
 
@@ -79,8 +95,10 @@ def test_cpu_training_keeps_the_whole_training_state_on_the_host():
 
 
 def test_offloaded_zero3_shards_are_on_the_host_from_load_on():
-    cfg = _cfg(parallel={"data_parallel": 8, "zero_stage": 3}, memory={"mixed_precision": "O2", "cpu_offload": True,
-                                                                        "recompute": "full"})
+    cfg = _cfg(
+        parallel={"data_parallel": 8, "zero_stage": 3},
+        memory={"mixed_precision": "O2", "cpu_offload": True, "recompute": "full"},
+    )
     dev = CATALOG["h100-80g"]
     host = plan(cfg, dev, 8)["host"]
     shard = PARAMS * 4 / 8  # FSDP2's CPU offload: this rank's fp32 parameter shard ...
@@ -92,9 +110,15 @@ def test_offloaded_zero3_shards_are_on_the_host_from_load_on():
 def test_a_plan_the_host_cannot_hold_says_so(tmp_path, capsys):
     from fitlm.cli import main
 
-    path = write_config(tmp_path / "c.yaml", {"model": LLAMA_7B, "data": {"seq_length": 4096},
-                                              "parallel": {"data_parallel": 8, "zero_stage": 3},
-                                              "memory": {"mixed_precision": "O2", "cpu_offload": True, "recompute": "full"}})
+    path = write_config(
+        tmp_path / "c.yaml",
+        {
+            "model": LLAMA_7B,
+            "data": {"seq_length": 4096},
+            "parallel": {"data_parallel": 8, "zero_stage": 3},
+            "memory": {"mixed_precision": "O2", "cpu_offload": True, "recompute": "full"},
+        },
+    )
     args = ["plan", str(path), "--device", "h100-80g", "--num-devices", "8", "--host-memory", "64GB"]
     assert main(args + ["--json"]) == 0
     out = json.loads(capsys.readouterr().out)

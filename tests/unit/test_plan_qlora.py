@@ -17,15 +17,28 @@ from fitlm.plan.setup import embedding_params, from_config, head_params
 pytest.importorskip("torchao")
 
 # q/o 128x128, k/v 64x128, MLP 256x128: every Linear whole groups of 64 x 256 weights (and their halves at dp2)
-MODEL = {"arch": "llama", "hidden_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
-         "intermediate_size": 256, "vocab_size": 512, "max_seq_len": 64, "tie_embeddings": False}
+MODEL = {
+    "arch": "llama",
+    "hidden_size": 128,
+    "num_layers": 2,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "intermediate_size": 256,
+    "vocab_size": 512,
+    "max_seq_len": 64,
+    "tie_embeddings": False,
+}
 LINEARS = [128 * 128, 64 * 128, 64 * 128, 128 * 128, 256 * 128, 256 * 128, 256 * 128]
 
 
 def _setup(method: str, level: str = "O2", model: dict | None = None, **sections):
-    cfg = {"model": {**MODEL, **(model or {})}, "memory": {"mixed_precision": level},
-           "finetune": {"method": method, "lora": {"r": 8, "target_modules": ["q_proj", "v_proj"]}},
-           "train": {"micro_batch_size": 2, "gradient_accumulation_steps": 1}, "data": {"seq_length": 64}}
+    cfg = {
+        "model": {**MODEL, **(model or {})},
+        "memory": {"mixed_precision": level},
+        "finetune": {"method": method, "lora": {"r": 8, "target_modules": ["q_proj", "v_proj"]}},
+        "train": {"micro_batch_size": 2, "gradient_accumulation_steps": 1},
+        "data": {"seq_length": 64},
+    }
     for section, values in sections.items():
         cfg.setdefault(section, {}).update(values)
     return from_config(validate_dict(cfg))
@@ -68,7 +81,9 @@ def test_linears_whose_groups_do_not_fit_stay_in_the_base_storage():
     s = _setup("qlora", model={"hidden_size": 64, "intermediate_size": 176})
     assert ft.nf4_params(s) == 2 * 2 * 64 * 64
     lora = breakdown(replace(s, method="lora"))
-    assert lora.params - breakdown(s).params == int(2 * 2 * (2 * 64 * 64 - (64 * 64 * (1 / 2 + 1 / 64 + 2 / 64 ** 2) + 34)))
+    assert lora.params - breakdown(s).params == int(
+        2 * 2 * (2 * 64 * 64 - (64 * 64 * (1 / 2 + 1 / 64 + 2 / 64**2) + 34))
+    )
 
 
 def test_o1_keeps_no_half_casts_of_nf4_weights_and_the_dequantization_is_a_named_part():
@@ -96,7 +111,6 @@ def test_diagnosis_offers_qlora_when_fine_tuning_a_pretrained_model():
     assert changes["finetune.method: qlora"].memory.params < changes["finetune.method: lora"].memory.params
     tp = replace(s, tp=2, dp=1)  # tensor parallel refuses QLoRA (fitlm.rules): not offered
     assert not any(r.change.startswith("finetune.method: qlora") for r in remedies(tp))
-
 
 
 def test_simulation_runs_qlora_on_linears_with_biases():

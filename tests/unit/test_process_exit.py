@@ -18,15 +18,16 @@ TORCHRUN_ENV = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
 
 def python(code: str, **env) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # buffered, as a real pipe is
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=120, env={**base, **env})
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120, env={**base, **env}
+    )
 
 
 def test_exit_process_keeps_status_and_buffered_output_with_a_live_group(tmp_path):
     proc = python(f"""
         import sys, torch, torch.distributed as dist
         from fitlm.parallel.mesh import exit_process
-        dist.init_process_group("gloo", init_method="file://{tmp_path / 'store'}", rank=0, world_size=1)
+        dist.init_process_group("gloo", init_method="file://{tmp_path / "store"}", rank=0, world_size=1)
         t = torch.ones(3)
         dist.all_reduce(t)
         print("reduced", int(t.sum()), end="")   # stdout to a pipe is block-buffered: lost unless flushed
@@ -40,20 +41,31 @@ def test_exit_process_keeps_status_and_buffered_output_with_a_live_group(tmp_pat
 
 
 def test_cli_rank_keeps_exit_status_contract(tmp_path):
-    ok = subprocess.run([sys.executable, "-m", "fitlm.cli", "config", "docs"], capture_output=True, text=True,
-                        timeout=120, env={**os.environ, **TORCHRUN_ENV})
+    ok = subprocess.run(
+        [sys.executable, "-m", "fitlm.cli", "config", "docs"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **TORCHRUN_ENV},
+    )
     assert ok.returncode == 0, ok.stderr
     assert "train.lr" in ok.stdout  # the whole reference reached the pipe before the process left
 
     missing = tmp_path / "missing.yaml"
-    bad = subprocess.run([sys.executable, "-m", "fitlm.cli", "train", str(missing)], capture_output=True,
-                         text=True, timeout=120, env={**os.environ, **TORCHRUN_ENV})
+    bad = subprocess.run(
+        [sys.executable, "-m", "fitlm.cli", "train", str(missing)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **TORCHRUN_ENV},
+    )
     assert bad.returncode == 2, bad.stderr
     assert str(missing) in bad.stderr
 
 
 def test_cli_rank_with_a_bug_exits_1_with_its_traceback():
-    proc = python("""
+    proc = python(
+        """
         import argparse, sys
         import fitlm.cli as cli
         def broken(args):
@@ -65,6 +77,8 @@ def test_cli_rank_with_a_bug_exits_1_with_its_traceback():
             return ns
         argparse.ArgumentParser.parse_args = parse_to_broken
         sys.exit(cli.main(["config", "docs"]))
-    """, **TORCHRUN_ENV)
+    """,
+        **TORCHRUN_ENV,
+    )
     assert proc.returncode == 1, proc.stderr
     assert "Traceback" in proc.stderr and "a bug, not a user error" in proc.stderr

@@ -12,8 +12,14 @@ from tests.e2e.helpers import fitlm, tiny_config, write_config
 
 BLUEPRINT_KEYS = {"per_device", "tokens_per_s", "mfu", "peak_bytes"}
 COMPONENTS = {"params", "grads", "optimizer", "activations", "logits", "other", "total"}
-TABLES = ("## Summary", "## Per rank", "## Memory: measured vs planned", "## Step time",
-          "## Where the memory goes: top modules", "## Where the memory goes: top operators")
+TABLES = (
+    "## Summary",
+    "## Per rank",
+    "## Memory: measured vs planned",
+    "## Step time",
+    "## Where the memory goes: top modules",
+    "## Where the memory goes: top operators",
+)
 PLOTS = ("memory.png", "step_time.png", "burst.png")
 
 
@@ -76,10 +82,10 @@ def test_out_dir_rules(single, tmp_path):
     assert (foreign / "notes.txt").read_text() == "mine"
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--steps", "1"], "--steps 1: at least 2"),
-    (["--steps", "2", "--nproc", "2"], "but 2 processes run"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [(["--steps", "1"], "--steps 1: at least 2"), (["--steps", "2", "--nproc", "2"], "but 2 processes run")],
+)
 def test_bad_arguments_are_refused_before_anything_runs(single, tmp_path, args, message):
     proc = fitlm("profile", single["config"], "--out", tmp_path / "p", *args)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
@@ -120,4 +126,4 @@ def test_relaunch_under_torchrun_drops_nproc():
 
     cmd = torchrun_command(2, ["profile", "c.yaml", "--nproc", "2", "--set", "a=1", "--nproc=2", "--steps", "3"])
     assert "--nproc-per-node=2" in cmd and cmd[1:3] == ["-m", "fitlm.parallel.lifetime"]
-    assert cmd[cmd.index("fitlm.cli") + 1:] == ["profile", "c.yaml", "--set", "a=1", "--steps", "3"]
+    assert cmd[cmd.index("fitlm.cli") + 1 :] == ["profile", "c.yaml", "--set", "a=1", "--steps", "3"]

@@ -16,10 +16,24 @@ from fitlm.train.trainer import Trainer
 from tests.e2e.helpers import read_metrics, tiny_config
 
 # NormalFloat4: the 16 quantiles of N(0, 1) scaled to [-1, 1], as Dettmers et al. (2023), appendix E, list them.
-PAPER_NF4 = [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
-             -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
-             0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
-             0.7229568362236023, 1.0]
+PAPER_NF4 = [
+    -1.0,
+    -0.6961928009986877,
+    -0.5250730514526367,
+    -0.39491748809814453,
+    -0.28444138169288635,
+    -0.18477343022823334,
+    -0.09105003625154495,
+    0.0,
+    0.07958029955625534,
+    0.16093020141124725,
+    0.24611230194568634,
+    0.33791524171829224,
+    0.44070982933044434,
+    0.5626170039176941,
+    0.7229568362236023,
+    1.0,
+]
 MODEL = {"hidden_size": 128, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 256, "tie_embeddings": False}
 QLORA = {"method": "qlora", "lora": {"r": 4, "alpha": 8.0, "target_modules": ["all-linear"]}}
 
@@ -48,14 +62,26 @@ def test_codes_are_the_papers_and_dequantize_as_an_independent_blockwise_quantiz
     assert close.float().mean() > 0.99
     assert ((ours - ref).abs() <= 0.32 * absmax).all()  # at most the widest code gap (1 - 0.696) + the rounding
     assert nf4.nf4_bytes(w.numel()) / (2 * w.numel()) == pytest.approx(0.258, abs=1e-3)  # 4.126 bits / weight
-    held = sum(t.numel() * t.element_size() for t in (q.quantized_data, q.quantized_scalers, q.quantization_factor,
-                                                       q.scaler_mean, q.nf4))
+    held = sum(
+        t.numel() * t.element_size()
+        for t in (q.quantized_data, q.quantized_scalers, q.quantization_factor, q.scaler_mean, q.nf4)
+    )
     assert held == nf4.nf4_bytes(w.numel())  # every byte the tensor holds
 
 
-@pytest.mark.parametrize("shape,shards,want", [((256, 256), 1, 256), ((256, 256), 2, 256), ((128, 256), 4, 128),
-                                               ((64, 64), 1, 64), ((32, 64), 1, None), ((96, 100), 1, None),
-                                               ((256, 256), 3, None), ((256,), 1, None)])
+@pytest.mark.parametrize(
+    "shape,shards,want",
+    [
+        ((256, 256), 1, 256),
+        ((256, 256), 2, 256),
+        ((128, 256), 4, 128),
+        ((64, 64), 1, 64),
+        ((32, 64), 1, None),
+        ((96, 100), 1, None),
+        ((256, 256), 3, None),
+        ((256,), 1, None),
+    ],
+)
 def test_a_weight_is_stored_in_nf4_only_when_each_shard_holds_whole_groups(shape, shards, want):
     assert nf4.scaler_block(shape, shards) == want
 
@@ -108,7 +134,10 @@ def test_qlora_forward_equals_the_network_on_the_dequantized_base(tiny_corpus, t
 def test_resume_quantizes_the_base_again_and_continues_exactly(tiny_corpus, tmp_path):
     from fitlm.checkpoint.store import list_checkpoints
 
-    ckpt, small = {"interval": 2, "keep_last": 2}, {"max_steps": 4, "micro_batch_size": 2, "gradient_accumulation_steps": 1}
+    ckpt, small = (
+        {"interval": 2, "keep_last": 2},
+        {"max_steps": 4, "micro_batch_size": 2, "gradient_accumulation_steps": 1},
+    )
     trainer(tiny_corpus, tmp_path / "whole", train=small, checkpoint=ckpt).fit()
     step2 = dict(list_checkpoints(tmp_path / "whole" / "checkpoints"))[2]
     trainer(tiny_corpus, tmp_path / "resumed", train=small, checkpoint={**ckpt, "resume": str(step2)}).fit()

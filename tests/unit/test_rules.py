@@ -15,8 +15,15 @@ from fitlm.plan.search import candidates
 from fitlm.train.preflight import unsupported_options
 
 ROOT = Path(__file__).resolve().parents[2]
-MODEL = {"hidden_size": 96, "num_layers": 2, "num_heads": 6, "num_kv_heads": 3, "intermediate_size": 192,
-         "vocab_size": 512, "max_seq_len": 64}
+MODEL = {
+    "hidden_size": 96,
+    "num_layers": 2,
+    "num_heads": 6,
+    "num_kv_heads": 3,
+    "intermediate_size": 192,
+    "vocab_size": 512,
+    "max_seq_len": 64,
+}
 # One config per row that breaks that row (and, as far as possible, no other).
 BREAKS = [
     {"parallel": {"data_parallel": 1, "tensor_parallel": 2, "zero_stage": 1}},
@@ -45,8 +52,12 @@ BREAKS = [
 
 
 def config(overrides: dict) -> dict:
-    base = {"model": dict(MODEL), "data": {"seq_length": 64, "train": "unused"}, "train": {"micro_batch_size": 4},
-            "checkpoint": {"interval": 10}}
+    base = {
+        "model": dict(MODEL),
+        "data": {"seq_length": 64, "train": "unused"},
+        "train": {"micro_batch_size": 4},
+        "checkpoint": {"interval": 10},
+    }
     for section, values in overrides.items():
         base.setdefault(section, {}).update(values)
     return base
@@ -82,8 +93,14 @@ def test_readme_table_is_generated_from_the_rows():
 
 
 def test_search_never_proposes_a_refused_combination():
-    cfg = validate_dict(config({"model": {"num_heads": 4, "num_kv_heads": 2, "hidden_size": 128, "intermediate_size": 256},
-                                "train": {"micro_batch_size": 2, "gradient_accumulation_steps": 4}}))
+    cfg = validate_dict(
+        config(
+            {
+                "model": {"num_heads": 4, "num_kv_heads": 2, "hidden_size": 128, "intermediate_size": 256},
+                "train": {"micro_batch_size": 2, "gradient_accumulation_steps": 4},
+            }
+        )
+    )
     found = candidates(cfg, 4, CATALOG["a100-80g"], max_micro_batch=4)
     assert found
     for c in found:

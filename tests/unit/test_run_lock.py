@@ -69,8 +69,10 @@ def test_lock_of_a_crashed_run_is_taken_over_and_said(tmp_path, capsys):
 
 def test_second_train_into_a_live_run_is_refused_and_changes_nothing(tiny_corpus, tmp_path, capsys):
     out = tmp_path / "run"
-    cfg = write_config(tmp_path / "c.yaml", tiny_config(tiny_corpus, out, train={"max_steps": 2, "eval_interval": 0},
-                                                        checkpoint={"interval": 1}))
+    cfg = write_config(
+        tmp_path / "c.yaml",
+        tiny_config(tiny_corpus, out, train={"max_steps": 2, "eval_interval": 0}, checkpoint={"interval": 1}),
+    )
     assert main(["train", str(cfg)]) == 0
     capsys.readouterr()
     # "More steps" continues the finished run: allowed by the config check, refused by the live lock.

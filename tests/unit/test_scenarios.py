@@ -50,8 +50,23 @@ def test_search_writes_the_fastest_layout_that_fits_4x24gb(tmp_path, capsys):
     from fitlm.cli import main
 
     best = tmp_path / "best.yaml"
-    assert main(["plan", str(CONFIGS / "guide-7b-4x24gb.yaml"), "--device", "rtx4090", "--num-devices", "4",
-                 "--search", "--json", "--best-out", str(best)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                str(CONFIGS / "guide-7b-4x24gb.yaml"),
+                "--device",
+                "rtx4090",
+                "--num-devices",
+                "4",
+                "--search",
+                "--json",
+                "--best-out",
+                str(best),
+            ]
+        )
+        == 0
+    )
     top = json.loads(capsys.readouterr().out)["search"]["top"]
     assert top and [c["tokens_per_s"] for c in top] == sorted((c["tokens_per_s"] for c in top), reverse=True)
     chosen = validate_dict(yaml.safe_load(best.read_text()))

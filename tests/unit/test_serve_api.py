@@ -70,8 +70,14 @@ def test_greedy_chat_equals_transformers_and_fitlm_generate(server):
     assert ids == server.served.chat_ids(MESSAGES)  # the same template, rendered the same way
     hf = AutoModelForCausalLM.from_pretrained(server.dir, dtype=torch.float32).eval()
     x = torch.tensor([ids])
-    ref = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=N, do_sample=False,
-                      eos_token_id=list(tok.stop_ids), pad_token_id=tok.pad_id)[0, len(ids):].tolist()
+    ref = hf.generate(
+        x,
+        attention_mask=torch.ones_like(x),
+        max_new_tokens=N,
+        do_sample=False,
+        eos_token_id=list(tok.stop_ids),
+        pad_token_id=tok.pad_id,
+    )[0, len(ids) :].tolist()
     assert ref == generate(server.served.model, ids, N, eos_id=tok.stop_ids)
     r = chat(server)
     assert r.choices[0].message.content == tok.decode([t for t in ref if t not in tok.stop_ids])
@@ -97,14 +103,16 @@ def test_completions_plain_stream_and_stop_strings(server):
     text = full.choices[0].text
     assert full.object == "text_completion"
     assert full.usage.prompt_tokens == len(server.served.text_ids("Once upon a time"))
-    streamed, _ = stream_text(c.create(model="qwen-chat", prompt="Once upon a time", max_tokens=N, temperature=0,
-                                       stream=True))
+    streamed, _ = stream_text(
+        c.create(model="qwen-chat", prompt="Once upon a time", max_tokens=N, temperature=0, stream=True)
+    )
     assert streamed == text
-    stop = text[len(text) // 2:len(text) // 2 + 2]  # a stop string from the middle of the greedy text
+    stop = text[len(text) // 2 : len(text) // 2 + 2]  # a stop string from the middle of the greedy text
     cut = c.create(model="qwen-chat", prompt="Once upon a time", max_tokens=N, temperature=0, stop=[stop, "@@@"])
-    assert cut.choices[0].text == text[:text.index(stop)] and cut.choices[0].finish_reason == "stop"
-    streamed_cut, _ = stream_text(c.create(model="qwen-chat", prompt="Once upon a time", max_tokens=N,
-                                           temperature=0, stop=stop, stream=True))
+    assert cut.choices[0].text == text[: text.index(stop)] and cut.choices[0].finish_reason == "stop"
+    streamed_cut, _ = stream_text(
+        c.create(model="qwen-chat", prompt="Once upon a time", max_tokens=N, temperature=0, stop=stop, stream=True)
+    )
     assert streamed_cut == cut.choices[0].text
 
 
@@ -116,33 +124,45 @@ def test_seeded_sampling_is_reproducible(server):
 
 
 def test_concurrent_requests_each_equal_their_solo_result(server):
-    convs = [[{"role": "user", "content": q}] for q in
-             ("Hi", "What is a river?", "Tell me about the sea and the mountains, please.", "Why?", "Good morning",
-              "Name a colour")]
+    convs = [
+        [{"role": "user", "content": q}]
+        for q in (
+            "Hi",
+            "What is a river?",
+            "Tell me about the sea and the mountains, please.",
+            "Why?",
+            "Good morning",
+            "Name a colour",
+        )
+    ]
     solo = [chat(server, m, max_tokens=N + i).choices[0].message.content for i, m in enumerate(convs)]
     with ThreadPoolExecutor(len(convs)) as pool:  # 6 clients, 3 slots: some wait, all overlap
-        together = list(pool.map(lambda im: chat(server, im[1], max_tokens=N + im[0]).choices[0].message.content,
-                                 enumerate(convs)))
+        together = list(
+            pool.map(lambda im: chat(server, im[1], max_tokens=N + im[0]).choices[0].message.content, enumerate(convs))
+        )
     assert together == solo
     assert len(set(solo)) == len(solo)
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"max_tokens": 4}, "messages"),
-    ({"messages": [], "max_tokens": 4}, "messages"),
-    ({"messages": MESSAGES, "max_tokens": -3}, "max_tokens"),
-    ({"messages": MESSAGES, "max_tokens": 2.5}, "max_tokens"),
-    ({"messages": MESSAGES, "temperature": "hot"}, "temperature"),
-    ({"messages": MESSAGES, "top_p": 0}, "top_p"),
-    ({"messages": MESSAGES, "stop": [1, 2]}, "stop"),
-    ({"messages": MESSAGES, "stream": "yes"}, "stream"),
-    ({"messages": MESSAGES, "n": 2}, "n"),
-    ({"messages": MESSAGES, "seed": "1"}, "seed"),
-    ({"messages": MESSAGES, "frobnicate": 1}, "frobnicate"),
-    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
-    ({"messages": [{"role": "user", "content": "word " * 1100}], "max_tokens": 4}, "messages"),
-    ({"messages": MESSAGES, "max_tokens": 5000}, "max_tokens"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"max_tokens": 4}, "messages"),
+        ({"messages": [], "max_tokens": 4}, "messages"),
+        ({"messages": MESSAGES, "max_tokens": -3}, "max_tokens"),
+        ({"messages": MESSAGES, "max_tokens": 2.5}, "max_tokens"),
+        ({"messages": MESSAGES, "temperature": "hot"}, "temperature"),
+        ({"messages": MESSAGES, "top_p": 0}, "top_p"),
+        ({"messages": MESSAGES, "stop": [1, 2]}, "stop"),
+        ({"messages": MESSAGES, "stream": "yes"}, "stream"),
+        ({"messages": MESSAGES, "n": 2}, "n"),
+        ({"messages": MESSAGES, "seed": "1"}, "seed"),
+        ({"messages": MESSAGES, "frobnicate": 1}, "frobnicate"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": "word " * 1100}], "max_tokens": 4}, "messages"),
+        ({"messages": MESSAGES, "max_tokens": 5000}, "max_tokens"),
+    ],
+)
 def test_bad_requests_get_openai_400s_naming_the_parameter(server, body, param):
     r = httpx.post(server.url + "/chat/completions", json={"model": "qwen-chat", **body}, timeout=60)
     assert r.status_code == 400, r.text
@@ -170,9 +190,13 @@ def test_curl_plain_and_streaming(server):
     body = json.dumps({"model": "qwen-chat", "messages": MESSAGES, "max_tokens": N, "temperature": 0})
     args = [curl, "-sS", "--max-time", "60", server.url + "/chat/completions", "-H", "Content-Type: application/json"]
     plain = json.loads(subprocess.run(args + ["-d", body], capture_output=True, text=True, check=True).stdout)
-    streamed = subprocess.run(args + ["-N", "-d", json.dumps({**json.loads(body), "stream": True})],
-                              capture_output=True, text=True, check=True).stdout
-    events = [line[len("data: "):] for line in streamed.splitlines() if line.startswith("data: ")]
+    streamed = subprocess.run(
+        args + ["-N", "-d", json.dumps({**json.loads(body), "stream": True})],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    events = [line[len("data: ") :] for line in streamed.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     text = "".join(json.loads(e)["choices"][0]["delta"].get("content") or "" for e in events[:-1])
     assert text == plain["choices"][0]["message"]["content"] == chat(server).choices[0].message.content

@@ -31,8 +31,9 @@ BUDGETS = [12, 5, 9, 14, 7]
 
 @pytest.fixture(scope="module", params=list(ARCHS))
 def model(request):
-    cfg = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, vocab_size=V, max_seq_len=64, init_std=0.2,
-                      **ARCHS[request.param])
+    cfg = ModelConfig(
+        hidden_size=64, num_layers=2, num_heads=4, vocab_size=V, max_seq_len=64, init_std=0.2, **ARCHS[request.param]
+    )
     torch.manual_seed(0)
     return build_model(cfg).eval()
 
@@ -69,7 +70,7 @@ def test_each_slot_equals_its_solo_run(model):
     for i, (prompt, n) in enumerate(zip(PROMPTS, BUDGETS)):
         assert tokens[i] == generate(model, prompt, n), f"slot {i}"
         with torch.no_grad():  # cache-free reference: the whole sequence at once
-            full = model(torch.tensor([prompt + tokens[i][:-1]]))[0, len(prompt) - 1:]
+            full = model(torch.tensor([prompt + tokens[i][:-1]]))[0, len(prompt) - 1 :]
         torch.testing.assert_close(torch.stack(logits[i]), full, rtol=1e-4, atol=1e-4)
     assert len({len(p) for p in PROMPTS}) > 1 and len(set(tokens[0])) > 2
 
@@ -91,15 +92,22 @@ def test_slot_limits_are_enforced(model):
 def test_engine_batches_queued_requests_and_matches_solo(tmp_path):
     """Requests queued before the engine starts are admitted together (max_batch at once, the rest wait)."""
     from fitlm.data.prep.tokenizer_train import train_tokenizer
+    from fitlm.data.tokenizer import Tokenizer
     from fitlm.serve.engine import Engine, GenRequest
     from fitlm.serve.model import ServedModel
     from tests.conftest import PLAYS
 
-    from fitlm.data.tokenizer import Tokenizer
-
     tok = Tokenizer.from_file(train_tokenizer([PLAYS / "tempest_gut.txt"], 300, tmp_path / "tokenizer.json"))
-    cfg = ModelConfig(arch="llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                      vocab_size=tok.vocab_size, max_seq_len=64, init_std=0.2)
+    cfg = ModelConfig(
+        arch="llama",
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        vocab_size=tok.vocab_size,
+        max_seq_len=64,
+        init_std=0.2,
+    )
     torch.manual_seed(1)
     model = build_model(cfg).eval()
     served = ServedModel("m", model, tok, None, "none", tmp_path)
@@ -112,6 +120,7 @@ def test_engine_batches_queued_requests_and_matches_solo(tmp_path):
             events[i].append(ev)
             if ev[0] != "delta":
                 done.release()
+
         return emit
 
     broken: list = []

@@ -17,11 +17,13 @@ from tests.unit.model_tokenizers import STYLES
 from tests.unit.serve_models import chat_model_dir
 
 
-
-@pytest.mark.parametrize("style, fmt, system, stops", [
-    ("qwen", "chatml", "You are a helpful assistant.", ['"<|im_end|>"']),
-    ("llama3", "llama3", None, ['"<|eot_id|>"', '"<|end_of_text|>"']),
-])
+@pytest.mark.parametrize(
+    "style, fmt, system, stops",
+    [
+        ("qwen", "chatml", "You are a helpful assistant.", ['"<|im_end|>"']),
+        ("llama3", "llama3", None, ['"<|eot_id|>"', '"<|end_of_text|>"']),
+    ],
+)
 def test_gguf_export_writes_an_ollama_modelfile(tmp_path, style, fmt, system, stops):
     from fitlm.data.tokenizer import Tokenizer
     from fitlm.export.gguf import export_gguf
@@ -46,8 +48,12 @@ def test_formats_are_recognised_and_unknown_ones_left_to_ollama():
     from fitlm.data.chat import BUILTIN_TEMPLATES
 
     assert [chat_format(BUILTIN_TEMPLATES[n]) for n in ("chatml", "inst", "plain")] == ["chatml", "inst", "plain"]
-    assert [chat_format(STYLES[s]["template"]) for s in ("qwen", "llama3", "gemma", "phi3")] == \
-        ["chatml", "llama3", "gemma", "phi3"]
+    assert [chat_format(STYLES[s]["template"]) for s in ("qwen", "llama3", "gemma", "phi3")] == [
+        "chatml",
+        "llama3",
+        "gemma",
+        "phi3",
+    ]
     unknown = modelfile_text("m.gguf", "{{ messages[0]['content'] }}", None, 64)
     assert "\nTEMPLATE" not in unknown and "# TEMPLATE:" in unknown and "FROM ./m.gguf" in unknown
     assert _quoted('say "hi" \\ bye') == '"say \\"hi\\" \\\\ bye"'

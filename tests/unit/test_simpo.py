@@ -40,10 +40,11 @@ def test_simpo_terms_are_the_formula():
     logits = torch.randn(4, 5, 7)
     labels = torch.full((4, 5), IGNORE_INDEX)
     for row, n in enumerate((3, 1, 2, 5)):  # responses of different lengths
-        labels[row, 5 - n:] = (torch.arange(n) + row) % 7
+        labels[row, 5 - n :] = (torch.arange(n) + row) % 7
     lp = logits.log_softmax(-1)
-    summed = torch.stack([sum(lp[r, t, labels[r, t]] for t in range(5) if labels[r, t] != IGNORE_INDEX)
-                          for r in range(4)])
+    summed = torch.stack(
+        [sum(lp[r, t, labels[r, t]] for t in range(5) if labels[r, t] != IGNORE_INDEX) for r in range(4)]
+    )
     avg = average_logps(logits, labels)
     assert torch.allclose(avg, summed / torch.tensor([3.0, 1.0, 2.0, 5.0]))
     avg = torch.tensor([-1.0, -2.5, -1.5, -2.0])  # chosen (2 pairs), then rejected
@@ -74,9 +75,17 @@ def trl_simpo_first_step(cfg, policy_dir: Path) -> dict[str, float]:
         return chosen, rejected, logits.chunk(2)[0], logits.chunk(2)[1], torch.zeros(())
 
     s = cfg.finetune.simpo
-    trainer = SimpleNamespace(loss_type="simpo", beta=s.beta, simpo_gamma=s.gamma, label_smoothing=0.0, alpha=0.0,
-                              cpo_alpha=0.0, aux_loss_enabled=False, concatenated_forward=concatenated_forward,
-                              accelerator=SimpleNamespace(device=torch.device("cpu"), gather_for_metrics=lambda t: t))
+    trainer = SimpleNamespace(
+        loss_type="simpo",
+        beta=s.beta,
+        simpo_gamma=s.gamma,
+        label_smoothing=0.0,
+        alpha=0.0,
+        cpo_alpha=0.0,
+        aux_loss_enabled=False,
+        concatenated_forward=concatenated_forward,
+        accelerator=SimpleNamespace(device=torch.device("cpu"), gather_for_metrics=lambda t: t),
+    )
     trainer.cpo_loss = lambda c, r: CPOTrainer.cpo_loss(trainer, c, r)
     loss, metrics = CPOTrainer.get_batch_loss_metrics(trainer, None, {})
     return {"loss": float(loss), **{k: metrics[k] for k in REWARDS}}
@@ -106,15 +115,22 @@ def test_config_names_the_keys_and_rules_refuse_what_dpo_refuses():
     base = {"model": MODEL, "data": {"train": "x", "seq_length": 64, "format": "preference"}}
     cfg = validate_dict({**base, "finetune": {"objective": "simpo"}})
     assert (cfg.finetune.simpo.beta, cfg.finetune.simpo.gamma) == (2.0, 0.5)
-    for extra, message in (({"data": {"train": "x", "seq_length": 64}, "finetune": {"objective": "simpo"}},
-                            "finetune.objective: simpo trains on preference pairs but data.format is 'pretrain'"),
-                           ({"finetune": {"objective": "sft"}}, "need finetune.objective: dpo or simpo"),
-                           ({"finetune": {"objective": "simpo", "simpo": {"beta": 0}}},
-                            "finetune.simpo.beta: must be positive"),
-                           ({"finetune": {"objective": "simpo"}, "parallel": {"tensor_parallel": 2}},
-                            "finetune.objective: simpo scores whole sequences on one rank"),
-                           ({"finetune": {"objective": "simpo"}, "memory": {"loss_chunk_size": 32}},
-                            "finetune.objective: simpo needs each sequence's own log-probability")):
+    for extra, message in (
+        (
+            {"data": {"train": "x", "seq_length": 64}, "finetune": {"objective": "simpo"}},
+            "finetune.objective: simpo trains on preference pairs but data.format is 'pretrain'",
+        ),
+        ({"finetune": {"objective": "sft"}}, "need finetune.objective: dpo or simpo"),
+        ({"finetune": {"objective": "simpo", "simpo": {"beta": 0}}}, "finetune.simpo.beta: must be positive"),
+        (
+            {"finetune": {"objective": "simpo"}, "parallel": {"tensor_parallel": 2}},
+            "finetune.objective: simpo scores whole sequences on one rank",
+        ),
+        (
+            {"finetune": {"objective": "simpo"}, "memory": {"loss_chunk_size": 32}},
+            "finetune.objective: simpo needs each sequence's own log-probability",
+        ),
+    ):
         with pytest.raises(ConfigError, match=message):
             validate_dict({**base, **extra})
 
@@ -128,9 +144,16 @@ def test_plan_doubles_the_rows_and_adds_no_reference():
     from fitlm.plan.throughput import timing
 
     def setup(objective: str):
-        return from_config(validate_dict({"model": MODEL, "finetune": {"objective": objective},
-                                          "train": {"micro_batch_size": 2},
-                                          "data": {"seq_length": 64, "format": "preference"}}))
+        return from_config(
+            validate_dict(
+                {
+                    "model": MODEL,
+                    "finetune": {"objective": objective},
+                    "train": {"micro_batch_size": 2},
+                    "data": {"seq_length": 64, "format": "preference"},
+                }
+            )
+        )
 
     simpo, dpo = setup("simpo"), setup("dpo")  # full fine-tuning: DPO keeps a frozen copy
     assert simpo.rows == dpo.rows == 4 and simpo.tokens_per_step == dpo.tokens_per_step
@@ -167,9 +190,15 @@ def test_data_parallel_and_zero_equal_one_process(pairs, tmp_path):
     for z in (0, 3):
         name = f"zero{z}"
         (ranks := tmp_path / f"{name}-ranks").mkdir()
-        history = run_world(_dp_worker, "tests.unit.test_dpo", 2, {name: case(name, 1, {"data_parallel": 2,
-                                                                                         "zero_stage": z})},
-                            ranks, 200, "SimPO data-parallel workers")[0][name]
+        history = run_world(
+            _dp_worker,
+            "tests.unit.test_dpo",
+            2,
+            {name: case(name, 1, {"data_parallel": 2, "zero_stage": z})},
+            ranks,
+            200,
+            "SimPO data-parallel workers",
+        )[0][name]
         assert len(history) == len(single) == 3, name
         for ref, got in zip(single, history):
             for key in ("loss", "rewards/margins", "rewards/accuracies", "grad_norm"):

@@ -12,14 +12,17 @@ import pytest
 import torch
 
 from fitlm.data import DataError, PackedDataset, Tokenizer
-
-from fitlm.data.prep import pack_corpus, train_tokenizer
 from fitlm.data.chat import BUILTIN_TEMPLATES, ChatEncoder, resolve_template
 from fitlm.data.inspect import inspect_packed
+from fitlm.data.prep import pack_corpus, train_tokenizer
 from tests.unit.model_tokenizers import CHAT, STYLES, TEXTS, hf_dir
 
-CONV = [{"role": "user", "content": "What is a river?"}, {"role": "assistant", "content": "Water that flows."},
-        {"role": "user", "content": "And 河流?"}, {"role": "assistant", "content": "The same, in Chinese."}]
+CONV = [
+    {"role": "user", "content": "What is a river?"},
+    {"role": "assistant", "content": "Water that flows."},
+    {"role": "user", "content": "And 河流?"},
+    {"role": "assistant", "content": "The same, in Chinese."},
+]
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +86,8 @@ def test_chat_template_is_the_models_and_renders_as_transformers(dirs, style):
     for gen in (False, True):
         conv = CONV[:3] if gen else CONV
         assert enc.render(conv, add_generation_prompt=gen) == hf.apply_chat_template(
-            conv, tokenize=False, add_generation_prompt=gen)
+            conv, tokenize=False, add_generation_prompt=gen
+        )
     theirs = hf.apply_chat_template(CONV, tokenize=True, return_dict=True)["input_ids"]
     ids, mask = enc.encode(CONV)
     # Phi-3's template writes no BOS but its tokenizer adds one: fitlm puts it first (once); nothing else differs.
@@ -93,8 +97,11 @@ def test_chat_template_is_the_models_and_renders_as_transformers(dirs, style):
     eot = STYLES[style]["end_of_turn"]
     assert _trained_runs(tok, ids, mask) == [f"Water that flows.{eot}", f"The same, in Chinese.{eot}"]
     prompt = enc.encode(CONV[:3], add_generation_prompt=True)[0]
-    assert prompt == ([tok.bos_id] if style == "phi3" else []) + hf.apply_chat_template(
-        CONV[:3], tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
+    assert (
+        prompt
+        == ([tok.bos_id] if style == "phi3" else [])
+        + hf.apply_chat_template(CONV[:3], tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
+    )
 
 
 def test_template_sources_and_hf_jinja_features(dirs, tmp_path):
@@ -104,15 +111,19 @@ def test_template_sources_and_hf_jinja_features(dirs, tmp_path):
     shutil.copytree(dirs["qwen"], d)
     (d / "chat_template.jinja").unlink()
     cfg = json.loads((d / "tokenizer_config.json").read_text())
-    listed = [{"name": "tool_use", "template": "{{ raise_exception('tools') }}"},
-              {"name": "default", "template": STYLES["qwen"]["template"]}]
+    listed = [
+        {"name": "tool_use", "template": "{{ raise_exception('tools') }}"},
+        {"name": "default", "template": STYLES["qwen"]["template"]},
+    ]
     (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": listed}))
     want = (str(d / "tokenizer_config.json"), STYLES["qwen"]["template"])
     assert resolve_template(None, d / "tokenizer.json") == want
     assert resolve_template(str(d))[1] == STYLES["qwen"]["template"]  # a model directory as --template
     assert resolve_template("chatml", d / "tokenizer.json")[0] == "chatml"  # an explicit choice still wins
-    src = ("{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}{% generation %}"
-           "{{ m | tojson }}{% endgeneration %}{% endfor %}{{ strftime_now('%Y') | length }}")
+    src = (
+        "{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}{% generation %}"
+        "{{ m | tojson }}{% endgeneration %}{% endfor %}{{ strftime_now('%Y') | length }}"
+    )
     text = ChatEncoder(tok, src).render(CONV)
     assert text == json.dumps(CONV[0], ensure_ascii=False) + json.dumps(CONV[1], ensure_ascii=False) + "4"
 
@@ -123,7 +134,7 @@ def test_no_doubled_eos_and_qwen_packs_without_bos(dirs, tmp_path):
     ids, mask = ChatEncoder(tok, BUILTIN_TEMPLATES["chatml"], "chatml").encode(CONV)
     assert ids.count(tok.eos_id) == len(CONV) and ids[-1] != tok.eos_id  # chatml ends "<|im_end|>\n"
     src = tmp_path / "chat.jsonl"
-    src.write_text("".join(json.dumps({"messages": CONV[:2 + 2 * (i % 2)]}) + "\n" for i in range(6)))
+    src.write_text("".join(json.dumps({"messages": CONV[: 2 + 2 * (i % 2)]}) + "\n" for i in range(6)))
     m = pack_corpus([src], dirs["qwen"] / "tokenizer.json", tmp_path / "p", show_progress=False, data_format="chat")
     assert m["chat_template"].endswith("chat_template.jinja") and m["bos_id"] is None and m["eos_id"] == tok.eos_id
     report = inspect_packed(tmp_path / "p", sample_tokens=500, sample_doc=1)
@@ -159,8 +170,16 @@ def test_generation_stops_at_any_of_the_models_eos_ids(dirs, tmp_path):
     from fitlm.registry import build_model
 
     tok = Tokenizer.from_file(dirs["llama3"])
-    cfg = ModelConfig(arch="llama", hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64,
-                      vocab_size=tok.vocab_size, max_seq_len=64, init_std=0.5)
+    cfg = ModelConfig(
+        arch="llama",
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        intermediate_size=64,
+        vocab_size=tok.vocab_size,
+        max_seq_len=64,
+        init_std=0.5,
+    )
     torch.manual_seed(0)
     model = build_model(cfg).eval()
     prompt = tok.encode("Hello", add_bos=True)
@@ -173,7 +192,7 @@ def test_generation_stops_at_any_of_the_models_eos_ids(dirs, tmp_path):
     out = save_model_dir(model, cfg, tmp_path / "m", tokenizer_path=d)
     assert json.loads((out / "generation_config.json").read_text()) == gen  # copied beside the weights
     got = generate_text(str(out), "Hello", max_new_tokens=12, seed=None)["token_ids"]
-    assert got == free[:free.index(stop) + 1]
+    assert got == free[: free.index(stop) + 1]
 
 
 def test_bad_tokenizer_files_are_named(dirs, tmp_path):

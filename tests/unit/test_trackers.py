@@ -20,9 +20,12 @@ ALL = ["tensorboard", "wandb", "mlflow"]
 
 
 def train(tiny_corpus, out: Path, steps: int, **observe) -> Trainer:
-    cfg = tiny_config(tiny_corpus, out, train={"max_steps": steps, "eval_interval": 0,
-                                               "observe": {"report_to": ALL, **observe}},
-                      checkpoint={"interval": 2})
+    cfg = tiny_config(
+        tiny_corpus,
+        out,
+        train={"max_steps": steps, "eval_interval": 0, "observe": {"report_to": ALL, **observe}},
+        checkpoint={"interval": 2},
+    )
     trainer = Trainer(validate_dict(cfg))
     trainer.fit()
     return trainer
@@ -42,8 +45,8 @@ def wandb_records(run_dir: Path):
             if block - pos % block < 7:  # a block's tail too short for a chunk header is padding
                 pos += block - pos % block
                 continue
-            length, kind = struct.unpack("<HB", data[pos + 4:pos + 7])
-            parts += data[pos + 7:pos + 7 + length]
+            length, kind = struct.unpack("<HB", data[pos + 4 : pos + 7])
+            parts += data[pos + 7 : pos + 7 + length]
             pos += 7 + length
             if kind in (1, 4):  # FULL or LAST: a record is complete
                 record = pb.Record()
@@ -109,8 +112,9 @@ def test_every_tracker_gets_the_metrics_and_the_config_and_a_resume_continues_th
     client = mlflow_client(out)
     run = client.get_run(first_ids["mlflow"])
     assert run.info.status == "FINISHED" and run.info.run_name == "out"
-    assert {m.step: m.value for m in client.get_metric_history(run.info.run_id, "loss")} == \
-        pytest.approx({s: r["loss"] for s, r in logged.items()})
+    assert {m.step: m.value for m in client.get_metric_history(run.info.run_id, "loss")} == pytest.approx(
+        {s: r["loss"] for s, r in logged.items()}
+    )
     assert run.data.params["train.lr"] == "0.01" and run.data.params["model.arch"] == "llama"
     assert len(client.search_runs([run.info.experiment_id])) == 1
 

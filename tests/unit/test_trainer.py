@@ -80,8 +80,12 @@ def test_unsupported_options_are_refused_together(tiny_corpus, tmp_path):
     from fitlm.config import ConfigError
 
     with pytest.raises(ConfigError) as e:
-        make_trainer(tiny_corpus, tmp_path, train={"early_stopping_patience": 2, "eval_interval": 0},
-                     parallel={"tensor_parallel": 2})
+        make_trainer(
+            tiny_corpus,
+            tmp_path,
+            train={"early_stopping_patience": 2, "eval_interval": 0},
+            parallel={"tensor_parallel": 2},
+        )
     assert len(e.value.problems) == 2
     assert "but 1 processes run" in e.value.problems[-1] and "dp1×tp1×pp1" in e.value.problems[-1]
     assert not (tmp_path / "out").exists()

@@ -15,18 +15,33 @@ from pathlib import Path
 from typing import Any
 
 from fitlm.data.errors import DataError
-from fitlm.data.prep.clean_filters import (FILTERS, CleanOptions, CleanWriter, Tally, check_document, check_options,
-                                           prepare_document, write_report)
+from fitlm.data.prep.clean_filters import (
+    FILTERS,
+    CleanOptions,
+    CleanWriter,
+    Tally,
+    check_document,
+    check_options,
+    prepare_document,
+    write_report,
+)
 from fitlm.data.prep.dedup import MinHashLSH, exact_key
 from fitlm.data.prep.output import Progress, atomic_dir, check_out_dir
 from fitlm.data.prep.ray_session import check_engine
 from fitlm.data.prep.sources import DEFAULT_MIN_DOC_CHARS, ReadStats, Split, check_split, expand_inputs, iter_documents
 
 
-def clean_corpus(inputs: Sequence[Path | str], out_dir: Path | str, options: CleanOptions | None = None,
-                 split: Split = "blank-lines", min_doc_chars: int = DEFAULT_MIN_DOC_CHARS,
-                 show_progress: bool = True, overwrite: bool = False, engine: str = "local",
-                 ray_address: str | None = None) -> dict[str, Any]:
+def clean_corpus(
+    inputs: Sequence[Path | str],
+    out_dir: Path | str,
+    options: CleanOptions | None = None,
+    split: Split = "blank-lines",
+    min_doc_chars: int = DEFAULT_MIN_DOC_CHARS,
+    show_progress: bool = True,
+    overwrite: bool = False,
+    engine: str = "local",
+    ray_address: str | None = None,
+) -> dict[str, Any]:
     """Clean `inputs` into `out_dir` (jsonl files + report.json); return the report.
 
     engine "ray" runs the same steps on Ray Data (fitlm.data.prep.clean_ray) and keeps the same documents."""
@@ -41,8 +56,10 @@ def clean_corpus(inputs: Sequence[Path | str], out_dir: Path | str, options: Cle
     check_out_dir(out_dir, files, overwrite)
     if engine == "ray":
         from fitlm.data.prep.clean_ray import clean_on_ray
-        return atomic_dir(out_dir, lambda tmp: clean_on_ray(files, tmp, o, split, min_doc_chars, show_progress,
-                                                            ray_address))
+
+        return atomic_dir(
+            out_dir, lambda tmp: clean_on_ray(files, tmp, o, split, min_doc_chars, show_progress, ray_address)
+        )
 
     def write(tmp: Path) -> dict:
         stats = ReadStats()
@@ -74,5 +91,14 @@ def clean_corpus(inputs: Sequence[Path | str], out_dir: Path | str, options: Cle
     return atomic_dir(out_dir, write)
 
 
-__all__ = ["CleanOptions", "CleanWriter", "FILTERS", "Tally", "check_document", "check_options", "clean_corpus",
-           "prepare_document", "write_report"]
+__all__ = [
+    "CleanOptions",
+    "CleanWriter",
+    "FILTERS",
+    "Tally",
+    "check_document",
+    "check_options",
+    "clean_corpus",
+    "prepare_document",
+    "write_report",
+]

@@ -23,14 +23,21 @@ import numpy as np
 
 from fitlm.data.prep.clean_filters import CleanOptions, CleanWriter, Tally, prepare_document, write_report
 from fitlm.data.prep.dedup import MinHasher, exact_key
-from fitlm.data.prep.ray_session import ray_session, reraise_data_error
 from fitlm.data.prep.ray_read import add_replaced, read_rows
+from fitlm.data.prep.ray_session import ray_session, reraise_data_error
 from fitlm.data.prep.sources import ReadStats, Split
 
 
 def _prepare(batch: dict[str, np.ndarray], o: CleanOptions, hasher: MinHasher | None) -> dict[str, np.ndarray]:
-    out: dict[str, Any] = {"reason": [], "clean": [], "normalized": [], "controls": [], "key": [], "has_sig": [],
-                           "sig": []}
+    out: dict[str, Any] = {
+        "reason": [],
+        "clean": [],
+        "normalized": [],
+        "controls": [],
+        "key": [],
+        "has_sig": [],
+        "sig": [],
+    }
     width = hasher.num_perm if hasher is not None else 1
     zeros = np.zeros(width, np.uint32)
     for raw in batch["text"]:
@@ -47,8 +54,13 @@ def _prepare(batch: dict[str, np.ndarray], o: CleanOptions, hasher: MinHasher | 
     # fixed-width bytes, which drop trailing zero bytes).
     cols = {k: np.asarray(v, dtype=object if k in ("reason", "clean", "key") else None) for k, v in out.items()}
     cols["sig"] = np.stack(out["sig"]) if out["sig"] else np.zeros((0, width), np.uint32)
-    return {"gidx": batch["gidx"], "raw_chars": np.array([len(t) for t in batch["text"]], np.int64),
-            "nbytes": batch["nbytes"], "replaced": batch["replaced"], **cols}
+    return {
+        "gidx": batch["gidx"],
+        "raw_chars": np.array([len(t) for t in batch["text"]], np.int64),
+        "nbytes": batch["nbytes"],
+        "replaced": batch["replaced"],
+        **cols,
+    }
 
 
 # Every group-by below groups by a *slice* of the key space (key mod `slices`), and each UDF call
@@ -97,7 +109,7 @@ def _pairs(group: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     sizes = np.diff(np.r_[starts, len(bucket)])
     a, b = [], []
     for start, size in zip(starts[sizes > 1].tolist(), sizes[sizes > 1].tolist()):
-        g = np.unique(gidx[start:start + size])
+        g = np.unique(gidx[start : start + size])
         i, j = np.triu_indices(len(g), k=1)
         a.append(g[i])
         b.append(g[j])
@@ -107,13 +119,21 @@ def _pairs(group: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 def _sig_rows(batch: dict[str, np.ndarray], slices: int) -> dict[str, np.ndarray]:
     n = len(batch["gidx"])
-    return {"slice": _sliced(batch["gidx"], slices), "key": batch["gidx"], "other": np.full(n, -1, np.int64),
-            "sig": batch["sig"]}
+    return {
+        "slice": _sliced(batch["gidx"], slices),
+        "key": batch["gidx"],
+        "other": np.full(n, -1, np.int64),
+        "sig": batch["sig"],
+    }
 
 
 def _pair_rows(batch: dict[str, np.ndarray], width: int, slices: int) -> dict[str, np.ndarray]:
-    return {"slice": _sliced(batch["a"], slices), "key": batch["a"], "other": batch["b"],
-            "sig": np.zeros((len(batch["a"]), width), np.uint32)}
+    return {
+        "slice": _sliced(batch["a"], slices),
+        "key": batch["a"],
+        "other": batch["b"],
+        "sig": np.zeros((len(batch["a"]), width), np.uint32),
+    }
 
 
 def _lookup(group: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -180,17 +200,28 @@ def _near_duplicates(ray: Any, prepared: Any, exact_drop: np.ndarray, hasher: Mi
     return _ids(_group(own.union(sent), slices, _near_duplicates_in, need=hasher.need))
 
 
-def clean_on_ray(files: Sequence[Path], tmp: Path, o: CleanOptions, split: Split, min_doc_chars: int,
-                 show_progress: bool, address: str | None) -> dict[str, Any]:
+def clean_on_ray(
+    files: Sequence[Path],
+    tmp: Path,
+    o: CleanOptions,
+    split: Split,
+    min_doc_chars: int,
+    show_progress: bool,
+    address: str | None,
+) -> dict[str, Any]:
     """Write the cleaned corpus of `files` into `tmp` (called inside the atomic output directory)."""
     hasher = MinHasher(o.jaccard, o.num_perm, o.ngram) if o.near_dedup else None
     with ray_session(address, show_progress) as ray:
         try:
-            prepared = read_rows(ray, files, split, min_doc_chars).map_batches(
-                _prepare, batch_format="numpy", fn_kwargs={"o": o, "hasher": hasher}).materialize()
+            prepared = (
+                read_rows(ray, files, split, min_doc_chars)
+                .map_batches(_prepare, batch_format="numpy", fn_kwargs={"o": o, "hasher": hasher})
+                .materialize()
+            )
             exact_drop = _exact_duplicates(prepared) if o.exact_dedup else np.zeros(0, np.int64)
-            near_drop = (_near_duplicates(ray, prepared, exact_drop, hasher) if hasher is not None
-                         else np.zeros(0, np.int64))
+            near_drop = (
+                _near_duplicates(ray, prepared, exact_drop, hasher) if hasher is not None else np.zeros(0, np.int64)
+            )
             stats, tally, out = ReadStats(), Tally(), CleanWriter(tmp)
             try:
                 for b in prepared.iter_batches(batch_format="numpy", batch_size=4096):
@@ -200,10 +231,16 @@ def clean_on_ray(files: Sequence[Path], tmp: Path, o: CleanOptions, split: Split
                         add_replaced(stats, files, int(b["gidx"][k]), b["replaced"][k])
                         if not b["raw_chars"][k]:
                             continue
-                        reason = b["reason"][k] or ("exact_duplicate" if is_exact[k] else
-                                                    "near_duplicate" if is_near[k] else None)
-                        tally.add(int(b["raw_chars"][k]), reason, b["clean"][k], bool(b["normalized"][k]),
-                                  int(b["controls"][k]))
+                        reason = b["reason"][k] or (
+                            "exact_duplicate" if is_exact[k] else "near_duplicate" if is_near[k] else None
+                        )
+                        tally.add(
+                            int(b["raw_chars"][k]),
+                            reason,
+                            b["clean"][k],
+                            bool(b["normalized"][k]),
+                            int(b["controls"][k]),
+                        )
                         if reason is None:
                             out.write(b["clean"][k])
             finally:

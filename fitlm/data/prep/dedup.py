@@ -68,8 +68,13 @@ def lsh_params(threshold: float, num_perm: int) -> tuple[int, int]:
 class MinHasher:
     """Signatures and LSH bucket keys; a plain picklable object, so Ray workers compute what this process would."""
 
-    def __init__(self, threshold: float = DEFAULT_JACCARD, num_perm: int = DEFAULT_NUM_PERM,
-                 ngram: int | None = None, seed: int = 1):
+    def __init__(
+        self,
+        threshold: float = DEFAULT_JACCARD,
+        num_perm: int = DEFAULT_NUM_PERM,
+        ngram: int | None = None,
+        seed: int = 1,
+    ):
         if not 0.0 < threshold <= 1.0:
             raise ValueError(f"Jaccard threshold must be in (0, 1], got {threshold}")
         if num_perm < 2 or (ngram is not None and ngram < 1):
@@ -93,13 +98,13 @@ class MinHasher:
         step = max(1, (1 << 20) // max(1, sh.size))  # bound the [perms, shingles] temporary to ~8 MB
         with np.errstate(over="ignore"):
             for i in range(0, self.num_perm, step):
-                a, b = self._a[i:i + step, None], self._b[i:i + step, None]
-                sig[i:i + step] = ((a * sh[None, :] + b) >> np.uint64(32)).min(axis=1)
+                a, b = self._a[i : i + step, None], self._b[i : i + step, None]
+                sig[i : i + step] = ((a * sh[None, :] + b) >> np.uint64(32)).min(axis=1)
         return sig.astype(np.uint32)
 
     def bucket_keys(self, sig: np.ndarray) -> np.ndarray:
         """One 64-bit key per band (a hash of the band index and its rows); equal keys = same bucket."""
-        rows = sig[:self.bands * self.rows].reshape(self.bands, self.rows).astype(np.uint64)
+        rows = sig[: self.bands * self.rows].reshape(self.bands, self.rows).astype(np.uint64)
         h = self._band_seed.copy()
         for j in range(self.rows):
             h = splitmix64(h ^ rows[:, j])
@@ -114,8 +119,13 @@ class MinHashLSH(MinHasher):
     """Streaming near-duplicate filter: `seen(text)` is True if an earlier text (kept or not) shares a
     bucket with it and agrees in >= threshold of signature positions. Every text's signature is stored."""
 
-    def __init__(self, threshold: float = DEFAULT_JACCARD, num_perm: int = DEFAULT_NUM_PERM,
-                 ngram: int | None = None, seed: int = 1):
+    def __init__(
+        self,
+        threshold: float = DEFAULT_JACCARD,
+        num_perm: int = DEFAULT_NUM_PERM,
+        ngram: int | None = None,
+        seed: int = 1,
+    ):
         super().__init__(threshold, num_perm, ngram, seed)
         self._tables: list[dict[int, list[int]]] = [{} for _ in range(self.bands)]
         self._sigs: list[np.ndarray] = []
@@ -145,5 +155,15 @@ def jaccard(a: str, b: str, ngram: int | None = None) -> float:
     return len(np.intersect1d(x, y)) / len(np.union1d(x, y))
 
 
-__all__ = ["DEFAULT_JACCARD", "DEFAULT_NUM_PERM", "MinHashLSH", "MinHasher", "bucket_probability", "exact_key",
-           "jaccard", "lsh_params", "normalise_for_match", "shingle_hashes"]
+__all__ = [
+    "DEFAULT_JACCARD",
+    "DEFAULT_NUM_PERM",
+    "MinHashLSH",
+    "MinHasher",
+    "bucket_probability",
+    "exact_key",
+    "jaccard",
+    "lsh_params",
+    "normalise_for_match",
+    "shingle_hashes",
+]

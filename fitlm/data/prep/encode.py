@@ -12,12 +12,12 @@ import numpy as np
 from fitlm.data.preference import Pair, PreferenceEncoder
 from fitlm.data.tokenizer import Tokenizer
 
-
 _STATE: dict[str, Any] = {}
 
 
-def init_encoder(tokenizer_path: str, names: dict[str, str], template: tuple[str, str] | None,
-                  single_thread: bool = False) -> None:
+def init_encoder(
+    tokenizer_path: str, names: dict[str, str], template: tuple[str, str] | None, single_thread: bool = False
+) -> None:
     if single_thread:  # a pool worker: one thread each, so N workers use N cores without oversubscription
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
     tok = Tokenizer.from_file(tokenizer_path, **names)
@@ -25,6 +25,7 @@ def init_encoder(tokenizer_path: str, names: dict[str, str], template: tuple[str
     _STATE["tok"] = tok
     if template is not None:
         from fitlm.data.chat import ChatEncoder
+
         _STATE["chat"] = ChatEncoder(tok, template[1], template[0])
 
 
@@ -81,7 +82,6 @@ def _encode_pairs(batch: list[Pair], max_length: int | None) -> dict[str, Any]:
             seqs.append(ids)
             masks.append(mask)
     return _flat(seqs, masks, counts)
-
 
 
 __all__ = ["encode_batch", "init_encoder"]

@@ -38,25 +38,32 @@ def _check_parts(parts: list[PackedDataset]) -> None:
     for p in parts[1:]:
         diff = [k for k in _SAME if p.manifest.get(k) != first.manifest.get(k)]
         if diff:
-            raise DataError(f"cannot merge {p.path} with {first.path}: they differ in {', '.join(diff)}; "
-                            "pack every part with the same tokenizer and --format")
+            raise DataError(
+                f"cannot merge {p.path} with {first.path}: they differ in {', '.join(diff)}; "
+                "pack every part with the same tokenizer and --format"
+            )
     infos = [p.manifest.get("part") for p in parts]
     if any(infos):
         counts = {i["count"] for i in infos if i}
         if None in infos or len(counts) != 1:
-            raise DataError("cannot merge: some inputs are parts of a split pack (--shard-index/--num-shards) and "
-                            "some are not, or they were split differently; merge the parts of one pack")
+            raise DataError(
+                "cannot merge: some inputs are parts of a split pack (--shard-index/--num-shards) and "
+                "some are not, or they were split differently; merge the parts of one pack"
+            )
         n = counts.pop()
         have = sorted(i["index"] for i in infos)
         if have != list(range(n)):
             missing = sorted(set(range(n)) - set(have))
             dup = sorted({i for i in have if have.count(i) > 1})
-            raise DataError(f"cannot merge: parts of {n} expected; missing {missing or 'none'}, repeated {dup or 'none'}; "
-                            "pass every part exactly once")
+            raise DataError(
+                f"cannot merge: parts of {n} expected; missing {missing or 'none'}, repeated {dup or 'none'}; "
+                "pass every part exactly once"
+            )
 
 
-def merge_packed(inputs: Sequence[Path | str], out_dir: Path | str, overwrite: bool = False,
-                 verify: bool = True) -> dict[str, Any]:
+def merge_packed(
+    inputs: Sequence[Path | str], out_dir: Path | str, overwrite: bool = False, verify: bool = True
+) -> dict[str, Any]:
     """Merge packed directories into `out_dir` (parts of a split pack are ordered by part index)."""
     if not inputs:
         raise DataError("no packed directories to merge; pass two or more")
@@ -88,8 +95,11 @@ def merge_packed(inputs: Sequence[Path | str], out_dir: Path | str, overwrite: b
         tok = parts[0].load_tokenizer()
         manifest = {
             **base_manifest(tok, parts[0].dtype, parts[0].data_format),
-            "num_tokens": sum(p.num_tokens for p in parts), "num_docs": sum(p.num_docs for p in parts),
-            "shards": shards, "sources": [s for p in parts for s in p.manifest.get("sources", [])], "part": None,
+            "num_tokens": sum(p.num_tokens for p in parts),
+            "num_docs": sum(p.num_docs for p in parts),
+            "shards": shards,
+            "sources": [s for p in parts for s in p.manifest.get("sources", [])],
+            "part": None,
             "merged_from": [str(p.path) for p in parts],
             "chat_template": parts[0].manifest.get("chat_template"),
             "doc_tokens": {"min": int(lengths.min()), "max": int(lengths.max()), "mean": float(lengths.mean())},

@@ -23,10 +23,24 @@ class Progress:
         self._bar = None
         if enabled:
             from rich.console import Console
-            from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                                       TransferSpeedColumn)
-            self._bar = Progress(TextColumn(label), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                                 TimeRemainingColumn(), console=Console(stderr=True), transient=True)
+            from rich.progress import (
+                BarColumn,
+                DownloadColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+                TransferSpeedColumn,
+            )
+
+            self._bar = Progress(
+                TextColumn(label),
+                BarColumn(),
+                DownloadColumn(),
+                TransferSpeedColumn(),
+                TimeRemainingColumn(),
+                console=Console(stderr=True),
+                transient=True,
+            )
             self._task = self._bar.add_task(label, total=total)
 
     def __enter__(self) -> Callable[[int], None]:
@@ -44,17 +58,24 @@ def check_out_dir(out_dir: Path, files: Sequence[Path], overwrite: bool) -> None
     if out_dir.exists() and not out_dir.is_dir():
         raise DataError(f"output {out_dir} exists and is not a directory; choose a directory path for --out")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
-        raise DataError(f"output directory {out_dir} is not empty; choose a new or empty directory, "
-                        "or pass --overwrite to replace its contents")
+        raise DataError(
+            f"output directory {out_dir} is not empty; choose a new or empty directory, "
+            "or pass --overwrite to replace its contents"
+        )
     root = out_dir.resolve()
     for f in files:
         if root == f.resolve() or root in f.resolve().parents:
-            raise DataError(f"input {f} lies inside the output directory {out_dir}; "
-                            "write the packed data somewhere else")
+            raise DataError(
+                f"input {f} lies inside the output directory {out_dir}; write the packed data somewhere else"
+            )
 
 
-def atomic_dir(out_dir: Path, write: Callable[[Path], dict], what: str = "fitlm data",
-               needed: int | Callable[[], int | None] | None = None) -> dict:
+def atomic_dir(
+    out_dir: Path,
+    write: Callable[[Path], dict],
+    what: str = "fitlm data",
+    needed: int | Callable[[], int | None] | None = None,
+) -> dict:
     """Run `write(tmp)` in a temporary sibling of `out_dir`, then move it into place (fitlm.atomic).
 
     A full disk (ENOSPC/EDQUOT) becomes a DiskFullError naming `out_dir` and `needed` bytes, raised after
@@ -64,9 +85,18 @@ def atomic_dir(out_dir: Path, write: Callable[[Path], dict], what: str = "fitlm 
 
 
 def base_manifest(tok: Tokenizer, dtype: np.dtype, data_format: str) -> dict[str, Any]:
-    return {"format": FORMAT, "format_version": FORMAT_VERSION, "data_format": data_format, "dtype": dtype.name,
-            "vocab_size": tok.vocab_size, "tokenizer_sha256": tok.sha256, "bos_id": tok.bos_id,
-            "eos_id": tok.eos_id, "pad_id": tok.pad_id, "special_tokens": tok.special_tokens}
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "data_format": data_format,
+        "dtype": dtype.name,
+        "vocab_size": tok.vocab_size,
+        "tokenizer_sha256": tok.sha256,
+        "bos_id": tok.bos_id,
+        "eos_id": tok.eos_id,
+        "pad_id": tok.pad_id,
+        "special_tokens": tok.special_tokens,
+    }
 
 
 __all__ = ["Progress", "atomic_dir", "base_manifest", "check_out_dir"]

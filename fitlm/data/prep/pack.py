@@ -24,14 +24,31 @@ import numpy as np
 
 from fitlm import __version__
 from fitlm.data.errors import DataError
-from fitlm.data.format import (FORMAT, FORMAT_VERSION, MANIFEST_FILE, OFFSETS_FILE, TOKENS_FILE, sha256_file,
-                               shard_files, token_dtype)
+from fitlm.data.format import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST_FILE,
+    OFFSETS_FILE,
+    TOKENS_FILE,
+    sha256_file,
+    shard_files,
+    token_dtype,
+)
 from fitlm.data.preference import MANIFEST_KEY, Pair
 from fitlm.data.prep.encode import encode_batch, init_encoder
 from fitlm.data.prep.output import Progress, atomic_dir, base_manifest, check_out_dir
 from fitlm.data.prep.ray_session import check_engine
-from fitlm.data.prep.sources import (DEFAULT_MIN_DOC_CHARS, Document, ReadStats, Split, check_split, expand_inputs,
-                                     iter_chat, iter_documents, iter_preference)
+from fitlm.data.prep.sources import (
+    DEFAULT_MIN_DOC_CHARS,
+    Document,
+    ReadStats,
+    Split,
+    check_split,
+    expand_inputs,
+    iter_chat,
+    iter_documents,
+    iter_preference,
+)
 from fitlm.data.tokenizer import TOKENIZER_FILE, Tokenizer
 
 DEFAULT_SHARD_TOKENS = 1 << 28  # 256 Mi tokens: 512 MiB of uint16 per shard
@@ -50,8 +67,13 @@ def _batches(items: Iterator[tuple[Any, int]], advance: Callable[[int], None]) -
         if not item:
             continue
         batch.append(item)
-        chars += len(item) if isinstance(item, str) else item.chars() if isinstance(item, Pair) \
+        chars += (
+            len(item)
+            if isinstance(item, str)
+            else item.chars()
+            if isinstance(item, Pair)
             else sum(len(m["content"]) for m in item)
+        )
         if len(batch) >= _BATCH_DOCS or chars >= _BATCH_CHARS:
             yield batch
             batch, chars = [], 0
@@ -59,8 +81,9 @@ def _batches(items: Iterator[tuple[Any, int]], advance: Callable[[int], None]) -
         yield batch
 
 
-def _encoded(batches: Iterator[list[Any]], workers: int, init_args: tuple, max_length: int | None,
-             overlong: str) -> Iterator[dict[str, Any]]:
+def _encoded(
+    batches: Iterator[list[Any]], workers: int, init_args: tuple, max_length: int | None, overlong: str
+) -> Iterator[dict[str, Any]]:
     """Encoded batches in input order; at most 2 × workers batches in flight (bounded memory)."""
     if workers <= 1:
         init_encoder(*init_args)
@@ -104,11 +127,11 @@ class ShardWriter:
         for n in lengths.tolist():
             if not self._open:
                 self._start()
-            data = ids[at:at + n].astype(self.dtype).tobytes()
+            data = ids[at : at + n].astype(self.dtype).tobytes()
             self._tok_f.write(data)
             self._hash["tokens"].update(data)
             if self.chat:
-                m = mask[at:at + n].tobytes()
+                m = mask[at : at + n].tobytes()
                 self._mask_f.write(m)
                 self._hash["mask"].update(m)
             self._offsets.append(self._offsets[-1] + n)
@@ -121,12 +144,21 @@ class ShardWriter:
         if self._mask_f:
             self._mask_f.close()
         np.save(self.root / self.files["offsets"], np.asarray(self._offsets, dtype=np.int64))
-        checks = {self.files["tokens"]: self._hash["tokens"].hexdigest(),
-                  self.files["offsets"]: sha256_file(self.root / self.files["offsets"])}
+        checks = {
+            self.files["tokens"]: self._hash["tokens"].hexdigest(),
+            self.files["offsets"]: sha256_file(self.root / self.files["offsets"]),
+        }
         if self.chat:
             checks[self.files["mask"]] = self._hash["mask"].hexdigest()
-        self.entries.append({"name": self.files["tokens"].split(".")[0], "num_tokens": self._offsets[-1],
-                             "num_docs": len(self._offsets) - 1, "files": dict(self.files), "checksums": checks})
+        self.entries.append(
+            {
+                "name": self.files["tokens"].split(".")[0],
+                "num_tokens": self._offsets[-1],
+                "num_docs": len(self._offsets) - 1,
+                "files": dict(self.files),
+                "checksums": checks,
+            }
+        )
         self.index += 1
         self._open = False
 
@@ -197,13 +229,16 @@ def pack_corpus(
     part = None
     if shard_index is not None or num_shards is not None:
         if shard_index is None or num_shards is None or not 0 <= shard_index < num_shards:
-            raise DataError(f"--shard-index {shard_index} --num-shards {num_shards}: give both, with "
-                            "0 <= shard-index < num-shards")
+            raise DataError(
+                f"--shard-index {shard_index} --num-shards {num_shards}: give both, with 0 <= shard-index < num-shards"
+            )
         part = {"index": shard_index, "count": num_shards, "inputs_total": len(files)}
         files = files[shard_index::num_shards]
         if not files:
-            raise DataError(f"part {shard_index} of {num_shards} gets no input file ({part['inputs_total']} inputs); "
-                            "use fewer --num-shards than input files")
+            raise DataError(
+                f"part {shard_index} of {num_shards} gets no input file ({part['inputs_total']} inputs); "
+                "use fewer --num-shards than input files"
+            )
     out_dir = Path(out_dir)
     check_out_dir(out_dir, files, overwrite)
     tok = Tokenizer.from_file(tokenizer_path)
@@ -212,6 +247,7 @@ def pack_corpus(
     tmpl = None
     if chat:
         from fitlm.data.chat import ChatEncoder, resolve_template
+
         tmpl = resolve_template(template, tok.path)
         ChatEncoder(tok, tmpl[1], tmpl[0])  # compile errors surface here, before any worker starts
 
@@ -238,8 +274,11 @@ def pack_corpus(
 
     def write(tmp: Path) -> dict:
         stats = ReadStats()
-        counts = ({"pairs": 0, "dropped_overlong": 0} if preference else
-                  {"no_assistant": 0, "truncated": 0, "dropped_overlong": 0, "conversations": 0})
+        counts = (
+            {"pairs": 0, "dropped_overlong": 0}
+            if preference
+            else {"no_assistant": 0, "truncated": 0, "dropped_overlong": 0, "conversations": 0}
+        )
         writer = ShardWriter(tmp, dtype, chat, shard_tokens)
         try:
             return _write(tmp, stats, counts, writer)
@@ -249,6 +288,7 @@ def pack_corpus(
 
     def _write(tmp: Path, stats: ReadStats, counts: dict[str, int], writer: ShardWriter) -> dict:
         with Progress(show_progress, input_bytes) as bar:
+
             def advance(n: int) -> None:
                 seen["read"] += n
                 bar(n)
@@ -256,18 +296,34 @@ def pack_corpus(
             if preference:
                 source = iter_preference(files, stats)
             elif chat and engine == "local":
+
                 def items() -> Iterator[tuple[Any, int]]:
                     for m, n in iter_chat(files, stats):
                         counts["conversations"] += m is not None
                         yield m, n
+
                 source = items()
             else:
                 source = ((d.text, d.nbytes) for d in iter_documents(files, split, min_doc_chars, stats))
             init = (str(tok.path), tok.special_tokens, tmpl)
             if engine == "ray":
                 from fitlm.data.prep.pack_ray import encode_on_ray
-                stream = encode_on_ray(files, split, min_doc_chars, chat, init, max_length, overlong, workers, stats,
-                                       counts, advance, ray_address, show_progress)
+
+                stream = encode_on_ray(
+                    files,
+                    split,
+                    min_doc_chars,
+                    chat,
+                    init,
+                    max_length,
+                    overlong,
+                    workers,
+                    stats,
+                    counts,
+                    advance,
+                    ray_address,
+                    show_progress,
+                )
             else:
                 stream = _encoded(marked(_batches(source, advance)), workers, init, max_length, overlong)
             for enc in stream:
@@ -281,15 +337,23 @@ def pack_corpus(
         num_docs = sum(s["num_docs"] for s in shards)
         if num_docs == 0:
             names = ", ".join(str(f) for f in files)
-            what = ("no preference pair within --max-length" if preference else
-                    "no conversation with an assistant turn" if chat else "no text (only whitespace or nothing)")
+            what = (
+                "no preference pair within --max-length"
+                if preference
+                else "no conversation with an assistant turn"
+                if chat
+                else "no text (only whitespace or nothing)"
+            )
             raise DataError(f"empty corpus: {names} contain(s) {what}; pass files that hold the data to pack")
         copied = tok.copy_to(tmp)
         lengths = np.concatenate([np.diff(np.load(tmp / s["files"]["offsets"])) for s in shards])
         manifest = {
             **base_manifest(tok, dtype, "chat" if chat else data_format),
-            "num_tokens": int(lengths.sum()), "num_docs": num_docs, "shards": shards,
-            "sources": [str(f) for f in files], "part": part,
+            "num_tokens": int(lengths.sum()),
+            "num_docs": num_docs,
+            "shards": shards,
+            "sources": [str(f) for f in files],
+            "part": part,
             "split": split if not chat else None,
             "min_doc_chars": min_doc_chars if split == "blank-lines" and not chat else None,
             "engine": engine,
@@ -308,6 +372,24 @@ def pack_corpus(
     return atomic_dir(out_dir, write, "fitlm data pack", needed)
 
 
-__all__ = ["DEFAULT_MIN_DOC_CHARS", "DEFAULT_SHARD_TOKENS", "Document", "FORMAT", "FORMAT_VERSION", "MANIFEST_FILE",
-           "OFFSETS_FILE", "ReadStats", "ShardWriter", "TOKENIZER_FILE", "TOKENS_FILE", "atomic_dir", "base_manifest",
-           "check_out_dir", "expand_inputs", "iter_documents", "pack_corpus", "sha256_file", "token_dtype"]
+__all__ = [
+    "DEFAULT_MIN_DOC_CHARS",
+    "DEFAULT_SHARD_TOKENS",
+    "Document",
+    "FORMAT",
+    "FORMAT_VERSION",
+    "MANIFEST_FILE",
+    "OFFSETS_FILE",
+    "ReadStats",
+    "ShardWriter",
+    "TOKENIZER_FILE",
+    "TOKENS_FILE",
+    "atomic_dir",
+    "base_manifest",
+    "check_out_dir",
+    "expand_inputs",
+    "iter_documents",
+    "pack_corpus",
+    "sha256_file",
+    "token_dtype",
+]

@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from fitlm.data.prep.ray_session import ray_session, reraise_data_error
 from fitlm.data.prep.ray_read import add_replaced, read_rows
+from fitlm.data.prep.ray_session import ray_session, reraise_data_error
 from fitlm.data.prep.sources import ReadStats, Split
 
 _BATCH_ROWS = 512  # documents per encode call, as the local engine's batches
@@ -27,8 +27,9 @@ _BATCH_ROWS = 512  # documents per encode call, as the local engine's batches
 _LOADED: dict[str, Any] = {}
 
 
-def _encode(batch: dict[str, np.ndarray], init: tuple, chat: bool, max_length: int | None,
-            overlong: str) -> dict[str, np.ndarray]:
+def _encode(
+    batch: dict[str, np.ndarray], init: tuple, chat: bool, max_length: int | None, overlong: str
+) -> dict[str, np.ndarray]:
     """One output row per input batch. A task, not an actor: actors would hold CPUs the read tasks need
     (on 2 CPUs, 2 actors starve the readers). Ray reuses worker processes, so the tokenizer is loaded once
     per process, keyed by its arguments."""
@@ -63,23 +64,42 @@ def _one(a: np.ndarray) -> np.ndarray:
     return out
 
 
-def encode_on_ray(files: Sequence[Path], split: Split, min_doc_chars: int, chat: bool, init: tuple,
-                  max_length: int | None, overlong: str, workers: int, stats: ReadStats, counts: dict[str, int],
-                  advance: Callable[[int], None], address: str | None, show_progress: bool) -> Iterator[dict]:
+def encode_on_ray(
+    files: Sequence[Path],
+    split: Split,
+    min_doc_chars: int,
+    chat: bool,
+    init: tuple,
+    max_length: int | None,
+    overlong: str,
+    workers: int,
+    stats: ReadStats,
+    counts: dict[str, int],
+    advance: Callable[[int], None],
+    address: str | None,
+    show_progress: bool,
+) -> Iterator[dict]:
     """Encoded batches of `files` in input order, as `pack._encoded` yields them on the local engine."""
     with ray_session(address, show_progress) as ray:
         try:
             ds = read_rows(ray, files, split, min_doc_chars, chat).map_batches(
-                _encode, batch_size=_BATCH_ROWS, batch_format="numpy", concurrency=workers,
-                fn_kwargs={"init": init, "chat": chat, "max_length": max_length, "overlong": overlong})
+                _encode,
+                batch_size=_BATCH_ROWS,
+                batch_format="numpy",
+                concurrency=workers,
+                fn_kwargs={"init": init, "chat": chat, "max_length": max_length, "overlong": overlong},
+            )
             for b in ds.iter_batches(batch_size=1, batch_format="numpy"):
                 advance(int(b["nbytes"][0]))
                 for g, n in zip(b["replaced_gidx"][0].tolist(), b["replaced_n"][0].tolist()):
                     add_replaced(stats, files, g, n)
                 if chat:
                     counts["conversations"] += int(b["items"][0])
-                enc = {"ids": np.asarray(b["ids"][0], np.int64), "lengths": np.asarray(b["lengths"][0], np.int64),
-                       "counts": {k: int(b[k][0]) for k in ("no_assistant", "truncated", "dropped_overlong")}}
+                enc = {
+                    "ids": np.asarray(b["ids"][0], np.int64),
+                    "lengths": np.asarray(b["lengths"][0], np.int64),
+                    "counts": {k: int(b[k][0]) for k in ("no_assistant", "truncated", "dropped_overlong")},
+                }
                 if chat:
                     enc["mask"] = np.asarray(b["mask"][0], np.uint8)
                 yield enc

@@ -9,8 +9,8 @@ bytes read since the previous row, for progress) and `replaced` (undecodable byt
 from __future__ import annotations
 
 import json
-from contextlib import contextmanager
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +25,9 @@ def _rows(paths: list[str], split: Split, min_doc_chars: int, chat: bool, first:
         stats = ReadStats()
         done = 0
         if chat:
-            items = ((json.dumps(m, ensure_ascii=False) if m is not None else "", n)
-                     for m, n in iter_chat([path], stats))
+            items = (
+                (json.dumps(m, ensure_ascii=False) if m is not None else "", n) for m, n in iter_chat([path], stats)
+            )
         else:
             items = ((d.text, d.nbytes) for d in iter_file_documents(path, index, split, min_doc_chars, stats))
         for pos, (text, nbytes) in enumerate(items):
@@ -58,6 +59,7 @@ def ray_texts(files: Sequence[Path], address: str | None, show_progress: bool) -
             except Exception as e:
                 reraise_data_error(e)
                 raise
+
         yield texts()
 
 

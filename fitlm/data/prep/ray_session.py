@@ -30,8 +30,10 @@ def require_ray() -> Any:
         import ray
         import ray.data  # noqa: F401  (the Data library is a separate part of the ray package)
     except ImportError as e:
-        raise DataError(f"--engine ray needs Ray Data, which is not installed ({e}); {RAY_EXTRA} "
-                        "(or `pip install 'ray[data]'`), or leave out --engine to run on the local engine") from None
+        raise DataError(
+            f"--engine ray needs Ray Data, which is not installed ({e}); {RAY_EXTRA} "
+            "(or `pip install 'ray[data]'`), or leave out --engine to run on the local engine"
+        ) from None
     return ray
 
 
@@ -44,21 +46,26 @@ def ray_session(address: str | None = None, show_progress: bool = False) -> Iter
     started = False
     if not ray.is_initialized():
         address = address or os.environ.get("FITLM_RAY_ADDRESS")
-        kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False,
-                                  "configure_logging": False}
+        kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False, "configure_logging": False}
         if address and address != "auto":
             _check_reachable(address)
         try:
             ray.init(address=address, **kwargs)
         except ConnectionError as e:
-            raise DataError(f"--ray-address {address!r}: cannot connect to a Ray cluster there ({e}); start one "
-                            "(`ray start --head`) or leave out --ray-address for a local Ray") from None
+            raise DataError(
+                f"--ray-address {address!r}: cannot connect to a Ray cluster there ({e}); start one "
+                "(`ray start --head`) or leave out --ray-address for a local Ray"
+            ) from None
         started = True
     from ray.data.context import ShuffleStrategy
 
     ctx = ray.data.DataContext.get_current()
-    saved = (ctx.execution_options.preserve_order, ctx.enable_progress_bars, ctx.print_on_execution_start,
-             ctx.shuffle_strategy)
+    saved = (
+        ctx.execution_options.preserve_order,
+        ctx.enable_progress_bars,
+        ctx.print_on_execution_start,
+        ctx.shuffle_strategy,
+    )
     ctx.execution_options.preserve_order = True  # outputs in input order: the same files as the local engine
     ctx.enable_progress_bars = show_progress
     ctx.print_on_execution_start = False
@@ -68,13 +75,14 @@ def ray_session(address: str | None = None, show_progress: bool = False) -> Iter
     try:
         yield ray
     finally:
-        (ctx.execution_options.preserve_order, ctx.enable_progress_bars, ctx.print_on_execution_start,
-         ctx.shuffle_strategy) = saved
+        (
+            ctx.execution_options.preserve_order,
+            ctx.enable_progress_bars,
+            ctx.print_on_execution_start,
+            ctx.shuffle_strategy,
+        ) = saved
         if started:
             ray.shutdown()
-
-
-
 
 
 def _check_reachable(address: str) -> None:
@@ -85,9 +93,11 @@ def _check_reachable(address: str) -> None:
     try:
         socket.create_connection((host or "127.0.0.1", int(port)), timeout=5).close()
     except (OSError, ValueError) as e:
-        raise DataError(f"--ray-address {address!r}: nothing answers there ({e}); give the head's HOST:PORT "
-                        "(`ray start --head` prints it) or ray://HOST:10001, or leave out --ray-address for a "
-                        "local Ray") from None
+        raise DataError(
+            f"--ray-address {address!r}: nothing answers there ({e}); give the head's HOST:PORT "
+            "(`ray start --head` prints it) or ray://HOST:10001, or leave out --ray-address for a "
+            "local Ray"
+        ) from None
 
 
 def reraise_data_error(e: BaseException) -> None:
@@ -104,4 +114,6 @@ def reraise_data_error(e: BaseException) -> None:
             message = str(err.args[0]).split("\nFailed to apply UDF", 1)[0] if err.args else ""
             raise DataError(message) from None
         cur = cause if isinstance(cause, BaseException) else (cur.__cause__ or cur.__context__)
+
+
 __all__ = ["ENGINES", "RAY_EXTRA", "check_engine", "ray_session", "reraise_data_error", "require_ray"]

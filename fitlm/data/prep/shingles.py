@@ -17,11 +17,20 @@ import unicodedata
 
 import numpy as np
 
-NGRAM_SPACED = 5     # Latin, Cyrillic, Greek, Arabic, Hangul, ...: words separated by spaces
-NGRAM_UNSPACED = 3   # Han, kana, Thai, Lao, Khmer, Myanmar, Tibetan: no spaces between words
+NGRAM_SPACED = 5  # Latin, Cyrillic, Greek, Arabic, Hangul, ...: words separated by spaces
+NGRAM_UNSPACED = 3  # Han, kana, Thai, Lao, Khmer, Myanmar, Tibetan: no spaces between words
 # Code point ranges of scripts written without spaces between words.
-_UNSPACED = ((0x0E00, 0x0EFF), (0x0F00, 0x0FFF), (0x1000, 0x109F), (0x1780, 0x17FF), (0x3040, 0x30FF),
-             (0x3400, 0x4DBF), (0x4E00, 0x9FFF), (0xF900, 0xFAFF), (0x20000, 0x3134F))
+_UNSPACED = (
+    (0x0E00, 0x0EFF),
+    (0x0F00, 0x0FFF),
+    (0x1000, 0x109F),
+    (0x1780, 0x17FF),
+    (0x3040, 0x30FF),
+    (0x3400, 0x4DBF),
+    (0x4E00, 0x9FFF),
+    (0xF900, 0xFAFF),
+    (0x20000, 0x3134F),
+)
 _WS = re.compile(r"[^\S\n]+")
 _MIX = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
 
@@ -75,7 +84,7 @@ def shingle_hashes(text: str, ngram: int | None = None) -> np.ndarray:
     h = np.zeros(count, np.uint64)
     with np.errstate(over="ignore"):
         for j in range(width):  # polynomial rolling hash, wrapping mod 2^64, then mixed
-            h = h * np.uint64(1_000_003) + cps[j:j + count]
+            h = h * np.uint64(1_000_003) + cps[j : j + count]
     newline = np.concatenate([[0], np.cumsum(cps == 10)])
     starts = np.arange(count)
     crosses = newline[starts + width] - newline[starts] > 0
@@ -96,8 +105,17 @@ def _short_lines(norm: str, n: int) -> list[str]:
 def hash_string(s: str) -> int:
     """A fixed 64-bit hash of a string (the low 8 bytes of blake2b)."""
     import hashlib
+
     return int.from_bytes(hashlib.blake2b(s.encode("utf-8"), digest_size=8).digest(), "little")
 
 
-__all__ = ["NGRAM_SPACED", "NGRAM_UNSPACED", "hash_string", "is_unspaced", "ngram_for", "normalise_lines",
-           "shingle_hashes", "splitmix64"]
+__all__ = [
+    "NGRAM_SPACED",
+    "NGRAM_UNSPACED",
+    "hash_string",
+    "is_unspaced",
+    "ngram_for",
+    "normalise_lines",
+    "shingle_hashes",
+    "splitmix64",
+]

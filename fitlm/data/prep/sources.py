@@ -27,8 +27,9 @@ SPLITS = ("blank-lines", "file", "line")
 
 def check_split(split: str) -> None:
     if split not in SPLITS:
-        raise DataError(f"--split {split!r} is not known; use 'blank-lines' (default), 'file' or 'line' "
-                        "(one document per line)")
+        raise DataError(
+            f"--split {split!r} is not known; use 'blank-lines' (default), 'file' or 'line' (one document per line)"
+        )
 
 
 def input_kind(path: Path) -> str:
@@ -54,13 +55,15 @@ def expand_inputs(inputs: Sequence[Path | str]) -> list[Path]:
         p = Path(item)
         if p.is_dir():
             found = sorted(
-                f for f in p.rglob("*")
-                if f.is_file() and _is_input(f)
-                and not any(part.startswith(".") for part in f.relative_to(p).parts)
+                f
+                for f in p.rglob("*")
+                if f.is_file() and _is_input(f) and not any(part.startswith(".") for part in f.relative_to(p).parts)
             )
             if not found:
-                raise DataError(f"input directory {p} holds no .txt, .jsonl or .parquet files; put the corpus there "
-                                "or name the files directly")
+                raise DataError(
+                    f"input directory {p} holds no .txt, .jsonl or .parquet files; put the corpus there "
+                    "or name the files directly"
+                )
             files.extend(found)
         elif p.is_file():
             files.append(p)
@@ -145,8 +148,10 @@ def iter_jsonl_records(path: Path, stats: ReadStats, what: str = '"text" field')
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg} column {e.colno}); each line of a .jsonl "
-                            f"file must be one JSON object with a {what}") from None
+            raise DataError(
+                f"{path}:{lineno}: not valid JSON ({e.msg} column {e.colno}); each line of a .jsonl "
+                f"file must be one JSON object with a {what}"
+            ) from None
         yield record, n, lineno
 
 
@@ -159,16 +164,23 @@ def _iter_jsonl(path: Path, stats: ReadStats) -> Iterator[tuple[str, int]]:
         text = record.get("text") if isinstance(record, dict) else None
         if text is None and isinstance(record, dict) and isinstance(record.get("messages"), list):
             # Chat records: their contents are text too (e.g. to train a tokenizer on chat data).
-            text = "\n".join(m["content"] for m in record["messages"]
-                             if isinstance(m, dict) and isinstance(m.get("content"), str))
+            text = "\n".join(
+                m["content"] for m in record["messages"] if isinstance(m, dict) and isinstance(m.get("content"), str)
+            )
         if not isinstance(text, str):
-            raise DataError(f'{path}:{lineno}: no string "text" field; each line of a .jsonl file must be '
-                            'a JSON object like {"text": "..."}')
+            raise DataError(
+                f'{path}:{lineno}: no string "text" field; each line of a .jsonl file must be '
+                'a JSON object like {"text": "..."}'
+            )
         yield text, n
 
 
-def iter_documents(files: Sequence[Path], split: Split = "blank-lines", min_doc_chars: int = DEFAULT_MIN_DOC_CHARS,
-                   stats: ReadStats | None = None) -> Iterator[Document]:
+def iter_documents(
+    files: Sequence[Path],
+    split: Split = "blank-lines",
+    min_doc_chars: int = DEFAULT_MIN_DOC_CHARS,
+    stats: ReadStats | None = None,
+) -> Iterator[Document]:
     """Stream the documents of `files` in order, skipping empty ones.
 
     .jsonl: one document per line; .parquet: one per row of its `text` column. Text files: `split="file"` makes
@@ -181,8 +193,9 @@ def iter_documents(files: Sequence[Path], split: Split = "blank-lines", min_doc_
         yield from iter_file_documents(path, index, split, min_doc_chars, stats)
 
 
-def iter_file_documents(path: Path, index: int, split: Split, min_doc_chars: int,
-                        stats: ReadStats) -> Iterator[Document]:
+def iter_file_documents(
+    path: Path, index: int, split: Split, min_doc_chars: int, stats: ReadStats
+) -> Iterator[Document]:
     """The documents of one file (`index` is its place in the input list): what each engine's reader runs."""
     kind = input_kind(path)
     if kind in JSONL_SUFFIXES:
@@ -208,8 +221,10 @@ def _require_pyarrow(path: Path):
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise DataError(f"{path}: reading .parquet needs pyarrow, which is not installed; "
-                        "`pip install 'fitlm[data]'` (or `pip install pyarrow`), or convert the file to .jsonl") from None
+        raise DataError(
+            f"{path}: reading .parquet needs pyarrow, which is not installed; "
+            "`pip install 'fitlm[data]'` (or `pip install pyarrow`), or convert the file to .jsonl"
+        ) from None
     return pq
 
 
@@ -221,8 +236,10 @@ def iter_parquet(path: Path, column: str) -> Iterator[tuple[Any, int]]:
     except Exception as e:  # pyarrow raises its own ArrowInvalid for a non-parquet file
         raise DataError(f"{path} is not a readable parquet file ({e}); pass a valid .parquet file") from None
     if column not in f.schema_arrow.names:
-        raise DataError(f"{path} has no {column!r} column (columns: {', '.join(f.schema_arrow.names)}); "
-                        f"store the documents in a column named {column!r}")
+        raise DataError(
+            f"{path} has no {column!r} column (columns: {', '.join(f.schema_arrow.names)}); "
+            f"store the documents in a column named {column!r}"
+        )
     total = path.stat().st_size
     rows = max(1, f.metadata.num_rows)
     for batch in f.iter_batches(columns=[column], batch_size=1024):
@@ -235,14 +252,16 @@ def iter_chat(files: Sequence[Path], stats: ReadStats) -> Iterator[tuple[Any, in
     """(validated messages or None, raw bytes) per line of chat .jsonl files."""
     for path in files:
         if input_kind(path) not in JSONL_SUFFIXES:
-            raise DataError(f"{path}: chat data must be .jsonl with one {{\"messages\": [...]}} object per line")
+            raise DataError(f'{path}: chat data must be .jsonl with one {{"messages": [...]}} object per line')
         for record, n, lineno in iter_jsonl_records(path, stats, what='"messages" list'):
             if record is None:
                 yield None, n
                 continue
             if not isinstance(record, dict) or "messages" not in record:
-                raise DataError(f'{path}:{lineno}: no "messages" field; each line of chat data must be '
-                                '{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", ...}]}')
+                raise DataError(
+                    f'{path}:{lineno}: no "messages" field; each line of chat data must be '
+                    '{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", ...}]}'
+                )
             yield check_messages(record["messages"], f"{path}:{lineno}"), n
 
 
@@ -255,6 +274,22 @@ def iter_preference(files: Sequence[Path], stats: ReadStats) -> Iterator[tuple[P
             yield (None if record is None else check_pair(record, f"{path}:{lineno}")), n
 
 
-__all__ = ["DEFAULT_MIN_DOC_CHARS", "Document", "JSONL_SUFFIXES", "PARQUET_SUFFIXES", "ReadStats", "SPLITS", "Split",
-           "TEXT_SUFFIXES", "check_split", "expand_inputs", "input_kind", "iter_documents", "iter_file_documents",
-           "iter_chat", "iter_jsonl_records", "iter_parquet", "iter_preference"]
+__all__ = [
+    "DEFAULT_MIN_DOC_CHARS",
+    "Document",
+    "JSONL_SUFFIXES",
+    "PARQUET_SUFFIXES",
+    "ReadStats",
+    "SPLITS",
+    "Split",
+    "TEXT_SUFFIXES",
+    "check_split",
+    "expand_inputs",
+    "input_kind",
+    "iter_documents",
+    "iter_file_documents",
+    "iter_chat",
+    "iter_jsonl_records",
+    "iter_parquet",
+    "iter_preference",
+]

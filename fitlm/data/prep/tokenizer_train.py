@@ -90,8 +90,10 @@ def train_tokenizer(
         tok.train_from_iterator(texts(), trainer=trainer)
     if seen["docs"] == 0:
         names = ", ".join(str(p) for p in paths)
-        raise DataError(f"empty corpus: {names} contain(s) no text (only whitespace or nothing); "
-                        "pass files that hold the text to train on")
+        raise DataError(
+            f"empty corpus: {names} contain(s) no text (only whitespace or nothing); "
+            "pass files that hold the text to train on"
+        )
     ids = [tok.token_to_id(t) for t in SPECIAL_TOKENS.values()]
     assert ids == [0, 1, 2], f"special tokens got ids {ids}, expected [0, 1, 2]"  # a tokenizers behaviour change
 

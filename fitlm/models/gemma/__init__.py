@@ -8,14 +8,24 @@ from fitlm.models.hf import HFFormatError, same_names_from_hf, same_names_to_hf
 from fitlm.models.llama import GGUF_TOP, LINEARS
 from fitlm.registry import register_family
 
-TP = TPBlockPlan(norms=("input_layernorm", "pre_feedforward_layernorm"),
-                 post_norms=("post_attention_layernorm", "post_feedforward_layernorm"))
+TP = TPBlockPlan(
+    norms=("input_layernorm", "pre_feedforward_layernorm"),
+    post_norms=("post_attention_layernorm", "post_feedforward_layernorm"),
+)
 # llama.cpp's gemma2/gemma3 names: the MLP's pre-norm is ffn_norm, the post-norms are *_post_norm.
-GGUF_LAYER = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-              "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-              "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
-              "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
-              "post_ffw_norm": "post_feedforward_layernorm"}
+GGUF_LAYER = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 
 
 def _gguf_read(get, largest_layers: int) -> dict:
@@ -24,7 +34,10 @@ def _gguf_read(get, largest_layers: int) -> dict:
     heads, hidden, layers = get("attention.head_count"), get("embedding_length"), get("block_count")
     default = hidden // heads if layers == largest_layers else get("attention.key_length", hidden // heads)
     out = {"query_pre_attn_scalar": int(get("attention.query_pre_attn_scalar", default))}
-    for ours, key in (("attn_logit_softcap", "attn_logit_softcapping"), ("final_logit_softcap", "final_logit_softcapping")):
+    for ours, key in (
+        ("attn_logit_softcap", "attn_logit_softcapping"),
+        ("final_logit_softcap", "final_logit_softcapping"),
+    ):
         if get(key):
             out[ours] = float(get(key))
     return out
@@ -40,12 +53,15 @@ def _gguf_writer(largest_layers: int):
     def write(cfg) -> dict:
         scalar = cfg.query_pre_attn_scalar or cfg.head_size
         if scalar != _llama_cpp_scalar(cfg, largest_layers):
-            raise HFFormatError(f"GGUF export: model.query_pre_attn_scalar is {scalar}, but llama.cpp's Gemma graphs "
-                            f"scale attention scores by {_llama_cpp_scalar(cfg, largest_layers)}^-1/2 (the head size; "
-                            "hidden/heads at the 27B size) and read no key for it, so llama.cpp would compute other "
-                            "logits; export with --format hf, or train with query_pre_attn_scalar equal to the head "
-                            "size")
+            raise HFFormatError(
+                f"GGUF export: model.query_pre_attn_scalar is {scalar}, but llama.cpp's Gemma graphs "
+                f"scale attention scores by {_llama_cpp_scalar(cfg, largest_layers)}^-1/2 (the head size; "
+                "hidden/heads at the 27B size) and read no key for it, so llama.cpp would compute other "
+                "logits; export with --format hf, or train with query_pre_attn_scalar equal to the head "
+                "size"
+            )
         return _gguf_write(cfg, scalar)
+
     return write
 
 
@@ -68,25 +84,69 @@ def _ffn(hidden: int) -> int:
     return 8 * hidden  # Gemma's MLPs are about 8x wide (2B: 2304 -> 9216)
 
 
-GEMMA2 = register_family(Family(
-    name="gemma2", model_cls=Gemma2ForCausalLM, hf_model_types=("gemma2",), hf_architecture="Gemma2ForCausalLM",
-    config_from_hf=hf.gemma2_from_hf, config_to_hf=hf.gemma2_to_hf, to_hf=same_names_to_hf,
-    from_hf=same_names_from_hf, default_ffn=_ffn,
-    planner=counts.rope_planner(counts.GEMMA_BYTES, norms=4), tp_plan=TP, lora_linears=LINEARS,
-    default_layer_type=hf.gemma2_layer_type,
-    gguf=GGUFNames("gemma2", GGUF_LAYER, GGUF_TOP, norm_offset=1.0, head_is_embedding=True,
-                   read_extra=lambda get: _gguf_read(get, 46), write_extra=_gguf_writer(46)),
-    features=("(1 + w) RMSNorm, sqrt(hidden) embedding scale, GeGLU", "pre- and post-norms",
-              "attention and final logit soft-capping", "alternating sliding-window / global layers"),))
+GEMMA2 = register_family(
+    Family(
+        name="gemma2",
+        model_cls=Gemma2ForCausalLM,
+        hf_model_types=("gemma2",),
+        hf_architecture="Gemma2ForCausalLM",
+        config_from_hf=hf.gemma2_from_hf,
+        config_to_hf=hf.gemma2_to_hf,
+        to_hf=same_names_to_hf,
+        from_hf=same_names_from_hf,
+        default_ffn=_ffn,
+        planner=counts.rope_planner(counts.GEMMA_BYTES, norms=4),
+        tp_plan=TP,
+        lora_linears=LINEARS,
+        default_layer_type=hf.gemma2_layer_type,
+        gguf=GGUFNames(
+            "gemma2",
+            GGUF_LAYER,
+            GGUF_TOP,
+            norm_offset=1.0,
+            head_is_embedding=True,
+            read_extra=lambda get: _gguf_read(get, 46),
+            write_extra=_gguf_writer(46),
+        ),
+        features=(
+            "(1 + w) RMSNorm, sqrt(hidden) embedding scale, GeGLU",
+            "pre- and post-norms",
+            "attention and final logit soft-capping",
+            "alternating sliding-window / global layers",
+        ),
+    )
+)
 
-GEMMA3 = register_family(Family(
-    name="gemma3", model_cls=Gemma3ForCausalLM, hf_model_types=("gemma3_text", "gemma3"),
-    hf_architecture="Gemma3ForCausalLM", config_from_hf=hf.gemma3_from_hf, config_to_hf=hf.gemma3_to_hf,
-    to_hf=same_names_to_hf, from_hf=hf.gemma3_from_hf_state_dict, default_ffn=_ffn,
-    planner=counts.rope_planner(counts.with_qk_norm(counts.GEMMA_BYTES, counts.QK_NORM_UNIT_OFFSET), norms=4,
-                                qk_norm=True),
-    tp_plan=TP, lora_linears=LINEARS, default_layer_type=hf.gemma3_layer_type,
-    gguf=GGUFNames("gemma3", {**GGUF_LAYER, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
-                   GGUF_TOP, norm_offset=1.0, read_extra=_gguf_read3, write_extra=_gguf_writer(62)),
-    features=("Gemma 2's block with per-head q/k norm", "local/global RoPE bases", "5 sliding : 1 global layers",
-              "multimodal checkpoints (4B+): the language model, exported text-only"),))
+GEMMA3 = register_family(
+    Family(
+        name="gemma3",
+        model_cls=Gemma3ForCausalLM,
+        hf_model_types=("gemma3_text", "gemma3"),
+        hf_architecture="Gemma3ForCausalLM",
+        config_from_hf=hf.gemma3_from_hf,
+        config_to_hf=hf.gemma3_to_hf,
+        to_hf=same_names_to_hf,
+        from_hf=hf.gemma3_from_hf_state_dict,
+        default_ffn=_ffn,
+        planner=counts.rope_planner(
+            counts.with_qk_norm(counts.GEMMA_BYTES, counts.QK_NORM_UNIT_OFFSET), norms=4, qk_norm=True
+        ),
+        tp_plan=TP,
+        lora_linears=LINEARS,
+        default_layer_type=hf.gemma3_layer_type,
+        gguf=GGUFNames(
+            "gemma3",
+            {**GGUF_LAYER, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
+            GGUF_TOP,
+            norm_offset=1.0,
+            read_extra=_gguf_read3,
+            write_extra=_gguf_writer(62),
+        ),
+        features=(
+            "Gemma 2's block with per-head q/k norm",
+            "local/global RoPE bases",
+            "5 sliding : 1 global layers",
+            "multimodal checkpoints (4B+): the language model, exported text-only",
+        ),
+    )
+)

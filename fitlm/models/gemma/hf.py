@@ -5,8 +5,15 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from fitlm.config import ModelConfig
-from fitlm.models.hf import normalized, refuse, same_names_from_hf, rope_family_config, rope_family_config_to_hf, rope_from_hf, \
-    rope_to_hf
+from fitlm.models.hf import (
+    normalized,
+    refuse,
+    rope_family_config,
+    rope_family_config_to_hf,
+    rope_from_hf,
+    rope_to_hf,
+    same_names_from_hf,
+)
 
 
 def gemma2_layer_type(i: int) -> str:
@@ -34,13 +41,20 @@ def _config(hf: Mapping[str, Any], source: str, arch: str) -> ModelConfig:
         extra = {"rope_local_theta": local_theta}
     else:
         default, extra = gemma2_layer_type, {}
-    caps = {"attn_logit_softcap": hf.get("attn_logit_softcapping"),
-            "final_logit_softcap": hf.get("final_logit_softcapping")}
+    caps = {
+        "attn_logit_softcap": hf.get("attn_logit_softcapping"),
+        "final_logit_softcap": hf.get("final_logit_softcapping"),
+    }
     cfg = rope_family_config(
-        {"tie_word_embeddings": True, **hf}, arch, problems, default,
+        {"tie_word_embeddings": True, **hf},
+        arch,
+        problems,
+        default,
         attention_bias=bool(hf.get("attention_bias")) or None,
         query_pre_attn_scalar=int(hf["query_pre_attn_scalar"]) if hf.get("query_pre_attn_scalar") else None,
-        **{k: float(v) for k, v in caps.items() if v}, **extra)
+        **{k: float(v) for k, v in caps.items() if v},
+        **extra,
+    )
     refuse(problems, source)
     return normalized(cfg)
 
@@ -66,20 +80,28 @@ def gemma3_from_hf_state_dict(sd, cfg: ModelConfig, source: str):
     for k, v in sd.items():
         if k.startswith(_VISION):
             continue
-        for prefix, repl in (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
-                             ("model.language_model.", "model.")):
+        for prefix, repl in (
+            ("language_model.model.", "model."),
+            ("language_model.lm_head.", "lm_head."),
+            ("model.language_model.", "model."),
+        ):
             if k.startswith(prefix):
-                k = repl + k[len(prefix):]
+                k = repl + k[len(prefix) :]
                 break
         out[k] = v
     return same_names_from_hf(out, cfg, source)
 
 
 def _to_hf(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
-    return {**rope_family_config_to_hf(cfg, model_type), "hidden_activation": "gelu_pytorch_tanh",
-            "hidden_act": "gelu_pytorch_tanh", "attention_bias": bool(cfg.attention_bias),
-            "query_pre_attn_scalar": cfg.query_pre_attn_scalar or cfg.head_size,
-            "attn_logit_softcapping": cfg.attn_logit_softcap, "final_logit_softcapping": cfg.final_logit_softcap}
+    return {
+        **rope_family_config_to_hf(cfg, model_type),
+        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_act": "gelu_pytorch_tanh",
+        "attention_bias": bool(cfg.attention_bias),
+        "query_pre_attn_scalar": cfg.query_pre_attn_scalar or cfg.head_size,
+        "attn_logit_softcapping": cfg.attn_logit_softcap,
+        "final_logit_softcapping": cfg.final_logit_softcap,
+    }
 
 
 def gemma2_to_hf(cfg: ModelConfig) -> dict[str, Any]:
@@ -90,7 +112,9 @@ def gemma3_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     local = cfg.rope_local_theta or cfg.rope_theta
     out = _to_hf(cfg, "gemma3_text")
     # transformers 5 keeps one RoPE entry per attention type; 4.x reads rope_local_base_freq.
-    out["rope_parameters"] = {"full_attention": rope_to_hf(cfg.rope_theta, cfg.rope_scaling),
-                              "sliding_attention": rope_to_hf(local, None)}
+    out["rope_parameters"] = {
+        "full_attention": rope_to_hf(cfg.rope_theta, cfg.rope_scaling),
+        "sliding_attention": rope_to_hf(local, None),
+    }
     out["rope_local_base_freq"] = local
     return out

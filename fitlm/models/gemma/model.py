@@ -27,15 +27,20 @@ class GemmaBlock(nn.Module):
         norm = partial(RMSNorm, eps=cfg.norm_eps, unit_offset=True)
         c = cfg.hidden_size
         self.input_layernorm = norm(c)
-        self.self_attn = SelfAttention(cfg, layer_idx, bias=bool(cfg.attention_bias),
-                                       qk_norm=norm if qk_norm else None)
+        self.self_attn = SelfAttention(cfg, layer_idx, bias=bool(cfg.attention_bias), qk_norm=norm if qk_norm else None)
         self.post_attention_layernorm = norm(c)
         self.pre_feedforward_layernorm = norm(c)
         self.mlp = GatedMLP(cfg, "gelu_tanh")
         self.post_feedforward_layernorm = norm(c)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: KVCache | None = None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache | None = None,
+        attn_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """x [B,T,C] -> [B,T,C]; cos/sin [B,T,D] of this layer's attention type."""
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attn_mask))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))

@@ -10,8 +10,14 @@ LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj")
 
 def _block(cfg) -> BlockShape:
     h, f = cfg.hidden_size, cfg.ffn_size
-    linears = (("q_proj", h, h), ("k_proj", h, h), ("v_proj", h, h), ("o_proj", h, h), ("up_proj", h, f),
-               ("down_proj", f, h))
+    linears = (
+        ("q_proj", h, h),
+        ("k_proj", h, h),
+        ("v_proj", h, h),
+        ("o_proj", h, h),
+        ("up_proj", h, f),
+        ("down_proj", f, h),
+    )
     # biases of the four attention projections and both MLP linears, two LayerNorms (weight + shift)
     return BlockShape(linears, (("q_proj", "k_proj", "v_proj"), ("up_proj",)), 4 * h + f + h + 4 * h)
 
@@ -29,16 +35,32 @@ def _validate(cfg) -> list[str]:
 # LayerNorm saves its input and fp32 mean/rstd, no RoPE, plain MHA, 2-matrix GELU MLP:
 # replicated x, n1, x1, n2; q, attention output; k, v; GELU input and output.
 PLANNER = PlannerCounts(
-    block=_block, embedding_params=lambda cfg: (cfg.vocab_size + cfg.max_seq_len) * cfg.hidden_size,
+    block=_block,
+    embedding_params=lambda cfg: (cfg.vocab_size + cfg.max_seq_len) * cfg.hidden_size,
     head_norm_params=lambda cfg: 2 * cfg.hidden_size,
     block_bytes={"O0": (16, 8, 8, 8, 0), "O1": (16, 4, 4, 4, 0), "O2": (8, 4, 4, 4, 0), "O3": (8, 4, 4, 4, 0)},
     # the final LayerNorm's input and output (+4: its fp32 statistics); no RoPE tables
     outside_bytes={"O0": (12, 0), "O1": (8, 0), "O2": (8, 0), "O3": (8, 0)},
-    rope=False, activation_finetune=False)
+    rope=False,
+    activation_finetune=False,
+)
 
-FAMILY = register_family(Family(
-    name="gpt2", model_cls=GPT2LMHeadModel, hf_model_types=("gpt2",), hf_architecture="GPT2LMHeadModel",
-    config_from_hf=hf.config_from_hf, config_to_hf=hf.config_to_hf, to_hf=hf.to_hf, from_hf=hf.from_hf,
-    default_ffn=lambda h: 4 * h, planner=PLANNER, tp_plan=TPBlockPlan(), lora_linears=LINEARS,
-    default_layer_type=lambda i: "full", validate=_validate,
-    features=("learned positions, LayerNorm, biases, fused c_attn split on import",)))
+FAMILY = register_family(
+    Family(
+        name="gpt2",
+        model_cls=GPT2LMHeadModel,
+        hf_model_types=("gpt2",),
+        hf_architecture="GPT2LMHeadModel",
+        config_from_hf=hf.config_from_hf,
+        config_to_hf=hf.config_to_hf,
+        to_hf=hf.to_hf,
+        from_hf=hf.from_hf,
+        default_ffn=lambda h: 4 * h,
+        planner=PLANNER,
+        tp_plan=TPBlockPlan(),
+        lora_linears=LINEARS,
+        default_layer_type=lambda i: "full",
+        validate=_validate,
+        features=("learned positions, LayerNorm, biases, fused c_attn split on import",),
+    )
+)

@@ -22,36 +22,62 @@ def config_from_hf(hf: Mapping[str, Any], source: str) -> ModelConfig:
     if hf.get("add_cross_attention"):
         problems.append("cross-attention")
     refuse(problems, source)
-    return normalized(ModelConfig(
-        arch="gpt2", hidden_size=int(hf["n_embd"]), num_layers=int(hf["n_layer"]), num_heads=int(hf["n_head"]),
-        intermediate_size=hf.get("n_inner"), vocab_size=int(hf["vocab_size"]),
-        max_seq_len=int(hf.get("n_positions") or hf.get("n_ctx") or 1024),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
-        norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)), init_std=float(hf.get("initializer_range", 0.02))))
+    return normalized(
+        ModelConfig(
+            arch="gpt2",
+            hidden_size=int(hf["n_embd"]),
+            num_layers=int(hf["n_layer"]),
+            num_heads=int(hf["n_head"]),
+            intermediate_size=hf.get("n_inner"),
+            vocab_size=int(hf["vocab_size"]),
+            max_seq_len=int(hf.get("n_positions") or hf.get("n_ctx") or 1024),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+            norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+            init_std=float(hf.get("initializer_range", 0.02)),
+        )
+    )
 
 
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
-    return {"model_type": "gpt2",
-            "n_embd": cfg.hidden_size, "n_layer": cfg.num_layers, "n_head": cfg.num_heads,
-            "n_positions": cfg.max_seq_len, "n_ctx": cfg.max_seq_len, "n_inner": cfg.intermediate_size,
-            "layer_norm_epsilon": cfg.norm_eps, "activation_function": "gelu_new",
-            # fitlm trains without dropout; zero keeps HF fine-tuning of the export equivalent.
-            "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
-            "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
-            "reorder_and_upcast_attn": False}
+    return {
+        "model_type": "gpt2",
+        "n_embd": cfg.hidden_size,
+        "n_layer": cfg.num_layers,
+        "n_head": cfg.num_heads,
+        "n_positions": cfg.max_seq_len,
+        "n_ctx": cfg.max_seq_len,
+        "n_inner": cfg.intermediate_size,
+        "layer_norm_epsilon": cfg.norm_eps,
+        "activation_function": "gelu_new",
+        # fitlm trains without dropout; zero keeps HF fine-tuning of the export equivalent.
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+    }
 
 
 # fitlm per-layer name -> (HF name, is a Conv1D weight that needs transposing)
 _GPT2_LAYER = {
-    "input_layernorm.weight": ("ln_1.weight", False), "input_layernorm.bias": ("ln_1.bias", False),
-    "self_attn.o_proj.weight": ("attn.c_proj.weight", True), "self_attn.o_proj.bias": ("attn.c_proj.bias", False),
-    "post_attention_layernorm.weight": ("ln_2.weight", False), "post_attention_layernorm.bias": ("ln_2.bias", False),
-    "mlp.up_proj.weight": ("mlp.c_fc.weight", True), "mlp.up_proj.bias": ("mlp.c_fc.bias", False),
-    "mlp.down_proj.weight": ("mlp.c_proj.weight", True), "mlp.down_proj.bias": ("mlp.c_proj.bias", False),
+    "input_layernorm.weight": ("ln_1.weight", False),
+    "input_layernorm.bias": ("ln_1.bias", False),
+    "self_attn.o_proj.weight": ("attn.c_proj.weight", True),
+    "self_attn.o_proj.bias": ("attn.c_proj.bias", False),
+    "post_attention_layernorm.weight": ("ln_2.weight", False),
+    "post_attention_layernorm.bias": ("ln_2.bias", False),
+    "mlp.up_proj.weight": ("mlp.c_fc.weight", True),
+    "mlp.up_proj.bias": ("mlp.c_fc.bias", False),
+    "mlp.down_proj.weight": ("mlp.c_proj.weight", True),
+    "mlp.down_proj.bias": ("mlp.c_proj.bias", False),
 }
-_GPT2_TOP = {"model.embed_tokens.weight": "transformer.wte.weight",
-             "model.embed_positions.weight": "transformer.wpe.weight",
-             "model.norm.weight": "transformer.ln_f.weight", "model.norm.bias": "transformer.ln_f.bias"}
+_GPT2_TOP = {
+    "model.embed_tokens.weight": "transformer.wte.weight",
+    "model.embed_positions.weight": "transformer.wpe.weight",
+    "model.norm.weight": "transformer.ln_f.weight",
+    "model.norm.bias": "transformer.ln_f.bias",
+}
 _GPT2_BUFFER = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)$")
 
 
@@ -89,5 +115,3 @@ def from_hf(sd: StateDict, cfg: ModelConfig, source: str) -> StateDict:
             t = take(src, h + theirs, source)
             out[p + ours] = t.t() if transpose else t
     return head_from_hf(src, out, cfg, source)
-
-

@@ -49,8 +49,9 @@ class GPT2Block(nn.Module):
         self.post_attention_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.mlp = GPT2MLP(cfg)
 
-    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None,
-                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, kv_cache: KVCache | None = None, attn_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """x [B,T,C] -> [B,T,C]; attn_mask [B,1,T,T] (bool or additive) or None (causal)."""
         x = x + self.self_attn(self.input_layernorm(x), kv_cache=kv_cache, attn_mask=attn_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -67,8 +68,13 @@ class GPT2Model(nn.Module):
         self.layers = make_blocks(GPT2Block, cfg)
         self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                kv_cache: KVCache | None = None, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         start = check_inputs(input_ids, kv_cache, self.config.max_seq_len)
         t = input_ids.shape[1]
         position_ids, mask = attention_inputs(input_ids, position_ids, document_ids, start)  # [B,T], [B,1,T,T]|None

@@ -16,25 +16,38 @@ def config_from_hf(hf: Mapping[str, Any], source: str) -> ModelConfig:
         problems.append("mlp_bias=true (the Llama MLP here has no biases)")
     # Mistral slides every layer when sliding_window is set; Llama never slides.
     slides = hf.get("model_type") == "mistral"
-    cfg = rope_family_config(hf, "llama", problems, lambda i: "sliding" if slides else "full",
-                             attention_bias=bool(hf.get("attention_bias")) or None)
+    cfg = rope_family_config(
+        hf,
+        "llama",
+        problems,
+        lambda i: "sliding" if slides else "full",
+        attention_bias=bool(hf.get("attention_bias")) or None,
+    )
     refuse(problems, source)
     return normalized(cfg)
 
 
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     if cfg.sliding_window is not None:  # transformers' Llama has no window: Mistral is the same model with one
-        return {**rope_family_config_to_hf(cfg, "mistral"), "architectures": ["MistralForCausalLM"],
-                "hidden_act": "silu"}
-    return {**rope_family_config_to_hf(cfg, "llama"), "hidden_act": "silu",
-            "attention_bias": bool(cfg.attention_bias), "mlp_bias": False}
+        return {
+            **rope_family_config_to_hf(cfg, "mistral"),
+            "architectures": ["MistralForCausalLM"],
+            "hidden_act": "silu",
+        }
+    return {
+        **rope_family_config_to_hf(cfg, "llama"),
+        "hidden_act": "silu",
+        "attention_bias": bool(cfg.attention_bias),
+        "mlp_bias": False,
+    }
 
 
 def validate(cfg: ModelConfig) -> list[str]:
     errs = []
     if cfg.sliding_window is not None and any(cfg.layer_type(i) == "full" for i in range(cfg.num_layers)):
-        errs.append("model.layer_types: a llama with a sliding window slides every layer (Mistral); leave "
-                    "layer_types null")
+        errs.append(
+            "model.layer_types: a llama with a sliding window slides every layer (Mistral); leave layer_types null"
+        )
     if cfg.sliding_window is not None and cfg.attention_bias:
         errs.append("model.attention_bias: Mistral-style sliding-window llamas have no biases")
     return errs

@@ -44,8 +44,11 @@ def split_fused(model: nn.Module) -> None:
     d = cfg.head_size
     for block in model.model.layers.values():
         if hasattr(block.self_attn, "qkv_proj"):
-            _split_linear(block.self_attn, "qkv_proj", {"q_proj": cfg.num_heads * d, "k_proj": cfg.kv_heads * d,
-                                                        "v_proj": cfg.kv_heads * d})
+            _split_linear(
+                block.self_attn,
+                "qkv_proj",
+                {"q_proj": cfg.num_heads * d, "k_proj": cfg.kv_heads * d, "v_proj": cfg.kv_heads * d},
+            )
         if hasattr(block.mlp, "gate_up_proj"):
             _split_linear(block.mlp, "gate_up_proj", {"gate_proj": cfg.ffn_size, "up_proj": cfg.ffn_size})
 
@@ -53,10 +56,14 @@ def split_fused(model: nn.Module) -> None:
 def split_state_dict(sd: StateDict, cfg: ModelConfig) -> StateDict:
     """Fused weights under the names `split_fused` gives (what a model split before sharding loads)."""
     d, out = cfg.head_size, {}
-    parts = {"self_attn.qkv_proj.weight": {"self_attn.q_proj.weight": cfg.num_heads * d,
-                                           "self_attn.k_proj.weight": cfg.kv_heads * d,
-                                           "self_attn.v_proj.weight": cfg.kv_heads * d},
-             "mlp.gate_up_proj.weight": {"mlp.gate_proj.weight": cfg.ffn_size, "mlp.up_proj.weight": cfg.ffn_size}}
+    parts = {
+        "self_attn.qkv_proj.weight": {
+            "self_attn.q_proj.weight": cfg.num_heads * d,
+            "self_attn.k_proj.weight": cfg.kv_heads * d,
+            "self_attn.v_proj.weight": cfg.kv_heads * d,
+        },
+        "mlp.gate_up_proj.weight": {"mlp.gate_proj.weight": cfg.ffn_size, "mlp.up_proj.weight": cfg.ffn_size},
+    }
     for key, t in sd.items():
         fused = next((f for f in parts if key.endswith(f)), None)
         if fused is None:

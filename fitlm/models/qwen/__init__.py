@@ -15,21 +15,48 @@ def _refuse_bias_off(cfg) -> list[str]:
     return []
 
 
-QWEN2 = register_family(Family(
-    name="qwen2", model_cls=Qwen2ForCausalLM, hf_model_types=("qwen2",), hf_architecture="Qwen2ForCausalLM",
-    config_from_hf=hf.qwen2_from_hf, config_to_hf=hf.qwen2_to_hf, to_hf=same_names_to_hf,
-    from_hf=same_names_from_hf, default_ffn=llama_ffn, planner=counts.rope_planner(bias=True),
-    tp_plan=TPBlockPlan(), lora_linears=LINEARS, validate=_refuse_bias_off,
-    # llama.cpp's qwen2 adds attn_{q,k,v}.bias and does not permute q/k.
-    gguf=GGUFNames("qwen2", GGUF_LAYER, GGUF_TOP), features=("q/k/v biases",)))
+QWEN2 = register_family(
+    Family(
+        name="qwen2",
+        model_cls=Qwen2ForCausalLM,
+        hf_model_types=("qwen2",),
+        hf_architecture="Qwen2ForCausalLM",
+        config_from_hf=hf.qwen2_from_hf,
+        config_to_hf=hf.qwen2_to_hf,
+        to_hf=same_names_to_hf,
+        from_hf=same_names_from_hf,
+        default_ffn=llama_ffn,
+        planner=counts.rope_planner(bias=True),
+        tp_plan=TPBlockPlan(),
+        lora_linears=LINEARS,
+        validate=_refuse_bias_off,
+        # llama.cpp's qwen2 adds attn_{q,k,v}.bias and does not permute q/k.
+        gguf=GGUFNames("qwen2", GGUF_LAYER, GGUF_TOP),
+        features=("q/k/v biases",),
+    )
+)
 
-QWEN3 = register_family(Family(
-    name="qwen3", model_cls=Qwen3ForCausalLM, hf_model_types=("qwen3",), hf_architecture="Qwen3ForCausalLM",
-    config_from_hf=hf.qwen3_from_hf, config_to_hf=hf.qwen3_to_hf, to_hf=same_names_to_hf,
-    from_hf=same_names_from_hf, default_ffn=llama_ffn,
-    planner=counts.rope_planner(counts.with_qk_norm(counts.LLAMA_BYTES, counts.QK_NORM), qk_norm=True,
-                                bias=lambda cfg: bool(cfg.attention_bias)),
-    tp_plan=TPBlockPlan(), lora_linears=LINEARS,
-    gguf=GGUFNames("qwen3", {**GGUF_LAYER, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
-                   GGUF_TOP),
-    features=("per-head q/k RMSNorm", "head_dim independent of hidden_size"),))
+QWEN3 = register_family(
+    Family(
+        name="qwen3",
+        model_cls=Qwen3ForCausalLM,
+        hf_model_types=("qwen3",),
+        hf_architecture="Qwen3ForCausalLM",
+        config_from_hf=hf.qwen3_from_hf,
+        config_to_hf=hf.qwen3_to_hf,
+        to_hf=same_names_to_hf,
+        from_hf=same_names_from_hf,
+        default_ffn=llama_ffn,
+        planner=counts.rope_planner(
+            counts.with_qk_norm(counts.LLAMA_BYTES, counts.QK_NORM),
+            qk_norm=True,
+            bias=lambda cfg: bool(cfg.attention_bias),
+        ),
+        tp_plan=TPBlockPlan(),
+        lora_linears=LINEARS,
+        gguf=GGUFNames(
+            "qwen3", {**GGUF_LAYER, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}, GGUF_TOP
+        ),
+        features=("per-head q/k RMSNorm", "head_dim independent of hidden_size"),
+    )
+)

@@ -15,8 +15,9 @@ def _config(hf: Mapping[str, Any], source: str, arch: str, bias: bool | None) ->
     # transformers 4.x: layers from max_window_layers on slide when use_sliding_window is set.
     slides, first = bool(hf.get("use_sliding_window")), int(hf.get("max_window_layers") or 0)
     hf = dict(hf) if slides else {**hf, "sliding_window": None}
-    cfg = rope_family_config(hf, arch, problems, lambda i: "sliding" if slides and i >= first else "full",
-                             attention_bias=bias)
+    cfg = rope_family_config(
+        hf, arch, problems, lambda i: "sliding" if slides and i >= first else "full", attention_bias=bias
+    )
     refuse(problems, source)
     return normalized(cfg)
 
@@ -31,9 +32,12 @@ def qwen3_from_hf(hf: Mapping[str, Any], source: str) -> ModelConfig:
 
 def _to_hf(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
     sliding = cfg.sliding_window is not None
-    out = {**rope_family_config_to_hf(cfg, model_type), "hidden_act": "silu", "use_sliding_window": sliding,
-           "max_window_layers": next((i for i in range(cfg.num_layers) if cfg.layer_type(i) == "sliding"),
-                                     cfg.num_layers)}
+    out = {
+        **rope_family_config_to_hf(cfg, model_type),
+        "hidden_act": "silu",
+        "use_sliding_window": sliding,
+        "max_window_layers": next((i for i in range(cfg.num_layers) if cfg.layer_type(i) == "sliding"), cfg.num_layers),
+    }
     return out
 
 
