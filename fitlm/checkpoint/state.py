@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from fitlm.checkpoint.errors import CheckpointError
 from fitlm.memory.nf4 import is_nf4
 from fitlm.parallel.data_parallel import unwrap
-from fitlm.parallel.pipeline import TIED_COPY  # marks a last pipeline stage's copy of a tied embedding
+from fitlm.parallel.pipeline_state import TIED_COPY  # marks a last pipeline stage's copy of a tied embedding
 
 TIED_SOURCE = "model.embed_tokens.weight"
 
