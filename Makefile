@@ -10,7 +10,7 @@ export CMAKE_ARGS ?= -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAM
 	-DLLAMA_BUILD_SERVER=OFF -DGGML_NATIVE=OFF
 PLAYS  := examples/data/shakespeare
 
-.PHONY: venv demo test test-quick test-all docs clean
+.PHONY: venv demo lint test test-quick test-all docs clean
 venv: $(BIN)/.installed
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,8 +33,14 @@ demo: venv
 # golden losses, every parallel layout tied and untied, parity against transformers/PEFT/TRL). Two pytest workers:
 # much of a test is waiting (process start-up, gloo), so two keep both cores busy; --dist loadfile keeps a
 # module on one worker, so its module-scoped runs (shared torchrun worlds, measured profiles) happen once.
-test: venv
+test: lint
 	$(BIN)/python -m pytest -q --runslow -n 2 --dist loadfile
+
+# Static checks, the first part of `make test`: ruff's lint (pyflakes, pycodestyle, import order, bugbear) and its
+# formatter, configured in pyproject.toml. (mypy is configured there too but not yet clean: not run here.)
+lint: venv
+	$(BIN)/ruff check fitlm tests bench
+	$(BIN)/ruff format --check fitlm tests bench
 
 # The quick inner loop: the same suite without the tests marked slow.
 test-quick: venv

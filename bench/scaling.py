@@ -112,7 +112,7 @@ def main() -> None:
                 runs.setdefault(name, []).append({**r, "kind": kind, "degree": degree})
                 print(f"measured {name} (round {rep + 1})", file=sys.stderr, flush=True)
     rows = []
-    for name, rs in runs.items():
+    for rs in runs.values():
         ok = [r for r in rs if "tokens_per_s" in r]
         best = max(ok, key=lambda r: r["tokens_per_s"]) if ok else rs[0]
         rows.append({**best, "tokens_per_s_runs": [r.get("tokens_per_s") for r in rs]})

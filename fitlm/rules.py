@@ -179,7 +179,8 @@ ROWS: tuple[Rule, ...] = (
     Rule(
         "memory.attention_backward",
         "refused",
-        "`memory.attention_backward: matmul` or `matmul_saved` with context parallel, whose attention over gathered keys has its own backward",
+        "`memory.attention_backward: matmul` or `matmul_saved` with context parallel, whose attention over gathered "
+        "keys has its own backward",
         lambda v: v["memory.attention_backward"] != "sdpa" and v["parallel.context_parallel"] > 1,
         lambda v: (
             f"memory.attention_backward: {v['memory.attention_backward']} replaces the single-rank attention, but "
@@ -190,7 +191,8 @@ ROWS: tuple[Rule, ...] = (
     Rule(
         "finetune.method",
         "refused",
-        "QLoRA with tensor, pipeline or context parallel: use data parallel and ZeRO 0-3 (ZeRO-3 shards the 4-bit base)",
+        "QLoRA with tensor, pipeline or context parallel: use data parallel and ZeRO 0-3 "
+        "(ZeRO-3 shards the 4-bit base)",
         lambda v: v["finetune.method"] == "qlora" and (_split(v) or v["parallel.context_parallel"] > 1),
         lambda v: (
             "finetune.method: qlora stores the base in 4-bit NF4 blocks that tensor_parallel="
@@ -251,14 +253,16 @@ ROWS: tuple[Rule, ...] = (
         lambda v: v["train.observe.report_to"] is not None and v["train.observe.tensorboard"] != "auto",
         lambda v: (
             f"train.observe.tensorboard: {v['train.observe.tensorboard']} is set with train.observe.report_to, "
-            "and both would say whether TensorBoard is written; leave tensorboard at auto and list tensorboard in report_to or not"
+            "and both would say whether TensorBoard is written; leave tensorboard at auto and list tensorboard in "
+            "report_to or not"
         ),
     ),
 )
 
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """A nested mapping (a config's dump) as dotted keys: {"parallel": {"zero_stage": 2}} -> {"parallel.zero_stage": 2}."""
+    """A nested mapping (a config's dump) as dotted keys: {"parallel": {"zero_stage": 2}} -> {"parallel.zero_stage":
+    2}."""
     out: dict[str, Any] = {}
     for k, v in tree.items():
         if isinstance(v, Mapping):

@@ -131,7 +131,8 @@ def read_meta(ckpt: str | Path, verify_files: bool = True) -> dict[str, Any]:
         ) from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(
-            f"{path} is not fitlm checkpoint metadata (format={meta.get('format') if isinstance(meta, dict) else None!r})"
+            f"{path} is not fitlm checkpoint metadata "
+            f"(format={meta.get('format') if isinstance(meta, dict) else None!r})"
         )
     version = meta.get("format_version")
     if not isinstance(version, int) or version > FORMAT_VERSION:

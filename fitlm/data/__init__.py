@@ -7,7 +7,8 @@ Read (this package; imports nothing from prep):
     format.py documents the packed directory; gguf_tokenizer.py / gguf_vocab.py read llama.cpp's vocabularies.
 
 Prepare (fitlm.data.prep; `fitlm data clean|tokenizer|pack|merge`):
-    clean_corpus(inputs, out_dir, CleanOptions(...))     -> cleaned .jsonl + report   (clean.py, clean_filters.py, dedup.py)
+    clean_corpus(inputs, out_dir, CleanOptions(...))     -> cleaned .jsonl + report
+                                                            (clean.py, clean_filters.py, dedup.py)
     train_tokenizer(files, vocab_size, out_path)         -> tokenizer.json            (tokenizer_train.py)
     pack_corpus(inputs, tokenizer_path, out_dir, ...)    -> packed directory          (pack.py, encode.py)
     merge_packed(parts, out_dir)                         -> one packed directory      (merge.py)

@@ -13,7 +13,8 @@ them so that its encodings follow the model instead of one fixed rule:
 BOS is added when the tokenizer.json post-processor inserts it (what transformers 5 follows; fitlm then
 does not add a second one) or tokenizer_config.json has add_bos_token: true (what transformers 4's
 Llama-family classes and llama.cpp follow); real models state both. fitlm's own convention (BOS before
-every text; names <|bos|> <|eos|> <|pad|> unless given) applies to tokenizers trained by `fitlm data tokenizer` (created_by: fitlm) and to a bare
+every text; names <|bos|> <|eos|> <|pad|> unless given) applies to tokenizers trained by `fitlm data tokenizer`
+(created_by: fitlm) and to a bare
 tokenizer.json with neither tokenizer_config.json nor special_tokens_map.json beside it.
 A model that names no PAD token (Llama 3, ...) pads with EOS: padded positions never reach the loss, so
 PAD only has to be a real token.

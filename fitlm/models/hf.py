@@ -442,7 +442,8 @@ def model_from_hf_state_dict(
 def load_hf_dir(
     path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = torch.float32
 ) -> tuple[nn.Module, ModelConfig]:
-    """Load a Hugging Face directory of a registered family (config.json + safetensors). dtype=None keeps the stored one."""
+    """Load a Hugging Face directory of a registered family (config.json + safetensors). dtype=None keeps the stored
+    one."""
     path = Path(path)
     if not path.is_dir():
         raise HFFormatError(f"{path} is not a directory; pass a Hugging Face model directory")

@@ -50,7 +50,8 @@ def apply_data_parallel(model: nn.Module, ctx: ParallelContext, memory: MemoryCo
             # ZeRO-3 frees gathered parameters after forward; ZeRO-2 keeps them for backward.
             reshard_after_forward=ctx.dims.zero_stage == 3,
         )
-        # Frozen vocabulary tables stay out of FSDP2, their rows streamed piece by piece (fitlm.parallel.streamed_vocab).
+        # Frozen vocabulary tables stay out of FSDP2, their rows streamed piece by piece
+        # (fitlm.parallel.streamed_vocab).
         tables = (
             [] if ctx.tp > 1 or ctx.pp > 1 or memory.cpu_offload else streamed_tables(model, memory.loss_chunk_size)
         )

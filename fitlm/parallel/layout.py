@@ -1,7 +1,8 @@
 """Which parallel layouts are valid, checked before any process group exists.
 
 A layout is (data_parallel, tensor_parallel, pipeline_parallel, context_parallel) plus the ZeRO stage. The
-rules: dp × cp × tp × pp = world size; cp splits data.seq_length into 2·cp equal chunks; tp divides the head counts, the MLP width and the vocabulary; pp at most
+rules: dp × cp × tp × pp = world size; cp splits data.seq_length into 2·cp equal chunks; tp divides the head counts,
+the MLP width and the vocabulary; pp at most
 the number of layers; at least pp pipeline chunks per step (micro_batch_num × gradient accumulation).
 Which features compose with which is fitlm.rules' table, checked with the config.
 """

@@ -41,9 +41,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
-from torch.distributed.tensor.parallel import (
-    loss_parallel as _torch_loss_parallel,
-)
+from torch.distributed.tensor.parallel import loss_parallel as _torch_loss_parallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 

@@ -134,7 +134,8 @@ def block_act_per_token(s: Setup) -> float:
     if s.sp:  # the all-gathered inputs of q/k/v and gate/up stay full width (2 of the 6 replicated tensors)
         rep_h += 2 * act_bytes(s) * s.h * (1 - 1 / t)
     masked = s.doc_mask or s.sliding  # a masked SDPA expands k, v to every query head
-    # (not context parallel's: its gathered k, v are attended unexpanded and counted per layer, fitlm.plan.context_parallel)
+    # (not context parallel's: its gathered k, v are attended unexpanded and counted per layer,
+    # fitlm.plan.context_parallel)
     # (nor the blocked matmul attentions': they fold a key head's query heads onto it)
     gqa_repeat = (
         2 * act_bytes(s) * (s.q - s.kv) if masked and s.kv < s.q and s.cp == 1 and not blocked_attention(s) else 0
@@ -191,7 +192,8 @@ def block_act_recompute(s: Setup, tokens: float) -> float:
     if s.recompute == "selective":  # matmul and SDPA outputs: q, k, v, attention, o, gate, up, down (+ input)
         e, t = act_bytes(s), s.tp
         width = s.h / (t if s.sp else 1)
-        # (matmul_saved: its score matmuls' fp32 outputs are the saved matmul outputs, as many bytes as its probabilities)
+        # (matmul_saved: its score matmuls' fp32 outputs are the saved matmul outputs, as many bytes as its
+        # probabilities)
         return tokens * (
             residual_bytes(s) * width
             + e * (2 * s.q + 2 * s.kv + 2 * s.ffn) / t

@@ -94,7 +94,9 @@ KEY_REASONS = {
     "only_save_strategy": "MindSpore strategy files: fitlm checkpoints reshard to any layout by themselves",
     "micro_batch_interleave_num": "fitlm does not split micro batches to overlap communication",
     "parallel_config.vocab_emb_dp": "fitlm shards the embedding by vocabulary under tensor parallel",
-    "parallel_config.gradient_aggregation_group": "gradient communication fusion; DDP/FSDP2 bucket gradients themselves",
+    "parallel_config.gradient_aggregation_group": (
+        "gradient communication fusion; DDP/FSDP2 bucket gradients themselves"
+    ),
     "train_dataset.data_loader.dataset_dir": "MindRecord data cannot be read; pack the source text with "
     "`fitlm data pack` and set data.train (a placeholder is written)",
 }

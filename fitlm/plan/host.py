@@ -18,7 +18,8 @@ gradients and optimizer states are released (the last checkpoint holds them). So
 Resident on the host: everything on a CPU device (its peak, parameters at load); on an accelerator what
 `memory.cpu_offload` keeps there (HostAdamW's states and fp32 master, or FSDP2's CPU shards, parameters
 among them at load), and at the step the saved activations `memory.activation_offload` moved there (pinned;
-fitlm.plan.activation_offload: on a CPU device none move). A node runs min(world, node size) ranks: its peak is the sum of theirs, checked
+fitlm.plan.activation_offload: on a CPU device none move). A node runs min(world, node size) ranks: its peak is the
+sum of theirs, checked
 against 90% of the host's RAM (the rest for the OS and the page cache the data is read through).
 """
 

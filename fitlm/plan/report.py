@@ -222,7 +222,8 @@ def _render_host(console, h: dict[str, Any]) -> None:
     r, node = h["per_rank"], h["per_node"]
     console.print(
         f"host per rank: load {gib(r['load'])}, step {gib(r['step'])}, save {gib(r['save'])} (rank 0); "
-        f"per node ({h['ranks_per_node']} rank{'s' if h['ranks_per_node'] != 1 else ''}): {gib(node[h['peak_moment']])} at {h['peak_moment']} of "
+        f"per node ({h['ranks_per_node']} rank{'s' if h['ranks_per_node'] != 1 else ''}): "
+        f"{gib(node[h['peak_moment']])} at {h['peak_moment']} of "
         f"{gib(h['usable_bytes'])} usable ({h['ram_source'] or 'host RAM'})"
     )
     if not h["fits"]:

@@ -84,7 +84,8 @@ class ConsistencyCheck:
         problem = find_divergence(entries)
         if problem:
             raise RanksDiverged(
-                f"rank consistency check at step {step} (train.observe.consistency_interval={self.interval}): data-parallel "
+                f"rank consistency check at step {step} (train.observe.consistency_interval={self.interval}): "
+                "data-parallel "
                 f"replicas that must hold identical weights do not: {problem}. Gradient synchronisation is broken or "
                 f"a rank's memory was corrupted; the losses of these ranks no longer describe one model. "
                 f"See {DOCS}."

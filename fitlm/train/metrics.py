@@ -1,4 +1,5 @@
-"""The metrics writer: metrics.jsonl records, the run trackers beside them (fitlm/train/trackers.py), warnings in all."""
+"""The metrics writer: metrics.jsonl records, the run trackers beside them (fitlm/train/trackers.py), warnings in
+all."""
 
 from __future__ import annotations
 
@@ -76,7 +77,8 @@ class MetricsLog:
 
 
 def report(record: dict[str, Any], log) -> None:
-    """An intervention or warning: one metrics.jsonl record and one stderr line (main rank only: `log` is None elsewhere)."""
+    """An intervention or warning: one metrics.jsonl record and one stderr line (main rank only: `log` is None
+    elsewhere)."""
     if log is None:
         return
     log.write(record)

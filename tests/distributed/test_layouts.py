@@ -161,7 +161,9 @@ def assert_same_training(result, reference):
     assert result["eval_loss"] == pytest.approx(reference["eval_loss"], rel=2e-5)
     assert result["weights"].keys() == reference["weights"].keys()
     for name, tensor in reference["weights"].items():
-        torch.testing.assert_close(result["weights"][name], tensor, rtol=1e-4, atol=1e-4, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            result["weights"][name], tensor, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 # (name, parallel block, train block[, model overrides]): the global batch stays 8 sequences per step in every layout.

@@ -24,7 +24,7 @@ V = 384
 def _randomize(model: torch.nn.Module) -> None:
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
+        for _name, p in sorted(model.named_parameters()):
             p.copy_(
                 1.0 + 0.1 * torch.randn(p.shape, generator=g)
                 if p.dim() == 1

@@ -13,7 +13,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="the Ray engine tests need `pip install 'fitlm[ray]'`")
 
 from fitlm.data import DataError  # noqa: E402
-from fitlm.data.prep import pack_corpus, train_tokenizer
+from fitlm.data.prep import pack_corpus, train_tokenizer  # noqa: E402
 from fitlm.data.prep.clean import clean_corpus  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]

@@ -38,7 +38,7 @@ def make(cfg: ModelConfig, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     model = build_model(cfg).eval()
     with torch.no_grad():  # break the init symmetry (norms = 1, biases = 0) so every weight matters
-        for name, p in model.named_parameters():
+        for _name, p in model.named_parameters():
             if p.dim() == 1:
                 p.add_(0.1 * torch.randn_like(p))
     return model

@@ -2,7 +2,8 @@
 
 Order (cheap first, so expensive steps see fewer documents): Unicode NFKC and control-character removal
 -> too short -> garbled -> symbols -> letters -> repetition -> code / boilerplate (optional) -> exact
-duplicate -> near duplicate (`fitlm.data.prep.dedup`: a copy of an earlier document, in input order). Every measure counts characters, never words, so text written without
+duplicate -> near duplicate (`fitlm.data.prep.dedup`: a copy of an earlier document, in input order). Every measure
+counts characters, never words, so text written without
 spaces (Chinese, Japanese, Thai) is judged like any other. Output: `clean-00000.jsonl`, ... ({"text"}
 per line) and `report.json` with the count per filter; the directory appears atomically. `--engine ray`
 (fitlm.data.prep.clean_ray) runs the same per-document steps and the same duplicate rule on Ray Data.

@@ -4,7 +4,8 @@
    (`clean_filters.prepare_document`), exact key and MinHash signature, in parallel;
 2. exact: group by key; every member but the first in input order is an exact duplicate;
 3. near: one row per (LSH bucket, document); group by bucket -> candidate pairs (earlier, later);
-   group by the earlier, then by the later document to bring both signatures together -> a later document agreeing with an earlier one in >= threshold of positions
+   group by the earlier, then by the later document to bring both signatures together -> a later document agreeing
+   with an earlier one in >= threshold of positions
    is a near duplicate (the rule of `fitlm.data.prep.dedup`, so the same documents go as on the local engine);
 4. the driver streams the prepared documents in input order and writes the kept ones, the same files
    and report as the local engine.
