@@ -49,9 +49,10 @@ test-quick: venv
 # Alias of `make test`.
 test-all: test
 
-# Regenerate the README's config reference (schema docstrings) and model families table (registry).
+# Regenerate the generated tables: README's model families (registry), docs/config.md's config reference
+# (schema docstrings) and refused combinations (fitlm/rules.py).
 docs: venv
-	$(BIN)/python -m fitlm.docs README.md
+	$(BIN)/python -m fitlm.docs README.md docs/config.md
 
 clean:
 	rm -rf $(VENV) demo runs .pytest_cache

@@ -1,9 +1,9 @@
-"""Keep the README's generated blocks equal to the code: `python -m fitlm.docs README.md` rewrites them.
+"""Keep the generated blocks of the docs equal to the code: `python -m fitlm.docs` (`make docs`) rewrites them.
 
-Three blocks, each between two marker comments: the config reference (from the schema's field
-docstrings, fitlm/config.py), the model families table (from the registry's `Family` records,
-fitlm/registry.py) and the table of refused combinations (fitlm/rules.py). Tests fail when one is stale
-(tests/unit/test_config.py, test_docs_families.py, test_rules.py).
+Three blocks, each between two marker comments, each in one file of DOC_FILES: the model families table
+(README.md, from the registry's `Family` records, fitlm/registry.py), the config reference (docs/config.md,
+from the schema's field docstrings, fitlm/config.py) and the table of refused combinations (docs/config.md,
+fitlm/rules.py). Tests fail when one is stale (tests/unit/test_config.py, test_docs_families.py, test_rules.py).
 """
 
 from __future__ import annotations
@@ -77,27 +77,43 @@ def families_table_markdown(families: "Iterable[Family] | None" = None) -> str:
     return "\n".join(rows) + "\n"
 
 
-def _replace_block(text: str, begin: str, end: str, body: str, what: str) -> str:
-    if begin not in text or end not in text:
-        raise ValueError(f"README has no {what} markers; add the lines\n{begin}\n{end}")
+DOC_FILES = ("README.md", "docs/config.md")
+
+
+def _replace_block(text: str, begin: str, end: str, body: str) -> str:
     head, rest = text.split(begin, 1)
     _, tail = rest.split(end, 1)
     return f"{head}{begin}\n{body}{end}{tail}"
 
 
-def render(readme: str, families: "Iterable[Family] | None" = None) -> str:
-    """`readme` with its generated blocks rewritten (the families table from `families`, default the registry)."""
-    readme = _replace_block(readme, BEGIN, END, config_reference_markdown(), "config reference")
-    readme = _replace_block(readme, RULES_BEGIN, RULES_END, rules_table_markdown(), "rules table")
-    return _replace_block(
-        readme, FAMILIES_BEGIN, FAMILIES_END, families_table_markdown(families), "model families table"
-    )
+def blocks(families: "Iterable[Family] | None" = None) -> list[tuple[str, str, str, str]]:
+    """(what, begin marker, end marker, body) of every generated block."""
+    return [
+        ("config reference", BEGIN, END, config_reference_markdown()),
+        ("rules table", RULES_BEGIN, RULES_END, rules_table_markdown()),
+        ("model families table", FAMILIES_BEGIN, FAMILIES_END, families_table_markdown(families)),
+    ]
 
 
-def main(path: str) -> None:
-    p = Path(path)
-    p.write_text(render(p.read_text()))
+def render(text: str, families: "Iterable[Family] | None" = None) -> str:
+    """`text` with each generated block it holds rewritten (the families table from `families`, default the
+    registry); a text that holds none of them is an error."""
+    found = False
+    for _, begin, end, body in blocks(families):
+        if begin in text and end in text:
+            text, found = _replace_block(text, begin, end, body), True
+    if not found:
+        raise ValueError("no generated block in this file; the markers are:\n" + "\n".join(
+            f"{begin}\n{end}" for _, begin, end, _ in blocks(families)))
+    return text
+
+
+def main(paths: list[str]) -> None:
+    root = Path(__file__).resolve().parents[1]
+    for path in paths or [str(root / f) for f in DOC_FILES]:
+        p = Path(path)
+        p.write_text(render(p.read_text()))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "README.md")
+    main(sys.argv[1:])

@@ -79,5 +79,13 @@ def test_gguf_out_follows_export_module(monkeypatch):
 def test_missing_markers_are_an_error():
     readme = (ROOT / "README.md").read_text()
     without = readme.replace(docs.FAMILIES_BEGIN, "")
-    with pytest.raises(ValueError, match="model families"):
+    with pytest.raises(ValueError, match="no generated block"):
         docs.render(without)
+
+
+def test_each_generated_block_is_in_exactly_one_doc_file():
+    texts = {f: (ROOT / f).read_text() for f in docs.DOC_FILES}
+    for what, begin, end, _ in docs.blocks():
+        holders = [f for f, t in texts.items() if begin in t and end in t]
+        assert len(holders) == 1, f"the {what} is in {holders or 'no file'} of {docs.DOC_FILES}"
+        assert docs.render(texts[holders[0]]) == texts[holders[0]], f"{holders[0]} is stale: run `make docs`"

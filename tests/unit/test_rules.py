@@ -1,5 +1,5 @@
 """fitlm.rules: every "does not compose" / "needs" rule is one row, refused with its key named where the
-row says (config load or launch), rendered into the README, and kept by `fitlm plan --search`."""
+row says (config load or launch), rendered into docs/config.md, and kept by `fitlm plan --search`."""
 
 from __future__ import annotations
 
@@ -85,10 +85,10 @@ def test_each_rule_is_refused_naming_its_key_at_its_stage(index, monkeypatch):
     assert rule not in rules.broken(rules.flatten(validate_dict(config({})).model_dump()), ("config", "launch"))
 
 
-def test_readme_table_is_generated_from_the_rows():
-    readme = (ROOT / "README.md").read_text()
-    block = readme.split(RULES_BEGIN, 1)[1].split(RULES_END, 1)[0]
-    assert block.strip() == rules.rules_table_markdown().strip(), "README rules table is stale: run `make docs`"
+def test_docs_table_is_generated_from_the_rows():
+    page = (ROOT / "docs" / "config.md").read_text()
+    block = page.split(RULES_BEGIN, 1)[1].split(RULES_END, 1)[0]
+    assert block.strip() == rules.rules_table_markdown().strip(), "docs/config.md rules table is stale: `make docs`"
     assert block.count("\n| `") == len(rules.ROWS)
 
 
