@@ -103,8 +103,10 @@ def render(text: str, families: "Iterable[Family] | None" = None) -> str:
         if begin in text and end in text:
             text, found = _replace_block(text, begin, end, body), True
     if not found:
-        raise ValueError("no generated block in this file; the markers are:\n" + "\n".join(
-            f"{begin}\n{end}" for _, begin, end, _ in blocks(families)))
+        raise ValueError(
+            "no generated block in this file; the markers are:\n"
+            + "\n".join(f"{begin}\n{end}" for _, begin, end, _ in blocks(families))
+        )
     return text
 
 

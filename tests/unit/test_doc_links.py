@@ -46,7 +46,9 @@ def broken_links(page: Path) -> list[str]:
             path, _, anchor = url.partition("#")
             target = (page.parent / path).resolve() if path else page
             if not target.exists():
-                bad.append(f"[{label}]({url}): no file {target.relative_to(ROOT) if ROOT in target.parents else target}")
+                bad.append(
+                    f"[{label}]({url}): no file {target.relative_to(ROOT) if ROOT in target.parents else target}"
+                )
             elif anchor and target.suffix == ".md" and anchor not in anchors(target):
                 bad.append(f"[{label}]({url}): {target.name} has no heading #{anchor}")
     return bad
@@ -59,10 +61,13 @@ def test_relative_links_and_anchors_resolve(page):
 
 
 def test_the_checker_finds_a_broken_link_and_anchor(tmp_path):
-    (tmp_path / "a.md").write_text("# Top\n## Two words\n[ok](#two-words) [x](#nope) [y](b.md) [z](a.md#top)\n"
-                                   "```\n[in code](missing.md)\n```\n")
-    assert broken_links(tmp_path / "a.md") == ["[x](#nope): a.md has no heading #nope",
-                                               f"[y](b.md): no file {(tmp_path / 'b.md').resolve()}"]
+    (tmp_path / "a.md").write_text(
+        "# Top\n## Two words\n[ok](#two-words) [x](#nope) [y](b.md) [z](a.md#top)\n```\n[in code](missing.md)\n```\n"
+    )
+    assert broken_links(tmp_path / "a.md") == [
+        "[x](#nope): a.md has no heading #nope",
+        f"[y](b.md): no file {(tmp_path / 'b.md').resolve()}",
+    ]
 
 
 def test_the_readme_is_a_front_page():
