@@ -37,10 +37,11 @@ test: lint
 	$(BIN)/python -m pytest -q --runslow -n 2 --dist loadfile
 
 # Static checks, the first part of `make test`: ruff's lint (pyflakes, pycodestyle, import order, bugbear) and its
-# formatter, configured in pyproject.toml. (mypy is configured there too but not yet clean: not run here.)
+# formatter, then mypy's type check of fitlm/, all configured in pyproject.toml.
 lint: venv
 	$(BIN)/ruff check fitlm tests bench
 	$(BIN)/ruff format --check fitlm tests bench
+	$(BIN)/mypy fitlm
 
 # The quick inner loop: the same suite without the tests marked slow.
 test-quick: venv

@@ -178,7 +178,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from fitlm.infer.text import generate_text
 
     check_sampling(args.temperature, args.top_p)  # before anything is printed
-    stream = None if args.json else (lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
+
+    def write_piece(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    stream = None if args.json else write_piece
     if stream:
         sys.stdout.write(args.prompt)
     out = generate_text(

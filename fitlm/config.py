@@ -122,6 +122,37 @@ class ModelConfig(_Section):
     """Standard deviation of the normal weight initialisation."""
     init_from: str | None = None
     """Start from these weights: a fitlm model directory, a Hugging Face safetensors directory or a GGUF file."""
+    # mixture of experts (the families qwen3_moe, qwen2_moe, mixtral), under transformers' names
+    num_experts: int | None = None
+    """Routed experts of each MoE layer (HF num_experts; Mixtral's num_local_experts); null = a dense model."""
+    num_experts_per_tok: int = 2
+    """Experts each token is sent to (top-k of the router's softmax)."""
+    moe_intermediate_size: int | None = None
+    """Inner width of one expert; null = model.intermediate_size."""
+    norm_topk_prob: bool | None = None
+    """Renormalize the top-k routing weights to sum to 1; null = the family's rule (mixtral yes, qwen*_moe as their HF default, no)."""
+    decoder_sparse_step: int = 1
+    """Every n-th block is an MoE block (blocks i with (i+1) % n == 0); the others keep a dense MLP."""
+    mlp_only_layers: list[int] = []
+    """Blocks that keep a dense MLP of model.intermediate_size whatever decoder_sparse_step says."""
+    shared_expert_intermediate_size: int | None = None
+    """qwen2_moe: width of the shared expert every token goes through (gated by a sigmoid); null = none."""
+    router_aux_loss_coef: float = 0.001
+    """Weight of transformers' load-balancing loss in the training loss (read from the checkpoint; 0 = balancing off)."""
+
+    @property
+    def moe(self) -> bool:
+        """A mixture-of-experts model (model.num_experts set)."""
+        return bool(self.num_experts)
+
+    def sparse_layer(self, i: int) -> bool:
+        """Block i routes its tokens to experts (transformers' rule of decoder_sparse_step and mlp_only_layers)."""
+        return self.moe and i not in self.mlp_only_layers and (i + 1) % max(1, self.decoder_sparse_step) == 0
+
+    @property
+    def expert_ffn_size(self) -> int:
+        """model.moe_intermediate_size resolved (model.intermediate_size when null)."""
+        return self.moe_intermediate_size or self.ffn_size
 
     @property
     def kv_heads(self) -> int:
@@ -565,6 +596,7 @@ def semantic_errors(cfg: Config) -> list[str]:
         "parallel.micro_batch_num": p.micro_batch_num,
         "checkpoint.keep_last": cfg.checkpoint.keep_last,
     }
+    v: float  # (the loops below go over int and float settings)
     for key, v in positive.items():
         if v < 1:
             errs.append(f"{key}: must be at least 1 (got {v})")
@@ -602,10 +634,24 @@ def semantic_errors(cfg: Config) -> list[str]:
             f"give one entry per block or null for the family's pattern"
         )
     errs += rope_scaling_errors(m)
+    errs += moe_errors(m)
     if m.arch not in registry.model_names():
         errs.append(f"model.arch: unknown family {m.arch!r}; registered: {', '.join(registry.model_names())}")
     elif m.num_heads >= 1 and m.num_layers >= 1:
         errs += m.family.validate(m)  # what the family itself cannot build (e.g. gpt2 has no GQA)
+        routed = [f.name for f in registry.families() if f.moe]
+        if m.moe and not m.family.moe:
+            errs.append(
+                f"model.num_experts: arch {m.arch!r} is dense; leave num_experts null, or use an MoE family "
+                f"({', '.join(routed)})"
+            )
+        elif m.family.moe and not m.moe:
+            errs.append(f"model.num_experts: arch {m.arch!r} is a mixture of experts; set num_experts (e.g. 8)")
+        if p.pipeline_parallel > 1 and not m.family.pipeline_parallel:
+            errs.append(
+                f"parallel.pipeline_parallel: model.arch={m.arch!r} cannot be pipeline-parallel yet; set it to 1 "
+                f"and shard with data_parallel and zero_stage 3"
+            )
     cp = p.context_parallel
     if cp > 1 and d.seq_length % (2 * cp):
         errs.append(
@@ -658,6 +704,28 @@ def objective_errors(cfg: Config) -> list[str]:
     return errs
 
 
+def moe_errors(m: ModelConfig) -> list[str]:
+    """The expert counts of an MoE model section; which families route is each family's own check."""
+    if m.num_experts is None:
+        return []
+    errs = []
+    if m.num_experts < 1:
+        errs.append(f"model.num_experts: must be at least 1, or null for a dense model (got {m.num_experts})")
+    elif not 1 <= m.num_experts_per_tok <= m.num_experts:
+        errs.append(
+            f"model.num_experts_per_tok: each token goes to 1..num_experts={m.num_experts} experts "
+            f"(got {m.num_experts_per_tok})"
+        )
+    if m.decoder_sparse_step < 1:
+        errs.append(f"model.decoder_sparse_step: must be at least 1 (got {m.decoder_sparse_step})")
+    outside = [i for i in m.mlp_only_layers if not 0 <= i < m.num_layers]
+    if outside:
+        errs.append(f"model.mlp_only_layers: {outside} are not blocks of a {m.num_layers}-layer model")
+    if m.router_aux_loss_coef < 0:
+        errs.append(f"model.router_aux_loss_coef: must not be negative (got {m.router_aux_loss_coef}); 0 turns it off")
+    return errs
+
+
 def rope_scaling_errors(m: ModelConfig) -> list[str]:
     """What a model.rope_scaling section lacks to be computed."""
     sc = m.rope_scaling
@@ -702,7 +770,8 @@ def memory_errors(cfg: Config) -> list[str]:
 def observe_errors(cfg: Config) -> list[str]:
     """Ranges of the run's observers (train.observe: guards, consistency, balance, profiler window)."""
     t, g = cfg.train.observe, cfg.train.observe.guards
-    errs = []
+    errs: list[str] = []
+    v: float  # (int settings first, then float ones)
     for key, v, least in (("window", g.window, 2), ("rollback_after", g.rollback_after, 1)):
         if v < least:
             errs.append(f"train.observe.guards.{key}: must be at least {least} (got {v})")
@@ -736,7 +805,8 @@ MOVED_KEYS = {f"train.{k}": f"train.observe.{k}" for k in ObserveConfig.model_fi
 
 def _without_moved_keys(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """`data` without keys that moved (so the rest is still checked), and one error per moved key."""
-    errs, train = [], data.get("train")
+    errs: list[str] = []
+    train = data.get("train")
     if not isinstance(train, dict):
         return data, errs
     for old, new in MOVED_KEYS.items():

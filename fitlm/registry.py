@@ -26,6 +26,8 @@ _FAMILIES: dict[str, "Family"] = {}
 BUILTIN_FAMILIES = (
     "fitlm.models.llama",
     "fitlm.models.qwen",
+    "fitlm.models.qwen_moe",
+    "fitlm.models.mixtral",
     "fitlm.models.gemma",
     "fitlm.models.phi3",
     "fitlm.models.gpt2",

@@ -19,12 +19,13 @@ import threading
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from fitlm import __version__, faults
 from fitlm.checkpoint import checksums, state, store
@@ -120,8 +121,10 @@ class Checkpointer:
         optim_sd, targets = state.optimizer_template(optimizer, pm.modules, md)
         to_load: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
         rng_key = f"rank{self.ctx.rank}"
-        rng_entries = {
-            k.split(".")[-1]: v for k, v in md.state_dict_metadata.items() if k.startswith(f"rng.{rng_key}.")
+        rng_entries = {  # (the RNG states are tensors)
+            k.split(".")[-1]: cast(TensorStorageMetadata, v)
+            for k, v in md.state_dict_metadata.items()
+            if k.startswith(f"rng.{rng_key}.")
         }
         same_world = meta["layout"]["world_size"] == self.ctx.world_size
         if same_world and rng_entries:
@@ -148,7 +151,7 @@ class Checkpointer:
             return None
         own = [p for _, p in store.list_checkpoints(self.root)]
         candidates = own[::-1] if ckpt in own else [ckpt]
-        problems = []
+        problems: list[str] = []
         for candidate in candidates:
             problem = self._damage(candidate)
             if problem is None:

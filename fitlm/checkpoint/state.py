@@ -11,7 +11,7 @@ RNG states are per rank (`rng.rank<r>.*`), restored only when the world size is 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
@@ -145,10 +145,12 @@ def check_model_keys(sd: dict[str, torch.Tensor], md: Metadata, ckpt: str, prefi
     """Refuse before loading when names or shapes differ: another model shape, said in terms of tensors."""
     stored = {k[len(prefix) :]: v for k, v in md.state_dict_metadata.items() if k.startswith(prefix)}
     missing = sorted(set(sd) - set(stored))
-    bad = [
-        f"{k}: checkpoint {list(stored[k].size)} vs model {list(s)}"
+    bad = [  # (the casts: mypy does not narrow stored[k] by the isinstance)
+        f"{k}: checkpoint {list(cast(TensorStorageMetadata, stored[k]).size)} vs model {list(s)}"
         for k, s in full_shapes(sd).items()
-        if k in stored and isinstance(stored[k], TensorStorageMetadata) and tuple(stored[k].size) != s
+        if k in stored
+        and isinstance(stored[k], TensorStorageMetadata)
+        and tuple(cast(TensorStorageMetadata, stored[k]).size) != s
     ]
     if missing or bad:
         parts = (

@@ -231,5 +231,6 @@ class SafeReader(FileSystemReader):
             self._md = read_dcp_metadata(Path(self.path))
         if getattr(self._md, "storage_meta", None) is None:
             self._md.storage_meta = StorageMeta()
+        assert self._md.storage_meta is not None  # (set just above when missing)
         self._md.storage_meta.load_id = self.load_id
         return self._md

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from fitlm.data.conventions import config_chat_template, model_chat_template
 from fitlm.data.errors import DataError
@@ -178,7 +178,8 @@ class ChatEncoder:
         added_names = {t.content for t in added.values()}
         for name in [*tok.special_tokens.values(), *(s for s in self._stop_texts if s in added_names)]:
             if name is not None:
-                self._special.setdefault(name, tok.token_to_id(name))
+                # (tokens of the vocabulary: Tokenizer.from_file checked the specials, stops are added tokens)
+                self._special.setdefault(name, cast(int, tok.token_to_id(name)))
         longest_first = sorted(self._special, key=len, reverse=True)
         self._special_re = re.compile("|".join(re.escape(s) for s in longest_first)) if longest_first else None
         # The variables transformers passes: the named special tokens that exist.
@@ -272,7 +273,7 @@ class ChatEncoder:
         trained = [(a, e) for a, _, e, t in spans if t]
         mask = [int(any(s < b and e > a for a, b in trained)) for s, e in where]
         if tok.add_bos and ids[:1] != [tok.bos_id]:
-            ids.insert(0, tok.bos_id)
+            ids.insert(0, cast(int, tok.bos_id))  # (add_bos: the model has a BOS token)
             mask.insert(0, 0)
             where.insert(0, (0, 0))
         if not add_generation_prompt:

@@ -96,7 +96,7 @@ class PackedDataset:
         return {"path": str(self.path)}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["path"])
+        type(self).__init__(self, state["path"])
 
     @property
     def num_tokens(self) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 
@@ -28,7 +29,7 @@ def inspect_packed(path: Path, sample_tokens: int = 64, sample_doc: int = 0, ver
     tok = ds.load_tokenizer()
     doc = min(max(0, sample_doc), ds.num_docs - 1)
     ids = ds.document(doc)[:sample_tokens].tolist() if ds.num_docs else []
-    report = {
+    report: dict[str, Any] = {
         "path": str(path),
         "format_version": ds.manifest["format_version"],
         "data_format": ds.data_format,
@@ -53,7 +54,7 @@ def inspect_packed(path: Path, sample_tokens: int = 64, sample_doc: int = 0, ver
         full, mask = ds.document(doc), ds.document_mask(doc).astype(bool)
         report["sample_trained_text"] = tok.decode(full[mask].tolist(), skip_special_tokens=False)
         report["trained_token_share"] = round(
-            float(sum(int(np.count_nonzero(s.mask)) for s in ds.shards)) / max(1, ds.num_tokens), 4
+            float(sum(int(np.count_nonzero(cast(np.ndarray, s.mask))) for s in ds.shards)) / max(1, ds.num_tokens), 4
         )
         report["chat"] = ds.manifest.get("chat")
     return report

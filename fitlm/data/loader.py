@@ -27,7 +27,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -137,7 +137,7 @@ class SequenceLoader:
         lengths = np.diff(dataset.doc_offsets)
         self._truncated = max_length is not None and bool((lengths > max_length).any())
         if packing == "stream":
-            kept = np.minimum(lengths, max_length) if self._truncated else lengths
+            kept = np.minimum(lengths, cast(int, max_length)) if self._truncated else lengths  # (truncated: a max)
             self._vstart = np.concatenate([[0], np.cumsum(kept)]).astype(np.int64)  # virtual stream offsets
             self.num_windows = max(0, (int(self._vstart[-1]) - 1) // seq_length)  # start + T + 1 <= N
         else:
@@ -223,6 +223,7 @@ class SequenceLoader:
                     window_order(self.num_windows, self.seed, epoch) if self.shuffle else np.arange(self.num_windows)
                 )
                 self._order_epoch = epoch
+            assert self._order is not None  # (set above for the epoch)
             return self._order
 
     def windows_for(self, epoch: int, position: int) -> np.ndarray:
@@ -236,7 +237,7 @@ class SequenceLoader:
 
     # ------------------------------------------------------------------ rows
 
-    def _pieces(self, doc_ids: range, vstart: np.ndarray | None, a: int, b: int):
+    def _pieces(self, doc_ids: range, vstart: np.ndarray, a: int, b: int):
         """Yield (global doc, physical start, physical end) covering virtual [a, b) of documents doc_ids."""
         offs = self.dataset.doc_offsets
         for d in doc_ids:

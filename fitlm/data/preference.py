@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from fitlm.data.chat import ChatEncoder, check_messages
 from fitlm.data.errors import DataError
@@ -99,13 +99,14 @@ class PreferenceEncoder:
         render the generation prompt differently, or tokens merge across the boundary: the response then
         starts where they diverge, as in TRL)."""
         tok = self.tokenizer
-        if pair.conversational:
-            prompt = self.chat.encode(pair.prompt, add_generation_prompt=True)[0]
+        if pair.conversational:  # (all three fields are message lists, check_pair)
+            prompt = self.chat.encode(cast(list[dict[str, str]], pair.prompt), add_generation_prompt=True)[0]
             chosen, rejected = (self.chat.encode([*pair.prompt, *r])[0] for r in (pair.chosen, pair.rejected))
         else:  # text: BOS as the model adds it, EOS closes the response
-            prompt = tok.encode(pair.prompt, add_bos=tok.add_bos)
+            text = cast(str, pair.prompt)  # (all three fields are strings)
+            prompt = tok.encode(text, add_bos=tok.add_bos)
             chosen, rejected = (
-                tok.encode(pair.prompt + r, add_bos=tok.add_bos, add_eos=True) for r in (pair.chosen, pair.rejected)
+                tok.encode(text + cast(str, r), add_bos=tok.add_bos, add_eos=True) for r in (pair.chosen, pair.rejected)
             )
         shared = min(_common_prefix(prompt, chosen), _common_prefix(prompt, rejected))
         return chosen, rejected, shared

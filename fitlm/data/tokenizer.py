@@ -11,6 +11,7 @@ import hashlib
 import shutil
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import cast
 
 import tokenizers
 
@@ -40,10 +41,11 @@ class Tokenizer:
         self.sha256 = sha256
         self.special_tokens: dict[str, str | None] = {"bos": conv.bos, "eos": conv.eos, "pad": conv.pad}
         self.bos_id: int | None = None if conv.bos is None else backend.token_to_id(conv.bos)
-        self.eos_id: int = backend.token_to_id(conv.eos)
-        self.pad_id: int = backend.token_to_id(conv.pad)
+        # (from_file has checked EOS, PAD and the stop tokens are in the vocabulary)
+        self.eos_id: int = cast(int, backend.token_to_id(conv.eos))
+        self.pad_id: int = cast(int, backend.token_to_id(conv.pad))
         self.add_bos: bool = conv.add_bos
-        self.stop_ids: tuple[int, ...] = tuple(backend.token_to_id(t) for t in conv.stops)
+        self.stop_ids: tuple[int, ...] = tuple(cast(int, backend.token_to_id(t)) for t in conv.stops)
         self.fitlm_convention: bool = conv.fitlm_convention
         # Embedding rows needed = largest id + 1 (a foreign vocab may have holes, so not len(vocab)).
         self.vocab_size: int = max(backend.get_vocab(with_added_tokens=True).values()) + 1
@@ -110,6 +112,7 @@ class Tokenizer:
                 "add_bos=tokenizer.add_bos, or name one with bos="
             )
         if add_bos:
+            assert self.bos_id is not None  # refused just above
             ids = [self.bos_id, *ids]
         if add_eos:
             ids = [*ids, self.eos_id]

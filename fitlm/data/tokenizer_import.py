@@ -46,7 +46,9 @@ def _varint(buf: bytes, i: int) -> tuple[int, int]:
 
 def _fields(buf: bytes) -> list[tuple[int, int, Any]]:
     """(field number, wire type, value) of one protobuf message (values: int, bytes, or 4/8 raw bytes)."""
-    out, i = [], 0
+    out: list[tuple[int, int, Any]] = []
+    i = 0
+    v: Any  # int (varint) or bytes
     while i < len(buf):
         key, i = _varint(buf, i)
         num, wt = key >> 3, key & 7
@@ -120,13 +122,13 @@ def spm_to_tokenizers(path: Path):
         )
     vocab = [(p, s) for p, s, _ in spm["pieces"]]
     tok = HFTokenizer(Unigram(vocab, spm["unk_id"], spm["byte_fallback"]))
-    norms = [normalizers.Precompiled(spm["charsmap"])] if spm["charsmap"] else []
+    norms: list[normalizers.Normalizer] = [normalizers.Precompiled(spm["charsmap"])] if spm["charsmap"] else []
     if spm["remove_extra_whitespaces"]:  # sentencepiece strips the ends and collapses runs of spaces
         norms += [normalizers.Strip(left=True, right=True), normalizers.Replace(Regex(" {2,}"), " ")]
     tok.normalizer = normalizers.Sequence(norms)
     scheme = "always" if spm["add_dummy_prefix"] else "never"
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=scheme)
-    decs = [decoders.Replace("▁", " ")]
+    decs: list[decoders.Decoder] = [decoders.Replace("▁", " ")]
     if spm["byte_fallback"]:
         decs = [decoders.ByteFallback(), decoders.Fuse(), *decs]
     tok.decoder = decoders.Sequence([*decs, decoders.Strip(" ", 1, 0)] if scheme == "always" else decs)
@@ -181,8 +183,8 @@ def import_tokenizer(
                 )
         names = {k: given or defaults[k] for k, given in (("bos", bos), ("eos", eos), ("pad", pad))}
         cfg = {"add_bos_token": True}  # Llama-style SentencePiece models put BOS before every text
-    given = {k: v for k, v in (("bos", bos), ("eos", eos), ("pad", pad)) if v}
-    merged = {**cfg, **{f"{k}_token": v for k, v in {**names, **given}.items()}}
+    given_names = {k: v for k, v in (("bos", bos), ("eos", eos), ("pad", pad)) if v}
+    merged = {**cfg, **{f"{k}_token": v for k, v in {**names, **given_names}.items()}}
     merged.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
     merged["imported_by"] = "fitlm"
     write_bytes_atomic(json_path.with_name(TOKENIZER_CONFIG_FILE), json.dumps(merged, indent=2).encode("utf-8"))

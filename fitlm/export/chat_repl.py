@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from typing import Callable, TextIO
+from typing import TextIO
 
 from fitlm.data.chat import ChatEncoder, resolve_template
 from fitlm.data.tokenizer import Tokenizer
@@ -63,7 +63,11 @@ def run_chat(
     name, source = resolve_template(template, loaded.tokenizer_path)
     session = ChatSession(ChatEncoder(tok, source, name), loaded.config.model.max_seq_len, system)
     stops = set(tok.stop_ids)  # EOS and the model's end-of-turn tokens (generation_config.json, GGUF, ...)
-    say: Callable[[str], None] = lambda s: (stderr.write(s), stderr.flush())  # noqa: E731
+
+    def say(s: str) -> None:
+        stderr.write(s)
+        stderr.flush()
+
     say(f"chatting with {loaded.path} (template: {name}). /reset clears the history, /exit quits.\n")
     interactive = stdin.isatty()
     turn = 0
@@ -84,7 +88,11 @@ def run_chat(
             continue
         session.messages.append({"role": "user", "content": text})
         ids = session.prompt_ids(reserve=min(max_new_tokens, session.max_context // 2))
-        emit = lambda piece: (stdout.write(piece), stdout.flush())  # noqa: E731
+
+        def emit(piece: str) -> None:
+            stdout.write(piece)
+            stdout.flush()
+
         new = generate(
             loaded.model,
             ids,

@@ -84,7 +84,8 @@ def _spill(writer, name: str, data: np.ndarray, raw) -> None:
     file, as GGUFWriter.add_tensor does with use_temp_file -- but through file.write, so that a full disk raises
     ENOSPC (numpy's tofile reports it without an errno, which would hide the disk-full message)."""
     writer.add_tensor_info(name, data.shape, data.dtype, data.nbytes, raw_dtype=raw)
-    writer.temp_file.write(memoryview(np.ascontiguousarray(data)).cast("B"))
+    # (numpy's stubs give ndarray the buffer protocol's __buffer__ on Python 3.12+ only)
+    writer.temp_file.write(memoryview(np.ascontiguousarray(data)).cast("B"))  # type: ignore[arg-type]
     writer.write_padding(writer.temp_file, data.nbytes)
 
 
@@ -131,7 +132,8 @@ def _write(source: LoadedModel | StreamedModel, tensors, tmp: Path, dtype: str, 
 
     cfg = source.config.model
     writer = GGUFWriter(str(tmp), cfg.family.gguf.arch, use_temp_file=True)
-    writer.temp_file = tempfile.TemporaryFile(dir=tmp.parent)  # unlinked at once: nothing is left behind
+    # unlinked at once: nothing is left behind (gguf types temp_file as the SpooledTemporaryFile it would make)
+    writer.temp_file = tempfile.TemporaryFile(dir=tmp.parent)  # type: ignore[assignment]
     try:
         writer.add_name(source.path.name)
         for key, value in gguf_metadata(cfg).items():

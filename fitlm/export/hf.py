@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 from fitlm.atomic import atomic_dir
 from fitlm.data.chat import resolve_template
@@ -37,7 +38,7 @@ def _check_out_dir(out: Path) -> None:
         )
 
 
-def _write_tokenizer(loaded: LoadedModel | StreamedModel, out: Path) -> dict[str, int | None]:
+def _write_tokenizer(loaded: LoadedModel | StreamedModel, out: Path) -> dict[str, Any]:
     """Copy tokenizer files and put the chat template into tokenizer_config.json; return special ids."""
     src = loaded.tokenizer_path
     if src is None:

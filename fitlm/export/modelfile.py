@@ -162,7 +162,7 @@ def _jinja_prompts(template: str, tokenizer: Tokenizer) -> list[tuple[Messages, 
     """(probe, the Jinja prompt without the leading BOS) for each probe the template accepts."""
     encoder = ChatEncoder(tokenizer, template)
     bos = _specials(tokenizer)[0]
-    out = []
+    out: list[tuple[Messages, str]] = []
     for probe in PROBES:
         try:
             text = encoder.render(probe, True)
@@ -224,6 +224,7 @@ def modelfile_text(gguf_name: str, template: str | None, tokenizer: Tokenizer | 
     stops: list[str] = []
     if matched is not None:
         name, system = matched
+        assert tokenizer is not None  # (a format is matched only with a tokenizer)
         lines.append(_block("TEMPLATE", FORMATS[name].template(*_specials(tokenizer))))
         if system:
             lines.append(_block("SYSTEM", system))

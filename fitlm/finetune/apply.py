@@ -101,7 +101,7 @@ def refuse_unshardable_adapters(model: nn.Module, cfg: Config) -> None:
         )
 
 
-def spec_from_config(cfg: Config, adapter: Mapping[str, torch.Tensor]) -> LoraSpec:
+def spec_from_config(cfg: Config, adapter: Mapping[str, object]) -> LoraSpec:
     lora = cfg.finetune.lora
     return LoraSpec(r=lora.r, alpha=lora.alpha, dropout=lora.dropout, modules=lora_modules_of(adapter))
 
@@ -132,6 +132,7 @@ def final_weights(
     def merged() -> Iterator[dict[str, torch.Tensor]]:
         adapter: dict[str, torch.Tensor] = {}
         for block in blocks:
+            assert block is not None  # (rank 0's blocks)
             base, ours = split_lora_state_dict(block)
             adapter.update(ours)
             out = {

@@ -8,10 +8,14 @@ layers of a pretrained model hold the most general features, which is why freezi
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, cast
 
 import torch.nn as nn
 
 from fitlm.finetune.errors import FinetuneError
+
+if TYPE_CHECKING:
+    from fitlm.models.causal_lm import CausalLM
 
 
 def frozen_layer_count(num_layers: int, fraction: float) -> int:
@@ -25,7 +29,7 @@ def apply_freeze(model: nn.Module, fraction: float, embeddings: bool = False) ->
     """Freeze blocks 0..n-1 (n = frozen_layer_count) and, with `embeddings`, the token (and learned
     position) embeddings; a tied output head is the embedding tensor, so it freezes with them.
     Returns the names of the parameters that stay trainable."""
-    body = model.model
+    body = cast("CausalLM", model).model  # (a family's model)
     layers = body.layers
     n = frozen_layer_count(len(layers), fraction)
     for key in sorted(layers.keys(), key=int)[:n]:

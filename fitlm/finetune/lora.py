@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Iterable, Iterator, Mapping, TypeVar, cast
 
 import torch
 import torch.nn as nn
@@ -22,7 +22,11 @@ import torch.nn.functional as F
 
 from fitlm.config import Config, ModelConfig
 from fitlm.finetune.errors import FinetuneError
+from fitlm.models.moe import moe_layers
 from fitlm.registry import build_model
+
+if TYPE_CHECKING:
+    from fitlm.models.causal_lm import CausalLM
 
 LORA_PARTS = ("lora_A", "lora_B")
 ALL_LINEAR = "all-linear"
@@ -73,6 +77,10 @@ def resolve_targets(model: nn.Module, targets: Iterable[str]) -> tuple[str, ...]
         raise LoraError(
             "finetune.lora.target_modules is empty; name modules such as [q_proj, v_proj] or use [all-linear]"
         )
+    if moe_layers([model]):
+        # PEFT (0.21+) maps gate_proj/up_proj/down_proj on an MoE model onto the stacked experts, which fitlm's
+        # LoRA does not adapt yet: only attention Linears keep one meaning in both.
+        linears = {n: m for n, m in linears.items() if ".self_attn." in f".{n}"}
     if ALL_LINEAR in targets:
         return tuple(linears)
     found, unknown = [], []
@@ -82,7 +90,8 @@ def resolve_targets(model: nn.Module, targets: Iterable[str]) -> tuple[str, ...]
     if unknown:
         leaves = sorted({n.rsplit(".", 1)[-1] for n in linears})
         raise LoraError(
-            f"finetune.lora.target_modules: {', '.join(unknown)} match no linear layer of this model; "
+            f"finetune.lora.target_modules: {', '.join(unknown)} match no linear layer of this model"
+            f"{' that LoRA adapts (on a mixture of experts: attention only)' if moe_layers([model]) else ''}; "
             f"its linear layers are {', '.join(leaves)} (or use all-linear; the output head lm_head "
             f"is never a target)"
         )
@@ -90,12 +99,14 @@ def resolve_targets(model: nn.Module, targets: Iterable[str]) -> tuple[str, ...]
 
 
 def _lora_hook(module: nn.Linear, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
+    # The lora_* attributes are the ones `add_lora` sets (nn.Module's __getattr__/__setattr__ type them
+    # Tensor | Module, hence the ignores here and there).
     if getattr(module, "lora_off", False):  # `adapters_off`: the base Linear's output, unchanged
         return None
     x = args[0]
-    if module.lora_dropout > 0 and module.training:
-        x = F.dropout(x, module.lora_dropout, training=True)
-    return output + module.lora_B(module.lora_A(x)) * module.lora_scaling
+    if module.lora_dropout > 0 and module.training:  # type: ignore[operator]
+        x = F.dropout(x, module.lora_dropout, training=True)  # type: ignore[arg-type]
+    return output + module.lora_B(module.lora_A(x)) * module.lora_scaling  # type: ignore[operator]
 
 
 def new_adapter(in_features: int, out_features: int, r: int, device) -> tuple[nn.Linear, nn.Linear]:
@@ -111,8 +122,8 @@ def new_adapter(in_features: int, out_features: int, r: int, device) -> tuple[nn
 def add_lora(linear: nn.Linear, r: int, alpha_scaling: float, dropout: float) -> None:
     """Give one Linear its adapter (`new_adapter`), on the weight's device."""
     linear.lora_A, linear.lora_B = new_adapter(linear.in_features, linear.out_features, r, linear.weight.device)
-    linear.lora_scaling = alpha_scaling
-    linear.lora_dropout = dropout
+    linear.lora_scaling = alpha_scaling  # type: ignore[assignment]  # (a plain attribute: see _lora_hook)
+    linear.lora_dropout = dropout  # type: ignore[assignment]
     linear.register_forward_hook(_lora_hook)
 
 
@@ -122,12 +133,12 @@ def adapters_off(model: nn.Module) -> Iterator[None]:
     (DPO's reference under LoRA: the frozen base, without a second copy of it)."""
     adapted = [m for m in model.modules() if is_adapted(m)]
     for m in adapted:
-        m.lora_off = True
+        m.lora_off = True  # type: ignore[assignment]  # (a plain attribute: see _lora_hook)
     try:
         yield
     finally:
         for m in adapted:
-            m.lora_off = False
+            m.lora_off = False  # type: ignore[assignment]
 
 
 def inject_lora(model: nn.Module, spec: LoraSpec) -> list[str]:
@@ -178,7 +189,10 @@ def is_lora_key(name: str) -> bool:
     return any(f".{part}." in name for part in LORA_PARTS)
 
 
-def split_lora_state_dict(sd: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+_V = TypeVar("_V")  # a state dict's values: tensors, or (dtype, shape) specs
+
+
+def split_lora_state_dict(sd: Mapping[str, _V]) -> tuple[dict[str, _V], dict[str, _V]]:
     """A LoRA model's state dict -> (base weights, adapter weights), both under fitlm FQNs."""
     base = {k: v for k, v in sd.items() if not is_lora_key(k)}
     adapter = {k: v for k, v in sd.items() if is_lora_key(k)}
@@ -231,16 +245,16 @@ def untied_for(config: Config, adapter: Mapping[str, torch.Tensor]) -> Config:
 def with_weights(model: nn.Module, model_cfg: ModelConfig, weights: Mapping[str, torch.Tensor]) -> nn.Module:
     """`model` holding `weights` (a merged state dict); a new module, built without an init pass, when
     `model_cfg` unties a head that `model` ties (`untied_for`), so the head and the embedding stay two tensors."""
-    if model.config.tie_embeddings == model_cfg.tie_embeddings:
+    if cast("CausalLM", model).config.tie_embeddings == model_cfg.tie_embeddings:  # (a family's model)
         model.load_state_dict(weights)
         return model
     device = next(iter(weights.values())).device
     with torch.device("meta"):
-        out = build_model(model_cfg)
+        out = cast("CausalLM", build_model(model_cfg))  # (a registered family's model)
     out.load_state_dict(dict(weights), strict=True, assign=True)
     out.init_buffers(device)
     return out.train(model.training)
 
 
-def lora_modules_of(adapter: Mapping[str, torch.Tensor]) -> tuple[str, ...]:
+def lora_modules_of(adapter: Mapping[str, object]) -> tuple[str, ...]:
     return tuple(sorted({k.rsplit(".lora_", 1)[0] for k in adapter}))

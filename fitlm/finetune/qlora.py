@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping, cast
 
 import torch
 import torch.nn as nn
@@ -21,6 +21,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fitlm.finetune.lora import LoraError, candidate_linears
 from fitlm.memory import nf4
+
+if TYPE_CHECKING:
+    from torchao.quantization import NF4Tensor  # untyped: Any to mypy
 
 RECIPE_FILE = "fitlm_qlora.json"  # beside a QLoRA run's PEFT adapter: the base as the adapter saw it
 
@@ -49,7 +52,7 @@ def quantize_base(model: nn.Module, shards: int = 1) -> list[str]:
 
 def recipe_of(model: nn.Module) -> dict[str, int]:
     """Weight name -> double-quantization group of every NF4 weight of `model`: how the base was stored."""
-    return {name: p.scaler_block_size for name, p in model.named_parameters() if nf4.is_nf4(p)}
+    return {name: cast("NF4Tensor", p).scaler_block_size for name, p in model.named_parameters() if nf4.is_nf4(p)}
 
 
 def write_recipe(adapter_dir: Path, recipe: Mapping[str, int]) -> None:

@@ -22,13 +22,16 @@ from __future__ import annotations
 
 import inspect
 from contextlib import contextmanager
-from typing import Hashable, Iterator
+from typing import TYPE_CHECKING, Hashable, Iterator, cast
 
 import torch
 import torch.nn as nn
 
 from fitlm.infer.generate import last_logits
 from fitlm.models.layers import KVCache, SelfAttention
+
+if TYPE_CHECKING:
+    from fitlm.models.causal_lm import CausalLM
 
 
 @contextmanager
@@ -63,7 +66,7 @@ class SlotBatch:
     """
 
     def __init__(self, model: nn.Module):
-        self.model = model
+        self.model = cast("CausalLM", model)  # (a family's model)
         self.keys: list[Hashable] = []
         self.lengths: list[int] = []  # tokens of each slot in the cache
         self.max_lens: list[int] = []
@@ -127,6 +130,7 @@ class SlotBatch:
         room = min(m - n for n, m in zip(self.lengths, self.max_lens))
         new = self.model.new_kv_cache(len(rows), f + max(room, 1))
         for j, (src, row, n) in enumerate(rows):
+            assert src is not None  # (rows come from the live cache, or the solo one)
             start = src.length - n  # right-aligned in its source too (a solo cache: 0)
             for layer in range(len(new.k)):
                 new.k[layer][j, :, f - n : f] = src.k[layer][row, :, start : start + n]

@@ -7,10 +7,13 @@ callers that print text decode with special tokens skipped.
 
 from __future__ import annotations
 
-from typing import Callable, Collection
+from typing import TYPE_CHECKING, Callable, Collection, cast
 
 import torch
 import torch.nn as nn
+
+if TYPE_CHECKING:
+    from fitlm.models.causal_lm import CausalLM
 
 
 class GenerationError(ValueError):
@@ -58,8 +61,9 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generato
 def last_logits(model: nn.Module, ids: torch.Tensor, cache, position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Logits [B,V] of the last position of ids [B,T], filling `cache`; the one forward every decoder shares
     (generate, chat, the batched server), so their numbers agree."""
-    h = model.hidden_states(ids, position_ids, kv_cache=cache)[:, -1]  # [B,C]; only the last position is needed
-    return model.output_layer(h)  # [B,V]
+    lm = cast("CausalLM", model)  # (a family's model)
+    h = lm.hidden_states(ids, position_ids, kv_cache=cache)[:, -1]  # [B,C]; only the last position is needed
+    return lm.output_layer(h)  # [B,V]
 
 
 def generate(
@@ -100,7 +104,7 @@ def generate(
     device = next(model.parameters()).device
     out: list[int] = []
     with torch.inference_mode():
-        cache = model.new_kv_cache(1, len(prompt_ids) + max_new_tokens)
+        cache = cast("CausalLM", model).new_kv_cache(1, len(prompt_ids) + max_new_tokens)  # (_max_seq_len: ours)
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # [1,T]
         for _ in range(max_new_tokens):
             logits = last_logits(model, ids, cache)[0]  # [V]

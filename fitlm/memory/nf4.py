@@ -19,8 +19,12 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import TYPE_CHECKING, cast
 
 import torch
+
+if TYPE_CHECKING:
+    from torchao.quantization import NF4Tensor  # untyped: Any to mypy
 
 BLOCK = 64  # weights per absmax scale (QLoRA's block size)
 SCALER_BLOCKS = (256, 128, 64)  # scales per double-quantization group, tried largest first (QLoRA: 256)
@@ -107,9 +111,13 @@ def dequantized(t: torch.Tensor) -> torch.Tensor:
 
     if isinstance(t, DTensor) and is_nf4(t.to_local()):
         return DTensor.from_local(
-            t.to_local().get_original_weight(), t.device_mesh, t.placements, shape=t.shape, stride=t.stride()
+            cast("NF4Tensor", t.to_local()).get_original_weight(),
+            t.device_mesh,
+            t.placements,
+            shape=t.shape,
+            stride=t.stride(),
         )
-    return t.get_original_weight() if is_nf4(t) else t
+    return cast("NF4Tensor", t).get_original_weight() if is_nf4(t) else t
 
 
 @torch.no_grad()

@@ -7,19 +7,25 @@ body maps `(input_ids [B,T], position_ids, kv_cache, document_ids=None) -> final
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import torch
 import torch.nn as nn
 
 from fitlm.config import ModelConfig
 from fitlm.models.layers import KVCache
 
+if TYPE_CHECKING:
+    from fitlm.models.decoder import DecoderModel
+    from fitlm.models.gpt2.model import GPT2Model
+
 
 class CausalLMMixin:
     config: ModelConfig
-    model: nn.Module
+    model: DecoderModel | GPT2Model
     lm_head: nn.Linear
 
-    def setup_causal_lm(self, cfg: ModelConfig, body: nn.Module) -> None:
+    def setup_causal_lm(self, cfg: ModelConfig, body: DecoderModel | GPT2Model) -> None:
         self.config = cfg
         self.model = body
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -43,7 +49,7 @@ class CausalLMMixin:
         moved with `to_empty(device=...)` becomes usable by calling this (pass buffer_device).
         """
         self.tie_weights()  # `to_empty()` after meta-device construction unties them
-        for module in self.modules():
+        for module in cast(nn.Module, self).modules():  # (every family class is also an nn.Module)
             if module is not self:
                 self.init_leaf(module, tied_head=module is self.lm_head and self.config.tie_embeddings)
         self.init_buffers(buffer_device)
@@ -59,7 +65,8 @@ class CausalLMMixin:
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
         elif hasattr(module, "reset_parameters") and not list(module.children()):
-            module.reset_parameters()  # norms: ones (and zero bias for LayerNorm)
+            # norms: ones (and zero bias for LayerNorm)
+            module.reset_parameters()  # type: ignore[operator]  # (hasattr above)
 
     def reset_parameters(self, buffer_device: torch.device | str | None = None) -> None:
         self.init_weights(buffer_device)
@@ -67,7 +74,7 @@ class CausalLMMixin:
     def init_buffers(self, device: torch.device | str | None = None) -> None:
         """Recompute non-persistent buffers (the RoPE tables, where the body has them)."""
         if hasattr(self.model, "reset_rope"):
-            self.model.reset_rope(device)
+            self.model.reset_rope(device)  # type: ignore[operator]  # (hasattr above: DecoderModel's)
 
     @property
     def output_layer(self) -> nn.Linear:
@@ -118,3 +125,10 @@ class CausalLMMixin:
             w.dtype,
             w.device,
         )
+
+
+if TYPE_CHECKING:
+
+    class CausalLM(CausalLMMixin, nn.Module):
+        """The static type of every family's model (CausalLMMixin + nn.Module): what code that receives one
+        as an nn.Module casts it to before reading `config`, `model.layers`, `lm_head` and the like."""

@@ -38,6 +38,8 @@ def rope_block(
 ) -> BlockShape:
     """Linears of one pre-norm/sandwich block: q/k/v/o (or Phi-3's fused qkv), gate/up/down."""
     h, q, kv, f = cfg.hidden_size, cfg.num_heads * cfg.head_size, cfg.kv_heads * cfg.head_size, cfg.ffn_size
+    linears: tuple[tuple[str, int, int], ...]
+    groups: tuple[tuple[str, ...], ...]
     if fused:
         linears = (("qkv_proj", h, q + 2 * kv), ("o_proj", q, h), ("gate_up_proj", h, 2 * f), ("down_proj", f, h))
         groups = (("qkv_proj",), ("gate_up_proj",))
@@ -56,12 +58,43 @@ def rope_block(
     return BlockShape(linears, groups, extra)
 
 
-def rope_planner(block_bytes: dict = LLAMA_BYTES, **block_options) -> PlannerCounts:
-    """PlannerCounts of a RoPE decoder: token embedding, blocks as `rope_block(**block_options)`, final norm."""
+def rope_planner(block_bytes: dict = LLAMA_BYTES, shape=None, **block_options) -> PlannerCounts:
+    """PlannerCounts of a RoPE decoder: token embedding, blocks as `shape(cfg, **block_options)` (default
+    `rope_block`; `moe_block` for a routed one), final norm."""
+    shape = shape or rope_block
     return PlannerCounts(
-        block=lambda cfg: rope_block(cfg, **{k: (v(cfg) if callable(v) else v) for k, v in block_options.items()}),
+        block=lambda cfg: shape(cfg, **{k: (v(cfg) if callable(v) else v) for k, v in block_options.items()}),
         embedding_params=lambda cfg: cfg.vocab_size * cfg.hidden_size,
         head_norm_params=lambda cfg: cfg.hidden_size,
         block_bytes=block_bytes,
         outside_bytes=LLAMA_OUTSIDE,
     )
+
+
+def moe_block(cfg: ModelConfig, bias: bool = False, qk_norm: bool = False) -> BlockShape:
+    """A routed block: attention as `rope_block`, the router [E, H], the E stacked experts counted as three
+    linears of E·I outputs (their parameters; a token runs k of them), and Qwen2-MoE's gated shared expert."""
+    dense = rope_block(cfg, bias=bias, qk_norm=qk_norm)
+    h, ei = cfg.hidden_size, (cfg.num_experts or 0) * cfg.expert_ffn_size
+    attention = tuple(lin for lin in dense.linears if lin[0] in ("q_proj", "k_proj", "v_proj", "o_proj"))
+    routed: tuple[tuple[str, int, int], ...] = (
+        ("gate", h, cfg.num_experts or 0),
+        ("experts.gate_proj", h, ei),
+        ("experts.up_proj", h, ei),
+        ("experts.down_proj", ei, h),
+    )
+    s = cfg.shared_expert_intermediate_size or 0
+    shared: tuple[tuple[str, int, int], ...] = (
+        ("shared_expert.gate_proj", h, s),
+        ("shared_expert.up_proj", h, s),
+        ("shared_expert.down_proj", s, h),
+        ("shared_expert_gate", h, 1),
+    )
+    groups = (dense.input_groups[0], tuple(name for name, _, _ in routed if name != "experts.down_proj"))
+    return BlockShape(attention + routed + (shared if s else ()), groups, dense.extra_params)
+
+
+
+def moe_planner(block_bytes: dict = LLAMA_BYTES, **block_options) -> PlannerCounts:
+    """PlannerCounts of a routed RoPE decoder (`moe_block`); activations are counted as the dense block's."""
+    return rope_planner(block_bytes, moe_block, **block_options)

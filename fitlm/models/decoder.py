@@ -9,6 +9,7 @@ four norms), its norm factory and whether embeddings are scaled by sqrt(hidden) 
 from __future__ import annotations
 
 from functools import partial
+from typing import cast
 
 import torch
 import torch.nn as nn
@@ -24,6 +25,7 @@ from fitlm.models.layers import (
     make_blocks,
     shared_mask,
 )
+from fitlm.models.moe import MoEFeedForward
 from fitlm.models.rope import RotaryEmbedding
 
 
@@ -64,6 +66,23 @@ def llama_style_block(
     return PreNormBlock(cfg, layer_idx, attn, GatedMLP(cfg, "silu", fused=fused), norm)
 
 
+def routed_block(
+    cfg: ModelConfig,
+    layer_idx: int,
+    normalize: bool,
+    bias: bool = False,
+    qk_norm: bool = False,
+    shared_width: int | None = None,
+) -> PreNormBlock:
+    """Llama's pre-norm block whose MLP is a mixture of experts where `cfg.sparse_layer(layer_idx)` (a dense
+    SwiGLU of model.intermediate_size elsewhere): Qwen3-MoE, Qwen2-MoE (`shared_width`), Mixtral."""
+    norm = partial(RMSNorm, eps=cfg.norm_eps)
+    attn = SelfAttention(cfg, layer_idx, bias=bias, out_bias=False, qk_norm=norm if qk_norm else None)
+    sparse = cfg.sparse_layer(layer_idx)
+    mlp = MoEFeedForward(cfg, normalize, shared_width) if sparse else GatedMLP(cfg, "silu")
+    return PreNormBlock(cfg, layer_idx, attn, mlp, norm)
+
+
 class DecoderModel(nn.Module):
     """Embedding, decoder blocks and final norm: everything but the output projection."""
 
@@ -77,7 +96,9 @@ class DecoderModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(cfg.head_size, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling)
         # Gemma 3's sliding layers rotate with their own, unscaled base.
         self.rotary_emb_local = (
-            RotaryEmbedding(cfg.head_size, cfg.max_seq_len, cfg.rope_local_theta) if cfg.local_rope else None
+            RotaryEmbedding(cfg.head_size, cfg.max_seq_len, cast(float, cfg.rope_local_theta))
+            if cfg.local_rope  # (which needs rope_local_theta)
+            else None
         )
         # Each block's attention type, looked up once (a pipeline stage keeps only its blocks' keys).
         self.layer_rope = {name: cfg.layer_type(int(name)) for name in self.layers}

@@ -128,6 +128,7 @@ class Family:
     # A model built on the meta device is prepared before it holds weights, so its weights arrive through this.
     prepare_state_dict: Callable[[StateDict, ModelConfig], StateDict] | None = None
     pipeline_parallel: bool = True
+    moe: bool = False  # blocks route tokens to experts (model.num_experts; fitlm.models.moe)
 
 
 def llama_ffn(hidden: int) -> int:

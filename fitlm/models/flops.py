@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from fitlm.config import ModelConfig
+from fitlm.models.moe import moe_layers
 
 
 def is_embedding(name: str) -> bool:
@@ -15,11 +16,15 @@ def is_embedding(name: str) -> bool:
 def matmul_params(model: nn.Module) -> int:
     """Parameters that take part in a matmul per token: everything except embedding lookups.
 
-    The output projection counts (it is a matmul) even when tied to the input embedding.
+    The output projection counts (it is a matmul) even when tied to the input embedding; of an MoE layer's
+    E stacked experts, the k a token is routed to.
     """
     # named_parameters() lists a tied weight once, under its first (embedding) name.
     named = dict(model.named_parameters())
     total = sum(p.numel() for n, p in named.items() if not is_embedding(n))
+    for m in moe_layers([model]):  # a token runs k of an MoE layer's E experts
+        stacked = sum(p.numel() for p in m.experts.parameters())
+        total -= stacked - stacked * m.top_k // m.experts.gate_proj.shape[0]
     lm_head = getattr(model, "lm_head", None)
     if lm_head is not None and "lm_head.weight" not in named:
         total += lm_head.weight.numel()

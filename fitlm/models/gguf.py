@@ -20,7 +20,7 @@ import torch
 from fitlm import registry
 from fitlm.config import ModelConfig, RopeScalingConfig
 from fitlm.models.hf import HFFormatError, StateDict
-from fitlm.models.rope import frequency_factors, longrope_attention_factor, scaling_from_factors
+from fitlm.models.rope import frequency_factors, longrope_attention_factor, scaling_from_factors, yarn_factor
 
 
 class GGUFError(HFFormatError):
@@ -142,7 +142,8 @@ def gguf_metadata(cfg: ModelConfig) -> dict[str, Any]:
                 f"GGUF export: RoPE scaling {sc.type!r} has no llama.cpp metadata key; export with --format hf"
             )
         out["rope.scaling.type"] = sc.type
-        out["rope.scaling.factor"] = float(sc.factor)
+        # (linear needs a factor -- validated; yarn's may be null, meaning max_seq_len / original)
+        out["rope.scaling.factor"] = float(yarn_factor(sc, cfg.max_seq_len))
         if sc.original_max_seq_len:
             out["rope.scaling.original_context_length"] = sc.original_max_seq_len
     if cfg.sliding_window is not None:
@@ -316,7 +317,8 @@ class GGUFTensors:
         raw = np.empty(t.data.shape, dtype=t.data.dtype)  # the shape and dtype of the view; no page is read
         with open(self.path, "rb") as f:
             f.seek(t.data_offset)
-            if f.readinto(memoryview(raw.reshape(-1).view(np.uint8))) != raw.nbytes:
+            # numpy's stubs give ndarray `__buffer__` (typeshed's Buffer) only for Python 3.12+; mypy targets 3.11
+            if f.readinto(memoryview(raw.reshape(-1).view(np.uint8))) != raw.nbytes:  # type: ignore[arg-type]
                 raise GGUFError(
                     f"{self.path}: tensor {t.name} is cut short; the file is truncated, download or convert it again"
                 )

@@ -11,7 +11,7 @@ import functools
 import json
 import re
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Literal, Mapping, cast
 
 import torch
 import torch.nn as nn
@@ -20,6 +20,9 @@ from safetensors.torch import load_file
 from fitlm import registry
 from fitlm.config import ModelConfig, RopeScalingConfig
 from fitlm.models.safetensors_io import write_safetensors_stream
+
+if TYPE_CHECKING:
+    from fitlm.models.causal_lm import CausalLM
 
 StateDict = dict[str, torch.Tensor]
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3  # the size Hugging Face shards at
@@ -42,8 +45,9 @@ def config_from_hf(hf: Mapping[str, Any], source: str = "config.json") -> ModelC
         return family.config_from_hf(hf, source)
     if model_type in UNSUPPORTED_MOE:
         raise HFFormatError(
-            f"{source}: model_type {model_type!r} is a mixture-of-experts model, which fitlm does not "
-            f"support yet; dense families only ({', '.join(supported_model_types())})"
+            f"{source}: model_type {model_type!r} is a mixture-of-experts model fitlm does not implement; "
+            f"its MoE families read {', '.join(t for f in registry.families() if f.moe for t in f.hf_model_types)} "
+            f"(all it reads: {', '.join(supported_model_types())})"
         )
     raise HFFormatError(
         f"{source}: model_type {model_type!r} is not supported; fitlm reads "
@@ -52,9 +56,6 @@ def config_from_hf(hf: Mapping[str, Any], source: str = "config.json") -> ModelC
 
 
 UNSUPPORTED_MOE = (
-    "mixtral",
-    "qwen2_moe",
-    "qwen3_moe",
     "deepseek_v2",
     "deepseek_v3",
     "phimoe",
@@ -77,6 +78,8 @@ def refuse(problems: list[str], source: str) -> None:
 
 
 _ROPE_TYPES = ("linear", "dynamic", "yarn", "llama3", "longrope")
+_RopeType = Literal["linear", "dynamic", "yarn", "llama3", "longrope"]  # RopeScalingConfig.type
+_LayerType = Literal["full", "sliding"]  # ModelConfig.layer_types
 # RopeScalingConfig's keys spelled as transformers spells them (type, original length and truncate differ).
 _SCALING_KEYS = tuple(
     k for k in RopeScalingConfig.model_fields if k not in ("type", "original_max_seq_len", "truncate")
@@ -110,8 +113,11 @@ def rope_from_hf(
         # transformers grows the base past max_position_embeddings: that is the original length here,
         # and model.max_seq_len (the longest sequence fitlm accepts) becomes factor times it.
         original = int(hf.get("max_position_embeddings", 2048))
+    if rope_type in ("linear", "dynamic") and sc.get("factor") is None:
+        problems.append(f"RoPE type {rope_type!r} without a factor (rope_scaling.factor, e.g. 2.0)")
+        return theta, None
     values = {k: sc[k] for k in (*_SCALING_KEYS, "truncate") if sc.get(k) is not None}
-    return theta, RopeScalingConfig(type=rope_type, original_max_seq_len=original, **values)
+    return theta, RopeScalingConfig(type=cast(_RopeType, rope_type), original_max_seq_len=original, **values)
 
 
 def rope_to_hf(theta: float, sc: RopeScalingConfig | None) -> dict[str, Any]:
@@ -135,11 +141,12 @@ def rope_legacy_hf(cfg: ModelConfig) -> dict[str, Any]:
 
 def sliding_from_hf(
     hf: Mapping[str, Any], num_layers: int, default, problems: list[str]
-) -> tuple[int | None, list[str] | None]:
+) -> tuple[int | None, list[_LayerType] | None]:
     """(sliding_window, layer_types) from `layer_types` (transformers 5) or the family's rule for older
     configs (`default(i)` -> "full" | "sliding"); (None, None) when no layer slides."""
     window = hf.get("sliding_window")
     given = hf.get("layer_types")
+    types: list[_LayerType]
     if given:
         unknown = sorted(set(given) - {"full_attention", "sliding_attention"})
         if unknown:
@@ -239,6 +246,7 @@ def rope_family_config(
     window, types = sliding_from_hf(hf, layers, default_layer_type, problems)
     max_len = int(hf.get("max_position_embeddings", 2048))
     if scaling is not None and scaling.type == "dynamic":
+        assert scaling.factor is not None  # (rope_from_hf refuses a dynamic scaling without one)
         max_len = int(max_len * scaling.factor)
     return ModelConfig(
         arch=arch,
@@ -429,7 +437,7 @@ def model_from_hf_state_dict(
         for k, v in sd.items()
     }
     with torch.device("meta"):
-        model = registry.build_model(cfg)
+        model = cast("CausalLM", registry.build_model(cfg))  # (a registered family's model)
     try:
         model.load_state_dict(sd, strict=True, assign=True)
     except RuntimeError as e:

@@ -12,13 +12,16 @@ draws the same numbers). tests/unit/test_materialize.py checks both for every fa
 from __future__ import annotations
 
 import copy
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator, cast
 
 import torch
 import torch.nn as nn
 
 from fitlm import registry
 from fitlm.config import ModelConfig
+
+if TYPE_CHECKING:
+    from fitlm.models.causal_lm import CausalLM
 
 
 def cpu_copy(module: nn.Module) -> nn.Module:
@@ -39,16 +42,16 @@ def seeded_weights(cfg: ModelConfig, seed: int) -> Iterator[tuple[str, torch.Ten
     at a time (a tied head is left out: it is the embedding). Seeds the global generator when iterated."""
     torch.manual_seed(seed)
     with torch.device("meta"):
-        model = registry.build_model(cfg)
+        model = cast("CausalLM", registry.build_model(cfg))  # (a registered family's model)
     leaves = _leaves_with_weights(model)
     with torch.no_grad():
         for _, module in leaves:  # the constructors' draws, in construction order
             if hasattr(module, "reset_parameters"):
-                cpu_copy(module).reset_parameters()
+                cpu_copy(module).reset_parameters()  # type: ignore[operator]  # (hasattr above)
         head = getattr(model, "lm_head", None)
         for name, module in leaves:  # then init_weights' draws, which set the values
             tied_head = module is head and cfg.tie_embeddings
-            if tied_head and head.bias is None:
+            if tied_head and cast(nn.Linear, head).bias is None:  # (tied_head: head is this module)
                 continue  # nothing of its own; init_weights draws nothing for it either
             local = cpu_copy(module)
             model.init_leaf(local, tied_head=tied_head)

@@ -327,9 +327,11 @@ class SelfAttention(nn.Module):
         b, t, _ = x.shape  # x [B,T,C]
         q, k, v = self.project(x)
         if self.q_norm is not None:  # per head, before RoPE, as Qwen3 and Gemma 3 do
+            assert self.k_norm is not None  # (made with q_norm)
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B,H,T,D], [B,K,T,D]
         if cos is not None:
+            assert sin is not None  # (cos and sin come together)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         start = 0
         if kv_cache is not None:
@@ -347,9 +349,9 @@ class GatedMLP(nn.Module):
 
     ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
-    def __init__(self, cfg, act: str = "silu", fused: bool = False):
+    def __init__(self, cfg, act: str = "silu", fused: bool = False, width: int | None = None):
         super().__init__()
-        c, f = cfg.hidden_size, cfg.ffn_size
+        c, f = cfg.hidden_size, width or cfg.ffn_size  # width: an MoE's shared expert
         self.act = self.ACTIVATIONS[act]
         if fused:
             self.gate_up_proj = nn.Linear(c, 2 * f, bias=False)

@@ -136,6 +136,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             )
             total += loss
             if need_grad:
+                assert grad_hidden is not None  # (allocated when need_grad)
                 grad_hidden[start : start + chunk] = gh
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype

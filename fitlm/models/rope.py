@@ -40,9 +40,14 @@ def _mscale(scale: float, m: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
 
+def yarn_factor(sc: RopeScalingConfig, max_seq_len: int) -> float:
+    """YaRN's and LongRoPE's scale: the configured factor, or (as transformers derives it) max_seq_len / original."""
+    return sc.factor or max_seq_len / (sc.original_max_seq_len or max_seq_len)
+
+
 def _yarn(dim: int, theta: float, sc: RopeScalingConfig, max_seq_len: int, device) -> tuple[torch.Tensor, float]:
     original = sc.original_max_seq_len or max_seq_len
-    factor = sc.factor or max_seq_len / original
+    factor = yarn_factor(sc, max_seq_len)
     attn = sc.attention_factor
     if attn is None:
         attn = (
@@ -70,7 +75,7 @@ def _yarn(dim: int, theta: float, sc: RopeScalingConfig, max_seq_len: int, devic
 
 def longrope_attention_factor(sc: RopeScalingConfig, max_seq_len: int) -> float:
     original = sc.original_max_seq_len or max_seq_len
-    factor = sc.factor or max_seq_len / original
+    factor = yarn_factor(sc, max_seq_len)
     if sc.attention_factor is not None:
         return sc.attention_factor
     return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
@@ -101,12 +106,14 @@ class RotaryEmbedding(nn.Module):
         if sc is None:
             return _base_inv_freq(d, theta, device), 1.0
         if sc.type == "linear":
+            assert sc.factor is not None  # (validated: linear and dynamic scaling need a factor)
             return _base_inv_freq(d, theta, device) / sc.factor, 1.0
         if sc.type == "llama3":
             return _llama3(_base_inv_freq(d, theta, device), sc, self.max_seq_len), 1.0
         if sc.type == "yarn":
             return _yarn(d, theta, sc, self.max_seq_len, device)
         if sc.type == "dynamic":
+            assert sc.factor is not None  # (validated: linear and dynamic scaling need a factor)
             original = sc.original_max_seq_len or self.max_seq_len  # transformers' max_position_embeddings
             n = max(seq_len or 0, original)
             base = theta * ((sc.factor * n / original) - (sc.factor - 1)) ** (d / (d - 2))

@@ -57,14 +57,14 @@ class SafetensorsReader:
         self._data_start = 8 + n
         header.pop("__metadata__", None)
         self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
-        for name, e in header.items():
-            if e.get("dtype") not in NAMES:
+        for name, entry in header.items():
+            if entry.get("dtype") not in NAMES:
                 raise SafetensorsFormatError(
-                    f"{self.path}: tensor {name!r} has dtype {e.get('dtype')!r}, which "
+                    f"{self.path}: tensor {name!r} has dtype {entry.get('dtype')!r}, which "
                     f"fitlm does not read ({', '.join(NAMES)})"
                 )
-            begin, end = e["data_offsets"]
-            self.entries[name] = (NAMES[e["dtype"]], tuple(e["shape"]), begin, end)
+            begin, end = entry["data_offsets"]
+            self.entries[name] = (NAMES[entry["dtype"]], tuple(entry["shape"]), begin, end)
 
     def spec(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
         dtype, shape, _, _ = self.entries[name]
@@ -75,7 +75,7 @@ class SafetensorsReader:
         raw = torch.empty(end - begin, dtype=torch.uint8)
         with open(self.path, "rb") as f:
             f.seek(self._data_start + begin)
-            if f.readinto(memoryview(raw.numpy())) != end - begin:
+            if f.readinto(memoryview(raw.numpy())) != end - begin:  # type: ignore[arg-type]  # (numpy: see write)
                 raise SafetensorsFormatError(
                     f"{self.path}: tensor {name!r} is cut short; the file is truncated, download or save it again"
                 )
@@ -126,7 +126,8 @@ class StreamingSafetensorsWriter:
         data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
         assert data.nbytes == end - begin
         self._f.seek(self._data_start + begin)
-        self._f.write(memoryview(data))
+        # numpy's stubs give ndarray `__buffer__` (typeshed's Buffer) only for Python 3.12+; mypy targets 3.11
+        self._f.write(memoryview(data))  # type: ignore[arg-type]
         self._written.add(name)
 
     def write_all(self, items: Iterable[tuple[str, torch.Tensor]]) -> None:

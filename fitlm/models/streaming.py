@@ -5,7 +5,8 @@ state dict (`Family.from_hf` / `to_hf`: renames, GPT-2's fused c_attn split or j
 stored once). Streaming reuses those functions unchanged: every tensor is present, but only the
 current ones are real and all others are meta tensors (shape and dtype, no storage, no cost); the
 outputs that come back real are exactly what the current tensors become. So a load holds one source
-tensor at a time and a save one block, with every family's rules in one place.
+block at a time (a tensor outside the blocks: the embedding and head, a model's largest), and so does a save,
+with every family's rules in one place.
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ def stream_source(
 ) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]]], Iterator[tuple[str, torch.Tensor]]]:
     """(fitlm name -> (dtype, shape), iterator of (fitlm name, tensor)) from `source`: HF weight name -> a reader
     with `spec(name)` (dtype, shape) and `read(name)` (the tensor), such as a SafetensorsReader or a GGUF file's
-    `fitlm.models.gguf.GGUFTensors`; one source tensor is read at a time, through the family's HF adapter.
+    `fitlm.models.gguf.GGUFTensors`; one block's source tensors are read at a time (one tensor outside the
+    blocks), through the family's HF adapter.
 
     `wanted(fitlm_name)`: a source tensor none of whose outputs is wanted is not read at all (a pipeline
     stage skips the other stages' blocks). The mapping is checked whole before anything is read: a missing
@@ -98,16 +100,14 @@ def stream_source(
     specs = {k: (v.dtype, tuple(v.shape)) for k, v in convert(meta_sd).items()}
 
     def produce() -> Iterator[tuple[str, torch.Tensor]]:
-        for name, reader in source.items():
-            if name.endswith("rotary_emb.inv_freq"):
-                continue  # derived from the config (old checkpoints saved it)
+        # A block's tensors convert together: an MoE family stacks a layer's per-expert tensors into one.
+        for names in grouped(n for n in source if not n.endswith("rotary_emb.inv_freq")).values():
             if wanted is not None:
-                dtype, shape = reader.spec(name)
-                # Unread storage (torch.empty touches no page) tells which outputs this tensor feeds.
-                probe = real_part(convert, meta_sd, {name: torch.empty(shape, dtype=dtype)})
-                if not any(wanted(k) for k in probe):
+                # Unread storage (torch.empty touches no page) tells which outputs these tensors feed.
+                empty = {n: torch.empty(source[n].spec(n)[1], dtype=source[n].spec(n)[0]) for n in names}
+                if not any(wanted(k) for k in real_part(convert, meta_sd, empty)):
                     continue
-            yield from real_part(convert, meta_sd, {name: reader.read(name)}).items()
+            yield from real_part(convert, meta_sd, {n: source[n].read(n) for n in names}).items()
 
     return specs, produce()
 

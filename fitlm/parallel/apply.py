@@ -12,11 +12,12 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -69,7 +70,7 @@ class ParallelModel:
         if any(isinstance(p.grad, DTensor) for p in params):
             norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf)
             return norm.full_tensor() if isinstance(norm, DTensor) else norm
-        norm = squared_norm([p.grad for p in params]).sqrt()
+        norm = squared_norm([cast(torch.Tensor, p.grad) for p in params]).sqrt()  # (params: those with a grad)
         clip_by_norm(params, max_norm, norm)
         return norm
 
@@ -80,7 +81,10 @@ class ParallelModel:
         module = unwrap(self.model)
         if self.ctx.distributed and any(isinstance(p, DTensor) for p in module.parameters()):
             # Tensor parallel / FSDP shards: gathered; with cpu_offload only rank 0 keeps the result.
-            sd = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            sd = cast(  # (full_state_dict: plain tensors)
+                dict[str, torch.Tensor],
+                get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)),
+            )
         else:
             sd = {k: v.detach().cpu() for k, v in module.state_dict().items()}
         return sd if self.ctx.is_main else None
@@ -117,7 +121,7 @@ def parallelize(
         stages = pipeline.stage_modules
     else:
         stages = [model]
-    loss_context = contextlib.nullcontext
+    loss_context: Callable[..., contextlib.AbstractContextManager] = contextlib.nullcontext
     context_parallel = None
     if p.context_parallel > 1:
         from fitlm.parallel.context_parallel import ContextParallel
@@ -129,7 +133,8 @@ def parallelize(
             from fitlm.parallel.tensor_parallel import apply_tensor_parallel
             from fitlm.parallel.tensor_parallel import loss_context as tp_loss_context
 
-            stage = apply_tensor_parallel(stage, ctx.submesh("tp"), sequence_parallel=p.sequence_parallel)
+            tp_mesh = cast(DeviceMesh, ctx.submesh("tp"))  # (tensor_parallel > 1: the mesh has a tp dim)
+            stage = apply_tensor_parallel(stage, tp_mesh, sequence_parallel=p.sequence_parallel)
             loss_context = lambda stage=stage: tp_loss_context(stage)  # noqa: E731
         if context_parallel is not None:
             from fitlm.parallel.context_parallel import apply_context_parallel

@@ -6,6 +6,8 @@ rank's loss by the data-parallel degree to get the gradient of the global token-
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -55,6 +57,7 @@ def apply_data_parallel(model: nn.Module, ctx: ParallelContext, memory: MemoryCo
         tables = (
             [] if ctx.tp > 1 or ctx.pp > 1 or memory.cpu_offload else streamed_tables(model, memory.loss_chunk_size)
         )
+        assert dp_mesh is not None  # (dp_cp > 1: a distributed run's mesh)
         ignored = apply_streamed_tables(tables, dp_mesh) or None
         host = dist.get_backend(dp_mesh.get_group()) == "gloo"
         for block in transformer_blocks(model):
@@ -71,7 +74,7 @@ def apply_data_parallel(model: nn.Module, ctx: ParallelContext, memory: MemoryCo
             if isinstance(unit, nn.Embedding) and not unit.weight.requires_grad:
                 # Nothing flows back through a frozen lookup table, yet FSDP2's backward prefetch would
                 # gather it (vocab x hidden) beside block 0 and hold it to the end of backward.
-                unit.set_unshard_in_backward(False)
+                cast(FSDPModule, unit).set_unshard_in_backward(False)  # (fully_shard made it one)
         fully_shard(model, **policies, ignored_params=ignored)
         if host:
             for unit in model.modules():

@@ -16,6 +16,7 @@ compare final weights, where Adam amplifies a one-ulp difference in a near-zero 
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -52,7 +53,7 @@ def _cpu_squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(sums).sum()
 
 
-def clip_by_norm(params: list[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
+def clip_by_norm(params: Sequence[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
     """torch's clip (`clip_grads_with_norm_`: every gradient times min(1, max_norm / (norm + 1e-6))), without its
     pass over all the gradients when that factor is exactly 1 -- a multiplication by 1.0 changes no value -- on a
     CPU, where reading the factor costs nothing. The factor is computed and applied as torch does, as the sharded

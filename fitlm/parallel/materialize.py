@@ -13,7 +13,7 @@ model's, so every layout still trains exactly as the single process does.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Callable, Iterable, cast
 
 import torch
 import torch.nn as nn
@@ -53,14 +53,15 @@ def _fill(param: torch.Tensor, full: torch.Tensor, name: str) -> None:
             f"weight {name}: the weights hold {list(full.shape)} but the model built from the "
             f"config needs {list(param.shape)}; the config does not match the weights"
         )
-    local = param._local_tensor if isinstance(param, DTensor) else param  # the storage FSDP2 gathers from
+    # the storage FSDP2 gathers from
+    local: torch.Tensor = param._local_tensor if isinstance(param, DTensor) else param
     if nf4.is_nf4(local):  # QLoRA's 4-bit base: quantized here, this rank's rows kept (FSDP2 shards dim 0)
         sharded = isinstance(param, DTensor) and any(pl.is_shard() for pl in param.placements)
         nf4.fill(
             local,
             full,
-            param.device_mesh.size() if sharded else 1,
-            param.device_mesh.get_local_rank() if sharded else 0,
+            cast(DTensor, param).device_mesh.size() if sharded else 1,  # (sharded: a DTensor)
+            cast(DTensor, param).device_mesh.get_local_rank() if sharded else 0,
         )
         return
     full = full.to(param.dtype)
@@ -88,12 +89,13 @@ def materialize(
     stage holds the tied head as its own copy. Raises MaterializeError naming the first weight the
     model has but the stream never gave."""
     aliases = aliases or {}
-    targets: dict[str, list[torch.Tensor]] = {}
+    targets: dict[str, list[nn.Parameter]] = {}
     for module in modules:
         module.to_empty(device=device)
         for m in module.modules():
             if hasattr(m, "tie_weights"):
-                m.tie_weights()  # to_empty gives each registration its own storage: share the tied head again
+                # to_empty gives each registration its own storage: share the tied head again
+                m.tie_weights()  # type: ignore[operator]  # (hasattr above)
         seen: set[int] = set()
         for name, p in module.named_parameters(remove_duplicate=False):
             if id(p) not in seen:
@@ -117,4 +119,5 @@ def materialize(
     for module in modules:
         for m in module.modules():
             if hasattr(m, "reset_rope"):
-                m.reset_rope(device)  # non-persistent buffers (RoPE tables) are computed, not stored
+                # non-persistent buffers (RoPE tables) are computed, not stored
+                m.reset_rope(device)  # type: ignore[operator]  # (hasattr above)

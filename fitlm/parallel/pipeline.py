@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable, cast
 
 import torch
 import torch.distributed as dist
@@ -42,6 +42,11 @@ from fitlm.parallel.pipeline_state import (
     sync_tied_grads,
     tag_tied_copies,
 )
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
+
+    from fitlm.models.causal_lm import CausalLM
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 VIRTUAL_STAGES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2}
@@ -100,6 +105,7 @@ def build_stage_modules(
     """
     ids = stage_ids(pp_rank, pp_size, schedule)
     num_stages = pp_size * len(ids)
+    model = cast("CausalLM", model)  # (a family's model)
     body = model.model
     num_layers = len(body.layers)
     if layers_per_stage is None and num_layers < num_stages:
@@ -108,7 +114,7 @@ def build_stage_modules(
             f"stages but model.num_layers={num_layers}; every stage needs a block"
         )
     ranges = split_layers(num_layers, num_stages, layers_per_stage)
-    out = []
+    out: list[tuple[int, nn.Module]] = []
     for sid in ids:
         memo = {id(m): None for m in _dropped(model, sid, num_stages, ranges[sid])}
         stage = copy.deepcopy(model, memo)
@@ -122,8 +128,9 @@ def build_stage_modules(
 def _dropped(model: nn.Module, sid: int, num_stages: int, blocks: range) -> list[nn.Module]:
     """The modules stage `sid` does not hold: the other stages' blocks, the embeddings unless it is the first,
     the final norm and head unless it is the last."""
+    model = cast("CausalLM", model)  # (a family's model)
     body = model.model
-    drop = [blk for i, blk in body.layers.items() if int(i) not in blocks]
+    drop: list[nn.Module | None] = [blk for i, blk in body.layers.items() if int(i) not in blocks]
     if sid != 0:
         drop += [body.embed_tokens, getattr(body, "embed_positions", None)]
     if sid != num_stages - 1:
@@ -137,10 +144,13 @@ def check_every_stage_trains(
     """Refuse a split in which some stage holds only frozen parameters (finetune: freeze, or LoRA adapters on
     some blocks only): its rank would have nothing to optimise. Checked on the whole model, so every rank
     raises the same error instead of some ranks waiting for the others."""
+    model = cast("CausalLM", model)  # (a family's model)
     ranges = split_layers(len(model.model.layers), num_stages, layers_per_stage)
     for sid, blocks in enumerate(ranges):
         dropped = {id(p) for m in _dropped(model, sid, num_stages, blocks) for p in m.parameters()}
-        kept = [p for _, p in model.named_parameters(remove_duplicate=False) if id(p) not in dropped]
+        kept: list[torch.Tensor] = [
+            p for _, p in model.named_parameters(remove_duplicate=False) if id(p) not in dropped
+        ]
         # A tied head is the embedding: the first stage trains the embedding and the last its own copy of it,
         # though the other end's module (dropped) holds the same parameter.
         if sid == 0:
@@ -169,7 +179,7 @@ def token_mean_loss(logits: torch.Tensor, labels: torch.Tensor, total_targets: i
 class PipelineSchedule:
     """A torch schedule plus what `pipeline_step` needs to feed it and report its loss."""
 
-    schedule: object
+    schedule: _PipelineSchedule
     stages: list[PipelineStage]
     group: dist.ProcessGroup
     n_microbatches: int
@@ -228,7 +238,7 @@ def carry_document_inputs(module: nn.Module, last: bool) -> None:
     three on: every stage's attention needs the document ids (block-causal mask) and positions, and
     a stage only receives what the previous stage returns. The integers need no gradient."""
     inner = module.forward
-    max_position = module.config.max_seq_len - 1
+    max_position = cast("CausalLM", module).config.max_seq_len - 1  # (a stage: a family's model)
 
     def forward(x, position_ids=None, document_ids=None):
         if position_ids is not None and x.is_floating_point():  # a later stage, fed by the previous one
@@ -262,7 +272,7 @@ def pipeline_step(
     pp: PipelineSchedule,
     input_ids: torch.Tensor,
     labels: torch.Tensor,
-    total_targets: int | torch.Tensor,
+    total_targets: int | float | torch.Tensor,
     **doc: torch.Tensor,
 ) -> torch.Tensor:
     """Forward + backward of a batch [N,T] through one schedule run (fill and drain once), in

@@ -9,7 +9,7 @@ optimizer treats them alike (`fitlm.step.optim.param_groups`). The copy is count
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable, cast
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,9 @@ from torch.distributed.tensor import DTensor
 
 from fitlm.parallel.collective_trace import collective
 from fitlm.parallel.grad_norm import clip_by_norm, squared_norm
+
+if TYPE_CHECKING:
+    from fitlm.models.causal_lm import CausalLM
 
 TIED_COPY = "_fitlm_pp_tied_copy"  # attribute set on the last stage's copy of a tied embedding
 
@@ -34,6 +37,7 @@ def tag_tied_copies(stage_modules: list[tuple[int, nn.Module]]) -> None:
     (FSDP2's fully_shard does), or clip_grad_norm_pp will count that copy twice.
     """
     for _, mod in stage_modules:
+        mod = cast("CausalLM", mod)  # (a stage: a family's model, parts of it None)
         if getattr(mod.config, "tie_embeddings", False) and mod.lm_head is not None and mod.model.embed_tokens is None:
             setattr(mod.lm_head.weight, TIED_COPY, True)
 
@@ -50,6 +54,7 @@ def sync_tied_grads(stage_modules: list[tuple[int, nn.Module]], pp_group) -> Non
     group = _as_group(pp_group)
     pp_size = dist.get_world_size(group)
     for sid, mod in stage_modules:
+        mod = cast("CausalLM", mod)  # (a stage: a family's model, parts of it None)
         if pp_size == 1 or not getattr(mod.config, "tie_embeddings", False):
             return
         if sid == 0 and mod.model.embed_tokens is not None:
@@ -61,10 +66,10 @@ def sync_tied_grads(stage_modules: list[tuple[int, nn.Module]], pp_group) -> Non
         if param.grad is None:
             param.grad = torch.zeros_like(param)
         grad = param.grad
-        if isinstance(grad, DTensor) and grad.placements != param.placements:
+        if isinstance(grad, DTensor) and grad.placements != cast(DTensor, param).placements:  # (so is param)
             # Under tensor parallel the vocab-parallel embedding's gradient can come back Replicate (a full
             # [V, C]) where the head's copy is Shard(0): the two ends must exchange the same shard.
-            param.grad = grad = grad.redistribute(placements=param.placements)
+            param.grad = grad = grad.redistribute(placements=cast(DTensor, param).placements)
         mine = grad._local_tensor if isinstance(grad, DTensor) else grad  # dp/tp shards now match
         theirs = torch.empty_like(mine)
         ops = [
@@ -85,11 +90,11 @@ def clip_grad_norm_pp(parameters: Iterable[torch.Tensor], max_norm: float, pp_gr
     """
     group = _as_group(pp_group)
     params = [p for p in parameters if p.grad is not None]
-    counted = [p.grad for p in params if not getattr(p, TIED_COPY, False)]
+    counted = [cast(torch.Tensor, p.grad) for p in params if not getattr(p, TIED_COPY, False)]  # (all have one)
     sq = squared_norm(counted)
     # A rank without gradients (a frozen stage) still joins the all-reduce, on the backend's device.
     device = (
-        params[0].grad.device
+        cast(torch.Tensor, params[0].grad).device
         if params
         else (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else sq.device)
     )

@@ -17,6 +17,8 @@ tensor nor pipeline parallel nor CPU offload applies.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -36,7 +38,7 @@ def streamed_tables(model: nn.Module, loss_chunk_size: int) -> list[nn.Module]:
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     if head is not None and embed is not None and embed.weight is head.weight:
         return []
-    out = []
+    out: list[nn.Module] = []
     if type(embed) is nn.Embedding and not embed.weight.requires_grad and embed.max_norm is None:
         out.append(embed)
     if type(head) is nn.Linear and head.bias is None and not head.weight.requires_grad and not loss_chunk_size:
@@ -52,7 +54,7 @@ def apply_streamed_tables(tables: list[nn.Module], mesh: DeviceMesh) -> set[nn.P
 
 
 def _streamed(table: nn.Module, mesh: DeviceMesh) -> nn.Parameter:
-    w = table.weight
+    w = cast(torch.Tensor, table.weight)  # (an Embedding's or a Linear's)
     rows = _row_ranges(w.shape[0], mesh.size())
     start, stop = rows[mesh.get_local_rank()]
     local = (
@@ -66,10 +68,13 @@ def _streamed(table: nn.Module, mesh: DeviceMesh) -> nn.Parameter:
     )
     table.weight = param
     group = mesh.get_group()
+    # (a per-instance forward, which mypy refuses on nn.Embedding's own method; the weight is the DTensor just set)
     if isinstance(table, nn.Embedding):
-        table.forward = lambda ids: _lookup(ids, table.weight._local_tensor, rows, group)
+        table.forward = lambda ids: _lookup(  # type: ignore[method-assign, assignment]
+            ids, cast(DTensor, table.weight)._local_tensor, rows, group
+        )
     else:
-        table.forward = lambda h: _StreamedProjection.apply(h, table.weight._local_tensor, rows, group)
+        table.forward = lambda h: _StreamedProjection.apply(h, cast(DTensor, table.weight)._local_tensor, rows, group)
     return param
 
 
@@ -97,6 +102,7 @@ def _stream(local: torch.Tensor, rows: list[tuple[int, int]], group: dist.Proces
         if owner == me:
             w = local[a - rows[me][0] : b - rows[me][0]]  # a view of this rank's rows, contiguous
         else:
+            assert buf is not None  # (another owner: more than one row range)
             w = buf[: b - a]
         dist.broadcast(w, group_src=owner, group=group)
         yield a, b, w

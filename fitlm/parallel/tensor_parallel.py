@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn as nn
@@ -48,6 +48,9 @@ from torch.distributed.tensor.placement_types import Placement
 from fitlm.config import ModelConfig
 from fitlm.parallel.lora_parallel import LoraColwiseParallel, LoraRowwiseParallel, has_adapter
 from fitlm.parallel_dims import divisors
+
+if TYPE_CHECKING:
+    from fitlm.models.causal_lm import CausalLM
 
 # Set on the model by apply_tensor_parallel; read by loss_context and tests.
 TP_ATTR = "_fitlm_tensor_parallel"
@@ -77,7 +80,8 @@ class ReplicateParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         # partition_fn=None: every parameter becomes a Replicate DTensor (broadcast from rank 0).
-        return distribute_module(module, device_mesh, None, self._input_fn, self._output_fn)
+        # (torch types input_fn/output_fn as returning None, though it uses what they return)
+        return distribute_module(module, device_mesh, None, self._input_fn, self._output_fn)  # type: ignore[arg-type]
 
 
 class FirstArgLayout(ParallelStyle):
@@ -129,6 +133,7 @@ def tensor_parallel_plan(
 
     Modules a pipeline stage dropped (set to None) are left out.
     """
+    model = cast("CausalLM", model)  # (a family's model)
     body = model.model
     act = Shard(1) if sequence_parallel else Replicate()  # residual stream layout between sub-blocks
     plan: dict[str, ParallelStyle] = {}
@@ -188,6 +193,7 @@ def apply_tensor_parallel(
         if problems:
             raise ValueError("; ".join(problems))
     tied = _is_tied(model)
+    model = cast("CausalLM", model)  # (a family's model)
     prepare = model.config.family.prepare_tensor_parallel if isinstance(cfg, ModelConfig) else None
     if prepare is not None:
         prepare(model)

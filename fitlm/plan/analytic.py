@@ -342,6 +342,7 @@ def _stage(s: Setup, first: bool) -> Breakdown:
     n = rank_params(s, first)
     trained = n if s.method == "full" else ft.stage_trainable(s, first)
     params, grads_full, opt, host = model_states(s, n, trained)
+    in_flight: float  # micro batches (chunks) whose activations are alive at the peak
     if s.pp > 1:
         tokens = s.rows / max(1, s.chunks) * s.seq  # one pipeline chunk
         layers = stage_layers(s) if s.schedule != "interleaved_1f1b" else 2 * -(-s.layers // (2 * s.pp))
@@ -371,7 +372,8 @@ def _stage(s: Setup, first: bool) -> Breakdown:
         act_parts[cp.GATHERED] *= min(layers, RESIDENT_BLOCKS) / layers  # the rest went to the host with its blocks
     logit = logits_bytes(s, tokens) if has_logits else 0.0
     rope = s.counts.rope_tables * 2 * s.max_seq_len * s.head_dim * 4  # RoPE cos/sin tables (buffers)
-    parts = {"RoPE cos/sin tables": rope, REFERENCE: ft.reference_bytes(s)}  # the DPO copy lives all run
+    # (REFERENCE: the DPO copy, which lives all run)
+    parts: dict[str, float] = {"RoPE cos/sin tables": rope, REFERENCE: ft.reference_bytes(s)}
     if s.pp > 1:
         extra_act, extra_logit, pipe_parts = _pipeline_terms(s, tokens, in_flight, first)
         outside, logit = outside + extra_act, logit + extra_logit

@@ -7,8 +7,12 @@ import argparse
 import json
 import sys
 from dataclasses import replace
+from typing import TYPE_CHECKING, cast
 
 from fitlm.cli_common import add_config_args
+
+if TYPE_CHECKING:
+    from fitlm.plan.devices import Device
 
 
 def add_commands(sub) -> None:
@@ -199,7 +203,11 @@ def cmd_budget(args: argparse.Namespace) -> int:
     if args.flops is None and not (hardware and args.hours is not None):
         raise BudgetError("give --flops C, or --device NAME --num-devices N --hours H")
     dev = get_device(args.device) if hardware else None
-    flops = args.flops if args.flops is not None else hardware_flops(dev.tflops, args.num_devices, args.hours, args.mfu)
+    flops = (  # (no --flops: then --device was given, checked above)
+        args.flops
+        if args.flops is not None
+        else hardware_flops(cast("Device", dev).tflops, args.num_devices, args.hours, args.mfu)
+    )
     b = compute_optimal(flops, args.rule)
     out = {
         "flops": b.flops,
@@ -211,6 +219,7 @@ def cmd_budget(args: argparse.Namespace) -> int:
     if b.loss is not None:
         out["loss"] = b.loss
     if hardware:
+        assert dev is not None  # (hardware: --device given)
         out["hours"] = training_hours(b.params, b.tokens, dev.tflops, args.num_devices, args.mfu)
         out["device"] = {"name": dev.name, "num_devices": args.num_devices, "mfu": args.mfu}
         if args.params:

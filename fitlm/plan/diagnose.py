@@ -28,7 +28,7 @@ class Remedy:
 
 def dominant(b: Breakdown) -> str:
     parts = {k: v for k, v in b.as_dict().items() if k != "total"}
-    return max(parts, key=parts.get)
+    return max(parts, key=parts.__getitem__)
 
 
 def _tp_ok(s: Setup, tp: int) -> bool:

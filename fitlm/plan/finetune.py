@@ -233,7 +233,7 @@ def frozen_in_half(s: Setup) -> bool:
     return s.method != "full" and s.level == "O2"
 
 
-def _input_bytes(s: Setup, consumers: int, width: int, casts_per_consumer: bool) -> float:
+def _input_bytes(s: Setup, consumers: int, width: float, casts_per_consumer: bool) -> float:
     """Bytes per token kept for a linear layer input that `consumers` weight gradients or adapters need."""
     if s.level == "O1" and casts_per_consumer:
         return consumers * 2 * width  # autocast makes (and the matmul saves) one half copy per consumer

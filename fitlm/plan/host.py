@@ -115,6 +115,7 @@ def host_peaks(s: Setup, mem: Breakdown, dev: Device, source: SourceTensor) -> H
     runtime = dev.host_runtime_bytes
     pb = param_bytes(s)
     fsdp_offload = s.offload and s.dims.fsdp_sharded
+    params_at_load: float
     if _is_host(dev):  # the device is the host: the whole training state lives here
         params_at_load = mem.params
         state = mem.total + mem.host

@@ -165,7 +165,8 @@ def _nf4_on_fake_device(model: torch.nn.Module) -> None:
     for module in model.modules():
         w = module._parameters.get("weight")
         if w is not None and is_nf4(w) and w.is_meta:
-            module.weight = nf4.quantized_meta(w, w.scaler_block_size, device="cpu")
+            # (scaler_block_size: an attribute of torchao's NF4Tensor, which is_nf4 checked w is)
+            module.weight = nf4.quantized_meta(w, w.scaler_block_size, device="cpu")  # type: ignore[attr-defined]
 
 
 def _build_in(cfg: Config, build) -> torch.nn.Module:

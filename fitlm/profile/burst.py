@@ -15,6 +15,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -96,7 +97,7 @@ def run_burst(cfg: Config, steps: int, out: Path) -> list[dict] | None:
     except Exception as exc:  # noqa: BLE001 - a tracker limitation must not lose the timing results
         memory_error = f"{type(exc).__name__}: {exc}"
     result = summarize(trainer, records, traced, memory, memory_error)
-    gathered = [result]
+    gathered: list[Any] | None = [result]  # (every rank's result dict on rank 0, once gathered)
     if ctx.distributed:
         import torch.distributed as dist
 

@@ -13,11 +13,12 @@ import asyncio
 import json
 import time
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
+from typing import AsyncIterator, cast
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from fitlm.config import ModelConfig
 from fitlm.data.errors import DataError
 from fitlm.serve import protocol
 from fitlm.serve.engine import Engine, Event, GenRequest
@@ -92,14 +93,16 @@ def create_app(served: ServedModel, max_batch: int = 8, engine: Engine | None = 
             )
         try:
             if chat:
-                ids = served.chat_ids(p.messages)
-            else:
-                ids = list(p.prompt) if isinstance(p.prompt, list) else served.text_ids(p.prompt)
+                ids = served.chat_ids(cast(list[dict[str, str]], p.messages))  # (parse requires messages)
+            else:  # (parse requires a prompt)
+                ids = list(p.prompt) if isinstance(p.prompt, list) else served.text_ids(cast(str, p.prompt))
         except DataError as e:  # the chat template refused the conversation (raise_exception, ...)
             raise protocol.APIError(str(e), "messages" if chat else "prompt") from None
-        if not chat and isinstance(p.prompt, list) and max(ids) >= served.model.config.vocab_size:
+        # (served.model.config: a fitlm model's ModelConfig, which nn.Module's __getattr__ types as Tensor | Module)
+        if not chat and isinstance(p.prompt, list) and max(ids) >= cast(ModelConfig, served.model.config).vocab_size:
             raise protocol.APIError(
-                f"prompt holds token id {max(ids)} but the vocabulary has {served.model.config.vocab_size} ids",
+                f"prompt holds token id {max(ids)} but the vocabulary has "
+                f"{cast(ModelConfig, served.model.config).vocab_size} ids",
                 "prompt",
             )
         where = "messages" if chat else "prompt"

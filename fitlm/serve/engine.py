@@ -17,7 +17,7 @@ import threading
 import traceback
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, cast
 
 import torch
 
@@ -61,6 +61,7 @@ class _Running:
         token = sample_next(logits, self.req.temperature, self.req.top_p, self.generator)
         self.count += 1
         self.last = token
+        reason: str | None
         if token in stop_ids:
             reason = "stop"
             piece = self.text.finish()
@@ -110,9 +111,11 @@ class Engine:
                     if closing and self.queue.empty():
                         return
                     continue
-                logits = batch.step([running[k].last for k in batch.keys])
+                # (the batch's keys are the GenRequests this engine added)
+                logits = batch.step([running[cast(GenRequest, k)].last for k in batch.keys])
                 for key, row in zip(list(batch.keys), logits):
-                    self._after(batch, running, running[key], running[key].take(row, self.stop_ids))
+                    slot = running[cast(GenRequest, key)]
+                    self._after(batch, running, slot, slot.take(row, self.stop_ids))
             except Exception:  # noqa: BLE001 - a bug: fail the requests in flight, keep serving
                 message = traceback.format_exc(limit=4)
                 failed = [r.req for r in running.values()]

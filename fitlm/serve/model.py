@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch.nn as nn
 
+from fitlm.config import ModelConfig
 from fitlm.data.chat import BUILTIN_TEMPLATES, DEFAULT_TEMPLATE, ChatEncoder, resolve_template
 from fitlm.data.errors import DataError
 from fitlm.data.tokenizer import Tokenizer
@@ -28,7 +30,7 @@ class ServedModel:
 
     @property
     def context(self) -> int:
-        return int(self.model.config.max_seq_len)
+        return int(cast(ModelConfig, self.model.config).max_seq_len)  # (a fitlm model's config)
 
     def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
         """The conversation rendered with the model's template plus the assistant prompt, as `fitlm chat` does."""

@@ -294,7 +294,7 @@ def chunk(
         choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
     else:
         choices = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]
-    out = {
+    out: dict[str, Any] = {
         "id": rid,
         "object": "chat.completion.chunk" if chat else "text_completion",
         "created": int(time.time()),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,7 +19,8 @@ from fitlm.parallel.mesh import ParallelContext
 
 def param_groups(modules: nn.Module | list[nn.Module], weight_decay: float) -> list[dict]:
     """Matrices decay; norms, biases and embedding tables do not (decaying them only hurts)."""
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     seen: set[int] = set()
     modules = modules if isinstance(modules, list) else [modules]
     named = [(n, p) for m in modules for n, p in m.named_parameters()]
@@ -47,7 +49,8 @@ def build_optimizer(
     groups = [g for g in param_groups(modules, cfg.weight_decay) if g["params"]]
     if not groups:
         raise ValueError("no trainable parameters: every parameter has requires_grad=False")
-    kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    kwargs: dict[str, Any] = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    optimizer_class: type[torch.optim.AdamW]
     if host_states:
         optimizer_class = HostAdamW
     else:

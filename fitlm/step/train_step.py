@@ -26,6 +26,7 @@ from fitlm.parallel_dims import WORLD
 from fitlm.step.guards import GuardEvent, StepGuards
 from fitlm.step.optim import optimizer_for
 from fitlm.step.pair_objectives import PairObjective, objective_for
+from fitlm.step.router_balance import RouterBalance
 from fitlm.step.timing import PhaseTimer
 
 
@@ -40,6 +41,8 @@ class StepOutput:
 
 class _NoTimer:
     """Phase timing where wall times mean nothing (a simulation on fake tensors)."""
+
+    sync: bool  # PhaseTimer's setting (fitlm.profile.burst sets it); never read here
 
     def __call__(self, phase: str):
         return contextlib.nullcontext()
@@ -64,6 +67,8 @@ class TrainStep:
         self.guard_event: GuardEvent | None = None  # set by optimizer_step
         # finetune.objective other than sft (DPO): its own forward/backward and evaluation; None = the loss below.
         self.objective: PairObjective | None = None
+        # an MoE model's load-balancing loss and expert load (fitlm.step.router_balance); None for a dense model
+        self.balance = RouterBalance.create(cfg, pm.modules, partial(ctx.all_reduce_sum, dim=ctx.dims.token_dim))
 
     @classmethod
     def create(cls, cfg: Config, ctx: ParallelContext, pm: ParallelModel, simulate: bool = False) -> "TrainStep":
@@ -106,10 +111,10 @@ class TrainStep:
         batch's summed loss plus the sums of its logged metrics; the loop, the scaling and the reductions are
         the same.
         """
-        n_targets = self.ctx.all_reduce_sum(
+        all_targets = self.ctx.all_reduce_sum(
             torch.tensor(float(sum(self._count(b["labels"]) for b in batches)), device=self.device), "dp"
         )
-        n_targets = max(1.0, n_targets.item())
+        n_targets = max(1.0, all_targets.item())
         scale = self.ctx.dims.dp_cp / n_targets * self.scaler.scale  # loss scale: 1 unless fp16
         if self.pm.pipeline is not None:
             sums = self._pipeline_loss_sum(batches, scale).reshape(1)
@@ -123,14 +128,21 @@ class TrainStep:
                 with autocast(self.cfg.memory, self.device), self.pm.loss_context(), shard:
                     with self.timer("forward"):
                         loss_sum, extra = self._micro_loss(input_ids, labels, doc)
+                        aux = self.balance.micro_loss() if self.balance is not None else None
                     with self.timer("backward"):
-                        (loss_sum * scale).backward()
+                        total = loss_sum * scale
+                        if aux is not None:  # coef · aux per micro batch: the mean over them (module docstring)
+                            total = total + aux * (self.scaler.scale / len(batches))
+                        total.backward()
                 part = torch.cat([loss_sum.detach().reshape(1), extra])
                 sums = part if sums is None else sums + part
         self.pm.finish_backward()
+        assert sums is not None  # (a step has at least one micro batch)
         sums = self.ctx.all_reduce_sum(sums, self.ctx.dims.token_dim) / n_targets
         if self.objective is not None:
             self.objective.observe(sums[1:])
+        if self.balance is not None:
+            self.balance.observe()
         return sums[0]
 
     def _count(self, labels: torch.Tensor) -> int:
@@ -163,6 +175,7 @@ class TrainStep:
 
         doc = {k: joined(k) for k in ("position_ids", "document_ids")} if self.cfg.data.document_mask else {}
         # the timer's phase is forward_backward: the schedule interleaves both over the chunks
+        assert self.pm.pipeline is not None  # (called under pipeline parallel only)
         with autocast(self.cfg.memory, self.device), self.pm.loss_context(), self.timer("forward_backward"):
             loss_sum = self.pm.pipeline.step(
                 joined("input_ids"), joined("labels"), scale, micro_batches=len(batches), **doc
@@ -208,7 +221,7 @@ class TrainStep:
         """Unscale (fp16), clip, step, clear; returns the pre-clip global gradient norm and whether the
         step was skipped because a gradient overflowed or, given the step's `loss`, because train.observe.guards
         found it bad (`self.guard_event`); every rank decides the same."""
-        params = [p for m in self.pm.modules for p in m.parameters() if p.grad is not None]
+        params: list[torch.Tensor] = [p for m in self.pm.modules for p in m.parameters() if p.grad is not None]
         overflow = self.scaler.unscale_and_check(params, partial(self.ctx.all_reduce_max, dim=WORLD))
         self.guard_event = None
         if overflow:

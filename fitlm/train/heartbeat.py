@@ -143,6 +143,7 @@ class Heartbeat:
             self._write_locked()
 
     def _write_locked(self) -> None:
+        assert self.store is not None  # (callers write only with a store)
         self.store.set(KEY.format(rank=self.rank), json.dumps(self.state))
 
     # ------------------------------------------------------------------ diagnosing
@@ -160,6 +161,7 @@ class Heartbeat:
     def read(self) -> dict[int, dict[str, Any] | None]:
         """Every rank's last record (None: it never wrote one, or the reads ran out of their READ_TIMEOUT_S)."""
         out: dict[int, dict[str, Any] | None] = {}
+        assert self.store is not None  # (a diagnosis needs the job's store)
         previous = self.store.timeout
         self.store.set_timeout(timedelta(seconds=READ_TIMEOUT_S))
         deadline = time.monotonic() + READ_TIMEOUT_S

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -9,7 +11,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 class TrainProgress:
     def __init__(self, total_steps: int, enabled: bool = True, console: Console | None = None):
         self.enabled = enabled
-        self.fields = {"loss": float("nan"), "eval_loss": float("nan"), "tokens_per_s": 0.0}
+        # (Any: rich's add_task/update take these as **fields beside their own typed keywords)
+        self.fields: dict[str, Any] = {"loss": float("nan"), "eval_loss": float("nan"), "tokens_per_s": 0.0}
         if not enabled:
             return
         self.progress = Progress(
@@ -37,4 +40,5 @@ class TrainProgress:
 
     def update(self, step: int, **fields: float) -> None:
         if self.enabled:
-            self.progress.update(self.task, completed=step, **fields)
+            task_fields: dict[str, Any] = fields  # (as self.fields)
+            self.progress.update(self.task, completed=step, **task_fields)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterable, Protocol
+from typing import Any, Iterable, Literal, Protocol, Sequence
 
 TRACKERS = ("tensorboard", "wandb", "mlflow")
 IDS_FILE = "trackers.json"
@@ -30,7 +30,7 @@ class Tracker(Protocol):
     def close(self) -> None: ...
 
 
-def tracker_names(report_to: list[str] | None, tensorboard: str | bool, installed: bool) -> list[str]:
+def tracker_names(report_to: Sequence[str] | None, tensorboard: str | bool, installed: bool) -> list[str]:
     """The trackers a run writes to: `report_to` when given, else TensorBoard as `train.observe.tensorboard` says."""
     if report_to is not None:
         return list(dict.fromkeys(report_to))
@@ -61,7 +61,14 @@ class TensorBoard:
 class Wandb:
     name = "wandb"
 
-    def __init__(self, output_dir: Path, config: dict[str, Any], run_id: str | None, project: str, mode: str):
+    def __init__(
+        self,
+        output_dir: Path,
+        config: dict[str, Any],
+        run_id: str | None,
+        project: str,
+        mode: Literal["offline", "online"],
+    ):
         import wandb
 
         self._run = wandb.init(
@@ -158,7 +165,7 @@ def open_trackers(names: list[str], output_dir: Path, config: dict[str, Any], ob
                 f"{e}); fix its train.observe settings or remove it from report_to"
             ) from e
         if hasattr(out[-1], "run_id"):
-            ids[name] = out[-1].run_id  # type: ignore[attr-defined]
+            ids[name] = out[-1].run_id
     if ids:
         ids_path.write_text(json.dumps(ids, indent=1) + "\n")
     return out

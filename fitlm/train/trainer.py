@@ -13,7 +13,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, cast
 
 import torch
 import torch.nn as nn
@@ -122,8 +122,9 @@ def release_training_state(optimizer: torch.optim.Optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
     for opt in {id(o): o for o in (optimizer, getattr(optimizer, "optim", optimizer))}.values():
         opt.state.clear()
-        if isinstance(getattr(opt, "_host", None), dict):  # HostAdamW's fp32 masters
-            opt._host.clear()
+        host = getattr(opt, "_host", None)
+        if isinstance(host, dict):  # HostAdamW's fp32 masters
+            host.clear()
     return_freed_host_memory()
 
 
@@ -359,6 +360,8 @@ class Trainer:
         }
         if self.step.objective is not None:  # DPO: the pairs' rewards, margin and accuracy beside the loss
             record.update({k: round(v, 6) for k, v in self.step.objective.metrics.items()})
+        if self.step.balance is not None:  # MoE: the auxiliary loss and the expert load
+            record.update({k: round(v, 6) for k, v in self.step.balance.metrics.items()})
         scaler = self.step.scaler
         if scaler.enabled:
             record.update(loss_scale=scaler.scale, skipped=out.skipped, skipped_steps=scaler.skipped_steps)
@@ -416,7 +419,10 @@ class Trainer:
                 specs, plain = final_weights(specs, blocks, self.cfg, self.output_dir)  # LoRA: merged, adapter/
                 # HF's names and layouts, whatever the layout changed (Phi-3's projections, split for sharding,
                 # are fused again as the module and HF store them).
-                hf_specs, tensors = stream_to_hf(specs, self.cfg.model, handed_over(plain))
+                # (handed_over gives back final_weights' groups, all dicts)
+                hf_specs, tensors = stream_to_hf(
+                    specs, self.cfg.model, cast(Iterator[dict[str, torch.Tensor]], handed_over(plain))
+                )
                 write_model_dir(
                     hf_specs, tensors, self.cfg, model_dir, tokenizer_path=self.tokenizer.path, what="final model save"
                 )

@@ -1,4 +1,4 @@
-"""Each family trains the same under data parallel ZeRO-3 and pipeline parallel as in one process:
+"""Each family trains the same under data parallel ZeRO-3 and pipeline parallel (MoE: ZeRO-3 only) as in one process:
 `fitlm train` (torchrun, gloo), same data, seed and global batch; losses, gradient norms and final
 weights equal. Tensor parallel of every family is checked module by module in test_tensor_parallel.py.
 Qwen3 and Gemma 3 (the two most unlike Llama) run in the fast tier, the others in the slow one.
@@ -31,7 +31,20 @@ FAMILIES = {  # model section overrides of the tiny config (hidden 64, 2 layers,
         "final_logit_softcap": 30.0,
     },
     "phi3": {"arch": "phi3", "sliding_window": 24},
+    # An MoE with a dense block. Its load-balancing loss is off here: transformers' aux loss is a mean per
+    # micro batch (a product of two means, not a sum over tokens), so it equals one process's only where the
+    # ranks' micro batches hold the same rows as the one process's, which the data split does not give.
+    "qwen3_moe": {
+        "arch": "qwen3_moe",
+        "head_dim": 24,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 48,
+        "mlp_only_layers": [1],
+        "router_aux_loss_coef": 0.0,
+    },
 }
+PIPELINED = [f for f in FAMILIES if f != "qwen3_moe"]  # MoE families refuse pipeline parallel (yet)
 FAST = ("qwen3", "gemma3")
 LAYOUTS = {
     "dp2-zero3": ({"data_parallel": 2, "zero_stage": 3}, {"micro_batch_size": 2, "gradient_accumulation_steps": 2}),
@@ -49,6 +62,7 @@ CASES = [
     )
     for f in FAMILIES
     for lay in LAYOUTS
+    if lay != "pp2" or f in PIPELINED
 ]
 
 

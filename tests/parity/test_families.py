@@ -158,6 +158,69 @@ CASES = {  # name -> (model_type, config overrides, fitlm arch)
         ),
         "phi3",
     ),
+    # Mixtures of experts: a dense block among sparse ones, top-3 of 6 unnormalized, a shared expert, every
+    # other block sparse, tied and untied heads, a sliding window.
+    "qwen3_moe_top3of6_dense1": (
+        "qwen3_moe",
+        dict(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=24,
+            intermediate_size=96,
+            moe_intermediate_size=40,
+            num_experts=6,
+            num_experts_per_tok=3,
+            mlp_only_layers=[1],
+            norm_topk_prob=False,
+        ),
+        "qwen3_moe",
+    ),
+    "qwen3_moe_normalized_tied": (
+        "qwen3_moe",
+        dict(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            intermediate_size=96,
+            moe_intermediate_size=24,
+            num_experts=4,
+            num_experts_per_tok=2,
+            mlp_only_layers=[0],
+            norm_topk_prob=True,
+            tie_word_embeddings=True,
+        ),
+        "qwen3_moe",
+    ),
+    "qwen2_moe_shared_step2_tied": (
+        "qwen2_moe",
+        dict(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=96,
+            moe_intermediate_size=40,
+            shared_expert_intermediate_size=56,
+            num_experts=5,
+            num_experts_per_tok=2,
+            decoder_sparse_step=2,
+            tie_word_embeddings=True,
+        ),
+        "qwen2_moe",
+    ),
+    "mixtral_window7": (
+        "mixtral",
+        dict(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=48,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=7,
+        ),
+        "mixtral",
+    ),
 }
 
 
@@ -248,6 +311,8 @@ def _legacy(cfg: dict) -> dict:
         out["sliding_window_pattern"] = 6
     if cfg["model_type"] in ("qwen2", "qwen3") and cfg.get("sliding_window"):
         out["use_sliding_window"] = True
+    if cfg["model_type"] in ("qwen2_moe", "qwen3_moe") and "num_local_experts" in out:  # 4.x: num_experts
+        out["num_experts"] = out.pop("num_local_experts")
     return out
 
 

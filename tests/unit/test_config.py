@@ -122,7 +122,25 @@ def test_family_keys_are_validated_with_the_key_and_the_fix():
         "model.layer_types: lists 1 blocks but model.num_layers=4": {
             "model": {"sliding_window": 8, "layer_types": ["full"]}
         },
-        "model.arch: unknown family 'mixtral'": {"model": {"arch": "mixtral"}},
+        "model.arch: unknown family 'dbrx'": {"model": {"arch": "dbrx"}},
+        "model.num_experts: arch 'llama' is dense": {"model": {"num_experts": 4}},
+        "model.num_experts: arch 'mixtral' is a mixture of experts; set num_experts": {"model": {"arch": "mixtral"}},
+        "model.num_experts_per_tok: each token goes to 1..num_experts=4 experts (got 5)": {
+            "model": {"arch": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 5}
+        },
+        "model.mlp_only_layers: [7] are not blocks of a 4-layer model": {
+            "model": {"arch": "qwen3_moe", "num_experts": 4, "mlp_only_layers": [7]}
+        },
+        "model.shared_expert_intermediate_size: every qwen2_moe has a shared expert": {
+            "model": {"arch": "qwen2_moe", "num_experts": 4}
+        },
+        "parallel.pipeline_parallel: model.arch='mixtral' cannot be pipeline-parallel yet": {
+            "model": {"arch": "mixtral", "num_experts": 4},
+            "parallel": {"pipeline_parallel": 2},
+        },
+        "model.decoder_sparse_step: every mixtral block is sparse": {
+            "model": {"arch": "mixtral", "num_experts": 4, "decoder_sparse_step": 2}
+        },
         "memory.loss_chunk_size: the chunked loss computes plain logits": {
             "model": {"arch": "gemma2", "final_logit_softcap": 30.0},
             "memory": {"loss_chunk_size": 64},

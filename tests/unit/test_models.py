@@ -294,13 +294,18 @@ def test_config_from_hf_refuses_unsupported_features():
         config_from_hf({**legacy, "rope_scaling": {"rope_type": "su", "factor": 8.0}})
     with pytest.raises(HFFormatError, match="partial_rotary_factor"):
         config_from_hf({**legacy, "partial_rotary_factor": 0.5})
+    for kind in ("dynamic", "linear"):  # a scaling that needs a factor and has none: named, not a TypeError
+        with pytest.raises(HFFormatError, match=f"RoPE type '{kind}' without a factor"):
+            config_from_hf({**legacy, "rope_scaling": {"rope_type": kind}})
     with pytest.raises(HFFormatError, match="hidden_act"):
         config_from_hf({**hf, "hidden_act": "gelu"})
     with pytest.raises(HFFormatError, match="'falcon' is not supported"):
         config_from_hf({**hf, "model_type": "falcon"})
-    for moe in ("mixtral", "qwen3_moe", "deepseek_v3"):
-        with pytest.raises(HFFormatError, match="mixture-of-experts"):
+    for moe in ("deepseek_v3", "olmoe"):  # MoE models of no fitlm family: named, with the ones it reads
+        with pytest.raises(HFFormatError, match="mixture-of-experts model fitlm does not implement; its MoE fam"):
             config_from_hf({**hf, "model_type": moe})
+    with pytest.raises(HFFormatError, match="router_jitter_noise"):
+        config_from_hf({**hf, "model_type": "mixtral", "num_local_experts": 4, "router_jitter_noise": 0.1})
     scaled = config_from_hf(
         {
             **legacy,
@@ -459,3 +464,13 @@ def test_save_refuses_a_config_that_could_not_be_loaded_back(tmp_path):
     with pytest.raises(ConfigError, match="data.seq_length"):
         save_model_dir(make(cfg.model), cfg, tmp_path / "m")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_gguf_metadata_of_a_yarn_scaling_without_factor_writes_the_derived_one():
+    """fitlm's yarn with factor null scales by max_seq_len / original (as its RoPE computes): GGUF gets that."""
+    from fitlm.config import RopeScalingConfig
+    from fitlm.models.gguf import gguf_metadata
+
+    cfg = tiny(max_seq_len=64, rope_scaling=RopeScalingConfig(type="yarn", original_max_seq_len=16))
+    meta = gguf_metadata(cfg)
+    assert meta["llama.rope.scaling.factor"] == 4.0 and meta["llama.rope.scaling.original_context_length"] == 16

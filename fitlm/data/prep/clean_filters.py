@@ -12,7 +12,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, Literal, cast
 
 from fitlm import __version__
 from fitlm.data.errors import DataError
@@ -142,7 +142,7 @@ def prepare_document(text: str, o: CleanOptions) -> tuple[str | None, str, bool,
     removed): everything before deduplication, for one document (the same in every engine)."""
     normalized = False
     if o.normalize != "none":
-        norm = unicodedata.normalize(o.normalize, text)
+        norm = unicodedata.normalize(cast(Literal["NFKC", "NFC"], o.normalize), text)  # (check_options: one of these)
         normalized, text = norm != text, norm
     text, removed = _strip_controls(text, Counter(text))
     reason, text = check_document(text, o)
@@ -216,8 +216,9 @@ class CleanWriter:
     """clean-00000.jsonl, ... with DOCS_PER_FILE documents each, in the order they are given."""
 
     def __init__(self, root: Path):
-        self.root, self.files, self.count = root, [], 0
-        self._f = None
+        self.root, self.count = root, 0
+        self.files: list[str] = []
+        self._f: IO[str] | None = None
 
     def write(self, text: str) -> None:
         if self._f is None or self.count % DOCS_PER_FILE == 0:

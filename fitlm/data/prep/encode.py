@@ -16,7 +16,7 @@ _STATE: dict[str, Any] = {}
 
 
 def init_encoder(
-    tokenizer_path: str, names: dict[str, str], template: tuple[str, str] | None, single_thread: bool = False
+    tokenizer_path: str, names: dict[str, str | None], template: tuple[str, str] | None, single_thread: bool = False
 ) -> None:
     if single_thread:  # a pool worker: one thread each, so N workers use N cores without oversubscription
         os.environ["TOKENIZERS_PARALLELISM"] = "false"

@@ -13,7 +13,7 @@ import os
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -51,7 +51,7 @@ def _check_parts(parts: list[PackedDataset]) -> None:
                 "some are not, or they were split differently; merge the parts of one pack"
             )
         n = counts.pop()
-        have = sorted(i["index"] for i in infos)
+        have = sorted(i["index"] for i in cast(list[dict[str, Any]], infos))  # (None in infos is refused above)
         if have != list(range(n)):
             missing = sorted(set(range(n)) - set(have))
             dup = sorted({i for i in have if have.count(i) > 1})

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -15,12 +15,15 @@ from fitlm.data.format import FORMAT, FORMAT_VERSION
 from fitlm.data.tokenizer import Tokenizer
 from fitlm.diskspace import disk_full_guard
 
+if TYPE_CHECKING:
+    from rich.progress import Progress as RichProgress
+
 
 class Progress:
     """A rich progress bar over input bytes, on stderr (stdout is reserved for --json output)."""
 
     def __init__(self, enabled: bool, total: int, label: str = "packing"):
-        self._bar = None
+        self._bar: RichProgress | None = None
         if enabled:
             from rich.console import Console
             from rich.progress import (
@@ -44,10 +47,11 @@ class Progress:
             self._task = self._bar.add_task(label, total=total)
 
     def __enter__(self) -> Callable[[int], None]:
-        if self._bar is None:
+        bar = self._bar
+        if bar is None:
             return lambda n: None
-        self._bar.__enter__()
-        return lambda n: self._bar.advance(self._task, n)
+        bar.__enter__()
+        return lambda n: bar.advance(self._task, n)
 
     def __exit__(self, *exc) -> None:
         if self._bar is not None:

@@ -131,6 +131,7 @@ class ShardWriter:
             self._tok_f.write(data)
             self._hash["tokens"].update(data)
             if self.chat:
+                assert mask is not None and self._mask_f is not None  # (chat data: a mask, and its file open)
                 m = mask[at : at + n].tobytes()
                 self._mask_f.write(m)
                 self._hash["mask"].update(m)
@@ -293,6 +294,7 @@ def pack_corpus(
                 seen["read"] += n
                 bar(n)
 
+            source: Iterator[tuple[Any, int]]  # (item: a pair, a conversation or a text; its input bytes)
             if preference:
                 source = iter_preference(files, stats)
             elif chat and engine == "local":

@@ -28,7 +28,11 @@ _LOADED: dict[str, Any] = {}
 
 
 def _encode(
-    batch: dict[str, np.ndarray], init: tuple, chat: bool, max_length: int | None, overlong: str
+    batch: dict[str, np.ndarray],
+    init: tuple[str, dict[str, str | None], tuple[str, str] | None],  # init_encoder's arguments
+    chat: bool,
+    max_length: int | None,
+    overlong: str,
 ) -> dict[str, np.ndarray]:
     """One output row per input batch. A task, not an actor: actors would hold CPUs the read tasks need
     (on 2 CPUs, 2 actors starve the readers). Ray reuses worker processes, so the tokenizer is loaded once

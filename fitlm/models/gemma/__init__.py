@@ -33,7 +33,7 @@ def _gguf_read(get, largest_layers: int) -> dict:
     head_dim, except for the 27B models (hidden/heads); fitlm's own exports also write the exact value."""
     heads, hidden, layers = get("attention.head_count"), get("embedding_length"), get("block_count")
     default = hidden // heads if layers == largest_layers else get("attention.key_length", hidden // heads)
-    out = {"query_pre_attn_scalar": int(get("attention.query_pre_attn_scalar", default))}
+    out: dict[str, int | float] = {"query_pre_attn_scalar": int(get("attention.query_pre_attn_scalar", default))}
     for ours, key in (
         ("attn_logit_softcap", "attn_logit_softcapping"),
         ("final_logit_softcap", "final_logit_softcapping"),
@@ -66,7 +66,7 @@ def _gguf_writer(largest_layers: int):
 
 
 def _gguf_write(cfg, scalar: int) -> dict:
-    out = {"attention.query_pre_attn_scalar": scalar}
+    out: dict[str, int | float] = {"attention.query_pre_attn_scalar": scalar}
     if cfg.attn_logit_softcap:
         out["attn_logit_softcapping"] = float(cfg.attn_logit_softcap)
     if cfg.final_logit_softcap:

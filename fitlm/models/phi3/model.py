@@ -5,13 +5,14 @@ PEFT adapter on the same matrix. LongRoPE (128k variants, Phi-3.5) comes from `m
 from __future__ import annotations
 
 from functools import partial
+from typing import Iterable, cast
 
 import torch
 import torch.nn as nn
 
 from fitlm.config import ModelConfig
 from fitlm.models.causal_lm import CausalLMMixin
-from fitlm.models.decoder import DecoderModel, llama_style_block
+from fitlm.models.decoder import DecoderModel, PreNormBlock, llama_style_block
 from fitlm.models.hf import StateDict
 from fitlm.models.layers import RMSNorm
 
@@ -40,9 +41,10 @@ def split_fused(model: nn.Module) -> None:
     keys of others, so the fused projections become separate q/k/v and gate/up Linears that shard by heads
     and MLP columns. The forward is unchanged (it reads whichever form the module has); `fuse_state_dict`
     restores HF's fused names when the weights are saved."""
-    cfg = model.config
+    lm = cast(Phi3ForCausalLM, model)  # (the family's prepare_tensor_parallel hook: a Phi-3 model)
+    cfg = lm.config
     d = cfg.head_size
-    for block in model.model.layers.values():
+    for block in cast(Iterable[PreNormBlock], lm.model.layers.values()):  # (llama_style_block's)
         if hasattr(block.self_attn, "qkv_proj"):
             _split_linear(
                 block.self_attn,
