@@ -86,9 +86,11 @@ def family_for_hf(model_type: Any) -> "Family | None":
     return next((f for f in families() if model_type in f.hf_model_types), None)
 
 
-def family_for_gguf(architecture: Any) -> "Family | None":
-    """The family that reads GGUF files of this `general.architecture`, if any."""
-    return next((f for f in families() if f.gguf is not None and architecture == f.gguf.arch), None)
+def family_for_gguf(architecture: Any, experts: bool = False) -> "Family | None":
+    """The family that reads GGUF files of this `general.architecture`, if any; of two (llama.cpp's `llama`
+    holds Llama and Mixtral), the one that routes to experts when the file has an expert_count (`experts`)."""
+    found = [f for f in families() if f.gguf is not None and architecture == f.gguf.arch]
+    return next((f for f in found if f.moe == experts), found[0] if found else None)
 
 
 def build_model(cfg: "ModelConfig") -> "nn.Module":

@@ -94,7 +94,6 @@ def moe_block(cfg: ModelConfig, bias: bool = False, qk_norm: bool = False) -> Bl
     return BlockShape(attention + routed + (shared if s else ()), groups, dense.extra_params)
 
 
-
 def moe_planner(block_bytes: dict = LLAMA_BYTES, **block_options) -> PlannerCounts:
     """PlannerCounts of a routed RoPE decoder (`moe_block`); activations are counted as the dense block's."""
     return rope_planner(block_bytes, moe_block, **block_options)

@@ -12,6 +12,7 @@ from typing import Any, Callable, Mapping
 
 from fitlm.config import ModelConfig
 from fitlm.models.hf import StateDict
+from fitlm.models.moe_hf import ExpertNames
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,9 @@ class GGUFNames:
     # reads "<arch>.<key>"; write(cfg) -> {key: value} written as "<arch>.<key>".
     read_extra: Callable[[Callable], dict] = lambda get: {}
     write_extra: Callable[[ModelConfig], dict] = lambda cfg: {}
+    # MoE: how the family's HF checkpoints name a layer's per-expert weights; llama.cpp stacks them as
+    # blk.N.ffn_{gate,up,down}_exps ([E, out, in], as fitlm holds them).
+    experts: ExpertNames | None = None
 
 
 @dataclass(frozen=True)

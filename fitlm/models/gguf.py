@@ -11,6 +11,7 @@ more than the tensor at hand on top of what it keeps.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -55,7 +56,7 @@ def _meta(reader) -> dict[str, Any]:
 
 def _family(meta: dict[str, Any], source: str):
     arch = meta.get("general.architecture")
-    family = registry.family_for_gguf(arch)
+    family = registry.family_for_gguf(arch, experts=bool(meta.get(f"{arch}.expert_count")))
     if family is None:
         known = sorted(f.gguf.arch for f in registry.families() if f.gguf is not None)
         raise GGUFError(
@@ -213,7 +214,11 @@ def gguf_tensors(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig):
     names = cfg.family.gguf
     top = {ours: theirs for theirs, ours in names.top.items()}
     layer = {ours: theirs for theirs, ours in names.layer.items()}
+    experts = _ExpertStacker(names.experts, cfg.num_experts) if names.experts is not None else None
     for name, t in weights:
+        if experts is not None and experts.takes(name):
+            yield from experts.add(name, t)
+            continue
         base, _, part = name.rpartition(".")
         if base in top:
             g = top[base]
@@ -231,6 +236,37 @@ def gguf_tensors(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig):
             w = w + names.norm_offset
         yield f"{g}.{part}", w
     yield from _rope_tensors(cfg).items()
+
+
+# llama.cpp's stacked expert tensors, by fitlm's stacked projection (fitlm.models.moe.GroupedExperts)
+EXPERT_TENSORS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
+
+
+class _ExpertStacker:
+    """Collects an MoE layer's per-expert HF tensors as they stream and gives each projection back stacked
+    under llama.cpp's name once all E have come."""
+
+    def __init__(self, names, num_experts: int | None):
+        self.names, self.e = names, int(num_experts or 0)
+        roles = {getattr(names, r): f"{r}_proj" for r in ("gate", "up", "down")}  # HF leaf -> fitlm projection
+        leaves = "|".join(roles)
+        self.pattern = re.compile(rf"^model\.layers\.(\d+)\.{names.module}\.experts\.(\d+)\.({leaves})\.weight$")
+        self.roles = roles
+        self.pending: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+
+    def takes(self, name: str) -> bool:
+        return self.pattern.match(name) is not None
+
+    def add(self, name: str, t: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        m = self.pattern.match(name)
+        assert m is not None  # (takes(name) said so)
+        key = (m.group(1), m.group(3))
+        got = self.pending.setdefault(key, {})
+        got[int(m.group(2))] = t.detach().float().cpu()
+        if len(got) == self.e:
+            del self.pending[key]
+            stacked = torch.stack([got[i] for i in range(self.e)])  # [E, out, in]
+            yield f"blk.{key[0]}.{EXPERT_TENSORS[self.roles[key[1]]]}.weight", stacked
 
 
 def _dequantize(t, source: str, data: np.ndarray | None = None) -> np.ndarray:
@@ -301,6 +337,9 @@ class GGUFTensors:
         pieces = base.split(".")
         if pieces[0] == "blk" and len(pieces) == 3 and pieces[2] in names.layer:
             return f"model.layers.{pieces[1]}.{names.layer[pieces[2]]}.{part}"
+        stacked = {v: k for k, v in EXPERT_TENSORS.items()}
+        if names.experts is not None and pieces[0] == "blk" and len(pieces) == 3 and pieces[2] in stacked:
+            return f"model.layers.{pieces[1]}.mlp.experts.{stacked[pieces[2]]}"  # fitlm's own stacked layout
         if base in names.top:
             return f"{names.top[base]}.{part}"
         raise GGUFError(

@@ -5,7 +5,8 @@ stores them two ways, both read here:
   - one tensor per expert, what `save_pretrained` writes: `<moe>.experts.<e>.<name>.weight` (Qwen:
     gate_proj/up_proj/down_proj under `mlp`; Mixtral: w1/w3/w2 under `block_sparse_moe`);
   - transformers 5's fused in-memory layout: `mlp.experts.gate_up_proj` [E, 2I, H] (gate rows first) and
-    `mlp.experts.down_proj` [E, H, I].
+    `mlp.experts.down_proj` [E, H, I];
+and fitlm's own stacked names (what a GGUF file's ffn_*_exps tensors are read back as).
 Export writes the per-expert layout.
 """
 
@@ -69,8 +70,8 @@ def _stacked(src: StateDict, layer: str, proj: str, cfg: ModelConfig, names: Exp
         if proj == "up_proj":
             src.pop(fused)
         return gate_up[:, :half] if proj == "gate_proj" else gate_up[:, half:]
-    if proj == "down_proj" and f"{layer}mlp.experts.down_proj" in src:
-        return src.pop(f"{layer}mlp.experts.down_proj")
+    if f"{layer}mlp.experts.{proj}" in src:  # fitlm's stacked layout (a GGUF file's, read back); fused down_proj
+        return src.pop(f"{layer}mlp.experts.{proj}")
     assert cfg.num_experts  # (an MoE family's config)
     return torch.stack([take(src, names.expert(layer, e, proj), source) for e in range(cfg.num_experts)])
 

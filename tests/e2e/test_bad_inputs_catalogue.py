@@ -314,12 +314,12 @@ def _(env):
 @case(
     "config-unknown-arch",
     "config",
-    "`model.arch` that is no registered family (`mixtral`)",
-    "model.arch: unknown family 'mixtral'",
+    "`model.arch` that is no registered family (`dbrx`)",
+    "model.arch: unknown family 'dbrx'",
     "registered:",
 )
 def _(env):
-    return ["train", env.config(model={"arch": "mixtral"})]
+    return ["train", env.config(model={"arch": "dbrx"})]
 
 
 @case(
@@ -1161,13 +1161,13 @@ def _(env):
 @case(
     "model-moe",
     "model directory",
-    "a mixture-of-experts config.json (`mixtral`)",
-    "model_type 'mixtral' is a mixture-of-experts model",
-    "dense families only",
+    "a mixture-of-experts config.json of no fitlm family (`deepseek_v3`)",
+    "model_type 'deepseek_v3' is a mixture-of-experts model fitlm does not implement",
+    "its MoE families read",
 )
 def _(env):
     d = env.copy(env.shared.hf, "hf")
-    env.edit_json(d / "config.json", lambda c: c.update(model_type="mixtral"))
+    env.edit_json(d / "config.json", lambda c: c.update(model_type="deepseek_v3"))
     return ["import", d, "--out", env.tmp / "imported"]
 
 

@@ -50,6 +50,12 @@ FAMILIES = {  # name -> (model_type, tokenizer style, config overrides)
     "gemma2": ("gemma2", "gemma", dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=16)),
     "gemma3": ("gemma3_text", "gemma", dict(head_dim=16, sliding_window=8)),
     "phi3": ("phi3", "phi3", {}),
+    "qwen3_moe": (
+        "qwen3_moe",
+        "qwen",
+        dict(head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1]),
+    ),
+    "mixtral": ("mixtral", "llama3", dict(num_local_experts=4, num_experts_per_tok=2)),
 }
 
 

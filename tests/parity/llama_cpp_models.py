@@ -207,6 +207,19 @@ CASES = {
         dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=8, tie_word_embeddings=False),
         "gemma",
     ),
+    # Mixtures of experts, as llama.cpp's graphs run them: every block routed; qwen3moe and Mixtral renormalize
+    # the top-k weights, qwen2moe does not and adds its gated shared expert.
+    "qwen3-moe": (
+        "qwen3_moe",
+        dict(head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True),
+        "qwen",
+    ),
+    "qwen2-moe": (
+        "qwen2_moe",
+        dict(moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=6, num_experts_per_tok=3),
+        "qwen",
+    ),
+    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False), "llama2"),
 }
 
 

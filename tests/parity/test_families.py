@@ -186,7 +186,6 @@ CASES = {  # name -> (model_type, config overrides, fitlm arch)
             moe_intermediate_size=24,
             num_experts=4,
             num_experts_per_tok=2,
-            mlp_only_layers=[0],
             norm_topk_prob=True,
             tie_word_embeddings=True,
         ),

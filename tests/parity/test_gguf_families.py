@@ -34,12 +34,23 @@ def _gemma_scale_differs(model_type: str, kw: dict) -> bool:
     return model_type.startswith("gemma") and kw.get("query_pre_attn_scalar", 256) != kw["head_dim"]
 
 
+def _moe_graph_differs(model_type: str, kw: dict) -> bool:
+    """llama.cpp's MoE graphs route every block, and qwen3moe renormalizes the top-k weights where qwen2moe does not."""
+    dense = kw.get("mlp_only_layers") or kw.get("decoder_sparse_step", 1) != 1
+    norm = {"qwen3_moe": True, "qwen2_moe": False}.get(model_type)
+    return bool(dense) or (norm is not None and bool(kw.get("norm_topk_prob", False)) != norm)
+
+
 # Cases whose RoPE llama.cpp can store: metadata (linear, yarn), factor tensors (llama3, longrope) or plain.
 EXPORTABLE = [
     n
     for n, (t, kw, _) in CASES.items()
-    if _rope_type(kw) != "dynamic" and not _untied_gemma2(t, kw) and not _gemma_scale_differs(t, kw)
+    if _rope_type(kw) != "dynamic"
+    and not _untied_gemma2(t, kw)
+    and not _gemma_scale_differs(t, kw)
+    and not _moe_graph_differs(t, kw)
 ]
+MOE_REFUSED = [n for n, (t, kw, _) in CASES.items() if _moe_graph_differs(t, kw)]
 UNTIED_GEMMA2 = [n for n, (t, kw, _) in CASES.items() if _untied_gemma2(t, kw)]
 GEMMA_SCALE = [n for n, (t, kw, _) in CASES.items() if _gemma_scale_differs(t, kw) and not _untied_gemma2(t, kw)]
 # transformers' GGUF loader reads these completely (short inputs: within every sliding window). Not Phi-3:
@@ -52,7 +63,9 @@ def ids(t: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, 131, (2, t), generator=torch.Generator().manual_seed(seed))
 
 
-REFUSED = [n for n in CASES if n not in EXPORTABLE and n not in UNTIED_GEMMA2 and n not in GEMMA_SCALE]
+REFUSED = [
+    n for n in CASES if n not in EXPORTABLE and n not in UNTIED_GEMMA2 and n not in GEMMA_SCALE and n not in MOE_REFUSED
+]
 
 
 @pytest.fixture
@@ -104,6 +117,7 @@ def test_gguf_names_are_llama_cpps(case, exported):
         "gemma3": {"blk.0.attn_q_norm.weight", "blk.0.post_ffw_norm.weight"},
         "qwen3": {"blk.0.attn_q_norm.weight", "blk.0.attn_k_norm.weight"},
         "qwen2": {"blk.0.attn_q.bias", "blk.0.attn_k.bias", "blk.0.attn_v.bias"},
+        "qwen3moe": {"blk.0.ffn_gate_inp.weight", "blk.0.ffn_gate_exps.weight", "blk.1.ffn_down_exps.weight"},
     }.get(arch, set())
     assert expected <= names
     if mcfg.family.gguf.norm_offset:  # Gemma: llama.cpp stores the scale 1 + w
@@ -190,3 +204,15 @@ def test_gguf_export_of_a_gemma_scale_llama_cpp_cannot_express_is_refused(case, 
     x = ids(40)
     with torch.no_grad():
         torch.testing.assert_close(back.model(x), src.model(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", MOE_REFUSED, indirect=True)
+def test_gguf_export_of_an_moe_llama_cpps_graph_cannot_run_is_refused(case, tmp_path):
+    """Dense blocks among routed ones, or top-k weights normalized where llama.cpp's graph does the other thing
+    (tests/parity/test_llama_cpp.py runs the expressible ones in llama.cpp): refused before a file is written."""
+    from fitlm.models.gguf import GGUFError
+
+    name, hf, d, *_ = case
+    with pytest.raises(GGUFError, match="llama.cpp's (qwen3moe|qwen2moe|llama) graph .*--format hf"):
+        export_gguf(load_model_dir(d), tmp_path / "m.gguf", "f32")
+    assert not (tmp_path / "m.gguf").exists()

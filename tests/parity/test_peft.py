@@ -105,7 +105,7 @@ def test_mistral_imports_with_its_sliding_window_and_moe_is_refused(tmp_path):
     with torch.no_grad():  # X is longer than the window: the window is really applied
         torch.testing.assert_close(loaded.model(X), hf(X).logits, rtol=1e-4, atol=1e-4)
     raw = json.loads((tmp_path / "mistral" / "config.json").read_text())
-    (tmp_path / "mistral" / "config.json").write_text(json.dumps({**raw, "model_type": "mixtral"}))
+    (tmp_path / "mistral" / "config.json").write_text(json.dumps({**raw, "model_type": "deepseek_v3"}))
     with pytest.raises(HFFormatError, match="mixture-of-experts"):
         import_model(tmp_path / "mistral", tmp_path / "out2")
 

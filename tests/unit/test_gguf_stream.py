@@ -21,7 +21,7 @@ from fitlm.export.source import load_for_export
 from fitlm.finetune.init_from import resolve_init_from
 from fitlm.finetune.initial_weights import base_weights
 from fitlm.models.gguf import GGUFError, read_gguf, stream_gguf
-from fitlm.models.hf import model_keys
+from fitlm.models.hf import from_hf_state_dict, model_keys
 from fitlm.models.io import load_model_dir
 from fitlm.models.streaming import layer_group
 from tests.parity.test_families import CASES, COMMON, randomize
@@ -35,13 +35,14 @@ def _init_from(path) -> object:
 
 @pytest.fixture(params=EXPORTABLE)
 def family_gguf(request, tmp_path):
-    """(HF fp32 state dict, GGUF f32 file written by `fitlm export`) for one of the GGUF tests' cases."""
+    """(the checkpoint's fp32 state dict, GGUF f32 file written by `fitlm export`) for one of the GGUF tests' cases."""
     model_type, overrides, _ = CASES[request.param]
     hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**COMMON, **overrides})).float().eval()
     randomize(hf, seed=len(request.param))
     hf.save_pretrained(tmp_path / "hf")
     export_gguf(load_for_export(tmp_path / "hf"), tmp_path / "m.gguf", "f32")
-    return hf.state_dict(), tmp_path / "m.gguf"
+    # fitlm's names of the checkpoint's tensors (HF's own, but for MoE experts, which fitlm holds stacked)
+    return load_model_dir(tmp_path / "hf").model.state_dict(), tmp_path / "m.gguf"
 
 
 def test_every_family_streams_the_checkpoints_weights(family_gguf):
@@ -57,8 +58,8 @@ def test_every_family_streams_the_checkpoints_weights(family_gguf):
         else:
             assert torch.equal(t, ref), name
     # The whole-file reader and a whole-model load give the same tensors, under HF and module names.
-    _, whole, _ = read_gguf(path)
-    assert all(torch.equal(got[k], v) for k, v in whole.items())
+    _, whole, _ = read_gguf(path)  # HF names: through the family's adapter to module names
+    assert all(torch.equal(got[k], v) for k, v in from_hf_state_dict(whole, cfg, str(path)).items())
     loaded = load_model_dir(path).model.state_dict()
     assert loaded.keys() == got.keys() and all(torch.equal(loaded[k], got[k]) for k in loaded)
 

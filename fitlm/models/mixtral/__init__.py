@@ -1,10 +1,12 @@
 """The Mixtral family unit (Mixtral 8x7B, 8x22B and their fine-tunes): registered once here."""
 
 from fitlm.models import counts
-from fitlm.models.family import Family, TPBlockPlan, llama_ffn
+from fitlm.models.family import Family, GGUFNames, TPBlockPlan, llama_ffn
+from fitlm.models.llama import GGUF_TOP
 from fitlm.models.mixtral import hf
 from fitlm.models.mixtral.model import MixtralForCausalLM
-from fitlm.models.qwen_moe import ATTENTION, MOE_FEATURES
+from fitlm.models.moe_gguf import moe_reader, moe_writer
+from fitlm.models.qwen_moe import ATTENTION, ATTENTION_GGUF, MOE_FEATURES
 from fitlm.registry import register_family
 
 FAMILY = register_family(
@@ -22,6 +24,17 @@ FAMILY = register_family(
         tp_plan=TPBlockPlan(),
         lora_linears=ATTENTION,
         validate=hf.validate,
+        # llama.cpp reads Mixtral as its `llama` architecture with experts (q/k rows permuted, as for Llama);
+        # a GGUF file of that architecture with an expert_count is imported as mixtral.
+        gguf=GGUFNames(
+            "llama",
+            {**ATTENTION_GGUF, "ffn_gate_inp": "block_sparse_moe.gate"},
+            GGUF_TOP,
+            permute_qk=True,
+            read_extra=moe_reader(normalized=None, expert_width=False, shared=False),
+            write_extra=moe_writer("llama", normalized=None, expert_width=False, shared=False),
+            experts=hf.NAMES,
+        ),
         features=("sliding window", MOE_FEATURES[0], "top-k weights renormalized"),
         tensor_parallel=False,
         pipeline_parallel=False,

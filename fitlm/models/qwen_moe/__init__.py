@@ -1,7 +1,9 @@
 """The Qwen mixture-of-experts family units: Qwen3-MoE (`qwen3_moe`) and Qwen1.5/Qwen2-MoE (`qwen2_moe`)."""
 
 from fitlm.models import counts
-from fitlm.models.family import Family, TPBlockPlan, llama_ffn
+from fitlm.models.family import Family, GGUFNames, TPBlockPlan, llama_ffn
+from fitlm.models.llama import GGUF_LAYER, GGUF_TOP
+from fitlm.models.moe_gguf import ROUTER, SHARED, moe_reader, moe_writer
 from fitlm.models.qwen_moe import hf
 from fitlm.models.qwen_moe.model import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from fitlm.registry import register_family
@@ -9,6 +11,10 @@ from fitlm.registry import register_family
 # LoRA adapts attention only on MoE models (fitlm.finetune.lora.resolve_targets says why).
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MOE_FEATURES = ("mixture of experts: fp32 top-k router, stacked experts, dropless", "dense layers among sparse ones")
+
+
+# llama.cpp's attention and norm names (its llama layer table without the dense MLP) plus the router
+ATTENTION_GGUF = {k: v for k, v in GGUF_LAYER.items() if not k.startswith("ffn_") or k == "ffn_norm"}
 
 
 def _no_shared_expert(cfg) -> list[str]:
@@ -42,6 +48,14 @@ QWEN3_MOE = register_family(
         tp_plan=TPBlockPlan(),
         lora_linears=ATTENTION,
         validate=_no_shared_expert,
+        gguf=GGUFNames(
+            "qwen3moe",
+            {**ATTENTION_GGUF, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", **ROUTER},
+            GGUF_TOP,
+            read_extra=moe_reader(normalized=True, expert_width=True, shared=False),
+            write_extra=moe_writer("qwen3moe", normalized=True, expert_width=True, shared=False),
+            experts=hf.NAMES,
+        ),
         features=("per-head q/k RMSNorm", *MOE_FEATURES),
         tensor_parallel=False,
         pipeline_parallel=False,
@@ -64,6 +78,14 @@ QWEN2_MOE = register_family(
         tp_plan=TPBlockPlan(),
         lora_linears=ATTENTION,
         validate=_needs_shared_expert,
+        gguf=GGUFNames(
+            "qwen2moe",
+            {**ATTENTION_GGUF, **ROUTER, **SHARED},
+            GGUF_TOP,
+            read_extra=moe_reader(normalized=False, expert_width=True, shared=True),
+            write_extra=moe_writer("qwen2moe", normalized=False, expert_width=True, shared=True),
+            experts=hf.NAMES,
+        ),
         features=("q/k/v biases", "sigmoid-gated shared expert", *MOE_FEATURES),
         tensor_parallel=False,
         pipeline_parallel=False,
