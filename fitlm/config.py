@@ -230,6 +230,8 @@ class ParallelConfig(_Section):
     """Ranks each sequence is split over (long context): every rank holds 2 of 2 × context_parallel load-balanced chunks of each sequence (chunks r and 2C−1−r, so causal attention costs every rank the same) and attention all-gathers keys and values over the group, so document masks, sliding windows and global RoPE positions stay exact. data.seq_length must be a multiple of 2 × context_parallel. Composes with data parallel, ZeRO 0–3 (sharded over data_parallel × context_parallel) and tensor parallel, not with pipeline parallel; the global batch is still micro_batch_size × data_parallel × accumulation sequences."""
     gradient_sync: Literal["auto", "every_micro_batch", "last_micro_batch"] = "auto"
     """With gradient accumulation, when data-parallel gradients are reduced: `last_micro_batch` once per step (least traffic, but ZeRO-2/3 then hold whole unsharded gradients until the last micro batch); `every_micro_batch` (ZeRO-2/3 keep only their gradient shard, for accumulation × the reduce-scatter traffic); `auto` = every micro batch under ZeRO-2/3, the last otherwise. Under pipeline parallel gradients are reduced once per step whatever this says (the step's micro batches share one schedule run)."""
+    expert_parallel: int = 1
+    """Ranks each MoE layer's experts are split over (E / expert_parallel experts a rank), taken from the data-parallel ranks (it divides data_parallel and model.num_experts): each rank routes its own tokens and an all-to-all sends them to the ranks holding their experts and back. Attention, norms and embeddings stay data parallel; expert gradients are summed over the replicas of the same experts and scaled as every other gradient. Composes with ZeRO 0, 2 and 3 (experts stay whole per expert rank), recompute, precision levels and accumulation; fitlm/rules.py lists what it does not compose with."""
     timeout_s: int = 1800
     """Seconds a collective or barrier waits for the other ranks (gloo and nccl); past it the run stops with an error naming the rank that stopped responding and its phase. Raise it when one rank legitimately works alone that long (a large final save, a slow filesystem)."""
 
@@ -242,6 +244,7 @@ class ParallelConfig(_Section):
             pp=self.pipeline_parallel,
             zero_stage=self.zero_stage,
             cp=self.context_parallel,
+            ep=self.expert_parallel,
         )
 
     @property
@@ -593,6 +596,7 @@ def semantic_errors(cfg: Config) -> list[str]:
         "parallel.tensor_parallel": p.tensor_parallel,
         "parallel.pipeline_parallel": p.pipeline_parallel,
         "parallel.context_parallel": p.context_parallel,
+        "parallel.expert_parallel": p.expert_parallel,
         "parallel.micro_batch_num": p.micro_batch_num,
         "checkpoint.keep_last": cfg.checkpoint.keep_last,
     }
@@ -635,6 +639,7 @@ def semantic_errors(cfg: Config) -> list[str]:
         )
     errs += rope_scaling_errors(m)
     errs += moe_errors(m)
+    errs += expert_parallel_errors(m, p)
     if m.arch not in registry.model_names():
         errs.append(f"model.arch: unknown family {m.arch!r}; registered: {', '.join(registry.model_names())}")
     elif m.num_heads >= 1 and m.num_layers >= 1:
@@ -701,6 +706,30 @@ def objective_errors(cfg: Config) -> list[str]:
         errs.append(f"finetune.dpo.beta: must be positive (got {f.dpo.beta}); 0.1 is the usual value")
     if f.simpo.beta <= 0:
         errs.append(f"finetune.simpo.beta: must be positive (got {f.simpo.beta}); 2.0 is the SimPO paper's value")
+    return errs
+
+
+def expert_parallel_errors(m: ModelConfig, p: ParallelConfig) -> list[str]:
+    """parallel.expert_parallel against the model's experts and the data-parallel ranks it is carved out of."""
+    ep = p.expert_parallel
+    if ep <= 1:
+        return []
+    if not m.num_experts:
+        return [
+            f"parallel.expert_parallel: {ep} splits the experts of an MoE model, but model.arch={m.arch!r} has none "
+            "(model.num_experts is null); set expert_parallel: 1"
+        ]
+    errs = []
+    if p.data_parallel % ep:
+        errs.append(
+            f"parallel.expert_parallel: {ep} ranks are taken from the data-parallel ranks, so it must divide "
+            f"parallel.data_parallel={p.data_parallel}; use one of {divisors(p.data_parallel)}"
+        )
+    if m.num_experts % ep:
+        errs.append(
+            f"parallel.expert_parallel: {ep} ranks cannot split model.num_experts={m.num_experts} experts "
+            f"evenly; use one of {divisors(m.num_experts)}"
+        )
     return errs
 
 

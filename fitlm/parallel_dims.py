@@ -17,6 +17,10 @@ MESH_DIMS = ("pp", "dp", "cp", "tp")
 DP_CP = "dp_cp"
 # The name reductions use for every rank of the job, beside the mesh dimensions.
 WORLD = "world"
+# Under expert parallel the data-parallel ranks are carved in two: "ep", the ranks one MoE layer's experts are
+# split over (adjacent, like tensor parallel: an all-to-all per MoE layer), and "edp", the replicas of one expert
+# shard; "dp" is then the flattened edp x ep dimension.
+EXPERT_DIMS = ("edp", "ep")
 
 
 # What each ZeRO stage keeps per data-parallel rank at rest, in the one place the planner reads it from
@@ -48,9 +52,10 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def layout_name(dp: int, tp: int, pp: int, cp: int = 1) -> str:
-    """The one spelling of a layout in reports, logs and checkpoints: dp2×tp2×pp1 (×cp2 when context parallel)."""
-    return f"dp{dp}×tp{tp}×pp{pp}" + (f"×cp{cp}" if cp > 1 else "")
+def layout_name(dp: int, tp: int, pp: int, cp: int = 1, ep: int = 1) -> str:
+    """The one spelling of a layout in reports, logs and checkpoints: dp2×tp2×pp1 (×cp2 when context parallel,
+    ×ep2 when expert parallel, whose ranks are carved out of dp)."""
+    return f"dp{dp}×tp{tp}×pp{pp}" + (f"×cp{cp}" if cp > 1 else "") + (f"×ep{ep}" if ep > 1 else "")
 
 
 @dataclass(frozen=True)
@@ -60,19 +65,34 @@ class ParallelDims:
     pp: int = 1
     zero_stage: int = 0
     cp: int = 1
+    ep: int = 1  # expert parallel: ranks taken from dp (ep divides dp), so not a factor of the world size
 
     @property
     def world_size(self) -> int:
         return self.dp * self.cp * self.tp * self.pp
 
     @property
-    def mesh_shape(self) -> tuple[int, int, int, int]:
-        """Sizes in MESH_DIMS order."""
+    def mesh_shape(self) -> tuple[int, ...]:
+        """Sizes in `mesh_names` order."""
+        if self.ep > 1:
+            return (self.pp, self.edp, self.ep, self.cp, self.tp)
         return (self.pp, self.dp, self.cp, self.tp)
 
     @property
+    def mesh_names(self) -> tuple[str, ...]:
+        """The dimensions the mesh is built with: MESH_DIMS, with "dp" built as edp x ep under expert parallel
+        (then flattened back into "dp", so every other feature finds the data-parallel group it knows)."""
+        return ("pp", *EXPERT_DIMS, "cp", "tp") if self.ep > 1 else MESH_DIMS
+
+    @property
+    def edp(self) -> int:
+        """Ranks that hold the same expert shard (the data-parallel replicas of one expert-parallel group):
+        expert gradients are summed over these, and divided by dp like every other gradient."""
+        return self.dp // self.ep
+
+    @property
     def name(self) -> str:
-        return layout_name(self.dp, self.tp, self.pp, self.cp)
+        return layout_name(self.dp, self.tp, self.pp, self.cp, self.ep)
 
     @property
     def dp_cp(self) -> int:
@@ -109,8 +129,9 @@ class ParallelDims:
 
     @property
     def ddp(self) -> bool:
-        """Gradients are averaged by torch's DistributedDataParallel (replicas without tensor parallel)."""
-        return self.replicated and self.tp == 1
+        """Gradients are averaged by torch's DistributedDataParallel (replicas without tensor or expert
+        parallel: DDP takes no DTensor parameters)."""
+        return self.replicated and self.tp == 1 and self.ep == 1
 
     def shard_factor(self, component: str) -> int:
         """How many ways `component` (params, grads or optimizer) is split over data-parallel ranks at rest."""

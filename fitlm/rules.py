@@ -46,6 +46,16 @@ def _rollback_without_checkpoints(kind: str) -> Rule:
     )
 
 
+def _expert_parallel_refuses(key: str, what: str, broken: Callable[[Values], bool], why: str) -> Rule:
+    return Rule(
+        key,
+        "refused",
+        f"{what} with expert parallel (`parallel.expert_parallel` > 1)",
+        lambda v: v["parallel.expert_parallel"] > 1 and broken(v),
+        lambda v: f"{key}: {what} with parallel.expert_parallel={v['parallel.expert_parallel']}: {why}",
+    )
+
+
 def tensorboard_installed() -> bool:
     return importlib.util.find_spec("tensorboard") is not None
 
@@ -210,6 +220,46 @@ ROWS: tuple[Rule, ...] = (
             "finetune.method: qlora keeps the frozen base in 4-bit NF4, but memory.mixed_precision: O3 stores "
             "every weight in half, the adapters included; use O2 (half compute, fp32 adapters) or O1"
         ),
+    ),
+    _expert_parallel_refuses(
+        "parallel.zero_stage",
+        "ZeRO-1",
+        lambda v: v["parallel.zero_stage"] == 1,
+        "torch's ZeroRedundancyOptimizer shards whole parameters over every data-parallel rank, but expert "
+        "parameters differ between expert ranks; use zero_stage 0, 2 or 3",
+    ),
+    _expert_parallel_refuses(
+        "parallel.context_parallel",
+        "context parallel",
+        lambda v: v["parallel.context_parallel"] > 1,
+        "expert ranks are carved out of data_parallel only, not yet out of context-parallel ranks; set "
+        "context_parallel: 1 (or expert_parallel: 1)",
+    ),
+    _expert_parallel_refuses(
+        "memory.cpu_offload",
+        "CPU offload",
+        lambda v: v["memory.cpu_offload"],
+        "offloaded optimizer states are not kept for the expert shards; set memory.cpu_offload: false",
+    ),
+    _expert_parallel_refuses(
+        "memory.compile",
+        "torch.compile",
+        lambda v: v["memory.compile"],
+        "the all-to-all's token counts are data-dependent and untested under compile; set memory.compile: false",
+    ),
+    _expert_parallel_refuses(
+        "finetune.method",
+        "QLoRA",
+        lambda v: v["finetune.method"] == "qlora",
+        "the 4-bit NF4 experts are not split between expert ranks; use finetune.method: lora, or "
+        "data_parallel with zero_stage 3",
+    ),
+    _expert_parallel_refuses(
+        "finetune.objective",
+        "DPO or SimPO",
+        lambda v: v["finetune.objective"] in ("dpo", "simpo"),
+        "the frozen reference model is not built with split experts; train preference pairs with "
+        "data_parallel and zero_stage 0-3",
     ),
     _rollback_without_checkpoints("nonfinite"),
     _rollback_without_checkpoints("spike"),

@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
+from torch.distributed.tensor import DTensor
 
 from fitlm.models.layers import GatedMLP
 
@@ -39,16 +40,29 @@ class GroupedExperts(nn.Module):
             nn.init.normal_(w, 0.0, self.init_std)
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x [M, H], rows grouped by expert in order (counts[e] rows for expert e) -> [M, H].
+        """x [M, H], rows grouped by expert in order (counts[e] rows for expert e of this rank's experts) -> [M, H].
 
         One matmul pair per expert that has rows (the CPU path: torch has no grouped matmul there); experts
-        with no row are skipped and get a zero gradient slice."""
+        with no row are skipped and get a zero gradient slice. Under expert parallel the weights are DTensors
+        sharded on the expert dimension and this rank computes its own E/ep experts (fitlm.parallel.expert_parallel)."""
+        gate, up, down = (_local(w) for w in (self.gate_proj, self.up_proj, self.down_proj))
         outs = []
         for e, rows in enumerate(torch.split(x, counts)):
             if rows.shape[0]:
-                h = F.silu(F.linear(rows, self.gate_proj[e])) * F.linear(rows, self.up_proj[e])  # [m, I]
-                outs.append(F.linear(h, self.down_proj[e]))  # [m, H]
-        return torch.cat(outs) if outs else x.new_zeros(0, x.shape[-1])
+                h = F.silu(F.linear(rows, gate[e])) * F.linear(rows, up[e])  # [m, I]
+                outs.append(F.linear(h, down[e]))  # [m, H]
+        if not outs:
+            # No row at all (an expert rank whose experts got no token): a zero-row pass through expert 0 keeps
+            # the graph through this call and gives the weights a (zero) gradient, so the backward's all-to-alls
+            # and the gradient reductions still run on this rank as on the others.
+            rows = x[:0]
+            outs.append(F.linear(F.silu(F.linear(rows, gate[0])) * F.linear(rows, up[0]), down[0]))
+        return torch.cat(outs)
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    """This rank's experts of a stacked weight (all of them unless expert parallel split it)."""
+    return w.to_local() if isinstance(w, DTensor) else w
 
 
 def dispatch(x: torch.Tensor, weights: torch.Tensor, experts_of: torch.Tensor, experts: GroupedExperts):
@@ -95,6 +109,9 @@ class MoEFeedForward(nn.Module):
         if shared_width:
             self.shared_expert = GatedMLP(cfg, width=shared_width)
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        # How routed tokens reach their experts: `dispatch` here, an all-to-all under expert parallel
+        # (fitlm.parallel.expert_parallel sets it); same arguments and results.
+        self.dispatcher = dispatch
         # Of the last training forward (popped by fitlm.step.router_balance): fp32 [N, E] and [E].
         self.router_logits: torch.Tensor | None = None
         self.expert_counts: torch.Tensor | None = None
@@ -111,7 +128,7 @@ class MoEFeedForward(nn.Module):
         """x [B, T, H] -> [B, T, H]."""
         flat = x.reshape(-1, x.shape[-1])  # [N, H]
         logits, weights, experts_of = self.route(flat)
-        y, counts = dispatch(flat, weights.to(x.dtype), experts_of, self.experts)
+        y, counts = self.dispatcher(flat, weights.to(x.dtype), experts_of, self.experts)
         if self.training and torch.is_grad_enabled():
             self.router_logits, self.expert_counts = logits, counts
         if hasattr(self, "shared_expert"):

@@ -1,6 +1,6 @@
 """Turn one plain model into what this rank runs, in the documented order:
 
-    pipeline split -> tensor parallel -> context parallel -> precision -> activation recompute
+    pipeline split -> tensor parallel -> expert parallel -> context parallel -> precision -> activation recompute
         -> activation offload -> compile
         -> chunked loss -> data parallel / ZeRO (FSDP2 or DDP, with the precision and offload policies)
 
@@ -29,7 +29,7 @@ from fitlm.memory.compile import apply_compile
 from fitlm.memory.precision import apply_precision
 from fitlm.memory.recompute import apply_recompute
 from fitlm.parallel.data_parallel import apply_data_parallel, set_gradient_sync, sync_gradients, unwrap
-from fitlm.parallel.grad_norm import clip_by_norm, squared_norm
+from fitlm.parallel.grad_norm import clip_by_norm, clip_each, squared_norm
 from fitlm.parallel.mesh import ParallelContext
 
 
@@ -67,6 +67,12 @@ class ParallelModel:
         params = [p for m in self.modules for p in m.parameters() if p.grad is not None]
         if self.pipeline is not None:
             return self.pipeline.clip_grad_norm(params, max_norm)
+        if self.ctx.ep > 1:
+            # Expert-parallel experts (DTensors on "ep") beside plain or FSDP2 gradients: one norm over all, and
+            # each gradient scaled on its own (torch's clip cannot mix them in one foreach call).
+            norm = squared_norm([cast(torch.Tensor, p.grad) for p in params]).sqrt()
+            clip_each(params, max_norm, norm)
+            return norm
         if any(isinstance(p.grad, DTensor) for p in params):
             norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf)
             return norm.full_tensor() if isinstance(norm, DTensor) else norm
@@ -136,6 +142,10 @@ def parallelize(
             tp_mesh = cast(DeviceMesh, ctx.submesh("tp"))  # (tensor_parallel > 1: the mesh has a tp dim)
             stage = apply_tensor_parallel(stage, tp_mesh, sequence_parallel=p.sequence_parallel)
             loss_context = lambda stage=stage: tp_loss_context(stage)  # noqa: E731
+        if p.expert_parallel > 1:
+            from fitlm.parallel.expert_parallel import apply_expert_parallel
+
+            apply_expert_parallel(stage, cast(DeviceMesh, ctx.submesh("ep")))  # (expert_parallel > 1: an ep dim)
         if context_parallel is not None:
             from fitlm.parallel.context_parallel import apply_context_parallel
 

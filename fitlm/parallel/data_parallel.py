@@ -22,6 +22,7 @@ from fitlm.memory.offload import fsdp_offload_policy
 from fitlm.memory.precision import fsdp_mixed_precision
 from fitlm.memory.recompute import transformer_blocks
 from fitlm.parallel.collective_trace import collective
+from fitlm.parallel.expert_parallel import expert_parameters, sync_expert_gradients
 from fitlm.parallel.mesh import ParallelContext
 from fitlm.parallel.streamed_vocab import apply_streamed_tables, streamed_tables
 
@@ -58,7 +59,10 @@ def apply_data_parallel(model: nn.Module, ctx: ParallelContext, memory: MemoryCo
             [] if ctx.tp > 1 or ctx.pp > 1 or memory.cpu_offload else streamed_tables(model, memory.loss_chunk_size)
         )
         assert dp_mesh is not None  # (dp_cp > 1: a distributed run's mesh)
-        ignored = apply_streamed_tables(tables, dp_mesh) or None
+        # Expert-parallel experts (DTensors on "ep") stay out of FSDP2: each is summed over its own replicas
+        # (fitlm.parallel.expert_parallel.sync_expert_gradients).
+        experts = set(expert_parameters([model]))
+        ignored = (apply_streamed_tables(tables, dp_mesh) or set()) | experts or None
         host = dist.get_backend(dp_mesh.get_group()) == "gloo"
         for block in transformer_blocks(model):
             if host and not memory.compile:
@@ -68,7 +72,7 @@ def apply_data_parallel(model: nn.Module, ctx: ParallelContext, memory: MemoryCo
                 # (0.7B LoRA ZeRO-3 at fp32: the step's peak 2.32 -> 2.02 GiB per rank).
                 for linear in _block_linears(block):
                     fully_shard(linear, **policies)
-            fully_shard(block, **policies)
+            fully_shard(block, **policies, ignored_params=experts & set(block.parameters()) or None)
         for unit in _own_units(model, memory, streamed=tables):
             fully_shard(unit, **policies)
             if isinstance(unit, nn.Embedding) and not unit.weight.requires_grad:
@@ -81,7 +85,7 @@ def apply_data_parallel(model: nn.Module, ctx: ParallelContext, memory: MemoryCo
                 if isinstance(unit, FSDPModule):
                     unit.set_custom_all_gather(InPlaceAllGather())
         return model
-    if ctx.tp == 1 and ctx.pp == 1:
+    if ctx.dims.ddp:
         # Gradients as views into DDP's communication buckets: no second, flat copy of every gradient
         # (4 bytes per fp32 parameter at the optimizer step's peak).
         return DistributedDataParallel(model, process_group=ctx.group(ctx.dims.token_dim), gradient_as_bucket_view=True)
@@ -152,14 +156,17 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def sync_gradients(modules: list[nn.Module], ctx: ParallelContext) -> None:
-    """Average gradients over "dp" (or "dp_cp") for modules that no engine syncs (tensor/pipeline parallel with
-    ZeRO 0)."""
+    """Average gradients over "dp" (or "dp_cp") for modules that no engine syncs (tensor/pipeline/expert parallel
+    with ZeRO 0); expert-parallel experts are summed over their own replicas (whatever the ZeRO stage)."""
+    if ctx.ep > 1:
+        sync_expert_gradients(modules, ctx)
     group = ctx.group(ctx.dims.token_dim)
+    experts = set(expert_parameters(modules))
     for module in modules:
         if not getattr(module, _MANUAL_SYNC, False):
             continue
         for name, p in module.named_parameters():
-            if p.grad is None:
+            if p.grad is None or p in experts:
                 continue
             # A DTensor gradient (tensor parallel) is averaged shard by shard: dp replicas hold equal shards.
             local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad

@@ -64,3 +64,18 @@ def clip_by_norm(params: Sequence[torch.Tensor], max_norm: float, norm: torch.Te
     if norm.device.type == "cpu" and float(factor) >= 1.0:
         return
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+
+
+def clip_each(params: Sequence[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
+    """`clip_by_norm`'s factor (torch's, min(1, max_norm / (norm + 1e-6)) in fp32) applied gradient by gradient,
+    each on its local storage: for gradients of several kinds (plain tensors and DTensors of different meshes)
+    that torch's foreach clip cannot take in one list."""
+    if not params or not 0 < max_norm < math.inf:
+        return
+    factor = torch.clamp(max_norm / (norm.float() + CLIP_EPS), max=1.0)
+    if float(factor) >= 1.0:
+        return
+    for p in params:
+        g = p.grad
+        if g is not None:
+            (g.to_local() if isinstance(g, DTensor) else g).mul_(float(factor))

@@ -66,8 +66,13 @@ def implementation(params: list[torch.Tensor]) -> dict[str, bool]:
     else foreach (batched, with one state-sized temporary: the planner counts it, fitlm.plan.analytic).
 
     Fused AdamW exists for CPU and CUDA floating tensors; sharded DTensors (FSDP2, tensor parallel) keep
-    foreach, the path torch's FSDP2 and TP are tested with."""
-    return {"fused": True} if uses_fused(params) else {"foreach": True}
+    foreach, the path torch's FSDP2 and TP are tested with. Parameters of several kinds (expert parallel's
+    experts, DTensors on the "ep" mesh, beside plain or FSDP2-sharded ones) take the per-tensor loop: a foreach
+    kernel cannot mix plain tensors and DTensors of different meshes."""
+    if uses_fused(params):
+        return {"fused": True}
+    kinds = {p.device_mesh if isinstance(p, DTensor) else None for p in params}
+    return {"foreach": len(kinds) == 1}
 
 
 def uses_fused(params: list[torch.Tensor]) -> bool:

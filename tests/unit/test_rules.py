@@ -24,6 +24,8 @@ MODEL = {
     "vocab_size": 512,
     "max_seq_len": 64,
 }
+MOE = {**MODEL, "arch": "qwen3_moe", "num_experts": 4, "moe_intermediate_size": 32}
+EP = {"data_parallel": 2, "expert_parallel": 2}
 # One config per row that breaks that row (and, as far as possible, no other).
 BREAKS = [
     {"parallel": {"data_parallel": 1, "tensor_parallel": 2, "zero_stage": 1}},
@@ -39,6 +41,12 @@ BREAKS = [
     {"parallel": {"context_parallel": 2}, "memory": {"attention_backward": "matmul"}},
     {"parallel": {"tensor_parallel": 2}, "finetune": {"method": "qlora"}},
     {"memory": {"mixed_precision": "O3"}, "finetune": {"method": "qlora"}},
+    {"model": MOE, "parallel": {**EP, "zero_stage": 1}},
+    {"model": MOE, "parallel": {**EP, "context_parallel": 2}},
+    {"model": MOE, "parallel": EP, "memory": {"cpu_offload": True}},
+    {"model": MOE, "parallel": EP, "memory": {"compile": True}},
+    {"model": MOE, "parallel": EP, "finetune": {"method": "qlora"}},
+    {"model": MOE, "parallel": EP, "finetune": {"objective": "dpo"}, "data": {"format": "preference"}},
     {"train": {"observe": {"guards": {"nonfinite": "rollback"}}}, "checkpoint": {"interval": 0}},
     {"train": {"observe": {"guards": {"spike": "rollback"}}}, "checkpoint": {"interval": 0}},
     {"train": {"early_stopping_patience": 2, "eval_interval": 0}},
@@ -109,3 +117,18 @@ def test_search_never_proposes_a_refused_combination():
         assert not (s.offload and (s.tp > 1 or s.pp > 1)), s
         assert not (s.zero == 1 and (s.tp > 1 or s.pp > 1)) and not (s.zero and s.dp * s.cp == 1), s
     assert any(c.setup.tp > 1 for c in found) and any(c.setup.loss_chunk for c in found)  # both still searched
+
+
+@pytest.mark.parametrize(
+    "model,parallel,fix",
+    [
+        (MODEL, EP, "has none (model.num_experts is null)"),
+        (MOE, {"data_parallel": 3, "expert_parallel": 2}, "must divide parallel.data_parallel=3"),
+        ({**MOE, "num_experts": 6}, {"data_parallel": 4, "expert_parallel": 4}, "cannot split model.num_experts=6"),
+    ],
+)
+def test_expert_parallel_degree_is_checked_against_the_model_and_data_parallel(model, parallel, fix):
+    with pytest.raises(ConfigError) as err:
+        validate_dict(config({"model": model, "parallel": parallel}))
+    assert "parallel.expert_parallel:" in str(err.value) and fix in str(err.value)
+    validate_dict(config({"model": MOE, "parallel": EP}))  # a valid degree loads

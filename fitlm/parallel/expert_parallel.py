@@ -1,0 +1,135 @@
+"""Expert parallel: each MoE layer's E experts split E/ep per rank over the mesh's "ep" ranks, tokens moved to
+their experts and back by all-to-all with uneven splits.
+
+The ep ranks are carved out of data parallel (fitlm.parallel_dims.EXPERT_DIMS: dp = edp x ep), so every rank still
+reads its own micro batches, runs attention and the router on its own tokens, and holds whole copies of the dense
+parameters. Only the stacked expert weights ([E, I, H] / [E, H, I]) become DTensors sharded on dim 0 over "ep":
+checkpoints (torch.distributed.checkpoint) and the full state dict see the global tensors, so a run resumes on
+another expert-parallel degree as it does on another layout.
+
+One MoE layer's forward on a rank (N local tokens, k slots each; El = E/ep local experts):
+  1. route locally, sort the N·k slots by expert: they are then grouped by destination rank too;
+  2. all-to-all the [ep, El] slot counts, then the [N·k, H] rows (uneven splits), received ordered
+     (source rank, local expert); regroup them by local expert and run this rank's experts;
+  3. undo the regrouping, all-to-all the rows back, weight them and add them to their tokens.
+The backward of an all-to-all is the all-to-all with the splits swapped (`_AllToAll`).
+
+Gradients: each rank's loss is scaled so that averaging over the dp ranks gives the global mean's gradient
+(fitlm.parallel.data_parallel). An expert's gradient already holds every ep rank's tokens (the all-to-all's
+backward brings them), so it is summed over the ranks holding the same experts ("edp") and divided by dp, the
+same divisor as every other gradient. Dividing by edp instead (an average over the expert's replicas) would scale
+expert gradients by ep: pytorch#160285.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from fitlm.models.moe import GroupedExperts, moe_layers
+from fitlm.parallel.collective_trace import collective
+from fitlm.parallel.mesh import ParallelContext
+
+# Set on the GroupedExperts modules this module split (not on their parameters: materializing a meta model
+# replaces every Parameter object, `to_empty`, and would drop the mark).
+_EXPERT = "_fitlm_expert_parallel"
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows of x [sum(send), H] sent to the group's ranks (send[r] rows to rank r), received as [sum(recv), H]."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup):
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        return _all_to_all(x, send, recv, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        return _all_to_all(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+
+
+def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    out = x.new_empty(sum(recv), *x.shape[1:])
+    with collective("all-to-all", "the tokens of an MoE layer", "ep", out):
+        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+    return out
+
+
+class ExpertParallelDispatch:
+    """fitlm.models.moe.dispatch over the ep group: same arguments and results, experts on their ranks."""
+
+    def __init__(self, group: dist.ProcessGroup, ep: int):
+        self.group, self.ep = group, ep
+
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, experts_of: torch.Tensor, experts: GroupedExperts):
+        n, k = experts_of.shape
+        e = experts.gate_proj.shape[0]  # the global expert count (a DTensor's shape is global)
+        flat = experts_of.reshape(-1)  # [N·k]
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=e)  # [E] slots of this rank's tokens per (global) expert
+        token = order // k
+        send_counts = counts.view(self.ep, e // self.ep)  # [ep, El]: to rank r, for its local experts
+        recv_counts = torch.empty_like(send_counts)  # [ep, El]: from rank s, for this rank's local experts
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        send, recv = send_counts.sum(dim=1).tolist(), recv_counts.sum(dim=1).tolist()
+        rows = _AllToAll.apply(x[token], send, recv, self.group)  # [R, H] ordered (source rank, local expert)
+        regroup = by_local_expert(recv_counts)  # [R]: the rows ordered (local expert, source rank)
+        out = experts(rows[regroup], recv_counts.sum(dim=0).tolist())  # [R, H]
+        out = out[regroup.argsort()]  # back to (source rank, local expert)
+        out = _AllToAll.apply(out, recv, send, self.group)  # [N·k, H] in the sorted slot order
+        out = out * weights.reshape(-1)[order].unsqueeze(-1)
+        return torch.zeros_like(x).index_add_(0, token, out.to(x.dtype)), counts
+
+
+def by_local_expert(counts: torch.Tensor) -> torch.Tensor:
+    """Rows received in (source rank, local expert) blocks of sizes counts [ep, El] -> the permutation that orders
+    them by (local expert, source rank), so each local expert's rows are contiguous."""
+    sizes = counts.reshape(-1)
+    starts = torch.cumsum(sizes, 0) - sizes  # [ep·El] where each (s, j) block begins
+    lengths = counts.t().reshape(-1)  # [El·ep] the blocks in (j, s) order
+    first = starts.view(counts.shape).t().reshape(-1)
+    within = torch.arange(int(lengths.sum()), device=counts.device) - torch.repeat_interleave(
+        torch.cumsum(lengths, 0) - lengths, lengths
+    )
+    return torch.repeat_interleave(first, lengths) + within
+
+
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:
+    """Split every MoE layer's stacked experts of `model` over the 1-D `ep_mesh` (Shard(0)) and route its tokens
+    through `ExpertParallelDispatch`. Every rank holds the same full weights beforehand (or meta ones, filled by
+    fitlm.parallel.materialize with each rank's slice)."""
+    for layer in moe_layers([model]):
+        experts = layer.experts
+        for name, p in list(experts.named_parameters(recurse=False)):
+            sharded = nn.Parameter(
+                distribute_tensor(p.data, ep_mesh, [Shard(0)], src_data_rank=None), requires_grad=p.requires_grad
+            )
+            setattr(experts, name, sharded)
+        setattr(experts, _EXPERT, True)
+        layer.dispatcher = ExpertParallelDispatch(ep_mesh.get_group(), ep_mesh.size())
+    return model
+
+
+def expert_parameters(modules: list[nn.Module]) -> list[nn.Parameter]:
+    """The expert-parallel parameters of `modules` (what data parallel leaves to `sync_expert_gradients`)."""
+    return [
+        p for m in modules for sub in m.modules() if getattr(sub, _EXPERT, False) for p in sub.parameters(recurse=False)
+    ]
+
+
+def sync_expert_gradients(modules: list[nn.Module], ctx: ParallelContext) -> None:
+    """Sum expert gradients over the replicas of the same experts ("edp") and divide by dp (module docstring)."""
+    group = ctx.group("edp") if ctx.dims.edp > 1 else None
+    for p in expert_parameters(modules):
+        if p.grad is None:
+            continue
+        local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        if group is not None:
+            with collective("all-reduce", "an expert gradient", "edp", local):
+                dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
+        local.div_(ctx.dims.dp)

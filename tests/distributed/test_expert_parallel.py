@@ -1,0 +1,150 @@
+"""Expert parallel trains an MoE model as one process does: `fitlm train` under torchrun (gloo), same data, seed and
+global batch of 8 sequences; losses, gradient norms, eval loss and final weights equal (ep2, ep2 + ZeRO-3, ep2 with
+recompute, ep2 on a tied model, dp4 with ep2 where two ranks hold each expert shard, and ep4, one expert a rank).
+Then the all-to-all dispatcher at its edges, against the one-rank dispatch on the same tokens, and a checkpoint
+written under ep2 resumed by one process.
+
+The load-balancing loss is off in the equivalence runs for the reason tests/distributed/test_family_layouts.py
+gives (transformers' aux loss is a mean per micro batch, which a data split changes); the dispatcher tests cover
+the routing with any split.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.distributed.spawn import run_world
+from tests.distributed.test_family_layouts import FAMILIES
+from tests.distributed.test_layouts import assert_same_training, run_shared, selected
+
+MOE = FAMILIES["qwen3_moe"]  # 4 experts of 2 per token, a dense block among the sparse ones, aux loss off
+HALF = {"micro_batch_size": 2, "gradient_accumulation_steps": 2}  # two data-parallel ranks
+QUARTER = {"micro_batch_size": 1, "gradient_accumulation_steps": 2}  # four
+REFERENCE = {"micro_batch_size": 4, "gradient_accumulation_steps": 2}
+LAYOUTS = {  # name: (parallel, train, memory, model overrides)
+    "ep2": ({"data_parallel": 2, "expert_parallel": 2}, HALF, {}, {}),
+    "ep2-zero3": ({"data_parallel": 2, "zero_stage": 3, "expert_parallel": 2}, HALF, {}, {}),
+    "ep2-recompute": ({"data_parallel": 2, "expert_parallel": 2}, HALF, {"recompute": "full"}, {}),
+    "ep2-tied": ({"data_parallel": 2, "expert_parallel": 2}, HALF, {}, {"tie_embeddings": True}),
+    "dp4-ep2-zero2": ({"data_parallel": 4, "zero_stage": 2, "expert_parallel": 2}, QUARTER, {}, {}),
+    "dp4-ep4": ({"data_parallel": 4, "expert_parallel": 4}, QUARTER, {}, {}),
+}
+FAST = ("ep2", "ep2-zero3")
+
+
+@pytest.fixture(scope="module")
+def ep_runs(request, tiny_corpus, tmp_path_factory) -> dict[str, dict]:
+    cases = {}
+    for params in selected(request, "test_expert_parallel_equals_single_process"):
+        parallel, train, memory, model = LAYOUTS[params["layout"]]
+        tied = "-tied" if model.get("tie_embeddings") else ""
+        cases[f"single{tied}"] = {"parallel": {}, "train": REFERENCE, "model": {**MOE, **model}}
+        cases[params["layout"]] = {"parallel": parallel, "train": train, "memory": memory, "model": {**MOE, **model}}
+    return run_shared(tiny_corpus, tmp_path_factory.mktemp("ep"), cases) if cases else {}
+
+
+@pytest.mark.parametrize("layout", [pytest.param(n, marks=() if n in FAST else pytest.mark.slow) for n in LAYOUTS])
+def test_expert_parallel_equals_single_process(ep_runs, layout):
+    reference = ep_runs["single-tied" if layout.endswith("-tied") else "single"]
+    assert reference["losses"][-1] < reference["losses"][0]  # it trained
+    assert_same_training(ep_runs[layout], reference)
+
+
+# -- the dispatcher at its edges: 2 ranks, 4 experts (2 a rank), 2 slots a token ------------------------------
+EDGES = {
+    # tokens per rank, and where the router sends them: "random", or every slot of every token to experts [a, b]
+    "random": ((7, 5), "random"),
+    "one-expert-gets-all": ((6, 6), (0, 1)),  # experts 2 and 3 (all of rank 1's) get no token
+    "remote-experts-only": ((4, 3), (2, 3)),  # every token leaves its rank, rank 0's experts idle
+    "fewer-tokens-than-ranks": ((1, 0), "random"),  # rank 1 has no token at all
+}
+
+
+def _edge_worker(rank: int, world: int, port: int, cases, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from fitlm.models.moe import GroupedExperts, dispatch
+    from fitlm.parallel.expert_parallel import ExpertParallelDispatch
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    results = {}
+    for name, (sizes, route) in cases.items():
+        torch.manual_seed(0)
+        full = GroupedExperts(4, 8, 6, init_std=0.5)
+        xs = [torch.randn(n, 8) for n in sizes]  # every rank draws every rank's tokens: the reference needs them all
+        if route == "random":
+            tops = [torch.stack([torch.randperm(4)[:2] for _ in range(n)]) if n else torch.zeros(0, 2) for n in sizes]
+        else:
+            tops = [torch.tensor([list(route)] * n) for n in sizes]
+        tops = [t.long().reshape(-1, 2) for t in tops]
+        ws = [torch.rand(n, 2) for n in sizes]
+        # reference: one rank, all tokens, the full experts
+        x_all = torch.cat(xs).requires_grad_()
+        ref, ref_counts = dispatch(x_all, torch.cat(ws), torch.cat(tops), full)
+        ref.square().sum().backward()
+        local = GroupedExperts(4, 8, 6, init_std=0.5)  # the same experts, this rank's two of them
+        for pname, p in full.named_parameters():
+            w = distribute_tensor(p.detach().clone(), mesh, [Shard(0)], src_data_rank=None)
+            setattr(local, pname, torch.nn.Parameter(w))
+        x = xs[rank].clone().requires_grad_()
+        out, counts = ExpertParallelDispatch(mesh.get_group(), world)(x, ws[rank], tops[rank], local)
+        out.square().sum().backward()
+        start = sum(sizes[:rank])
+        mine = slice(start, start + sizes[rank])
+        grad_w = local.gate_proj.grad.full_tensor()
+        results[name] = {
+            "out": torch.allclose(out, ref[mine], atol=1e-6, rtol=1e-5),
+            "x_grad": torch.allclose(x.grad, x_all.grad[mine], atol=1e-6, rtol=1e-5),
+            # every rank's tokens reach the expert: the sum over ranks of the routed counts is one process's
+            "counts": counts.tolist(),
+            "ref_counts": ref_counts.tolist(),
+            "weight_grad": torch.allclose(grad_w, full.gate_proj.grad, atol=1e-5, rtol=1e-4),
+        }
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def test_dispatcher_edges_equal_one_rank(tmp_path):
+    ranks = run_world(_edge_worker, __name__, 2, EDGES, tmp_path, timeout=300, what="expert-parallel dispatcher")
+    for name in EDGES:
+        for rank, res in enumerate(ranks):
+            r = res[name]
+            assert r["out"] and r["x_grad"], f"{name}: rank {rank}'s outputs or input gradients differ"
+            assert r["weight_grad"], f"{name}: rank {rank}'s expert gradients differ from one rank's"
+        summed = [a + b for a, b in zip(ranks[0][name]["counts"], ranks[1][name]["counts"])]
+        assert summed == ranks[0][name]["ref_counts"], name
+
+
+def test_checkpoint_from_ep2_resumes_in_one_process(tiny_corpus, tmp_path):
+    """A checkpoint written under dp2 x ep2 (experts as DTensors split over the ep ranks) resumes in one process,
+    which then trains on as the uninterrupted one-process run does."""
+    from tests.e2e.helpers import fitlm, read_metrics, tiny_config, write_config
+
+    def train(name, parallel, batch, checkpoint):
+        cfg = tiny_config(
+            tiny_corpus,
+            tmp_path / name,
+            model={**MOE, "tie_embeddings": False},
+            parallel=parallel,
+            checkpoint=checkpoint,
+            train={"max_steps": 4, "eval_interval": 0, "eps": 1e-6, **batch},
+        )
+        proc = fitlm("train", write_config(tmp_path / f"{name}.yaml", cfg), "--json")
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return {r["step"]: r["loss"] for r in read_metrics(tmp_path / name) if "loss" in r}
+
+    ref = train("single", {}, REFERENCE, {"interval": 0})
+    ep2 = train("ep2", {"data_parallel": 2, "expert_parallel": 2}, HALF, {"interval": 2})
+    assert [ep2[s] for s in (1, 2)] == pytest.approx([ref[s] for s in (1, 2)], rel=2e-5, abs=1e-5)
+    resumed = train("resumed", {}, REFERENCE, {"resume": str(tmp_path / "ep2" / "checkpoints" / "step_00000002")})
+    assert sorted(resumed) == [3, 4]
+    assert [resumed[s] for s in (3, 4)] == pytest.approx([ref[s] for s in (3, 4)], rel=2e-5, abs=1e-5)
