@@ -26,6 +26,7 @@ COMMAND_MODULES = (
     "fitlm.export.cli",
     "fitlm.profile.cli",
     "fitlm.serve.cli",
+    "fitlm.ui.cli",
 )
 
 
@@ -152,8 +153,10 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
             emit_json(summary) if args.json else print_table("dry run: everything checks out", summary)
             return 0
         # The launcher holds the run lock for the ranks it starts (they see HELD_BY and take none).
-        with acquire_run_lock(cfg.train.output_dir, "fitlm " + " ".join(argv)):
-            return launch_local(world, argv, args.max_restarts, extra_env={HELD_BY: str(os.getpid())})
+        with acquire_run_lock(cfg.train.output_dir, "fitlm " + " ".join(argv)) as lock:
+            rc = launch_local(world, argv, args.max_restarts, extra_env={HELD_BY: str(os.getpid())})
+            lock.release({0: "finished", 143: "stopped"}.get(rc, "failed"))  # what `fitlm ui` lists
+            return rc
     # A restarted attempt continues the run it belongs to: --overwrite applied to the first attempt only.
     result = Trainer(cfg, overwrite=args.overwrite and restart_count() == 0).fit()
     if not result.is_main:

@@ -9,13 +9,13 @@ class ServeError(ValueError):
     """A server that cannot start as asked (port taken, server packages missing, ...)."""
 
 
-def require_server_packages() -> None:
+def require_server_packages(command: str = "fitlm serve", extra: str = "serve") -> None:
     """Refuse early, naming the extra to install, when FastAPI or uvicorn is missing."""
     missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
     if missing:
         raise ServeError(
-            f"fitlm serve needs {' and '.join(missing)}, which are not installed; "
-            "install them with `pip install -e '.[serve]'` (or `pip install fastapi uvicorn`)"
+            f"{command} needs {' and '.join(missing)}, which are not installed; "
+            f"install them with `pip install -e '.[{extra}]'` (or `pip install fastapi uvicorn`)"
         )
 
 

@@ -5,7 +5,8 @@ launcher of a multi-process run, else rank 0). The kernel drops an flock when it
 way, so a lock left by a crashed run is never "held": the next run takes it over and says whose it
 was. The file keeps the holder's host, pid, start time and command, for the refusal message.
 The file is never deleted while in use (deleting would let a second run lock a fresh file beside a
-live one); a clean release empties it.
+live one); a clean release replaces the holder with how the run ended (`finished`, `stopped` by SIGTERM,
+`failed` with an error), which `lock_status` reads back for `fitlm ui` without touching the lock.
 """
 
 from __future__ import annotations
@@ -28,11 +29,14 @@ class RunLock:
     def __init__(self, path: Path, fd: int):
         self.path, self._fd = path, fd
 
-    def release(self) -> None:
+    def release(self, outcome: str | None = None) -> None:
+        """Let go; `outcome` (finished, stopped, failed) is left in the file for whoever lists the runs."""
         if self._fd < 0:
             return
         try:
-            os.ftruncate(self._fd, 0)  # released cleanly: the next run has nothing to report
+            os.ftruncate(self._fd, 0)  # released cleanly: no holder pid, so the next run has nothing to report
+            if outcome:
+                os.pwrite(self._fd, (json.dumps({"outcome": outcome, "ended": _now()}) + "\n").encode("utf-8"), 0)
             fcntl.flock(self._fd, fcntl.LOCK_UN)
         finally:
             os.close(self._fd)
@@ -51,6 +55,10 @@ class RunLock:
         self.release()
 
 
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
 def lock_path(output_dir: str | Path) -> Path:
     return Path(output_dir) / LOCK_FILE
 
@@ -64,6 +72,19 @@ def _holder(fd: int) -> dict:
         return {}
 
 
+def in_use(out: Path, who: dict) -> ConfigError:
+    """The refusal of a second run into `out`, naming the live run `who` (the lock file's holder record)."""
+    return ConfigError(
+        [
+            f"train.output_dir: {out} is in use by a live run (pid {who.get('pid', '?')} on host "
+            f"{who.get('host', '?')}, started {who.get('started', '?')}: {who.get('command', '?')}). "
+            "Two runs must not write into one directory: wait for that run to finish, stop it "
+            "(SIGTERM saves a checkpoint; the same command resumes), or choose another "
+            "train.output_dir"
+        ]
+    )
+
+
 def acquire_run_lock(output_dir: str | Path, command: str | None = None) -> RunLock:
     """Lock `output_dir` for this process (creating the directory); ConfigError naming the live run if it is taken."""
     out = Path(output_dir)
@@ -75,15 +96,7 @@ def acquire_run_lock(output_dir: str | Path, command: str | None = None) -> RunL
     except BlockingIOError:
         who = _holder(fd)
         os.close(fd)
-        raise ConfigError(
-            [
-                f"train.output_dir: {out} is in use by a live run (pid {who.get('pid', '?')} on host "
-                f"{who.get('host', '?')}, started {who.get('started', '?')}: {who.get('command', '?')}). "
-                "Two runs must not write into one directory: wait for that run to finish, stop it "
-                "(SIGTERM saves a checkpoint; the same command resumes), or choose another "
-                "train.output_dir"
-            ]
-        ) from None
+        raise in_use(out, who) from None
     previous = _holder(fd)
     if previous.get("pid"):
         print(
@@ -94,13 +107,61 @@ def acquire_run_lock(output_dir: str | Path, command: str | None = None) -> RunL
     info = {
         "host": socket.gethostname(),
         "pid": os.getpid(),
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "started": _now(),
         "command": command or " ".join(["fitlm", *sys.argv[1:]]),
     }
     os.ftruncate(fd, 0)
     os.pwrite(fd, (json.dumps(info) + "\n").encode("utf-8"), 0)
     os.fsync(fd)
     return RunLock(path, fd)
+
+
+def _flock_held(path: Path) -> bool | None:
+    """Whether some process holds an flock on `path`, read from /proc/locks (None where there is none).
+
+    Read, not probed: taking the lock even for a moment could make a run starting at that instant refuse.
+    """
+    try:
+        st = path.stat()
+        table = Path("/proc/locks").read_text()
+    except OSError:
+        return None
+    dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    # e.g. "1: FLOCK  ADVISORY  WRITE 4242 08:01:1234567 0 EOF" (a "->" marks a waiter, not a holder)
+    return any(f.split()[1:2] == ["FLOCK"] and dev in f.split() for f in table.splitlines())
+
+
+def _pid_alive(info: dict) -> bool:
+    if info.get("host") != socket.gethostname():
+        return True  # another host's run: trust the file
+    try:
+        os.kill(int(info["pid"]), 0)
+    except (OSError, ValueError, TypeError):
+        return False
+    return True
+
+
+def lock_status(output_dir: str | Path) -> tuple[str, dict]:
+    """(status, what the lock file says) without taking the lock. Status: `running` (held), `abandoned` (its
+    holder died without releasing it: killed or crashed hard), a released run's outcome (`finished`, `stopped`,
+    `failed`), `released` (a run of an earlier fitlm that recorded none) or `none` (no lock file)."""
+    path = lock_path(output_dir)
+    try:
+        raw = path.read_text(encoding="utf-8")
+        info = json.loads(raw) if raw.strip() else {}
+    except OSError:
+        return "none", {}
+    except ValueError:
+        info = {}
+    info = info if isinstance(info, dict) else {}
+    held = _flock_held(path)
+    if held is None:  # no /proc/locks: a holder's pid that is alive means running
+        held = bool(info.get("pid")) and _pid_alive(info)
+    if held:
+        return "running", info
+    if info.get("pid"):
+        return "abandoned", info
+    return str(info.get("outcome", "released")), info
 
 
 def held_by_launcher(output_dir: str | Path) -> bool:

@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from fitlm.checkpoint.checkpointer import Checkpointer
+from fitlm.checkpoint.errors import TrainingInterrupted
 from fitlm.checkpoint.resume import check_resumable, resume_source
 from fitlm.checkpoint.store import latest_checkpoint
 from fitlm.config import Config, ConfigError
@@ -199,9 +200,9 @@ class Trainer:
         self.profile_window = ProfileWindow(t.observe.profile_steps, self.output_dir, self.ctx.rank, self.device)
         self.oom_snapshot = OOMSnapshot(t.observe.oom_snapshot, self.output_dir, self.ctx.rank, self.device)
 
-    def release_lock(self) -> None:
+    def release_lock(self, outcome: str | None = None) -> None:
         if self.run_lock is not None:
-            self.run_lock.release()
+            self.run_lock.release(outcome)
 
     @contextlib.contextmanager
     def guard(self, phase: str):
@@ -260,13 +261,19 @@ class Trainer:
 
     def fit(self) -> TrainResult:
         """Train to train.max_steps (resuming the latest checkpoint), save the final model; the run lock is
-        released however this ends."""
+        released however this ends, with how it ended (fitlm.train.run_lock.lock_status reads it)."""
+        outcome = "failed"
         try:
             with self.heartbeat.on_timeout():  # a collective timed out: name the rank that stopped responding
-                return self._fit()
+                result = self._fit()
+            outcome = "finished"
+            return result
+        except TrainingInterrupted:
+            outcome = "stopped"
+            raise
         finally:
             self.checkpointer.restore_sigterm()  # an error must not leave this run's handler in the process
-            self.release_lock()
+            self.release_lock(outcome)
 
     def _fit(self) -> TrainResult:
         t, main = self.cfg.train, self.ctx.is_main

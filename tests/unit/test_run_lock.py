@@ -14,7 +14,7 @@ import pytest
 
 from fitlm.cli import main
 from fitlm.config import ConfigError
-from fitlm.train.run_lock import LOCK_FILE, acquire_run_lock
+from fitlm.train.run_lock import LOCK_FILE, acquire_run_lock, lock_status
 from tests.e2e.helpers import tiny_config, write_config
 
 
@@ -54,6 +54,44 @@ def test_live_lock_refuses_naming_host_and_pid(tmp_path):
     with acquire_run_lock(tmp_path / "run") as lock:  # the holder died: the lock is free again
         assert json.loads(lock.path.read_text())["pid"] == os.getpid()
     assert lock.path.read_text() == ""  # released cleanly: nothing for the next run to report
+
+
+def test_lock_status_reads_holder_and_outcome_without_taking_the_lock(tmp_path):
+    assert lock_status(tmp_path / "run") == ("none", {})
+    proc = holder(tmp_path / "run", hold=True)
+    try:
+        status, info = lock_status(tmp_path / "run")
+        assert status == "running" and info["pid"] == proc.pid
+        with pytest.raises(ConfigError):  # reading the status did not let anyone else in
+            acquire_run_lock(tmp_path / "run")
+    finally:
+        proc.kill()
+        proc.wait()
+    assert lock_status(tmp_path / "run")[0] == "abandoned"  # killed: the file still names the dead holder
+    for outcome in ("finished", "stopped", "failed"):
+        acquire_run_lock(tmp_path / "run").release(outcome)
+        assert lock_status(tmp_path / "run")[0] == outcome
+    acquire_run_lock(tmp_path / "run").release()
+    assert lock_status(tmp_path / "run")[0] == "released"
+
+
+def test_a_run_records_how_it_ended(tiny_corpus, tmp_path):
+    out = tmp_path / "run"
+    cfg = write_config(tmp_path / "c.yaml", tiny_config(tiny_corpus, out, train={"max_steps": 1, "eval_interval": 0}))
+    assert main(["train", str(cfg)]) == 0
+    assert lock_status(out)[0] == "finished"
+    diverges = [
+        "--set",
+        "train.max_steps=3",
+        "--set",
+        "train.lr=1e30",
+        "--set",
+        "train.warmup_steps=0",
+        "--set",
+        "train.observe.guards.nonfinite=stop",
+    ]
+    assert main(["train", str(cfg), "--overwrite", *diverges]) == 2  # the guard stops it with an error
+    assert lock_status(out)[0] == "failed"
 
 
 def test_lock_of_a_crashed_run_is_taken_over_and_said(tmp_path, capsys):

@@ -1,0 +1,128 @@
+// The Runs view: every run under RUNS_DIR (GET /api/runs), and a run's page with live charts from
+// metrics.jsonl (GET /api/run/metrics, polled: new lines appear within the poll interval).
+"use strict";
+
+const POLL_MS = 2000;
+const DETAIL_MS = 5000;  // the run's head (step, checkpoints) is re-read at most this often
+const CHARTS = [
+  ["loss-chart", "loss", [["loss", "loss"], ["eval loss", "eval_loss"]]],
+  ["lr-chart", "learning rate", [["lr", "lr"]]],
+  ["grad-chart", "gradient norm", [["grad norm", "grad_norm"]]],
+  ["tps-chart", "tokens/s", [["tokens/s", "tokens_per_s"]]],
+  ["mfu-chart", "MFU", [["MFU", "mfu"]]],
+  ["peak-chart", "peak memory (GiB)", [["peak", "peak_bytes", 1 / GiB]]],
+];
+
+function badge(s) { return el("span", {class: "state " + s, "data-testid": "run-state"}, s); }
+
+VIEWS.runs = async function (main, info, name) {
+  if (name) return runPage(main, decodeURIComponent(name));
+  const error = alertBox("runs-error");
+  const body = el("div", {});
+  main.append(el("h1", {}, "Runs"), el("p", {class: "muted"}, `under ${info.runs_dir}`), error, body);
+  async function refresh() {
+    try {
+      const r = await api("/api/runs");
+      showError(error, "");
+      body.replaceChildren(r.runs.length ? table(
+        ["run", "state", "step", "loss", "eval loss", "tokens/s", "checkpoints", "model"],
+        r.runs.map((x) => [el("a", {href: "/runs/" + x.name}, x.name), badge(x.state),
+          x.max_steps ? `${x.step} / ${x.max_steps}` : String(x.step), num(x.loss, 4), num(x.eval_loss, 4),
+          num(x.tokens_per_s), String(x.checkpoints.length), x.model ? "yes" : "–"]),
+        {"data-testid": "runs-table"}) : el("p", {}, "No runs yet: start one from the Plan view, or `fitlm train`."));
+    } catch (e) { showError(error, e.message); }
+  }
+  await refresh();
+  return setInterval(refresh, 3000);
+};
+
+async function runPage(main, name) {
+  const error = alertBox("run-error");
+  const head = el("div", {class: "run-head"});
+  const charts = el("div", {class: "charts"});
+  const events = el("section", {"aria-label": "events"});
+  const extra = el("div", {});
+  main.append(el("h1", {}, name), head, error, charts, events, extra);
+  const records = [];
+  let next = 0, detail = null, shown = Date.now();
+  try {
+    detail = await api("/api/run?name=" + encodeURIComponent(name));
+  } catch (e) {
+    showError(error, e.message);
+    return null;
+  }
+  drawHead(head, detail, name, error);
+  drawExtra(extra, detail, name);
+  async function poll() {
+    try {
+      const r = await api(`/api/run/metrics?name=${encodeURIComponent(name)}&since=${next}`);
+      next = r.next;
+      if (r.state !== detail.state || (r.records.length && Date.now() - shown > DETAIL_MS)) {
+        detail = await api("/api/run?name=" + encodeURIComponent(name));  // state, step, checkpoints
+        shown = Date.now();
+        drawHead(head, detail, name, error);
+      }
+      if (r.records.length || !charts.childElementCount) {
+        records.push(...r.records);
+        drawCharts(charts, events, records);
+      }
+    } catch (e) { showError(error, e.message); }
+  }
+  await poll();
+  return setInterval(poll, POLL_MS);
+}
+
+function drawHead(head, d, name, error) {
+  const stop = d.state === "running" ? el("button", {type: "button", onclick: async (e) => {
+    try {
+      await api("/api/run/stop", {name});
+      e.target.textContent = "Stopping (checkpoint at the end of this step)…";
+      e.target.disabled = true;
+    } catch (err) { showError(error, err.message); }
+  }}, "Stop (SIGTERM)") : null;
+  fill(head, el("p", {}, badge(d.state), ` step ${d.step}${d.max_steps ? " / " + d.max_steps : ""}`,
+    d.arch ? ` · ${d.arch} ${d.method}` : "", ` · checkpoints: ${d.checkpoints.join(", ") || "none"}`,
+    d.model ? " · final model: yes" : ""), stop);
+}
+
+function drawCharts(charts, events, records) {
+  const marks = records.filter((r) => r.guard || r.warning).map((r) => ({
+    x: r.step, kind: r.guard ? "guard" : "warning",
+    label: `step ${r.step}: ${r.guard || r.warning}: ${r.reason || r.message}` + (r.action ? ` (action ${r.action})` : ""),
+  }));
+  fill(charts, ...CHARTS.map(([testid, title, series]) => {
+    const s = series.map(([label, key, scale]) => ({
+      name: label, points: records.filter((r) => typeof r[key] === "number").map((r) => [r.step, r[key] * (scale || 1)]),
+    }));
+    const count = testid === "loss-chart" ? s[0].points.length : undefined;
+    return s.every((x) => !x.points.length) && testid !== "loss-chart" ? null :
+      lineChart({testid, title, series: s.filter((x) => x.points.length || testid === "loss-chart"), markers: marks, count});
+  }).filter(Boolean));
+  fill(events, ...(marks.length ? [el("h2", {}, "Guard interventions and warnings"),
+    el("ul", {"data-testid": "run-events"}, marks.map((m) => el("li", {class: m.kind}, m.label)))] : []));
+}
+
+function drawExtra(box, d, name) {
+  const parts = [];
+  const prof = d.profile_report;
+  if (prof && prof.error) parts.push(el("p", {class: "warn"}, prof.error));
+  else if (prof) {
+    parts.push(el("h2", {}, "Profile: measured beside the plan"),
+      table(["", "measured", "planned"], prof.timing.map((t) => {
+        const f = t.what === "MFU" ? pct : (v) => num(v, t.what === "tokens/s" ? 0 : 4);
+        return [t.what, f(t.measured), f(t.planned)];
+      }),
+        {"data-testid": "profile-timing"}),
+      table(["per device", "measured", "planned"], prof.memory.map((m) => [m.what, gib(m.measured), gib(m.planned)])),
+      el("div", {class: "plots"}, prof.plots.map((p) => el("img", {
+        src: `/api/run/file?name=${encodeURIComponent(name)}&file=${encodeURIComponent(p)}`,
+        alt: `profile plot ${p}`, loading: "lazy"}))));
+    if (prof.report_md) parts.push(el("details", {}, el("summary", {}, "report.md"), el("pre", {}, prof.report_md)));
+  }
+  if (d.config_yaml) {
+    parts.push(el("details", {}, el("summary", {}, "config.yaml"), el("pre", {"data-testid": "run-config"}, d.config_yaml)));
+  }
+  if (d.model) parts.push(el("p", {}, el("a", {href: "/chat?model=" + encodeURIComponent(d.path)}, "Chat with it"), " · ",
+    el("a", {href: "/export?model=" + encodeURIComponent(d.path)}, "Export it")));
+  fill(box, parts);
+}
