@@ -18,6 +18,7 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from fitlm.config import ConfigError
 
@@ -116,10 +117,12 @@ def acquire_run_lock(output_dir: str | Path, command: str | None = None) -> RunL
     return RunLock(path, fd)
 
 
-def _flock_held(path: Path) -> bool | None:
+def _flock_held(path: Path, pid: Any = None) -> bool | None:
     """Whether some process holds an flock on `path`, read from /proc/locks (None where there is none).
 
     Read, not probed: taking the lock even for a moment could make a run starting at that instant refuse.
+    A line matches on device and inode, or on the inode and the holder's pid: btrfs subvolumes and overlay
+    filesystems print another device number there than stat gives.
     """
     try:
         st = path.stat()
@@ -127,13 +130,19 @@ def _flock_held(path: Path) -> bool | None:
     except OSError:
         return None
     dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
-    # e.g. "1: FLOCK  ADVISORY  WRITE 4242 08:01:1234567 0 EOF" (a "->" marks a waiter, not a holder)
-    return any(f.split()[1:2] == ["FLOCK"] and dev in f.split() for f in table.splitlines())
+    for line in table.splitlines():
+        f = line.split()  # "1: FLOCK  ADVISORY  WRITE 4242 08:01:1234567 0 EOF"; a waiter has "->" in f[1]
+        if f[1:2] != ["FLOCK"] or len(f) < 6:
+            continue
+        if f[5] == dev or (f[5].rsplit(":", 1)[-1] == str(st.st_ino) and f[4] == str(pid)):
+            return True
+    return False
 
 
 def _pid_alive(info: dict) -> bool:
+    """Whether the lock file's holder lives: on this host, its pid; on another, unknown, so the file is trusted."""
     if info.get("host") != socket.gethostname():
-        return True  # another host's run: trust the file
+        return True
     try:
         os.kill(int(info["pid"]), 0)
     except (OSError, ValueError, TypeError):
@@ -154,8 +163,10 @@ def lock_status(output_dir: str | Path) -> tuple[str, dict]:
     except ValueError:
         info = {}
     info = info if isinstance(info, dict) else {}
-    held = _flock_held(path)
-    if held is None:  # no /proc/locks: a holder's pid that is alive means running
+    held = _flock_held(path, info.get("pid"))
+    if held is None or (not held and info.get("pid") and info.get("host") != socket.gethostname()):
+        # No /proc/locks, or another host's run on a shared filesystem (this kernel cannot see its lock):
+        # the holder's pid decides (another host's: unknown, so the file is trusted).
         held = bool(info.get("pid")) and _pid_alive(info)
     if held:
         return "running", info

@@ -16,7 +16,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Callable
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 
@@ -52,16 +52,43 @@ async def answer(work: Callable[[], Any]) -> JSONResponse:
         return error_response(exc)
 
 
-async def _body(request: Request) -> Any:
+async def _body(request: Request) -> dict[str, Any]:
+    """The POST's JSON object ({} for anything else: the endpoint then names the field it misses)."""
     try:
-        return json.loads(await request.body() or b"{}")
+        body = json.loads(await request.body() or b"{}")
     except ValueError:
-        return None
+        return {}
+    return body if isinstance(body, dict) else {}
 
 
-def create_app(root: Path) -> FastAPI:
-    """The app for RUNS_DIR `root`; its lifespan closes the chat engine and this UI's exports at shutdown."""
-    root = root.expanduser().absolute()
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def guard(app: FastAPI, hosts: tuple[str, ...] | None) -> None:
+    """What stops another web page from driving this one (it starts processes and writes files): a POST must be
+    JSON (a form or text/plain post needs no CORS preflight; JSON does), from this page's own origin, and
+    every request must name a Host this server answers to (a rebinding DNS name does not). `hosts` None:
+    any host, for an explicit --host on a network address."""
+
+    @app.middleware("http")
+    async def same_origin_only(request: Request, call_next):
+        host = (request.headers.get("host") or "").rsplit(":", 1)[0].strip("[]")
+        if hosts is not None and host not in hosts:
+            return JSONResponse({"error": f"Host {host!r} is not this server; open it as http://127.0.0.1"}, 421)
+        if request.method == "POST":
+            kind = request.headers.get("content-type", "").split(";")[0].strip()
+            origin = request.headers.get("origin")
+            if kind != "application/json":
+                return JSONResponse({"error": "POST bodies must be application/json"}, status_code=415)
+            if origin and origin.split("://", 1)[-1] != request.headers.get("host"):
+                return JSONResponse({"error": f"requests from {origin} are refused: use the page itself"}, 403)
+        return await call_next(request)
+
+
+def create_app(root: Path, hosts: tuple[str, ...] | None = LOOPBACK) -> FastAPI:
+    """The app for RUNS_DIR `root`, answering to the Host names `hosts` (see `guard`); its lifespan closes the
+    chat engine and this UI's exports at shutdown."""
+    root = root.expanduser().resolve()
     jobs, models = Jobs(root), chat.ChatModels()
 
     @asynccontextmanager
@@ -72,6 +99,7 @@ def create_app(root: Path) -> FastAPI:
 
     app = FastAPI(title="fitlm ui", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.root, app.state.jobs, app.state.models = root, jobs, models
+    guard(app, hosts)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
 
     @app.get("/")
@@ -108,7 +136,7 @@ def create_app(root: Path) -> FastAPI:
         return await answer(lambda: runs.detail(root, name))
 
     @app.get("/api/run/metrics")
-    async def run_metrics(name: str, since: int = 0) -> JSONResponse:
+    async def run_metrics(name: str, since: int = Query(0, ge=0)) -> JSONResponse:
         def work() -> dict[str, Any]:
             path = runs.run_dir(root, name)
             records, nxt = runs.read_records(path, since)
@@ -126,7 +154,7 @@ def create_app(root: Path) -> FastAPI:
 
     @app.post("/api/run/start")
     async def run_start(request: Request) -> JSONResponse:
-        body = await _body(request) or {}
+        body = await _body(request)
 
         def work() -> dict[str, Any]:
             req = planning.PlanRequest.from_json(body)
@@ -137,7 +165,7 @@ def create_app(root: Path) -> FastAPI:
 
     @app.post("/api/run/stop")
     async def run_stop(request: Request) -> JSONResponse:
-        body = await _body(request) or {}
+        body = await _body(request)
         return await answer(lambda: jobs.stop_run(str(body.get("name") or "")))
 
     @app.get("/api/jobs")
@@ -150,7 +178,7 @@ def create_app(root: Path) -> FastAPI:
 
     @app.post("/api/export")
     async def export(request: Request) -> JSONResponse:
-        body = await _body(request) or {}
+        body = await _body(request)
         return await answer(lambda: jobs.start_export(body).as_dict())
 
     @app.get("/api/models")
@@ -164,13 +192,13 @@ def create_app(root: Path) -> FastAPI:
         def load() -> tuple:
             req = chat.parse_chat(body)
             served, engine = models.get(req["model"], req["adapter"])
-            return req, served, engine
+            return req, engine, chat.prompt_ids(served, req)  # a template that fails is a 400 here
 
         try:
-            req, served, engine = await asyncio.to_thread(load)
+            req, engine, ids = await asyncio.to_thread(load)
         except Exception as exc:  # noqa: BLE001 - as `answer`
             return error_response(exc)
-        return StreamingResponse(chat.stream(served, engine, req), media_type="text/event-stream")
+        return StreamingResponse(chat.stream(engine, req, ids), media_type="text/event-stream")
 
     return app
 

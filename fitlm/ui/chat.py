@@ -35,8 +35,8 @@ class ChatModels:
         key = (str(Path(model).expanduser()), adapter or None)
         with self._lock:  # two first requests for one model load it once
             if self._key != key or self._engine is None or self._served is None:
+                self.close()  # first: two large models need not fit at once
                 served = load_served(key[0], key[1])  # a model that does not load raises its user error here
-                self.close()
                 self._served, self._engine, self._key = served, Engine(served, MAX_BATCH), key
                 self._engine.start()
             return self._served, self._engine
@@ -92,17 +92,21 @@ def parse_chat(body: Any) -> dict[str, Any]:
 
 
 def prompt_ids(served: ServedModel, req: dict[str, Any]) -> list[int]:
+    """The prompt's token ids; UIError when they and max_tokens do not fit the model's context."""
     if req["template"] == "none":  # `fitlm generate --prompt`: the last message's text, continued
-        return served.text_ids(req["messages"][-1]["content"])
-    return served.chat_ids(req["messages"])
-
-
-async def stream(served: ServedModel, engine: Engine, req: dict[str, Any]) -> AsyncIterator[str]:
-    """Server-sent events: {"delta": text}... then {"done": reason, "tokens": n} or {"error": message}."""
-    ids = prompt_ids(served, req)
+        ids = served.text_ids(req["messages"][-1]["content"])
+    else:
+        ids = served.chat_ids(req["messages"])
     if len(ids) + req["max_tokens"] > served.context:
-        yield _sse({"error": f"the prompt ({len(ids)} tokens) plus max_tokens exceeds the context ({served.context})"})
-        return
+        raise UIError(
+            f"chat: the prompt ({len(ids)} tokens) plus max_tokens {req['max_tokens']} exceeds the model's context "
+            f"({served.context}); lower max_tokens or start a new chat"
+        )
+    return ids
+
+
+async def stream(engine: Engine, req: dict[str, Any], ids: list[int]) -> AsyncIterator[str]:
+    """Server-sent events: {"delta": text}... then {"done": reason, "tokens": n} or {"error": message}."""
     loop = asyncio.get_running_loop()
     q: asyncio.Queue[Event] = asyncio.Queue()
 

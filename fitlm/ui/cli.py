@@ -49,7 +49,7 @@ def cmd_ui(args: argparse.Namespace) -> int:
     require_server_packages("fitlm ui", "ui")
     import uvicorn
 
-    from fitlm.ui.app import create_app
+    from fitlm.ui.app import LOOPBACK, create_app
 
     root = Path(args.runs_dir)
     if root.exists() and not root.is_dir():
@@ -66,7 +66,10 @@ def cmd_ui(args: argparse.Namespace) -> int:
     sock = bind_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    server = uvicorn.Server(uvicorn.Config(create_app(root), log_level="warning", timeout_graceful_shutdown=5))
+    # Host names the page answers to: loopback ones, or any where --host is a network address (warned above).
+    hosts = None if not _loopback(args.host) else (*LOOPBACK, args.host)
+    app = create_app(root, hosts)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
     # Before the banner: a SIGTERM as soon as the URL is out stops the server instead of killing the process.
     stopped: list[int] = []
 

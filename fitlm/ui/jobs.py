@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,6 +91,8 @@ class Jobs:
             )
         job = Job(jid, kind, argv, log, proc, time.time(), target)
         self.jobs[jid] = job
+        # Reaped as soon as it ends: no zombie whose pid would still answer kill(pid, 0) as alive.
+        threading.Thread(target=proc.wait, name=f"fitlm-ui-{jid}", daemon=True).start()
         return job
 
     def get(self, jid: str) -> Job:
@@ -161,7 +164,13 @@ def _run_name(name: str) -> str:
     return name
 
 
-EXPORT_FLAGS = {"dtype": "--dtype", "adapter": "--adapter", "seq_len": "--seq-len"}
+EXPORT_FLAGS = {
+    "dtype": "--dtype",
+    "adapter": "--adapter",
+    "seq_len": "--seq-len",
+    "batch_size": "--batch-size",
+    "max_shard_size": "--max-shard-size",
+}
 EXPORT_SWITCHES = {"dynamic_shape": "--dynamic-shape", "no_tokenizer": "--no-tokenizer"}
 
 

@@ -203,11 +203,33 @@ def plan_response(body: dict[str, Any]) -> dict[str, Any]:
     result = plan(r.cfg, dev, req.num_devices, search=req.search, top=req.top)
     return {
         "plan": result,
+        "memory_parts": memory_parts(result),
         "knobs": {key: _get(r.cfg, key) for key, _ in KNOBS},
         "yaml": yaml.safe_dump(r.data, sort_keys=False),
         "commands": commands(req, r.overrides, r.path),
         "overrides": r.overrides,
     }
+
+
+# per_device's components, each with the plan key that names its parts (if any).
+COMPONENTS = (("params", "param_parts"), ("grads", None), ("optimizer", None),
+              ("activations", "activation_parts"), ("logits", None), ("other", "other_parts"))  # fmt: skip
+
+
+def memory_parts(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The stacked bar's segments: each component, its named parts as segments of their own (and what the
+    parts leave of it), with bytes and share of the per-device total."""
+    total = result["per_device"]["total"] or 1
+    out = []
+    for key, named in COMPONENTS:
+        value = result["per_device"].get(key, 0)
+        parts = list((result.get(named) or {}).items()) if named else []
+        for name, nbytes in parts:
+            out.append((f"{key}: {name}", nbytes))
+        rest = value - sum(n for _, n in parts)
+        if rest > 0:
+            out.append((f"{key}: the rest" if parts else key, rest))
+    return [{"name": n, "bytes": b, "share": b / total} for n, b in out if b > 0]
 
 
 def _get(cfg: Config, key: str) -> Any:

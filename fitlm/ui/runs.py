@@ -53,7 +53,11 @@ def find_runs(root: Path) -> list[Path]:
             return
         if depth >= MAX_DEPTH:
             return
-        for child in sorted(d.iterdir()) if d.is_dir() else []:
+        try:
+            children = sorted(d.iterdir()) if d.is_dir() else []
+        except OSError:  # unreadable: not ours to list
+            return
+        for child in children:
             if child.is_dir() and not child.name.startswith("."):
                 walk(child, depth + 1)
 
@@ -89,9 +93,12 @@ def read_records(path: Path, since: int = 0) -> tuple[list[dict[str, Any]], int]
     out = []
     for line in chunk[:end].decode("utf-8", errors="replace").splitlines():
         try:
-            out.append(json.loads(line))
+            # NaN / Infinity (a diverged loss, an overflowed step) become null: JSON has no such numbers
+            record = json.loads(line, parse_constant=lambda _: None)
         except ValueError:
             continue  # a line torn by a crash: skipped, the rest still charts
+        if isinstance(record, dict):
+            out.append(record)
     return out, since + end
 
 
@@ -108,11 +115,12 @@ def _last_records(path: Path) -> list[dict[str, Any]]:
 
 
 def _config(path: Path) -> dict[str, Any]:
+    """config.yaml's sections that are mappings (what a summary reads); {} when it is missing or unreadable."""
     try:
         data = yaml.safe_load((path / "config.yaml").read_text(encoding="utf-8"))
-        return data if isinstance(data, dict) else {}
     except (OSError, yaml.YAMLError):
         return {}
+    return {k: v for k, v in data.items() if isinstance(v, dict)} if isinstance(data, dict) else {}
 
 
 def summary(root: Path, path: Path) -> dict[str, Any]:
@@ -162,9 +170,11 @@ def _profile(path: Path) -> dict[str, Any] | None:
     if not pj.is_file():
         return None
     try:
-        p = json.loads(pj.read_text(encoding="utf-8"))
-    except ValueError:
-        return {"error": f"{pj} is not valid JSON (a profile interrupted while writing?); run `fitlm profile` again"}
+        p = json.loads(pj.read_text(encoding="utf-8"), parse_constant=lambda _: None)
+    except (OSError, ValueError):
+        p = None
+    if not isinstance(p, dict) or not isinstance(p.get("plan", {}), dict):
+        return {"error": f"{pj} is not a fitlm profile (interrupted while writing?); run `fitlm profile` again"}
     plan = p.get("plan") or {}
     timing = plan.get("timing") or {}
     analytic = (plan.get("analytic") or {}).get("per_device") or {}

@@ -46,7 +46,12 @@ WAIT_S = 120  # generous: nothing here measures speed, a busy machine only takes
 def world(tmp_path_factory, tiny_corpus):
     tmp = tmp_path_factory.mktemp("ui")
     root = tmp / "runs"
-    done = write_config(tmp / "done.yaml", tiny_config(tiny_corpus, root / "done", train={"max_steps": 30}))
+    # Guards that warn on small gradient-norm spikes: a finished run with interventions to mark (warn only).
+    guards = {"grad_spike_sigma": 0.5, "loss_spike_sigma": 0.5, "warmup_steps": 3, "window": 5}
+    done = write_config(
+        tmp / "done.yaml",
+        tiny_config(tiny_corpus, root / "done", train={"max_steps": 30, "observe": {"guards": guards}}),
+    )
     assert fitlm("train", done).returncode == 0
     profiled = fitlm("profile", done, "--steps", "3", "--out", root / "prof")
     assert profiled.returncode == 0, profiled.stderr
@@ -134,7 +139,6 @@ def test_plan_numbers_are_the_clis(world):
     d.get(f"{world['url']}/plan?config={config}")
     total = wait(d, lambda d: by_testid(d, "plan-total"))
     assert int(total.get_attribute("data-bytes")) == cli_plan(config)["per_device"]["total"]
-    d.save_screenshot(str(SHOTS / "ui-plan.png"))
     set_knob(d, "train.micro_batch_size", 2)
     set_knob(d, "memory.recompute", "full")
     want = cli_plan(config, "--set", "train.micro_batch_size=2", "--set", "memory.recompute=full")
@@ -146,6 +150,13 @@ def test_plan_numbers_are_the_clis(world):
     find(d, "//button[text()='Fastest layout']").click()
     found = wait(d, lambda d: by_testid(d, "plan-search"))
     assert "Fastest fitting layouts on 1 devices" in found.text
+    # A shipped scenario by name: the guide's 7B LoRA on one 24 GB card.
+    d.get(f"{world['url']}/plan?config=guide-7b-lora-24gb&device=rtx4090")
+    total = wait(d, lambda d: by_testid(d, "plan-total"))
+    want = cli_plan(ROOT / "configs" / "guide-7b-lora-24gb.yaml", "--device", "rtx4090")
+    assert int(total.get_attribute("data-bytes")) == want["per_device"]["total"]
+    assert by_testid(d, "plan-fits").get_attribute("data-fits") == str(want["fits"]).lower()
+    d.save_screenshot(str(SHOTS / "ui-plan.png"))
 
 
 def test_a_refused_layout_shows_the_rules_message(world):
@@ -254,6 +265,20 @@ def test_export_writes_the_file_and_lists_it(world):
     assert state.get_attribute("data-state") == "done", d.find_element(By.CSS_SELECTOR, "pre.log").text
     assert str(out) in by_testid(d, "export-files").text and out.read_bytes()[:4] == b"GGUF"
     d.save_screenshot(str(SHOTS / "ui-export.png"))
+
+
+def test_guard_interventions_are_marked_on_the_charts(world):
+    d = world["driver"]
+    records = [json.loads(x) for x in (world["root"] / "done" / "metrics.jsonl").read_text().splitlines()]
+    events = [r for r in records if "guard" in r or "warning" in r]
+    assert events, "the fixture's guards should have warned"
+    d.get(f"{world['url']}/runs/done")
+    listed = wait(d, lambda d: by_testid(d, "run-events"))
+    items = listed.find_elements(By.TAG_NAME, "li")
+    assert [i.text.split(":")[0] for i in items] == [f"step {r['step']}" for r in events]
+    chart = by_testid(d, "loss-chart")
+    assert int(chart.get_attribute("data-points")) == len([r for r in records if "loss" in r])
+    assert len(chart.find_elements(By.CSS_SELECTOR, "line.marker")) == len(events)
 
 
 def test_a_profile_report_is_shown_beside_the_plan(world):

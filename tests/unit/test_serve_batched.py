@@ -2,7 +2,7 @@
 
 Slots join and leave at different steps with different prompt lengths and budgets, on families that
 take different attention paths (GQA + RoPE, learned positions, sliding window, Gemma 2's soft-capped
-eager attention): every slot's greedy tokens equal `generate`'s solo tokens, and its logits equal a
+eager attention) and mixtures of experts: every slot's greedy tokens equal `generate`'s solo tokens, and its logits equal a
 cache-free full forward within float rounding.
 """
 
@@ -24,7 +24,18 @@ ARCHS = {
     "gpt2": dict(arch="gpt2"),
     "llama_window5": dict(arch="llama", num_kv_heads=1, sliding_window=5),
     "gemma2_softcap_window4": dict(arch="gemma2", num_kv_heads=2, sliding_window=4, attn_logit_softcap=20.0),
-}
+    # Mixtures of experts: every token (padding included) is routed on its own, so a slot's routing and its
+    # tokens are those of its solo run; a dense block among sparse ones, a gated shared expert.
+    "qwen3_moe_dense_block": dict(
+        arch="qwen3_moe", num_kv_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+        mlp_only_layers=[1],
+    ),
+    "qwen2_moe_shared_expert": dict(
+        arch="qwen2_moe", num_kv_heads=2, num_experts=4, num_experts_per_tok=3, moe_intermediate_size=24,
+        shared_expert_intermediate_size=40,
+    ),
+    "mixtral": dict(arch="mixtral", num_kv_heads=2, num_experts=4, num_experts_per_tok=2),
+}  # fmt: skip
 PROMPTS = [[5, 17, 99, 3, 64, 8], [1, 2, 3], list(range(10, 30)), [7], [40, 41, 42, 43, 44, 45, 46, 47, 48]]
 BUDGETS = [12, 5, 9, 14, 7]
 

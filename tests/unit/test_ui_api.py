@@ -25,7 +25,7 @@ from tests.unit.test_plan import CONFIGS  # noqa: E402
 
 @pytest.fixture()
 def client(tmp_path):
-    with TestClient(create_app(tmp_path / "runs")) as c:
+    with TestClient(create_app(tmp_path / "runs"), base_url="http://127.0.0.1:8765") as c:
         yield c
 
 
@@ -246,3 +246,29 @@ def test_a_checkpoint_is_planned_with_the_config_of_its_run(client, tiny_corpus,
     assert r.status_code == 200, r.text
     assert r.json()["plan"] == cli_plan(["plan", str(out / "config.yaml"), "--json"], capsys)
     assert "mbs=2" in r.json()["plan"]["memory_options"]
+
+
+def test_other_pages_cannot_drive_it(client):
+    ok = {"source": "tiny"}
+    assert client.post("/api/plan", json=ok).status_code == 200
+    # A form or text/plain post (no CORS preflight) from another page: refused before any work.
+    r = client.post("/api/run/start", content=json.dumps(ok), headers={"content-type": "text/plain"})
+    assert r.status_code == 415
+    r = client.post("/api/plan", json=ok, headers={"origin": "http://evil.example"})
+    assert r.status_code == 403 and "evil.example" in r.json()["error"]
+    assert client.post("/api/plan", json=ok, headers={"origin": "http://127.0.0.1:8765"}).status_code == 200
+    r = client.get("/api/runs", headers={"host": "rebound.example:8765"})  # a DNS name rebound to 127.0.0.1
+    assert r.status_code == 421
+
+
+def test_odd_metrics_lines_still_list_and_chart(client, tmp_path):
+    run = tmp_path / "runs" / "odd"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text(
+        '5\nnull\n{"step": 1, "loss": NaN, "grad_norm": Infinity}\n{"step": 2, "loss": 1.5}\n'
+    )
+    (run / "config.yaml").write_text("train: 3\nmodel: [a]\n")  # sections that are not mappings
+    assert client.get("/api/runs").json()["runs"][0]["loss"] == 1.5
+    m = client.get("/api/run/metrics", params={"name": "odd"}).json()
+    assert m["records"] == [{"step": 1, "loss": None, "grad_norm": None}, {"step": 2, "loss": 1.5}]
+    assert client.get("/api/run/metrics", params={"name": "odd", "since": -1}).status_code == 422

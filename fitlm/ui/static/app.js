@@ -4,12 +4,15 @@
 
 VIEWS.timers = [];
 let INFO = null;
+let SHOWN = 0;  // navigations so far: a view still loading when the user moved on must not draw or poll
 
 async function show(path) {
+  const me = ++SHOWN;
   VIEWS.timers.forEach(clearInterval);
   VIEWS.timers = [];
-  const main = document.getElementById("view");
-  main.replaceChildren();
+  // Each navigation draws into a fresh container: a view that resolves late fills its own, detached one.
+  const main = el("div", {class: "view"});
+  document.getElementById("view").replaceChildren(main);
   const [, view, ...rest] = path.split("/");
   const name = VIEWS[view] ? view : "plan";
   for (const a of document.querySelectorAll("nav a")) {
@@ -18,7 +21,9 @@ async function show(path) {
   document.title = `fitlm · ${name}`;
   try {
     if (!INFO) INFO = await api("/api/info");
+    if (me !== SHOWN) return;
     const timer = await VIEWS[name](main, INFO, rest.join("/") || null);
+    if (me !== SHOWN) { clearInterval(timer); return; }
     if (timer) VIEWS.timers.push(timer);
   } catch (e) {
     const box = alertBox("view-error");

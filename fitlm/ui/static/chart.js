@@ -40,8 +40,13 @@ function lineChart(opts) {
     box.append(el("p", {class: "muted"}, "no points yet"));
     return box;
   }
-  const xs = all.map((p) => p[0]), ys = all.map((p) => p[1]);
-  let x0 = Math.min(...xs), x1 = Math.max(...xs), y0 = Math.min(...ys), y1 = Math.max(...ys);
+  let x0 = Infinity, x1 = -Infinity, y0 = Infinity, y1 = -Infinity;  // loops: a long run has 10^5 points
+  for (const [x, y] of all) {
+    if (x < x0) x0 = x;
+    if (x > x1) x1 = x;
+    if (y < y0) y0 = y;
+    if (y > y1) y1 = y;
+  }
   if (x1 === x0) x1 = x0 + 1;
   if (y1 === y0) { y0 -= Math.abs(y0) * 0.1 || 1; y1 += Math.abs(y1) * 0.1 || 1; }
   const pad = (y1 - y0) * 0.05;

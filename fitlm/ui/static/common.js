@@ -50,7 +50,20 @@ function field(label, control, help) {
   return [el("div", {class: "field"}, el("label", {for: id}, label), control, hint), control];
 }
 
-function gib(n) { return n === null || n === undefined ? "–" : (n / GiB).toFixed(2) + " GiB"; }
+// Bytes in GiB, or MiB / KiB below one GiB (a tiny model's plan is not a column of 0.00 GiB).
+function gib(n) {
+  if (n === null || n === undefined) return "–";
+  const a = Math.abs(n);
+  if (a >= GiB / 10 || a === 0) return (n / GiB).toFixed(2) + " GiB";
+  if (a >= 2 ** 20) return (n / 2 ** 20).toFixed(1) + " MiB";
+  return (n / 1024).toFixed(1) + " KiB";
+}
+// A parameter count: 6.74B, 158M, 3.4K.
+function count(n) {
+  const a = Math.abs(n);
+  return a >= 1e9 ? (n / 1e9).toPrecision(3) + "B" : a >= 1e6 ? (n / 1e6).toPrecision(3) + "M" :
+    a >= 1e3 ? (n / 1e3).toPrecision(3) + "K" : String(n);
+}
 function num(n, digits) {
   if (n === null || n === undefined || Number.isNaN(n)) return "–";
   return Number(n).toLocaleString("en-US", {maximumFractionDigits: digits === undefined ? 0 : digits});
@@ -95,3 +108,6 @@ const VIEWS = {};
 function fill(node, ...kids) {
   node.replaceChildren(...kids.flat().filter((k) => k !== null && k !== undefined && k !== false));
 }
+
+// /runs/NAME with each path segment encoded (a run name may hold "#", "?" or "%").
+function runHref(name) { return "/runs/" + name.split("/").map(encodeURIComponent).join("/"); }

@@ -16,6 +16,11 @@ VIEWS.export = async function (main) {
   const [aField, adapter] = field("Adapter to merge (optional)", el("input", {type: "text", list: "ex-adapters"}));
   const [sField, dynamic] = field("ONNX dynamic shapes", el("input", {type: "checkbox"}));
   const [nField, noTok] = field("GGUF without tokenizer", el("input", {type: "checkbox"}));
+  const [qField, seqLen] = field("ONNX sequence length", el("input", {type: "number", min: 1, step: 1}),
+    "static shapes; default model.max_seq_len");
+  const [bField, batch] = field("ONNX batch size", el("input", {type: "number", min: 1, step: 1, value: 1}));
+  const [hField, shard] = field("HF shard size", el("input", {type: "text", value: "5GiB"}),
+    "safetensors files above this are split, with an index");
   const status = el("section", {"aria-label": "export job", "data-testid": "export-job"});
   const suggest = () => {
     if (out.dataset.touched || !model.value.trim()) return;
@@ -32,17 +37,22 @@ VIEWS.export = async function (main) {
       showError(error, "");
       const job = await api("/api/export", {model: model.value.trim(), format: format.value, out: out.value.trim(),
         dtype: format.value === "gguf" ? dtype.value : null, adapter: adapter.value.trim(),
-        dynamic_shape: dynamic.checked, no_tokenizer: noTok.checked});
+        dynamic_shape: dynamic.checked, no_tokenizer: noTok.checked,
+        seq_len: format.value === "onnx" && seqLen.value ? Number(seqLen.value) : null,
+        batch_size: format.value === "onnx" ? Number(batch.value) : null,
+        max_shard_size: format.value === "hf" ? shard.value.trim() : null});
       watch(job.id);
     } catch (err) { showError(error, err.message); }
   }},
   el("datalist", {id: "ex-models"}, found.models.map((m) => el("option", {value: m}))),
   el("datalist", {id: "ex-adapters"}, found.adapters.map((m) => el("option", {value: m}))),
   el("div", {class: "row"}, mField, fField, oField), el("div", {class: "row"}, dField, aField, sField, nField),
-  el("p", {}, el("button", {type: "submit"}, "Export")));
+  el("div", {class: "row"}, qField, bField, hField), el("p", {}, el("button", {type: "submit"}, "Export")));
   main.append(el("h1", {}, "Export"), form, error, status);
 
+  let watching = null;
   function watch(id) {
+    clearInterval(watching);  // a new export: the previous job's status stops being drawn
     const timer = setInterval(async () => {
       try {
         const j = await api("/api/job?id=" + encodeURIComponent(id));
@@ -56,6 +66,7 @@ VIEWS.export = async function (main) {
         if (j.state !== "running") clearInterval(timer);
       } catch (err) { showError(error, err.message); clearInterval(timer); }
     }, 1000);
+    watching = timer;
     VIEWS.timers.push(timer);
   }
 };

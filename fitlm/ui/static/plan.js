@@ -1,25 +1,6 @@
 // The Plan view: a source and the knobs in, `fitlm plan --json`'s object out (POST /api/plan), drawn.
 "use strict";
 
-const COMPONENTS = [["params", "param_parts"], ["grads"], ["optimizer"], ["activations", "activation_parts"],
-  ["logits"], ["other", "other_parts"]];
-
-// The components of per_device, with the named parts of params, activations and other as their own segments.
-function memoryParts(plan) {
-  const out = [];
-  for (const [key, named] of COMPONENTS) {
-    const value = plan.per_device[key] || 0;
-    const parts = Object.entries((named && plan[named]) || {});
-    let rest = value;
-    for (const [name, bytes] of parts) {
-      out.push({name: `${key}: ${name}`, bytes});
-      rest -= bytes;
-    }
-    if (rest > 0 || !parts.length) out.push({name: parts.length ? `${key}: the rest` : key, bytes: Math.max(rest, 0)});
-  }
-  return out.filter((p) => p.bytes > 0);
-}
-
 function knobControl(k, value) {
   let c;
   if (k.kind === "select") {
@@ -36,7 +17,7 @@ function knobControl(k, value) {
 }
 
 function shortHelp(text) {
-  const first = text.split(/(?<=[.;:])\s/)[0].replace(/[.;:]$/, "");
+  const first = text.split(/(?<=\.)\s/)[0].replace(/\.$/, "");  // the first sentence (choices listed with ;)
   return first.length > 90 ? first.slice(0, 88).replace(/\s\S*$/, "") + "…" : first;
 }
 
@@ -122,23 +103,24 @@ VIEWS.plan = async function (main, info) {
 function drawPlan(out, r, req) {
   const p = r.plan, d = p.device, total = p.per_device.total;
   const f = p.finetune;
-  const trainable = f.method === "full" ? "" : ` · ${f.method}: ${num(f.trainable_params / 1e6, 3)}M trainable`;
-  const parts = memoryParts(p);
+  const trainable = f.method === "full" ? "" : ` · ${f.method}: ${count(f.trainable_params)} trainable`;
+  const parts = r.memory_parts;  // the server's segments, shares included
   const searchBtn = el("button", {type: "button", onclick: () => out.dispatchEvent(new Event("search"))},
     "Fastest layout");
   fill(out, [
-    el("p", {class: "headline"}, `${p.model.arch} ${num(p.model.params / 1e9, 3)}B params${trainable} · ${p.layout} · `
+    el("p", {class: "headline"}, `${p.model.arch} ${count(p.model.params)} params${trainable} · ${p.layout} · `
       + `${p.memory_options} · ${d.num_devices}× ${d.name}`),
     el("div", {class: "verdict"},
       el("p", {class: "total", "data-testid": "plan-total", "data-bytes": total}, gib(total), el("small", {}, " per device")),
-      el("p", {class: p.fits_device ? "fits yes" : "fits no", "data-testid": "plan-fits", "data-fits": p.fits_device},
-        p.fits_device ? `fits: ${gib(total)} of ${gib(d.usable_bytes)} usable` :
-          `does not fit: ${gib(total - d.usable_bytes)} over ${gib(d.usable_bytes)} usable`),
+      el("p", {class: p.fits ? "fits yes" : "fits no", "data-testid": "plan-fits", "data-fits": String(p.fits)},
+        p.fits ? `fits: ${gib(total)} of ${gib(d.usable_bytes)} usable` : !p.fits_device ?
+          `does not fit: ${gib(p.diagnosis.over_by_bytes)} over ${gib(d.usable_bytes)} usable` :
+          `does not fit the host: ${gib(p.host.over_by_bytes)} over its usable RAM (see Host memory)`),
       el("p", {}, `peak during ${p.peak_phase}`)),
     stackedBar(parts, d.usable_bytes, "plan-bar"),
     table(["component", "per device", "share"], parts.map((x, i) => [
       el("span", {}, el("i", {class: "swatch", style: `background:${PALETTE[i % PALETTE.length]}`}), x.name),
-      gib(x.bytes), pct(x.bytes / total)]),
+      gib(x.bytes), pct(x.share)]),
       {class: "parts", "data-testid": "plan-parts"}),
     hostSection(p.host),
     speedSection(p),
@@ -196,7 +178,7 @@ function commandsSection(r, req) {
     try {
       const job = await api("/api/run/start", Object.assign({}, req, {name: name.value}));
       status.className = "ok";
-      status.replaceChildren(`started: ${job.command} — `, el("a", {href: "/runs/" + job.target}, "watch it"));
+      status.replaceChildren(`started: ${job.command} — `, el("a", {href: runHref(job.target)}, "watch it"));
       status.hidden = false;
     } catch (e) {
       status.className = "alert";

@@ -16,17 +16,25 @@ const CHARTS = [
 function badge(s) { return el("span", {class: "state " + s, "data-testid": "run-state"}, s); }
 
 VIEWS.runs = async function (main, info, name) {
-  if (name) return runPage(main, decodeURIComponent(name));
+  if (name) {
+    let decoded = name;
+    try { decoded = name.split("/").map(decodeURIComponent).join("/"); } catch (e) { /* shown as typed */ }
+    return runPage(main, decoded);
+  }
   const error = alertBox("runs-error");
   const body = el("div", {});
   main.append(el("h1", {}, "Runs"), el("p", {class: "muted"}, `under ${info.runs_dir}`), error, body);
+  let last = "";
   async function refresh() {
     try {
       const r = await api("/api/runs");
       showError(error, "");
+      const now = JSON.stringify(r.runs);
+      if (now === last) return;  // unchanged: keep the table (and the keyboard focus in it)
+      last = now;
       body.replaceChildren(r.runs.length ? table(
         ["run", "state", "step", "loss", "eval loss", "tokens/s", "checkpoints", "model"],
-        r.runs.map((x) => [el("a", {href: "/runs/" + x.name}, x.name), badge(x.state),
+        r.runs.map((x) => [el("a", {href: runHref(x.name)}, x.name), badge(x.state),
           x.max_steps ? `${x.step} / ${x.max_steps}` : String(x.step), num(x.loss, 4), num(x.eval_loss, 4),
           num(x.tokens_per_s), String(x.checkpoints.length), x.model ? "yes" : "–"]),
         {"data-testid": "runs-table"}) : el("p", {}, "No runs yet: start one from the Plan view, or `fitlm train`."));
@@ -56,14 +64,14 @@ async function runPage(main, name) {
   async function poll() {
     try {
       const r = await api(`/api/run/metrics?name=${encodeURIComponent(name)}&since=${next}`);
-      next = r.next;
       if (r.state !== detail.state || (r.records.length && Date.now() - shown > DETAIL_MS)) {
         detail = await api("/api/run?name=" + encodeURIComponent(name));  // state, step, checkpoints
         shown = Date.now();
         drawHead(head, detail, name, error);
       }
       if (r.records.length || !charts.childElementCount) {
-        records.push(...r.records);
+        for (const x of r.records) records.push(x);  // (a spread of 10^5 records exceeds the argument limit)
+        next = r.next;
         drawCharts(charts, events, records);
       }
     } catch (e) { showError(error, e.message); }
