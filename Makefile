@@ -10,7 +10,7 @@ export CMAKE_ARGS ?= -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAM
 	-DLLAMA_BUILD_SERVER=OFF -DGGML_NATIVE=OFF
 PLAYS  := examples/data/shakespeare
 
-.PHONY: venv demo lint test test-quick test-all docs clean
+.PHONY: venv demo lint test test-unit test-quick test-all docs clean
 venv: $(BIN)/.installed
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,7 +43,12 @@ lint: venv
 	$(BIN)/ruff format --check fitlm tests bench
 	$(BIN)/mypy fitlm
 
-# The quick inner loop: the same suite without the tests marked slow.
+# The inner loop: tests/unit without the tests marked slow or process (no process started, nothing trained
+# for more than a moment); under 2 minutes on 2 cores.
+test-unit: venv
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests/unit -m "not process"
+
+# The quick loop: the whole suite without the tests marked slow.
 test-quick: venv
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 

@@ -40,3 +40,27 @@ def tiny_corpus(tmp_path_factory) -> dict[str, Path]:
     pack_corpus([PLAYS / "macbeth_gut.txt"], tok, root / "train", show_progress=False)
     pack_corpus([PLAYS / "tempest_gut.txt"], tok, root / "valid", show_progress=False)
     return {"tokenizer": tok, "train": root / "train", "valid": root / "valid", "root": root}
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_process(request, monkeypatch):
+    """A test under tests/unit without the `process` (or `slow`) marker starts no process: `make test-unit` is
+    pure and fast. Starting one fails the test, naming the marker to add."""
+    if "tests/unit/" not in str(request.node.fspath).replace("\\", "/") or {"process", "slow"} & set(
+        request.node.keywords
+    ):
+        yield
+        return
+    import subprocess
+
+    real = subprocess.Popen.__init__
+
+    def refuse(self, args, *a, **kw):
+        raise AssertionError(
+            f"{request.node.nodeid} starts a process ({args!r:.120}); mark it @pytest.mark.process "
+            "(`make test-unit` leaves those out)"
+        )
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    yield
+    monkeypatch.setattr(subprocess.Popen, "__init__", real)

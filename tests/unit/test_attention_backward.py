@@ -153,6 +153,7 @@ def _model(attention_backward: str):
     return apply_attention_backward(model, attention_backward)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("mode", ["eager", "compiled", "selective recompute", "full recompute"])
 def test_a_model_trains_alike_with_either_attention(mode, kind):

@@ -117,6 +117,7 @@ def test_train_throughput_markdown(throughput, tmp_path):
     assert "--sizes tiny" in proc.stdout  # the command that produced the numbers
 
 
+@pytest.mark.process
 def test_gemm_peak_tiny(tmp_path):
     report = run_script(
         "gemm_peak.py", "--sizes", "128", "--repeats", "1", "--dtypes", "fp32", "bf16", "--out", tmp_path / "g.json"
@@ -126,6 +127,7 @@ def test_gemm_peak_tiny(tmp_path):
     assert "machine" in report and (tmp_path / "g.json").exists()
 
 
+@pytest.mark.process
 def test_gpu_1b_dry_run(tmp_path):
     r = run_script("gpu_1b.py", "--dry-run", "--no-compile", "--out", tmp_path / "gpu.json")
     assert r["device"] == "cpu (dry run)" and r["model"]["vocab_size"] == 32000
@@ -216,6 +218,7 @@ def test_train_standalone_contract(tmp_path):
     assert md.returncode == 0 and "| tiny |" in md.stdout and "--sizes tiny" in md.stdout
 
 
+@pytest.mark.process
 def test_train_standalone_refuses_a_missing_jemalloc(tmp_path):
     proc = subprocess.run(
         [

@@ -59,6 +59,7 @@ def reference(tiny_corpus, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.process
 def test_sigterm_saves_then_resume_is_bit_exact(tiny_corpus, tmp_path, reference):
     cfg = ckpt_config(tiny_corpus, tmp_path / "run")
     with pytest.raises(TrainingInterrupted) as stopped:
@@ -79,6 +80,7 @@ def test_sigterm_saves_then_resume_is_bit_exact(tiny_corpus, tmp_path, reference
         assert torch.equal(ours[name], theirs[name]), name
 
 
+@pytest.mark.process
 def test_async_save_trains_identically_and_writes_complete_checkpoints(tiny_corpus, tmp_path, reference):
     out = tmp_path / "run"
     trainer = train_in_process(ckpt_config(tiny_corpus, out, checkpoint={"async_save": True}))
@@ -143,6 +145,7 @@ def test_stale_temporary_checkpoint_is_removed_and_training_resumes_from_the_las
     assert losses(tmp_path / "run") == losses(reference)
 
 
+@pytest.mark.process
 def test_extending_a_finished_run_with_more_steps_resumes_it(tiny_corpus, tmp_path):
     # constant schedule: 6 steps then 2 more equal 8 steps in one go (max_steps is a harmless change)
     train = {"lr_schedule": "constant", "warmup_steps": 0}

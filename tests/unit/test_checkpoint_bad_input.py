@@ -40,6 +40,7 @@ def resume_from(capsys, tiny_corpus, tmp_path, ckpt: Path, **sections) -> tuple[
     return cli(capsys, "train", write_config(tmp_path / "c.yaml", cfg))
 
 
+@pytest.mark.process
 def test_checkpoint_of_another_model_shape(capsys, tiny_corpus, tmp_path, run):
     code, err = resume_from(
         capsys, tiny_corpus, tmp_path, run / "checkpoints" / "step_00000004", model={"intermediate_size": 192}

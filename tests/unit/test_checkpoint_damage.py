@@ -53,6 +53,7 @@ def flip_bit(path):
     path.write_bytes(bytes(data))
 
 
+@pytest.mark.process
 def test_bit_flip_is_reported_and_the_previous_checkpoint_is_used(finished, tmp_path, tiny_corpus, capsys):
     run, damaged, err = damage_and_resume(finished, tmp_path, tiny_corpus, capsys, flip_bit)
     assert str(shard(damaged)) in err and "CRC-32" in err

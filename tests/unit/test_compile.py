@@ -47,6 +47,7 @@ def tiny_batch():
     return ids, labels
 
 
+@pytest.mark.process
 def test_one_process_compiles_one_graph_from_ids_to_loss():
     torch._dynamo.reset()
     torch.manual_seed(0)

@@ -116,6 +116,7 @@ def test_bad_split_and_engine_name_the_option(tmp_path):
         clean_corpus([src], tmp_path / "o", CleanOptions(ngram=0), show_progress=False)
 
 
+@pytest.mark.process
 def test_engine_ray_without_ray_names_the_extra(tmp_path):
     src = tmp_path / "a.txt"
     src.write_text("hello world, this is a document long enough to keep. " * 5, encoding="utf-8")
@@ -130,6 +131,7 @@ def test_engine_ray_without_ray_names_the_extra(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.process
 def test_unreachable_ray_address_fails_fast_naming_the_option(tmp_path):
     pytest.importorskip("ray")
     src = tmp_path / "a.txt"

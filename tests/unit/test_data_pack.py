@@ -118,6 +118,7 @@ def cli_runner(capsys, monkeypatch):
     return run
 
 
+@pytest.mark.process
 def test_cli_subprocess_smoke(tmp_path):
     """One real process: the console entry point parses `data` and prints exactly one JSON object."""
     r = subprocess.run(

@@ -60,6 +60,7 @@ def _docs(out: Path) -> list[str]:
     return [json.loads(line)["text"] for f in sorted(out.glob("clean-*.jsonl")) for line in f.open(encoding="utf-8")]
 
 
+@pytest.mark.process
 def test_clean_on_ray_keeps_the_local_documents(local_ray, corpus, tmp_path):
     local = clean_corpus(corpus, tmp_path / "local", split="line", show_progress=False)
     on_ray = clean_corpus(corpus, tmp_path / "ray", split="line", show_progress=False, engine="ray")
@@ -69,6 +70,7 @@ def test_clean_on_ray_keeps_the_local_documents(local_ray, corpus, tmp_path):
     assert on_ray["engine"] == "ray"
 
 
+@pytest.mark.process
 def test_tokenizer_and_pack_on_ray_match_local(local_ray, corpus, tmp_path):
     tok = train_tokenizer(corpus, 400, tmp_path / "tok-local")
     tok_ray = train_tokenizer(corpus, 400, tmp_path / "tok-ray", engine="ray")
@@ -85,6 +87,7 @@ def test_tokenizer_and_pack_on_ray_match_local(local_ray, corpus, tmp_path):
     assert c["chat"] == d["chat"] and [s["checksums"] for s in c["shards"]] == [s["checksums"] for s in d["shards"]]
 
 
+@pytest.mark.process
 def test_errors_in_ray_tasks_read_as_on_the_local_engine(local_ray, tmp_path):
     good = tmp_path / "good.jsonl"
     good.write_text(json.dumps({"text": "a fine document " * 10}) + "\n", encoding="utf-8")

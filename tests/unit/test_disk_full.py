@@ -381,6 +381,7 @@ def small_tmpfs(tmp_path):
             subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+@pytest.mark.process
 def test_pack_on_a_full_tmpfs(tiny_corpus, tmp_path, small_tmpfs, capsys):
     small, big = tmp_path / "small.txt", tmp_path / "big.txt"
     text = (PLAYS / "macbeth_gut.txt").read_text(encoding="utf-8")

@@ -116,6 +116,7 @@ def test_loader_yields_pairs_chosen_rows_first(packed, tiny_corpus):
         SequenceLoader.from_config(PackedDataset(packed), cfg.data.model_copy(update={"format": "chat"}), 2, seed=3)
 
 
+@pytest.mark.process
 def test_tokenization_follows_trl(tmp_path):
     """The prompt/response split TRL's DPO makes (its own tokenize helpers, on a transformers tokenizer of the
     same files), conversational and plain text, including a model that adds BOS."""
@@ -297,6 +298,7 @@ def trl_first_step(cfg, policy_dir: Path, reference_dir: Path, beta: float) -> d
     return {"loss": float(loss), **metrics}
 
 
+@pytest.mark.process
 def test_first_step_with_lr_0_and_another_reference_equals_trl(packed, tmp_path):
     """Done means: DPO's first-step loss with lr 0 and another model as reference equals an independent
     computation (transformers' log-probs of both exported models, TRL's loss and rewards)."""

@@ -100,6 +100,7 @@ def test_adapter_is_merged_before_export(model_dir, tmp_path):
     assert torch.equal(base["model.layers.1.self_attn.q_proj.weight"], merged["model.layers.1.self_attn.q_proj.weight"])
 
 
+@pytest.mark.process
 def test_mismatching_adapter_is_refused(model_dir, tmp_path):
     with pytest.raises(LoraError, match="another base model"):
         load_for_export(model_dir, _adapter(tmp_path, 96))
@@ -113,6 +114,7 @@ def test_mismatching_adapter_is_refused(model_dir, tmp_path):
 # --------------------------------------------------------------------------- bad inputs
 
 
+@pytest.mark.process
 def test_bad_export_requests_get_clear_errors(model_dir, tmp_path):
     from fitlm.export.gguf import export_gguf
     from fitlm.export.hf import export_hf
@@ -138,6 +140,7 @@ def test_bad_export_requests_get_clear_errors(model_dir, tmp_path):
 # --------------------------------------------------------------------------- CLI
 
 
+@pytest.mark.process
 def test_cli_export_json(model_dir, tmp_path):
     r = fitlm("export", model_dir, "--format", "gguf", "--dtype", "f16", "--out", tmp_path / "m.gguf", "--json")
     assert r.returncode == 0, r.stderr
@@ -146,6 +149,7 @@ def test_cli_export_json(model_dir, tmp_path):
     assert summary["source_sha256"] and (tmp_path / "m.gguf").stat().st_size == summary["bytes"]
 
 
+@pytest.mark.process
 def test_chat_multi_turn_reset_exit(model_dir):
     r = fitlm("chat", model_dir, "--max-new-tokens", "8", stdin="Good morrow\n/reset\nGood morrow\n/exit\nnever read\n")
     assert r.returncode == 0, r.stderr

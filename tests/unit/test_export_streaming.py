@@ -324,6 +324,7 @@ def big_hf(tmp_path_factory) -> tuple[Path, Path, int]:
     return root / "hf", _adapter(root / "adapter", shapes), fp32
 
 
+@pytest.mark.process
 def test_streamed_exports_merge_and_import_hold_a_block_not_the_model(big_hf, tmp_path):
     src, adapter, fp32 = big_hf
     code = "import sys; from tests.unit.test_export_streaming import measure; measure(*sys.argv[1:])"
@@ -382,6 +383,7 @@ def measure_init_from(gguf: str) -> None:
     print(json.dumps(growth))
 
 
+@pytest.mark.process
 def test_init_from_gguf_holds_a_tensor_not_the_model(big_hf, tmp_path):
     src, _, fp32 = big_hf
     export_gguf(load_for_export(src), tmp_path / "m.gguf", "f16")

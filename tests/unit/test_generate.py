@@ -46,6 +46,7 @@ def test_greedy_is_deterministic_and_matches_full_recompute(model):
     assert len(out) == 20 and len(set(out)) > 1
 
 
+@pytest.mark.process
 def test_stops_at_eos_and_includes_it(model):
     full = generate(model, PROMPT, 20)
     eos = full[5]
@@ -56,6 +57,7 @@ def test_stops_at_eos_and_includes_it(model):
     assert generate(model, PROMPT, 20, eos_id=[V - 1, eos]) == expected
 
 
+@pytest.mark.process
 def test_sampling_is_reproducible_with_a_seed(model):
     a = generate(model, PROMPT, 20, temperature=1.0, top_p=0.9, seed=123)
     assert a == generate(model, PROMPT, 20, temperature=1.0, top_p=0.9, seed=123)

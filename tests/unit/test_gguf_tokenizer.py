@@ -107,6 +107,7 @@ def _hf(path: Path):
     return AutoTokenizer.from_pretrained(path)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("style", ["llama3", "qwen"])
 def test_byte_level_gguf_imports_with_specials_and_template_then_packs_chat(refs, tmp_path, style):
     add, n = bpe_metadata(refs[style], style)

@@ -100,6 +100,7 @@ def test_spike_with_stop_policy_stops_naming_step_and_reason(tiny_corpus, tmp_pa
     assert guard_records(tmp_path / "out")[0]["action"] == "stop"
 
 
+@pytest.mark.process
 def test_spike_with_rollback_policy_reloads_the_checkpoint_and_continues(tiny_corpus, tmp_path):
     trainer = make(
         tiny_corpus, tmp_path, guards={**SPIKE, "spike": "rollback", "rollback_after": 2}, checkpoint={"interval": 2}
@@ -174,6 +175,7 @@ def test_batch_counts_and_balance_warning():
     assert wait["warning"] == "data_wait" and "30%" in wait["message"]
 
 
+@pytest.mark.process
 def test_metrics_carry_input_fields_tensorboard_and_profiler_trace(tiny_corpus, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -133,6 +133,7 @@ def test_on_timeout_converts_only_peer_failures_and_reads_a_tcp_store_within_bou
     assert not is_peer_failure(ValueError("timed out"))
 
 
+@pytest.mark.process
 def test_single_process_is_a_no_op_and_the_beat_thread_refreshes():
     solo = Heartbeat(None, 0, 1, 10)
     solo.mark("data loading", 1)

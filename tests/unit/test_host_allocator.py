@@ -43,6 +43,7 @@ def _faults_per_cycle(kind: str) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.process
 @needs_glibc
 def test_reuse_removes_the_page_faults_of_each_cycle():
     system, reuse = _faults_per_cycle("system"), _faults_per_cycle("reuse")
@@ -51,6 +52,7 @@ def test_reuse_removes_the_page_faults_of_each_cycle():
     assert reuse < 100, reuse
 
 
+@pytest.mark.process
 @needs_glibc
 @pytest.mark.parametrize("kind", ["reuse", "system"])
 def test_a_trainer_on_cpu_sets_it(tiny_corpus, tmp_path, kind):

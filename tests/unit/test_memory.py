@@ -35,6 +35,7 @@ def fp32_losses(tiny_corpus, tmp_path_factory):
     return losses(make_trainer(tiny_corpus, tmp_path_factory.mktemp("fp32"), train=SHORT))
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("level", ["O1", "O2", "O3"])
 def test_precision_levels_train_close_to_fp32(tiny_corpus, tmp_path, fp32_losses, level):
     trainer = make_trainer(tiny_corpus, tmp_path, train=SHORT, memory={"mixed_precision": level})
@@ -59,6 +60,7 @@ def test_o2_gives_fp32_gradients_to_fp32_parameters(tiny_corpus, tmp_path):
     assert set(trainer.pm.model.state_dict()) == set(make_trainer(tiny_corpus, tmp_path / "b").pm.model.state_dict())
 
 
+@pytest.mark.process
 def test_fp16_overflow_skips_exactly_that_step_and_recovers(tiny_corpus, tmp_path):
     trainer = make_trainer(
         tiny_corpus,
@@ -121,6 +123,7 @@ def peak_of(trainer, batch) -> int:
     return peak_live_bytes(step, trainer.pm.modules, trainer.step.optimizer)["total"]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("memory", [{"recompute": "selective"}, {"recompute": "full", "recompute_every_n_layers": 2}])
 def test_recompute_modes_give_equal_gradients_and_lower_the_peak(tiny_corpus, tmp_path, memory):
     plain = make_trainer(tiny_corpus, tmp_path / "a")
@@ -223,6 +226,7 @@ def test_chunked_cross_entropy_matches_in_bf16_and_without_grad():
         assert chunked_cross_entropy_sum(h, w, y, 7).item() == out.item()
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_chunked_cross_entropy_equals_eager(dtype):
     torch.manual_seed(0)
@@ -240,6 +244,7 @@ def test_compiled_chunked_cross_entropy_equals_eager(dtype):
         torch.testing.assert_close(fused, eager, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5)
 
 
+@pytest.mark.process
 def test_compile_matches_eager(tiny_corpus, tmp_path, fp32_losses):
     from torch._dynamo.utils import counters
 
@@ -368,6 +373,7 @@ def test_o2_casts_weights_again_in_backward_instead_of_keeping_them():
     assert torch.equal(grad, grad_kept)  # the same half weight, cast twice: identical gradients
 
 
+@pytest.mark.process
 def test_o2_training_is_unchanged_by_the_recast(tiny_corpus, tmp_path, monkeypatch):
     o2 = {"mixed_precision": "O2"}
     recast = losses(make_trainer(tiny_corpus, tmp_path / "a", train=SHORT, memory=o2))

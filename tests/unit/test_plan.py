@@ -104,6 +104,7 @@ def _accuracy_table(tiny_corpus, tmp_path, configs):
     assert all(abs(e) <= ANALYTIC_TOLERANCE for *_, e in rows), table
 
 
+@pytest.mark.process
 def test_analytic_total_within_tolerance_of_measured_peak(tiny_corpus, tmp_path):
     """Three of the eight configurations (precision, recompute, chunked loss); all eight under --runslow."""
     _accuracy_table(tiny_corpus, tmp_path, [MEASURED[1], MEASURED[3], MEASURED[5]])
@@ -114,6 +115,7 @@ def test_analytic_accuracy_table_over_eight_configurations(tiny_corpus, tmp_path
     _accuracy_table(tiny_corpus, tmp_path, MEASURED)
 
 
+@pytest.mark.process
 def test_matmul_attentions_are_planned_by_name(tiny_corpus, tmp_path):
     """memory.attention_backward: matmul holds one 128-row query block's scores in a block's backward; matmul_saved
     keeps every block's fp32 probabilities from forward to backward. At sequence 1,024 with the chunked loss both move
@@ -145,6 +147,7 @@ def test_matmul_attentions_are_planned_by_name(tiny_corpus, tmp_path):
     assert not {ATTN_BACKWARD, ATTN_PROBS} & set(dict(breakdown(from_config(cfg)).activation_parts))
 
 
+@pytest.mark.process
 def test_simulation_matches_measurement_and_analytic(tiny_corpus, tmp_path):
     from fitlm.plan.simulate import run_step
 
@@ -156,6 +159,7 @@ def test_simulation_matches_measurement_and_analytic(tiny_corpus, tmp_path):
     assert sim["params"] == measured["params"] and sim["optimizer"] == measured["optimizer"]
 
 
+@pytest.mark.process
 def test_lora_and_full_finetuning_plans_match_measured_peaks(tiny_corpus, tmp_path):
     """Issue #10: the planner predicts both; O2 stores LoRA's frozen base in half."""
     from fitlm.plan.simulate import run_step
@@ -229,6 +233,7 @@ def test_planner_counts_the_parameters_finetune_trains(finetune):
         ),
     ],
 )
+@pytest.mark.process
 def test_multi_rank_simulation_on_fake_process_group_agrees_with_analytic(tiny_corpus, tmp_path, parallel):
     from fitlm.plan.simulate import run_step
 

@@ -31,6 +31,7 @@ def plan_json(config, calibration, capsys, *sets: str) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
+@pytest.mark.process
 def test_calibration_from_one_profile_predicts_another_configuration(profiled, capsys):
     config, out, result = profiled
     planned = plan_json(config, out / "profile.json", capsys)
@@ -46,6 +47,7 @@ def test_calibration_from_one_profile_predicts_another_configuration(profiled, c
     assert result["step_time_s"] < recomputed["step_time_s"] < 1.5 * result["step_time_s"]
 
 
+@pytest.mark.process
 def test_bad_calibration_inputs_are_named(profiled, tmp_path):
     config = profiled[0]
     with pytest.raises(CalibrationError, match="no such file"):

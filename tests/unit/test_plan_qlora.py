@@ -113,6 +113,7 @@ def test_diagnosis_offers_qlora_when_fine_tuning_a_pretrained_model():
     assert not any(r.change.startswith("finetune.method: qlora") for r in remedies(tp))
 
 
+@pytest.mark.process
 def test_simulation_runs_qlora_on_linears_with_biases():
     """Qwen2's q/k/v carry biases: the simulation replaces only the NF4 weight of such a Linear (a fake bias
     cannot be swapped), and finds the parameters the analytic plan counts."""

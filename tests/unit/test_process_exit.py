@@ -13,6 +13,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 TORCHRUN_ENV = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
 
 
@@ -23,6 +25,7 @@ def python(code: str, **env) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.process
 def test_exit_process_keeps_status_and_buffered_output_with_a_live_group(tmp_path):
     proc = python(f"""
         import sys, torch, torch.distributed as dist
@@ -40,6 +43,7 @@ def test_exit_process_keeps_status_and_buffered_output_with_a_live_group(tmp_pat
     assert proc.stderr.endswith("last words")
 
 
+@pytest.mark.process
 def test_cli_rank_keeps_exit_status_contract(tmp_path):
     ok = subprocess.run(
         [sys.executable, "-m", "fitlm.cli", "config", "docs"],
@@ -63,6 +67,7 @@ def test_cli_rank_keeps_exit_status_contract(tmp_path):
     assert str(missing) in bad.stderr
 
 
+@pytest.mark.process
 def test_cli_rank_with_a_bug_exits_1_with_its_traceback():
     proc = python(
         """

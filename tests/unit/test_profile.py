@@ -57,6 +57,7 @@ def single(tiny_corpus, tmp_path_factory):
     return {"root": root, "config": path, "out": root / "out", "proc": proc, "result": json.loads(proc.stdout)}
 
 
+@pytest.mark.process
 def test_single_process_profile_writes_report_plots_and_json(single):
     proc, result = single["proc"], single["result"]
     assert len(proc.stdout.strip().splitlines()) == 1  # exactly one JSON object on stdout; progress on stderr
@@ -70,6 +71,7 @@ def test_single_process_profile_writes_report_plots_and_json(single):
     assert not (single["root"] / "run").exists()  # train.output_dir is never touched
 
 
+@pytest.mark.process
 def test_out_dir_rules(single, tmp_path):
     cfg = single["config"]
     again = fitlm("profile", cfg, "--steps", "2", "--out", single["out"])
@@ -86,12 +88,14 @@ def test_out_dir_rules(single, tmp_path):
     "args,message",
     [(["--steps", "1"], "--steps 1: at least 2"), (["--steps", "2", "--nproc", "2"], "but 2 processes run")],
 )
+@pytest.mark.process
 def test_bad_arguments_are_refused_before_anything_runs(single, tmp_path, args, message):
     proc = fitlm("profile", single["config"], "--out", tmp_path / "p", *args)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "p").exists()
 
 
+@pytest.mark.process
 def test_missing_config_is_named(tmp_path):
     proc = fitlm("profile", tmp_path / "nope.yaml")
     assert proc.returncode == 2 and "nope.yaml" in proc.stderr and "does not exist" in proc.stderr

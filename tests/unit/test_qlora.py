@@ -131,6 +131,7 @@ def test_qlora_forward_equals_the_network_on_the_dequantized_base(tiny_corpus, t
     t.release_lock()
 
 
+@pytest.mark.process
 def test_resume_quantizes_the_base_again_and_continues_exactly(tiny_corpus, tmp_path):
     from fitlm.checkpoint.store import list_checkpoints
 

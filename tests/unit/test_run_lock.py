@@ -40,6 +40,7 @@ def tree(root) -> dict:
     return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(root.rglob("*"))}
 
 
+@pytest.mark.process
 def test_live_lock_refuses_naming_host_and_pid(tmp_path):
     proc = holder(tmp_path / "run", hold=True)
     try:
@@ -56,6 +57,7 @@ def test_live_lock_refuses_naming_host_and_pid(tmp_path):
     assert lock.path.read_text() == ""  # released cleanly: nothing for the next run to report
 
 
+@pytest.mark.process
 def test_lock_status_reads_holder_and_outcome_without_taking_the_lock(tmp_path):
     assert lock_status(tmp_path / "run") == ("none", {})
     proc = holder(tmp_path / "run", hold=True)
@@ -94,6 +96,7 @@ def test_a_run_records_how_it_ended(tiny_corpus, tmp_path):
     assert lock_status(out)[0] == "failed"
 
 
+@pytest.mark.process
 def test_lock_of_a_crashed_run_is_taken_over_and_said(tmp_path, capsys):
     crashed = holder(tmp_path / "run", hold=False)
     assert crashed.returncode == 9
@@ -105,6 +108,7 @@ def test_lock_of_a_crashed_run_is_taken_over_and_said(tmp_path, capsys):
         assert "taking it over" not in capsys.readouterr().err
 
 
+@pytest.mark.process
 def test_second_train_into_a_live_run_is_refused_and_changes_nothing(tiny_corpus, tmp_path, capsys):
     out = tmp_path / "run"
     cfg = write_config(

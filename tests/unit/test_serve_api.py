@@ -183,6 +183,7 @@ def test_errors_through_the_openai_client_and_the_server_keeps_serving(server):
     assert chat(server, max_tokens=3).usage.completion_tokens >= 1
 
 
+@pytest.mark.process
 def test_curl_plain_and_streaming(server):
     curl = shutil.which("curl")
     if curl is None:

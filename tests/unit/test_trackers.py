@@ -85,6 +85,7 @@ def mlflow_client(out: Path):
     return MlflowClient(tracking_uri=(out / "mlruns").resolve().as_uri())
 
 
+@pytest.mark.process
 def test_every_tracker_gets_the_metrics_and_the_config_and_a_resume_continues_them(tiny_corpus, tmp_path):
     import json
 
@@ -136,6 +137,7 @@ def test_a_tracker_that_breaks_mid_run_is_dropped_with_a_warning(tmp_path, capsy
     assert log.trackers == []
 
 
+@pytest.mark.process
 def test_a_tracker_that_does_not_start_names_the_key(tiny_corpus, tmp_path):
     with pytest.raises(RuntimeError, match=r"train.observe.report_to: the mlflow tracker did not start"):
         train(tiny_corpus, tmp_path / "out", 1, mlflow_tracking_uri="nosuchscheme://x")

@@ -154,6 +154,7 @@ def _holder(out):
     return proc
 
 
+@pytest.mark.process
 def test_runs_list_states_and_metrics(client, tiny_corpus, tmp_path):
     root = tmp_path / "runs"
     cfg = write_config(tmp_path / "a.yaml", tiny_config(tiny_corpus, root / "done", train={"max_steps": 3}))
