@@ -110,6 +110,18 @@ def create_app(root: Path, hosts: tuple[str, ...] | None = LOOPBACK) -> FastAPI:
         app.add_api_route(page, lambda: FileResponse(STATIC / "index.html"), methods=["GET"])
     app.add_api_route("/runs/{name:path}", lambda name: FileResponse(STATIC / "index.html"), methods=["GET"])
 
+    plan_routes(app, root)
+    run_routes(app, root, jobs)
+    chat_routes(app, root, models)
+    return app
+
+
+__all__ = ["create_app"]
+
+
+def plan_routes(app: FastAPI, root: Path) -> None:
+    """The Plan view's endpoints: what the page offers (knobs, devices, scenarios) and the plan itself."""
+
     @app.get("/api/info")
     async def info() -> JSONResponse:
         return await answer(
@@ -126,6 +138,10 @@ def create_app(root: Path, hosts: tuple[str, ...] | None = LOOPBACK) -> FastAPI:
     async def plan(request: Request) -> JSONResponse:
         body = await _body(request)
         return await answer(lambda: planning.plan_response(body))
+
+
+def run_routes(app: FastAPI, root: Path, jobs: Jobs) -> None:
+    """The Runs and Export views' endpoints: runs, their metrics and plots, start and stop, export jobs."""
 
     @app.get("/api/runs")
     async def run_list() -> JSONResponse:
@@ -181,6 +197,10 @@ def create_app(root: Path, hosts: tuple[str, ...] | None = LOOPBACK) -> FastAPI:
         body = await _body(request)
         return await answer(lambda: jobs.start_export(body).as_dict())
 
+
+def chat_routes(app: FastAPI, root: Path, models: chat.ChatModels) -> None:
+    """The Chat view's endpoints: the models under RUNS_DIR and the streamed reply."""
+
     @app.get("/api/models")
     async def model_list() -> JSONResponse:
         return await answer(lambda: chat.chat_models(root))
@@ -199,8 +219,3 @@ def create_app(root: Path, hosts: tuple[str, ...] | None = LOOPBACK) -> FastAPI:
         except Exception as exc:  # noqa: BLE001 - as `answer`
             return error_response(exc)
         return StreamingResponse(chat.stream(engine, req, ids), media_type="text/event-stream")
-
-    return app
-
-
-__all__ = ["create_app"]
