@@ -44,8 +44,9 @@ def tiny_corpus(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(autouse=True)
 def _unit_tests_start_no_process(request, monkeypatch):
-    """A test under tests/unit without the `process` (or `slow`) marker starts no process: `make test-unit` is
-    pure and fast. Starting one fails the test, naming the marker to add."""
+    """A test under tests/unit without the `process` (or `slow`) marker starts no Python process (a CLI run,
+    torchrun, Ray, a server, a lock holder): `make test-unit` is pure and fast. Starting one fails the test,
+    naming the marker to add. Helpers that libraries run for themselves (ldconfig, uname, ...) are let through."""
     if "tests/unit/" not in str(request.node.fspath).replace("\\", "/") or {"process", "slow"} & set(
         request.node.keywords
     ):
@@ -56,6 +57,10 @@ def _unit_tests_start_no_process(request, monkeypatch):
     real = subprocess.Popen.__init__
 
     def refuse(self, args, *a, **kw):
+        argv = [args] if isinstance(args, (str, os.PathLike)) else list(args)
+        program = os.path.basename(str(argv[0]).split()[0]) if argv else ""
+        if not program.startswith(("python", "torchrun", "ray", "fitlm")):
+            return real(self, args, *a, **kw)
         raise AssertionError(
             f"{request.node.nodeid} starts a process ({args!r:.120}); mark it @pytest.mark.process "
             "(`make test-unit` leaves those out)"

@@ -231,11 +231,9 @@ def cmd_data_tokenizer(args: argparse.Namespace) -> int:
 
 def cmd_data_pack(args: argparse.Namespace) -> int:
     from fitlm.data.prep.pack import pack_corpus
+    from fitlm.data.prep.pack_options import PackOptions
 
-    manifest = pack_corpus(
-        [Path(p) for p in args.inputs],
-        Path(args.tokenizer),
-        Path(args.out),
+    options = PackOptions(
         split=args.split,
         show_progress=not args.json,
         overwrite=args.overwrite,
@@ -250,6 +248,7 @@ def cmd_data_pack(args: argparse.Namespace) -> int:
         engine=args.engine,
         ray_address=args.ray_address,
     )
+    manifest = pack_corpus([Path(p) for p in args.inputs], Path(args.tokenizer), Path(args.out), options)
     _print_manifest(args, manifest, f"packed into {args.out}")
     return 0
 

@@ -17,6 +17,7 @@ import json
 import multiprocessing as mp
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +38,11 @@ from fitlm.data.format import (
 from fitlm.data.preference import MANIFEST_KEY, Pair
 from fitlm.data.prep.encode import encode_batch, init_encoder
 from fitlm.data.prep.output import Progress, atomic_dir, base_manifest, check_out_dir
-from fitlm.data.prep.ray_session import check_engine
+from fitlm.data.prep.pack_options import DEFAULT_SHARD_TOKENS, PackOptions
 from fitlm.data.prep.sources import (
     DEFAULT_MIN_DOC_CHARS,
     Document,
     ReadStats,
-    Split,
-    check_split,
     expand_inputs,
     iter_chat,
     iter_documents,
@@ -51,8 +50,6 @@ from fitlm.data.prep.sources import (
 )
 from fitlm.data.tokenizer import TOKENIZER_FILE, Tokenizer
 
-DEFAULT_SHARD_TOKENS = 1 << 28  # 256 Mi tokens: 512 MiB of uint16 per shard
-OVERLONG = ("truncate", "drop")
 # Encode this much text per batch: large enough to amortise process hand-off, small enough that one
 # batch's ids never dominate memory.
 _BATCH_DOCS = 512
@@ -182,186 +179,149 @@ class ShardWriter:
         self._open = False
 
 
+# What an empty pack holds none of, by data format.
+EMPTY = {
+    "preference": "no preference pair within --max-length",
+    "chat": "no conversation with an assistant turn",
+    "text": "no text (only whitespace or nothing)",
+}
+
+
 def pack_corpus(
     inputs: Sequence[Path | str],
     tokenizer_path: Path | str,
     out_dir: Path | str,
-    split: Split = "blank-lines",
-    show_progress: bool = True,
-    overwrite: bool = False,
-    min_doc_chars: int = DEFAULT_MIN_DOC_CHARS,
-    data_format: str = "text",
-    template: str | None = None,
-    workers: int = 1,
-    shard_tokens: int = DEFAULT_SHARD_TOKENS,
-    shard_index: int | None = None,
-    num_shards: int | None = None,
-    max_length: int | None = None,
-    overlong: str = "truncate",
-    engine: str = "local",
-    ray_address: str | None = None,
+    options: PackOptions | None = None,
+    **flags: Any,
 ) -> dict:
-    """Tokenize `inputs` into a packed directory at `out_dir`; return its manifest.
-
-    data_format "chat": .jsonl conversations rendered with `template` (see fitlm.data.chat), loss mask on
-    assistant tokens; samples without an assistant turn are skipped and counted; conversations longer than
-    `max_length` tokens are truncated or dropped (`overlong`) and counted. data_format "preference": .jsonl
-    (prompt, chosen, rejected) rows, two documents per pair (fitlm.data.preference); a pair with a sequence
-    over `max_length` is dropped and counted. engine "ray": read and tokenize
-    on Ray Data (fitlm.data.prep.pack_ray), `workers` tokenizer actors; the same shards as the local engine.
-    """
-    check_split(split)
-    check_engine(engine)
-    if data_format not in ("text", "chat", "preference"):
-        raise DataError(f"--format {data_format!r} is not known; use text, chat or preference")
-    preference = data_format == "preference"
-    if preference and engine != "local":
-        raise DataError("--format preference packs with --engine local only; drop --engine ray")
-    if preference and (shard_index is not None or num_shards is not None):
-        # `fitlm data merge` would join the parts as chat data, without the marker that keeps pairs for DPO
-        raise DataError("--format preference packs in one part; drop --shard-index / --num-shards (use --workers)")
-    if overlong not in OVERLONG:
-        raise DataError(f"--overlong {overlong!r} is not known; use truncate or drop")
-    if workers < 1 or shard_tokens < 1 or (max_length is not None and max_length < 2):
-        raise DataError("--workers and --shard-tokens must be at least 1 and --max-length at least 2")
+    """Tokenize `inputs` into a packed directory at `out_dir`; return its manifest. `options` (or the same
+    fields as keywords, e.g. `show_progress=False`, `data_format="chat"`): see PackOptions."""
+    opts = replace(options or PackOptions(), **flags)
+    opts.check()
     if not inputs:
         raise DataError("no inputs to pack: pass one or more .txt/.jsonl/.parquet files or directories")
-    files = expand_inputs(inputs)
-    part = None
-    if shard_index is not None or num_shards is not None:
-        if shard_index is None or num_shards is None or not 0 <= shard_index < num_shards:
-            raise DataError(
-                f"--shard-index {shard_index} --num-shards {num_shards}: give both, with 0 <= shard-index < num-shards"
-            )
-        part = {"index": shard_index, "count": num_shards, "inputs_total": len(files)}
-        files = files[shard_index::num_shards]
-        if not files:
-            raise DataError(
-                f"part {shard_index} of {num_shards} gets no input file ({part['inputs_total']} inputs); "
-                "use fewer --num-shards than input files"
-            )
-    out_dir = Path(out_dir)
-    check_out_dir(out_dir, files, overwrite)
-    tok = Tokenizer.from_file(tokenizer_path)
-    dtype = token_dtype(tok.vocab_size)
-    chat = data_format in ("chat", "preference")  # preference pairs are stored as chat documents with a mask
-    tmpl = None
-    if chat:
-        from fitlm.data.chat import ChatEncoder, resolve_template
+    files, part = opts.part_of(expand_inputs(inputs))
+    out = Path(out_dir)
+    check_out_dir(out, files, opts.overwrite)
+    job = _Pack(opts, files, part, Tokenizer.from_file(tokenizer_path))
+    return atomic_dir(out, job.write, "fitlm data pack", job.needed)
 
-        tmpl = resolve_template(template, tok.path)
-        ChatEncoder(tok, tmpl[1], tmpl[0])  # compile errors surface here, before any worker starts
 
-    input_bytes = sum(f.stat().st_size for f in files)
-    # For the disk-full estimate: input bytes read, and tokens/documents encoded from the first `done` of them.
-    seen = {"read": 0, "done": 0, "tokens": 0, "docs": 0}
-    marks: deque[int] = deque()  # input bytes read up to the end of each batch handed to the encoder
+class _Pack:
+    """One pack: the inputs read in order (by format), encoded (by engine), written in shards, then the manifest.
 
-    def needed() -> int:
-        """Bytes the whole pack needs: tokens (+ mask bytes, + an int64 offset per document) encoded so far,
-        scaled from the input they came from to all of it; before any, one token per input byte at most."""
-        per_token = dtype.itemsize + chat
-        if seen["done"] and seen["tokens"]:
-            scale = input_bytes / seen["done"]
-            data = scale * (seen["tokens"] * per_token + seen["docs"] * 8)
-        else:
-            data = input_bytes * per_token
-        return int(data) + tok.path.stat().st_size + 16 * 1024  # + tokenizer, manifest
+    It counts what the disk-full estimate needs (`needed`) as it goes: input bytes read, and the tokens and
+    documents encoded from the first `done` of them."""
 
-    def marked(batches: Iterator[list[Any]]) -> Iterator[list[Any]]:
-        for b in batches:
-            marks.append(seen["read"])
-            yield b
+    def __init__(self, opts: PackOptions, files: list[Path], part: dict[str, Any] | None, tok: Tokenizer):
+        self.opts, self.files, self.part, self.tok = opts, files, part, tok
+        self.dtype = token_dtype(tok.vocab_size)
+        self.tmpl = None
+        if opts.chat:
+            from fitlm.data.chat import ChatEncoder, resolve_template
 
-    def write(tmp: Path) -> dict:
-        stats = ReadStats()
-        counts = (
+            self.tmpl = resolve_template(opts.template, tok.path)
+            ChatEncoder(tok, self.tmpl[1], self.tmpl[0])  # compile errors surface here, before any worker starts
+        self.input_bytes = sum(f.stat().st_size for f in files)
+        self.seen = {"read": 0, "done": 0, "tokens": 0, "docs": 0}
+        self.marks: deque[int] = deque()  # input bytes read up to the end of each batch handed to the encoder
+        self.stats = ReadStats()
+        self.counts = (
             {"pairs": 0, "dropped_overlong": 0}
-            if preference
+            if opts.preference
             else {"no_assistant": 0, "truncated": 0, "dropped_overlong": 0, "conversations": 0}
         )
-        writer = ShardWriter(tmp, dtype, chat, shard_tokens)
+
+    def needed(self) -> int:
+        """Bytes the whole pack needs: tokens (+ mask bytes, + an int64 offset per document) encoded so far,
+        scaled from the input they came from to all of it; before any, one token per input byte at most."""
+        seen, per_token = self.seen, self.dtype.itemsize + self.opts.chat
+        if seen["done"] and seen["tokens"]:
+            data = self.input_bytes / seen["done"] * (seen["tokens"] * per_token + seen["docs"] * 8)
+        else:
+            data = self.input_bytes * per_token
+        return int(data) + self.tok.path.stat().st_size + 16 * 1024  # + tokenizer, manifest
+
+    def write(self, tmp: Path) -> dict:
+        writer = ShardWriter(tmp, self.dtype, self.opts.chat, self.opts.shard_tokens)
         try:
-            return _write(tmp, stats, counts, writer)
+            with Progress(self.opts.show_progress, self.input_bytes) as bar:
+                for enc in self.encoded(bar):
+                    for k, v in enc["counts"].items():
+                        self.counts[k] += v
+                    self.seen["tokens"] += len(enc["ids"])
+                    self.seen["docs"] += len(enc["lengths"])
+                    writer.add(enc["ids"], enc["lengths"], enc.get("mask"))
+            shards = writer.finish()
         except BaseException:
             writer.abort()
             raise
+        return self.manifest(tmp, shards)
 
-    def _write(tmp: Path, stats: ReadStats, counts: dict[str, int], writer: ShardWriter) -> dict:
-        with Progress(show_progress, input_bytes) as bar:
+    def encoded(self, bar: Callable[[int], None]) -> Iterator[dict[str, Any]]:
+        """Encoded batches in input order, from the engine the options name."""
 
-            def advance(n: int) -> None:
-                seen["read"] += n
-                bar(n)
+        def advance(n: int) -> None:
+            self.seen["read"] += n
+            bar(n)
 
-            source: Iterator[tuple[Any, int]]  # (item: a pair, a conversation or a text; its input bytes)
-            if preference:
-                source = iter_preference(files, stats)
-            elif chat and engine == "local":
+        o, init = self.opts, (str(self.tok.path), self.tok.special_tokens, self.tmpl)
+        if o.engine == "ray":
+            from fitlm.data.prep.pack_ray import encode_on_ray
 
-                def items() -> Iterator[tuple[Any, int]]:
-                    for m, n in iter_chat(files, stats):
-                        counts["conversations"] += m is not None
-                        yield m, n
+            for enc in encode_on_ray(
+                self.files, o.split, o.min_doc_chars, o.chat, init, o.max_length, o.overlong, o.workers,
+                self.stats, self.counts, advance, o.ray_address, o.show_progress,
+            ):  # fmt: skip
+                self.seen["done"] = self.seen["read"]
+                yield enc
+            return
+        for enc in _encoded(self.marked(_batches(self.source(), advance)), o.workers, init, o.max_length, o.overlong):
+            self.seen["done"] = self.marks.popleft()
+            yield enc
 
-                source = items()
-            else:
-                source = ((d.text, d.nbytes) for d in iter_documents(files, split, min_doc_chars, stats))
-            init = (str(tok.path), tok.special_tokens, tmpl)
-            if engine == "ray":
-                from fitlm.data.prep.pack_ray import encode_on_ray
+    def marked(self, batches: Iterator[list[Any]]) -> Iterator[list[Any]]:
+        for b in batches:
+            self.marks.append(self.seen["read"])
+            yield b
 
-                stream = encode_on_ray(
-                    files,
-                    split,
-                    min_doc_chars,
-                    chat,
-                    init,
-                    max_length,
-                    overlong,
-                    workers,
-                    stats,
-                    counts,
-                    advance,
-                    ray_address,
-                    show_progress,
-                )
-            else:
-                stream = _encoded(marked(_batches(source, advance)), workers, init, max_length, overlong)
-            for enc in stream:
-                for k, v in enc["counts"].items():
-                    counts[k] += v
-                seen["done"] = marks.popleft() if engine == "local" else seen["read"]
-                seen["tokens"] += len(enc["ids"])
-                seen["docs"] += len(enc["lengths"])
-                writer.add(enc["ids"], enc["lengths"], enc.get("mask"))
-        shards = writer.finish()
+    def source(self) -> Iterator[tuple[Any, int]]:
+        """(item, its input bytes): a preference pair, a conversation or a document's text, by data format."""
+        if self.opts.preference:
+            yield from iter_preference(self.files, self.stats)
+        elif self.opts.chat:
+            for m, n in iter_chat(self.files, self.stats):
+                self.counts["conversations"] += m is not None
+                yield m, n
+        else:
+            docs = iter_documents(self.files, self.opts.split, self.opts.min_doc_chars, self.stats)
+            yield from ((d.text, d.nbytes) for d in docs)
+
+    def manifest(self, tmp: Path, shards: list[dict[str, Any]]) -> dict:
+        o, chat = self.opts, self.opts.chat
         num_docs = sum(s["num_docs"] for s in shards)
         if num_docs == 0:
-            names = ", ".join(str(f) for f in files)
-            what = (
-                "no preference pair within --max-length"
-                if preference
-                else "no conversation with an assistant turn"
-                if chat
-                else "no text (only whitespace or nothing)"
-            )
+            names = ", ".join(str(f) for f in self.files)
+            what = EMPTY["preference" if o.preference else "chat" if chat else "text"]
             raise DataError(f"empty corpus: {names} contain(s) {what}; pass files that hold the data to pack")
-        copied = tok.copy_to(tmp)
+        copied = self.tok.copy_to(tmp)
         lengths = np.concatenate([np.diff(np.load(tmp / s["files"]["offsets"])) for s in shards])
+        counts, stats = self.counts, self.stats
         manifest = {
-            **base_manifest(tok, dtype, "chat" if chat else data_format),
+            **base_manifest(self.tok, self.dtype, "chat" if chat else o.data_format),
             "num_tokens": int(lengths.sum()),
             "num_docs": num_docs,
             "shards": shards,
-            "sources": [str(f) for f in files],
-            "part": part,
-            "split": split if not chat else None,
-            "min_doc_chars": min_doc_chars if split == "blank-lines" and not chat else None,
-            "engine": engine,
-            "chat_template": tmpl[0] if tmpl else None,
-            "chat": ({**counts, "max_length": max_length, "overlong": overlong} if chat and not preference else None),
-            **({MANIFEST_KEY: {**counts, "max_length": max_length}} if preference else {}),
+            "sources": [str(f) for f in self.files],
+            "part": self.part,
+            "split": o.split if not chat else None,
+            "min_doc_chars": o.min_doc_chars if o.split == "blank-lines" and not chat else None,
+            "engine": o.engine,
+            "chat_template": self.tmpl[0] if self.tmpl else None,
+            "chat": (
+                {**counts, "max_length": o.max_length, "overlong": o.overlong} if chat and not o.preference else None
+            ),
+            **({MANIFEST_KEY: {**counts, "max_length": o.max_length}} if o.preference else {}),
             "doc_tokens": {"min": int(lengths.min()), "max": int(lengths.max()), "mean": float(lengths.mean())},
             "replaced_chars_total": sum(stats.replaced.values()),
             "replaced_chars": stats.replaced,
@@ -370,8 +330,6 @@ def pack_corpus(
         }
         (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
         return manifest
-
-    return atomic_dir(out_dir, write, "fitlm data pack", needed)
 
 
 __all__ = [
@@ -391,6 +349,7 @@ __all__ = [
     "check_out_dir",
     "expand_inputs",
     "iter_documents",
+    "PackOptions",
     "pack_corpus",
     "sha256_file",
     "token_dtype",
