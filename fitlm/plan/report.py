@@ -17,7 +17,7 @@ from fitlm.finetune.init_from import resolve_if_readable
 from fitlm.parallel.layout import layout_problems
 from fitlm.parallel_dims import layout_name
 from fitlm.plan.activation_offload import note as offload_note
-from fitlm.plan.analytic import breakdown
+from fitlm.plan.analytic import Breakdown, breakdown
 from fitlm.plan.devices import Device
 from fitlm.plan.diagnose import dominant, remedies
 from fitlm.plan.finetune import (
@@ -156,58 +156,74 @@ def plan(
     if longest:
         out["max_seq"] = max_seq(s, dev, source).as_dict()
     if not fits_device:
-        fixes = remedies(s)
-        out["diagnosis"] = {
-            "dominant": dominant(mem),
-            "over_by_bytes": mem.total - dev.usable_bytes,
-            "remedies": [
-                {
-                    "change": r.change,
-                    "saves_bytes": r.saved(mem),
-                    "total": r.memory.total,
-                    "fits": r.memory.total <= dev.usable_bytes,
-                }
-                for r in fixes[:6]
-            ],
-        }
+        out["diagnosis"] = _diagnosis(s, mem, dev)
     if simulate:
-        from fitlm.plan.simulate import SimulationUnsupported, run_step
-
-        try:
-            sim = run_step(cfg)
-            note = "logits are counted inside activations by the simulation"
-            if reference_bytes(s):  # fitlm.plan.simulate: the policy stood in for the reference's forward
-                note += "; the DPO reference copy is added from the analytic count, under other"
-            if s.offload_mode != "none":  # fake tensors on the CPU: nothing to offload to
-                note += "; it runs on CPU tensors, where memory.activation_offload moves nothing"
-            out["simulated"] = {"per_device": sim, "fits": sim["total"] <= dev.usable_bytes, "note": note}
-        except SimulationUnsupported as e:
-            out["simulated"] = {"error": str(e)}
+        out["simulated"] = _simulated(cfg, s, dev)
     if search:
-        from fitlm.plan.search import best_per_layout, candidates
-
-        found = candidates(cfg, n, dev)
-        best = best_per_layout(found, top)
-        out["search"] = {
-            "num_devices": n,
-            "fitting_candidates": len(found),
-            "top": [
-                {
-                    "layout": _layout(c.setup),
-                    "memory_options": _memory_opts(c.setup),
-                    "per_device_total": c.memory.total,
-                    "host_per_node": c.host.worst[1],
-                    "tokens_per_s": c.timing.tokens_per_s,
-                    "mfu": c.timing.mfu,
-                    "step_time_s": c.timing.step_s,
-                    "why": c.why(dev),
-                }
-                for c in best
-            ],
-        }
-        if best and best_out:
-            out["search"]["best_yaml"] = write_best(cfg, best[0].setup, best_out)
+        out["search"] = _search(cfg, n, dev, top, best_out)
     return out
+
+
+def _diagnosis(s: Setup, mem: Breakdown, dev: Device) -> dict[str, Any]:
+    """Why it does not fit: the dominant component, by how much, and the ranked remedies."""
+    fixes = remedies(s)
+    return {
+        "dominant": dominant(mem),
+        "over_by_bytes": mem.total - dev.usable_bytes,
+        "remedies": [
+            {
+                "change": r.change,
+                "saves_bytes": r.saved(mem),
+                "total": r.memory.total,
+                "fits": r.memory.total <= dev.usable_bytes,
+            }
+            for r in fixes[:6]
+        ],
+    }
+
+
+def _simulated(cfg: Config, s: Setup, dev: Device) -> dict[str, Any]:
+    """--simulate: the real step on fake tensors, per component (or why it cannot run)."""
+    from fitlm.plan.simulate import SimulationUnsupported, run_step
+
+    try:
+        sim = run_step(cfg)
+        note = "logits are counted inside activations by the simulation"
+        if reference_bytes(s):  # fitlm.plan.simulate: the policy stood in for the reference's forward
+            note += "; the DPO reference copy is added from the analytic count, under other"
+        if s.offload_mode != "none":  # fake tensors on the CPU: nothing to offload to
+            note += "; it runs on CPU tensors, where memory.activation_offload moves nothing"
+        return {"per_device": sim, "fits": sim["total"] <= dev.usable_bytes, "note": note}
+    except SimulationUnsupported as e:
+        return {"error": str(e)}
+
+
+def _search(cfg: Config, n: int, dev: Device, top: int, best_out: str | None) -> dict[str, Any]:
+    """--search: the fastest fitting layouts for `n` devices (and the best one written as a config)."""
+    from fitlm.plan.search import best_per_layout, candidates
+
+    found = candidates(cfg, n, dev)
+    best = best_per_layout(found, top)
+    found_out: dict[str, Any] = {
+        "num_devices": n,
+        "fitting_candidates": len(found),
+        "top": [
+            {
+                "layout": _layout(c.setup),
+                "memory_options": _memory_opts(c.setup),
+                "per_device_total": c.memory.total,
+                "host_per_node": c.host.worst[1],
+                "tokens_per_s": c.timing.tokens_per_s,
+                "mfu": c.timing.mfu,
+                "step_time_s": c.timing.step_s,
+                "why": c.why(dev),
+            }
+            for c in best
+        ],
+    }
+    if best and best_out:
+        found_out["best_yaml"] = write_best(cfg, best[0].setup, best_out)
+    return found_out
 
 
 def write_best(cfg: Config, s: Setup, path: str) -> str:
@@ -300,24 +316,30 @@ def render(result: dict[str, Any]) -> None:
             console.print(f"  {r['change']}: saves {gib(r['saves_bytes'])} -> {gib(r['total'])} ({mark})")
     found = result.get("search")
     if found:
-        st = Table(
-            title=f"fastest fitting layouts on {found['num_devices']} devices "
-            f"({found['fitting_candidates']} candidates fit)"
+        _render_search(console, found)
+
+
+def _render_search(console, found: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    st = Table(
+        title=f"fastest fitting layouts on {found['num_devices']} devices "
+        f"({found['fitting_candidates']} candidates fit)"
+    )
+    for col in ("#", "layout", "memory", "per device", "tokens/s", "MFU", "why"):
+        st.add_column(col)
+    for i, c in enumerate(found["top"], 1):
+        st.add_row(
+            str(i),
+            c["layout"],
+            c["memory_options"],
+            gib(c["per_device_total"]),
+            f"{c['tokens_per_s']:,.0f}",
+            f"{c['mfu']:.1%}",
+            c["why"],
         )
-        for col in ("#", "layout", "memory", "per device", "tokens/s", "MFU", "why"):
-            st.add_column(col)
-        for i, c in enumerate(found["top"], 1):
-            st.add_row(
-                str(i),
-                c["layout"],
-                c["memory_options"],
-                gib(c["per_device_total"]),
-                f"{c['tokens_per_s']:,.0f}",
-                f"{c['mfu']:.1%}",
-                c["why"],
-            )
-        console.print(st)
-        if not found["top"]:
-            console.print("[red]no layout fits[/red]: add devices, or a device with more memory")
-        if found.get("best_yaml"):
-            console.print(f"best layout written to {found['best_yaml']}")
+    console.print(st)
+    if not found["top"]:
+        console.print("[red]no layout fits[/red]: add devices, or a device with more memory")
+    if found.get("best_yaml"):
+        console.print(f"best layout written to {found['best_yaml']}")

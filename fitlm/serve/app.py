@@ -91,89 +91,18 @@ def create_app(served: ServedModel, max_batch: int = 8, engine: Engine | None = 
                 status=404,
                 code="model_not_found",
             )
-        try:
-            if chat:
-                ids = served.chat_ids(cast(list[dict[str, str]], p.messages))  # (parse requires messages)
-            else:  # (parse requires a prompt)
-                ids = list(p.prompt) if isinstance(p.prompt, list) else served.text_ids(cast(str, p.prompt))
-        except DataError as e:  # the chat template refused the conversation (raise_exception, ...)
-            raise protocol.APIError(str(e), "messages" if chat else "prompt") from None
-        # (served.model.config: a fitlm model's ModelConfig, which nn.Module's __getattr__ types as Tensor | Module)
-        if not chat and isinstance(p.prompt, list) and max(ids) >= cast(ModelConfig, served.model.config).vocab_size:
-            raise protocol.APIError(
-                f"prompt holds token id {max(ids)} but the vocabulary has "
-                f"{cast(ModelConfig, served.model.config).vocab_size} ids",
-                "prompt",
-            )
-        where = "messages" if chat else "prompt"
-        max_tokens = protocol.check_length(len(ids), p.max_tokens, served.context, where)
-        req, q = await _events(
-            engine,
-            dict(
-                prompt_ids=ids,
-                max_tokens=max_tokens,
-                temperature=p.temperature,
-                top_p=p.top_p,
-                seed=p.seed,
-                stop=p.stop,
-            ),
-        )
+        ids = _prompt_ids(served, p, chat)
+        max_tokens = protocol.check_length(len(ids), p.max_tokens, served.context, "messages" if chat else "prompt")
+        args = dict(prompt_ids=ids, max_tokens=max_tokens, temperature=p.temperature, top_p=p.top_p, seed=p.seed)
+        req, q = await _events(engine, {**args, "stop": p.stop})
         rid = protocol.new_id(chat)
         if p.stream:
             return StreamingResponse(
-                _stream(req, q, rid, chat, len(ids), p.include_usage),
+                _stream(served.name, req, q, rid, chat, len(ids), p.include_usage),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
-        return await _whole(request, req, q, rid, chat, len(ids))
-
-    async def _whole(request: Request, req: GenRequest, q: asyncio.Queue, rid: str, chat: bool, n_prompt: int):
-        pieces: list[str] = []
-        try:
-            while True:
-                try:
-                    ev = await asyncio.wait_for(q.get(), DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        req.cancel()
-                        return JSONResponse({}, status_code=499)  # nobody reads it
-                    continue
-                if ev[0] == "delta":
-                    pieces.append(ev[1])
-                elif ev[0] == "done":
-                    return protocol.completion(
-                        rid, served.name, chat, "".join(pieces), ev[1], protocol.usage(n_prompt, ev[2])
-                    )
-                else:
-                    return _error(protocol.APIError(f"generation failed: {ev[1]}", None, 500, "server_error"))
-        finally:
-            req.cancel()  # a no-op once done; frees the slot when this handler is cancelled
-
-    async def _stream(
-        req: GenRequest, q: asyncio.Queue, rid: str, chat: bool, n_prompt: int, include_usage: bool
-    ) -> AsyncIterator[str]:
-        def sse(obj: dict) -> str:
-            return f"data: {json.dumps(obj)}\n\n"
-
-        try:
-            if chat:
-                yield sse(protocol.chunk(rid, served.name, chat, None, first=True))
-            while True:
-                ev = await q.get()
-                if ev[0] == "delta":
-                    yield sse(protocol.chunk(rid, served.name, chat, ev[1]))
-                elif ev[0] == "done":
-                    yield sse(protocol.chunk(rid, served.name, chat, None, finish=ev[1]))
-                    if include_usage:
-                        yield sse(protocol.chunk(rid, served.name, chat, None, use=protocol.usage(n_prompt, ev[2])))
-                    break
-                else:
-                    err = protocol.APIError(f"generation failed: {ev[1]}", None, 500, "server_error")
-                    yield sse(err.body())
-                    break
-            yield "data: [DONE]\n\n"
-        finally:
-            req.cancel()  # the client went away (Starlette cancels the generator): free the slot
+        return await _whole(served.name, request, req, q, rid, chat, len(ids))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -184,6 +113,74 @@ def create_app(served: ServedModel, max_batch: int = 8, engine: Engine | None = 
         return await handle(request, chat=False)
 
     return app
+
+
+def _prompt_ids(served: ServedModel, p: protocol.Params, chat: bool) -> list[int]:
+    """The request's prompt as token ids: the conversation through the chat template, a prompt's text
+    encoded as `fitlm generate` encodes it, or its token ids checked against the vocabulary."""
+    try:
+        if chat:
+            ids = served.chat_ids(cast(list[dict[str, str]], p.messages))  # (parse requires messages)
+        else:  # (parse requires a prompt)
+            ids = list(p.prompt) if isinstance(p.prompt, list) else served.text_ids(cast(str, p.prompt))
+    except DataError as e:  # the chat template refused the conversation (raise_exception, ...)
+        raise protocol.APIError(str(e), "messages" if chat else "prompt") from None
+    # (served.model.config: a fitlm model's ModelConfig, which nn.Module's __getattr__ types as Tensor | Module)
+    vocab = cast(ModelConfig, served.model.config).vocab_size
+    if not chat and isinstance(p.prompt, list) and max(ids) >= vocab:
+        raise protocol.APIError(f"prompt holds token id {max(ids)} but the vocabulary has {vocab} ids", "prompt")
+    return ids
+
+
+async def _whole(name: str, request: Request, req: GenRequest, q: asyncio.Queue, rid: str, chat: bool, n_prompt: int):
+    """A non-streamed reply: the deltas joined, or 499 when the client went away while waiting."""
+    pieces: list[str] = []
+    try:
+        while True:
+            try:
+                ev = await asyncio.wait_for(q.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    req.cancel()
+                    return JSONResponse({}, status_code=499)  # nobody reads it
+                continue
+            if ev[0] == "delta":
+                pieces.append(ev[1])
+            elif ev[0] == "done":
+                return protocol.completion(rid, name, chat, "".join(pieces), ev[1], protocol.usage(n_prompt, ev[2]))
+            else:
+                return _error(protocol.APIError(f"generation failed: {ev[1]}", None, 500, "server_error"))
+    finally:
+        req.cancel()  # a no-op once done; frees the slot when this handler is cancelled
+
+
+async def _stream(
+    name: str, req: GenRequest, q: asyncio.Queue, rid: str, chat: bool, n_prompt: int, include_usage: bool
+) -> AsyncIterator[str]:
+    """A streamed reply: OpenAI's chunks as server-sent events, then `data: [DONE]`."""
+
+    def sse(obj: dict) -> str:
+        return f"data: {json.dumps(obj)}\n\n"
+
+    try:
+        if chat:
+            yield sse(protocol.chunk(rid, name, chat, None, first=True))
+        while True:
+            ev = await q.get()
+            if ev[0] == "delta":
+                yield sse(protocol.chunk(rid, name, chat, ev[1]))
+            elif ev[0] == "done":
+                yield sse(protocol.chunk(rid, name, chat, None, finish=ev[1]))
+                if include_usage:
+                    yield sse(protocol.chunk(rid, name, chat, None, use=protocol.usage(n_prompt, ev[2])))
+                break
+            else:
+                err = protocol.APIError(f"generation failed: {ev[1]}", None, 500, "server_error")
+                yield sse(err.body())
+                break
+        yield "data: [DONE]\n\n"
+    finally:
+        req.cancel()  # the client went away (Starlette cancels the generator): free the slot
 
 
 __all__ = ["create_app"]
