@@ -39,6 +39,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    _add_train(sub)
+    _add_generate(sub)
+
+    for module in COMMAND_MODULES:  # command groups that live beside the code they drive
+        importlib.import_module(module).add_commands(sub)
+
+    p = sub.add_parser("config", help="config helpers: show a resolved config, print the reference, import one")
+    csub = p.add_subparsers(dest="config_command", required=True, metavar="ACTION")
+    q = csub.add_parser("show", help="validate a config and print it with every default filled in")
+    add_config_args(q)
+    q.set_defaults(func=cmd_config_show)
+    q = csub.add_parser("docs", help="print the config reference (markdown) from the schema")
+    q.set_defaults(func=cmd_config_docs)
+    importlib.import_module("fitlm.plan.cli").add_config_commands(csub)  # config import (MindFormers YAML)
+    return parser
+
+
+def _add_train(sub) -> None:
     p = sub.add_parser(
         "train",
         help="train a model from a YAML config",
@@ -80,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON summary object on stdout at the end")
     p.set_defaults(func=cmd_train)
 
+
+def _add_generate(sub) -> None:
     p = sub.add_parser(
         "generate",
         help="generate text from a trained or imported model",
@@ -120,19 +140,6 @@ def build_parser() -> argparse.ArgumentParser:
         help='print one JSON object {"prompt", "text", "token_ids"} on stdout instead of streaming',
     )
     p.set_defaults(func=cmd_generate)
-
-    for module in COMMAND_MODULES:  # command groups that live beside the code they drive
-        importlib.import_module(module).add_commands(sub)
-
-    p = sub.add_parser("config", help="config helpers: show a resolved config, print the reference, import one")
-    csub = p.add_subparsers(dest="config_command", required=True, metavar="ACTION")
-    q = csub.add_parser("show", help="validate a config and print it with every default filled in")
-    add_config_args(q)
-    q.set_defaults(func=cmd_config_show)
-    q = csub.add_parser("docs", help="print the config reference (markdown) from the schema")
-    q.set_defaults(func=cmd_config_docs)
-    importlib.import_module("fitlm.plan.cli").add_config_commands(csub)  # config import (MindFormers YAML)
-    return parser
 
 
 def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:

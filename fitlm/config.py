@@ -579,8 +579,29 @@ def _schema_errors(err: ValidationError) -> list[str]:
 
 def semantic_errors(cfg: Config) -> list[str]:
     """Cross-field rules that no single field can check. Each message names the key and the fix."""
+    m, p = cfg.model, cfg.parallel
+    errs = range_errors(cfg) + shape_errors(m) + rope_scaling_errors(m) + moe_errors(m)
+    errs += expert_parallel_errors(m, p) + family_errors(m, p) + sequence_errors(cfg)
+    if not 0.0 <= cfg.finetune.freeze_layers <= 1.0:
+        errs.append(f"finetune.freeze_layers: must be a fraction between 0 and 1 (got {cfg.finetune.freeze_layers})")
+    errs += objective_errors(cfg)
+    t = cfg.train
+    if t.min_lr > t.lr:
+        errs.append(f"train.min_lr: {t.min_lr} is above train.lr={t.lr}; the schedule decays from lr down to min_lr")
+    errs += memory_errors(cfg) + observe_errors(cfg)
+    if p.zero_stage not in (0, 1, 2, 3):
+        errs.append(f"parallel.zero_stage: must be 0, 1, 2 or 3 (got {p.zero_stage})")
+    if p.timeout_s < 1:
+        errs.append(
+            f"parallel.timeout_s: must be a positive number of seconds (got {p.timeout_s}); "
+            "set it to how long a collective may wait for a slow rank, e.g. 1800 (the default)"
+        )
+    return errs + rules.violations(rules.flatten(cfg.model_dump()))  # what composes with what (fitlm.rules)
+
+
+def range_errors(cfg: Config) -> list[str]:
+    """Counts that must be at least 1, and amounts that must not be negative."""
     m, d, p, t = cfg.model, cfg.data, cfg.parallel, cfg.train
-    errs: list[str] = []
     positive = {
         "model.hidden_size": m.hidden_size,
         "model.num_layers": m.num_layers,
@@ -600,11 +621,7 @@ def semantic_errors(cfg: Config) -> list[str]:
         "parallel.micro_batch_num": p.micro_batch_num,
         "checkpoint.keep_last": cfg.checkpoint.keep_last,
     }
-    v: float  # (the loops below go over int and float settings)
-    for key, v in positive.items():
-        if v < 1:
-            errs.append(f"{key}: must be at least 1 (got {v})")
-    nonneg = {
+    nonneg: dict[str, float] = {
         "train.warmup_steps": t.warmup_steps,
         "train.eval_interval": t.eval_interval,
         "train.grad_clip": t.grad_clip,
@@ -612,9 +629,14 @@ def semantic_errors(cfg: Config) -> list[str]:
         "train.eval_steps": t.eval_steps,
         "checkpoint.interval": cfg.checkpoint.interval,
     }
-    for key, v in nonneg.items():
-        if v < 0:
-            errs.append(f"{key}: must not be negative (got {v})")
+    return [f"{key}: must be at least 1 (got {v})" for key, v in positive.items() if v < 1] + [
+        f"{key}: must not be negative (got {v})" for key, v in nonneg.items() if v < 0
+    ]
+
+
+def shape_errors(m: ModelConfig) -> list[str]:
+    """Heads, head size, grouped-query heads, sliding window and layer types that cannot build a model."""
+    errs: list[str] = []
     if m.num_kv_heads is not None and m.num_kv_heads < 1:
         errs.append(f"model.num_kv_heads: must be at least 1 or null (got {m.num_kv_heads})")
     if m.num_heads >= 1 and m.head_dim is None and m.hidden_size % m.num_heads:
@@ -637,27 +659,36 @@ def semantic_errors(cfg: Config) -> list[str]:
             f"model.layer_types: lists {len(m.layer_types)} blocks but model.num_layers={m.num_layers}; "
             f"give one entry per block or null for the family's pattern"
         )
-    errs += rope_scaling_errors(m)
-    errs += moe_errors(m)
-    errs += expert_parallel_errors(m, p)
+    return errs
+
+
+def family_errors(m: ModelConfig, p: ParallelConfig) -> list[str]:
+    """model.arch: a registered family, what the family itself cannot build, dense vs MoE, pipeline support."""
     if m.arch not in registry.model_names():
-        errs.append(f"model.arch: unknown family {m.arch!r}; registered: {', '.join(registry.model_names())}")
-    elif m.num_heads >= 1 and m.num_layers >= 1:
-        errs += m.family.validate(m)  # what the family itself cannot build (e.g. gpt2 has no GQA)
-        routed = [f.name for f in registry.families() if f.moe]
-        if m.moe and not m.family.moe:
-            errs.append(
-                f"model.num_experts: arch {m.arch!r} is dense; leave num_experts null, or use an MoE family "
-                f"({', '.join(routed)})"
-            )
-        elif m.family.moe and not m.moe:
-            errs.append(f"model.num_experts: arch {m.arch!r} is a mixture of experts; set num_experts (e.g. 8)")
-        if p.pipeline_parallel > 1 and not m.family.pipeline_parallel:
-            errs.append(
-                f"parallel.pipeline_parallel: model.arch={m.arch!r} cannot be pipeline-parallel yet; set it to 1 "
-                f"and shard with data_parallel and zero_stage 3"
-            )
-    cp = p.context_parallel
+        return [f"model.arch: unknown family {m.arch!r}; registered: {', '.join(registry.model_names())}"]
+    if m.num_heads < 1 or m.num_layers < 1:
+        return []
+    errs = list(m.family.validate(m))  # what the family itself cannot build (e.g. gpt2 has no GQA)
+    routed = [f.name for f in registry.families() if f.moe]
+    if m.moe and not m.family.moe:
+        errs.append(
+            f"model.num_experts: arch {m.arch!r} is dense; leave num_experts null, or use an MoE family "
+            f"({', '.join(routed)})"
+        )
+    elif m.family.moe and not m.moe:
+        errs.append(f"model.num_experts: arch {m.arch!r} is a mixture of experts; set num_experts (e.g. 8)")
+    if p.pipeline_parallel > 1 and not m.family.pipeline_parallel:
+        errs.append(
+            f"parallel.pipeline_parallel: model.arch={m.arch!r} cannot be pipeline-parallel yet; set it to 1 "
+            f"and shard with data_parallel and zero_stage 3"
+        )
+    return errs
+
+
+def sequence_errors(cfg: Config) -> list[str]:
+    """data.seq_length against the model's context and context parallel's chunks."""
+    d, m, cp = cfg.data, cfg.model, cfg.parallel.context_parallel
+    errs = []
     if cp > 1 and d.seq_length % (2 * cp):
         errs.append(
             f"data.seq_length: {d.seq_length} cannot be split into the 2 × parallel.context_parallel = {2 * cp} "
@@ -669,21 +700,7 @@ def semantic_errors(cfg: Config) -> list[str]:
             f"data.seq_length: {d.seq_length} exceeds model.max_seq_len={m.max_seq_len}; "
             f"lower data.seq_length or raise model.max_seq_len"
         )
-    if not 0.0 <= cfg.finetune.freeze_layers <= 1.0:
-        errs.append(f"finetune.freeze_layers: must be a fraction between 0 and 1 (got {cfg.finetune.freeze_layers})")
-    errs += objective_errors(cfg)
-    if t.min_lr > t.lr:
-        errs.append(f"train.min_lr: {t.min_lr} is above train.lr={t.lr}; the schedule decays from lr down to min_lr")
-    errs += memory_errors(cfg)
-    errs += observe_errors(cfg)
-    if p.zero_stage not in (0, 1, 2, 3):
-        errs.append(f"parallel.zero_stage: must be 0, 1, 2 or 3 (got {p.zero_stage})")
-    if p.timeout_s < 1:
-        errs.append(
-            f"parallel.timeout_s: must be a positive number of seconds (got {p.timeout_s}); "
-            "set it to how long a collective may wait for a slow rank, e.g. 1800 (the default)"
-        )
-    return errs + rules.violations(rules.flatten(cfg.model_dump()))  # what composes with what (fitlm.rules)
+    return errs
 
 
 def objective_errors(cfg: Config) -> list[str]:

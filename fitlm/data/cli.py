@@ -14,6 +14,14 @@ def add_commands(sub) -> None:
     p = sub.add_parser("data", help="prepare data: clean, tokenizer, pack, merge, inspect")
     dsub = p.add_subparsers(dest="data_command", required=True, metavar="STEP")
 
+    _add_clean(dsub)
+    _add_tokenizer(dsub)
+    _add_pack(dsub)
+    _add_merge(dsub)
+    _add_inspect(dsub)
+
+
+def _add_clean(dsub) -> None:
     q = dsub.add_parser("clean", help="normalise, filter and deduplicate text into cleaned .jsonl")
     q.add_argument("inputs", nargs="+", help=".txt/.jsonl/.parquet files or directories")
     q.add_argument("--out", required=True, help="output directory (clean-00000.jsonl ... + report.json)")
@@ -50,6 +58,8 @@ def add_commands(sub) -> None:
     q.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     q.set_defaults(func=cmd_data_clean)
 
+
+def _add_tokenizer(dsub) -> None:
     q = dsub.add_parser("tokenizer", help="train a byte-level BPE (or import a tokenizer.json / SentencePiece .model)")
     q.add_argument("inputs", nargs="+", help="text files or directories; or one tokenizer.json / .model to import")
     q.add_argument("--vocab-size", type=int, help="vocabulary size including special tokens (training)")
@@ -61,6 +71,8 @@ def add_commands(sub) -> None:
     q.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
     q.set_defaults(func=cmd_data_tokenizer)
 
+
+def _add_pack(dsub) -> None:
     q = dsub.add_parser("pack", help="tokenize a corpus into a packed, sharded token directory")
     q.add_argument("inputs", nargs="+", help="text (.txt, .jsonl, .parquet) or chat (.jsonl) files or directories")
     q.add_argument("--tokenizer", required=True, help="tokenizer.json (or a directory holding one)")
@@ -98,6 +110,8 @@ def add_commands(sub) -> None:
     q.add_argument("--json", action="store_true", help="print the manifest as JSON on stdout")
     q.set_defaults(func=cmd_data_pack)
 
+
+def _add_merge(dsub) -> None:
     q = dsub.add_parser("merge", help="join packed directories (e.g. the parts of a split pack) into one")
     q.add_argument("inputs", nargs="+", help="packed directories")
     q.add_argument("--out", required=True, help="output directory")
@@ -106,6 +120,8 @@ def add_commands(sub) -> None:
     q.add_argument("--json", action="store_true", help="print the manifest as JSON on stdout")
     q.set_defaults(func=cmd_data_merge)
 
+
+def _add_inspect(dsub) -> None:
     q = dsub.add_parser("inspect", help="summarise a packed directory and decode a sample")
     q.add_argument("path", help="packed directory")
     q.add_argument("--doc", type=int, default=0, help="document to decode (default 0)")

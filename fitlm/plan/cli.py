@@ -16,6 +16,11 @@ if TYPE_CHECKING:
 
 
 def add_commands(sub) -> None:
+    _add_plan(sub)
+    _add_budget(sub)
+
+
+def _add_plan(sub) -> None:
     p = sub.add_parser(
         "plan",
         help="memory per device, fit, speed and the fastest layout, before any run",
@@ -86,6 +91,8 @@ def add_commands(sub) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(func=cmd_plan)
 
+
+def _add_budget(sub) -> None:
     p = sub.add_parser(
         "budget",
         help="compute-optimal model size and tokens for a FLOP or hardware budget",

@@ -123,6 +123,15 @@ def markdown(r: dict[str, Any], plots: list[str]) -> str:
             ["communication share of a step", f"{r['comm_share']:.1%}", "–"],
         ],
     )
+    lines += _per_rank(r) + _memory(r) + _step_time(r) + _where_memory_goes(r)
+    if plots:
+        lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
+    return "\n".join(lines) + "\n"
+
+
+def _per_rank(r: dict[str, Any]) -> list[str]:
+    """Each rank's step time, speed, peaks and communication share."""
+    lines: list[str] = []
     lines += ["", "## Per rank", ""]
     lines += _table(
         ["rank", "dp/tp/pp", "step s", "tokens/s", "MFU", "peak live MiB", "RSS peak MiB", "comm share"],
@@ -141,6 +150,13 @@ def markdown(r: dict[str, Any], plots: list[str]) -> str:
         ],
         right_from=2,
     )
+    return lines
+
+
+def _memory(r: dict[str, Any]) -> list[str]:
+    """The most loaded rank's measured components beside both planner engines."""
+    lines: list[str] = []
+    plan = r["plan"]
     lines += ["", f"## Memory: measured vs planned (rank {r['most_loaded_rank']}, the most loaded)", ""]
     if r["per_device"] is None:
         lines.append(f"Not measured: {r.get('memory_error')}")
@@ -161,6 +177,12 @@ def markdown(r: dict[str, Any], plots: list[str]) -> str:
         ]
         if "error" in plan.get("simulated", {}):
             lines += ["", f"Simulation: {plan['simulated']['error']}"]
+    return lines
+
+
+def _step_time(r: dict[str, Any]) -> list[str]:
+    """The slowest rank's phases and its communication."""
+    lines: list[str] = []
     lines += ["", "## Step time (slowest rank)", ""]
     step = r["step_time_s"]
     # Communication is timed over the traced steps (slower under the profiler): its share is of those steps.
@@ -176,6 +198,12 @@ def markdown(r: dict[str, Any], plots: list[str]) -> str:
         "work between them. Communication is the time torch.profiler saw in collectives "
         "(`gloo:*`/`nccl:*`/c10d ops) over two traced steps; it overlaps forward/backward/optimizer.",
     ]
+    return lines
+
+
+def _where_memory_goes(r: dict[str, Any]) -> list[str]:
+    """Rank 0's top modules by bytes kept after forward, and top allocating operators."""
+    lines: list[str] = []
     rank0 = r["per_rank"][0]
     modules = sorted((m for m in rank0["modules"] if "." in m["module"]), key=lambda m: -m["forward_kept"])[:TOP]
     if modules:
@@ -211,9 +239,7 @@ def markdown(r: dict[str, Any], plots: list[str]) -> str:
             "same call, summed over its calls in one step. Outputs freed later by other ops still count, so "
             "this ranks the ops that allocate most, not what stays alive (the module table shows that).",
         ]
-    if plots:
-        lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def write_markdown(result: dict[str, Any], out: Path, plots: list[str]) -> Path:
