@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 from fitlm.memory.precision import recasts_in_backward
 from fitlm.models.matmul_attention import BLOCK_ROWS as ATTN_BLOCK_ROWS
 from fitlm.plan import context_parallel as cp
+from fitlm.plan import expert_parallel as ep
 from fitlm.plan import finetune as ft
 from fitlm.plan.activation_offload import RESIDENT_BLOCKS, offload
 from fitlm.plan.setup import LEVELS, Setup, embedding_params, head_params, layer_params, stage_layers
@@ -341,7 +342,12 @@ def breakdown(s: Setup) -> Breakdown:
 def _stage(s: Setup, first: bool) -> Breakdown:
     n = rank_params(s, first)
     trained = n if s.method == "full" else ft.stage_trainable(s, first)
-    params, grads_full, opt, host = model_states(s, n, trained)
+    experts = ep.stage_expert_params(s) if s.ep > 1 else 0  # counted apart: E/ep per rank, at ZeRO 0
+    n -= experts
+    trained -= experts if s.method == "full" else 0
+    params, grads_full, opt, host = (
+        a + b for a, b in zip(model_states(s, n, trained), ep.expert_states(s, model_states) if experts else (0,) * 4)
+    )
     in_flight: float  # micro batches (chunks) whose activations are alive at the peak
     if s.pp > 1:
         tokens = s.rows / max(1, s.chunks) * s.seq  # one pipeline chunk
@@ -374,6 +380,7 @@ def _stage(s: Setup, first: bool) -> Breakdown:
     rope = s.counts.rope_tables * 2 * s.max_seq_len * s.head_dim * 4  # RoPE cos/sin tables (buffers)
     # (REFERENCE: the DPO copy, which lives all run)
     parts: dict[str, float] = {"RoPE cos/sin tables": rope, REFERENCE: ft.reference_bytes(s)}
+    parts[ep.A2A_BUFFERS] = ep.alltoall_buffers(s, tokens, act_bytes(s))
     if s.pp > 1:
         extra_act, extra_logit, pipe_parts = _pipeline_terms(s, tokens, in_flight, first)
         outside, logit = outside + extra_act, logit + extra_logit

@@ -74,8 +74,8 @@ def fake_world(cfg: Config, rank: int = 0) -> Iterator[ParallelContext]:
     if dims.ep > 1:
         raise SimulationUnsupported(
             f"parallel.expert_parallel={dims.ep}: --simulate does not run expert parallel yet (its all-to-all "
-            "splits by routed token counts, which fake tensors do not have); the analytic plan counts every "
-            "expert on every rank, an upper bound"
+            "splits by routed token counts, which fake tensors do not have); the analytic plan counts it "
+            "(fitlm.plan.expert_parallel)"
         )
     from torch.testing._internal.distributed.fake_pg import FakeStore
 

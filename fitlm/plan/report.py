@@ -41,7 +41,7 @@ GiB = 1024**3
 
 def _layout(s: Setup) -> str:
     extra = [f"zero{s.zero}"] + (["sp"] if s.sp else []) + ([f"{s.schedule}×{s.chunks}"] if s.pp > 1 else [])
-    return layout_name(s.dp, s.tp, s.pp, s.cp) + " " + " ".join(extra)
+    return layout_name(s.dp, s.tp, s.pp, s.cp, s.ep) + " " + " ".join(extra)
 
 
 def _memory_opts(s: Setup) -> str:
@@ -148,6 +148,7 @@ def plan(
             "pipeline_bubble": t.bubble_s,
             "context_parallel_comm": t.cp_comm_s,
             "activation_offload_copies": t.offload_s,
+            "expert_parallel_all_to_all": t.ep_comm_s,
         },
     }
     notes = [n for n in (note, offload_note(s)) if n]

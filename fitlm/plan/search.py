@@ -79,7 +79,7 @@ def candidates(cfg: Config, n: int, dev: Device, max_micro_batch: int = 64) -> l
         # per rank are split by data parallel or accumulation instead, for less traffic and the same activations.
         micro_batches = [1] if lay.cp > 1 else [d for d in divisors(per_replica) if d <= max_micro_batch]
         for mbs in micro_batches:
-            for zero in (0, 1, 2, 3):
+            for ep_deg, zero in itertools.product(_expert_degrees(cfg, lay.dp), (0, 1, 2, 3)):
                 accum = per_replica // mbs
                 options = itertools.product(
                     (False, True) if lay.tp > 1 else (False,),  # sequence parallel
@@ -94,7 +94,7 @@ def candidates(cfg: Config, n: int, dev: Device, max_micro_batch: int = 64) -> l
                 for sp, (sched, chunks), recompute, chunk, offload, sync, act_offload in options:
                     # Offload costs copies and host memory for device memory alone: only to fit what does not
                     if (act_offload and fits_on_device) or _refused(
-                        values, kept, lay, zero, sp, chunk, offload, act_offload
+                        values, kept, lay, zero, sp, chunk, offload, act_offload, ep_deg
                     ):
                         continue
                     s = replace(
@@ -103,6 +103,7 @@ def candidates(cfg: Config, n: int, dev: Device, max_micro_batch: int = 64) -> l
                         tp=lay.tp,
                         pp=lay.pp,
                         cp=lay.cp,
+                        ep=ep_deg,
                         zero=zero,
                         sp=sp,
                         schedule=sched,
@@ -127,8 +128,22 @@ def candidates(cfg: Config, n: int, dev: Device, max_micro_batch: int = 64) -> l
     return out
 
 
+def _expert_degrees(cfg: Config, dp: int) -> list[int]:
+    """parallel.expert_parallel degrees to try: those dividing both data_parallel and the experts (MoE only)."""
+    e = cfg.model.num_experts
+    return [d for d in divisors(dp) if e and e % d == 0] if e else [1]
+
+
 def _refused(
-    values: dict, kept: set, lay: Layout, zero: int, sp: bool, chunk: int, offload: bool, act_offload: bool
+    values: dict,
+    kept: set,
+    lay: Layout,
+    zero: int,
+    sp: bool,
+    chunk: int,
+    offload: bool,
+    act_offload: bool,
+    ep_deg: int = 1,
 ) -> bool:
     """Whether this candidate breaks a rule (of either stage: a run would start from it) the config keeps."""
     trial = {
@@ -137,6 +152,7 @@ def _refused(
         "parallel.tensor_parallel": lay.tp,
         "parallel.pipeline_parallel": lay.pp,
         "parallel.context_parallel": lay.cp,
+        "parallel.expert_parallel": ep_deg,
         "parallel.zero_stage": zero,
         "parallel.sequence_parallel": sp,
         "memory.loss_chunk_size": chunk,
@@ -169,10 +185,10 @@ def _pipeline_options(pp: int, mbs: int, layers: int, accum: int) -> list[tuple[
 
 
 def best_per_layout(found: list[Candidate], top: int) -> list[Candidate]:
-    """The fastest candidate of each (dp, tp, pp, zero) so the table shows distinct layouts, not variants."""
+    """The fastest candidate of each (dp, tp, pp, cp, ep, zero) so the table shows distinct layouts, not variants."""
     seen, out = set(), []
     for c in found:
-        key = (c.setup.dp, c.setup.tp, c.setup.pp, c.setup.cp, c.setup.zero)
+        key = (c.setup.dp, c.setup.tp, c.setup.pp, c.setup.cp, c.setup.ep, c.setup.zero)
         if key not in seen:
             seen.add(key)
             out.append(c)

@@ -45,6 +45,7 @@ KNOBS = {
     "cp": "parallel.context_parallel",
     "act_offload": "memory.activation_offload",
     "objective": "finetune.objective",
+    "ep": "parallel.expert_parallel",
 }
 
 
@@ -111,6 +112,7 @@ class Setup:
     cp: int = 1  # parallel.context_parallel: ranks each sequence is split over (fitlm.plan.context_parallel)
     act_offload: bool | str = False  # memory.activation_offload: False, True, "blocks" or "model"
     objective: str = "sft"  # finetune.objective: "sft", "dpo" or "simpo" (the last two: micro batches of pairs)
+    ep: int = 1  # parallel.expert_parallel: ranks each MoE layer's experts are split over (fitlm.plan.expert_parallel)
     # Where the planned run's tensors live: "accelerator" (CUDA and the catalog's devices), or "cpu" (`--device
     # cpu`), where activation offload has no other memory to move to and changes nothing. Not a config key: the
     # plan's device says it (`on_device`).
@@ -198,7 +200,7 @@ class Setup:
     @property
     def dims(self) -> ParallelDims:
         """The layout's dimensions and predicates, as the trainer derives them (fitlm.parallel_dims)."""
-        return ParallelDims(dp=self.dp, tp=self.tp, pp=self.pp, zero_stage=self.zero, cp=self.cp)
+        return ParallelDims(dp=self.dp, tp=self.tp, pp=self.pp, zero_stage=self.zero, cp=self.cp, ep=self.ep)
 
     @property
     def sync_every(self) -> bool:

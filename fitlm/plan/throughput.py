@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fitlm.plan import context_parallel as context
+from fitlm.plan import expert_parallel as ep
 from fitlm.plan import finetune as ft
 from fitlm.plan.activation_offload import copy_s as offload_s
 from fitlm.plan.analytic import act_bytes, breakdown, param_bytes
@@ -45,6 +46,7 @@ class Timing:
     flops_per_token: float
     cp_comm_s: float = 0.0  # context parallel's K/V gathers and their gradients' reduce-scatters
     offload_s: float = 0.0  # memory.activation_offload's copies not hidden under compute
+    ep_comm_s: float = 0.0  # expert parallel's all-to-alls of the routed rows (on the critical path)
 
 
 def flops_per_token(s: Setup) -> float:
@@ -98,7 +100,8 @@ def timing(s: Setup, dev: Device) -> Timing:
     tp_comm += ft.PARTIAL_READS_PER_STEP * ring("all_reduce", adapter_grads, s.tp, bw_tp)
     # Data parallel: gradients once per step, or once per micro batch (parallel.gradient_sync; ZeRO-2/3 by
     # default), parameters as ZeRO needs.
-    n_rank = total_params(s) / (s.tp * s.pp)
+    # Under expert parallel the experts are reduced apart, over the ranks that hold the same ones (edp).
+    n_rank = (total_params(s) - (ep.stage_expert_params(s) if s.ep > 1 else 0)) / (s.tp * s.pp)
     dp = s.dims.dp_cp  # gradients are averaged (and ZeRO shards) over data x context parallel ranks
     bw_dp = _bandwidth(dev, dp, s.tp)
     trained_rank = n_rank if s.method == "full" else _trained_rank(s)
@@ -112,6 +115,9 @@ def timing(s: Setup, dev: Device) -> Timing:
     else:
         gathers = s.accum * (1 if s.zero == 2 else 2)
         dp_comm = syncs * ring("reduce_scatter", grad_b, dp, bw_dp) + gathers * ring("all_gather", gather_b, dp, bw_dp)
+    if s.ep > 1:
+        expert_grads = ep.local_expert_params(s) * param_bytes(s) if s.method == "full" else 0.0
+        dp_comm += syncs * ring("all_reduce", expert_grads, s.dims.edp, bw_dp)
     backward = compute * 2.0 / 3.0
     dp_exposed = max(dp_comm - 0.5 * backward, 0.5 * dp_comm) if dp > 1 else 0.0
     # Pipeline: each chunk's activations cross each boundary forward and their gradients backward.
@@ -123,9 +129,10 @@ def timing(s: Setup, dev: Device) -> Timing:
         bubble_frac /= 2
     cp_comm = context.comm_s(s, ring, _bandwidth(dev, s.cp, s.tp))  # on the critical path: attention waits
     moved = offload_s(s, breakdown(s).host_activations, dev.host_link_gbs, compute) if s.offload_mode != "none" else 0.0
-    busy = compute + tp_comm + pp_comm + cp_comm + moved
+    ep_comm = ep.alltoall_seconds(s, s.rows * s.local_seq, e, _bandwidth(dev, s.ep, s.tp), LATENCY_S)
+    busy = compute + tp_comm + pp_comm + cp_comm + moved + ep_comm
     bubble = busy * bubble_frac / (1 - bubble_frac) if bubble_frac < 1 else 0.0
     step = busy + bubble + dp_exposed
     tokens = s.tokens_per_step / step
     mfu = tokens * fpt / (s.world * dev.tflops * 1e12)
-    return Timing(step, compute, tp_comm, dp_exposed, pp_comm, bubble, tokens, mfu, fpt, cp_comm, moved)
+    return Timing(step, compute, tp_comm, dp_exposed, pp_comm, bubble, tokens, mfu, fpt, cp_comm, moved, ep_comm)

@@ -90,21 +90,41 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     sock = bind_socket(args.host, args.port)  # before the model loads: a taken port fails fast
     served = load_served(args.model, args.adapter, args.served_name)
-    host, port = sock.getsockname()[:2]
-    shown = f"[{host}]" if ":" in host else host
-    sys.stderr.write(
-        f"fitlm serve: {served.name} ({served.path}, template {served.template_name}, context "
-        f"{served.context}, max batch {args.max_batch}) at http://{shown}:{port}/v1\n"
-    )
-    sys.stderr.flush()
     config = uvicorn.Config(create_app(served, args.max_batch), log_level="warning", timeout_graceful_shutdown=None)
-    server = uvicorn.Server(config)
+    banner = (
+        f"fitlm serve: {served.name} ({served.path}, template {served.template_name}, context "
+        f"{served.context}, max batch {args.max_batch}) at {url(sock)}/v1\n"
+    )
+    stopped = run_until_sigterm(uvicorn.Server(config), sock, banner)
+    sys.stderr.write("fitlm serve: stopped" + (" (SIGTERM: requests in flight finished)\n" if stopped else "\n"))
+    return 0
+
+
+def url(sock: socket.socket) -> str:
+    """http://HOST:PORT of a bound socket (an IPv6 host in brackets)."""
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def run_until_sigterm(server, sock: socket.socket, banner: str) -> bool:
+    """Print `banner` (the URL a client reads), then serve on `sock` until SIGTERM or Ctrl-C; True if SIGTERM.
+
+    The handler is in place before the banner: a SIGTERM sent as soon as the URL is out stops the server
+    (it exits once started) instead of killing the process. While uvicorn runs it handles SIGTERM itself
+    (drain, shut down) and re-raises it at the end, which this handler absorbs, so a drained server exits 0."""
     stopped: list[int] = []
-    previous = signal.signal(signal.SIGTERM, lambda sig, frame: stopped.append(sig))
+
+    def stop(sig, frame) -> None:
+        stopped.append(sig)
+        server.should_exit = True
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    sys.stderr.write(banner)
+    sys.stderr.flush()
     try:
-        server.run(sockets=[sock])
+        if not stopped:
+            server.run(sockets=[sock])
     finally:
         signal.signal(signal.SIGTERM, previous)
         sock.close()
-    sys.stderr.write("fitlm serve: stopped" + (" (SIGTERM: requests in flight finished)\n" if stopped else "\n"))
-    return 0
+    return bool(stopped)

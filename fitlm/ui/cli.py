@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
-import signal
 import sys
 from pathlib import Path
 
@@ -43,7 +42,7 @@ def _loopback(host: str) -> bool:
 
 
 def cmd_ui(args: argparse.Namespace) -> int:
-    from fitlm.serve.cli import bind_socket
+    from fitlm.serve.cli import bind_socket, run_until_sigterm, url
     from fitlm.serve.errors import require_server_packages
 
     require_server_packages("fitlm ui", "ui")
@@ -64,27 +63,9 @@ def cmd_ui(args: argparse.Namespace) -> int:
             "and an SSH tunnel to reach it from elsewhere.\n"
         )
     sock = bind_socket(args.host, args.port)
-    host, port = sock.getsockname()[:2]
-    shown = f"[{host}]" if ":" in host else host
     # Host names the page answers to: loopback ones, or any where --host is a network address (warned above).
     hosts = None if not _loopback(args.host) else (*LOOPBACK, args.host)
-    app = create_app(root, hosts)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
-    # Before the banner: a SIGTERM as soon as the URL is out stops the server instead of killing the process.
-    stopped: list[int] = []
-
-    def stop(sig, frame) -> None:
-        stopped.append(sig)
-        server.should_exit = True  # arrived before uvicorn took the signal over: it stops once started
-
-    previous = signal.signal(signal.SIGTERM, stop)
-    sys.stderr.write(f"fitlm ui: {root.absolute()} at http://{shown}:{port}/\n")
-    sys.stderr.flush()
-    try:
-        if not stopped:
-            server.run(sockets=[sock])  # uvicorn handles SIGTERM while it runs, then re-raises it (absorbed here)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        sock.close()
+    server = uvicorn.Server(uvicorn.Config(create_app(root, hosts), log_level="warning", timeout_graceful_shutdown=5))
+    run_until_sigterm(server, sock, f"fitlm ui: {root.absolute()} at {url(sock)}/\n")
     sys.stderr.write("fitlm ui: stopped\n")
     return 0

@@ -1,0 +1,94 @@
+"""The planner under expert parallel (fitlm/plan/expert_parallel.py): a rank holds E/ep of every block's experts,
+unsharded by ZeRO, while the dense part shards as before; the all-to-alls are in the step time; the search tries
+expert_parallel on MoE models only; the MoE scenario configs plan as their comments say. (Against measured
+steps: tests/distributed/test_plan_accuracy.py's qwen3_moe rows.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fitlm.config import load_config, validate_dict
+from fitlm.plan.devices import get_device
+from fitlm.plan.report import plan
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+H, L, E, WIDTH, V = 64, 2, 4, 32, 512
+MOE = {
+    "arch": "qwen3_moe",
+    "hidden_size": H,
+    "num_layers": L,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "intermediate_size": 96,
+    "num_experts": E,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": WIDTH,
+    "vocab_size": V,
+    "max_seq_len": 64,
+}
+EXPERTS = L * E * 3 * H * WIDTH  # every block's stacked gate, up and down projections
+
+
+def per_device(parallel: dict, model: dict = MOE, **sections) -> dict:
+    cfg = validate_dict({"model": model, "data": {"seq_length": 64}, "parallel": parallel, **sections})
+    return plan(cfg, get_device("a100-80g"))
+
+
+def test_a_rank_holds_its_share_of_the_experts_unsharded_by_zero():
+    one = per_device({"data_parallel": 2})["per_device"]
+    ep2 = per_device({"data_parallel": 2, "expert_parallel": 2})["per_device"]
+    assert one["params"] - ep2["params"] == EXPERTS // 2 * 4  # O0: fp32, half the experts gone
+    assert one["optimizer"] - ep2["optimizer"] == EXPERTS // 2 * 8  # AdamW's two moments
+    dense = one["params"] // 4 - EXPERTS  # parameters outside the experts
+    z3 = per_device({"data_parallel": 4, "expert_parallel": 2, "zero_stage": 3})["per_device"]
+    assert z3["params"] == (dense / 4 + EXPERTS / 2) * 4  # dense over dp4; experts E/2 each, whole
+    z3_no_ep = per_device({"data_parallel": 4, "zero_stage": 3})["per_device"]
+    assert z3_no_ep["params"] == (dense + EXPERTS) / 4 * 4  # without ep ZeRO-3 shards the experts too
+
+
+def test_lora_leaves_the_experts_frozen():
+    lora = {"finetune": {"method": "lora"}, "memory": {"mixed_precision": "O2"}}
+    full = per_device({"data_parallel": 2, "expert_parallel": 2}, memory={"mixed_precision": "O2"})
+    low = per_device({"data_parallel": 2, "expert_parallel": 2}, **lora)
+    # AdamW's fp32 moments for the adapters alone: the experts have none
+    assert low["per_device"]["optimizer"] == 8 * low["finetune"]["trainable_params_per_rank"]
+    assert full["per_device"]["params"] - low["per_device"]["params"] >= EXPERTS // 2 * 2  # frozen in bf16
+
+
+def test_all_to_alls_are_in_the_step_and_their_buffers_in_memory():
+    no_ep = per_device({"data_parallel": 2})
+    ep2 = per_device({"data_parallel": 2, "expert_parallel": 2})
+    assert no_ep["time_breakdown_s"]["expert_parallel_all_to_all"] == 0.0
+    assert ep2["time_breakdown_s"]["expert_parallel_all_to_all"] > 0.0
+    tokens = 8 * 64  # micro batch 8 of 64 tokens, each to its top-2 experts, 64 wide, fp32, sent and received
+    assert ep2["other_parts"]["expert-parallel all-to-all buffers"] == 2 * tokens * 2 * H * 4
+    assert "DDP buckets beside unsynced gradients" not in ep2["other_parts"]  # expert parallel runs without DDP
+    assert ep2["layout"].startswith("dp2×tp1×pp1×ep2")
+
+
+def test_the_search_tries_expert_parallel_on_moe_models_only():
+    moe = validate_dict({"model": MOE, "data": {"seq_length": 64}, "parallel": {"data_parallel": 4}})
+    found = plan(moe, get_device("a100-80g"), 4, search=True, top=50)["search"]["top"]
+    assert any("×ep2" in c["layout"] for c in found) and any("×ep4" in c["layout"] for c in found)
+    dense = validate_dict({"model": {**MOE, "arch": "qwen3", "num_experts": None}, "data": {"seq_length": 64}})
+    found = plan(dense, get_device("a100-80g"), 4, search=True, top=50)["search"]["top"]
+    assert found and not any("×ep" in c["layout"] for c in found)
+
+
+@pytest.mark.parametrize(
+    "name,device,overrides,fits",
+    [
+        ("qwen3-30b-a3b-lora-8x80gb", "a100-80g", [], True),
+        ("qwen3-30b-a3b-qlora-24gb", "rtx4090", [], True),
+        ("mixtral-8x7b-16x80gb", "h100-80g", [], True),
+        ("mixtral-8x7b-16x80gb", "h100-80g", ["parallel.expert_parallel=8"], False),  # as its comment says
+    ],
+)
+def test_the_moe_scenarios_plan_as_their_comments_say(name, device, overrides, fits):
+    result = plan(load_config(CONFIGS / f"{name}.yaml", overrides), get_device(device))
+    assert 30e9 < result["model"]["params"] < 50e9
+    assert result["fits"] is fits, (result["per_device"], result.get("diagnosis"))
+    if not fits:
+        assert result["diagnosis"]["dominant"] == "optimizer"  # whole experts with their fp32 AdamW states
