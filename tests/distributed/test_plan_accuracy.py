@@ -17,21 +17,17 @@ import pytest
 
 from fitlm.config import validate_dict
 from tests.e2e.helpers import fitlm, tiny_config, write_config
+from tests.e2e.test_moe_cli import MOE as MOE_CLI
 
 ANALYTIC_TOLERANCE = 0.10
 SIMULATED_TOLERANCE = 0.03
 slow = pytest.mark.slow
 
 QLORA = {"method": "qlora", "lora": {"r": 8, "target_modules": ["q_proj", "v_proj"]}}
-# Qwen3-MoE: 4 experts of width 32, top-2, in both blocks.
-MOE = {
-    "arch": "qwen3_moe",
-    "intermediate_size": 96,
-    "num_experts": 4,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 32,
-}
 QLORA_MODEL = {"hidden_size": 256, "num_heads": 8, "num_kv_heads": 4, "intermediate_size": 512}
+# Qwen3-MoE: the MoE CLI runs' model (4 experts of width 32, top-2) with both blocks routed: the planner counts
+# every block as a routed one (docs/moe.md, "Planning under expert parallel").
+MOE = {k: v for k, v in MOE_CLI.items() if k != "mlp_only_layers"}
 # (name, config sections, processes). Accumulation is 1 unless stated; tiny Llama h64, 2 layers, GQA 4/2,
 # vocab 512, seq 64, micro batch 4.
 CONFIGS = [
