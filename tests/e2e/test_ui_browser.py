@@ -24,6 +24,7 @@ DRIVER = shutil.which("chromedriver")
 try:
     import httpx
     from selenium import webdriver
+    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
     from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
@@ -100,7 +101,10 @@ def world(tmp_path_factory, tiny_corpus):
 
 
 def wait(driver, what, timeout=WAIT_S):
-    return WebDriverWait(driver, timeout, poll_frequency=0.2).until(lambda d: what(d))
+    """`what(driver)` once truthy. A live view redraws its charts and head as points arrive, so an element found
+    a moment ago can be replaced before it is read (stale): that try counts as not yet, like a missing one."""
+    ignored = (NoSuchElementException, StaleElementReferenceException)
+    return WebDriverWait(driver, timeout, poll_frequency=0.2, ignored_exceptions=ignored).until(lambda d: what(d))
 
 
 def find(driver, xpath):
@@ -216,8 +220,8 @@ def test_start_watch_and_stop_a_run_from_the_page(world):
     assert list((root / "live" / "checkpoints").glob("step_*")), "SIGTERM saves a checkpoint"
     assert chart is not None
     d.get(f"{url}/runs")
-    table = wait(d, lambda d: by_testid(d, "runs-table"))
-    assert "live" in table.text and "stopped" in table.text and "finished" in table.text
+    # (read inside the wait: the list redraws when a run changes)
+    wait(d, lambda d: (t := by_testid(d, "runs-table")) and all(w in t.text for w in ("live", "stopped", "finished")))
     d.save_screenshot(str(SHOTS / "ui-runs.png"))
 
 
