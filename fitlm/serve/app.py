@@ -31,7 +31,7 @@ def _error(e: protocol.APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
 
-async def _events(engine: Engine, req_args: dict) -> tuple[GenRequest, asyncio.Queue]:
+async def events(engine: Engine, req_args: dict) -> tuple[GenRequest, asyncio.Queue]:
     loop = asyncio.get_running_loop()
     q: asyncio.Queue[Event] = asyncio.Queue()
 
@@ -94,7 +94,7 @@ def create_app(served: ServedModel, max_batch: int = 8, engine: Engine | None = 
         ids = _prompt_ids(served, p, chat)
         max_tokens = protocol.check_length(len(ids), p.max_tokens, served.context, "messages" if chat else "prompt")
         args = dict(prompt_ids=ids, max_tokens=max_tokens, temperature=p.temperature, top_p=p.top_p, seed=p.seed)
-        req, q = await _events(engine, {**args, "stop": p.stop})
+        req, q = await events(engine, {**args, "stop": p.stop})
         rid = protocol.new_id(chat)
         if p.stream:
             return StreamingResponse(
@@ -183,4 +183,4 @@ async def _stream(
         req.cancel()  # the client went away (Starlette cancels the generator): free the slot
 
 
-__all__ = ["create_app"]
+__all__ = ["create_app", "events"]

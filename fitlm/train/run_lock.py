@@ -156,13 +156,13 @@ def lock_status(output_dir: str | Path) -> tuple[str, dict]:
     `failed`), `released` (a run of an earlier fitlm that recorded none) or `none` (no lock file)."""
     path = lock_path(output_dir)
     try:
-        raw = path.read_text(encoding="utf-8")
-        info = json.loads(raw) if raw.strip() else {}
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return "none", {}
-    except ValueError:
-        info = {}
-    info = info if isinstance(info, dict) else {}
+    try:
+        info = _holder(fd)
+    finally:
+        os.close(fd)
     held = _flock_held(path, info.get("pid"))
     if held is None or (not held and info.get("pid") and info.get("host") != socket.gethostname()):
         # No /proc/locks, or another host's run on a shared filesystem (this kernel cannot see its lock):

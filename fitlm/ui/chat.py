@@ -7,14 +7,14 @@ tokenizer adds one), which is how the page's reply is checked against the CLI's 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import threading
 from pathlib import Path
 from typing import Any, AsyncIterator
 
 from fitlm.infer.generate import check_sampling
-from fitlm.serve.engine import Engine, Event, GenRequest
+from fitlm.serve.app import events
+from fitlm.serve.engine import Engine
 from fitlm.serve.model import ServedModel, load_served
 from fitlm.ui.errors import UIError
 
@@ -107,17 +107,11 @@ def prompt_ids(served: ServedModel, req: dict[str, Any]) -> list[int]:
 
 async def stream(engine: Engine, req: dict[str, Any], ids: list[int]) -> AsyncIterator[str]:
     """Server-sent events: {"delta": text}... then {"done": reason, "tokens": n} or {"error": message}."""
-    loop = asyncio.get_running_loop()
-    q: asyncio.Queue[Event] = asyncio.Queue()
-
-    def emit(ev: Event) -> None:  # on the engine thread
-        try:
-            loop.call_soon_threadsafe(q.put_nowait, ev)
-        except RuntimeError:
-            pass
-
-    gen = GenRequest(ids, req["max_tokens"], emit, req["temperature"], req["top_p"], req["seed"])
-    engine.submit(gen)
+    gen, q = await events(  # the engine's events for this request, as `fitlm serve` receives them
+        engine,
+        dict(prompt_ids=ids, max_tokens=req["max_tokens"], temperature=req["temperature"], top_p=req["top_p"],
+             seed=req["seed"]),
+    )  # fmt: skip
     try:
         while True:
             ev = await q.get()
