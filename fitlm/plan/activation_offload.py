@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fitlm.plan.setup import Setup
+from fitlm.plan.terms import Feature, Stage, TimeContext, Timed
 
 RESIDENT_BLOCKS = 2  # the block being computed and the one prefetched
 
@@ -66,3 +67,17 @@ def copy_s(s: Setup, host_bytes: float, host_link_gbs: float, compute_s: float) 
         return 0.0
     one_way = s.accum * host_bytes / (host_link_gbs * 1e9)
     return max(0.0, one_way - compute_s / 3) + max(0.0, one_way - 2 * compute_s / 3)
+
+
+def relocate(st: Stage, blocks: float, outside: float) -> tuple[float, float, float]:
+    moved = offload(st.s, blocks, st.layers, outside)
+    return moved.blocks, moved.outside, moved.host
+
+
+def time(tc: TimeContext) -> Timed:
+    s = tc.s
+    host = tc.peak().host_activations if s.offload_mode != "none" else 0.0
+    return Timed({"activation_offload_copies": copy_s(s, host, tc.dev.host_link_gbs, tc.compute_s)})
+
+
+FEATURE = Feature("activation offload", relocate=relocate, time=time)

@@ -29,10 +29,23 @@ from dataclasses import dataclass, replace
 from fitlm.memory.precision import recasts_in_backward
 from fitlm.models.matmul_attention import BLOCK_ROWS as ATTN_BLOCK_ROWS
 from fitlm.plan import context_parallel as cp
-from fitlm.plan import expert_parallel as ep
+from fitlm.plan import data_parallel, pipeline
 from fitlm.plan import finetune as ft
-from fitlm.plan.activation_offload import RESIDENT_BLOCKS, offload
-from fitlm.plan.setup import LEVELS, Setup, embedding_params, head_params, layer_params, stage_layers
+from fitlm.plan.blocks import attention_kept, block_act_per_token, blocked_attention
+from fitlm.plan.context_parallel import gathered_layers
+from fitlm.plan.features import FEATURES
+from fitlm.plan.setup import (
+    LEVELS,
+    Setup,
+    act_bytes,
+    embedding_params,
+    head_params,
+    layer_params,
+    param_bytes,
+    residual_bytes,
+    stage_layers,
+)
+from fitlm.plan.terms import Stage, Term, named, only, sum_terms
 
 # Per-level block constants live with each family (fitlm.models.counts, PlannerCounts.block_bytes):
 # (replicated h, query width, kv, f, D) bytes per token per block, no recompute; the Llama block's are
@@ -46,27 +59,12 @@ LOGIT_BYTES = 12
 # (20 was fitted to a simulation that also counted DTensor's global-shape metadata run: fitlm.plan.fake_world.)
 LOGIT_BYTES_TP = 16
 WEIGHT_CAST = {"O0": 0, "O1": 2, "O2": 2, "O3": 0}  # half weight copies saved by the matmuls, per parameter
-REFERENCE = (
-    "DPO reference model (frozen, unsharded)"  # the part of `other` that fitlm.plan.finetune.reference_bytes counts
-)
 ATTN_BACKWARD = (
     "matmul attention backward (one query block's scores)"  # a part of `activations` (attention_backward_bytes)
 )
 ATTN_PROBS = (
     "matmul_saved attention probabilities (fp32, kept for backward)"  # a part of `activations` (kept_probabilities)
 )
-
-
-def param_bytes(s: Setup) -> int:
-    return 2 if s.level == "O3" else 4
-
-
-def act_bytes(s: Setup) -> int:
-    return 4 if s.level == "O0" else 2
-
-
-def residual_bytes(s: Setup) -> int:
-    return 4 if s.level in ("O0", "O1") else 2
 
 
 @dataclass(frozen=True)
@@ -127,46 +125,6 @@ def rank_params(s: Setup, first: bool) -> float:
     return tp_share(s, stage_params(s, first)) + len(ft.stage_blocks(s, first)) * ft.rank_block_adapters(s)
 
 
-def block_act_per_token(s: Setup) -> float:
-    """Saved bytes per token of one block with no recompute, on one tensor-parallel rank."""
-    rep, shard, kv, f, d = s.level_bytes()
-    t = s.tp
-    rep_h = rep * s.h / (t if s.sp else 1)
-    if s.sp:  # the all-gathered inputs of q/k/v and gate/up stay full width (2 of the 6 replicated tensors)
-        rep_h += 2 * act_bytes(s) * s.h * (1 - 1 / t)
-    masked = s.doc_mask or s.sliding  # a masked SDPA expands k, v to every query head
-    # (not context parallel's: its gathered k, v are attended unexpanded and counted per layer,
-    # fitlm.plan.context_parallel)
-    # (nor the blocked matmul attentions': they fold a key head's query heads onto it)
-    gqa_repeat = (
-        2 * act_bytes(s) * (s.q - s.kv) if masked and s.kv < s.q and s.cp == 1 and not blocked_attention(s) else 0
-    )
-    # Soft-capped eager attention keeps, per score, tanh's output and the fp32 softmax (8 bytes; the half
-    # cast of the probabilities at half levels replaces nothing: 2 + 4 + 2).
-    scores = 8 * s.heads * s.seq if s.softcap else 0
-    return (
-        rep_h
-        + (shard * s.q + kv * s.kv + f * s.ffn + gqa_repeat + scores + attention_kept(s)) / t
-        + d * s.head_dim
-        + 8
-        - cp.local_kv_per_token(s)
-    )
-
-
-def blocked_attention(s: Setup) -> str | None:
-    """memory.attention_backward's blocked matmul attention where it runs (a CPU, no context parallel, no soft-capped
-    scores), else None."""
-    kind = s.cfg.memory.attention_backward
-    return kind if kind != "sdpa" and s.device_kind == "cpu" and s.cp == 1 and not s.softcap else None
-
-
-def attended_keys(seq: int) -> float:
-    """Keys a query row attends on average in the blocked matmul attention: each 128-row query block multiplies
-    by the keys up to its last row (T/2 + 64 for T a multiple of 128)."""
-    rows = ATTN_BLOCK_ROWS
-    return sum(min(rows, seq - r0) * min(seq, r0 + rows) for r0 in range(0, seq, rows)) / seq
-
-
 def kept_probabilities(s: Setup, tokens: float, layers: int, in_flight: float) -> float:
     """The part of the kept activations that is matmul_saved's probabilities (all but the blocks full recompute
     rebuilds keep them; selective recompute keeps the score matmuls' outputs, as many bytes)."""
@@ -174,14 +132,6 @@ def kept_probabilities(s: Setup, tokens: float, layers: int, in_flight: float) -
         return 0.0
     keeping = layers - (-(-layers // max(1, s.recompute_every)) if s.recompute == "full" else 0)
     return in_flight * keeping * tokens * attention_kept(s) / s.tp
-
-
-def attention_kept(s: Setup) -> float:
-    """Bytes per token the attention itself keeps for backward, all heads: SDPA's fp32 log-sum-exp, or under
-    memory.attention_backward: matmul_saved the fp32 probabilities of every attended score (no log-sum-exp)."""
-    if blocked_attention(s) == "matmul_saved":
-        return 4 * s.heads * attended_keys(s.seq)
-    return 4 * s.heads
 
 
 def block_act_recompute(s: Setup, tokens: float) -> float:
@@ -230,14 +180,6 @@ def activations(
             casts = WEIGHT_CAST[s.level] * sum(ft.block_cast_params(s, b) for b in blocks) / len(blocks)
     working = tokens * block_act_per_token(s) + casts + cp.gathered_kv(s) if recomputed else 0.0
     return kept + plain * casts, plain * casts, working  # saved half weights are shared by the in-flight chunks
-
-
-def gathered_layers(s: Setup, layers: int) -> int:
-    """Blocks whose gathered K/V (context parallel) stay from forward to backward: all but those full recompute
-    rebuilds (selective recompute keeps the attention inputs)."""
-    if s.recompute != "full":
-        return layers
-    return layers - -(-layers // max(1, s.recompute_every))
 
 
 # memory.attention_backward: matmul / matmul_saved (fitlm.models.matmul_attention) hold, inside one block's backward,
@@ -340,161 +282,109 @@ def breakdown(s: Setup) -> Breakdown:
 
 
 def _stage(s: Setup, first: bool) -> Breakdown:
-    n = rank_params(s, first)
-    trained = n if s.method == "full" else ft.stage_trainable(s, first)
-    experts = ep.stage_expert_params(s) if s.ep > 1 else 0  # counted apart: E/ep per rank, at ZeRO 0
-    n -= experts
-    trained -= experts if s.method == "full" else 0
-    params, grads_full, opt, host = (
-        a + b for a, b in zip(model_states(s, n, trained), ep.expert_states(s, model_states) if experts else (0,) * 4)
-    )
-    in_flight: float  # micro batches (chunks) whose activations are alive at the peak
-    if s.pp > 1:
-        tokens = s.rows / max(1, s.chunks) * s.seq  # one pipeline chunk
-        layers = stage_layers(s) if s.schedule != "interleaved_1f1b" else 2 * -(-s.layers // (2 * s.pp))
-        step_chunks = s.step_chunks  # one schedule run per step: its warm-up counts the chunks of every micro batch
-        if s.schedule == "gpipe":
-            in_flight = step_chunks
-        elif s.schedule == "interleaved_1f1b":  # rank r's forwards before its first backward (torch's
-            # _get_warmup_ops: one round per extra local stage, two per hop from the last rank), then one more;
-            # counted in (chunk, local stage) pairs over the rank's 2 stages
-            rank = 0 if first else s.pp - 1
-            per_round = step_chunks // max(1, step_chunks // s.pp)
-            in_flight = min(per_round + 2 * (s.pp - 1 - rank) + 1, 2 * step_chunks) / 2
-        else:
-            in_flight = min(step_chunks, s.pp) if first else 1
-        has_logits = not first
+    """One stage's peak: the model's own bytes (states, the blocks' saved tensors, the loss path) plus the terms
+    the features add (fitlm.plan.features), at the larger of the forward/backward and the optimizer-step moment."""
+    st, states = _stage_shape(s, first)
+    params, grads, opt, host = states
+    kept, casts, working = activations(s, st.tokens, st.layers, st.in_flight, first)
+    outside = st.in_flight * outside_bytes(s, st.tokens) * (1 if st.has_logits else 0.5)
+    terms = _model_terms(st) + [t for f in FEATURES for t in f.memory(st)]
+    blocks = kept - casts  # the blocks' saved tensors (the half weight casts stay: they are the parameters')
+    kept_blocks, host_act = blocks, 0.0
+    for f in FEATURES:
+        if f.relocate is not None:  # activation offload: saved tensors to the host
+            kept_blocks, outside, moved = f.relocate(st, kept_blocks, outside)
+            host_act += moved
+    left = kept_blocks / blocks if host_act and blocks else 1.0  # of the blocks' saved tensors, on the device
+    kept = kept_blocks + casts
+    logit = logits_bytes(s, st.tokens) if st.has_logits else 0.0
+    # The two forward/backward candidates differ by what exists at one of them only
+    moment = "backward" if working + only(terms, "backward") > outside + logit + only(terms, "loss") else "loss"
+    at = {c: sum_terms(terms, moment, c) for c in COMPONENTS}
+    if moment == "loss":
+        act, logit = kept + outside + at["activations"], logit + at["logits"]
     else:
-        tokens, layers, in_flight, has_logits = s.rows * s.local_seq, s.layers, 1, True  # T/C under context parallel
-    kept, casts, working = activations(s, tokens, layers, in_flight, first)
-    outside = in_flight * outside_bytes(s, tokens) * (1 if has_logits else 0.5)
-    moved = offload(s, kept - casts, layers, outside)  # memory.activation_offload (fitlm.plan.activation_offload)
-    kept, outside, host_act = moved.blocks + casts, moved.outside, moved.host
-    act_parts = {
-        cp.GATHERED: in_flight * gathered_layers(s, layers) * cp.gathered_kv(s),
-        ATTN_PROBS: kept_probabilities(s, tokens, layers, in_flight),
-    }
-    if host_act:
-        act_parts[cp.GATHERED] *= min(layers, RESIDENT_BLOCKS) / layers  # the rest went to the host with its blocks
-    logit = logits_bytes(s, tokens) if has_logits else 0.0
-    rope = s.counts.rope_tables * 2 * s.max_seq_len * s.head_dim * 4  # RoPE cos/sin tables (buffers)
-    # (REFERENCE: the DPO copy, which lives all run)
-    parts: dict[str, float] = {"RoPE cos/sin tables": rope, REFERENCE: ft.reference_bytes(s)}
-    parts[ep.A2A_BUFFERS] = ep.alltoall_buffers(s, tokens, act_bytes(s))
-    if s.pp > 1:
-        extra_act, extra_logit, pipe_parts = _pipeline_terms(s, tokens, in_flight, first)
-        outside, logit = outside + extra_act, logit + extra_logit
-        parts.update(pipe_parts)
-    elif s.cp > 1:  # the global-position mask (fitlm.plan.context_parallel); the gathered K/V are activations
-        parts.update(cp.parts(s))
-    elif s.doc_mask:  # the block-causal mask [B,1,T,T], additive in the attention's dtype, shared by all blocks
-        parts["document mask"] = s.rows * s.seq * s.seq * act_bytes(s)  # (fitlm.models.layers.shared_mask)
-    sharded = s.dims.fsdp_sharded
-    gathered_pb = 2 if s.level == "O2" else param_bytes(s)  # FSDP2 gathers O2's parameters in half
-    unsharded = (n - ft.nf4_params(s)) * gathered_pb + ft.nf4_rank_bytes(s, gathered=True)  # NF4: its codes
-    staging = 0.0
-    if sharded and s.zero == 2:
-        # ZeRO-2 keeps the gathered (separate, full) parameters from forward to backward
-        parts["ZeRO-2 gathered parameters"] = unsharded
-    elif sharded and ft.nf4_params(s):
-        # QLoRA peaks in the last block's backward, while it dequantizes: that block gathered, the next one's
-        # prefetch not yet issued (measured, MemTracker: one block, its NF4 codes, norms and adapters)
-        nf4_block = ft.nf4_params(s) / s.layers
-        staging = (layer_params(s) + ft.rank_block_adapters(s) - nf4_block) * gathered_pb + ft.nf4_rank_bytes(
-            s, gathered=True
-        ) / s.layers
-    elif sharded and s.device_kind == "cpu" and not s.cfg.memory.compile:
-        # Over gloo each Linear is its own FSDP2 unit (fitlm.parallel.data_parallel): in backward the one computing,
-        # the prefetched one's all-gather buffer and its copy-out, at most three of the largest
-        staging = 3 * max(i * o for _, i, o in s.counts.linears) / s.tp * gathered_pb
-    elif sharded:
-        staging = 2 * unsharded / max(1, layers)  # ZeRO-3 in backward: the regathered block and the prefetched next
-    # Two candidate moments in backward: the loss (logits alive; measured: no ZeRO-3 block gathered yet)
-    # or the first block's backward (logits freed, the head's gradient present, the block gathered or
-    # rebuilt by recompute).
-    head_grad = s.vocab * s.h * param_bytes(s) / s.tp if has_logits and ft.head_trains(s) else 0.0
-    cp_backward = cp.backward_bytes(s)  # context parallel: full-length K/V gradients in a block's backward
-    dequant = ft.dequant_bytes(
-        s, tokens
-    )  # QLoRA: the last block's largest NF4 weight dequantized for its input gradient
-    attn_bwd = attention_backward_bytes(s, tokens / s.local_seq)  # memory.attention_backward: matmul
-    # It peaks in the last block's attention backward, after that block's MLP backward let go of its saved tensors.
-    attn_net = max(0.0, attn_bwd - tokens * s.level_bytes()[3] * s.ffn / s.tp)
-    if working + cp_backward + staging + head_grad + dequant + attn_net > outside + logit:
-        act, logit, grads_extra = kept + working + cp_backward + dequant + attn_net, 0.0, head_grad
-        act_parts[cp.BACKWARD] = cp_backward
-        act_parts[ft.DEQUANT] = dequant
-        act_parts[ATTN_BACKWARD] = attn_bwd
-        if staging:
-            parts["ZeRO-3 gathered blocks"] = staging
-    else:
-        act, grads_extra = kept + outside, 0.0
-    # Gradients present during forward: none at accumulation step 1 (zero_grad frees them); with
-    # accumulation the earlier micro batches' gradients: unsharded while FSDP2 skips the sync
-    # (parallel.gradient_sync: last_micro_batch), their shards when it reduces every micro batch.
-    held = trained * gathered_pb if sharded and not s.sync_every else grads_full
-    if s.pp > 1:  # one schedule run per step: gradients exist once this stage has run a backward
-        grads_fb = held * _backward_before_peak(s, first) + grads_extra
-    elif s.dims.ddp:
-        # DDP's gradients are views into its buckets, which live for the whole run (zero_grad only drops the
-        # views); micro batches that skip the sync accumulate into gradients of their own beside the buckets.
-        grads_fb = grads_full + grads_extra
-        if s.accum > 1 and not s.sync_every:
-            parts["DDP buckets beside unsynced gradients"] = grads_full
-    else:
-        grads_fb = (0.0 if s.accum == 1 else held) + grads_extra
-    nf4_part = ((ft.NF4_PARAMS, int(ft.nf4_rank_bytes(s))),) if params and ft.nf4_params(s) else ()
-    fb = _with_parts(params, grads_fb, opt, act, logit, parts, "forward/backward", host + host_act)
-    fb = replace(
-        fb,
-        activation_parts=tuple((k, int(v)) for k, v in act_parts.items() if v),
-        host_activations=int(host_act),
-        param_parts=nf4_part,
-    )
+        act, logit = kept + working + at["activations"], 0.0
+    held, dp_terms = data_parallel.forward_grads(st, grads)
+    terms += dp_terms
+    fb = _at_moment(params, held + at["grads"], opt, act, logit, terms, moment, host, host_act, left)
+    fb = replace(fb, phase="forward/backward")
     # Optimizer step: gradients complete (DDP's are views into its buckets: no second copy), plus foreach
     # AdamW's one state-sized temporary (sqrt of v) where sharded DTensors keep it off the fused kernel.
     step_tmp = opt / 2 if not s.offload and foreach_adamw(s) else 0.0
-    step_parts = {"RoPE cos/sin tables": rope, REFERENCE: parts[REFERENCE], "optimizer temporaries": step_tmp}
-    st = _with_parts(params, grads_full, opt, 0, 0, step_parts, "optimizer step", host + host_act)
-    st = replace(st, host_activations=int(host_act), param_parts=nf4_part)  # pinned buffers stay for the next step
-    return max((fb, st), key=lambda b: b.total)
+    terms.append(Term("other", "optimizer temporaries", step_tmp, "step"))
+    step = _at_moment(params, grads, opt, 0, 0, terms, "step", host, host_act, left)  # pinned buffers stay
+    return max((fb, replace(step, phase="optimizer step")), key=lambda b: b.total)
 
 
-def _pipeline_terms(s: Setup, tokens: float, in_flight: float, first: bool) -> tuple[float, float, dict[str, float]]:
-    """What a pipeline stage holds beyond its blocks' saved tensors, for chunks of `tokens` tokens: (activations,
-    logits, named parts). Counted from torch's schedules (fitlm.plan.simulate runs them):
-    - each in-flight chunk's stage output, kept by the schedule until that chunk's backward: the hidden state
-      (first stages) or the logits (the last);
-    - receive buffers, allocated once for every chunk of the step: activations into every stage but the
-      first, gradients into every stage but the last;
-    - the first stage's peak falls in its first backward (no logits there): with every in-flight chunk still
-      saved, the MLP backward's three [tokens, f] gradients;
-    - the last stage's in-flight chunks (GPipe: all of them) each keep the log-softmax their loss saved."""
-    hidden = tokens * s.h * residual_bytes(s)  # the residual stream crossing a stage boundary, full width
-    chunks = s.step_chunks
-    local = 2 if s.schedule == "interleaved_1f1b" else 1  # stages per rank: each in-flight pair keeps an output
-    parts = {"pipeline receive buffers": chunks * hidden}  # first: gradients in; last: activations in
-    if s.doc_mask:  # per chunk: an additive mask [b, 1, T, T] in the activation dtype, kept for its backward
-        parts["document masks (in-flight chunks)"] = in_flight * tokens * s.seq * act_bytes(s)
-    if first:
-        return local * in_flight * hidden + tokens * 3 * s.ffn * act_bytes(s) / s.tp, 0.0, parts
-    held = in_flight if s.schedule == "gpipe" else 1  # the last stage's chunks between forward and backward
-    return (local - 1) * in_flight * hidden, tokens * s.vocab / s.tp * (held * act_bytes(s) + (held - 1) * 4), parts
+COMPONENTS = ("params", "grads", "optimizer", "activations", "logits", "other")
 
 
-def _backward_before_peak(s: Setup, first: bool) -> float:
-    """The share of this stage's gradients that exists when its peak recurs (a backward has run): GPipe peaks at
-    its first backward; 1F1B-style schedules in their steady state, which the first stage reaches only with more
-    chunks per step than stages, the last from its second chunk on (interleaved: only its last local stage has)."""
-    if s.schedule == "gpipe" or (first and s.step_chunks <= s.pp) or s.step_chunks == 1:
-        return 0.0
-    return 0.5 if s.schedule == "interleaved_1f1b" and not first else 1.0
+def _stage_shape(s: Setup, first: bool) -> tuple[Stage, tuple[float, float, float, float]]:
+    """The stage (fitlm.plan.pipeline's shape) and its model states: the parameters the engine counts, sharded by
+    ZeRO, plus those a feature counts itself (expert parallel's experts)."""
+    n = rank_params(s, first)
+    trained = n if s.method == "full" else ft.stage_trainable(s, first)
+    owned = [o for f in FEATURES if (o := f.owned(s, first)) is not None]
+    n -= sum(o.dense for o in owned)
+    trained -= sum(o.dense_trained for o in owned)
+    params, grads, opt, host = model_states(s, n, trained)
+    for o in owned:
+        p, g, m, h = model_states(o.as_setup, o.n, o.trained)
+        params, grads, opt, host = params + p, grads + g, opt + m, host + h
+    tokens, layers, in_flight, has_logits = pipeline.shape(s, first)
+    return Stage(s, first, tokens, layers, in_flight, has_logits, n, trained), (params, grads, opt, host)
 
 
-def _with_parts(
-    params: float, grads: float, opt: float, act: float, logit: float, parts: dict[str, float], phase: str, host: float
+def _model_terms(st: Stage) -> list[Term]:
+    """The model's own named terms: its RoPE tables (buffers), the document mask, the loss's head gradient in
+    backward, and memory.attention_backward's blocked matmul attention (its kept probabilities, its backward)."""
+    s, tokens = st.s, st.tokens
+    rope = s.counts.rope_tables * 2 * s.max_seq_len * s.head_dim * 4  # RoPE cos/sin tables (buffers)
+    terms = [Term("other", "RoPE cos/sin tables", rope, "always")]
+    if s.doc_mask and s.pp == 1 and s.cp == 1:  # the block-causal mask [B,1,T,T], additive in the attention's
+        # dtype, shared by all blocks (fitlm.models.layers.shared_mask); pipeline and context parallel keep their own
+        terms.append(Term("other", "document mask", s.rows * s.seq * s.seq * act_bytes(s)))
+    # The backward moment: logits freed, the head's gradient present
+    head_grad = s.vocab * s.h * param_bytes(s) / s.tp if st.has_logits and ft.head_trains(s) else 0.0
+    attn_bwd = attention_backward_bytes(s, tokens / s.local_seq)  # memory.attention_backward: matmul
+    # It peaks in the last block's attention backward, after that block's MLP backward let go of its saved tensors.
+    attn_net = max(0.0, attn_bwd - tokens * s.level_bytes()[3] * s.ffn / s.tp)
+    return terms + [
+        Term("activations", ATTN_PROBS, 0.0, shown=kept_probabilities(s, tokens, st.layers, st.in_flight)),
+        Term("grads", None, head_grad, "backward"),
+        Term("activations", ATTN_BACKWARD, attn_net, "backward", shown=attn_bwd),
+    ]
+
+
+def _at_moment(
+    params: float,
+    grads: float,
+    opt: float,
+    act: float,
+    logit: float,
+    terms: list[Term],
+    moment: str,
+    host: float,
+    host_act: float,
+    left: float,
 ) -> Breakdown:
-    named = tuple((k, int(v)) for k, v in parts.items() if v)
+    """A Breakdown at `moment` of the model's bytes and the terms' `other` and named parts; `host` the model
+    states' host bytes (offload), `host_act` the saved tensors there, `left` their share left on the device."""
+    other = named(terms, moment, "other")
+    listed = tuple((k, int(v)) for k, v in other.items() if v)
+    counted = sum_terms([t for t in terms if t.name is None], moment, "other")
     return Breakdown(
-        int(params), int(grads), int(opt), int(act), int(logit), sum(v for _, v in named), phase, int(host), named
+        int(params),
+        int(grads),
+        int(opt),
+        int(act),
+        int(logit),
+        sum(v for _, v in listed) + int(counted),
+        moment,
+        int(host + host_act),
+        listed,
+        activation_parts=tuple((k, int(v)) for k, v in named(terms, moment, "activations", left).items() if v),
+        host_activations=int(host_act),
+        param_parts=tuple((k, int(v)) for k, v in named(terms, moment, "params").items() if v),
     )

@@ -23,22 +23,19 @@ in backward, and the gathers again when full recompute rebuilds a block; ring co
 
 from __future__ import annotations
 
-from fitlm.plan.setup import Setup
-
-
-def _e(s: Setup) -> int:
-    return 4 if s.level == "O0" else 2  # activation bytes (fitlm.plan.analytic.act_bytes; no import cycle)
+from fitlm.plan.setup import Setup, act_bytes
+from fitlm.plan.terms import Feature, Stage, Term, TimeContext, Timed
 
 
 def local_kv_per_token(s: Setup) -> float:
     """Bytes per local token of the rotated k and v an unsplit block saves, which context parallel replaces by
     the gathered ones (one tensor-parallel rank)."""
-    return 2 * _e(s) * s.kv / s.tp if s.cp > 1 else 0.0
+    return 2 * act_bytes(s) * s.kv / s.tp if s.cp > 1 else 0.0
 
 
 def gathered_kv(s: Setup) -> float:
     """Keys and values of the whole sequence one attention layer keeps for backward: 2·B·(K/tp)·T·D·e."""
-    return 2 * s.mbs * s.kv / s.tp * s.seq * _e(s) if s.cp > 1 else 0.0
+    return 2 * s.mbs * s.kv / s.tp * s.seq * act_bytes(s) if s.cp > 1 else 0.0
 
 
 def backward_bytes(s: Setup) -> float:
@@ -51,7 +48,7 @@ def mask_bytes(s: Setup) -> float:
     plainly causal, else [T/C,T] of global positions) and, where some layers slide, the window's [T/C,T]."""
     if s.cp == 1:
         return 0.0
-    e = 1 if s.softcap else _e(s)
+    e = 1 if s.softcap else act_bytes(s)
     positions = s.local_seq * s.seq * (s.mbs if s.doc_mask else 1) * e  # one [T/C,T] (or [B,1,T/C,T])
     if s.doc_mask or s.softcap:
         full = positions
@@ -61,14 +58,38 @@ def mask_bytes(s: Setup) -> float:
     return full + (positions if s.sliding else 0.0)
 
 
-def parts(s: Setup) -> dict[str, float]:
-    """What context parallel adds to a rank's `other` (named): the masks."""
-    return {"context parallel: attention mask": mask_bytes(s)} if s.cp > 1 else {}
+def gathered_layers(s: Setup, layers: int) -> int:
+    """Blocks whose gathered K/V stay from forward to backward: all but those full recompute rebuilds (selective
+    recompute keeps the attention inputs)."""
+    if s.recompute != "full":
+        return layers
+    return layers - -(-layers // max(1, s.recompute_every))
 
 
-# Their names among the activations' parts
+# Their names among the activations' parts, and the masks' among `other`
 GATHERED = "context parallel: gathered K/V (kept for backward)"
 BACKWARD = "context parallel: K/V gradients and reduce-scatter buffer (a block's backward)"
+MASK = "context parallel: attention mask"
+
+
+def memory(st: Stage) -> list[Term]:
+    """The gathered K/V among the blocks' saved tensors (the engine counts them with the blocks: they move with
+    them under activation offload), the K/V gradients of a block's backward, and the masks (a pipeline stage's
+    masks are its in-flight chunks', fitlm.plan.pipeline)."""
+    s = st.s
+    if s.cp == 1:
+        return []
+    gathered = st.in_flight * gathered_layers(s, st.layers) * gathered_kv(s)
+    terms = [
+        Term("activations", GATHERED, 0.0, shown=gathered, in_blocks=True),
+        Term("activations", BACKWARD, backward_bytes(s), "backward"),
+    ]
+    return terms + ([Term("other", MASK, mask_bytes(s))] if s.pp == 1 else [])
+
+
+def time(tc: TimeContext) -> Timed:
+    s = tc.s
+    return Timed({"context_parallel_comm": comm_s(s, tc.ring, tc.bandwidth(s.cp, s.tp))})
 
 
 def comm_s(s: Setup, ring, bandwidth: float) -> float:
@@ -77,7 +98,10 @@ def comm_s(s: Setup, ring, bandwidth: float) -> float:
     waits for its keys."""
     if s.cp == 1:
         return 0.0
-    full = s.mbs * s.kv / s.tp * s.seq * _e(s)  # one gathered tensor [B,K/tp,T,D]
+    full = s.mbs * s.kv / s.tp * s.seq * act_bytes(s)  # one gathered tensor [B,K/tp,T,D]
     gathers = 2 * (2 if s.recompute == "full" else 1)  # K and V, forward (and rebuilt)
     per_layer = gathers * ring("all_gather", full, s.cp, bandwidth) + 2 * ring("reduce_scatter", full, s.cp, bandwidth)
     return s.accum * s.layers * per_layer
+
+
+FEATURE = Feature("context parallel", memory=memory, time=time)

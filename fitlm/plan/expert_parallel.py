@@ -16,8 +16,15 @@ The planner counts every block as a routed one (fitlm.models.counts.moe_block), 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
-from fitlm.plan.setup import Setup
+from fitlm.parallel_dims import divisors
+from fitlm.plan.setup import Setup, act_bytes, param_bytes
+from fitlm.plan.terms import Axis, Feature, Owned, Stage, Term, TimeContext, Timed
+
+if TYPE_CHECKING:
+    from fitlm.config import Config
+    from fitlm.parallel.layout import Layout
 
 A2A_BUFFERS = "expert-parallel all-to-all buffers"
 
@@ -54,20 +61,40 @@ def alltoall_seconds(
     return 4 * s.layers * s.accum * (leaving / bandwidth + latency_s * (s.ep - 1))
 
 
-def expert_states(s: Setup, model_states) -> tuple[float, float, float, float]:
-    """(params, grads, optimizer, host) bytes of a rank's experts: E/ep, at ZeRO 0 (see the module docstring).
-    Trained under full fine-tuning, frozen under LoRA (its targets are attention's), trained above the frozen
-    bottom under freeze. `model_states` is fitlm.plan.analytic's, passed in so that this module stays below it."""
-    local = local_expert_params(s)
+def owned(s: Setup, first: bool) -> Owned | None:
+    """A rank's experts, counted apart from the dense model: E/ep of every block's, at ZeRO 0 (see the module
+    docstring). Trained under full fine-tuning, frozen under LoRA (its targets are attention's), trained above the
+    frozen bottom under freeze."""
+    if s.ep == 1:
+        return None
+    experts, local = stage_expert_params(s), local_expert_params(s)
     trained = {"full": local, "freeze": local * (1 - s.freeze_layers)}.get(s.method, 0.0)
-    return model_states(replace(s, zero=0), local, trained)
+    return Owned(experts, experts if s.method == "full" else 0, local, trained, replace(s, zero=0))
 
 
-__all__ = [
-    "A2A_BUFFERS",
-    "alltoall_buffers",
-    "alltoall_seconds",
-    "expert_states",
-    "local_expert_params",
-    "stage_expert_params",
-]
+def memory(st: Stage) -> list[Term]:
+    return [Term("other", A2A_BUFFERS, alltoall_buffers(st.s, st.tokens, act_bytes(st.s)))] if st.s.ep > 1 else []
+
+
+def time(tc: TimeContext) -> Timed:
+    """The all-to-alls on the critical path (the experts wait for their rows), and the experts' gradients
+    reduced over the ranks that hold the same ones (edp), overlapping backward as data parallel's do."""
+    s = tc.s
+    a2a = alltoall_seconds(s, s.rows * s.local_seq, act_bytes(s), tc.bandwidth(s.ep, s.tp), tc.latency_s)
+    if s.ep == 1:
+        return Timed({"expert_parallel_all_to_all": a2a})
+    grads = local_expert_params(s) * param_bytes(s) if s.method == "full" else 0.0
+    syncs = s.accum if s.sync_every else 1
+    reduced = syncs * tc.ring("all_reduce", grads, s.dims.edp, tc.bandwidth(s.dims.dp_cp, s.tp))
+    return Timed({"expert_parallel_all_to_all": a2a}, reduced)
+
+
+def axis(cfg: "Config", lay: "Layout") -> Axis | None:
+    """plan --search tries every degree dividing both data_parallel and the experts (MoE only)."""
+    e = cfg.model.num_experts
+    return Axis("ep", [d for d in divisors(lay.dp) if e % d == 0]) if e else None
+
+
+FEATURE = Feature("expert parallel", memory=memory, owned=owned, time=time, axis=axis)
+
+__all__ = ["A2A_BUFFERS", "alltoall_buffers", "alltoall_seconds", "owned", "local_expert_params", "stage_expert_params"]

@@ -42,7 +42,18 @@ reference: no copy of the weights and no reference forward.
 from __future__ import annotations
 
 from fitlm.memory import nf4
-from fitlm.plan.setup import Setup, embedding_params, head_params, layer_params, stage_layers, total_params
+from fitlm.plan.blocks import block_act_per_token
+from fitlm.plan.setup import (
+    Setup,
+    act_bytes,
+    embedding_params,
+    head_params,
+    layer_params,
+    residual_bytes,
+    stage_layers,
+    total_params,
+)
+from fitlm.plan.terms import Feature, Stage, Term
 
 ALL_LINEAR = "all-linear"
 ADAPTER_METHODS = ("lora", "qlora")  # fitlm.config.FinetuneConfig.adapters
@@ -52,6 +63,7 @@ ADAPTER_METHODS = ("lora", "qlora")  # fitlm.config.FinetuneConfig.adapters
 # are freed and needs less (bf16 + fp32: 6), as does autocast's bf16 copy of it.
 DEQUANT_BYTES_PER_PARAM = 14
 NF4_PARAMS = "NF4 base linears (4-bit codes + scales)"  # the part of `params` `nf4_rank_bytes` counts
+REFERENCE = "DPO reference model (frozen, unsharded)"  # the part of `other` that `reference_bytes` counts
 DEQUANT = "NF4 dequantization (largest linear)"  # the part of `activations` `dequant_bytes` counts
 
 
@@ -131,8 +143,6 @@ def dequant_bytes(s: Setup, tokens: float) -> float:
     [tokens, out] (in the activations' dtype) it is about to multiply. Checked on fake tensors: within 1%
     of the simulated total for q/v and all-linear targets at O0-O2; the other in-flight gradients of that
     moment roughly cancel the saved tensors the block's backward has freed."""
-    from fitlm.plan.analytic import act_bytes
-
     return max((DEQUANT_BYTES_PER_PARAM * i * o + tokens * o * act_bytes(s) for i, o, _ in nf4_linears(s)), default=0.0)
 
 
@@ -255,8 +265,6 @@ def block_savings(s: Setup, block: int) -> float:
     """Bytes per token that block `block` keeps less than a fully trained block (negative = more)."""
     if s.method == "full" or not s.counts.finetune_activations:  # parameters and states only, activations as full
         return 0.0
-    from fitlm.plan.analytic import block_act_per_token, residual_bytes
-
     below = _grad_below(s, block)
     input_saving = 0.0 if below else 4 * s.h + 4  # the block input (fp32 for the norm's statistics), rsqrt
     if _block_trains(s, block):
@@ -294,9 +302,23 @@ def outside_savings(s: Setup) -> float:
     """Bytes per token the final norm keeps less when the head (and the norm) is frozen."""
     if s.method == "full" or not s.counts.finetune_activations:
         return 0.0
-    from fitlm.plan.analytic import act_bytes, residual_bytes
-
     saved = 0.0 if head_trains(s) else act_bytes(s) * s.h  # the head's input, kept for its weight gradient
     if adapters(s):
         saved += residual_bytes(s) * s.h  # the final norm's weight is frozen too
     return saved
+
+
+def memory(st: Stage) -> list[Term]:
+    """DPO's frozen reference copy (all run), QLoRA's dequantization working set in the last block's backward, and
+    its NF4 weights named among the parameters (none where ZeRO's CPU offload holds the parameters)."""
+    s = st.s
+    terms = [
+        Term("other", REFERENCE, reference_bytes(s), "always"),
+        Term("activations", DEQUANT, dequant_bytes(s, st.tokens), "backward"),
+    ]
+    if nf4_params(s) and not (s.offload and s.dims.fsdp_sharded):
+        terms.append(Term("params", NF4_PARAMS, 0.0, "always", shown=nf4_rank_bytes(s)))
+    return terms
+
+
+FEATURE = Feature("fine-tuning", memory=memory)

@@ -15,7 +15,6 @@ import yaml
 from fitlm.config import Config, ConfigError
 from fitlm.finetune.init_from import resolve_if_readable
 from fitlm.parallel.layout import layout_problems
-from fitlm.parallel_dims import layout_name
 from fitlm.plan.activation_offload import note as offload_note
 from fitlm.plan.analytic import Breakdown, breakdown
 from fitlm.plan.devices import Device
@@ -41,7 +40,7 @@ GiB = 1024**3
 
 def _layout(s: Setup) -> str:
     extra = [f"zero{s.zero}"] + (["sp"] if s.sp else []) + ([f"{s.schedule}×{s.chunks}"] if s.pp > 1 else [])
-    return layout_name(s.dp, s.tp, s.pp, s.cp, s.ep) + " " + " ".join(extra)
+    return s.dims.name + " " + " ".join(extra)
 
 
 def _memory_opts(s: Setup) -> str:
@@ -146,9 +145,7 @@ def plan(
             "data_parallel_comm_exposed": t.dp_comm_s,
             "pipeline_comm": t.pp_comm_s,
             "pipeline_bubble": t.bubble_s,
-            "context_parallel_comm": t.cp_comm_s,
-            "activation_offload_copies": t.offload_s,
-            "expert_parallel_all_to_all": t.ep_comm_s,
+            **dict(t.features),  # e.g. context_parallel_comm, activation_offload_copies, expert_parallel_all_to_all
         },
     }
     notes = [n for n in (note, offload_note(s)) if n]

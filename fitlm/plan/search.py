@@ -20,8 +20,9 @@ from fitlm.parallel.layout import Layout, valid_layouts
 from fitlm.parallel_dims import ParallelDims, divisors
 from fitlm.plan.analytic import Breakdown, breakdown
 from fitlm.plan.devices import Device
+from fitlm.plan.features import FEATURES
 from fitlm.plan.host import HostPeaks, host_peaks, source_tensor
-from fitlm.plan.setup import Setup, from_config, on_device
+from fitlm.plan.setup import KNOBS, Setup, from_config, on_device
 from fitlm.plan.throughput import Timing, timing
 
 SAFETY = 0.9  # a candidate must leave 10% of the usable memory free (fragmentation, spikes)
@@ -39,7 +40,7 @@ class Candidate:
         parts = [f"uses {self.memory.total / dev.usable_bytes:.0%} of usable memory"]
         if t.bubble_s > 0.05 * t.step_s:
             parts.append(f"bubble {t.bubble_s / t.step_s:.0%}")
-        comm = t.tp_comm_s + t.dp_comm_s + t.pp_comm_s + t.cp_comm_s
+        comm = t.tp_comm_s + t.dp_comm_s + t.pp_comm_s + sum(v for _, v in t.features)
         parts.append(f"communication {comm / t.step_s:.0%} of the step")
         if s.recompute != "none":
             parts.append(f"{s.recompute} recompute needed to fit")
@@ -79,7 +80,9 @@ def candidates(cfg: Config, n: int, dev: Device, max_micro_batch: int = 64) -> l
         # per rank are split by data parallel or accumulation instead, for less traffic and the same activations.
         micro_batches = [1] if lay.cp > 1 else [d for d in divisors(per_replica) if d <= max_micro_batch]
         for mbs in micro_batches:
-            for ep_deg, zero in itertools.product(_expert_degrees(cfg, lay.dp), (0, 1, 2, 3)):
+            axes = [a for f in FEATURES if (a := f.axis(cfg, lay)) is not None]  # e.g. expert parallel's degrees
+            for *turned, zero in itertools.product(*(a.values for a in axes), (0, 1, 2, 3)):
+                knobs = {a.knob: v for a, v in zip(axes, turned)}
                 accum = per_replica // mbs
                 options = itertools.product(
                     (False, True) if lay.tp > 1 else (False,),  # sequence parallel
@@ -94,7 +97,7 @@ def candidates(cfg: Config, n: int, dev: Device, max_micro_batch: int = 64) -> l
                 for sp, (sched, chunks), recompute, chunk, offload, sync, act_offload in options:
                     # Offload costs copies and host memory for device memory alone: only to fit what does not
                     if (act_offload and fits_on_device) or _refused(
-                        values, kept, lay, zero, sp, chunk, offload, act_offload, ep_deg
+                        values, kept, lay, zero, sp, chunk, offload, act_offload, knobs
                     ):
                         continue
                     s = replace(
@@ -103,7 +106,6 @@ def candidates(cfg: Config, n: int, dev: Device, max_micro_batch: int = 64) -> l
                         tp=lay.tp,
                         pp=lay.pp,
                         cp=lay.cp,
-                        ep=ep_deg,
                         zero=zero,
                         sp=sp,
                         schedule=sched,
@@ -116,6 +118,7 @@ def candidates(cfg: Config, n: int, dev: Device, max_micro_batch: int = 64) -> l
                         offload=offload,
                         gradient_sync=sync,
                         act_offload=act_offload,
+                        **knobs,
                     )
                     mem = breakdown(s)
                     fits_on_device = mem.total <= limit
@@ -128,22 +131,8 @@ def candidates(cfg: Config, n: int, dev: Device, max_micro_batch: int = 64) -> l
     return out
 
 
-def _expert_degrees(cfg: Config, dp: int) -> list[int]:
-    """parallel.expert_parallel degrees to try: those dividing both data_parallel and the experts (MoE only)."""
-    e = cfg.model.num_experts
-    return [d for d in divisors(dp) if e and e % d == 0] if e else [1]
-
-
 def _refused(
-    values: dict,
-    kept: set,
-    lay: Layout,
-    zero: int,
-    sp: bool,
-    chunk: int,
-    offload: bool,
-    act_offload: bool,
-    ep_deg: int = 1,
+    values: dict, kept: set, lay: Layout, zero: int, sp: bool, chunk: int, offload: bool, act_offload: bool, knobs: dict
 ) -> bool:
     """Whether this candidate breaks a rule (of either stage: a run would start from it) the config keeps."""
     trial = {
@@ -152,12 +141,12 @@ def _refused(
         "parallel.tensor_parallel": lay.tp,
         "parallel.pipeline_parallel": lay.pp,
         "parallel.context_parallel": lay.cp,
-        "parallel.expert_parallel": ep_deg,
         "parallel.zero_stage": zero,
         "parallel.sequence_parallel": sp,
         "memory.loss_chunk_size": chunk,
         "memory.cpu_offload": offload,
         "memory.activation_offload": act_offload,
+        **{KNOBS[k]: v for k, v in knobs.items()},  # the features' knobs (fitlm.plan.features)
     }
     return any(rule in kept for rule in rules.broken(trial, STAGES))
 
@@ -185,10 +174,11 @@ def _pipeline_options(pp: int, mbs: int, layers: int, accum: int) -> list[tuple[
 
 
 def best_per_layout(found: list[Candidate], top: int) -> list[Candidate]:
-    """The fastest candidate of each (dp, tp, pp, cp, ep, zero) so the table shows distinct layouts, not variants."""
+    """The fastest candidate of each layout (its parallel dimensions and ZeRO stage) so the table shows distinct
+    layouts, not variants."""
     seen, out = set(), []
     for c in found:
-        key = (c.setup.dp, c.setup.tp, c.setup.pp, c.setup.cp, c.setup.ep, c.setup.zero)
+        key = c.setup.dims
         if key not in seen:
             seen.add(key)
             out.append(c)

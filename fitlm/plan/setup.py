@@ -275,6 +275,21 @@ def to_overrides(s: Setup) -> dict[str, dict[str, Any]]:
     return out
 
 
+def param_bytes(s: Setup) -> int:
+    """Bytes of a parameter (and of its gradient and each AdamW moment): fp32, or half at O3."""
+    return 2 if s.level == "O3" else 4
+
+
+def act_bytes(s: Setup) -> int:
+    """Bytes of a saved activation: fp32 at O0, half above."""
+    return 4 if s.level == "O0" else 2
+
+
+def residual_bytes(s: Setup) -> int:
+    """Bytes of the residual stream: fp32 at O0 and O1 (O1 keeps it in fp32), half above."""
+    return 4 if s.level in ("O0", "O1") else 2
+
+
 def layer_params(s: Setup) -> int:
     """One block's parameters, as the family unit counts them (matmuls, norms, biases)."""
     return s.counts.block_params

@@ -22,13 +22,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fitlm.plan import context_parallel as context
-from fitlm.plan import expert_parallel as ep
 from fitlm.plan import finetune as ft
-from fitlm.plan.activation_offload import copy_s as offload_s
 from fitlm.plan.analytic import act_bytes, breakdown, param_bytes
 from fitlm.plan.devices import Device
+from fitlm.plan.features import FEATURES
 from fitlm.plan.setup import Setup, layer_params, matmul_params, stage_layers, total_params
+from fitlm.plan.terms import TimeContext
 
 LATENCY_S = 10e-6
 
@@ -44,9 +43,24 @@ class Timing:
     tokens_per_s: float
     mfu: float
     flops_per_token: float
-    cp_comm_s: float = 0.0  # context parallel's K/V gathers and their gradients' reduce-scatters
-    offload_s: float = 0.0  # memory.activation_offload's copies not hidden under compute
-    ep_comm_s: float = 0.0  # expert parallel's all-to-alls of the routed rows (on the critical path)
+    # The features' seconds on the critical path, by report key (fitlm.plan.features): context parallel's K/V
+    # gathers, activation offload's exposed copies, expert parallel's all-to-alls...
+    features: tuple[tuple[str, float], ...] = ()
+
+    def feature_s(self, key: str) -> float:
+        return dict(self.features).get(key, 0.0)
+
+    @property
+    def cp_comm_s(self) -> float:
+        return self.feature_s("context_parallel_comm")
+
+    @property
+    def offload_s(self) -> float:
+        return self.feature_s("activation_offload_copies")
+
+    @property
+    def ep_comm_s(self) -> float:
+        return self.feature_s("expert_parallel_all_to_all")
 
 
 def flops_per_token(s: Setup) -> float:
@@ -78,6 +92,41 @@ def ring(kind: str, size: float, n: int, bw: float) -> float:
 
 def timing(s: Setup, dev: Device) -> Timing:
     fpt = flops_per_token(s)
+    compute = _compute_s(s, dev, fpt)
+    # Tensor parallel: two all-reduces (or all-gather + reduce-scatter under SP) per block forward and
+    # two in backward, of the block's activations [b, s, h]; plus the embedding's.
+    e = act_bytes(s)
+    msg = s.rows * s.local_seq * s.h * e  # this rank's tokens: T/C under context parallel
+    bw_tp = _bandwidth(dev, s.tp, 1)
+    per_mb_layers = stage_layers(s)
+    tp_comm = s.accum * (4 * per_mb_layers + 2) * ring("all_reduce", msg, s.tp, bw_tp)
+    adapter_grads = per_mb_layers * ft.lora_partial_gradients(s) * param_bytes(s)  # per step, not per micro batch
+    tp_comm += ft.PARTIAL_READS_PER_STEP * ring("all_reduce", adapter_grads, s.tp, bw_tp)
+    links = lambda n, stride: _bandwidth(dev, n, stride)  # noqa: E731
+    tc = TimeContext(s, dev, compute, lambda: breakdown(s), ring, links, LATENCY_S)
+    timed = [f.time(tc) for f in FEATURES]
+    critical = tuple((k, v) for t in timed for k, v in t.critical.items())
+    dp_comm = _dp_comm_s(s, dev) + sum(t.overlapped for t in timed)
+    backward = compute * 2.0 / 3.0
+    dp_exposed = max(dp_comm - 0.5 * backward, 0.5 * dp_comm) if s.dims.dp_cp > 1 else 0.0
+    # Pipeline: each chunk's activations cross each boundary forward and their gradients backward.
+    bw_pp = _bandwidth(dev, s.pp, s.dims.dp_cp * s.tp)
+    chunks = max(1, s.chunks) if s.pp > 1 else 1
+    pp_comm = s.accum * 2 * chunks * (msg / chunks / bw_pp + LATENCY_S) if s.pp > 1 else 0.0
+    bubble_frac = (s.pp - 1) / (s.step_chunks + s.pp - 1) if s.pp > 1 else 0.0
+    if s.schedule == "interleaved_1f1b":
+        bubble_frac /= 2
+    busy = compute + tp_comm + pp_comm + sum(v for _, v in critical)
+    bubble = busy * bubble_frac / (1 - bubble_frac) if bubble_frac < 1 else 0.0
+    step = busy + bubble + dp_exposed
+    tokens = s.tokens_per_step / step
+    mfu = tokens * fpt / (s.world * dev.tflops * 1e12)
+    return Timing(step, compute, tp_comm, dp_exposed, pp_comm, bubble, tokens, mfu, fpt, critical)
+
+
+def _compute_s(s: Setup, dev: Device, fpt: float) -> float:
+    """Seconds of compute per step on one rank: model FLOPs plus DPO's reference forward and recompute's reruns,
+    at the device's peak times its efficiency; host AdamW's transfers and update under cpu_offload."""
     tokens_replica = s.rows * s.seq * s.accum  # per data-parallel replica per step (DPO: both rows of a pair)
     peak = dev.tflops * 1e12 * dev.efficiency
     hw = fpt + ft.reference_forward_flops(s, matmul_params(s))  # DPO's reference forward: work, not model FLOPs
@@ -89,19 +138,15 @@ def timing(s: Setup, dev: Device) -> Timing:
     if s.offload:  # host AdamW: gradients down, parameters up over PCIe (~25 GB/s), states on the CPU
         n_dev = _trained_rank(s) / s.dims.shard_factor("optimizer")
         compute += n_dev * (4 + 4) / 25e9 + n_dev * 16 / (100e9)
-    # Tensor parallel: two all-reduces (or all-gather + reduce-scatter under SP) per block forward and
-    # two in backward, of the block's activations [b, s, h]; plus the embedding's.
-    e = act_bytes(s)
-    msg = s.rows * s.local_seq * s.h * e  # this rank's tokens: T/C under context parallel
-    bw_tp = _bandwidth(dev, s.tp, 1)
-    per_mb_layers = stage_layers(s)
-    tp_comm = s.accum * (4 * per_mb_layers + 2) * ring("all_reduce", msg, s.tp, bw_tp)
-    adapter_grads = per_mb_layers * ft.lora_partial_gradients(s) * param_bytes(s)  # per step, not per micro batch
-    tp_comm += ft.PARTIAL_READS_PER_STEP * ring("all_reduce", adapter_grads, s.tp, bw_tp)
-    # Data parallel: gradients once per step, or once per micro batch (parallel.gradient_sync; ZeRO-2/3 by
-    # default), parameters as ZeRO needs.
-    # Under expert parallel the experts are reduced apart, over the ranks that hold the same ones (edp).
-    n_rank = (total_params(s) - (ep.stage_expert_params(s) if s.ep > 1 else 0)) / (s.tp * s.pp)
+    return compute
+
+
+def _dp_comm_s(s: Setup, dev: Device) -> float:
+    """Data parallel's traffic per step: gradients once per step, or once per micro batch (parallel.gradient_sync;
+    ZeRO-2/3 by default), parameters as ZeRO needs; of the parameters the engine counts (a feature's own, such as
+    expert parallel's experts, are reduced by that feature)."""
+    owned = sum(o.dense for f in FEATURES if (o := f.owned(s, True)) is not None)
+    n_rank = (total_params(s) - owned) / (s.tp * s.pp)
     dp = s.dims.dp_cp  # gradients are averaged (and ZeRO shards) over data x context parallel ranks
     bw_dp = _bandwidth(dev, dp, s.tp)
     trained_rank = n_rank if s.method == "full" else _trained_rank(s)
@@ -109,30 +154,8 @@ def timing(s: Setup, dev: Device) -> Timing:
     gather_b = n_rank * (2 if s.level == "O2" else param_bytes(s))
     syncs = s.accum if s.sync_every else 1
     if s.zero <= 1:
-        dp_comm = syncs * ring("all_reduce", grad_b, dp, bw_dp) + (
+        return syncs * ring("all_reduce", grad_b, dp, bw_dp) + (
             ring("all_gather", gather_b, dp, bw_dp) if s.zero == 1 else 0
         )
-    else:
-        gathers = s.accum * (1 if s.zero == 2 else 2)
-        dp_comm = syncs * ring("reduce_scatter", grad_b, dp, bw_dp) + gathers * ring("all_gather", gather_b, dp, bw_dp)
-    if s.ep > 1:
-        expert_grads = ep.local_expert_params(s) * param_bytes(s) if s.method == "full" else 0.0
-        dp_comm += syncs * ring("all_reduce", expert_grads, s.dims.edp, bw_dp)
-    backward = compute * 2.0 / 3.0
-    dp_exposed = max(dp_comm - 0.5 * backward, 0.5 * dp_comm) if dp > 1 else 0.0
-    # Pipeline: each chunk's activations cross each boundary forward and their gradients backward.
-    bw_pp = _bandwidth(dev, s.pp, dp * s.tp)
-    chunks = max(1, s.chunks) if s.pp > 1 else 1
-    pp_comm = s.accum * 2 * chunks * (msg / chunks / bw_pp + LATENCY_S) if s.pp > 1 else 0.0
-    bubble_frac = (s.pp - 1) / (s.step_chunks + s.pp - 1) if s.pp > 1 else 0.0
-    if s.schedule == "interleaved_1f1b":
-        bubble_frac /= 2
-    cp_comm = context.comm_s(s, ring, _bandwidth(dev, s.cp, s.tp))  # on the critical path: attention waits
-    moved = offload_s(s, breakdown(s).host_activations, dev.host_link_gbs, compute) if s.offload_mode != "none" else 0.0
-    ep_comm = ep.alltoall_seconds(s, s.rows * s.local_seq, e, _bandwidth(dev, s.ep, s.tp), LATENCY_S)
-    busy = compute + tp_comm + pp_comm + cp_comm + moved + ep_comm
-    bubble = busy * bubble_frac / (1 - bubble_frac) if bubble_frac < 1 else 0.0
-    step = busy + bubble + dp_exposed
-    tokens = s.tokens_per_step / step
-    mfu = tokens * fpt / (s.world * dev.tflops * 1e12)
-    return Timing(step, compute, tp_comm, dp_exposed, pp_comm, bubble, tokens, mfu, fpt, cp_comm, moved, ep_comm)
+    gathers = s.accum * (1 if s.zero == 2 else 2)
+    return syncs * ring("reduce_scatter", grad_b, dp, bw_dp) + gathers * ring("all_gather", gather_b, dp, bw_dp)

@@ -26,7 +26,9 @@ def unit_of(module: str) -> str:
     return parts[1] if len(parts) > 1 else "__init__"
 
 
-def _imports(tree: ast.AST):
+def _imports(tree: ast.AST, names: bool = False):
+    """The fitlm modules a tree imports; with `names`, `from module import x` yields `module.x` (x may be a module
+    of its own: `from fitlm.plan import finetune` imports fitlm.plan.finetune, not the package's __init__)."""
     for node in ast.iter_child_nodes(tree):
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
             continue  # annotations only: no import at run time
@@ -36,11 +38,13 @@ def _imports(tree: ast.AST):
                     f"fitlm.{a.name}" if (PACKAGE / f"{a.name}.py").exists() or (PACKAGE / a.name).is_dir() else "fitlm"
                     for a in node.names
                 )
+            elif names:  # module_of resolves an attribute path to its module
+                yield from (f"{node.module}.{a.name}" for a in node.names)
             else:
                 yield node.module
         elif isinstance(node, ast.Import):
             yield from (a.name for a in node.names if a.name.split(".")[0] == "fitlm")
-        yield from _imports(node)
+        yield from _imports(node, names)
 
 
 def import_edges() -> list[tuple[str, str, str]]:
@@ -103,7 +107,7 @@ def module_graph() -> dict[str, set[str]]:
     paths = {name(p): p for p in PACKAGE.rglob("*.py")}
     graph = {}
     for mod, path in paths.items():
-        found = {module_of(t, set(paths)) for t in _imports(ast.parse(path.read_text()))}
+        found = {module_of(t, set(paths)) for t in _imports(ast.parse(path.read_text()), names=True)}
         graph[mod] = {m for m in found if m and m != mod}
     return graph
 
@@ -196,3 +200,9 @@ def test_module_path_strings_do_not_climb_a_layer():
         if dst != src and level.get(dst, 99) >= level[src] and not (src == "registry" and dst == "models")
     ]
     assert not upward, "module-path strings that go up or sideways:\n" + "\n".join(upward)
+
+
+def test_the_circle_finder_sees_a_module_imported_from_its_package():
+    tree = ast.parse("from fitlm.plan import finetune as ft\nfrom fitlm.config import Config\n")
+    modules = {"fitlm.plan", "fitlm.plan.finetune", "fitlm.config"}
+    assert {module_of(t, modules) for t in _imports(tree, names=True)} == {"fitlm.plan.finetune", "fitlm.config"}

@@ -13,8 +13,9 @@ from fitlm.config import validate_dict
 from fitlm.finetune.lora import apply_lora, is_adapted
 from fitlm.parallel.lora_parallel import COLWISE, ROWWISE
 from fitlm.plan import finetune as ft
-from fitlm.plan.analytic import REFERENCE, breakdown
+from fitlm.plan.analytic import breakdown
 from fitlm.plan.devices import CATALOG
+from fitlm.plan.finetune import REFERENCE
 from fitlm.plan.setup import from_config, matmul_params, total_params
 from fitlm.plan.throughput import timing
 from fitlm.registry import build_model

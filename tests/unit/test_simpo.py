@@ -137,8 +137,9 @@ def test_config_names_the_keys_and_rules_refuse_what_dpo_refuses():
 
 def test_plan_doubles_the_rows_and_adds_no_reference():
     from fitlm.plan import finetune as ft
-    from fitlm.plan.analytic import REFERENCE, breakdown
+    from fitlm.plan.analytic import breakdown
     from fitlm.plan.devices import CATALOG
+    from fitlm.plan.finetune import REFERENCE
     from fitlm.plan.report import plan
     from fitlm.plan.setup import from_config, matmul_params
     from fitlm.plan.throughput import timing

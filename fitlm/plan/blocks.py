@@ -1,0 +1,60 @@
+"""The decoder block's saved tensors per token, as the analytic engine counts them (see fitlm.plan.analytic's
+docstring for the constants): the block itself, its attention's share (SDPA's log-sum-exp, or
+memory.attention_backward's blocked matmul attention on a CPU), and what context parallel replaces.
+
+Below the engine and fitlm.plan.finetune, which both read a block's bytes (a frozen block keeps less).
+"""
+
+from __future__ import annotations
+
+from fitlm.models.matmul_attention import BLOCK_ROWS as ATTN_BLOCK_ROWS
+from fitlm.plan import context_parallel as cp
+from fitlm.plan.setup import Setup, act_bytes
+
+
+def block_act_per_token(s: Setup) -> float:
+    """Saved bytes per token of one block with no recompute, on one tensor-parallel rank."""
+    rep, shard, kv, f, d = s.level_bytes()
+    t = s.tp
+    rep_h = rep * s.h / (t if s.sp else 1)
+    if s.sp:  # the all-gathered inputs of q/k/v and gate/up stay full width (2 of the 6 replicated tensors)
+        rep_h += 2 * act_bytes(s) * s.h * (1 - 1 / t)
+    masked = s.doc_mask or s.sliding  # a masked SDPA expands k, v to every query head
+    # (not context parallel's: its gathered k, v are attended unexpanded and counted per layer,
+    # fitlm.plan.context_parallel)
+    # (nor the blocked matmul attentions': they fold a key head's query heads onto it)
+    gqa_repeat = (
+        2 * act_bytes(s) * (s.q - s.kv) if masked and s.kv < s.q and s.cp == 1 and not blocked_attention(s) else 0
+    )
+    # Soft-capped eager attention keeps, per score, tanh's output and the fp32 softmax (8 bytes; the half
+    # cast of the probabilities at half levels replaces nothing: 2 + 4 + 2).
+    scores = 8 * s.heads * s.seq if s.softcap else 0
+    return (
+        rep_h
+        + (shard * s.q + kv * s.kv + f * s.ffn + gqa_repeat + scores + attention_kept(s)) / t
+        + d * s.head_dim
+        + 8
+        - cp.local_kv_per_token(s)
+    )
+
+
+def blocked_attention(s: Setup) -> str | None:
+    """memory.attention_backward's blocked matmul attention where it runs (a CPU, no context parallel, no soft-capped
+    scores), else None."""
+    kind = s.cfg.memory.attention_backward
+    return kind if kind != "sdpa" and s.device_kind == "cpu" and s.cp == 1 and not s.softcap else None
+
+
+def attended_keys(seq: int) -> float:
+    """Keys a query row attends on average in the blocked matmul attention: each 128-row query block multiplies
+    by the keys up to its last row (T/2 + 64 for T a multiple of 128)."""
+    rows = ATTN_BLOCK_ROWS
+    return sum(min(rows, seq - r0) * min(seq, r0 + rows) for r0 in range(0, seq, rows)) / seq
+
+
+def attention_kept(s: Setup) -> float:
+    """Bytes per token the attention itself keeps for backward, all heads: SDPA's fp32 log-sum-exp, or under
+    memory.attention_backward: matmul_saved the fp32 probabilities of every attended score (no log-sum-exp)."""
+    if blocked_attention(s) == "matmul_saved":
+        return 4 * s.heads * attended_keys(s.seq)
+    return 4 * s.heads
