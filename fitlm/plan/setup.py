@@ -308,10 +308,21 @@ def total_params(s: Setup) -> int:
     return embedding_params(s) + s.layers * layer_params(s) + head_params(s)
 
 
+def active_block_params(s: Setup) -> int:
+    """One block's parameters that a token's matmuls use: all of a dense block's; of an MoE block's E stacked
+    experts, the k the token is routed to (as fitlm.models.flops counts them)."""
+    experts = sum(i * o for name, i, o in s.counts.linears if name.startswith("experts."))
+    e = s.cfg.model.num_experts
+    if not experts or not e:
+        return layer_params(s)
+    return layer_params(s) - experts + experts * s.cfg.model.num_experts_per_tok // e
+
+
 def matmul_params(s: Setup) -> int:
-    """Parameters in a matmul per token (as fitlm.train.metrics counts them): all but the embedding
-    lookups; the output projection counts even when tied."""
-    return s.layers * layer_params(s) + s.vocab * s.h
+    """Parameters in a matmul per token (as fitlm.models.flops counts them for the trainer's MFU): all but the
+    embedding lookups (norms included), and of the experts the routed ones; the output projection counts even
+    when tied."""
+    return s.layers * active_block_params(s) + s.counts.head_norm_params + s.vocab * s.h
 
 
 def stage_layers(s: Setup) -> int:

@@ -1,7 +1,8 @@
 """Step time, tokens/s and MFU of a layout on a device: compute, communication, pipeline bubble.
 
-Why these terms: they are the ones a layout choice moves. Compute is FLOPs per token (6·N plus
-attention 12·L·h·s, counted in full as fitlm.train.metrics does) over the device's peak times its
+Why these terms: they are the ones a layout choice moves. Compute is FLOPs per token (6·N, N the parameters
+in a matmul per token, of an MoE layer's E experts the k a token is routed to, plus
+attention 12·L·h·s, counted in full as fitlm.models.flops does for the trainer) over the device's peak times its
 efficiency; full recompute adds one more forward of the blocks (hardware FLOPs, not model FLOPs).
 Frozen weights (LoRA, freeze) skip their weight gradients, so their model FLOPs are 4 per parameter.
 DPO trains on both rows of every pair (tokens per step count 2 rows per pair) and runs one more, no-grad
@@ -26,7 +27,7 @@ from fitlm.plan import finetune as ft
 from fitlm.plan.analytic import act_bytes, breakdown, param_bytes
 from fitlm.plan.devices import Device
 from fitlm.plan.features import FEATURES
-from fitlm.plan.setup import Setup, layer_params, matmul_params, stage_layers, total_params
+from fitlm.plan.setup import Setup, active_block_params, matmul_params, stage_layers, total_params
 from fitlm.plan.terms import TimeContext
 
 LATENCY_S = 10e-6
@@ -132,7 +133,7 @@ def _compute_s(s: Setup, dev: Device, fpt: float) -> float:
     hw = fpt + ft.reference_forward_flops(s, matmul_params(s))  # DPO's reference forward: work, not model FLOPs
     if s.recompute != "none":
         frac = 1.0 / max(1, s.recompute_every)
-        block_fwd = 2.0 * s.layers * layer_params(s) + 4.0 * s.layers * s.h * s.seq
+        block_fwd = 2.0 * s.layers * active_block_params(s) + 4.0 * s.layers * s.h * s.seq
         hw += frac * block_fwd * (1.0 if s.recompute == "full" else 0.1)  # selective reruns element-wise work
     compute = tokens_replica * hw / (s.tp * s.pp * s.cp) / peak
     if s.offload:  # host AdamW: gradients down, parameters up over PCIe (~25 GB/s), states on the CPU

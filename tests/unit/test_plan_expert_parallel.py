@@ -92,3 +92,26 @@ def test_the_moe_scenarios_plan_as_their_comments_say(name, device, overrides, f
     assert result["fits"] is fits, (result["per_device"], result.get("diagnosis"))
     if not fits:
         assert result["diagnosis"]["dominant"] == "optimizer"  # whole experts with their fp32 AdamW states
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        MOE,
+        {**MOE, "num_experts_per_tok": 3, "num_experts": 6},
+        {**MOE, "arch": "qwen2_moe", "shared_expert_intermediate_size": 48},
+        {**{k: v for k, v in MOE.items() if k != "moe_intermediate_size"}, "arch": "mixtral"},
+        {k: v for k, v in MOE.items() if k not in ("num_experts", "moe_intermediate_size")} | {"arch": "llama"},
+    ],
+    ids=["qwen3_moe", "top3_of_6", "qwen2_moe_shared", "mixtral", "dense"],
+)
+def test_the_step_counts_the_flops_of_the_routed_experts_as_the_trainer_does(model):
+    """6·N per token with N the routed experts' parameters (k of E), equal to the trainer's MFU numerator."""
+    from fitlm.models.flops import flops_per_token
+    from fitlm.plan.setup import from_config
+    from fitlm.plan.throughput import timing
+    from fitlm.registry import build_model
+
+    cfg = validate_dict({"model": model, "data": {"seq_length": 64}})
+    planned = timing(from_config(cfg), get_device("a100-80g")).flops_per_token
+    assert planned == flops_per_token(build_model(cfg.model), cfg.model, 64)
