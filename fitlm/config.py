@@ -18,6 +18,9 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from fitlm import registry, rules
 from fitlm.parallel_dims import ParallelDims, divisors
 
+if typing.TYPE_CHECKING:
+    from fitlm.models.family_spec import FamilySpec
+
 
 class ConfigError(ValueError):
     """One or more problems with a configuration; `str()` lists them all, one per line."""
@@ -164,13 +167,18 @@ class ModelConfig(_Section):
         return self.head_dim or self.hidden_size // max(1, self.num_heads)
 
     @property
+    def spec(self) -> FamilySpec:
+        """What config validation knows of the family `arch` (fitlm.models.family_spec.FamilySpec; torch-free)."""
+        return registry.get_spec(self.arch)
+
+    @property
     def family(self):
-        """The registered family unit of `arch` (fitlm.models.family.Family)."""
+        """The registered torch family of `arch` (fitlm.models.family.Family): imports its model code."""
         return registry.get_family(self.arch)
 
     @property
     def ffn_size(self) -> int:
-        return self.intermediate_size or self.family.default_ffn(self.hidden_size)
+        return self.intermediate_size or self.spec.default_ffn(self.hidden_size)
 
     @property
     def local_rope(self) -> bool:
@@ -185,7 +193,7 @@ class ModelConfig(_Section):
             return "full"
         if self.layer_types is not None:
             return self.layer_types[i]
-        return self.family.default_layer_type(i)
+        return self.spec.default_layer_type(i)
 
 
 class DataConfig(_Section):
@@ -668,16 +676,17 @@ def family_errors(m: ModelConfig, p: ParallelConfig) -> list[str]:
         return [f"model.arch: unknown family {m.arch!r}; registered: {', '.join(registry.model_names())}"]
     if m.num_heads < 1 or m.num_layers < 1:
         return []
-    errs = list(m.family.validate(m))  # what the family itself cannot build (e.g. gpt2 has no GQA)
-    routed = [f.name for f in registry.families() if f.moe]
-    if m.moe and not m.family.moe:
+    spec = m.spec
+    errs = list(spec.validate(m))  # what the family itself cannot build (e.g. gpt2 has no GQA)
+    routed = [s.name for s in registry.specs() if s.moe]
+    if m.moe and not spec.moe:
         errs.append(
             f"model.num_experts: arch {m.arch!r} is dense; leave num_experts null, or use an MoE family "
             f"({', '.join(routed)})"
         )
-    elif m.family.moe and not m.moe:
+    elif spec.moe and not m.moe:
         errs.append(f"model.num_experts: arch {m.arch!r} is a mixture of experts; set num_experts (e.g. 8)")
-    if p.pipeline_parallel > 1 and not m.family.pipeline_parallel:
+    if p.pipeline_parallel > 1 and not spec.pipeline_parallel:
         errs.append(
             f"parallel.pipeline_parallel: model.arch={m.arch!r} cannot be pipeline-parallel yet; set it to 1 "
             f"and shard with data_parallel and zero_stage 3"

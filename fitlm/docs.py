@@ -62,16 +62,16 @@ def families_table_markdown(families: "Iterable[Family] | None" = None) -> str:
         hf = f"yes; `{f.hf_architecture}`" if f.config_to_hf is not None else "in only"
         gguf_in = f"`{f.gguf.arch}`" if f.gguf is not None else _NO
         cells = [
-            f"`{f.name}`",
-            _code(f.hf_model_types),
+            f"`{f.spec.name}`",
+            _code(f.spec.hf_model_types),
             hf,
             gguf_in,
             _yes_no(gguf_exportable(f)),
             _code(f.lora_linears),
-            _yes_no(f.tensor_parallel),
-            _yes_no(f.pipeline_parallel),
+            _yes_no(f.spec.tensor_parallel),
+            _yes_no(f.spec.pipeline_parallel),
             _yes_no(f.planner is not None),
-            "; ".join(f.features) or _NO,
+            "; ".join(f.spec.features) or _NO,
         ]
         rows.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     return "\n".join(rows) + "\n"
