@@ -3,6 +3,7 @@ their new place, or upgraded in configs fitlm wrote), schema and semantic checks
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +103,37 @@ def upgrade_moved_keys(data: dict[str, Any]) -> dict[str, Any]:
     return {**data, "train": {**kept, "observe": observe}}
 
 
+def _key_path(data: dict[str, Any], loc: tuple[Any, ...]) -> tuple[str, ...]:
+    """The part of a pydantic error's location that is a key of `data` (not a list index or a union member)."""
+    path: list[str] = []
+    node: Any = data
+    for part in loc:
+        if not (isinstance(node, dict) and part in node):
+            break
+        path.append(part)
+        node = node[part]
+    return tuple(path)
+
+
+def _semantic_errors_beside(data: dict[str, Any], err: ValidationError) -> list[str]:
+    """The semantic problems of the rest of a config whose schema check failed, so one run reports both: the
+    keys in error are left out (their defaults stand in) and a message naming one of them is dropped, as it
+    would judge a default the user did not write."""
+    bad = {p for p in (_key_path(data, e["loc"]) for e in err.errors()) if p}
+    rest = copy.deepcopy(data)
+    for path in bad:
+        node = rest
+        for part in path[:-1]:
+            node = node[part]
+        node.pop(path[-1], None)
+    try:
+        cfg = Config.model_validate(rest)
+    except ValidationError:
+        return []  # what is left still fails its schema: its problems are among those already reported
+    keys = {".".join(p) for p in bad}
+    return [m for m in semantic_errors(cfg) if not any(k in m for k in keys)]
+
+
 def validate_dict(data: dict[str, Any], source: str | None = None, written_by_fitlm: bool = False) -> Config:
     """Validate a raw mapping; raises ConfigError listing every problem found. `written_by_fitlm`: a config
     fitlm wrote (model directory, checkpoint) whose moved keys are upgraded instead of refused."""
@@ -109,7 +141,7 @@ def validate_dict(data: dict[str, Any], source: str | None = None, written_by_fi
     try:
         cfg = Config.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(moved + schema_errors(e), source) from None
+        raise ConfigError(moved + schema_errors(e) + _semantic_errors_beside(data, e), source) from None
     errs = moved + semantic_errors(cfg)
     if errs:
         raise ConfigError(errs, source)

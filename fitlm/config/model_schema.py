@@ -7,7 +7,9 @@ Each field's docstring is its user-facing help (docs/config.md is rendered from 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
+
+from pydantic import Field
 
 from fitlm import registry
 from fitlm.config.base import Section
@@ -50,21 +52,21 @@ class RopeScalingConfig(Section):
 class ModelConfig(Section):
     arch: str = "llama"
     """Registered model family (fitlm/models/<family>/); the README's model families table lists them all."""
-    hidden_size: int = 256
+    hidden_size: Annotated[int, Field(ge=1)] = 256
     """Width of the residual stream."""
-    num_layers: int = 4
+    num_layers: Annotated[int, Field(ge=1)] = 4
     """Number of transformer blocks."""
-    num_heads: int = 4
+    num_heads: Annotated[int, Field(ge=1)] = 4
     """Attention heads."""
-    num_kv_heads: int | None = None
+    num_kv_heads: Annotated[int | None, Field(ge=1)] = None
     """Key/value heads for grouped-query attention; must divide num_heads. null = num_heads (plain MHA)."""
-    head_dim: int | None = None
+    head_dim: Annotated[int | None, Field(ge=1)] = None
     """Width of one attention head; null = hidden_size / num_heads (Qwen3 and Gemma set it independently)."""
     intermediate_size: int | None = None
     """MLP inner width. null = the family default (llama: 8/3·hidden rounded up to 256; gpt2: 4·hidden)."""
-    vocab_size: int = 32000
+    vocab_size: Annotated[int, Field(ge=1)] = 32000
     """Embedding rows; must be at least the tokenizer's vocabulary size."""
-    max_seq_len: int = 2048
+    max_seq_len: Annotated[int, Field(ge=1)] = 2048
     """Longest sequence the model supports (RoPE table / learned position embeddings)."""
     rope_theta: float = 10000.0
     """RoPE base frequency (of the global-attention layers, for Gemma 3)."""
@@ -74,7 +76,7 @@ class ModelConfig(Section):
     """Gemma 3: RoPE base of the sliding-window layers (unscaled); null = rope_theta."""
     attention_bias: bool | None = None
     """Biases on q/k/v (and o, where the family has one); null = the family's default (qwen2 and gpt2 yes, others no)."""
-    sliding_window: int | None = None
+    sliding_window: Annotated[int | None, Field(ge=1)] = None
     """Keys a sliding-window layer sees (itself included); null = no sliding-window layers."""
     layer_types: list[Literal["full", "sliding"]] | None = None
     """Attention of each block with sliding_window set; null = the family's pattern (gemma2 alternates, gemma3 five sliding then one full, others all sliding)."""
@@ -93,7 +95,7 @@ class ModelConfig(Section):
     init_from: str | None = None
     """Start from these weights: a fitlm model directory, a Hugging Face safetensors directory or a GGUF file."""
     # mixture of experts (the families qwen3_moe, qwen2_moe, mixtral), under transformers' names
-    num_experts: int | None = None
+    num_experts: Annotated[int | None, Field(ge=1)] = None
     """Routed experts of each MoE layer (HF num_experts; Mixtral's num_local_experts); null = a dense model."""
     num_experts_per_tok: int = 2
     """Experts each token is sent to (top-k of the router's softmax)."""

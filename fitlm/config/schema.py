@@ -7,9 +7,10 @@ reference from them, so the reference can never drift from the schema.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
+from pydantic import Field
 
 from fitlm.config.base import Section
 from fitlm.config.model_schema import ModelConfig
@@ -32,7 +33,7 @@ class DataConfig(Section):
     """Directory of packed training tokens (written by `fitlm data pack`)."""
     valid: str | None = None
     """Directory of packed validation tokens, or null for no evaluation."""
-    seq_length: int = 2048
+    seq_length: Annotated[int, Field(ge=1)] = 2048
     """Tokens per training sample; must not exceed model.max_seq_len."""
     format: Literal["pretrain", "chat", "preference"] = "pretrain"
     """`pretrain`: plain text stream. `chat`: conversations with loss on assistant turns only. `preference`: (prompt, chosen, rejected) pairs packed with `fitlm data pack --format preference`, for `finetune.objective: dpo` or `simpo`; train.micro_batch_size counts pairs."""
@@ -49,29 +50,29 @@ class DataConfig(Section):
 
 
 class ParallelConfig(Section):
-    data_parallel: int = 1
+    data_parallel: Annotated[int, Field(ge=1)] = 1
     """Data-parallel replicas (each reads a disjoint slice of every global batch)."""
-    zero_stage: int = 0
+    zero_stage: Annotated[int, Field(ge=0, le=3)] = 0
     """0 = replicate everything; 1 = shard optimizer states; 2 = + gradients; 3 = + parameters."""
-    tensor_parallel: int = 1
+    tensor_parallel: Annotated[int, Field(ge=1)] = 1
     """Tensor (model) parallel degree; must divide num_heads and num_kv_heads."""
     sequence_parallel: bool = False
     """Shard norms/dropout activations along the sequence across the tensor-parallel group."""
-    pipeline_parallel: int = 1
+    pipeline_parallel: Annotated[int, Field(ge=1)] = 1
     """Pipeline stages; layers are split between them."""
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
     """Pipeline schedule."""
-    micro_batch_num: int = 1
+    micro_batch_num: Annotated[int, Field(ge=1)] = 1
     """Pipeline chunks each micro batch is split into. All micro batches of a step go through one schedule run of micro_batch_num × gradient_accumulation_steps chunks, which must be at least pipeline_parallel; the bubble is (p-1)/(chunks+p-1) of the step."""
     pipeline_layers: list[int] | None = None
     """Blocks per pipeline stage, e.g. [5, 5, 5, 3] (one entry per virtual stage under interleaved_1f1b); null = balanced."""
-    context_parallel: int = 1
+    context_parallel: Annotated[int, Field(ge=1)] = 1
     """Ranks each sequence is split over (long context): every rank holds 2 of 2 × context_parallel load-balanced chunks of each sequence (chunks r and 2C−1−r, so causal attention costs every rank the same) and attention all-gathers keys and values over the group, so document masks, sliding windows and global RoPE positions stay exact. data.seq_length must be a multiple of 2 × context_parallel. Composes with data parallel, ZeRO 0–3 (sharded over data_parallel × context_parallel) and tensor parallel, not with pipeline parallel; the global batch is still micro_batch_size × data_parallel × accumulation sequences."""
     gradient_sync: Literal["auto", "every_micro_batch", "last_micro_batch"] = "auto"
     """With gradient accumulation, when data-parallel gradients are reduced: `last_micro_batch` once per step (least traffic, but ZeRO-2/3 then hold whole unsharded gradients until the last micro batch); `every_micro_batch` (ZeRO-2/3 keep only their gradient shard, for accumulation × the reduce-scatter traffic); `auto` = every micro batch under ZeRO-2/3, the last otherwise. Under pipeline parallel gradients are reduced once per step whatever this says (the step's micro batches share one schedule run)."""
-    expert_parallel: int = 1
+    expert_parallel: Annotated[int, Field(ge=1)] = 1
     """Ranks each MoE layer's experts are split over (E / expert_parallel experts a rank), taken from the data-parallel ranks (it divides data_parallel and model.num_experts): each rank routes its own tokens and an all-to-all sends them to the ranks holding their experts and back. Attention, norms and embeddings stay data parallel; expert gradients are summed over the replicas of the same experts and scaled as every other gradient. Composes with ZeRO 0, 2 and 3 (experts stay whole per expert rank), recompute, precision levels and accumulation; fitlm/rules.py lists what it does not compose with."""
-    timeout_s: int = 1800
+    timeout_s: Annotated[int, Field(ge=1)] = 1800
     """Seconds a collective or barrier waits for the other ranks (gloo and nccl); past it the run stops with an error naming the rank that stopped responding and its phase. Raise it when one rank legitimately works alone that long (a large final save, a slow filesystem)."""
 
     @property
@@ -97,13 +98,13 @@ class ParallelConfig(Section):
 
 
 class LossScalingConfig(Section):
-    initial_scale: float = 65536.0
+    initial_scale: Annotated[float, Field(gt=0)] = 65536.0
     """Loss scale of the first step (dynamic scaling), a power of two."""
-    growth_factor: float = 2.0
+    growth_factor: Annotated[float, Field(ge=1)] = 2.0
     """Multiply the scale by this after growth_interval steps without overflow."""
-    backoff_factor: float = 0.5
+    backoff_factor: Annotated[float, Field(gt=0, lt=1)] = 0.5
     """Multiply the scale by this when a step overflows (that step is skipped)."""
-    growth_interval: int = 1000
+    growth_interval: Annotated[int, Field(ge=1)] = 1000
     """Overflow-free steps before the scale grows."""
 
 
@@ -118,7 +119,7 @@ class MemoryConfig(Section):
     """Dynamic loss-scaling schedule (fp16 only)."""
     recompute: Literal["none", "full", "selective"] = "none"
     """Activation recompute: `full` recomputes whole blocks in backward; `selective` saves matmul and attention outputs and recomputes the cheap element-wise ops (norms, activations, RoPE)."""
-    recompute_every_n_layers: int = 1
+    recompute_every_n_layers: Annotated[int, Field(ge=1)] = 1
     """Recompute every n-th block only (1 = every block); trades memory for less recompute time."""
     cpu_offload: bool = False
     """Keep optimizer states (and with ZeRO-2/3 parameters and gradients too) in host memory; the optimizer steps on the CPU."""
@@ -126,14 +127,14 @@ class MemoryConfig(Section):
     """Move the tensors the forward saves for backward to host memory and back when backward needs them: `true`/`blocks` those of every decoder block (the bulk), `model` everything the forward saves (embedding and loss included). On CUDA the copies go to pinned memory on a side stream, overlapping compute; on a CPU device there is no other memory to move to and nothing changes. With recompute, only what recompute keeps (each block's input) is offloaded."""
     compile: bool = False
     """torch.compile the whole model with its loss (one process, DDP, ZeRO-1), or each block where FSDP2 (ZeRO-2/3), recompute, tensor or pipeline parallel wrap blocks (eager is the default, easier to debug)."""
-    loss_chunk_size: int = 0
+    loss_chunk_size: Annotated[int, Field(ge=0)] = 0
     """Tokens per chunk of the fused output-layer + cross-entropy, so the [tokens, vocab] logits never exist whole; 0 = plain."""
     attention_backward: Literal["sdpa", "matmul", "matmul_saved"] = "sdpa"
     """Attention in training on a CPU: `sdpa` is the fused kernel, forward and backward. `matmul` keeps SDPA's forward and recomputes the probabilities in 128-row query blocks for five batched matmuls, skipping the causally masked blocks: in bf16 with rows up to ~512 tokens attention takes ~0.6x the time, holding one block's scores. `matmul_saved` computes the forward too as blocked matmuls (fp32 scores) and keeps its fp32 probabilities for backward: ~0.4x SDPA's time up to ~1,024 tokens (bf16 or fp32), for 4 bytes per attended score per layer (B·H·T·(T/2 + 64) for rows of T tokens; `fitlm plan` counts them). bench/train_throughput.py measures them. GPUs and context parallel always use their own kernels."""
 
 
 class DpoConfig(Section):
-    beta: float = 0.1
+    beta: Annotated[float, Field(gt=0)] = 0.1
     """DPO's β: how far the policy may move from the reference; the loss is −log σ(β · (chosen log-ratio − rejected log-ratio))."""
     reference: str | None = None
     """The frozen reference model: null = the starting model (LoRA: the base with adapters off; full/freeze: a frozen copy), or a model directory (HF or fitlm) with the same tokenizer."""
@@ -143,7 +144,7 @@ PAIR_OBJECTIVES = ("dpo", "simpo")  # finetune.objective values that train on pr
 
 
 class SimpoConfig(Section):
-    beta: float = 2.0
+    beta: Annotated[float, Field(gt=0)] = 2.0
     """SimPO's β: the scale of the rewards β · (average log-prob of the response per token); the loss is −log σ(β · (chosen average − rejected average) − γ). 2.0 is the SimPO paper's value (TRL's CPOConfig defaults beta to 0.1, for its other losses)."""
     gamma: float = 0.5
     """SimPO's γ: the target reward margin between chosen and rejected (TRL's `simpo_gamma`, whose default 0.5 is used here)."""
@@ -154,7 +155,7 @@ class FinetuneConfig(Section):
     """`full` trains everything; `lora` trains adapters only; `qlora` trains adapters on a frozen base whose linear layers are stored in 4-bit NF4 (needs torchao: pip install 'fitlm[qlora]'); `freeze` freezes the bottom layers."""
     lora: LoraConfig = LoraConfig()
     """LoRA settings (used when method is `lora` or `qlora`)."""
-    freeze_layers: float = 0.0
+    freeze_layers: Annotated[float, Field(ge=0, le=1)] = 0.0
     """Fraction of the bottom layers frozen when method is `freeze` (0.0-1.0; floor(fraction × layers) blocks)."""
     freeze_embeddings: bool = False
     """With method `freeze`: also freeze the token (and position) embeddings, and with them a tied output head."""
@@ -181,17 +182,17 @@ class GuardsConfig(Section):
     """Loss or gradient norm NaN/Inf: `skip` the update (gradients dropped), `stop` with an error before the update, or `rollback`: skip, and after rollback_after bad steps in a row reload the last checkpoint."""
     spike: Literal["none", "warn", "skip", "stop", "rollback"] = "warn"
     """Loss or gradient-norm spike (see loss_spike_sigma, grad_spike_sigma): `warn` logs it and applies the update; `skip`, `stop`, `rollback` as for nonfinite; `none` does not look."""
-    loss_spike_sigma: float = 6.0
+    loss_spike_sigma: Annotated[float, Field(ge=0)] = 6.0
     """A loss above the running mean by this many standard deviations is a spike; 0 = loss spikes not checked."""
-    grad_spike_sigma: float = 10.0
+    grad_spike_sigma: Annotated[float, Field(ge=0)] = 10.0
     """A gradient norm (before clipping) above its running mean by this many standard deviations is a spike; 0 = not checked."""
-    window: int = 100
+    window: Annotated[int, Field(ge=2)] = 100
     """Accepted steps the running mean and standard deviation are taken over."""
-    warmup_steps: int = 100
+    warmup_steps: Annotated[int, Field(ge=0)] = 100
     """Accepted steps observed before spikes are checked (early training is noisy by nature)."""
-    rollback_after: int = 3
+    rollback_after: Annotated[int, Field(ge=1)] = 3
     """With `rollback`: bad steps in a row (each skipped) before the last checkpoint is reloaded."""
-    max_rollbacks: int = 3
+    max_rollbacks: Annotated[int, Field(ge=0)] = 3
     """Rollbacks allowed in one run; the next bad streak after them stops the run."""
 
 
@@ -200,11 +201,11 @@ class ObserveConfig(Section):
 
     guards: GuardsConfig = GuardsConfig()
     """What happens on a NaN/Inf or spiking loss or gradient norm (docs/troubleshooting.md)."""
-    consistency_interval: int = 100
+    consistency_interval: Annotated[int, Field(ge=0)] = 100
     """Every this many steps compare a checksum of the weights of data-parallel replicas and stop if they differ; 0 = off. Not checked under ZeRO-2/3 (each rank holds a different shard)."""
-    balance_threshold: float = 1.5
+    balance_threshold: Annotated[float, Field(ge=0)] = 1.5
     """Warn when one data-parallel rank's real (target) tokens or longest document exceed the mean of the other ranks by this factor over a log interval; 0 = off."""
-    data_wait_warn: float = 0.1
+    data_wait_warn: Annotated[float, Field(ge=0)] = 0.1
     """Warn when waiting for input batches takes more than this share of the step time (at most every 10th log line); 0 = off."""
     tensorboard: Literal["auto"] | bool = "auto"
     """Write the metrics also as TensorBoard scalars under output_dir/tensorboard/: `auto` = when tensorboard is installed."""
@@ -225,21 +226,21 @@ class ObserveConfig(Section):
 
 
 class TrainConfig(Section):
-    micro_batch_size: int = 8
+    micro_batch_size: Annotated[int, Field(ge=1)] = 8
     """Sequences per forward/backward on each data-parallel rank."""
-    gradient_accumulation_steps: int = 1
+    gradient_accumulation_steps: Annotated[int, Field(ge=1)] = 1
     """Micro batches accumulated per optimizer step."""
-    max_steps: int = 1000
+    max_steps: Annotated[int, Field(ge=1)] = 1000
     """Optimizer steps to train."""
     lr: float = 3e-4
     """Peak learning rate (after warmup)."""
     min_lr: float = 3e-5
     """Learning rate at the end of the schedule."""
-    warmup_steps: int = 100
+    warmup_steps: Annotated[int, Field(ge=0)] = 100
     """Linear warmup steps from 0 to lr."""
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
     """Decay from lr to min_lr after warmup."""
-    weight_decay: float = 0.1
+    weight_decay: Annotated[float, Field(ge=0)] = 0.1
     """AdamW decoupled weight decay (not applied to norms, biases and embeddings)."""
     beta1: float = 0.9
     """AdamW beta1."""
@@ -247,21 +248,21 @@ class TrainConfig(Section):
     """AdamW beta2."""
     eps: float = 1e-8
     """AdamW epsilon."""
-    grad_clip: float = 1.0
+    grad_clip: Annotated[float, Field(ge=0)] = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
     seed: int = 1234
     """Seed for initialisation and data order; runs with equal seeds are identical."""
-    log_interval: int = 10
+    log_interval: Annotated[int, Field(ge=1)] = 10
     """Write a metrics.jsonl line every this many steps."""
-    eval_interval: int = 100
+    eval_interval: Annotated[int, Field(ge=0)] = 100
     """Evaluate on data.valid every this many steps (and at the end); 0 disables."""
-    eval_steps: int = 10
+    eval_steps: Annotated[int, Field(ge=0)] = 10
     """Global batches (micro_batch_size × data_parallel × gradient_accumulation_steps sequences each) per evaluation."""
     early_stopping_patience: int = 0
     """Stop when the validation loss has not improved for this many evaluations in a row (needs data.valid and eval_interval); 0 = never stop early."""
     lr_scaling: Literal["none", "sqrt"] = "none"
     """`sqrt`: multiply lr and min_lr by sqrt(global batch / lr_reference_batch) and warmup_steps by the same factor."""
-    lr_reference_batch: int | None = None
+    lr_reference_batch: Annotated[int | None, Field(ge=1)] = None
     """Global batch (sequences) that lr and warmup_steps were tuned for; null = micro_batch_size × data_parallel (no accumulation)."""
     output_dir: str = "runs/default"
     """Where metrics.jsonl, checkpoints/ and the final model/ go."""
@@ -278,9 +279,9 @@ class TrainConfig(Section):
 
 
 class CheckpointConfig(Section):
-    interval: int = 0
+    interval: Annotated[int, Field(ge=0)] = 0
     """Save a resumable checkpoint every this many steps; 0 = only the final model."""
-    keep_last: int = 3
+    keep_last: Annotated[int, Field(ge=1)] = 3
     """Complete checkpoints kept on disk; older ones are deleted after each new one is complete."""
     resume: str = "auto"
     """`auto` continues from the latest complete checkpoint in output_dir (a fresh run when there is none); `never` refuses a used output_dir; a checkpoint directory path starts from that checkpoint (any layout) when output_dir has none of its own."""
