@@ -4,6 +4,7 @@ their new place, or upgraded in configs fitlm wrote), schema and semantic checks
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Any
 
@@ -118,10 +119,12 @@ def _key_path(data: dict[str, Any], loc: tuple[Any, ...]) -> tuple[str, ...]:
 def _semantic_errors_beside(data: dict[str, Any], err: ValidationError) -> list[str]:
     """The semantic problems of the rest of a config whose schema check failed, so one run reports both: the
     keys in error are left out (their defaults stand in) and a message naming one of them is dropped, as it
-    would judge a default the user did not write."""
+    would judge a default the user did not write. `[]` when no key could be left out."""
     bad = {p for p in (_key_path(data, e["loc"]) for e in err.errors()) if p}
+    if not bad:
+        return []
     rest = copy.deepcopy(data)
-    for path in bad:
+    for path in sorted(bad, key=len, reverse=True):  # a key before the section holding it
         node = rest
         for part in path[:-1]:
             node = node[part]
@@ -130,8 +133,9 @@ def _semantic_errors_beside(data: dict[str, Any], err: ValidationError) -> list[
         cfg = Config.model_validate(rest)
     except ValidationError:
         return []  # what is left still fails its schema: its problems are among those already reported
-    keys = {".".join(p) for p in bad}
-    return [m for m in semantic_errors(cfg) if not any(k in m for k in keys)]
+    # by the key's own name, so messages that say `num_heads` for model.num_heads count too
+    names = re.compile("|".join(rf"\b{re.escape(p[-1])}\b" for p in bad))
+    return [m for m in semantic_errors(cfg) if not names.search(m)]
 
 
 def validate_dict(data: dict[str, Any], source: str | None = None, written_by_fitlm: bool = False) -> Config:

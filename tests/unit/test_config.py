@@ -147,6 +147,10 @@ def test_range_and_cross_field_errors_are_reported_together():
         "checkpoint.keep_last",
         "train.min_lr",
     ], problems
+    # num_kv_heads 3 does not divide the default num_heads (4) standing in for the 0 written: not reported
+    with pytest.raises(ConfigError) as e:
+        validate_dict({"model": {"num_heads": 0, "num_kv_heads": 3}})
+    assert e.value.problems == ["model.num_heads: must be at least 1 (got 0); the default is 4"]
 
 
 def test_docs_config_reference_is_current():
