@@ -43,7 +43,7 @@ def measure(model: str, text: str, tokens: int) -> list[dict]:
     from fitlm.export.gguf import export_gguf
     from fitlm.export.source import open_for_export
     from fitlm.infer.text import load_tokenizer
-    from fitlm.models import load_model_dir
+    from fitlm.models.io import load_model_dir
 
     tok = load_tokenizer(load_model_dir(model), model)
     ids = tok.encode(text, add_bos=tok.add_bos)[:tokens]

@@ -1,16 +1,18 @@
 """What a model family is: one record holding everything that differs between families.
 
-Each folder under fitlm/models/ (llama/, qwen/, gemma/, phi3/, gpt2/) builds its `Family` records in
-its `__init__.py` and registers them once (`fitlm.registry.register_family`); nothing outside
-fitlm/models/ asks which family a model is. Adding a family: see docs/architecture.md.
+Each folder under fitlm/models/ (llama/, qwen/, gemma/, phi3/, gpt2/ ...) states what the config schema
+needs in its torch-free `spec.py` (`FamilySpec`, fitlm.models.family_spec) and builds its `Family`
+records around those specs in its `family.py`, registered once (`fitlm.registry.register_family`);
+nothing outside fitlm/models/ asks which family a model is. Adding a family: see docs/architecture.md.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from fitlm.config import ModelConfig
+from fitlm.models.family_spec import FamilySpec
 from fitlm.models.hf import StateDict
 from fitlm.models.moe_hf import ExpertNames
 
@@ -107,23 +109,21 @@ class TPBlockPlan:
 
 @dataclass(frozen=True)
 class Family:
-    name: str  # model.arch
+    """A family's torch side around its spec: `spec` holds the name, HF model types, defaults, refusals and
+    flags config validation reads (so they are stated once); the rest is what building, converting,
+    planning and splitting the model needs."""
+
+    spec: FamilySpec  # name (model.arch), HF model types, MLP width and layer pattern, validate, TP/PP/MoE
     model_cls: type  # plain nn.Module, built as model_cls(ModelConfig)
-    hf_model_types: tuple[str, ...]  # config.json model_type values read by this family
     hf_architecture: str  # config.json "architectures" entry written on export
     config_from_hf: Callable[[Mapping[str, Any], str], ModelConfig]
     config_to_hf: Callable[[ModelConfig], dict[str, Any]] | None
     to_hf: Callable[..., StateDict]  # (fitlm state dict, cfg[, source]) -> HF names and layouts
     from_hf: Callable[..., StateDict]  # (HF state dict, cfg, source) -> complete fitlm state dict
-    default_ffn: Callable[[int], int]  # MLP width when model.intermediate_size is null
     planner: PlannerCounts
     tp_plan: TPBlockPlan
     lora_linears: tuple[str, ...]  # leaf names of a block's linears ("all-linear" and the defaults)
-    default_layer_type: Callable[[int], str] = lambda i: "sliding"  # block i's attention with sliding_window set
-    validate: Callable[[ModelConfig], list[str]] = lambda m: []  # what this family cannot build
     gguf: GGUFNames | None = None
-    features: tuple[str, ...] = field(default=())  # shown in the README families table
-    tensor_parallel: bool = True
     # Module surgery before tensor parallel (Phi-3 splits its fused projections); fitlm.parallel.apply also runs
     # it in every other layout except LoRA, so checkpoints reshard. Names then differ from HF's: `to_hf`
     # accepts both forms.
@@ -131,10 +131,3 @@ class Family:
     # The same surgery on weights: (state dict under the module's names, cfg) -> the prepared module's names.
     # A model built on the meta device is prepared before it holds weights, so its weights arrive through this.
     prepare_state_dict: Callable[[StateDict, ModelConfig], StateDict] | None = None
-    pipeline_parallel: bool = True
-    moe: bool = False  # blocks route tokens to experts (model.num_experts; fitlm.models.moe)
-
-
-def llama_ffn(hidden: int) -> int:
-    """8/3·hidden rounded up to a multiple of 256 (Llama's rule; the fitlm default for RoPE families)."""
-    return 256 * ((int(8 * hidden / 3) + 255) // 256)

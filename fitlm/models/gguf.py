@@ -95,7 +95,7 @@ def config_from_gguf(meta: dict[str, Any], vocab_rows: int, source: str) -> Mode
     window = k("attention.sliding_window")
     layers = int(k("block_count"))
     fields = dict(
-        arch=family.name,
+        arch=family.spec.name,
         hidden_size=hidden,
         num_layers=layers,
         num_heads=heads,

@@ -44,9 +44,10 @@ def config_from_hf(hf: Mapping[str, Any], source: str = "config.json") -> ModelC
     if family is not None:
         return family.config_from_hf(hf, source)
     if model_type in UNSUPPORTED_MOE:
+        routed = [t for s in registry.specs() if s.moe for t in s.hf_model_types]
         raise HFFormatError(
             f"{source}: model_type {model_type!r} is a mixture-of-experts model fitlm does not implement; "
-            f"its MoE families read {', '.join(t for f in registry.families() if f.moe for t in f.hf_model_types)} "
+            f"its MoE families read {', '.join(routed)} "
             f"(all it reads: {', '.join(supported_model_types())})"
         )
     raise HFFormatError(
@@ -69,7 +70,7 @@ UNSUPPORTED_MOE = (
 
 
 def supported_model_types() -> list[str]:
-    return sorted(t for f in registry.families() for t in f.hf_model_types)
+    return sorted(t for s in registry.specs() for t in s.hf_model_types)
 
 
 def refuse(problems: list[str], source: str) -> None:
@@ -174,7 +175,7 @@ def normalized(cfg: ModelConfig) -> ModelConfig:
     if (
         cfg.layer_types is not None
         and cfg.sliding_window is not None
-        and cfg.layer_types == [cfg.family.default_layer_type(i) for i in range(cfg.num_layers)]
+        and cfg.layer_types == [cfg.spec.default_layer_type(i) for i in range(cfg.num_layers)]
     ):
         update["layer_types"] = None
     return cfg.model_copy(update=update) if update else cfg

@@ -285,7 +285,7 @@ def tensor_parallel_problems(
         return [f"parallel.tensor_parallel: must be at least 1, got {tp}"]
     if tp == 1:
         return []
-    if not model_cfg.family.tensor_parallel:
+    if not model_cfg.spec.tensor_parallel:
         return [
             f"parallel.tensor_parallel: model.arch={model_cfg.arch!r} cannot be tensor-parallel yet; "
             f"set tensor_parallel to 1 and use data_parallel with zero_stage 3 to shard it"

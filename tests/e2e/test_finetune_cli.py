@@ -14,7 +14,7 @@ from fitlm.config import ModelConfig, validate_dict
 from fitlm.finetune.errors import FinetuneError
 from fitlm.finetune.importer import import_model
 from fitlm.finetune.merge import merge_model
-from fitlm.models import save_hf_dir
+from fitlm.models.hf import save_hf_dir
 from fitlm.registry import build_model
 from fitlm.train.preflight import unsupported_options
 from fitlm.train.trainer import Trainer

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from fitlm.models import load_model_dir
+from fitlm.models.io import load_model_dir
 from tests.e2e.helpers import fitlm, read_metrics, tiny_config, write_config
 
 MOE = {

@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from fitlm.finetune.lora import apply_lora, split_lora_state_dict
 from fitlm.finetune.peft_format import save_adapter
 from fitlm.infer import generate
-from fitlm.models import load_hf_dir, save_hf_dir
+from fitlm.models.hf import load_hf_dir, save_hf_dir
 
 V = 131  # not a power of two
 PROMPT, NEW = 20, 32

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from fitlm.export.gguf import export_gguf
-from fitlm.models import load_model_dir
+from fitlm.models.io import load_model_dir
 from tests.parity.test_families import CASES, case  # noqa: F401, F811  (the module-scoped HF checkpoints)
 
 

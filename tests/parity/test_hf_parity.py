@@ -12,7 +12,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 from fitlm.config import ModelConfig
 from fitlm.infer import generate
-from fitlm.models import load_hf_dir, load_model_dir, save_hf_dir
+from fitlm.models.hf import load_hf_dir, save_hf_dir
+from fitlm.models.io import load_model_dir
 from fitlm.registry import build_model
 
 V, T = 128, 24

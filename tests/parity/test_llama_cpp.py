@@ -25,7 +25,7 @@ from fitlm.data.gguf_vocab import CHECK_TEXT
 from fitlm.data.tokenizer import Tokenizer
 from fitlm.export.gguf import export_gguf
 from fitlm.infer import generate
-from fitlm.models import load_model_dir
+from fitlm.models.io import load_model_dir
 from tests.parity.llama_cpp_models import CASES, build
 from tests.unit.model_tokenizers import MULTILINGUAL, NUMBERS
 

@@ -20,7 +20,7 @@ from fitlm.data.chat import ChatEncoder, resolve_template
 from fitlm.data.tokenizer import Tokenizer
 from fitlm.export.gguf import export_gguf
 from fitlm.infer import generate
-from fitlm.models import load_model_dir
+from fitlm.models.io import load_model_dir
 from tests.parity.llama_cpp_models import build
 
 CONVERSATION = [

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from fitlm.models import load_hf_dir
+from fitlm.models.hf import load_hf_dir
 from fitlm.models.loss import cross_entropy_sum
 from fitlm.models.moe import load_balancing_loss, moe_layers
 from tests.parity.test_families import CASES, COMMON, V, randomize

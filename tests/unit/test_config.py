@@ -98,11 +98,59 @@ def test_non_power_of_two_gqa_is_valid():
 
 
 def test_parallel_timeout_must_be_positive():
-    with pytest.raises(
-        ConfigError, match=r"parallel.timeout_s: must be a positive number of seconds \(got 0\); set it"
-    ):
+    with pytest.raises(ConfigError, match=r"parallel.timeout_s: must be at least 1 \(got 0\); the default is 1800"):
         validate_dict({"parallel": {"timeout_s": 0}})
     assert validate_dict({}).parallel.timeout_s == 1800
+
+
+def test_a_value_out_of_range_names_the_key_the_range_and_the_default():
+    """Single-field ranges are pydantic constraints; each message reads as the hand-written checks did."""
+    with pytest.raises(ConfigError) as e:
+        validate_dict(
+            {
+                "model": {"hidden_size": 0, "num_kv_heads": 0, "sliding_window": -4},
+                "parallel": {"zero_stage": 4},
+                "memory": {"loss_scaling": {"backoff_factor": 1.0}},
+                "finetune": {"freeze_layers": 1.5, "dpo": {"beta": 0}},
+                "train": {"warmup_steps": -1, "observe": {"guards": {"window": 1}}},
+            }
+        )
+    assert e.value.problems == [
+        "model.hidden_size: must be at least 1 (got 0); the default is 256",
+        "model.num_kv_heads: must be at least 1 or null (got 0); the default is null",
+        "model.sliding_window: must be at least 1 or null (got -4); the default is null",
+        "parallel.zero_stage: must be between 0 and 3 (got 4); the default is 0",
+        "memory.loss_scaling.backoff_factor: must be above 0 and below 1 (got 1.0); the default is 0.5",
+        "finetune.freeze_layers: must be between 0 and 1 (got 1.5); the default is 0.0",
+        "finetune.dpo.beta: must be positive (got 0); the default is 0.1",
+        "train.warmup_steps: must not be negative (got -1); the default is 100",
+        "train.observe.guards.window: must be at least 2 (got 1); the default is 100",
+    ]
+
+
+def test_range_and_cross_field_errors_are_reported_together():
+    """A key out of range does not hide the rest's cross-field problems; one that would judge the default
+    standing in for the bad key (hidden_size 256 against num_heads 3) is not reported."""
+    with pytest.raises(ConfigError) as e:
+        validate_dict(
+            {
+                "model": {"hidden_size": 0, "num_heads": 3},
+                "data": {"seq_length": 0},
+                "checkpoint": {"keep_last": 0},
+                "train": {"lr": 1e-4, "min_lr": 1e-3},
+            }
+        )
+    problems = e.value.problems
+    assert [p.split(":")[0] for p in problems] == [
+        "model.hidden_size",
+        "data.seq_length",
+        "checkpoint.keep_last",
+        "train.min_lr",
+    ], problems
+    # num_kv_heads 3 does not divide the default num_heads (4) standing in for the 0 written: not reported
+    with pytest.raises(ConfigError) as e:
+        validate_dict({"model": {"num_heads": 0, "num_kv_heads": 3}})
+    assert e.value.problems == ["model.num_heads: must be at least 1 (got 0); the default is 4"]
 
 
 def test_docs_config_reference_is_current():

@@ -28,9 +28,9 @@ def test_readme_families_table_is_current():
 def test_table_has_one_row_per_registered_family():
     table = docs.families_table_markdown()
     rows = [line for line in table.splitlines() if line.startswith("| `")]
-    assert [r.split("|")[1].strip() for r in rows] == [f"`{f.name}`" for f in registry.families()]
+    assert [r.split("|")[1].strip() for r in rows] == [f"`{f.spec.name}`" for f in registry.families()]
     for family, row in zip(registry.families(), rows):
-        for model_type in family.hf_model_types:
+        for model_type in family.spec.hf_model_types:
             assert f"`{model_type}`" in row
         for linear in family.lora_linears:
             assert f"`{linear}`" in row
@@ -41,11 +41,9 @@ def test_table_has_one_row_per_registered_family():
 
 def test_changing_a_family_changes_the_table():
     families = registry.families()
-    llama = next(f for f in families if f.name == "llama")
-    changed = [
-        dataclasses.replace(f, features=("a feature no family has",), tensor_parallel=False) if f is llama else f
-        for f in families
-    ]
+    llama = next(f for f in families if f.spec.name == "llama")
+    spec = dataclasses.replace(llama.spec, features=("a feature no family has",), tensor_parallel=False)
+    changed = [dataclasses.replace(f, spec=spec) if f is llama else f for f in families]
     readme = (ROOT / "README.md").read_text()
     before, after = docs.families_table_markdown(families), docs.families_table_markdown(changed)
     assert before != after and "a feature no family has" in after and "a feature no family has" not in before
@@ -55,24 +53,24 @@ def test_changing_a_family_changes_the_table():
 
 def test_changing_lora_linears_or_hf_types_changes_the_table():
     families = registry.families()
-    gpt2 = next(f for f in families if f.name == "gpt2")
-    for change in (
-        {"lora_linears": ("c_attn",)},
-        {"hf_model_types": ("gpt2", "gpt_bigcode")},
-        {"pipeline_parallel": False},
+    gpt2 = next(f for f in families if f.spec.name == "gpt2")
+    for changed_gpt2 in (
+        dataclasses.replace(gpt2, lora_linears=("c_attn",)),
+        dataclasses.replace(gpt2, spec=dataclasses.replace(gpt2.spec, hf_model_types=("gpt2", "gpt_bigcode"))),
+        dataclasses.replace(gpt2, spec=dataclasses.replace(gpt2.spec, pipeline_parallel=False)),
     ):
-        changed = [dataclasses.replace(gpt2, **change) if f is gpt2 else f for f in families]
-        assert docs.families_table_markdown(changed) != docs.families_table_markdown(families), change
+        changed = [changed_gpt2 if f is gpt2 else f for f in families]
+        assert docs.families_table_markdown(changed) != docs.families_table_markdown(families), changed_gpt2
 
 
 def test_gguf_out_follows_export_module(monkeypatch):
     import fitlm.export.gguf as gguf_export
 
-    families = {f.name: f for f in registry.families()}
+    families = {f.spec.name: f for f in registry.families()}
     # Today every family with llama.cpp names is written; GPT-2 has none.
     assert all(docs.gguf_exportable(f) == (f.gguf is not None) for f in families.values())
     assert not docs.gguf_exportable(families["gpt2"]) and docs.gguf_exportable(families["gemma3"])
-    monkeypatch.setattr(gguf_export, "EXPORTABLE", lambda f: f.name == "qwen2")  # the column reads the exporter
+    monkeypatch.setattr(gguf_export, "EXPORTABLE", lambda f: f.spec.name == "qwen2")  # the column reads the exporter
     assert docs.gguf_exportable(families["qwen2"]) and not docs.gguf_exportable(families["llama"])
 
 

@@ -21,8 +21,15 @@ def documented_layers() -> list[list[str]]:
 
 
 def unit_of(module: str) -> str:
-    """fitlm.train.trainer -> train; fitlm.config -> config; fitlm (the package itself) -> __init__."""
+    """fitlm.train.trainer -> train; fitlm.config -> config; fitlm (the package itself) -> __init__.
+
+    One unit is not a folder: the torch-free family specs, `fitlm.models.family_spec` and each family folder's
+    `fitlm.models.<family>.spec`, form `model_specs`, below the config that reads them. They may live beside
+    their families' model code because fitlm/models/__init__.py and the folders' __init__.py import nothing
+    (tests/unit/test_config_without_torch.py checks that validating a config imports no torch)."""
     parts = module.split(".")
+    if parts[:2] == ["fitlm", "models"] and (parts[2:] == ["family_spec"] or (len(parts) == 4 and parts[3] == "spec")):
+        return "model_specs"
     return parts[1] if len(parts) > 1 else "__init__"
 
 

@@ -55,7 +55,7 @@ def test_micro_batch_must_split_into_pipeline_chunks():
 
 
 def test_zero_stage_outside_0_to_3_is_a_config_error():
-    with pytest.raises(ConfigError, match="parallel.zero_stage: must be 0, 1, 2 or 3"):
+    with pytest.raises(ConfigError, match="parallel.zero_stage: must be between 0 and 3"):
         validate_dict({"parallel": {"zero_stage": 4}})
 
 

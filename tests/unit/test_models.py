@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from fitlm.config import Config, ModelConfig
-from fitlm.models import GPT2LMHeadModel, LlamaForCausalLM, load_model_dir, resolve_model_path, save_model_dir
+from fitlm.models.gpt2.model import GPT2LMHeadModel
 from fitlm.models.hf import (
     HFFormatError,
     config_from_hf,
@@ -22,7 +22,8 @@ from fitlm.models.hf import (
     to_hf_state_dict,
     write_safetensors,
 )
-from fitlm.models.io import ModelDirError
+from fitlm.models.io import ModelDirError, load_model_dir, resolve_model_path, save_model_dir
+from fitlm.models.llama.model import LlamaForCausalLM
 from fitlm.registry import RegistryError, build_model, get_model_class, model_names, register_family
 
 V = 128
@@ -226,8 +227,29 @@ def test_registering_llama_twice_names_both_classes():
         register_family(dataclasses.replace(get_family("llama"), model_cls=Impostor))
     assert "LlamaForCausalLM" in str(err.value) and "Impostor" in str(err.value)
     assert get_model_class("llama") is LlamaForCausalLM  # nothing was overwritten
+    qwen2 = get_family("qwen2")
     with pytest.raises(RegistryError, match="model_type"):  # an HF model_type belongs to one family
-        register_family(dataclasses.replace(get_family("qwen2"), name="qwen2-copy"))
+        register_family(dataclasses.replace(qwen2, spec=dataclasses.replace(qwen2.spec, name="qwen2-copy")))
+    assert "qwen2-copy" not in model_names()
+
+
+def test_registering_a_spec_twice_is_an_error_too():
+    """The torch-free spec table keeps the family table's rules: one spec per name, one family per model_type."""
+    import dataclasses
+
+    from fitlm.registry import get_family, get_spec, register_spec
+
+    llama = get_spec("llama")
+    assert register_spec(llama) is llama  # the same spec again is no conflict (family.py registers it too)
+    with pytest.raises(RegistryError, match="registered twice") as err:
+        register_spec(dataclasses.replace(llama, hf_model_types=("my_llama",)))
+    assert "my_llama" in str(err.value) and "'llama'" in str(err.value)
+    with pytest.raises(
+        RegistryError, match=r"model_type \['llama', 'mistral'\] is claimed by families 'llama' and 'llama2'"
+    ):
+        register_spec(dataclasses.replace(llama, name="llama2"))
+    assert get_spec("llama") is llama and "llama2" not in model_names()
+    assert get_family("llama").spec is llama  # the torch family holds the spec itself, not a copy
 
 
 # --------------------------------------------------------------------------- HF adapters (no transformers needed)

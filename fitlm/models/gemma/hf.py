@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from fitlm.config import ModelConfig
+from fitlm.models.gemma.spec import gemma2_layer_type, gemma3_layer_type
 from fitlm.models.hf import (
     normalized,
     refuse,
@@ -14,14 +15,6 @@ from fitlm.models.hf import (
     rope_to_hf,
     same_names_from_hf,
 )
-
-
-def gemma2_layer_type(i: int) -> str:
-    return "sliding" if i % 2 == 0 else "full"  # even blocks slide
-
-
-def gemma3_layer_type(i: int, pattern: int = 6) -> str:
-    return "full" if (i + 1) % pattern == 0 else "sliding"  # five sliding, then one global
 
 
 def _config(hf: Mapping[str, Any], source: str, arch: str) -> ModelConfig:

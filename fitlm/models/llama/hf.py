@@ -40,14 +40,3 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "attention_bias": bool(cfg.attention_bias),
         "mlp_bias": False,
     }
-
-
-def validate(cfg: ModelConfig) -> list[str]:
-    errs = []
-    if cfg.sliding_window is not None and any(cfg.layer_type(i) == "full" for i in range(cfg.num_layers)):
-        errs.append(
-            "model.layer_types: a llama with a sliding window slides every layer (Mistral); leave layer_types null"
-        )
-    if cfg.sliding_window is not None and cfg.attention_bias:
-        errs.append("model.attention_bias: Mistral-style sliding-window llamas have no biases")
-    return errs

@@ -43,23 +43,6 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     }
 
 
-def validate(cfg: ModelConfig) -> list[str]:
-    errs = []
-    if cfg.decoder_sparse_step != 1 or cfg.mlp_only_layers:
-        errs.append("model.decoder_sparse_step: every mixtral block is sparse; leave it 1 and mlp_only_layers empty")
-    if cfg.moe_intermediate_size not in (None, cfg.ffn_size):
-        errs.append("model.moe_intermediate_size: mixtral's experts are intermediate_size wide; leave it null")
-    if cfg.norm_topk_prob is False:
-        errs.append("model.norm_topk_prob: mixtral always renormalizes its top-k weights; leave it null")
-    if cfg.shared_expert_intermediate_size:
-        errs.append("model.shared_expert_intermediate_size: mixtral has no shared expert; set it null")
-    if cfg.attention_bias:
-        errs.append("model.attention_bias: mixtral has no attention biases")
-    if cfg.sliding_window is not None and any(cfg.layer_type(i) == "full" for i in range(cfg.num_layers)):
-        errs.append("model.layer_types: mixtral slides every layer when sliding_window is set; leave it null")
-    return errs
-
-
 def to_hf(sd: StateDict, cfg: ModelConfig, source: str = "state dict") -> StateDict:
     return experts_to_hf(sd, cfg, NAMES, source)
 
