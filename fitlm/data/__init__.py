@@ -1,7 +1,8 @@
 """Data: the training-time reader, and under fitlm.data.prep the offline preparation that writes what it reads.
 
 Read (this package; imports nothing from prep):
-    SequenceLoader(PackedDataset(out_dir), seq_length, micro_batch_size, seed)  -> batches  (dataset.py, loader.py)
+    SequenceLoader(PackedDataset(out_dir), seq_length, micro_batch_size, seed) -> batches  (dataset.py, loader.py,
+                                                                                 rows.py)
     Tokenizer.from_file(path)                            -> a model's tokenizer with its BOS/EOS rules (tokenizer.py)
     ChatEncoder(tokenizer, template)                     -> ids + assistant loss mask (chat.py)
     format.py documents the packed directory; gguf_tokenizer.py / gguf_vocab.py read llama.cpp's vocabularies.
@@ -19,7 +20,8 @@ from fitlm.data.conventions import SPECIAL_TOKENS
 from fitlm.data.dataset import IGNORE_INDEX, PackedDataset, check_compat
 from fitlm.data.errors import DataError
 from fitlm.data.format import FORMAT, FORMAT_VERSION
-from fitlm.data.loader import SequenceLoader, window_order
+from fitlm.data.loader import SequenceLoader
+from fitlm.data.rows import window_order
 from fitlm.data.tokenizer import Tokenizer
 
 __all__ = [

@@ -35,52 +35,45 @@ import torch
 from fitlm.data.dataset import IGNORE_INDEX, PackedDataset
 from fitlm.data.errors import DataError
 from fitlm.data.preference import is_preference
+from fitlm.data.rows import pack_rows, restart_positions, window_order
 
-_MASK64 = (1 << 64) - 1
 PACKINGS = ("stream", "docs", "pairs")
 
 
-def _splitmix64(x: np.ndarray) -> np.ndarray:
-    x = x + np.uint64(0x9E3779B97F4A7C15)
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
+def _check_sizes(
+    seq_length: int,
+    micro_batch_size: int,
+    rank: int,
+    world_size: int,
+    max_length: int | None,
+    num_workers: int,
+    prefetch: int,
+) -> None:
+    """A `SequenceLoader`'s sizes are in range, or the DataError naming the first that is not."""
+    for name, v in (
+        ("data.seq_length", seq_length),
+        ("train.micro_batch_size", micro_batch_size),
+        ("world_size", world_size),
+    ):
+        if v < 1:
+            raise DataError(f"{name} must be at least 1 (got {v})")
+    if max_length is not None and max_length < 1:
+        raise DataError(f"data.max_length must be at least 1 or null (got {max_length})")
+    if num_workers < 0 or prefetch < 0:
+        raise DataError(f"data.num_workers and data.prefetch must be >= 0 (got {num_workers}, {prefetch})")
+    if not 0 <= rank < world_size:
+        raise DataError(f"rank {rank} is outside 0..{world_size - 1} (world_size={world_size})")
 
 
-def window_order(num_windows: int, seed: int, epoch: int) -> np.ndarray:
-    """The shuffled row order of one epoch, a pure function of (seed, epoch).
-
-    Sorting by a fixed integer hash (splitmix64) rather than calling a library RNG keeps the order
-    identical across numpy/torch versions and platforms, so a resumed run on new software still
-    continues the same sequence.
-    """
-    key = _splitmix64(np.array([seed & _MASK64], dtype=np.uint64))
-    key = _splitmix64(key ^ np.uint64(epoch & _MASK64))
-    keys = _splitmix64(np.arange(num_windows, dtype=np.uint64) ^ key)
-    return np.argsort(keys, kind="stable")
-
-
-def restart_positions(doc: np.ndarray) -> np.ndarray:
-    """Positions along the last axis that restart at 0 wherever `doc` changes (and at index 0)."""
-    idx = np.arange(doc.shape[-1])
-    starts = np.ones(doc.shape, dtype=bool)
-    starts[..., 1:] = doc[..., 1:] != doc[..., :-1]
-    return idx - np.maximum.accumulate(np.where(starts, idx, 0), axis=-1)
-
-
-def pack_rows(lengths: np.ndarray, capacity: int) -> np.ndarray:
-    """Greedy in-order packing: row starts (document indices, plus the end) so that each row's
-    documents sum to at most `capacity` tokens. Lengths must already be <= capacity."""
-    starts = [0]
-    fill = 0
-    for i, n in enumerate(lengths.tolist()):
-        if fill + n > capacity:
-            starts.append(i)
-            fill = 0
-        fill += n
-    if lengths.size:
-        starts.append(len(lengths))
-    return np.asarray(starts, dtype=np.int64)
+def _packing_of(dataset: PackedDataset, packing: str | None) -> str:
+    """The packing asked for (None: the one of the dataset's format), checked against the dataset."""
+    pairs = is_preference(dataset.manifest)
+    packing = packing or ("pairs" if pairs else "docs" if dataset.data_format == "chat" else "stream")
+    if packing not in PACKINGS:
+        raise DataError(f"packing {packing!r} is not known; use one of {', '.join(PACKINGS)}")
+    if (packing == "pairs") != pairs:
+        raise DataError(f"packing {packing!r} does not fit {dataset.path}: pairs is for preference data only")
+    return packing
 
 
 class SequenceLoader:
@@ -104,25 +97,8 @@ class SequenceLoader:
         num_workers: int = 0,
         prefetch: int = 0,
     ):
-        for name, v in (
-            ("data.seq_length", seq_length),
-            ("train.micro_batch_size", micro_batch_size),
-            ("world_size", world_size),
-        ):
-            if v < 1:
-                raise DataError(f"{name} must be at least 1 (got {v})")
-        if max_length is not None and max_length < 1:
-            raise DataError(f"data.max_length must be at least 1 or null (got {max_length})")
-        if num_workers < 0 or prefetch < 0:
-            raise DataError(f"data.num_workers and data.prefetch must be >= 0 (got {num_workers}, {prefetch})")
-        if not 0 <= rank < world_size:
-            raise DataError(f"rank {rank} is outside 0..{world_size - 1} (world_size={world_size})")
-        pairs = is_preference(dataset.manifest)
-        packing = packing or ("pairs" if pairs else "docs" if dataset.data_format == "chat" else "stream")
-        if packing not in PACKINGS:
-            raise DataError(f"packing {packing!r} is not known; use one of {', '.join(PACKINGS)}")
-        if (packing == "pairs") != pairs:
-            raise DataError(f"packing {packing!r} does not fit {dataset.path}: pairs is for preference data only")
+        _check_sizes(seq_length, micro_batch_size, rank, world_size, max_length, num_workers, prefetch)
+        packing = _packing_of(dataset, packing)
         self.dataset = dataset
         self.seq_length = seq_length
         self.micro_batch_size = micro_batch_size
@@ -134,39 +110,11 @@ class SequenceLoader:
         self.packing = packing
         self.eos_id = dataset.eos_id
         self.num_workers, self.prefetch = num_workers, prefetch
-        lengths = np.diff(dataset.doc_offsets)
-        self._truncated = max_length is not None and bool((lengths > max_length).any())
-        if packing == "stream":
-            kept = np.minimum(lengths, cast(int, max_length)) if self._truncated else lengths  # (truncated: a max)
-            self._vstart = np.concatenate([[0], np.cumsum(kept)]).astype(np.int64)  # virtual stream offsets
-            self.num_windows = max(0, (int(self._vstart[-1]) - 1) // seq_length)  # start + T + 1 <= N
-        else:
-            cap = seq_length + 1
-            self._kept = np.minimum(lengths, cap if max_length is None else min(cap, max_length))
-            if packing == "pairs":  # a row per document; a window is a pair of them
-                if len(lengths) % 2:
-                    raise DataError(
-                        f"{dataset.path} holds {len(lengths)} documents, not whole preference pairs; "
-                        "re-pack it with `fitlm data pack --format preference`"
-                    )
-                self._rows = np.arange(len(lengths) + 1, dtype=np.int64)
-                self.num_windows = len(lengths) // 2
-            else:
-                self._rows = pack_rows(self._kept, cap)
-                self.num_windows = max(0, len(self._rows) - 1)
+        self._lay_out_rows()
         per_step = micro_batch_size * world_size
         self.batches_per_epoch = self.num_windows // per_step
         if self.batches_per_epoch == 0:
-            need = (
-                f"at least {per_step * seq_length + 1} tokens"
-                if packing == "stream"
-                else f"{per_step} {'pairs' if packing == 'pairs' else 'rows'}"
-            )
-            raise DataError(
-                f"data {dataset.path} is too small for seq_length={seq_length} with micro_batch_size="
-                f"{micro_batch_size} on {world_size} rank(s): need {need}, have {dataset.num_tokens} tokens "
-                f"({self.num_windows} rows); add data or lower data.seq_length / train.micro_batch_size"
-            )
+            raise self._too_small(per_step)
         self.windows_per_epoch = self.batches_per_epoch * per_step  # over all ranks
         self.tokens_per_epoch = self.windows_per_epoch * seq_length  # token slots, all ranks
         self.epoch = 0
@@ -176,6 +124,44 @@ class SequenceLoader:
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._pending: deque[tuple[tuple[int, int], Future]] = deque()
+
+    def _lay_out_rows(self) -> None:
+        """The rows of `self.packing` over the dataset's documents, each kept to max_length tokens: the virtual
+        stream offsets (stream), or each row's documents (docs, pairs), and how many windows there are."""
+        lengths = np.diff(self.dataset.doc_offsets)
+        max_length, seq_length = self.max_length, self.seq_length
+        self._truncated = max_length is not None and bool((lengths > max_length).any())
+        if self.packing == "stream":
+            kept = np.minimum(lengths, cast(int, max_length)) if self._truncated else lengths  # (truncated: a max)
+            self._vstart = np.concatenate([[0], np.cumsum(kept)]).astype(np.int64)  # virtual stream offsets
+            self.num_windows = max(0, (int(self._vstart[-1]) - 1) // seq_length)  # start + T + 1 <= N
+            return
+        cap = seq_length + 1
+        self._kept = np.minimum(lengths, cap if max_length is None else min(cap, max_length))
+        if self.packing == "pairs":  # a row per document; a window is a pair of them
+            if len(lengths) % 2:
+                raise DataError(
+                    f"{self.dataset.path} holds {len(lengths)} documents, not whole preference pairs; "
+                    "re-pack it with `fitlm data pack --format preference`"
+                )
+            self._rows = np.arange(len(lengths) + 1, dtype=np.int64)
+            self.num_windows = len(lengths) // 2
+        else:
+            self._rows = pack_rows(self._kept, cap)
+            self.num_windows = max(0, len(self._rows) - 1)
+
+    def _too_small(self, per_step: int) -> DataError:
+        """The error of a dataset without one global micro batch of `per_step` windows."""
+        need = (
+            f"at least {per_step * self.seq_length + 1} tokens"
+            if self.packing == "stream"
+            else f"{per_step} {'pairs' if self.packing == 'pairs' else 'rows'}"
+        )
+        return DataError(
+            f"data {self.dataset.path} is too small for seq_length={self.seq_length} with micro_batch_size="
+            f"{self.micro_batch_size} on {self.world_size} rank(s): need {need}, have {self.dataset.num_tokens} "
+            f"tokens ({self.num_windows} rows); add data or lower data.seq_length / train.micro_batch_size"
+        )
 
     @classmethod
     def from_config(

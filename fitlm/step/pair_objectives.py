@@ -90,10 +90,10 @@ Score = Callable[[nn.Module, torch.Tensor, torch.Tensor, dict], torch.Tensor]
 
 
 class PairObjective:
-    """What a preference objective changes in a `TrainStep`'s loop (`forward_backward`, `eval_sums`): the unit
-    its loss is a mean over (pairs), each micro batch's summed loss with its metric sums, and the metrics of
-    the last step. `score` says how a row is scored (`dpo_score`, `simpo_score`); rewards are β · score, and
-    the pair's loss is −log σ(chosen reward − rejected reward − γ)."""
+    """A preference objective (fitlm.step.objectives.Objective): the unit its loss is a mean over (pairs), each
+    micro batch's summed loss with its metric sums, and the metrics of the last step. `score` says how a row is
+    scored (`dpo_score`, `simpo_score`); rewards are β · score, and the pair's loss is −log σ(chosen reward −
+    rejected reward − γ)."""
 
     def __init__(self, beta: float, score: Score, gamma: float = 0.0):
         self.beta, self.gamma, self.score = beta, gamma, score
@@ -169,15 +169,14 @@ def frozen_copy(cfg: Config, ctx: "ParallelContext") -> nn.Module:
     return apply_precision(model, cfg.memory, sharded=False).eval()
 
 
-def objective_for(
-    cfg: Config, ctx: "ParallelContext", pm: "ParallelModel", simulate: bool = False
-) -> PairObjective | None:
-    """The step's objective when it is not SFT (None: SFT, the step's own loss)."""
+def pair_objective(cfg: Config, ctx: "ParallelContext", pm: "ParallelModel", simulate: bool = False) -> PairObjective:
+    """The pair objective of finetune.objective `dpo` or `simpo` (fitlm.step.objectives.objective_for), DPO with
+    its reference: adapters off under LoRA, else a frozen copy (under `simulate`, the policy stands in)."""
     f = cfg.finetune
     if f.objective == "simpo":
         return PairObjective(f.simpo.beta, simpo_score, f.simpo.gamma)
     if f.objective != "dpo":
-        return None
+        raise ValueError(f"finetune.objective: {f.objective!r} is not a pair objective (dpo, simpo)")
     if f.adapters and f.dpo.reference is None:
 
         def base(input_ids: torch.Tensor, **doc: torch.Tensor) -> torch.Tensor:
@@ -199,8 +198,8 @@ __all__ = [
     "average_logps",
     "dpo_score",
     "frozen_copy",
-    "objective_for",
     "pair_count",
+    "pair_objective",
     "pair_terms",
     "reference_config",
     "sequence_logps",

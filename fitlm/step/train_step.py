@@ -19,13 +19,13 @@ import torch
 from fitlm.config import Config
 from fitlm.memory.loss_scale import LossScaler
 from fitlm.memory.precision import autocast
-from fitlm.models.loss import count_targets, cross_entropy_sum
+from fitlm.models.loss import cross_entropy_sum
 from fitlm.parallel.apply import ParallelModel
 from fitlm.parallel.mesh import ParallelContext
 from fitlm.parallel_dims import WORLD
 from fitlm.step.guards import GuardEvent, StepGuards
+from fitlm.step.objectives import Objective, objective_for
 from fitlm.step.optim import optimizer_for
-from fitlm.step.pair_objectives import PairObjective, objective_for
 from fitlm.step.router_balance import RouterBalance
 from fitlm.step.timing import PhaseTimer
 
@@ -61,12 +61,13 @@ class TrainStep:
         scaler: LossScaler,
         guards: StepGuards,
         timer: PhaseTimer | _NoTimer,
+        objective: Objective,
     ):
         self.cfg, self.ctx, self.pm, self.device = cfg, ctx, pm, ctx.device
         self.optimizer, self.scaler, self.guards, self.timer = optimizer, scaler, guards, timer
         self.guard_event: GuardEvent | None = None  # set by optimizer_step
-        # finetune.objective other than sft (DPO): its own forward/backward and evaluation; None = the loss below.
-        self.objective: PairObjective | None = None
+        # finetune.objective (fitlm.step.objectives): what the loss is a mean over, each micro batch's loss, metrics
+        self.objective = objective
         # an MoE model's load-balancing loss and expert load (fitlm.step.router_balance); None for a dense model
         self.balance = RouterBalance.create(cfg, pm.modules, partial(ctx.all_reduce_sum, dim=ctx.dims.token_dim))
 
@@ -76,7 +77,7 @@ class TrainStep:
         overflow check would read a fake flag (and skip every step) and phase wall times mean nothing."""
         scaler = LossScaler(cfg.memory, ctx.device)
         scaler.enabled = scaler.enabled and not simulate
-        step = cls(
+        return cls(
             cfg,
             ctx,
             pm,
@@ -84,9 +85,8 @@ class TrainStep:
             scaler,
             StepGuards(cfg.train.observe.guards, partial(ctx.all_reduce_max, dim=WORLD)),
             _NoTimer() if simulate else PhaseTimer(ctx.device),
+            objective_for(cfg, ctx, pm, simulate),
         )
-        step.objective = objective_for(cfg, ctx, pm, simulate)
-        return step
 
     def document_inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Per-document positions and ids (block-causal attention), when data.document_mask is on."""
@@ -107,12 +107,12 @@ class TrainStep:
         every rank of a "cp" group holds the same batches (counted once, over "dp") and sums the loss of its
         part of each sequence; gradients are averaged over dp x cp ranks, hence that factor.
 
-        An objective other than SFT (DPO, `self.objective`) weights by its own unit (pairs) and gives each micro
-        batch's summed loss plus the sums of its logged metrics; the loop, the scaling and the reductions are
-        the same.
+        The objective (`self.objective`, fitlm.step.objectives) says what is counted (target tokens under SFT,
+        pairs under DPO and SimPO) and gives each micro batch's summed loss plus the sums of its logged metrics;
+        the loop, the scaling and the reductions are the same for all.
         """
         all_targets = self.ctx.all_reduce_sum(
-            torch.tensor(float(sum(self._count(b["labels"]) for b in batches)), device=self.device), "dp"
+            torch.tensor(float(sum(self.objective.count(b["labels"]) for b in batches)), device=self.device), "dp"
         )
         n_targets = max(1.0, all_targets.item())
         scale = self.ctx.dims.dp_cp / n_targets * self.scaler.scale  # loss scale: 1 unless fp16
@@ -127,7 +127,7 @@ class TrainStep:
                 # loss_context: under tensor parallel the loss (and its backward) runs on vocab-sharded logits.
                 with autocast(self.cfg.memory, self.device), self.pm.loss_context(), shard:
                     with self.timer("forward"):
-                        loss_sum, extra = self._micro_loss(input_ids, labels, doc)
+                        loss_sum, extra = self.objective.micro_loss(self, input_ids, labels, doc)
                         aux = self.balance.micro_loss() if self.balance is not None else None
                     with self.timer("backward"):
                         total = loss_sum * scale
@@ -139,23 +139,10 @@ class TrainStep:
         self.pm.finish_backward()
         assert sums is not None  # (a step has at least one micro batch)
         sums = self.ctx.all_reduce_sum(sums, self.ctx.dims.token_dim) / n_targets
-        if self.objective is not None:
-            self.objective.observe(sums[1:])
+        self.objective.observe(sums[1:])
         if self.balance is not None:
             self.balance.observe()
         return sums[0]
-
-    def _count(self, labels: torch.Tensor) -> int:
-        """What the step's loss is a mean over in `labels`: target tokens (SFT) or the objective's unit (pairs)."""
-        return self.objective.count(labels) if self.objective is not None else count_targets(labels)
-
-    def _micro_loss(
-        self, input_ids: torch.Tensor, labels: torch.Tensor, doc: dict[str, torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(summed loss of one micro batch, detached sums of the objective's metrics [k]; SFT has none, k = 0)."""
-        if self.objective is not None:
-            return self.objective.micro_loss(self, input_ids, labels, doc)
-        return self.loss_sum(input_ids, labels, **doc), torch.zeros(0, device=self.device)
 
     def _pipeline_loss_sum(self, batches: list[dict[str, torch.Tensor]], scale: float) -> torch.Tensor:
         """All of the step's micro batches through ONE pipeline schedule run (it fills and drains once per step,
@@ -198,7 +185,7 @@ class TrainStep:
         )
 
     def loss_sum(self, input_ids: torch.Tensor, labels: torch.Tensor, **doc: torch.Tensor) -> torch.Tensor:
-        """Summed token loss of one micro batch through the (non-pipelined) model."""
+        """Summed token loss of one micro batch through the (non-pipelined) model (the SFT objective's loss)."""
         if self.cfg.memory.loss_chunk_size:
             return self.pm.model(input_ids, labels=labels, **doc)  # chunked head + loss inside forward, no full logits
         return cross_entropy_sum(self.pm.model(input_ids, **doc), labels)  # logits [B, T, V]
@@ -212,9 +199,12 @@ class TrainStep:
             if self.pm.pipeline is not None:
                 loss_sum = self.pm.pipeline.eval_step(input_ids, labels, **doc)
             else:
-                loss_sum, _ = self._micro_loss(input_ids, labels, doc)
+                loss_sum, _ = self.objective.micro_loss(self, input_ids, labels, doc)
         return torch.stack(
-            [loss_sum.float().detach().reshape(()), torch.tensor(float(self._count(labels)), device=loss_sum.device)]
+            [
+                loss_sum.float().detach().reshape(()),
+                torch.tensor(float(self.objective.count(labels)), device=loss_sum.device),
+            ]
         )
 
     def optimizer_step(self, loss: torch.Tensor | None = None, step: int = 0) -> tuple[torch.Tensor, bool]:

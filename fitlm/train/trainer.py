@@ -365,8 +365,8 @@ class Trainer:
             "peak_bytes": int(peak),
             "tokens": step * self.tokens_per_step,
         }
-        if self.step.objective is not None:  # DPO: the pairs' rewards, margin and accuracy beside the loss
-            record.update({k: round(v, 6) for k, v in self.step.objective.metrics.items()})
+        # the objective's metrics beside the loss (DPO, SimPO: the pairs' rewards, margin and accuracy; SFT: none)
+        record.update({k: round(v, 6) for k, v in self.step.objective.metrics.items()})
         if self.step.balance is not None:  # MoE: the auxiliary loss and the expert load
             record.update({k: round(v, 6) for k, v in self.step.balance.metrics.items()})
         scaler = self.step.scaler

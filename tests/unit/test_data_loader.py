@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from fitlm.data import IGNORE_INDEX, DataError, PackedDataset, SequenceLoader
-from fitlm.data.loader import pack_rows, restart_positions
 from fitlm.data.prep import pack_corpus, train_tokenizer
+from fitlm.data.rows import pack_rows, restart_positions
 
 WORDS = "alpha beta gamma delta river stone cloud light shadow north south song bird tree 河流 石头 云".split()
 
