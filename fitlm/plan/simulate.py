@@ -19,7 +19,7 @@ answers them (True for masks, 1 for counts and Adam's step), which never changes
 scaling's overflow check is switched off in the simulation (it unscales gradients in place: no bytes).
 
 DPO: a fake micro batch is 2 × micro_batch_size rows (chosen, then rejected), as the loader yields them; the
-policy stands in for the reference's forward (fitlm.step.pair_objectives.objective_for), so a frozen reference copy's
+policy stands in for the reference's forward (fitlm.step.objectives.objective_for), so a frozen reference copy's
 bytes are added here from the analytic count (`fitlm.plan.finetune.reference_bytes`, under `other`).
 """
 
