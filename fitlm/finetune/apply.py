@@ -16,7 +16,7 @@ from typing import Callable, Iterable, Iterator, Mapping
 import torch
 import torch.nn as nn
 
-from fitlm.config import Config
+from fitlm.config import Config, ModelConfig
 from fitlm.finetune.freeze import apply_freeze
 from fitlm.finetune.lora import (
     LoraError,
@@ -147,9 +147,19 @@ def final_weights(
             Path(output_dir) / ADAPTER_DIR,
             base_model=cfg.model.init_from,
             recipe=quantized_recipe(cfg) if cfg.finetune.method == "qlora" else None,
+            experts=expert_names(cfg.model),
         )
 
     return plain, merged()
+
+
+def expert_names(model: ModelConfig) -> tuple[str, dict[str, str]]:
+    """How the family's checkpoints name an MoE layer and its expert projections (for adapters on experts)."""
+    gguf = model.family.gguf  # (the family's HF expert names live with its GGUF names, which stack them)
+    names = gguf.experts if gguf is not None else None
+    if names is None:
+        return "mlp", {}
+    return names.module, {"gate_proj": names.gate, "up_proj": names.up, "down_proj": names.down}
 
 
 def quantized_recipe(cfg: Config) -> dict[str, int]:

@@ -21,8 +21,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fitlm.config import Config, ModelConfig
+from fitlm.finetune import expert_lora
 from fitlm.finetune.errors import FinetuneError
-from fitlm.models.moe import moe_layers
+from fitlm.models.moe import Router, moe_layers
 from fitlm.registry import build_model
 
 if TYPE_CHECKING:
@@ -59,12 +60,13 @@ def is_adapted(module: nn.Module) -> bool:
 
 
 def candidate_linears(model: nn.Module) -> dict[str, nn.Linear]:
-    """The Linears LoRA may wrap: every one except the output head (PEFT's `all-linear` rule too)."""
+    """The Linears LoRA may wrap: every one except the output head (PEFT's `all-linear` rule too) and an MoE
+    layer's router, which stays frozen (its experts' projections are targets: fitlm.finetune.expert_lora)."""
     head = getattr(model, "lm_head", None)
     return {
         name: m
         for name, m in model.named_modules()
-        if isinstance(m, nn.Linear) and m is not head and not name.endswith(LORA_PARTS)
+        if isinstance(m, nn.Linear) and m is not head and not name.endswith(LORA_PARTS) and not isinstance(m, Router)
     }
 
 
@@ -77,25 +79,23 @@ def resolve_targets(model: nn.Module, targets: Iterable[str]) -> tuple[str, ...]
         raise LoraError(
             "finetune.lora.target_modules is empty; name modules such as [q_proj, v_proj] or use [all-linear]"
         )
-    if moe_layers([model]):
-        # PEFT (0.21+) maps gate_proj/up_proj/down_proj on an MoE model onto the stacked experts, which fitlm's
-        # LoRA does not adapt yet: only attention Linears keep one meaning in both.
-        linears = {n: m for n, m in linears.items() if ".self_attn." in f".{n}"}
+    experts = expert_lora.expert_targets(model, targets, ALL_LINEAR in targets)
     if ALL_LINEAR in targets:
-        return tuple(linears)
+        return tuple(linears) + tuple(experts)
     found, unknown = [], []
     for t in targets:
-        hits = [n for n in linears if n == t or n.endswith("." + t)]
+        hits = [n for n in linears if n == t or n.endswith("." + t)] + expert_lora.expert_targets(model, [t], False)
         (found.extend(hits) if hits else unknown.append(t))
     if unknown:
-        leaves = sorted({n.rsplit(".", 1)[-1] for n in linears})
+        leaves = sorted({n.rsplit(".", 1)[-1] for n in linears} | {n.rsplit(".", 1)[-1] for n in experts})
         raise LoraError(
             f"finetune.lora.target_modules: {', '.join(unknown)} match no linear layer of this model"
-            f"{' that LoRA adapts (on a mixture of experts: attention only)' if moe_layers([model]) else ''}; "
+            f"{' (an MoE router, gate, stays frozen)' if moe_layers([model]) else ''}; "
             f"its linear layers are {', '.join(leaves)} (or use all-linear; the output head lm_head "
             f"is never a target)"
         )
-    return tuple(n for n in linears if n in set(found))  # model order, no duplicates
+    chosen = set(found)
+    return tuple(n for n in linears if n in chosen) + tuple(n for n in experts if n in chosen)  # model order
 
 
 def _lora_hook(module: nn.Linear, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
@@ -131,7 +131,7 @@ def add_lora(linear: nn.Linear, r: int, alpha_scaling: float, dropout: float) ->
 def adapters_off(model: nn.Module) -> Iterator[None]:
     """Run `model` as its base inside this block: every adapter hook leaves its Linear's output as it is
     (DPO's reference under LoRA: the frozen base, without a second copy of it)."""
-    adapted = [m for m in model.modules() if is_adapted(m)]
+    adapted: list[nn.Module] = [m for m in model.modules() if is_adapted(m)] + list(expert_lora.adapted(model))
     for m in adapted:
         m.lora_off = True  # type: ignore[assignment]  # (a plain attribute: see _lora_hook)
     try:
@@ -147,6 +147,12 @@ def inject_lora(model: nn.Module, spec: LoraSpec) -> list[str]:
         p.requires_grad_(False)
     linears = dict(model.named_modules())
     for name in spec.modules:
+        stacked = expert_lora.split(name)
+        if stacked is not None and isinstance(linears.get(stacked[0]), expert_lora.GroupedExperts):
+            if hasattr(linears[stacked[0]], f"lora_A_{stacked[1]}"):
+                raise LoraError(f"{name} already has a LoRA adapter; merge it first (`fitlm merge`) to stack another")
+            expert_lora.attach(linears[stacked[0]], stacked[1], spec.r, spec.scaling, spec.dropout)
+            continue
         m = linears.get(name)
         if not isinstance(m, nn.Linear):
             raise LoraError(f"adapter module {name!r} is not a linear layer of this model")
@@ -165,6 +171,7 @@ def lora_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         for name, m in model.named_modules()
         if is_adapted(m)
     ]
+    stacked = expert_lora.drawn(model)
 
     def draw() -> Iterator[tuple[str, torch.Tensor]]:
         with torch.no_grad():
@@ -172,6 +179,8 @@ def lora_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
                 a, b = new_adapter(fan_in, fan_out, r, "cpu")
                 yield f"{name}.lora_A.weight", a.weight.detach()
                 yield f"{name}.lora_B.weight", b.weight.detach()
+            for target, experts, fan_in, fan_out, r in stacked:
+                yield from expert_lora.draw(target, experts, fan_in, fan_out, r)
 
     return draw()
 
@@ -186,7 +195,7 @@ def apply_lora(model: nn.Module, r: int, alpha: float, dropout: float, target_mo
 
 
 def is_lora_key(name: str) -> bool:
-    return any(f".{part}." in name for part in LORA_PARTS)
+    return any(f".{part}." in name for part in LORA_PARTS) or expert_lora.module_of(name) is not None
 
 
 _V = TypeVar("_V")  # a state dict's values: tensors, or (dtype, shape) specs
@@ -208,10 +217,10 @@ def merge_lora(
     producing a silently broken merge.
     """
     out = dict(base)
-    modules = sorted({k.rsplit(".lora_", 1)[0] for k in adapter})
-    for m in modules:
-        a, b = adapter.get(f"{m}.lora_A.weight"), adapter.get(f"{m}.lora_B.weight")
-        w = base.get(f"{m}.weight")
+    for m in lora_modules_of(adapter):
+        stacked = expert_lora.split(m) is not None
+        a, b = (adapter.get(adapter_key(m, part)) for part in ("A", "B"))
+        w = base.get(m if stacked else f"{m}.weight")
         if a is None or b is None:
             raise LoraError(f"{source}: {m} has only one of lora_A / lora_B; the adapter is incomplete")
         if w is None:
@@ -219,15 +228,23 @@ def merge_lora(
                 f"{source}: adapts {m}, which this base model does not have: the adapter was made "
                 f"for another model (or architecture); use the base model it was trained on"
             )
-        if a.shape[0] != b.shape[1] or tuple(w.shape) != (b.shape[0], a.shape[1]):
+        expects = (*a.shape[:-2], b.shape[-2], a.shape[-1])  # ([E,] out, in)
+        if a.shape[-2] != b.shape[-1] or tuple(w.shape) != expects:
             raise LoraError(
                 f"{source}: {m} is {tuple(w.shape)} in the base model but the adapter expects "
-                f"{(b.shape[0], a.shape[1])}: the adapter was made for another base model; "
-                f"use the base model it was trained on"
+                f"{expects}: the adapter was made for another base model; use the base model it was trained on"
             )
+        if stacked:  # an MoE layer's experts: every expert's B_e·A_e
+            out[m] = expert_lora.merge(w, a, b, scaling)
+            continue
         delta = b.float() @ a.float()  # [out, r] @ [r, in]
         out[f"{m}.weight"] = (w.float() + scaling * delta).to(torch.float32)
     return out
+
+
+def adapter_key(module: str, part: str) -> str:
+    """The adapter key of `module`'s A or B: `<Linear>.lora_A.weight`, or an expert target's stacked key."""
+    return expert_lora.key(module, part) if expert_lora.split(module) else f"{module}.lora_{part}.weight"
 
 
 def untied_for(config: Config, adapter: Mapping[str, torch.Tensor]) -> Config:
@@ -257,4 +274,5 @@ def with_weights(model: nn.Module, model_cfg: ModelConfig, weights: Mapping[str,
 
 
 def lora_modules_of(adapter: Mapping[str, object]) -> tuple[str, ...]:
-    return tuple(sorted({k.rsplit(".lora_", 1)[0] for k in adapter}))
+    """The modules an adapter's keys adapt: Linear FQNs, and expert targets (`<experts>.gate_proj`)."""
+    return tuple(sorted({expert_lora.module_of(k) or k.rsplit(".lora_", 1)[0] for k in adapter}))

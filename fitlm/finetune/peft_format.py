@@ -22,7 +22,8 @@ from safetensors.torch import load_file, save_file
 
 from fitlm.atomic import atomic_dir
 from fitlm.diskspace import disk_full_guard, tensor_bytes
-from fitlm.finetune.lora import LoraError, LoraSpec, lora_modules_of
+from fitlm.finetune import expert_lora
+from fitlm.finetune.lora import LoraError, LoraSpec, adapter_key, lora_modules_of
 from fitlm.finetune.qlora import write_recipe
 
 CONFIG_FILE = "adapter_config.json"
@@ -30,8 +31,21 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 PREFIX = "base_model.model."
 
 
-def adapter_config(spec: LoraSpec, base_model: str | None = None) -> dict[str, Any]:
-    leaves = sorted({m.rsplit(".", 1)[-1] for m in spec.modules})
+def adapter_config(
+    spec: LoraSpec, base_model: str | None = None, expert_names: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """PEFT's adapter_config.json of `spec`; an expert target is listed by the family's HF leaf name
+    (`expert_names`: fitlm projection -> HF's, e.g. Mixtral's gate_proj -> w1), which PEFT on transformers 5 maps
+    onto its fused experts (a leaf also names a dense layer's or the shared expert's Linear of that name: on
+    those PEFT finds no pair in the file and leaves them as they are)."""
+    names = expert_names or {}
+    leaves = sorted(
+        {
+            names.get(leaf, leaf) if expert_lora.split(m) else leaf
+            for m in spec.modules
+            for leaf in [m.rsplit(".", 1)[-1]]
+        }
+    )
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -59,18 +73,23 @@ def save_adapter(
     out_dir: str | Path,
     base_model: str | None = None,
     recipe: Mapping[str, int] | None = None,
+    experts: tuple[str, Mapping[str, str]] = ("mlp", {}),
 ) -> Path:
     """Write adapter tensors (fitlm FQNs) and their config as a PEFT adapter directory, atomically; a full
     disk raises fitlm.diskspace.DiskFullError after the partial directory is removed. `recipe`: QLoRA's
-    quantized base (`fitlm.finetune.qlora.write_recipe`), recorded beside the adapter."""
+    quantized base (`fitlm.finetune.qlora.write_recipe`), recorded beside the adapter. `experts`: how the
+    family's checkpoints name an MoE layer and its expert projections (fitlm.models.moe_hf.ExpertNames), for
+    adapters on experts, which are written one pair per expert (fitlm.finetune.expert_lora)."""
     out_dir = Path(out_dir).expanduser().absolute()
     if out_dir.exists() and not (out_dir / CONFIG_FILE).is_file() and any(out_dir.iterdir()):
         raise LoraError(f"{out_dir} exists, is not empty and holds no adapter; choose another path for the adapter")
     needed = tensor_bytes(adapter.values(), float_itemsize=4) + 64 * 1024  # stored as float32
     with disk_full_guard(out_dir, needed, "adapter save"), atomic_dir(out_dir) as tmp:
-        tensors = {PREFIX + k: v.detach().to("cpu", torch.float32).contiguous() for k, v in adapter.items()}
+        per_expert = expert_lora.to_peft(adapter, *experts)
+        tensors = {PREFIX + k: v.detach().to("cpu", torch.float32).contiguous() for k, v in per_expert.items()}
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        (tmp / CONFIG_FILE).write_text(json.dumps(adapter_config(spec, base_model), indent=2) + "\n")
+        config = adapter_config(spec, base_model, experts[1])
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         if recipe:
             write_recipe(tmp, recipe)
     return out_dir
@@ -127,10 +146,14 @@ def load_adapter(path: str | Path) -> tuple[LoraSpec, dict[str, torch.Tensor]]:
         if ".lora_A." not in name and ".lora_B." not in name:
             raise LoraError(f"{weights}: tensor {key!r} is not a LoRA A/B matrix; only plain LoRA adapters are read")
         tensors[name] = t
+    try:
+        tensors = expert_lora.from_peft(tensors)  # one pair per expert -> the stacked experts' adapters
+    except ValueError as e:
+        raise LoraError(f"{weights}: {e}") from None
     modules = lora_modules_of(tensors)
     if not modules:
         raise LoraError(f"{weights}: holds no LoRA tensors")
-    ranks = {tensors[f"{m}.lora_A.weight"].shape[0] for m in modules if f"{m}.lora_A.weight" in tensors}
+    ranks = {tensors[adapter_key(m, "A")].shape[-2] for m in modules if adapter_key(m, "A") in tensors}
     r = int(cfg.get("r", 8))
     if ranks != {r}:
         raise LoraError(

@@ -22,10 +22,17 @@ from torch.distributed.tensor import DTensor
 
 from fitlm.models.layers import GatedMLP
 
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
 
 class GroupedExperts(nn.Module):
     """E SwiGLU experts as stacked weights: down(silu(gate(x)) · up(x)) with gate_proj, up_proj [E, I, H] and
-    down_proj [E, H, I] (row e is expert e's nn.Linear weight under HF's per-expert names)."""
+    down_proj [E, H, I] (row e is expert e's nn.Linear weight under HF's per-expert names).
+
+    A projection may carry a LoRA adapter (fitlm.finetune.expert_lora attaches it): stacked `lora_A_<proj>`
+    [E, r, in] and `lora_B_<proj>` [E, out, r], so expert e computes W_e·x + scaling · B_e·A_e·x, as PEFT's
+    LoRA on each expert's nn.Linear does. They are parameters of this module, so expert parallel splits them
+    with the experts."""
 
     def __init__(self, num_experts: int, hidden: int, inner: int, init_std: float):
         super().__init__()
@@ -33,6 +40,7 @@ class GroupedExperts(nn.Module):
         self.gate_proj = nn.Parameter(torch.empty(num_experts, inner, hidden))
         self.up_proj = nn.Parameter(torch.empty(num_experts, inner, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inner))
+        self.lora_scaling, self.lora_dropout = 1.0, 0.0  # of the adapters, when attached
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -46,18 +54,40 @@ class GroupedExperts(nn.Module):
         with no row are skipped and get a zero gradient slice. Under expert parallel the weights are DTensors
         sharded on the expert dimension and this rank computes its own E/ep experts (fitlm.parallel.expert_parallel)."""
         gate, up, down = (_local(w) for w in (self.gate_proj, self.up_proj, self.down_proj))
+        lora = self._adapters()
         outs = []
         for e, rows in enumerate(torch.split(x, counts)):
             if rows.shape[0]:
-                h = F.silu(F.linear(rows, gate[e])) * F.linear(rows, up[e])  # [m, I]
-                outs.append(F.linear(h, down[e]))  # [m, H]
+                g, u = self._project(rows, gate, e, lora, "gate_proj"), self._project(rows, up, e, lora, "up_proj")
+                outs.append(self._project(F.silu(g) * u, down, e, lora, "down_proj"))  # [m, I] -> [m, H]
         if not outs:
             # No row at all (an expert rank whose experts got no token): a zero-row pass through expert 0 keeps
             # the graph through this call and gives the weights a (zero) gradient, so the backward's all-to-alls
             # and the gradient reductions still run on this rank as on the others.
             rows = x[:0]
-            outs.append(F.linear(F.silu(F.linear(rows, gate[0])) * F.linear(rows, up[0]), down[0]))
+            g, u = self._project(rows, gate, 0, lora, "gate_proj"), self._project(rows, up, 0, lora, "up_proj")
+            outs.append(self._project(F.silu(g) * u, down, 0, lora, "down_proj"))
         return torch.cat(outs)
+
+    def _adapters(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's (A, B) of every adapted projection; none while adapters are switched off (DPO's reference)."""
+        if getattr(self, "lora_off", False):
+            return {}
+        return {
+            p: (_local(getattr(self, f"lora_A_{p}")), _local(getattr(self, f"lora_B_{p}")))
+            for p in PROJECTIONS
+            if hasattr(self, f"lora_A_{p}")
+        }
+
+    def _project(self, x: torch.Tensor, w: torch.Tensor, e: int, lora: dict, proj: str) -> torch.Tensor:
+        """x [m, in] through expert e's `proj` [out, in], plus its adapter's scaling · B_e·A_e·x where it has one."""
+        y = F.linear(x, w[e])
+        if proj not in lora:
+            return y
+        a, b = lora[proj]
+        if self.lora_dropout > 0 and self.training:
+            x = F.dropout(x, self.lora_dropout, training=True)
+        return y + F.linear(F.linear(x, a[e]), b[e]) * self.lora_scaling
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:

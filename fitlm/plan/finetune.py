@@ -82,15 +82,30 @@ def lora_targets(s: Setup) -> tuple[str, ...]:
     if not adapters(s):
         return ()
     shapes = linear_shapes(s)
+    shapes = {n: v for n, v in shapes.items() if n != ROUTER}  # an MoE router stays frozen
     if ALL_LINEAR in s.lora_targets:
         return tuple(shapes)
-    return tuple(n for n in shapes if any(t == n or t.endswith("." + n) for t in s.lora_targets))
+    leaf = {n: n.rsplit(".", 1)[-1] for n in shapes}  # experts.gate_proj and shared_expert.gate_proj: gate_proj
+    return tuple(n for n in shapes if any(t in (n, leaf[n]) or t.endswith("." + n) for t in s.lora_targets))
+
+
+ROUTER = "gate"  # an MoE block's router in the family's block counts (fitlm.models.counts.moe_block)
+EXPERT_INPUT = {"experts.gate_proj": False, "experts.up_proj": False, "experts.down_proj": True}  # E·I on `in`?
+
+
+def adapter_size(s: Setup, name: str, i: int, o: int) -> int:
+    """LoRA parameters of one targeted linear, r·(in + out); a stacked expert projection (E·I wide on one side,
+    fitlm.finetune.expert_lora) holds one adapter per expert, E·r·(in + out) of one expert's."""
+    if name not in EXPERT_INPUT:
+        return s.lora_r * (i + o)
+    e = s.cfg.model.num_experts or 1
+    return e * s.lora_r * ((i // e + o) if EXPERT_INPUT[name] else (i + o // e))
 
 
 def adapter_params(s: Setup) -> int:
-    """LoRA parameters of the whole model: r·(in + out) per targeted linear per block."""
+    """LoRA parameters of the whole model: r·(in + out) per targeted linear per block (per expert on experts)."""
     shapes = linear_shapes(s)
-    return s.layers * sum(s.lora_r * sum(shapes[n]) for n in lora_targets(s))
+    return s.layers * sum(adapter_size(s, n, *shapes[n]) for n in lora_targets(s))
 
 
 def row_parallel(s: Setup) -> frozenset[str]:
@@ -104,8 +119,10 @@ def rank_block_adapters(s: Setup) -> int:
     (A [r, in] whole, B [out/tp, r]), r·(in/tp + out) per row-parallel one (A [r, in/tp], B [out, r] whole)."""
     shapes, rows = linear_shapes(s), row_parallel(s)
     return sum(
-        s.lora_r * (i // s.tp + o if n in rows else i + o // s.tp) for n in lora_targets(s) for i, o in [shapes[n]]
-    )
+        adapter_size(s, n, i, o) if n in EXPERT_INPUT else s.lora_r * (i // s.tp + o if n in rows else i + o // s.tp)
+        for n in lora_targets(s)
+        for i, o in [shapes[n]]
+    )  # (an MoE model is not tensor-parallel)
 
 
 def nf4_shards(s: Setup) -> int:

@@ -102,8 +102,18 @@ def test_hf_names_round_trip(arch, extra):
         assert torch.equal(back[k], v), k
 
 
-def test_lora_on_an_moe_model_adapts_attention_only():
+def test_lora_on_an_moe_model_targets_the_experts_and_never_the_router():
+    """all-linear takes attention, a dense block's MLP and every stacked expert projection (one adapter per
+    expert: fitlm.finetune.expert_lora), as PEFT's all-linear takes transformers 4's Linears, but not the router;
+    a leaf name takes the dense block's Linear and the experts' projection alike, as PEFT matches leaf names."""
     model = build_model(cfg(mlp_only_layers=[1]))
-    assert all(".self_attn." in n for n in resolve_targets(model, ["all-linear"]))
-    with pytest.raises(LoraError, match="on a mixture of experts: attention only"):
-        resolve_targets(model, ["gate_proj"])
+    everything = resolve_targets(model, ["all-linear"])
+    assert "model.layers.0.mlp.experts.down_proj" in everything and "model.layers.1.mlp.down_proj" in everything
+    assert not any(n.endswith("mlp.gate") for n in everything)
+    assert resolve_targets(model, ["gate_proj"]) == (
+        "model.layers.1.mlp.gate_proj",
+        "model.layers.0.mlp.experts.gate_proj",
+    )
+    assert resolve_targets(model, ["experts.gate_proj"]) == ("model.layers.0.mlp.experts.gate_proj",)
+    with pytest.raises(LoraError, match="router"):
+        resolve_targets(model, ["gate"])
