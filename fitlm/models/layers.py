@@ -133,9 +133,9 @@ def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A boolean mask (True = may attend) in SDPA's additive form: 0 where allowed, -inf elsewhere, in `dtype`.
 
     Why the bodies convert once per forward: SDPA converts a boolean mask to this form on every call and
-    keeps the converted copy for backward, so every layer held its own float [B,1,T,T] (measured on CPU at
-    T = 8192: 256 MiB per layer, 3x the layers' other activations at width 128). One shared tensor in the
-    attention's dtype (see `attention_dtype`) is kept once, and SDPA computes exactly what it computed before.
+    keeps the converted copy for backward, so every layer held its own float [B,1,T,T] (B·T² elements per
+    layer, which at long rows outgrow the layer's other activations). One shared tensor in the attention's
+    dtype (see `attention_dtype`) is kept once, and SDPA computes exactly what it computed before.
     """
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
@@ -191,10 +191,10 @@ def document_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
     attend key j (j <= i and both in the same document).
 
     Why an SDPA boolean mask and not FlexAttention: on CPU without torch.compile (torch 2.13), flex
-    runs an unfused reference path that materialises the scores anyway and `create_block_mask` costs
-    seconds per call (measured: 2.7 s mask + 54 ms vs 6 ms SDPA at B=2, H=4, T=512). The mask is
-    built once per forward and shared by every layer; the diagonal is always allowed, so no row is
-    empty (no NaN).
+    runs an unfused reference path that materialises the scores anyway, and `create_block_mask` costs
+    far more than the attention it feeds at these sizes (see bench/RESULTS.md, "Figures behind the code's
+    design choices"). The mask is built once per forward and shared by every layer; the diagonal is
+    always allowed, so no row is empty (no NaN).
     """
     if document_ids.dim() != 2:
         raise ValueError(f"document_ids must be [batch, seq], got shape {tuple(document_ids.shape)}")
