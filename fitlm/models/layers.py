@@ -113,7 +113,7 @@ def causal_attention(
     t, s = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
     if window is not None or softcap is not None:
-        mask = _restrict(attn_mask, _band_mask(t, s, q_start, window, q.device))  # [T,S] or [B,1,T,S]
+        mask = restrict_mask(attn_mask, band_mask(t, s, q_start, window, q.device))  # [T,S] or [B,1,T,S]
         if softcap is None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
         return softcapped_attention(q, k, v, mask, scale, softcap)
@@ -125,7 +125,7 @@ def causal_attention(
         # A single new token may see every cached key: no mask, which keeps the fast kernels.
         return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
     # Several new tokens after a cached prefix: is_causal would align the mask top-left, so build it.
-    mask = _band_mask(t, s, q_start, None, q.device)
+    mask = band_mask(t, s, q_start, None, q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
@@ -152,7 +152,7 @@ def shared_mask(mask: torch.Tensor | None, h: torch.Tensor) -> torch.Tensor | No
     return None if mask is None else additive_mask(mask, attention_dtype(h))
 
 
-def _restrict(attn_mask: torch.Tensor | None, allowed: torch.Tensor) -> torch.Tensor:
+def restrict_mask(attn_mask: torch.Tensor | None, allowed: torch.Tensor) -> torch.Tensor:
     """An incoming mask (boolean or additive) further limited to `allowed` (bool), in the incoming form."""
     if attn_mask is None:
         return allowed
@@ -161,7 +161,7 @@ def _restrict(attn_mask: torch.Tensor | None, allowed: torch.Tensor) -> torch.Te
     return attn_mask.masked_fill(~allowed, float("-inf"))
 
 
-def _band_mask(t: int, s: int, q_start: int, window: int | None, device: torch.device) -> torch.Tensor:
+def band_mask(t: int, s: int, q_start: int, window: int | None, device: torch.device) -> torch.Tensor:
     """bool [T,S]: query q_start+i may see key j when j <= q_start+i (and j > q_start+i-window)."""
     rows = torch.arange(q_start, q_start + t, device=device)[:, None]  # [T,1]
     cols = torch.arange(s, device=device)[None, :]  # [1,S]

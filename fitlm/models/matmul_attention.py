@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from fitlm.models.layers import _band_mask, _restrict, additive_mask, causal_attention
+from fitlm.models.layers import additive_mask, band_mask, causal_attention, restrict_mask
 
 # Query rows per block. Of one block of all rows, 128 and 64, 128 was the fastest forward + backward (or within 2%
 # of it) at every shape timed (bench/RESULTS.md, "Figures behind the code's design choices").
@@ -181,7 +181,7 @@ def _blocked_inputs(q, k, v, q_start: int, attn_mask, window, scale, softcap):
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     mask = attn_mask
     if window is not None:
-        mask = _restrict(mask, _band_mask(q.shape[2], k.shape[2], 0, window, q.device))
+        mask = restrict_mask(mask, band_mask(q.shape[2], k.shape[2], 0, window, q.device))
     if mask is not None:
         mask = additive_mask(mask, q.dtype) if mask.dtype == torch.bool else mask.to(q.dtype)
         if mask.dim() == 2:  # [T,S] -> [1,1,T,S]
