@@ -39,7 +39,7 @@ def measure(device: str, dtypes: list[str], sizes: list[int], repeats: int) -> d
         use = sizes if name == "fp32" or fast else [min(256, min(sizes))]
         rows = {}
         for n in use:
-            metrics._measured_peaks.pop(f"{torch.device(device)}:{dtype}", None)
+            metrics.forget_measured_peaks(torch.device(device), dtype)
             rows[str(n)] = metrics.measure_gemm_flops(torch.device(device), dtype, n=n, repeats=repeats)
         out["per_dtype"][name] = {"by_size": rows, "peak_flops": max(rows.values())}
     if device == "cuda":

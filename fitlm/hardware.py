@@ -65,6 +65,15 @@ def measure_gemm_flops(device: torch.device, dtype: torch.dtype, n: int = 1024, 
     return _measured_peaks[key]
 
 
+def forget_measured_peaks(device: torch.device | None = None, dtype: torch.dtype | None = None) -> None:
+    """Drop this process's cached GEMM measurement for `device` and `dtype` (all of them when not given), so the
+    next `measure_gemm_flops` times the GEMM again."""
+    if device is None or dtype is None:
+        _measured_peaks.clear()
+    else:
+        _measured_peaks.pop(f"{device}:{dtype}", None)
+
+
 def peak_cache_path() -> Path:
     root = os.environ.get("FITLM_CACHE_DIR") or Path.home() / ".cache" / "fitlm"
     return Path(root) / "peak_flops.json"

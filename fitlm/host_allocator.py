@@ -3,14 +3,13 @@
 glibc's malloc hands every large block (over its mmap threshold, at most 32 MiB) to the kernel with mmap and gives
 it back with munmap when freed, and trims the top of its heap whenever enough of it is free. A training step frees
 and allocates the same activations, gradients and temporaries every step, so each step faults the same pages in
-again: ~22,500 minor page faults per step for a 4-layer h256 Llama at 8 x 256 tokens on a 2-core CPU, whose step
-took 239 ms with them and 174 ms without (compiled, bf16). PyTorch's CPU tuning guides swap in jemalloc or tcmalloc
+again, a cost that is a large share of a small model's step on a CPU (bench/RESULTS.md, "Figures behind the code's
+design choices", has the page faults and step times). PyTorch's CPU tuning guides swap in jemalloc or tcmalloc
 for this (LD_PRELOAD, at process start); the same effect from inside the process is two mallopt settings: no mmap
 for large blocks (they come from the heap and freed blocks are reused) and no trimming of the heap's top; and a
 third, one arena for all threads, so that what one thread frees the others reuse. The Trainer sets them after the
 model is loaded: the load streams each source tensor once, so there is nothing to reuse, and a heap that keeps those
-blocks fragments (0.7B full fine-tune under tp2: load peak 1.75 GiB with glibc's defaults, 2.24 with these set
-before the load, 1.72-1.79 set after it).
+blocks fragments, which raises the load's peak resident size above glibc's defaults when set before it.
 
 The cost: memory freed during training stays with the process (its peak resident size is unchanged; it is reused by
 the next step instead of being returned and faulted in again). Other allocators (musl, macOS, Windows) are left as
@@ -52,8 +51,7 @@ def keep_freed_memory() -> bool:
     no_mmap = libc.mallopt(ctypes.c_int(M_MMAP_MAX), ctypes.c_int(0))
     no_trim = libc.mallopt(ctypes.c_int(M_TRIM_THRESHOLD), ctypes.c_int(_INT_MAX))
     # One arena for every thread: glibc gives a thread that allocates its own arena, which would now keep what that
-    # thread frees apart from the main one (0.7B full fine-tune under tp2, rank 0's step: 7.07 GiB with glibc's
-    # defaults, 7.35 with reuse over several arenas, 6.99 with one; step time within noise).
+    # thread frees apart from the main one, and the step's peak resident size would grow rather than stay level.
     libc.mallopt(ctypes.c_int(M_ARENA_MAX), ctypes.c_int(1))
     return bool(no_mmap and no_trim)
 

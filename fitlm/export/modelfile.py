@@ -146,14 +146,6 @@ PROBES: tuple[tuple[dict[str, str], ...], ...] = (
 )
 
 
-def chat_format(template: str) -> str | None:
-    """The first format in FORMATS whose markers all appear in the Jinja source (a candidate, not yet verified)."""
-    for name, fmt in FORMATS.items():
-        if all(m in template for m in fmt.markers):
-            return name
-    return None
-
-
 def _specials(tokenizer: Tokenizer) -> tuple[str, str]:
     return tokenizer.special_tokens.get("bos") or "", tokenizer.special_tokens.get("eos") or ""
 
@@ -259,13 +251,4 @@ def write_modelfile(loaded: LoadedModel | StreamedModel, gguf: str | Path) -> Pa
     return out
 
 
-__all__ = [
-    "FORMATS",
-    "PROBES",
-    "Format",
-    "chat_format",
-    "match_format",
-    "modelfile_path",
-    "modelfile_text",
-    "write_modelfile",
-]
+__all__ = ["FORMATS", "PROBES", "Format", "match_format", "modelfile_path", "modelfile_text", "write_modelfile"]

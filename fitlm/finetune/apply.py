@@ -22,13 +22,12 @@ from fitlm.finetune.lora import (
     LoraError,
     LoraSpec,
     apply_lora,
-    inject_lora,
     is_adapted,
     lora_modules_of,
     merge_lora,
     split_lora_state_dict,
 )
-from fitlm.finetune.peft_format import load_adapter, save_adapter
+from fitlm.finetune.peft_format import save_adapter
 from fitlm.finetune.qlora import quantize_base, recipe_of
 from fitlm.memory.nf4 import is_nf4
 from fitlm.memory.precision import half_dtype
@@ -169,24 +168,3 @@ def quantized_recipe(cfg: Config) -> dict[str, int]:
         model = build_model(cfg.model)
     apply_finetune(model, cfg)
     return recipe_of(model)
-
-
-def attach_adapter(model: nn.Module, adapter_dir: str | Path) -> LoraSpec:
-    """Inject a saved PEFT LoRA adapter (fitlm's or one made elsewhere) into a plain fitlm model."""
-    spec, tensors = load_adapter(adapter_dir)
-    params = dict(model.named_parameters())
-    for m in spec.modules:
-        w = params.get(f"{m}.weight")
-        a, b = tensors[f"{m}.lora_A.weight"], tensors[f"{m}.lora_B.weight"]
-        if w is None or tuple(w.shape) != (b.shape[0], a.shape[1]):
-            have = tuple(w.shape) if w is not None else "missing"
-            raise LoraError(
-                f"{adapter_dir}: adapts {m} as {(b.shape[0], a.shape[1])} but this model's {m} is "
-                f"{have}: the adapter was made for another base model"
-            )
-    inject_lora(model, spec)
-    dev = next(model.parameters()).device
-    missing, unexpected = model.load_state_dict({k: v.to(dev) for k, v in tensors.items()}, strict=False)
-    if unexpected:
-        raise LoraError(f"{adapter_dir}: tensors {unexpected[:3]} do not fit the model")
-    return spec

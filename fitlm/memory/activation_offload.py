@@ -241,9 +241,3 @@ def apply_activation_offload(stage: nn.Module, mode: bool | str, device: torch.d
     if not offloads(mode, device):
         return stage
     return offload_saved_tensors(stage, mode, ActivationOffloader(device))
-
-
-def offload_stats(module: nn.Module) -> OffloadStats | None:
-    """What `module`'s hooks have moved so far (for reports), or None where nothing is hooked."""
-    offloader = getattr(module, _OFFLOADER, None)
-    return None if offloader is None else offloader.stats

@@ -35,11 +35,6 @@ def compute_dtype(cfg: MemoryConfig) -> torch.dtype:
     return torch.float32 if cfg.mixed_precision == "O0" else half_dtype(cfg)
 
 
-def param_dtype(cfg: MemoryConfig) -> torch.dtype:
-    """The dtype parameters (and so gradients and optimizer states) are stored in."""
-    return half_dtype(cfg) if cfg.mixed_precision == "O3" else torch.float32
-
-
 def uses_loss_scaling(cfg: MemoryConfig) -> bool:
     return cfg.mixed_precision != "O0" and cfg.half_dtype == "fp16"
 

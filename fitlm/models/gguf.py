@@ -209,7 +209,7 @@ def _is_norm(gguf_base: str) -> bool:
 
 def gguf_tensors(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig):
     """(llama.cpp name, fp32 tensor) for HF-named weights, (name, tensor) pairs as they stream: renamed, q/k
-    permuted and norms offset as llama.cpp's converter does for this family (the inverse of what read_gguf
+    permuted and norms offset as llama.cpp's converter does for this family (the inverse of what `GGUFTensors.read`
     undoes)."""
     names = cfg.family.gguf
     top = {ours: theirs for theirs, ours in names.top.items()}
@@ -372,12 +372,6 @@ class GGUFTensors:
 
     def state_dict(self) -> StateDict:
         return {name: self.read(name) for name in self.entries}
-
-
-def read_gguf(path: str | Path) -> tuple[ModelConfig, StateDict, dict[str, Any]]:
-    """(config, HF-named fp32 state dict, metadata) of a GGUF file of a registered family."""
-    src = GGUFTensors(path)
-    return src.config, src.state_dict(), src.meta
 
 
 Specs = dict[str, tuple[torch.dtype, tuple[int, ...]]]

@@ -113,7 +113,7 @@ def causal_attention(
     t, s = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
     if window is not None or softcap is not None:
-        mask = _restrict(attn_mask, _band_mask(t, s, q_start, window, q.device))  # [T,S] or [B,1,T,S]
+        mask = restrict_mask(attn_mask, band_mask(t, s, q_start, window, q.device))  # [T,S] or [B,1,T,S]
         if softcap is None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
         return softcapped_attention(q, k, v, mask, scale, softcap)
@@ -125,7 +125,7 @@ def causal_attention(
         # A single new token may see every cached key: no mask, which keeps the fast kernels.
         return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
     # Several new tokens after a cached prefix: is_causal would align the mask top-left, so build it.
-    mask = _band_mask(t, s, q_start, None, q.device)
+    mask = band_mask(t, s, q_start, None, q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
@@ -133,9 +133,9 @@ def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A boolean mask (True = may attend) in SDPA's additive form: 0 where allowed, -inf elsewhere, in `dtype`.
 
     Why the bodies convert once per forward: SDPA converts a boolean mask to this form on every call and
-    keeps the converted copy for backward, so every layer held its own float [B,1,T,T] (measured on CPU at
-    T = 8192: 256 MiB per layer, 3x the layers' other activations at width 128). One shared tensor in the
-    attention's dtype (see `attention_dtype`) is kept once, and SDPA computes exactly what it computed before.
+    keeps the converted copy for backward, so every layer held its own float [B,1,T,T] (B·T² elements per
+    layer, which at long rows outgrow the layer's other activations). One shared tensor in the attention's
+    dtype (see `attention_dtype`) is kept once, and SDPA computes exactly what it computed before.
     """
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
@@ -152,7 +152,7 @@ def shared_mask(mask: torch.Tensor | None, h: torch.Tensor) -> torch.Tensor | No
     return None if mask is None else additive_mask(mask, attention_dtype(h))
 
 
-def _restrict(attn_mask: torch.Tensor | None, allowed: torch.Tensor) -> torch.Tensor:
+def restrict_mask(attn_mask: torch.Tensor | None, allowed: torch.Tensor) -> torch.Tensor:
     """An incoming mask (boolean or additive) further limited to `allowed` (bool), in the incoming form."""
     if attn_mask is None:
         return allowed
@@ -161,7 +161,7 @@ def _restrict(attn_mask: torch.Tensor | None, allowed: torch.Tensor) -> torch.Te
     return attn_mask.masked_fill(~allowed, float("-inf"))
 
 
-def _band_mask(t: int, s: int, q_start: int, window: int | None, device: torch.device) -> torch.Tensor:
+def band_mask(t: int, s: int, q_start: int, window: int | None, device: torch.device) -> torch.Tensor:
     """bool [T,S]: query q_start+i may see key j when j <= q_start+i (and j > q_start+i-window)."""
     rows = torch.arange(q_start, q_start + t, device=device)[:, None]  # [T,1]
     cols = torch.arange(s, device=device)[None, :]  # [1,S]
@@ -191,10 +191,10 @@ def document_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
     attend key j (j <= i and both in the same document).
 
     Why an SDPA boolean mask and not FlexAttention: on CPU without torch.compile (torch 2.13), flex
-    runs an unfused reference path that materialises the scores anyway and `create_block_mask` costs
-    seconds per call (measured: 2.7 s mask + 54 ms vs 6 ms SDPA at B=2, H=4, T=512). The mask is
-    built once per forward and shared by every layer; the diagonal is always allowed, so no row is
-    empty (no NaN).
+    runs an unfused reference path that materialises the scores anyway, and `create_block_mask` costs
+    far more than the attention it feeds at these sizes (see bench/RESULTS.md, "Figures behind the code's
+    design choices"). The mask is built once per forward and shared by every layer; the diagonal is
+    always allowed, so no row is empty (no NaN).
     """
     if document_ids.dim() != 2:
         raise ValueError(f"document_ids must be [batch, seq], got shape {tuple(document_ids.shape)}")

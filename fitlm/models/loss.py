@@ -70,8 +70,8 @@ def _fused_chunk(
     """`_chunk`'s arithmetic written for torch.compile (memory.compile): out of place, the one-hot as a
     comparison with the column index, so inductor fuses log-sum-exp, softmax, one-hot and mask into passes
     over the [c,V] logits that store nothing but the half gradient. Compiled, the in-place form's scatter
-    and in-place chain took 1.75x as long (a [2,048 x 32,000] chunk, one thread of the 2-core CPU: 247 vs
-    141 ms)."""
+    and in-place chain keep inductor from fusing those passes, which makes it the slower of the two at large
+    vocabularies (see bench/RESULTS.md, "Figures behind the code's design choices")."""
     valid = y != IGNORE_INDEX
     target = torch.where(valid, y, 0)[:, None]  # [c,1]
     logits = (h @ weight.t()).float()  # [c,V]

@@ -3,17 +3,16 @@ fitlm.memory.attention_backward).
 
 `matmul` (FlashMatmulAttention): the forward is SDPA's CPU flash kernel itself (the same output, bit for bit, and
 its row log-sum-exp). The backward recomputes the probabilities from that log-sum-exp and differentiates with five
-batched GEMMs instead of the flash kernel's own backward, which on CPU is the slow part of attention in half precision
-(B 8, H 4, T 256, D 64, bf16 on a 2-core AMX CPU, forward + backward compiled: SDPA 11.8 ms, this 6.9 ms). It holds
-[B, H, t, S] scores for one block of t query rows, so past ~512 keys the flash kernel (which never holds them) wins
-again (T 1,024: 42.9 vs 48.7 ms), and in fp32 it is no faster.
+batched GEMMs instead of the flash kernel's own backward, which on CPU is the slow part of attention in half
+precision. It holds [B, H, t, S] scores for one block of t query rows, so at long rows the flash kernel (which never
+holds them) is faster again, and in fp32 it gains nothing.
 
 `matmul_saved` (SavedMatmulAttention): the forward too is blocked GEMMs with fp32 scores and softmax, and it keeps
 each block's fp32 probabilities for backward, which then recomputes nothing: 4 bytes per attended score per layer,
-for attention in ~0.4-0.6x SDPA's time up to T 1,024 in bf16 and fp32 (2-core AVX512-BF16 CPU, compiled: B 8, H 4,
-K 2, T 256: SDPA 22.3, matmul 14.6, matmul_saved 8.7 ms; B 2, H 8, T 1,024: 81, 80, 65 ms; at T 2,048 all three
-within 10%). In a whole training step the kept probabilities also push the step's other GEMMs out of cache, so the
-step gains less than attention does (bench/train_throughput.py). Both are opt-in, for short-row training on CPU.
+for attention faster than SDPA's at short rows in bf16 and fp32, its lead shrinking as rows grow. In a whole
+training step the kept probabilities also push the step's other GEMMs out of cache, so the step gains less than
+attention does (bench/train_throughput.py). Both are opt-in, for short-row training on CPU; bench/RESULTS.md
+("Figures behind the code's design choices") has the timings against SDPA.
 
 Queries go through in blocks of BLOCK_ROWS rows: a block attends only keys up to its last row (the causal
 rule; fitlm's document and sliding-window masks only ever narrow it), so masked-out score blocks are never
@@ -30,11 +29,10 @@ from __future__ import annotations
 
 import torch
 
-from fitlm.models.layers import _band_mask, _restrict, additive_mask, causal_attention
+from fitlm.models.layers import additive_mask, band_mask, causal_attention, restrict_mask
 
-# Query rows per backward block. Measured forward + backward, compiled, bf16, 2-core AMX CPU (ms, SDPA / one
-# block of all rows / 128 / 64): B8 H4 K2 T256 11.8 / 8.5 / 6.9 / 6.8; B8 H6 T256 19.2 / 12.8 / 11.2 / 12.5;
-# B4 H8 K2 T512 34.3 / 43.6 / 19.4 / 22.0; B2 H8 T1024 42.9 / 90.0 / 48.7 / 65.3.
+# Query rows per block. Of one block of all rows, 128 and 64, 128 was the fastest forward + backward (or within 2%
+# of it) at every shape timed (bench/RESULTS.md, "Figures behind the code's design choices").
 BLOCK_ROWS = 128
 
 
@@ -183,7 +181,7 @@ def _blocked_inputs(q, k, v, q_start: int, attn_mask, window, scale, softcap):
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     mask = attn_mask
     if window is not None:
-        mask = _restrict(mask, _band_mask(q.shape[2], k.shape[2], 0, window, q.device))
+        mask = restrict_mask(mask, band_mask(q.shape[2], k.shape[2], 0, window, q.device))
     if mask is not None:
         mask = additive_mask(mask, q.dtype) if mask.dtype == torch.bool else mask.to(q.dtype)
         if mask.dim() == 2:  # [T,S] -> [1,1,T,S]

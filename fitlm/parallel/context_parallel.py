@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fitlm.models.layers import SelfAttention, _band_mask, additive_mask, document_position_ids, softcapped_attention
+from fitlm.models.layers import SelfAttention, additive_mask, band_mask, document_position_ids, softcapped_attention
 
 
 def zigzag_index(seq_len: int, cp: int, rank: int) -> torch.Tensor:
@@ -105,7 +105,7 @@ class SequenceShard:
         (bottom-right aligned: query i sees keys 0..keys-queries+i); shared by the layers."""
         key = ("prefix", queries, keys, dtype)
         if key not in self._masks:
-            self._masks[key] = additive_mask(_band_mask(queries, keys, keys - queries, None, self.index.device), dtype)
+            self._masks[key] = additive_mask(band_mask(queries, keys, keys - queries, None, self.index.device), dtype)
         return self._masks[key]
 
 

@@ -69,7 +69,7 @@ def apply_data_parallel(model: nn.Module, ctx: ParallelContext, memory: MemoryCo
                 # Over gloo the gathered units are host memory, and FSDP2 holds a unit up to three times at once
                 # in backward (the one computing, the prefetched one's all-gather buffer and its copy-out): each
                 # Linear (with its adapters) gathers on its own, so that is three Linears, not three blocks
-                # (0.7B LoRA ZeRO-3 at fp32: the step's peak 2.32 -> 2.02 GiB per rank).
+                # (the step's peak per rank falls accordingly; bench/RESULTS.md, "fp32 LoRA under the bar").
                 for linear in _block_linears(block):
                     fully_shard(linear, **policies)
             fully_shard(block, **policies, ignored_params=experts & set(block.parameters()) or None)
@@ -141,7 +141,7 @@ class InPlaceAllGather(AllGather):
         if torch.device(device).type == "cpu":
             # The units gathered before were freed into the heap (their weights are below glibc's mmap
             # threshold once it has risen to 32 MiB), where they stay resident, fragmented by the activations
-            # between them: on a 0.7B model the step's peak was 0.3 GiB higher without this.
+            # between them, and would raise the step's peak (bench/RESULTS.md, "fp32 LoRA under the bar").
             return_freed_host_memory()
         return torch.empty(*size, dtype=dtype, device=device)
 

@@ -2,9 +2,9 @@
 
 `squared_norm` sums the squares of a rank's gradients: DTensor gradients (tensor parallel, FSDP2) are
 reduced over their own mesh by torch's `get_total_norm`, plain tensors on the CPU as one BLAS dot product
-each. On the CPU torch's per-tensor norm kernel reads fp32 gradients at about half the memory bandwidth a
-dot product reaches (bench: 16.9 M gradients of 57 tensors, 8.6 vs 3.6 ms on 2 cores), and the dot's
-accumulation is closer to the fp64 norm (relative error 5e-7 vs 2.5e-5 there).
+each. On the CPU torch's per-tensor norm kernel reads fp32 gradients more slowly than a BLAS dot product
+does, and the dot's accumulation is closer to the fp64 norm (bench/RESULTS.md, "Figures behind the code's design
+choices").
 
 `clip_by_norm` is torch's clip, skipping its in-place scaling (one more read and write of every gradient) in the
 steps where the norm is within the bound and the factor is 1. (Folding the clip into fused AdamW as its

@@ -36,7 +36,7 @@ from torch.distributed.pipelining import (
 from fitlm.models.loss import cross_entropy_sum
 from fitlm.parallel.collective_trace import collective
 from fitlm.parallel.pipeline_state import (
-    _as_group,
+    as_process_group,
     clip_grad_norm_pp,  # noqa: F401 (re-exported)
     gather_full_state_dict,
     sync_tied_grads,
@@ -210,7 +210,7 @@ def build_schedule(
     because that loss already divides by the whole step's targets (torch's default would divide the
     gradients by n_microbatches once more).
     """
-    group = _as_group(pp_group)
+    group = as_process_group(pp_group)
     pp_size = dist.get_world_size(group)
     expected = stage_ids(dist.get_rank(group), pp_size, schedule_name)
     num_stages = pp_size * len(expected)

@@ -25,8 +25,8 @@ if TYPE_CHECKING:
 TIED_COPY = "_fitlm_pp_tied_copy"  # attribute set on the last stage's copy of a tied embedding
 
 
-def _as_group(pp_group) -> dist.ProcessGroup:
-    # A 1-D DeviceMesh (e.g. mesh["pp"]) or a ProcessGroup.
+def as_process_group(pp_group) -> dist.ProcessGroup:
+    """The ProcessGroup of a 1-D DeviceMesh (e.g. mesh["pp"]), or `pp_group` itself when it is one."""
     return pp_group.get_group() if hasattr(pp_group, "get_group") else pp_group
 
 
@@ -51,7 +51,7 @@ def sync_tied_grads(stage_modules: list[tuple[int, nn.Module]], pp_group) -> Non
     Call after the step's backward passes, before clipping. Only pp ranks 0 and pp-1 communicate
     (point to point); other ranks return at once. A no-op without tying.
     """
-    group = _as_group(pp_group)
+    group = as_process_group(pp_group)
     pp_size = dist.get_world_size(group)
     for sid, mod in stage_modules:
         mod = cast("CausalLM", mod)  # (a stage: a family's model, parts of it None)
@@ -88,7 +88,7 @@ def clip_grad_norm_pp(parameters: Iterable[torch.Tensor], max_norm: float, pp_gr
     Sum of squares per rank, all-reduced over the pp group. A tied head copy (see sync_tied_grads) is
     clipped but not counted: the unsplit model holds that Parameter once.
     """
-    group = _as_group(pp_group)
+    group = as_process_group(pp_group)
     params = [p for p in parameters if p.grad is not None]
     counted = [cast(torch.Tensor, p.grad) for p in params if not getattr(p, TIED_COPY, False)]  # (all have one)
     sq = squared_norm(counted)
@@ -120,7 +120,7 @@ def gather_full_state_dict(
     `gather=False` materialises only (for replicas whose pp group need not gather). Goes through
     gather_object: fine for a final export; use torch.distributed.checkpoint for resumable checkpoints.
     """
-    group = _as_group(pp_group)
+    group = as_process_group(pp_group)
     local = [
         (
             sid,

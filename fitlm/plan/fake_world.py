@@ -14,7 +14,8 @@ holds the same tensors as the real one:
 - DTensor sharding propagation runs each op once on global-shape fake tensors to learn the output's
   metadata, inside the *active* fake mode when there is one. In a real run that is a fresh mode, which
   MemTracker ignores; in the simulation it is the simulation's own, and MemTracker counted those tensors as
-  the step's: the loss-parallel backward's full-vocabulary [tokens, V] input and output, the +6.2% tp2 miss.
+  the step's: the loss-parallel backward's full-vocabulary [tokens, V] input and output, which made the simulated
+  tp2 step too large (docs/planning.md).
   Propagation gets a fresh fake mode here too.
 - A fake tensor's deep copy (`copy.deepcopy`, how a pipeline stage is carved out of the model) lands in
   another fake mode, where every view of it (a weight's transpose in each matmul) gets a storage of its

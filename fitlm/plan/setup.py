@@ -2,7 +2,7 @@
 parameter counts.
 
 Why a record beside the pydantic `Config`: `fitlm plan --search` and the OOM diagnosis evaluate tens of
-thousands of variants, and a `dataclasses.replace` of a few knobs is ~100x cheaper than a validated
+thousands of variants, and a `dataclasses.replace` of a few knobs is far cheaper than a validated
 model copy. So the knobs they turn (layout, batch split, memory options, fine-tuning method) are fields,
 each named by its config key in KNOBS, which both reads them (`from_config`) and writes a variant back
 (`to_overrides`); everything else (the model's shape, the sequence, the half type) is read from the

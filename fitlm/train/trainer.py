@@ -168,7 +168,7 @@ class Trainer:
         self.pm = parallelize(model, cfg, self.ctx, materialize=materializer(cfg, model, self.ctx))
         return_freed_host_memory()  # the load's transients (source tensors, casts) leave the heap
         # Only now: the load streams each source tensor once, so there is nothing to reuse, and a heap that keeps
-        # those blocks fragments (0.7B full fine-tune under tp2: 1.75 -> 2.24 GiB load peak with it set before).
+        # those blocks fragments (a higher load peak when set before; fitlm/host_allocator.py).
         apply_host_allocator(t.host_allocator, self.device.type, self.ctx.dims.fsdp_sharded)
         self.host_memory = HostMemory(self.ctx)
         self.host_memory.mark("load")  # building, loading and sharding the model is the first phase

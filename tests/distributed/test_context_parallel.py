@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fitlm.models.layers import _band_mask, document_causal_mask
+from fitlm.models.layers import band_mask, document_causal_mask
 from fitlm.parallel.context_parallel import SequenceShard, zigzag_index
 from tests.distributed.spawn import run_world
 from tests.distributed.test_layouts import REFERENCE, STEPS, assert_same_training, layout_config
@@ -60,14 +60,14 @@ def test_a_sequence_length_the_chunks_cannot_split_is_refused_naming_the_key():
 def test_shard_mask_is_the_full_mask_at_the_ranks_rows_and_gathered_keys(window):
     t, cp = 16, 2
     doc = torch.tensor([[0] * 3 + [1] * 9 + [2] * 4, [0] * 16])
-    full = document_causal_mask(doc)[:, 0] & _band_mask(t, t, 0, window, doc.device)  # [B,T,T]
+    full = document_causal_mask(doc)[:, 0] & band_mask(t, t, 0, window, doc.device)  # [B,T,T]
     key_index = torch.cat([zigzag_index(t, cp, r) for r in range(cp)])
     for rank in range(cp):
         index = zigzag_index(t, cp, rank)
         got = SequenceShard(index, key_index, doc).mask(window)[:, 0]  # [B,T/C,T] over gathered keys
         assert torch.equal(got, full[:, index][:, :, key_index])
         plain = SequenceShard(index, key_index, None).mask(window)  # [T/C,T]
-        assert torch.equal(plain, _band_mask(t, t, 0, window, doc.device)[index][:, key_index])
+        assert torch.equal(plain, band_mask(t, t, 0, window, doc.device)[index][:, key_index])
 
 
 # Every family's attention under context parallel: sliding windows (Gemma 3: a second RoPE table; Phi-3),

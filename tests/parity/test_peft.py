@@ -9,13 +9,13 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
-from fitlm.finetune.apply import attach_adapter
 from fitlm.finetune.importer import import_model
 from fitlm.finetune.lora import apply_lora, split_lora_state_dict
 from fitlm.finetune.merge import merge_model
 from fitlm.finetune.peft_format import save_adapter
 from fitlm.models.hf import HFFormatError
 from fitlm.models.io import load_model_dir
+from tests.helpers import attach_adapter
 from tests.parity.test_hf_parity import randomize
 
 peft = pytest.importorskip("peft")

@@ -12,13 +12,14 @@ import pytest
 import torch
 
 from fitlm.config import MemoryConfig, ModelConfig
+from fitlm.memory import activation_offload
 from fitlm.memory.activation_offload import (
     ActivationOffloader,
+    OffloadStats,
     apply_activation_offload,
     is_weight,
     offload_mode,
     offload_saved_tensors,
-    offload_stats,
     offloads,
 )
 from fitlm.memory.precision import apply_precision
@@ -68,6 +69,12 @@ def loss_and_grads(model, ids, labels):
     loss = cross_entropy_sum(model(ids), labels)
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def offload_stats(module) -> OffloadStats | None:
+    """What `module`'s offload hooks have moved so far, or None where nothing is hooked."""
+    offloader = getattr(module, activation_offload._OFFLOADER, None)
+    return None if offloader is None else offloader.stats
 
 
 def prepared(tiny, recompute="none", memory=None):

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from fitlm.config import ModelConfig
 from fitlm.memory.attention_backward import ATTENDS, apply_attention_backward
 from fitlm.models import matmul_attention as ab
-from fitlm.models.layers import SelfAttention, _band_mask, additive_mask, causal_attention, document_causal_mask
+from fitlm.models.layers import SelfAttention, additive_mask, band_mask, causal_attention, document_causal_mask
 from fitlm.registry import build_model
 
 
@@ -180,8 +180,8 @@ def test_a_model_trains_alike_with_either_attention(mode, kind):
 
 
 def test_band_mask_matches_the_window_rule():
-    """The window mask the attend builds is layers._band_mask's (guards the import it relies on)."""
-    m = _band_mask(5, 5, 0, 2, torch.device("cpu"))
+    """The window mask the attend builds is layers.band_mask's."""
+    m = band_mask(5, 5, 0, 2, torch.device("cpu"))
     assert m.tolist() == [[j <= i and j > i - 2 for j in range(5)] for i in range(5)]
 
 

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from fitlm.config import ModelConfig, validate_dict
-from fitlm.finetune.apply import apply_finetune, attach_adapter
+from fitlm.finetune.apply import apply_finetune
 from fitlm.finetune.early_stopping import EarlyStopping
 from fitlm.finetune.errors import FinetuneError
 from fitlm.finetune.lora import LoraError, apply_lora, merge_lora, split_lora_state_dict
@@ -18,6 +18,7 @@ from fitlm.models.io import load_model_dir
 from fitlm.registry import build_model
 from fitlm.train.trainer import Trainer
 from tests.e2e.helpers import read_metrics, tiny_config
+from tests.helpers import attach_adapter
 from tests.unit.counting import trainable_parameter_count
 
 MODEL = dict(

@@ -5,7 +5,7 @@ checkpoint the file was made from (fp32 round trip: exact, Gemma's stored 1 + w 
 1); for quantized types, the gguf package's own dequantization of the blocks written, in Hugging Face row
 order (llama.cpp's q/k row permutation is applied by this test's own copy of the converter's formula, and
 it commutes with row-wise quantization, so no fitlm code makes the reference); and the whole-file reader
-(`read_gguf`, `load_model_dir`).
+(`read_gguf` below, through `GGUFTensors.state_dict`, and `load_model_dir`).
 """
 
 from __future__ import annotations
@@ -20,13 +20,19 @@ from fitlm.export.gguf import export_gguf
 from fitlm.export.source import load_for_export
 from fitlm.finetune.init_from import resolve_init_from
 from fitlm.finetune.initial_weights import base_weights
-from fitlm.models.gguf import GGUFError, read_gguf, stream_gguf
+from fitlm.models.gguf import GGUFError, GGUFTensors, stream_gguf
 from fitlm.models.hf import from_hf_state_dict, model_keys
 from fitlm.models.io import load_model_dir
 from fitlm.models.streaming import layer_group
 from tests.parity.test_families import CASES, COMMON, randomize
 from tests.parity.test_gguf_families import EXPORTABLE
 from tests.parity.test_peft import _permute
+
+
+def read_gguf(path):
+    """(config, HF-named fp32 state dict, metadata) of a GGUF file read whole: the reference for streaming."""
+    src = GGUFTensors(path)
+    return src.config, src.state_dict(), src.meta
 
 
 def _init_from(path) -> object:

@@ -12,19 +12,51 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from fitlm.serve.background import ServerThread
+from fitlm.serve.cli import bind_socket
 from tests.unit.serve_models import chat_model_dir
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is a river?"}]
 N = 16
+
+
+class ServerThread:
+    """`with ServerThread(create_app(...)) as s:` serves at `s.url` (.../v1) until the block ends: uvicorn in a
+    background thread on a free loopback port, the server `fitlm serve` runs in its main thread."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0):
+        import uvicorn
+
+        self.sock = bind_socket(host, port)
+        self.url = f"http://{host}:{self.sock.getsockname()[1]}/v1"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True, name="fitlm-serve-http"
+        )
+
+    def __enter__(self) -> "ServerThread":
+        self.thread.start()
+        for _ in range(600):  # start-up takes well under a second; give up after 30 s
+            if self.server.started:
+                return self
+            if not self.thread.is_alive():
+                break
+            time.sleep(0.05)
+        self.sock.close()
+        raise RuntimeError("uvicorn did not start serving")
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(60)
+        self.sock.close()
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,15 @@ import re
 
 import pytest
 
-from fitlm.export.modelfile import FORMATS, _quoted, chat_format, modelfile_text
+from fitlm.export.modelfile import FORMATS, _quoted, modelfile_text
 from tests.unit.model_tokenizers import STYLES
 from tests.unit.serve_models import chat_model_dir
+
+
+def chat_format(template: str) -> str | None:
+    """The first format in FORMATS whose markers all appear in the Jinja source (as `match_format` picks its
+    candidates, before rendering the probes)."""
+    return next((name for name, fmt in FORMATS.items() if all(m in template for m in fmt.markers)), None)
 
 
 @pytest.mark.parametrize(

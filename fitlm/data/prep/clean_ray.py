@@ -65,8 +65,8 @@ def _prepare(batch: dict[str, np.ndarray], o: CleanOptions, hasher: MinHasher | 
 
 
 # Every group-by below groups by a *slice* of the key space (key mod `slices`), and each UDF call
-# handles one slice with numpy: a UDF call per bucket or per document costs ~50 us in Ray, which for
-# num_bands rows per document made the dedup 10x slower than the local engine.
+# handles one slice with numpy: a UDF call has a fixed cost in Ray, which, paid per bucket or per document
+# (num_bands rows each), made the dedup much slower than the local engine.
 
 
 def slices_for(rows: int) -> int:

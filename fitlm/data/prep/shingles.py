@@ -5,9 +5,9 @@ added above or below add shingles without destroying any. Why n by script: one e
 destroys up to n shingles, so a copy with a share e of its characters edited keeps about (1 - e)^n of
 them; small n tolerates more edits but, in alphabetic text, makes distinct documents share common
 n-grams ("the", "ing"). A character of Chinese or Japanese carries about as much as an English word, so
-3-grams there are as selective as 5-grams in spaced scripts (measured in bench/data.py: distinct
-documents of one domain stay below Jaccard 0.13, copies with 3% edits above 0.8 for 3-grams in
-Chinese/Japanese, above 0.72 for 5-grams in English).
+3-grams there are as selective as 5-grams in spaced scripts: with those, distinct documents of one domain
+stay far below the dedup threshold and lightly edited copies far above it (bench/data.py; its shingle-kinds
+table is in bench/RESULTS.md, "Data at corpus scale").
 """
 
 from __future__ import annotations
