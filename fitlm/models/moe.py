@@ -187,11 +187,15 @@ class MoEFeedForward(nn.Module):
         self.expert_counts: torch.Tensor | None = None
         self.dropped_slots: torch.Tensor | None = None
 
-    def reset_expert_bias(self) -> None:
-        """A zero bias (after fitlm.parallel.materialize gave the meta-built layer uninitialised storage)."""
+    def reset_expert_bias(self, device: torch.device | str | None = None) -> None:
+        """A zero bias (after fitlm.parallel.materialize gave the meta-built layer uninitialised storage, or a
+        meta-built model got its weights by assignment: then on `device`)."""
         if self.expert_bias is not None:
-            with torch.no_grad():
-                self.expert_bias.zero_()
+            if device is not None or self.expert_bias.is_meta:
+                self.expert_bias = torch.zeros(self.expert_bias.shape, device=device)
+            else:
+                with torch.no_grad():
+                    self.expert_bias.zero_()
 
     def _apply(self, fn, recurse=True):
         # The bias stays fp32 whatever the model is cast to (precision O3): 1e-3 steps vanish in bf16.
