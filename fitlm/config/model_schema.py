@@ -110,7 +110,13 @@ class ModelConfig(Section):
     shared_expert_intermediate_size: int | None = None
     """qwen2_moe: width of the shared expert every token goes through (gated by a sigmoid); null = none."""
     router_aux_loss_coef: float = 0.001
-    """Weight of transformers' load-balancing loss in the training loss (read from the checkpoint; 0 = balancing off)."""
+    """Weight of transformers' load-balancing loss in the training loss under model.moe_balance: aux_loss (read from the checkpoint; 0 = no auxiliary term). Not read under aux_free or none."""
+    moe_balance: Literal["aux_loss", "aux_free", "none"] = "aux_loss"
+    """How the experts' load is balanced in training. `aux_loss`: transformers' load-balancing loss, weighted by router_aux_loss_coef, added to the loss. `aux_free`: DeepSeek-V3's auxiliary-loss-free balancing (torchtitan's load_balance_coeff): a per-expert bias b_e is added to the routing probabilities to choose the top-k experts only (the weights of the experts' outputs stay the unbiased probabilities) and after each optimizer step b_e += router_bias_update_rate · sign(mean load − load_e), the loads counted over the step's tokens on every rank, so every rank holds the same bias; the bias is kept in checkpoints, not in the saved model/ or exports (Hugging Face's Qwen-MoE and Mixtral have no routing bias: a saved model routes by the unbiased probabilities). `none`: neither (e.g. for DPO)."""
+    router_bias_update_rate: Annotated[float, Field(gt=0)] = 0.001
+    """model.moe_balance: aux_free: the bias update speed u of each optimizer step (DeepSeek-V3: 0.001)."""
+    capacity_factor: Annotated[float | None, Field(gt=0)] = None
+    """Expert capacity (MindSpore Transformers' capacity_factor): each expert takes at most ceil(capacity_factor · N · k / E) of the N·k (token, expert) slots of one MoE layer's forward, N the tokens of that forward on one rank (micro_batch_size × seq_length / context_parallel), or on the ep group's ranks together under expert parallel; the earliest tokens first. A dropped slot adds nothing to its token, which keeps its other experts and the residual; metrics log the dropped fraction (`dropped_tokens`). null = dropless (every slot computed)."""
 
     @property
     def moe(self) -> bool:

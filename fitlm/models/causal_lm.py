@@ -75,6 +75,10 @@ class CausalLMMixin:
         """Recompute non-persistent buffers (the RoPE tables, where the body has them)."""
         if hasattr(self.model, "reset_rope"):
             self.model.reset_rope(device)  # type: ignore[operator]  # (hasattr above: DecoderModel's)
+        # aux-free balancing's routing bias (fitlm.models.moe): zero, outside the weights
+        for m in self.modules():  # type: ignore[attr-defined]  # (mixed into an nn.Module)
+            if hasattr(m, "reset_expert_bias"):
+                m.reset_expert_bias(device)
 
     @property
     def output_layer(self) -> nn.Linear:

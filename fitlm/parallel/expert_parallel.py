@@ -14,6 +14,11 @@ One MoE layer's forward on a rank (N local tokens, k slots each; El = E/ep local
   3. undo the regrouping, all-to-all the rows back, weight them and add them to their tokens.
 The backward of an all-to-all is the all-to-all with the splits swapped (`_AllToAll`).
 
+Capacity (model.capacity_factor): the capacity is per expert over the slots the whole ep group sends it in one
+forward, C = ceil(capacity_factor · N·k / E) with N the ep group's tokens, the earliest first in (ep rank, token)
+order: what one process keeps of the ep ranks' tokens concatenated. Every rank all-gathers the [E] slot counts
+(`ExpertParallelDispatch.kept_slots`), so each knows how many of its slots each expert keeps and sends only those.
+
 Gradients: each rank's loss is scaled so that averaging over the dp ranks gives the global mean's gradient
 (fitlm.parallel.data_parallel). An expert's gradient already holds every ep rank's tokens (the all-to-all's
 backward brings them), so it is summed over the ranks holding the same experts ("edp") and divided by dp, the
@@ -31,7 +36,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from fitlm.models.moe import GroupedExperts, moe_layers
+from fitlm.models.moe import GroupedExperts, capacity_kept, first_slots, moe_layers
 from fitlm.parallel.collective_trace import collective
 from fitlm.parallel.mesh import ParallelContext
 
@@ -66,14 +71,32 @@ class ExpertParallelDispatch:
     def __init__(self, group: dist.ProcessGroup, ep: int):
         self.group, self.ep = group, ep
 
-    def __call__(self, x: torch.Tensor, weights: torch.Tensor, experts_of: torch.Tensor, experts: GroupedExperts):
+    def kept_slots(self, counts: torch.Tensor, split: list[int], capacity_factor: float) -> list[int]:
+        """This rank's slots per (global) expert kept under the capacity over the ep group (module docstring)."""
+        every = [torch.empty_like(counts) for _ in range(self.ep)]
+        dist.all_gather(every, counts, group=self.group)
+        kept = capacity_kept(torch.stack(every), capacity_factor)  # [ep, E]
+        return kept[dist.get_rank(self.group)].tolist()
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        experts_of: torch.Tensor,
+        experts: GroupedExperts,
+        kept: list[int] | None = None,
+    ):
         n, k = experts_of.shape
         e = experts.gate_proj.shape[0]  # the global expert count (a DTensor's shape is global)
         flat = experts_of.reshape(-1)  # [N·k]
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=e)  # [E] slots of this rank's tokens per (global) expert
+        sent = counts
+        if kept is not None:  # a capacity: only the slots their experts keep leave (`kept_slots`)
+            order = order[first_slots(counts.tolist(), kept, flat.device)]
+            sent = torch.tensor(kept, dtype=counts.dtype, device=counts.device)
         token = order // k
-        send_counts = counts.view(self.ep, e // self.ep)  # [ep, El]: to rank r, for its local experts
+        send_counts = sent.view(self.ep, e // self.ep)  # [ep, El]: to rank r, for its local experts
         recv_counts = torch.empty_like(send_counts)  # [ep, El]: from rank s, for this rank's local experts
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
         send, recv = send_counts.sum(dim=1).tolist(), recv_counts.sum(dim=1).tolist()
@@ -111,7 +134,8 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:
             )
             setattr(experts, name, sharded)
         setattr(experts, _EXPERT, True)
-        layer.dispatcher = ExpertParallelDispatch(ep_mesh.get_group(), ep_mesh.size())
+        layer.dispatcher = dispatcher = ExpertParallelDispatch(ep_mesh.get_group(), ep_mesh.size())
+        layer.kept = dispatcher.kept_slots
     return model
 
 

@@ -121,3 +121,5 @@ def materialize(
             if hasattr(m, "reset_rope"):
                 # non-persistent buffers (RoPE tables) are computed, not stored
                 m.reset_rope(device)  # type: ignore[operator]  # (hasattr above)
+            if hasattr(m, "reset_expert_bias"):  # aux-free balancing's routing bias: zero (a checkpoint restores it)
+                m.reset_expert_bias()  # type: ignore[operator]  # (hasattr above)

@@ -222,6 +222,9 @@ class TrainStep:
                 self.guard_event = self.guards.inspect(step, loss, grad_norm)
             if self.guard_event is None or self.guard_event.applies_update:
                 self.optimizer.step()
+        applied = not overflow and (self.guard_event is None or self.guard_event.applies_update)
+        if self.balance is not None:  # aux_free: the routing bias follows the step's expert loads
+            self.balance.after_optimizer_step(applied)
         self.scaler.update(overflow)
         self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm, overflow or not (self.guard_event is None or self.guard_event.applies_update)
+        return grad_norm, not applied

@@ -408,7 +408,10 @@ class Trainer:
 
     def stateful(self) -> dict:
         """Objects besides model and optimizer whose state a checkpoint keeps (state_dict/load_state_dict)."""
-        return {"loader": self.loader, "scaler": self.step.scaler, "guards": self.step.guards}
+        out = {"loader": self.loader, "scaler": self.step.scaler, "guards": self.step.guards}
+        if self.step.balance is not None and self.step.balance.biased:
+            out["router"] = self.step.balance  # aux_free: the MoE layers' routing biases
+        return out
 
     def save_final_model(self) -> Path:
         """Write output_dir/model from the trained weights, gathered block by block to rank 0 (collective:
@@ -421,6 +424,9 @@ class Trainer:
         blocks = full_groups(self.pm)
         model_dir = self.output_dir / "model"
         failed: Exception | None = None
+        balance = self.step.balance
+        if self.ctx.is_main and balance is not None and balance.biased:
+            print(f"fitlm: warning: {routing_bias_dropped(self.cfg.model.arch, balance.bias_max())}", file=sys.stderr)
         if self.ctx.is_main:
             try:
                 specs, plain = final_weights(specs, blocks, self.cfg, self.output_dir)  # LoRA: merged, adapter/
@@ -445,3 +451,13 @@ class Trainer:
         if failed is not None:
             raise failed
         return model_dir
+
+
+def routing_bias_dropped(arch: str, bias_max: float) -> str:
+    """What the final save says of an aux_free model's routing bias (model.moe_balance)."""
+    return (
+        f"model.moe_balance is aux_free: model/ holds the weights without the routing bias (largest |b_e| "
+        f"{bias_max:.4g}), since Hugging Face's {arch} has no place for one; the saved model routes by the unbiased "
+        "probabilities, in fitlm as in transformers and llama.cpp, so its outputs differ from the trained model's "
+        "wherever the bias changed a top-k choice. The checkpoints keep the bias (resume)"
+    )

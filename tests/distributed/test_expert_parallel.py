@@ -24,6 +24,7 @@ from tests.distributed.test_family_layouts import FAMILIES
 from tests.distributed.test_layouts import assert_same_training, run_shared, selected
 
 MOE = FAMILIES["qwen3_moe"]  # 4 experts of 2 per token, a dense block among the sparse ones, aux loss off
+FAST_BIAS = {"router_bias_update_rate": 0.05}  # large enough for the bias to change routing within the run
 HALF = {"micro_batch_size": 2, "gradient_accumulation_steps": 2}  # two data-parallel ranks
 QUARTER = {"micro_batch_size": 1, "gradient_accumulation_steps": 2}  # four
 REFERENCE = {"micro_batch_size": 4, "gradient_accumulation_steps": 2}
@@ -34,8 +35,14 @@ LAYOUTS = {  # name: (parallel, train, memory, model overrides)
     "ep2-tied": ({"data_parallel": 2, "expert_parallel": 2}, HALF, {}, {"tie_embeddings": True}),
     "dp4-ep2-zero2": ({"data_parallel": 4, "zero_stage": 2, "expert_parallel": 2}, QUARTER, {}, {}),
     "dp4-ep4": ({"data_parallel": 4, "expert_parallel": 4}, QUARTER, {}, {}),
+    # aux-free balancing: every rank moves the same bias from the step's global expert loads
+    "ep2-aux-free": ({"data_parallel": 2, "expert_parallel": 2}, HALF, {}, {"moe_balance": "aux_free", **FAST_BIAS}),
 }
-FAST = ("ep2", "ep2-zero3")
+FAST = ("ep2", "ep2-zero3", "ep2-aux-free")
+
+
+def _reference_name(model: dict) -> str:
+    return "single" + ("-tied" if model.get("tie_embeddings") else "") + ("-aux-free" if "moe_balance" in model else "")
 
 
 @pytest.fixture(scope="module")
@@ -43,17 +50,25 @@ def ep_runs(request, tiny_corpus, tmp_path_factory) -> dict[str, dict]:
     cases = {}
     for params in selected(request, "test_expert_parallel_equals_single_process"):
         parallel, train, memory, model = LAYOUTS[params["layout"]]
-        tied = "-tied" if model.get("tie_embeddings") else ""
-        cases[f"single{tied}"] = {"parallel": {}, "train": REFERENCE, "model": {**MOE, **model}}
+        cases[_reference_name(model)] = {"parallel": {}, "train": REFERENCE, "model": {**MOE, **model}}
         cases[params["layout"]] = {"parallel": parallel, "train": train, "memory": memory, "model": {**MOE, **model}}
-    return run_shared(tiny_corpus, tmp_path_factory.mktemp("ep"), cases) if cases else {}
+    root = tmp_path_factory.mktemp("ep")
+    return {**run_shared(tiny_corpus, root, cases), "_root": root} if cases else {}
 
 
 @pytest.mark.parametrize("layout", [pytest.param(n, marks=() if n in FAST else pytest.mark.slow) for n in LAYOUTS])
 def test_expert_parallel_equals_single_process(ep_runs, layout):
-    reference = ep_runs["single-tied" if layout.endswith("-tied") else "single"]
+    name = _reference_name(LAYOUTS[layout][3])
+    reference = ep_runs[name]
     assert reference["losses"][-1] < reference["losses"][0]  # it trained
     assert_same_training(ep_runs[layout], reference)
+    if "moe_balance" in LAYOUTS[layout][3]:  # the bias step for step (every rank logs rank 0's, all equal)
+        from tests.e2e.helpers import read_metrics
+
+        def bias(run):
+            return [r["router_bias_max"] for r in read_metrics(ep_runs["_root"] / run) if "router_bias_max" in r]
+
+        assert bias(layout) == pytest.approx(bias(name), abs=1e-7) and max(bias(name)) > 0
 
 
 # -- the dispatcher at its edges: 2 ranks, 4 experts (2 a rank), 2 slots a token ------------------------------
@@ -122,6 +137,65 @@ def test_dispatcher_edges_equal_one_rank(tmp_path):
             assert r["weight_grad"], f"{name}: rank {rank}'s expert gradients differ from one rank's"
         summed = [a + b for a, b in zip(ranks[0][name]["counts"], ranks[1][name]["counts"])]
         assert summed == ranks[0][name]["ref_counts"], name
+
+
+def _capacity_worker(rank: int, world: int, port: int, factors, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from fitlm.models.moe import GroupedExperts, dispatch, kept_slots
+    from fitlm.parallel.expert_parallel import ExpertParallelDispatch
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    results = {}
+    for cf in factors:
+        torch.manual_seed(0)
+        full = GroupedExperts(4, 8, 6, init_std=0.5)
+        sizes = (9, 6)
+        xs = [torch.randn(n, 8) for n in sizes]
+        # skewed: expert 0 in most tokens' top-2, so a capacity drops some of its slots
+        tops = [torch.stack([torch.tensor([0, int(torch.randint(1, 4, ()))]) for _ in range(n)]) for n in sizes]
+        ws = [torch.rand(n, 2) for n in sizes]
+        x_all, top_all = torch.cat(xs).requires_grad_(), torch.cat(tops)  # one process: the ranks' tokens in order
+        counts_all = torch.bincount(top_all.reshape(-1), minlength=4)
+        ref_kept = kept_slots(counts_all, counts_all.tolist(), cf)
+        ref, _ = dispatch(x_all, torch.cat(ws), top_all, full, ref_kept)
+        ref.square().sum().backward()
+        local = GroupedExperts(4, 8, 6, init_std=0.5)
+        for pname, p in full.named_parameters():
+            setattr(local, pname, torch.nn.Parameter(distribute_tensor(p.detach().clone(), mesh, [Shard(0)])))
+        ep = ExpertParallelDispatch(mesh.get_group(), world)
+        x = xs[rank].clone().requires_grad_()
+        counts = torch.bincount(tops[rank].reshape(-1), minlength=4)
+        kept = ep.kept_slots(counts, counts.tolist(), cf)
+        out, _ = ep(x, ws[rank], tops[rank], local, kept)
+        out.square().sum().backward()
+        start = sum(sizes[:rank])
+        mine = slice(start, start + sizes[rank])
+        results[str(cf)] = {
+            "out": torch.allclose(out, ref[mine], atol=1e-6, rtol=1e-5),
+            "x_grad": torch.allclose(x.grad, x_all.grad[mine], atol=1e-6, rtol=1e-5),
+            "weight_grad": torch.allclose(local.gate_proj.grad.full_tensor(), full.gate_proj.grad, atol=1e-5),
+            "dropped": int(counts.sum()) - sum(kept),
+            "ref_dropped": int(counts_all.sum()) - sum(ref_kept),
+        }
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def test_capacity_under_expert_parallel_equals_one_process(tmp_path):
+    """model.capacity_factor under ep2: each expert keeps its first C of the slots the ep group sends it, C from the
+    group's tokens, earlier ranks' tokens first: what one process keeps of the ranks' tokens concatenated."""
+    factors = (0.5, 1.0, 8.0)
+    ranks = run_world(_capacity_worker, __name__, 2, factors, tmp_path, timeout=300, what="capacity dispatcher")
+    for cf in map(str, factors):
+        for rank, res in enumerate(ranks):
+            r = res[cf]
+            assert r["out"] and r["x_grad"] and r["weight_grad"], f"capacity {cf}: rank {rank} differs"
+        assert ranks[0][cf]["dropped"] + ranks[1][cf]["dropped"] == ranks[0][cf]["ref_dropped"], cf
+    assert ranks[0]["0.5"]["ref_dropped"] > 0 and ranks[0]["8.0"]["ref_dropped"] == 0
 
 
 def test_checkpoint_from_ep2_resumes_in_one_process(tiny_corpus, tmp_path):
