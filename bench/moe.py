@@ -179,7 +179,7 @@ def hf_contender(model, batches: list[dict]):
         opt.step()
         opt.zero_grad(set_to_none=True)
         aux = float(out.aux_loss.detach())
-        return float(out.loss) - model.config.router_aux_loss_coef * aux, aux
+        return float(out.loss.detach()) - model.config.router_aux_loss_coef * aux, aux
 
     return step, opt
 
