@@ -24,7 +24,10 @@ batch × its sequence part), or, under expert parallel, on the ep group's ranks 
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -62,24 +65,23 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x [M, H], rows grouped by expert in order (counts[e] rows for expert e of this rank's experts) -> [M, H].
 
-        One matmul pair per expert that has rows (the CPU path: torch has no grouped matmul there); experts
-        with no row are skipped and get a zero gradient slice. Under expert parallel the weights are DTensors
-        sharded on the expert dimension and this rank computes its own E/ep experts (fitlm.parallel.expert_parallel)."""
+        Three grouped matmuls (`torch.nn.functional.grouped_mm`: gate, up, down over all experts at once, the
+        groups cut by the cumulative counts) where torch has the kernel for the device and dtype
+        (`grouped_mm_supported`), else one matmul pair per expert that has rows (`_expert_loop`). Both give
+        the same results (on CPU the grouped kernel runs a matmul per group as the loop does: equal to float
+        rounding); experts with no row get a zero gradient slice. Under expert parallel the weights are DTensors
+        sharded on the expert dimension and this rank computes its own E/ep experts
+        (fitlm.parallel.expert_parallel)."""
         gate, up, down = (_local(w) for w in (self.gate_proj, self.up_proj, self.down_proj))
         lora = self._adapters()
-        outs = []
-        for e, rows in enumerate(torch.split(x, counts)):
-            if rows.shape[0]:
-                g, u = self._project(rows, gate, e, lora, "gate_proj"), self._project(rows, up, e, lora, "up_proj")
-                outs.append(self._project(F.silu(g) * u, down, e, lora, "down_proj"))  # [m, I] -> [m, H]
-        if not outs:
-            # No row at all (an expert rank whose experts got no token): a zero-row pass through expert 0 keeps
-            # the graph through this call and gives the weights a (zero) gradient, so the backward's all-to-alls
-            # and the gradient reductions still run on this rank as on the others.
-            rows = x[:0]
-            g, u = self._project(rows, gate, 0, lora, "gate_proj"), self._project(rows, up, 0, lora, "up_proj")
-            outs.append(self._project(F.silu(g) * u, down, 0, lora, "down_proj"))
-        return torch.cat(outs)
+        if lora:  # adapters run in the loop, each expert's A and B beside its weight
+            return _expert_loop(x, counts, gate, up, down, partial(self._project, lora=lora))
+        dtype = _compute_dtype(x)
+        traced = is_fake(x) or torch.compiler.is_compiling()
+        aligned = _aligned(dtype, gate.shape[-1], gate.shape[-2])  # the kernel's strides: 16-byte multiples
+        if x.shape[0] and aligned and grouped_mm_supported(x.device, dtype, traced=traced):  # (no row: the loop)
+            return _grouped(x, counts, gate, up, down, dtype)
+        return _expert_loop(x, counts, gate, up, down)
 
     def _adapters(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """This rank's (A, B) of every adapted projection; none while adapters are switched off (DPO's reference)."""
@@ -91,7 +93,7 @@ class GroupedExperts(nn.Module):
             if hasattr(self, f"lora_A_{p}")
         }
 
-    def _project(self, x: torch.Tensor, w: torch.Tensor, e: int, lora: dict, proj: str) -> torch.Tensor:
+    def _project(self, x: torch.Tensor, w: torch.Tensor, e: int, proj: str, lora: dict) -> torch.Tensor:
         """x [m, in] through expert e's `proj` [out, in], plus its adapter's scaling · B_e·A_e·x where it has one."""
         y = F.linear(x, w[e])
         if proj not in lora:
@@ -100,6 +102,103 @@ class GroupedExperts(nn.Module):
         if self.lora_dropout > 0 and self.training:
             x = F.dropout(x, self.lora_dropout, training=True)
         return y + F.linear(F.linear(x, a[e]), b[e]) * self.lora_scaling
+
+
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype, traced: bool = False) -> bool:
+    """Whether `GroupedExperts` computes with torch's grouped matmul on `device` in `dtype` (decided by the
+    device, its capability and torch's version; no call is tried).
+
+    * CUDA: bf16 on compute capability 8.0+ (torch 2.9+; torch 2.8's kernel is Hopper-only, 9.x), the
+      kernels' documented inputs; fp32 and fp16 take the per-expert loop.
+    * CPU: torch 2.11+ (2.8 has no CPU kernel, 2.9-2.10's needs 16-byte aligned operands, which a
+      memory-mapped checkpoint does not promise), any float dtype: the kernel is a matmul per group in C++,
+      the loop's results without its per-expert Python and autograd nodes.
+    * `traced` (torch.compile, or the planner's fake tensors): bf16 only, the dtype torch's shape function
+      for the op accepts there.
+    * other devices: the loop."""
+    if not hasattr(F, "grouped_mm") and not hasattr(torch, "_grouped_mm"):
+        return False
+    if traced and dtype != torch.bfloat16:
+        return False
+    version = tuple(int(part) for part in torch.__version__.split(".")[:2])  # (major, minor)
+    if device.type == "cuda":
+        if dtype != torch.bfloat16 or not torch.cuda.is_available():
+            return False
+        capability = torch.cuda.get_device_capability(device)
+        return capability >= (8, 0) if version >= (2, 9) else capability[0] == 9
+    if device.type == "cpu":
+        return version >= (2, 11) and dtype in (torch.float32, torch.bfloat16, torch.float16)
+    return False
+
+
+def _aligned(dtype: torch.dtype, *widths: int) -> bool:
+    """Rows of these widths are 16-byte multiples in `dtype`: the grouped kernels refuse other strides (H and I
+    of real models are; some test shapes are not)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return all(w * size % 16 == 0 for w in widths)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype F.linear would compute x in here: autocast's where it is on for x's device, else x's."""
+    kind = x.device.type
+    if kind in ("cpu", "cuda") and torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return x.dtype
+
+
+def _grouped(
+    x: torch.Tensor, counts: list[int], gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """The experts as three grouped matmuls over x [M, H]; `offs` [E] int32 is where each expert's rows end.
+    The op is not under autocast: operands are cast to the dtype F.linear would compute in (`dtype`)."""
+    grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
+    offs = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device=x.device)
+    x, gate, up, down = (t.to(dtype) for t in (x, gate, up, down))
+    # [E, I, H] weights as [E, H, I] (the transposed, column-major view the kernels take): rows @ weight.T
+    h = F.silu(grouped_mm(x, gate.transpose(-2, -1), offs=offs)) * grouped_mm(x, up.transpose(-2, -1), offs=offs)
+    return _ContiguousGrad.apply(grouped_mm(h, down.transpose(-2, -1), offs=offs))  # [M, H]
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient: the grouped matmul's backward refuses an
+    expanded one (e.g. of `out.sum()`, strides 0); a no-op for the gradient `dispatch` sends back."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor) -> torch.Tensor:
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, e: int, proj: str) -> torch.Tensor:
+    return F.linear(x, w[e])
+
+
+def _expert_loop(
+    x: torch.Tensor,
+    counts: list[int],
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    project: Callable[[torch.Tensor, torch.Tensor, int, str], torch.Tensor] = _linear,
+) -> torch.Tensor:
+    """One matmul pair per expert that has rows (where torch has no grouped matmul for the device/dtype, or the
+    experts carry adapters: `project(x, weight, e, name)` runs one projection of expert e)."""
+    outs = []
+    for e, rows in enumerate(torch.split(x, counts)):
+        if rows.shape[0]:
+            h = F.silu(project(rows, gate, e, "gate_proj")) * project(rows, up, e, "up_proj")  # [m, I]
+            outs.append(project(h, down, e, "down_proj"))  # [m, H]
+    if not outs:
+        # No row at all (an expert rank whose experts got no token): a zero-row pass through expert 0 keeps
+        # the graph through this call and gives the weights (and adapters) a zero gradient, so the backward's
+        # all-to-alls and the gradient reductions still run on this rank as on the others.
+        rows = x[:0]
+        h = F.silu(project(rows, gate, 0, "gate_proj")) * project(rows, up, 0, "up_proj")
+        outs.append(project(h, down, 0, "down_proj"))
+    return torch.cat(outs)
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:

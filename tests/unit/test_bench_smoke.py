@@ -248,3 +248,21 @@ def test_train_standalone_preloads_jemalloc(tmp_path):
     _, r = _tiny_standalone(tmp_path, "fitlm", "hf_eager_jemalloc")
     assert r["hf_eager_jemalloc"]["runs"][0]["jemalloc"] is True and r["fitlm"]["runs"][0]["jemalloc"] is False
     assert "fitlm_vs_hf_eager_jemalloc" in r
+
+
+@pytest.mark.slow  # ~60 s: one process builds a Qwen3-MoE in transformers and trains it in fitlm and three ways in HF
+def test_moe_contract(tmp_path):
+    pytest.importorskip("transformers")
+    out = tmp_path / "moe.json"
+    r = run_script("moe.py", "--size", "tiny", "--steps", "1", "--warmup", "1", "--rounds", "1", "--out", out)
+    assert json.loads(out.read_text()) == r
+    assert {"fitlm", "fitlm_loop", "hf_eager"} <= r["step"].keys() and r["layer"].keys() == r["step"].keys()
+    for name, s in r["step"].items():
+        assert s["tokens_per_s"] > 0 and s["peak_bytes"] > 0 and r["layer"][name]["tokens_per_s"] > 0, name
+        assert s["loss_max_abs_diff"] < 1e-4 and s["aux_loss_max_abs_diff"] < 1e-4, name  # same model, same batch
+        assert r["layer"][name]["max_abs_diff_vs_fitlm"] < 1e-5, name
+    assert r["step"]["fitlm"]["ratio_vs_fitlm"] == 1.0
+    md = subprocess.run(
+        [sys.executable, str(BENCH / "moe.py"), "--markdown", str(out)], capture_output=True, text=True, cwd=ROOT
+    )
+    assert md.returncode == 0 and "| fitlm_loop |" in md.stdout and "--size tiny" in md.stdout
