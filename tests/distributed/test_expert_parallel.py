@@ -37,12 +37,26 @@ LAYOUTS = {  # name: (parallel, train, memory, model overrides)
     "dp4-ep4": ({"data_parallel": 4, "expert_parallel": 4}, QUARTER, {}, {}),
     # aux-free balancing: every rank moves the same bias from the step's global expert loads
     "ep2-aux-free": ({"data_parallel": 2, "expert_parallel": 2}, HALF, {}, {"moe_balance": "aux_free", **FAST_BIAS}),
+    # LoRA on attention and on every expert (fitlm.finetune.expert_lora): the adapters split with their experts
+    "ep2-lora-experts": ({"data_parallel": 2, "expert_parallel": 2}, HALF, {}, {}),
 }
-FAST = ("ep2", "ep2-zero3", "ep2-aux-free")
+FAST = ("ep2", "ep2-zero3", "ep2-aux-free", "ep2-lora-experts")
+LORA = {
+    "method": "lora",
+    "lora": {
+        "r": 4,
+        "alpha": 8,
+        "target_modules": ["q_proj", "v_proj", "experts.gate_proj", "experts.up_proj", "experts.down_proj"],
+    },
+}
+FINETUNE = {"ep2-lora-experts": LORA}
 
 
-def _reference_name(model: dict) -> str:
-    return "single" + ("-tied" if model.get("tie_embeddings") else "") + ("-aux-free" if "moe_balance" in model else "")
+def _reference_name(model: dict, layout: str = "") -> str:
+    suffix = "-lora" if layout in FINETUNE else ""
+    return (
+        "single" + ("-tied" if model.get("tie_embeddings") else "") + ("-aux-free" if "moe_balance" in model else "")
+    ) + suffix
 
 
 @pytest.fixture(scope="module")
@@ -50,15 +64,27 @@ def ep_runs(request, tiny_corpus, tmp_path_factory) -> dict[str, dict]:
     cases = {}
     for params in selected(request, "test_expert_parallel_equals_single_process"):
         parallel, train, memory, model = LAYOUTS[params["layout"]]
-        cases[_reference_name(model)] = {"parallel": {}, "train": REFERENCE, "model": {**MOE, **model}}
-        cases[params["layout"]] = {"parallel": parallel, "train": train, "memory": memory, "model": {**MOE, **model}}
+        tune = {"finetune": FINETUNE[params["layout"]]} if params["layout"] in FINETUNE else {}
+        cases[_reference_name(model, params["layout"])] = {
+            "parallel": {},
+            "train": REFERENCE,
+            "model": {**MOE, **model},
+            **tune,
+        }
+        cases[params["layout"]] = {
+            "parallel": parallel,
+            "train": train,
+            "memory": memory,
+            "model": {**MOE, **model},
+            **tune,
+        }
     root = tmp_path_factory.mktemp("ep")
     return {**run_shared(tiny_corpus, root, cases), "_root": root} if cases else {}
 
 
 @pytest.mark.parametrize("layout", [pytest.param(n, marks=() if n in FAST else pytest.mark.slow) for n in LAYOUTS])
 def test_expert_parallel_equals_single_process(ep_runs, layout):
-    name = _reference_name(LAYOUTS[layout][3])
+    name = _reference_name(LAYOUTS[layout][3], layout)
     reference = ep_runs[name]
     assert reference["losses"][-1] < reference["losses"][0]  # it trained
     assert_same_training(ep_runs[layout], reference)

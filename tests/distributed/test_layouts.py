@@ -30,6 +30,7 @@ def layout_config(
     memory: dict | None = None,
     model: dict | None = None,
     data: dict | None = None,
+    finetune: dict | None = None,
 ) -> dict:
     """The layout tests' config: the golden tiny run for STEPS steps, one eval at the end.
 
@@ -46,6 +47,7 @@ def layout_config(
         model={"tie_embeddings": False, **(model or {})},
         memory=memory or {},
         data=data or {},
+        **({"finetune": finetune} if finetune else {}),
     )
 
 
