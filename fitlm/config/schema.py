@@ -269,7 +269,7 @@ class TrainConfig(Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Compute device; `auto` takes CUDA when present."""
     host_allocator: Literal["reuse", "system"] = "reuse"
-    """Host memory when training on the CPU: `reuse` makes glibc's malloc keep freed memory for the next step instead of returning it to the kernel and faulting it in again (~22,500 page faults and ~25% of a small model's step on a 2-core CPU; set once the model is loaded, one arena for all threads, so the peak resident size is unchanged; memory freed during training is not given back to the system until the run ends); `system` leaves malloc as it is. No effect on GPU training, under ZeRO-2/3 (whose gathers return each freed unit to keep a rank's host peak near its shard) or without glibc."""
+    """Host memory when training on the CPU: `reuse` makes glibc's malloc keep freed memory for the next step instead of returning it to the kernel and faulting it in again, which costs a small model's CPU step a large share of its time (bench/RESULTS.md); set once the model is loaded, one arena for all threads, so the peak resident size is unchanged; memory freed during training is not given back to the system until the run ends); `system` leaves malloc as it is. No effect on GPU training, under ZeRO-2/3 (whose gathers return each freed unit to keep a rank's host peak near its shard) or without glibc."""
     peak_tflops: float | None = None
     """Device peak TFLOP/s for MFU; null = the known peak of the GPU, or on CPU the best GEMM measured on this machine (cached in $FITLM_CACHE_DIR, default ~/.cache/fitlm, so a busy start-up does not inflate MFU). Pin it when MFU reads above 100%."""
     progress: bool = True
