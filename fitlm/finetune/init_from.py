@@ -19,9 +19,17 @@ from fitlm.config import Config, ConfigError, ModelConfig, validate_dict
 from fitlm.models.hf import HFFormatError
 from fitlm.models.io import ModelDirError, read_model_config
 
-# Model keys that only say how training starts, not what the network is: the user's always stand.
+# Model keys that only say how training starts or balances an MoE's routing, not what the network is: the user's
+# always stand (router_aux_loss_coef is read from the checkpoint where the user leaves it unset).
 # Every other model key describes the network (a key added to ModelConfig does too, by default).
-INIT_ONLY = ("init_from", "init_std")
+INIT_ONLY = (
+    "init_from",
+    "init_std",
+    "router_aux_loss_coef",
+    "moe_balance",
+    "router_bias_update_rate",
+    "capacity_factor",
+)
 # Keys whose null means "derived" (num_heads, the family's default width, hidden_size / num_heads) are
 # compared by their resolved value (a ModelConfig property), so writing a default out in full is no conflict.
 RESOLVED = {"num_kv_heads": "kv_heads", "intermediate_size": "ffn_size", "head_dim": "head_size"}
@@ -57,7 +65,9 @@ def resolve_init_from(cfg: Config, weights: ModelConfig | None = None) -> Config
                 "remove those keys to take them from the weights, or make them match"
             ]
         )
-    merged = weights.model_copy(update={k: getattr(m, k) for k in INIT_ONLY})  # the network from the weights
+    # the network from the weights; the start, and the routing's training keys the user set
+    user = {k: getattr(m, k) for k in INIT_ONLY if k in ("init_from", "init_std") or k in m.model_fields_set}
+    merged = weights.model_copy(update=user)
     # Re-validate: rules such as data.seq_length <= model.max_seq_len now see the real model.
     return validate_dict(cfg.model_copy(update={"model": merged}).to_dict(), f"model.init_from={m.init_from}")
 

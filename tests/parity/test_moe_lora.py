@@ -5,7 +5,6 @@ adapter loads in fitlm with PEFT's logits, and merging it gives the same model. 
 from __future__ import annotations
 
 import json
-import re
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from fitlm.finetune.lora import LoraError, apply_lora, inject_lora, merge_lora, 
 from fitlm.finetune.peft_format import load_adapter, save_adapter
 from fitlm.models.hf import load_hf_dir
 from fitlm.models.moe import moe_layers
+from tests.helpers import PEFT_MAPS, hf_with_adapter
 from tests.parity.test_moe import MOE, hf_moe, ids
 
 peft = pytest.importorskip("peft")
@@ -42,41 +42,6 @@ def randomized_b(model: torch.nn.Module) -> None:
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.2)
-
-
-def hf_with_adapter(hf_dir, adapter_dir) -> torch.nn.Module:
-    """The transformers model with every LoRA pair of a PEFT adapter added to its weights by hand: W + s·B·A on
-    each Linear, and on each expert's rows of the fused experts (gate_up_proj [E, 2I, H]: gate rows first;
-    down_proj [E, H, I]): what the adapter means on transformers 4's per-expert Linears."""
-    cfg = json.loads((adapter_dir / "adapter_config.json").read_text())
-    s = cfg["lora_alpha"] / cfg["r"]
-    pairs = load_file(adapter_dir / "adapter_model.safetensors")
-    hf = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").float().eval()
-    params = dict(hf.named_parameters())
-    with torch.no_grad():
-        for k, a in pairs.items():
-            if ".lora_A." not in k:
-                continue
-            delta = s * pairs[k.replace(".lora_A.", ".lora_B.")] @ a
-            module = k.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
-            expert = re.match(r"(.+\.experts)\.(\d+)\.(\w+)$", module)
-            if expert is None:
-                params[f"{module}.weight"] += delta
-                continue
-            stack, e, leaf = expert[1].replace("block_sparse_moe", "mlp"), int(expert[2]), expert[3]
-            if leaf in ("down_proj", "w2"):
-                params[f"{stack}.down_proj"][e] += delta
-            else:  # gate (gate_proj, w1) then up (up_proj, w3)
-                rows = delta.shape[0]
-                half = slice(0, rows) if leaf in ("gate_proj", "w1") else slice(rows, 2 * rows)
-                params[f"{stack}.gate_up_proj"][e, half] += delta
-    return hf
-
-
-# PEFT 0.21 on transformers 5 maps a per-expert adapter onto the fused experts of these (it converts the targets
-# gate_proj/up_proj/down_proj into target_parameters); on Qwen2-MoE it wraps no expert (the conversion leaves its
-# experts without an adapter), so there the hand-made transformers model is the only reference.
-PEFT_MAPS = ("qwen3_moe", "mixtral")
 
 
 @pytest.mark.parametrize("name", MOE)

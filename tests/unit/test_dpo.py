@@ -203,6 +203,30 @@ def hf_llama(path: Path, seed: int) -> Path:
     return path
 
 
+def hf_qwen3_moe(path: Path, seed: int) -> Path:
+    """A Qwen3-MoE checkpoint (6 experts, top 2, a dense block among the sparse ones) as transformers writes it."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.AutoConfig.for_model(
+        "qwen3_moe",
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=6,
+        num_experts_per_tok=2,
+        mlp_only_layers=[1],
+        vocab_size=512,
+        max_position_embeddings=64,
+    )
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    return path
+
+
 def dpo_config(packed: Path, out: Path, **finetune) -> dict:
     return {
         "model": {"init_from": finetune.pop("init_from")},
@@ -261,7 +285,7 @@ def trl_first_step(cfg, policy_dir: Path, reference_dir: Path, beta: float) -> d
 
         def __init__(self, path: Path):
             super().__init__()
-            self.hf = transformers.LlamaForCausalLM.from_pretrained(path).eval()
+            self.hf = transformers.AutoModelForCausalLM.from_pretrained(path).float().eval()
 
         def forward(self, **kwargs) -> SimpleNamespace:
             lp = token_logps(self.hf, kwargs["input_ids"], completion)
@@ -299,16 +323,20 @@ def trl_first_step(cfg, policy_dir: Path, reference_dir: Path, beta: float) -> d
 
 
 @pytest.mark.process
-def test_first_step_with_lr_0_and_another_reference_equals_trl(packed, tmp_path):
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_first_step_with_lr_0_and_another_reference_equals_trl(packed, tmp_path, family):
     """Done means: DPO's first-step loss with lr 0 and another model as reference equals an independent
-    computation (transformers' log-probs of both exported models, TRL's loss and rewards)."""
+    computation (transformers' log-probs of both exported models, TRL's loss and rewards), for a dense model and
+    a mixture of experts (balancing off, as DPO usually wants: the loss is TRL's alone)."""
     pytest.importorskip("trl")
     from fitlm.train.trainer import Trainer
 
-    policy, reference = hf_llama(tmp_path / "policy", 1), hf_llama(tmp_path / "reference", 2)
-    cfg = validate_dict(
-        dpo_config(packed, tmp_path / "out", init_from=str(policy), dpo={"beta": 0.5, "reference": str(reference)})
-    )
+    make = hf_llama if family == "llama" else hf_qwen3_moe
+    policy, reference = make(tmp_path / "policy", 1), make(tmp_path / "reference", 2)
+    raw = dpo_config(packed, tmp_path / "out", init_from=str(policy), dpo={"beta": 0.5, "reference": str(reference)})
+    if family != "llama":
+        raw["model"]["moe_balance"] = "none"
+    cfg = validate_dict(raw)
     Trainer(cfg).fit()
     ours = read_metrics(tmp_path / "out")[0]
     theirs = trl_first_step(cfg, policy, reference, 0.5)

@@ -117,3 +117,20 @@ def test_lora_on_an_moe_model_targets_the_experts_and_never_the_router():
     assert resolve_targets(model, ["experts.gate_proj"]) == ("model.layers.0.mlp.experts.gate_proj",)
     with pytest.raises(LoraError, match="router"):
         resolve_targets(model, ["gate"])
+
+
+def test_init_from_takes_the_aux_coefficient_from_the_weights_and_the_balance_keys_from_the_user():
+    """router_aux_loss_coef, moe_balance, router_bias_update_rate and capacity_factor say how training balances the
+    routing, not what the network is: with model.init_from a value the user sets stands (DPO sets moe_balance:
+    none on a checkpoint trained with the aux loss), and an unset aux coefficient is the checkpoint's."""
+    from fitlm.config import validate_dict
+    from fitlm.finetune.init_from import resolve_init_from
+
+    weights = cfg(router_aux_loss_coef=0.25)
+    data = {"seq_length": 32}
+    plain = resolve_init_from(validate_dict({"model": {"init_from": "/ckpt"}, "data": data}), weights)
+    assert plain.model.router_aux_loss_coef == 0.25 and plain.model.moe_balance == "aux_loss"
+    user = {"init_from": "/ckpt", "moe_balance": "none", "capacity_factor": 1.5, "router_aux_loss_coef": 0.0}
+    tuned = resolve_init_from(validate_dict({"model": user, "data": data}), weights)
+    assert (tuned.model.moe_balance, tuned.model.capacity_factor, tuned.model.router_aux_loss_coef) == ("none", 1.5, 0)
+    assert tuned.model.num_experts == weights.num_experts  # the network is still the weights'

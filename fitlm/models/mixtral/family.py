@@ -21,7 +21,7 @@ FAMILY = register_family(
         from_hf=hf.from_hf,
         planner=counts.moe_planner(),
         tp_plan=TPBlockPlan(),
-        lora_linears=ATTENTION,
+        lora_linears=ATTENTION + ("w1", "w3", "w2"),  # the experts by their HF names (fitlm.finetune.expert_lora)
         # llama.cpp reads Mixtral as its `llama` architecture with experts (q/k rows permuted, as for Llama);
         # a GGUF file of that architecture with an expert_count is imported as mixtral.
         gguf=GGUFNames(

@@ -13,6 +13,7 @@ from fitlm.registry import register_family
 
 # LoRA adapts attention only on MoE models (fitlm.finetune.lora.resolve_targets says why).
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+EXPERT_LINEARS = ("gate_proj", "up_proj", "down_proj")  # LoRA on every expert (fitlm.finetune.expert_lora)
 
 
 # llama.cpp's attention and norm names (its llama layer table without the dense MLP) plus the router
@@ -34,7 +35,7 @@ QWEN3_MOE = register_family(
             bias=lambda cfg: bool(cfg.attention_bias),
         ),
         tp_plan=TPBlockPlan(),
-        lora_linears=ATTENTION,
+        lora_linears=ATTENTION + EXPERT_LINEARS,
         gguf=GGUFNames(
             "qwen3moe",
             {**ATTENTION_GGUF, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", **ROUTER},
@@ -57,7 +58,7 @@ QWEN2_MOE = register_family(
         from_hf=hf.from_hf,
         planner=counts.moe_planner(bias=lambda cfg: cfg.attention_bias is not False),
         tp_plan=TPBlockPlan(),
-        lora_linears=ATTENTION,
+        lora_linears=ATTENTION + EXPERT_LINEARS + ("shared_expert_gate",),
         gguf=GGUFNames(
             "qwen2moe",
             {**ATTENTION_GGUF, **ROUTER, **SHARED},
