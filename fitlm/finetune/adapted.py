@@ -16,6 +16,7 @@ from typing import Iterator, Mapping
 
 import torch
 
+from fitlm.cli_common import counted
 from fitlm.config import Config
 from fitlm.finetune.lora import LoraSpec, merge_lora, untied_for
 from fitlm.finetune.peft_format import load_adapter
@@ -88,8 +89,12 @@ class StreamedModel:
         return {k: (torch.float32 if dtype.is_floating_point else dtype, shape) for k, (dtype, shape) in specs.items()}
 
     def blocks(self) -> Iterator[Tensors]:
-        """One block's fp32 weights (as stored with `keep_dtype`) at a time (fitlm names), its adapters merged."""
+        """One block's fp32 weights (as stored with `keep_dtype`) at a time (fitlm names), its adapters merged; how
+        many have passed is shown on stderr (fitlm.cli_common.counted)."""
         names = grouped(model_keys(self.config.model))
+        return counted(self._blocks(names), len(names), "weights (blocks)")
+
+    def _blocks(self, names: dict[str, list[str]]) -> Iterator[Tensors]:
         group_of = {n: g for g, ns in names.items() for n in ns}
         adapters: dict[str, Tensors] = {}
         for k, t in self.adapter.tensors.items() if self.adapter else ():

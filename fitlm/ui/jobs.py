@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import shlex
 import signal
 import socket
@@ -23,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from fitlm.cli_common import PROGRESS_LINES
 from fitlm.train.run_lock import in_use, lock_status
 from fitlm.ui.errors import UIError
 from fitlm.ui.runs import run_dir
@@ -54,7 +56,17 @@ class Job:
             "target": self.target,
             "log": text[-LOG_TAIL:],
             "files": _files(Path(self.target)) if self.kind == "export" else [],
+            "progress": _progress(text),
         }
+
+
+def _progress(log: str) -> list[int] | None:
+    """[done, total] of the last "<what>: i/n" line the command printed (fitlm.cli_common.counted), if any."""
+    found = PROGRESS.findall(log)
+    return [int(found[-1][0]), int(found[-1][1])] if found else None
+
+
+PROGRESS = re.compile(r"^[\w ()]+: (\d+)/(\d+)$", re.M)
 
 
 def _files(path: Path) -> list[dict[str, Any]]:
@@ -80,7 +92,7 @@ class Jobs:
         with open(log, "w", encoding="utf-8") as f:
             f.write(f"$ {shlex.join(['fitlm', *argv])}\n")
             f.flush()
-            env = dict(os.environ, PYTHONUNBUFFERED="1")
+            env = dict(os.environ, PYTHONUNBUFFERED="1", **({PROGRESS_LINES: "1"} if kind == "export" else {}))
             proc = subprocess.Popen(
                 [sys.executable, "-m", "fitlm.cli", *argv],
                 stdout=f,

@@ -273,3 +273,18 @@ def test_odd_metrics_lines_still_list_and_chart(client, tmp_path):
     m = client.get("/api/run/metrics", params={"name": "odd"}).json()
     assert m["records"] == [{"step": 1, "loss": None, "grad_norm": None}, {"step": 2, "loss": 1.5}]
     assert client.get("/api/run/metrics", params={"name": "odd", "since": -1}).status_code == 422
+
+
+def test_a_job_reports_the_progress_lines_its_command_prints(monkeypatch, capsys):
+    """fitlm.cli_common.counted prints "<what>: i/n" where FITLM_PROGRESS_LINES is set (the UI's export jobs set it),
+    and the job's JSON carries the last one, which the Export view draws as a progress bar."""
+    from fitlm.cli_common import PROGRESS_LINES, counted
+    from fitlm.ui.jobs import _progress
+
+    monkeypatch.setenv(PROGRESS_LINES, "1")
+    assert list(counted(iter("abc"), 3, "weights (blocks)")) == ["a", "b", "c"]
+    log = "loading\n" + capsys.readouterr().err + "exported\n"
+    assert log.count("weights (blocks): ") == 3
+    assert _progress(log) == [3, 3] and _progress("loading\n") is None
+    monkeypatch.delenv(PROGRESS_LINES)
+    assert list(counted(iter("ab"), 2, "x")) == ["a", "b"] and capsys.readouterr().err == ""  # not a terminal

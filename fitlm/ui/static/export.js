@@ -57,7 +57,8 @@ VIEWS.export = async function (main) {
       try {
         const j = await api("/api/job?id=" + encodeURIComponent(id));
         fill(status, el("h2", {}, "fitlm export"), el("p", {}, el("code", {}, j.command)),
-          j.state === "running" ? el("progress", {"aria-label": "exporting"}) : el("p", {class: j.state === "done" ? "ok" :
+          j.state === "running" ? el("progress", {"aria-label": "exporting", "data-testid": "export-progress",
+            ...(j.progress ? {value: j.progress[0], max: j.progress[1]} : {})}) : el("p", {class: j.state === "done" ? "ok" :
             "alert", "data-testid": "export-state", "data-state": j.state}, j.state === "done" ? `done in ${j.seconds} s` :
             `failed (exit ${j.returncode}): see the log`),
           j.files.length ? table(["written", "bytes"], j.files.map((f) => [f.path, num(f.bytes)]),
