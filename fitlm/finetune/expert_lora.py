@@ -8,7 +8,8 @@ parameter, `<layer>.mlp.experts.gate_proj`, among the LoRA modules.
 On disk (fitlm.finetune.peft_format) each expert's adapter is its own pair under Hugging Face's per-expert names,
 `<layer>.mlp.experts.<e>.gate_proj.lora_A.weight` (Mixtral: `block_sparse_moe.experts.<e>.w1`), which is what
 PEFT writes for LoRA on transformers 4's expert Linears, and what PEFT on transformers 5 converts onto its fused
-experts when it loads the adapter. The router (`gate`) is never adapted: it stays frozen.
+experts when it loads the adapter. An adapter PEFT trained on those fused experts (`target_parameters`) is read
+too (`from_fused`). The router (`gate`) is never adapted: it stays frozen.
 """
 
 from __future__ import annotations
@@ -145,4 +146,44 @@ def from_peft(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if sorted(rows) != list(range(len(rows))):
             raise ValueError(f"{k}: the adapter's experts are numbered {sorted(rows)}; expected 0..{len(rows) - 1}")
         out[k] = torch.stack([rows[e] for e in range(len(rows))])
+    return out
+
+
+FUSED = re.compile(r"^(?P<experts>.+\.experts)(?P<inner>\.base_layer)?\.lora_(?P<part>[AB])\.weight$")
+
+
+def from_fused(tensors: Mapping[str, torch.Tensor], targets: list[str], r: int) -> dict[str, torch.Tensor]:
+    """PEFT's adapters on transformers 5's fused expert parameters (`target_parameters`: `experts.gate_up_proj`
+    [E, 2I, H], `experts.down_proj` [E, H, I]) -> fitlm's stacked ones; other keys pass through.
+
+    PEFT keeps one pair per parameter, all experts in it: A [r·E, in] (expert e's rows e·r..), B [out, r·E]
+    (expert e's columns e, E+e, ...), delta_e = B_e·A_e. Two targets on one module nest: the first registered
+    (gate_up_proj) is the inner `base_layer`. gate_up's A is shared by fitlm's gate and up, its B split at I."""
+    out: dict[str, torch.Tensor] = {}
+    pairs: dict[str, dict[str, dict[str, torch.Tensor]]] = {}
+    for k, v in tensors.items():
+        m = FUSED.match(k)
+        if m is None:
+            out[k] = v
+            continue
+        both = {t.rsplit(".", 1)[-1] for t in targets} >= {"gate_up_proj", "down_proj"}
+        param = (
+            "gate_up_proj"
+            if m["inner"] or not both and any(t.endswith("gate_up_proj") for t in targets)
+            else "down_proj"
+        )
+        pairs.setdefault(m["experts"].replace("block_sparse_moe", "mlp"), {}).setdefault(param, {})[m["part"]] = v
+    for experts, params in pairs.items():
+        for param, ab in params.items():
+            if set(ab) != {"A", "B"}:
+                raise ValueError(f"{experts}.{param}: the adapter holds only lora_{''.join(ab)}")
+            e = ab["A"].shape[0] // r
+            a = ab["A"].reshape(e, r, ab["A"].shape[-1])  # [E, r, in]
+            b = ab["B"].reshape(ab["B"].shape[0], r, e).permute(2, 0, 1).contiguous()  # [E, out, r]
+            if param == "down_proj":
+                out[f"{experts}.lora_A_down_proj"], out[f"{experts}.lora_B_down_proj"] = a, b
+                continue
+            half = b.shape[1] // 2  # gate rows first, as transformers fuses them
+            out[f"{experts}.lora_A_gate_proj"], out[f"{experts}.lora_B_gate_proj"] = a, b[:, :half].contiguous()
+            out[f"{experts}.lora_A_up_proj"], out[f"{experts}.lora_B_up_proj"] = a.clone(), b[:, half:].contiguous()
     return out

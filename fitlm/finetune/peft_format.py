@@ -148,6 +148,8 @@ def load_adapter(path: str | Path) -> tuple[LoraSpec, dict[str, torch.Tensor]]:
         tensors[name] = t
     try:
         tensors = expert_lora.from_peft(tensors)  # one pair per expert -> the stacked experts' adapters
+        if cfg.get("target_parameters"):  # PEFT on transformers 5's fused experts
+            tensors = expert_lora.from_fused(tensors, list(cfg["target_parameters"]), int(cfg.get("r", 8)))
     except ValueError as e:
         raise LoraError(f"{weights}: {e}") from None
     modules = lora_modules_of(tensors)

@@ -132,3 +132,31 @@ def test_the_router_is_refused_as_a_target(tmp_path):
     ours, _ = load_hf_dir(d)
     with pytest.raises(LoraError, match="router"):
         apply_lora(ours, r=2, alpha=4, dropout=0.0, target_modules=["gate"])
+
+
+@pytest.mark.parametrize("name", [n for n in MOE if n.startswith(("qwen3_moe_normalized", "mixtral"))])
+@pytest.mark.parametrize("params", [("gate_up_proj", "down_proj"), ("gate_up_proj",), ("down_proj",)])
+def test_a_peft_adapter_on_transformers_5s_fused_experts_loads_in_fitlm(name, params, tmp_path):
+    """What PEFT writes when it trains on transformers 5's fused experts (`target_parameters`: one pair per
+    parameter, all experts in it, nested when both are targeted): fitlm reads it with PEFT's logits."""
+    hf, d = hf_moe(name, tmp_path)
+    module = "mlp"
+    config = peft.LoraConfig(
+        r=2, lora_alpha=6, target_modules=["q_proj"], target_parameters=[f"{module}.experts.{p}" for p in params]
+    )
+    pm = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(d, attn_implementation="eager").float(), config)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_" in n:
+                p.normal_(0, 0.3, generator=torch.Generator().manual_seed(len(n)))
+    pm.eval().save_pretrained(str(tmp_path / "fused"))
+    x = ids(18, seed=5)
+    with torch.no_grad():
+        want = pm(x).logits
+    spec, tensors = load_adapter(tmp_path / "fused")
+    ours, _ = load_hf_dir(d)
+    inject_lora(ours, spec)
+    missing, unexpected = ours.load_state_dict(tensors, strict=False)
+    assert not unexpected and not [k for k in missing if "lora_" in k]
+    with torch.no_grad():
+        torch.testing.assert_close(ours.eval()(x), want, rtol=1e-4, atol=1e-4)
