@@ -37,6 +37,19 @@ def peft_model(hf_dir, adapter_dir):
     return peft.PeftModel.from_pretrained(hf, str(adapter_dir)).eval()
 
 
+def fitlm_with_adapter(hf_dir, adapter_dir, x, want):
+    """fitlm's model of `hf_dir` with the adapter read back (every LoRA tensor placed), its logits on x equal to
+    `want`; returns what load_adapter read."""
+    spec, tensors = load_adapter(adapter_dir)
+    ours, _ = load_hf_dir(hf_dir)
+    inject_lora(ours, spec)
+    missing, unexpected = ours.load_state_dict(tensors, strict=False)
+    assert not unexpected and not [k for k in missing if "lora_" in k]
+    with torch.no_grad():
+        torch.testing.assert_close(ours.eval()(x), want, rtol=1e-4, atol=1e-4)
+    return spec, tensors
+
+
 def randomized_b(model: torch.nn.Module) -> None:
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -92,14 +105,8 @@ def test_peft_expert_adapter_loads_in_fitlm_and_merges(name, tmp_path):
     with torch.no_grad():
         reference = peft_model if mcfg.arch in PEFT_MAPS else hf_with_adapter
         want = reference(d, tmp_path / "ad")(x).logits
-    loaded_spec, tensors = load_adapter(tmp_path / "ad")
+    loaded_spec, tensors = fitlm_with_adapter(d, tmp_path / "ad", x, want)
     assert set(loaded_spec.modules) == set(spec.modules)
-    fresh, _ = load_hf_dir(d)
-    inject_lora(fresh, loaded_spec)
-    missing, unexpected = fresh.load_state_dict(tensors, strict=False)
-    assert not unexpected and not [k for k in missing if "lora_" in k]
-    with torch.no_grad():
-        torch.testing.assert_close(fresh.eval()(x), want, rtol=1e-4, atol=1e-4)
     base, _ = load_hf_dir(d)
     merged = merge_lora(base.state_dict(), tensors, loaded_spec.scaling)
     base.load_state_dict({k: v.to(base.state_dict()[k].dtype) for k, v in merged.items()})
@@ -153,10 +160,4 @@ def test_a_peft_adapter_on_transformers_5s_fused_experts_loads_in_fitlm(name, pa
     x = ids(18, seed=5)
     with torch.no_grad():
         want = pm(x).logits
-    spec, tensors = load_adapter(tmp_path / "fused")
-    ours, _ = load_hf_dir(d)
-    inject_lora(ours, spec)
-    missing, unexpected = ours.load_state_dict(tensors, strict=False)
-    assert not unexpected and not [k for k in missing if "lora_" in k]
-    with torch.no_grad():
-        torch.testing.assert_close(ours.eval()(x), want, rtol=1e-4, atol=1e-4)
+    fitlm_with_adapter(d, tmp_path / "fused", x, want)
