@@ -182,3 +182,29 @@ def median(xs: list[float]) -> float:
     import statistics
 
     return statistics.median(xs) if xs else float("nan")
+
+
+def log(msg: str) -> None:
+    """A progress line on stderr (stdout carries the results)."""
+    print(msg, file=sys.stderr, flush=True)
+
+
+def profile_step(step: Callable[[], object], label: str, rows: int = 12) -> list[dict]:
+    """Self CPU time of the top ops over one call of `step` (torch.profiler), for 'where does the time go'."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events) or 1
+    top = [
+        {
+            "op": e.key,
+            "self_ms": round(e.self_cpu_time_total / 1e3, 2),
+            "share": round(e.self_cpu_time_total / total, 3),
+            "calls": e.count,
+        }
+        for e in events[:rows]
+    ]
+    log(f"  profile {label}: " + ", ".join(f"{t['op']} {t['share']:.0%}" for t in top[:6]))
+    return top

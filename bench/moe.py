@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, fitlm_config, machine, median, prepare_data, write_json  # noqa: E402
+from common import RESULTS, fitlm_config, log, machine, median, prepare_data, profile_step, write_json  # noqa: E402
 
 SIZES = {
     # a small Qwen3-MoE: 16 experts, 4 per token, ~256 rows per expert at batch 4 x 256
@@ -77,10 +77,6 @@ SIZES = {
 }
 HF_IMPLS = ("eager", "batched_mm", "grouped_mm")
 LR, WD, BETAS, EPS, CLIP, AUX_COEF = 3e-4, 0.1, (0.9, 0.95), 1e-8, 1.0, 0.001
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
@@ -201,25 +197,6 @@ def layer_call(layer, x, g, loop: bool = False):
     return call
 
 
-def profile_call(fn, label: str, rows: int = 8) -> list[dict]:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        fn()
-    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
-    total = sum(e.self_cpu_time_total for e in events) or 1
-    top = [
-        {
-            "op": e.key,
-            "self_ms": round(e.self_cpu_time_total / 1e3, 2),
-            "share": round(e.self_cpu_time_total / total, 3),
-        }
-        for e in events[:rows]
-    ]
-    log(f"  profile {label}: " + ", ".join(f"{t['op']} {t['share']:.0%}" for t in top[:6]))
-    return top
-
-
 # --------------------------------------------------------------------------- the run
 
 
@@ -269,7 +246,7 @@ def run(args) -> dict:
         for n in calls:
             layer_times[n].append(per[n])
     layer_peak = {n: peak_live_bytes(call, [layers[n][0]], None, warmup_steps=1)["total"] for n, call in calls.items()}
-    layer_prof = {n: profile_call(calls[n], f"layer {n}") for n in calls} if args.profile else {}
+    layer_prof = {n: profile_step(calls[n], f"layer {n}", rows=8) for n in calls} if args.profile else {}
     del calls
     hf_models.clear()
     gc.collect()
@@ -308,7 +285,7 @@ def run(args) -> dict:
             for n, step in contenders.items():
                 step_peak[n] = peak_live_bytes(step, *holders[n], warmup_steps=0)["total"]
             if args.profile:
-                step_prof = {n: profile_call(step, f"step {n}") for n, step in contenders.items()}
+                step_prof = {n: profile_step(step, f"step {n}", rows=8) for n, step in contenders.items()}
         del contenders, holders, fit_trainer, loop_trainer
         gc.collect()
 

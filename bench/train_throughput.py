@@ -74,9 +74,11 @@ from common import (
     fitlm_step,
     gemm_peak,
     hf_model_from_fitlm,
+    log,
     machine,  # noqa: E402
     median,
     prepare_data,
+    profile_step,
     rss_bytes,
     write_json,
 )
@@ -359,27 +361,6 @@ def memory_in_child(framework: str, size: str, data_dir: Path, args) -> dict:
 # --------------------------------------------------------------------------- one size
 
 
-def profile_step(step, label: str, rows: int = 12) -> list[dict]:
-    """Self CPU time of the top ops over one step (torch.profiler), for 'where does the time go'."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        step()
-    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
-    total = sum(e.self_cpu_time_total for e in events) or 1
-    top = [
-        {
-            "op": e.key,
-            "self_ms": round(e.self_cpu_time_total / 1e3, 2),
-            "share": round(e.self_cpu_time_total / total, 3),
-            "calls": e.count,
-        }
-        for e in events[:rows]
-    ]
-    log(f"  profile {label}: " + ", ".join(f"{t['op']} {t['share']:.0%}" for t in top[:6]))
-    return top
-
-
 def measure_round(size: str, data_dir: Path, tmp: Path, args, best_mem: dict, hf_prec: str, r: int) -> dict:
     """One round: the identical-settings run, then the best-settings run, each interleaved step by step.
     Returns every contender's step times, the FLOPs per token and (with --profile) the top ops."""
@@ -539,10 +520,6 @@ def run_size(size: str, data_dir: Path, tmp: Path, args, best_mem: dict, hf_prec
 
 
 # --------------------------------------------------------------------------- main
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def table(report: dict) -> str:
