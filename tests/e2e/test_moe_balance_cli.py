@@ -12,15 +12,8 @@ from transformers import AutoModelForCausalLM
 
 from fitlm.models.io import load_model_dir
 from tests.e2e.helpers import fitlm, read_metrics, tiny_config, write_config
+from tests.e2e.test_moe_cli import MOE  # the MoE CLI runs' model
 
-MOE = {
-    "arch": "qwen3_moe",
-    "intermediate_size": 96,
-    "num_experts": 4,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 32,
-    "mlp_only_layers": [1],
-}
 FREE = {"moe_balance": "aux_free", "router_bias_update_rate": 0.05}  # large enough to change choices in 3 steps
 
 pytestmark = pytest.mark.process
