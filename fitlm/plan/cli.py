@@ -158,11 +158,13 @@ def cmd_config_import(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from fitlm.config import load_config
     from fitlm.plan.devices import get_device
     from fitlm.plan.report import plan, render
+    from fitlm.run_config import load_run_config
 
-    cfg = load_config(args.config, args.overrides)
+    # Resolved here (the model section from model.init_from, when readable) and checked once; plan() says why
+    # when the weights are not on this machine.
+    cfg, _ = load_run_config(args.config, args.overrides, weights_optional=True, layout=not args.search)
     calibration = None
     if args.calibrate is not None:
         from fitlm.plan.calibrate import CalibrationError, calibrated_efficiency, sustained_tflops

@@ -412,6 +412,36 @@ def _(env):
     return ["train", env.config(parallel={"pipeline_parallel": 3, "micro_batch_num": 3}, train={"micro_batch_size": 3})]
 
 
+def init_from_only(env, **sections) -> Path:
+    """The tiny run fine-tuned from its HF export with a model section of `init_from` alone, as users write it."""
+    cfg = run_config(env.shared, env.tmp / "out", **sections)
+    cfg["model"] = {"init_from": str(env.shared.hf)}
+    return env.config(cfg)
+
+
+@case(
+    "layout-init-from-tp-heads",
+    "layout",
+    "`parallel.tensor_parallel` that does not divide the heads of the `model.init_from` checkpoint (model section: "
+    "`init_from` alone)",
+    "parallel.tensor_parallel: 3 does not divide model.num_heads=4",
+    "model.* read from model.init_from=",
+)
+def _(env):
+    return ["train", init_from_only(env, parallel={"tensor_parallel": 3})]
+
+
+@case(
+    "layout-init-from-expert-parallel-dense",
+    "layout",
+    "`parallel.expert_parallel` on a dense `model.init_from` checkpoint (model section: `init_from` alone)",
+    "model.arch='llama' has none",
+    "set expert_parallel: 1",
+)
+def _(env):
+    return ["plan", init_from_only(env, parallel={"data_parallel": 2, "expert_parallel": 2})]
+
+
 @case(
     "layout-micro-batch-num",
     "layout",
