@@ -63,7 +63,7 @@ def last_logits(model: nn.Module, ids: torch.Tensor, cache, position_ids: torch.
     (generate, chat, the batched server), so their numbers agree."""
     lm = cast("CausalLM", model)  # (a family's model)
     h = lm.hidden_states(ids, position_ids, kv_cache=cache)[:, -1]  # [B,C]; only the last position is needed
-    return lm.output_layer(h)  # [B,V]
+    return lm.logits(h)  # [B,V]: the training forward's logits (Gemma 2's soft cap included)
 
 
 def generate(
