@@ -2,8 +2,9 @@
 plain line per logged step elsewhere (fitlm.progress decides which); silent when disabled.
 
 A line: "train: step 20/300, loss 5.1234, eval 4.9876, 1,234 tok/s, elapsed 1:02, ETA 13:58". Between two
-logged steps a line still comes after fitlm.progress.TRAIN_INTERVAL seconds without one, so slow steps with
-a long log_interval do not look like a hung run.
+logged steps, a step that ends fitlm.progress.TRAIN_INTERVAL seconds or more after the last line prints one too,
+so slow steps with a long log_interval do not look like a hung run. (Checked as each step ends: no thread to
+print while one step runs.)
 """
 
 from __future__ import annotations
