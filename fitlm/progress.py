@@ -56,14 +56,15 @@ def duration(seconds: float) -> str:
 
 
 def timing(done: float, total: float, elapsed: float) -> str:
-    """ "elapsed 1:02, ETA 13:58": the ETA at the mean rate so far, "-" before anything is done."""
+    """Elapsed time and the ETA at the mean rate so far ("elapsed 1:02, ETA 13:58"; "ETA -" before anything is
+    done)."""
     if done <= 0 or total <= 0:
         return f"elapsed {duration(elapsed)}, ETA -"
     return f"elapsed {duration(elapsed)}, ETA {duration(elapsed / done * max(0.0, total - done))}"
 
 
 def byte_counts(done: int, total: int) -> str:
-    """ "12.3/45.6 MB": both in the unit that suits the total."""
+    """Both counts in the unit that suits the total: "12.3/45.6 MB"."""
     for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if total >= size:
             return f"{done / size:.1f}/{total / size:.1f} {unit}"
@@ -75,7 +76,7 @@ def plain_counts(done: int, total: int) -> str:
 
 
 class Lines:
-    """ "<what>: done/total, elapsed …, ETA …" lines: the first update, then one per `every` seconds at most,
+    """Lines "<what>: done/total, elapsed …, ETA …": the first update, then one per `every` seconds at most,
     and the last (done reaching total, or `close`)."""
 
     def __init__(

@@ -52,7 +52,7 @@ class TrainProgress:
             self.progress.stop()
 
     def stats(self) -> str:
-        """ "loss 5.1234, eval 4.9876, 1,234 tok/s": what is known so far; nothing for what is not (a run without
+        """What is known so far, "loss 5.1234, eval 4.9876, 1,234 tok/s"; nothing for what is not (a run without
         a validation set has no eval; a nan is shown only where the value itself was nan)."""
         parts = [f"loss {self.loss:.4f}"] if self.loss is not None else []
         parts += [f"eval {self.eval_loss:.4f}"] if self.eval_loss is not None else []

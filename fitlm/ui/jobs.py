@@ -93,8 +93,8 @@ class Jobs:
         with open(log, "w", encoding="utf-8") as f:
             f.write(f"$ {shlex.join(['fitlm', *argv])}\n")
             f.flush()
-            # the page polls the log: an export's count each second, not each few (fitlm.progress)
-            lines = {PROGRESS_LINES: "1", PROGRESS_INTERVAL: "1"} if kind == "export" else {}
+            # the page draws an export's block count from its log: a line per block, not one every few seconds
+            lines = {PROGRESS_LINES: "1", PROGRESS_INTERVAL: "0"} if kind == "export" else {}
             env = dict(os.environ, PYTHONUNBUFFERED="1", **lines)
             proc = subprocess.Popen(
                 [sys.executable, "-m", "fitlm.cli", *argv],
