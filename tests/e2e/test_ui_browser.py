@@ -271,7 +271,7 @@ def test_export_writes_the_file_and_lists_it(world):
     assert state.get_attribute("data-state") == "done", d.find_element(By.CSS_SELECTOR, "pre.log").text
     assert str(out) in by_testid(d, "export-files").text and out.read_bytes()[:4] == b"GGUF"
     # the progress the page draws while it runs: the CLI's block count, to the last block
-    done = re.findall(r"^weights \(blocks\): (\d+)/(\d+)$", d.find_element(By.CSS_SELECTOR, "pre.log").text, re.M)
+    done = re.findall(r"^weights \(blocks\): (\d+)/(\d+), ", d.find_element(By.CSS_SELECTOR, "pre.log").text, re.M)
     assert done and done[-1][0] == done[-1][1] and len(done) == int(done[-1][1])
     d.save_screenshot(str(SHOTS / "ui-export.png"))
 

@@ -276,15 +276,14 @@ def test_odd_metrics_lines_still_list_and_chart(client, tmp_path):
 
 
 def test_a_job_reports_the_progress_lines_its_command_prints(monkeypatch, capsys):
-    """fitlm.cli_common.counted prints "<what>: i/n" where FITLM_PROGRESS_LINES is set (the UI's export jobs set it),
-    and the job's JSON carries the last one, which the Export view draws as a progress bar."""
-    from fitlm.cli_common import PROGRESS_LINES, counted
+    """fitlm.progress.counted prints "<what>: i/n, elapsed …, ETA …" lines where FITLM_PROGRESS_LINES is set (the UI's
+    export jobs set it), and the job's JSON carries the last count, which the Export view draws as a progress bar."""
+    from fitlm.progress import PROGRESS_INTERVAL, PROGRESS_LINES, counted
     from fitlm.ui.jobs import _progress
 
     monkeypatch.setenv(PROGRESS_LINES, "1")
+    monkeypatch.setenv(PROGRESS_INTERVAL, "0")
     assert list(counted(iter("abc"), 3, "weights (blocks)")) == ["a", "b", "c"]
     log = "loading\n" + capsys.readouterr().err + "exported\n"
-    assert log.count("weights (blocks): ") == 3
+    assert log.count("weights (blocks): ") == 3 and "weights (blocks): 3/3, elapsed " in log
     assert _progress(log) == [3, 3] and _progress("loading\n") is None
-    monkeypatch.delenv(PROGRESS_LINES)
-    assert list(counted(iter("ab"), 2, "x")) == ["a", "b"] and capsys.readouterr().err == ""  # not a terminal
