@@ -1,0 +1,91 @@
+"""lm-evaluation-harness against `fitlm serve`, held against lm-eval's own `hf` model on the same checkpoint.
+
+The real `lm_eval` package runs three local tasks (files written here; nothing is downloaded): multiple choice
+(loglikelihood), question answering with exact match (generate_until, greedy) and perplexity over text
+(loglikelihood_rolling). `--model local-completions` talks to fitlm's OpenAI server as it talks to vLLM's, with
+lm-eval's own tokenizer for its token-id requests; each sample's log-likelihoods, generations and every metric
+equal the `hf` model's on the transformers checkpoint that fitlm serves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.unit.serve_models import chat_model_dir
+from tests.unit.test_serve_api import ServerThread
+
+lm_eval = pytest.importorskip("lm_eval")
+pytest.importorskip("tenacity")  # lm-eval's API models (`lm-eval[api]`)
+
+MC = [
+    {"question": "The river flows to the", "choices": [" sea", " mountain", " sky"], "label": 0},
+    {"question": "A stone is", "choices": [" hard", " soft"], "label": 0},
+    {"question": "Birds can", "choices": [" fly", " swim", " read", " sing"], "label": 2},
+]
+QA = [{"question": "Q: What is water?\nA:", "answer": " wet"}, {"question": "Q: Name a colour.\nA:", "answer": " red"}]
+TEXT = [{"text": "Tomorrow, and tomorrow, and tomorrow, creeps in this petty pace from day to day."}]
+TASKS = {
+    "fitlm_mc": ("mc.jsonl", MC, "output_type: multiple_choice\ndoc_to_text: '{{question}}'\n"
+                 "doc_to_choice: '{{choices}}'\ndoc_to_target: '{{label}}'\nmetric_list:\n  - metric: acc\n"),
+    "fitlm_qa": ("qa.jsonl", QA, "output_type: generate_until\ndoc_to_text: '{{question}}'\n"
+                 "doc_to_target: '{{answer}}'\ngeneration_kwargs:\n  until: ['\\n']\n  max_gen_toks: 6\n"
+                 "  do_sample: false\nmetric_list:\n  - metric: exact_match\n"),
+    "fitlm_ppl": ("text.jsonl", TEXT, "output_type: loglikelihood_rolling\ndoc_to_text: '{{text}}'\n"
+                  "doc_to_target: '{{text}}'\nmetric_list:\n  - metric: word_perplexity\n  - metric: bits_per_byte\n"),
+}  # fmt: skip
+CONTEXT = 128  # the model's, and lm-eval's max_length: the rolling windows fit it
+
+
+@pytest.fixture(scope="module")
+def tasks(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("lm_eval_tasks")
+    for name, (file, rows, spec) in TASKS.items():
+        (root / file).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        head = f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {root / file}\n"
+        (root / f"{name}.yaml").write_text(head + "test_split: test\n" + spec)
+    return root
+
+
+def evaluate(model: str, model_args: str, tasks: Path) -> dict:
+    from lm_eval.tasks import TaskManager
+
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the task files are local; never look for a hub
+    return lm_eval.simple_evaluate(
+        model=model,
+        model_args=model_args,
+        tasks=list(TASKS),
+        task_manager=TaskManager(include_path=str(tasks)),
+        log_samples=True,
+        device="cpu",
+    )
+
+
+def test_lm_eval_local_completions_against_fitlm_serve_equals_hf(tasks, tmp_path):
+    from fitlm.serve.app import create_app
+    from fitlm.serve.model import load_served
+
+    d = chat_model_dir(tmp_path, "qwen", context=CONTEXT)
+    served = load_served(d)
+    with ServerThread(create_app(served, max_batch=4)) as s:
+        args = (
+            f"base_url={s.url}/completions,model={served.name},tokenizer={d},tokenizer_backend=huggingface,"
+            f"tokenized_requests=True,max_length={CONTEXT},num_concurrent=1,max_retries=1"
+        )
+        ours = evaluate("local-completions", args, tasks)
+    ref = evaluate("hf", f"pretrained={d},dtype=float32,max_length={CONTEXT}", tasks)
+    for task in TASKS:
+        a, b = ours["samples"][task], ref["samples"][task]
+        assert len(a) == len(b) == len(TASKS[task][1])
+        for x, y in zip(a, b):
+            if task == "fitlm_qa":
+                assert x["filtered_resps"] == y["filtered_resps"]  # greedy generations, cut at the stop
+            else:
+                got = [r[0] if isinstance(r, (list, tuple)) else r for r in x["filtered_resps"]]
+                want = [r[0] if isinstance(r, (list, tuple)) else r for r in y["filtered_resps"]]
+                assert got == pytest.approx(want, abs=1e-3)  # summed log-likelihoods (fp32 sums over tokens)
+        metrics = {k: v for k, v in ref["results"][task].items() if k.endswith(",none") and "stderr" not in k}
+        assert metrics and {k: ours["results"][task][k] for k in metrics} == pytest.approx(metrics, rel=1e-4)
