@@ -27,6 +27,7 @@ COMMAND_MODULES = (
     "fitlm.profile.cli",
     "fitlm.serve.cli",
     "fitlm.ui.cli",
+    "fitlm.eval.cli",
 )
 
 

@@ -50,6 +50,17 @@ def tasks(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return chat_model_dir(tmp_path_factory.mktemp("lm_eval_model"), "qwen", context=CONTEXT)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir, tasks) -> dict:
+    """lm-eval's own `hf` model on the transformers checkpoint: the numbers fitlm must give."""
+    return evaluate("hf", f"pretrained={model_dir},dtype=float32,max_length={CONTEXT}", tasks)
+
+
 def evaluate(model: str, model_args: str, tasks: Path) -> dict:
     from lm_eval.tasks import TaskManager
 
@@ -64,11 +75,11 @@ def evaluate(model: str, model_args: str, tasks: Path) -> dict:
     )
 
 
-def test_lm_eval_local_completions_against_fitlm_serve_equals_hf(tasks, tmp_path):
+def test_lm_eval_local_completions_against_fitlm_serve_equals_hf(tasks, model_dir, reference):
     from fitlm.serve.app import create_app
     from fitlm.serve.model import load_served
 
-    d = chat_model_dir(tmp_path, "qwen", context=CONTEXT)
+    d, ref = model_dir, reference
     served = load_served(d)
     with ServerThread(create_app(served, max_batch=4)) as s:
         args = (
@@ -76,7 +87,6 @@ def test_lm_eval_local_completions_against_fitlm_serve_equals_hf(tasks, tmp_path
             f"tokenized_requests=True,max_length={CONTEXT},num_concurrent=1,max_retries=1"
         )
         ours = evaluate("local-completions", args, tasks)
-    ref = evaluate("hf", f"pretrained={d},dtype=float32,max_length={CONTEXT}", tasks)
     for task in TASKS:
         a, b = ours["samples"][task], ref["samples"][task]
         assert len(a) == len(b) == len(TASKS[task][1])
@@ -89,3 +99,37 @@ def test_lm_eval_local_completions_against_fitlm_serve_equals_hf(tasks, tmp_path
                 assert got == pytest.approx(want, abs=1e-3)  # summed log-likelihoods (fp32 sums over tokens)
         metrics = {k: v for k, v in ref["results"][task].items() if k.endswith(",none") and "stderr" not in k}
         assert metrics and {k: ours["results"][task][k] for k in metrics} == pytest.approx(metrics, rel=1e-4)
+
+
+def test_fitlm_eval_in_process_equals_hf_and_writes_lm_evals_files(tasks, model_dir, reference, tmp_path, capsys):
+    from fitlm.cli import main
+
+    d, ref = model_dir, reference
+    out = tmp_path / "evals"
+    argv = ["eval", str(d), "--tasks", ",".join(TASKS), "--include-path", str(tasks), "--batch-size", "2"]
+    assert main([*argv, "--log-samples", "--out", str(out), "--json"]) == 0
+    ours = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for task in TASKS:
+        metrics = {k: v for k, v in ref["results"][task].items() if k.endswith(",none") and "stderr" not in k}
+        assert metrics and {k: ours["results"][task][k] for k in metrics} == pytest.approx(metrics, rel=1e-4)
+    written = list(out.rglob("results_*.json"))
+    assert len(written) == 1 and json.loads(written[0].read_text())["results"].keys() == ours["results"].keys()
+    for task in TASKS:  # lm-eval's per-sample files, one line per document, with fitlm's log-likelihoods
+        (samples,) = out.rglob(f"samples_{task}_*.jsonl")
+        rows = [json.loads(line) for line in samples.read_text().splitlines()]
+        assert len(rows) == len(TASKS[task][1])
+        if task == "fitlm_mc":
+            got = [[float(r[0]) for r in row["filtered_resps"]] for row in rows]  # lm-eval writes strings
+            want = [[r[0] for r in s["filtered_resps"]] for s in ref["samples"][task]]
+            assert got == [pytest.approx(w, abs=1e-3) for w in want]
+
+
+def test_fitlm_eval_refuses_unknown_tasks_naming_the_flag(tasks, model_dir, tmp_path, capsys):
+    from fitlm.cli import main
+
+    d = model_dir
+    assert main(["eval", str(d), "--tasks", "no_such_task", "--include-path", str(tasks)]) == 2
+    err = capsys.readouterr().err
+    assert "--tasks: no_such_task unknown to lm-eval" in err and "--include-path" in err
+    assert main(["eval", str(d), "--tasks", "fitlm_mc", "--include-path", str(tmp_path / "none")]) == 2
+    assert "--include-path" in capsys.readouterr().err
