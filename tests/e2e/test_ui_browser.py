@@ -145,7 +145,9 @@ def test_plan_numbers_are_the_clis(world):
     d, config = world["driver"], str(world["done"])
     d.get(f"{world['url']}/plan?config={config}")
     total = wait(d, lambda d: by_testid(d, "plan-total"))
-    assert int(total.get_attribute("data-bytes")) == cli_plan(config)["per_device"]["total"]
+    cli = cli_plan(config)
+    assert int(total.get_attribute("data-bytes")) == cli["per_device"]["total"]
+    assert by_testid(d, "plan-device-source").text == cli["device_source"]["note"]  # which device, and why
     set_knob(d, "train.micro_batch_size", 2)
     set_knob(d, "memory.recompute", "full")
     want = cli_plan(config, "--set", "train.micro_batch_size=2", "--set", "memory.recompute=full")
