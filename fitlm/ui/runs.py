@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from fitlm.checkpoint.store import checkpoints_root, list_checkpoints
+from fitlm.models.io import MARKER
 from fitlm.train.run_lock import lock_status
 from fitlm.ui.errors import UIError
 
@@ -43,9 +44,9 @@ def run_dir(root: Path, name: str) -> Path:
     return path
 
 
-# What makes a directory a model rather than a run: fitlm.models.io's completion marker, or Hugging Face's
+# What makes a directory a model rather than a run: a fitlm model directory's completion marker, or Hugging Face's
 # config (neither of which `fitlm train` writes at the top of its output directory).
-MODEL_MARKERS = ("fitlm.json", "config.json")
+MODEL_MARKERS = (MARKER, "config.json")
 
 
 def is_model_dir(path: Path) -> bool:
