@@ -1,6 +1,6 @@
-"""`fitlm plan` says which device it planned for and why: the report's first line and `device_source` in the JSON.
-The GPU branch is exercised with the detection passed in (a LocalGPU as torch.cuda would describe it); the
-CPU machine's branch runs for real through the CLI."""
+"""`fitlm plan` says what its figures are for: which device and why (the report's first line, `device_source` in the
+JSON), and at which moment its rows are counted. The GPU branch is exercised with the detection passed in (a
+LocalGPU as torch.cuda would describe it); the CPU machine's branch runs for real through the CLI."""
 
 from __future__ import annotations
 
@@ -72,3 +72,18 @@ def test_a_config_asking_for_cuda_on_a_machine_without_one_says_so():
     dev, source = choose_device(config_device="cuda", detect=no_gpu)
     assert dev.name == "a100-80g" and source["by"] == "default"
     assert "train.device: cuda but no GPU here; pass --device cpu or --device NAME" in source["note"]
+
+
+def test_the_rows_are_said_to_be_at_the_peak_moment(capsys):
+    """A full-training plan peaking in forward/backward has no gradients at that moment: the report says its rows
+    are the peak moment's, and which moment, so `grads 0.00 GiB` does not read as a bug."""
+    assert main(["plan", TINY, "--device", "a100-80g", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["finetune"]["method"] == "full" and result["per_device"]["grads"] == 0
+    assert result["peak_phase"] == "forward/backward"
+    assert main(["plan", TINY, "--device", "a100-80g"]) == 0
+    err = " ".join(capsys.readouterr().err.split())  # (rich wraps long lines)
+    assert "per device, at the peak moment" in err
+    assert (
+        "each row is at the peak moment, forward/backward: the loss or the first recomputed block, before this" in err
+    )
