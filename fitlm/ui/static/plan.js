@@ -36,7 +36,8 @@ VIEWS.plan = async function (main, info) {
       autocomplete: "off", spellcheck: "false"}),
     `a YAML path, a model directory / checkpoint / .gguf, or a shipped scenario (${info.scenarios.join(", ")})`);
   const [devField, dev] = field("Device", el("select", {},
-    el("option", {value: ""}, "CLI default (a100-80g)"),
+    // none picked: the server chooses as `fitlm plan` does, and the plan names the device and why
+    el("option", {value: ""}, "fitlm plan's choice"),
     info.devices.map((d) => el("option", {value: d.name, selected: d.name === q.get("device")},
       d.memory_bytes ? `${d.name} (${gib(d.memory_bytes)})` : `${d.name} (measured here)`))));
   const [numField, count] = field("Devices", el("input", {type: "number", min: 1, step: 1,
