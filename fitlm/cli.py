@@ -195,8 +195,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.flush()
 
     stream = None if args.json else write_piece
-    if stream:
-        sys.stdout.write(args.prompt)
     out = generate_text(
         args.model,
         args.prompt,
@@ -205,6 +203,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         seed=args.seed,
         stream=stream,
+        # the prompt is echoed once the model and tokenizer loaded: a bad MODEL prints only its error
+        ready=(lambda: write_piece(args.prompt)) if stream else None,
     )
     if args.json:
         emit_json(out)

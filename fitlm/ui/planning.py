@@ -20,7 +20,8 @@ import fitlm
 from fitlm.checkpoint.store import META_FILE, read_meta
 from fitlm.config import Config, DataConfig, apply_overrides, load_yaml, parse_override
 from fitlm.models.io import read_model_config
-from fitlm.plan.devices import CATALOG, get_device
+from fitlm.plan.device_choice import choose_device
+from fitlm.plan.devices import CATALOG
 from fitlm.plan.report import plan
 from fitlm.run_config import run_config
 from fitlm.ui.errors import UIError
@@ -203,8 +204,8 @@ def plan_response(body: dict[str, Any]) -> dict[str, Any]:
     """The page's JSON: the plan (`fitlm plan --json`'s object), the config, its YAML and the commands."""
     req = PlanRequest.from_json(body)
     r = resolve(req)
-    dev = get_device(req.device)
-    result = plan(r.cfg, dev, req.num_devices, search=req.search, top=req.top)
+    dev, device_source = choose_device(req.device, config_device=r.cfg.train.device)  # as `fitlm plan` chooses
+    result = {"device_source": device_source, **plan(r.cfg, dev, req.num_devices, search=req.search, top=req.top)}
     return {
         "plan": result,
         "memory_parts": memory_parts(result),

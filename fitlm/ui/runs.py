@@ -1,5 +1,9 @@
 """The runs `fitlm ui` lists: every training output (or profile) directory under RUNS_DIR, its state and metrics.
 
+Model directories under RUNS_DIR (`fitlm import`, `export --format hf`, `merge`, `ckpt merge`: a fitlm.json or
+a config.json beside the weights) are not runs: they hold a config.yaml but never trained there, so listing them
+would show each as a crashed run at step 0. The Chat and Export views offer them (fitlm.ui.chat.chat_models).
+
 A run's state comes from its run lock (fitlm.train.run_lock.lock_status), read without taking it:
 `running` while the lock is held, `finished` / `stopped` (SIGTERM, a checkpoint saved) / `failed` as the run
 recorded when it let go, `crashed` when its holder died without letting go (killed, out of host memory).
@@ -15,6 +19,7 @@ from typing import Any
 import yaml
 
 from fitlm.checkpoint.store import checkpoints_root, list_checkpoints
+from fitlm.models.io import MARKER
 from fitlm.train.run_lock import lock_status
 from fitlm.ui.errors import UIError
 
@@ -34,13 +39,22 @@ def run_dir(root: Path, name: str) -> Path:
     if not path.is_relative_to(root.resolve()) or not _is_run(path):
         raise RunNotFound(
             f"{name}: no run of that name under {root} (a run is a train.output_dir holding metrics.jsonl or "
-            "config.yaml); pick one from the Runs list"
+            "config.yaml; a model directory is chosen in the Chat or Export view); pick one from the Runs list"
         )
     return path
 
 
+# What makes a directory a model rather than a run: a fitlm model directory's completion marker, or Hugging Face's
+# config (neither of which `fitlm train` writes at the top of its output directory).
+MODEL_MARKERS = (MARKER, "config.json")
+
+
+def is_model_dir(path: Path) -> bool:
+    return path.is_dir() and any((path / m).is_file() for m in MODEL_MARKERS)
+
+
 def _is_run(path: Path) -> bool:
-    return path.is_dir() and any((path / m).exists() for m in MARKERS)
+    return path.is_dir() and any((path / m).exists() for m in MARKERS) and not is_model_dir(path)
 
 
 def find_runs(root: Path) -> list[Path]:
@@ -51,7 +65,7 @@ def find_runs(root: Path) -> list[Path]:
         if _is_run(d) and d != root:
             found.append(d)
             return
-        if depth >= MAX_DEPTH:
+        if depth >= MAX_DEPTH or is_model_dir(d):  # (a model directory holds no runs)
             return
         try:
             children = sorted(d.iterdir()) if d.is_dir() else []
@@ -197,4 +211,4 @@ def _profile(path: Path) -> dict[str, Any] | None:
     }
 
 
-__all__ = ["RunNotFound", "detail", "find_runs", "list_runs", "read_records", "run_dir", "state"]
+__all__ = ["RunNotFound", "detail", "find_runs", "is_model_dir", "list_runs", "read_records", "run_dir", "state"]

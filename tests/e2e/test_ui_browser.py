@@ -17,6 +17,7 @@ import pytest
 
 from fitlm.train.run_lock import lock_status
 from tests.e2e.helpers import fitlm, tiny_config, write_config
+from tests.unit.serve_models import models_beside_runs
 
 ROOT = Path(__file__).resolve().parents[2]
 SHOTS = ROOT / "docs" / "img"
@@ -57,6 +58,7 @@ def world(tmp_path_factory, tiny_corpus):
     assert fitlm("train", done).returncode == 0
     profiled = fitlm("profile", done, "--steps", "3", "--out", root / "prof")
     assert profiled.returncode == 0, profiled.stderr
+    models = models_beside_runs(root, root / "done", lambda *a: fitlm(*a).returncode)
     # A run that goes on until stopped: a step logged each step, a checkpoint every 5.
     long = write_config(
         tmp / "long.yaml",
@@ -87,7 +89,7 @@ def world(tmp_path_factory, tiny_corpus):
     driver.set_page_load_timeout(WAIT_S)
     SHOTS.mkdir(parents=True, exist_ok=True)
     try:
-        yield {"url": url, "root": root, "done": done, "long": long, "driver": driver, "tmp": tmp}
+        yield {"url": url, "root": root, "done": done, "long": long, "driver": driver, "tmp": tmp, "models": models}
     finally:
         driver.quit()
         server.send_signal(signal.SIGTERM)
@@ -143,7 +145,9 @@ def test_plan_numbers_are_the_clis(world):
     d, config = world["driver"], str(world["done"])
     d.get(f"{world['url']}/plan?config={config}")
     total = wait(d, lambda d: by_testid(d, "plan-total"))
-    assert int(total.get_attribute("data-bytes")) == cli_plan(config)["per_device"]["total"]
+    cli = cli_plan(config)
+    assert int(total.get_attribute("data-bytes")) == cli["per_device"]["total"]
+    assert by_testid(d, "plan-device-source").text == cli["device_source"]["note"]  # which device, and why
     set_knob(d, "train.micro_batch_size", 2)
     set_knob(d, "memory.recompute", "full")
     want = cli_plan(config, "--set", "train.micro_batch_size=2", "--set", "memory.recompute=full")
@@ -274,6 +278,22 @@ def test_export_writes_the_file_and_lists_it(world):
     done = re.findall(r"^weights \(blocks\): (\d+)/(\d+), ", d.find_element(By.CSS_SELECTOR, "pre.log").text, re.M)
     assert done and done[-1][0] == done[-1][1] and len(done) == int(done[-1][1])
     d.save_screenshot(str(SHOTS / "ui-export.png"))
+
+
+def test_runs_view_lists_runs_and_models_are_offered_where_one_is_chosen(world):
+    """An imported and an exported model under RUNS_DIR: not rows of the Runs view (they were shown as crashed
+    runs), but choices in the Chat and Export views' model lists, beside the finished run's model."""
+    d, url, root = world["driver"], world["url"], world["root"]
+    d.get(f"{url}/runs")
+    table = wait(d, lambda d: by_testid(d, "runs-table"))
+    names = {a.text for a in table.find_elements(By.CSS_SELECTOR, "tbody tr td:first-child a")}
+    assert {"done", "prof"} <= names and not names & {"imported", "exported"}, names
+    models = {str(p) for p in world["models"].values()} | {str(root / "done" / "model")}
+    for view, datalist in (("chat", "models"), ("export", "ex-models")):
+        d.get(f"{url}/{view}")
+        find(d, "//main//form")
+        offered = {o.get_attribute("value") for o in d.find_elements(By.CSS_SELECTOR, f"datalist#{datalist} option")}
+        assert models <= offered and str(root / "prof") not in offered, (view, offered)
 
 
 def test_guard_interventions_are_marked_on_the_charts(world):

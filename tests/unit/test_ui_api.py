@@ -20,6 +20,7 @@ from fitlm.cli import main  # noqa: E402
 from fitlm.ui.app import create_app  # noqa: E402
 from fitlm.ui.planning import knob_specs, scenarios  # noqa: E402
 from tests.e2e.helpers import tiny_config, write_config  # noqa: E402
+from tests.unit.serve_models import models_beside_runs  # noqa: E402
 from tests.unit.test_plan import CONFIGS  # noqa: E402
 
 
@@ -182,6 +183,21 @@ def test_runs_list_states_and_metrics(client, tiny_corpus, tmp_path):
     assert {r["name"]: r["state"] for r in client.get("/api/runs").json()["runs"]}["live"] == "crashed"
     done = client.get("/api/run", params={"name": "done"}).json()
     assert done["lock"]["status"] == "finished" and "max_steps: 3" in done["config_yaml"]
+
+
+def test_runs_are_training_outputs_and_models_are_offered_to_chat(client, tiny_corpus, tmp_path):
+    """Model directories (imported, exported, merged) hold a config.yaml but never trained: they are offered where a
+    model is chosen, never listed as runs (they showed as `crashed` at step 0 of 1000)."""
+    root = tmp_path / "runs"
+    cfg = write_config(tmp_path / "a.yaml", tiny_config(tiny_corpus, root / "done", train={"max_steps": 2}))
+    assert main(["train", str(cfg)]) == 0
+    models = models_beside_runs(root, root / "done", lambda *a: main(list(a)))
+    listed = client.get("/api/runs").json()["runs"]
+    assert [(r["name"], r["state"]) for r in listed] == [("done", "finished")]
+    offered = client.get("/api/models").json()["models"]
+    assert set(offered) == {str(root / "done" / "model"), *(str(p) for p in models.values())}
+    r = client.get("/api/run", params={"name": "imported"})
+    assert r.status_code == 400 and "Chat or Export view" in r.json()["error"]
 
 
 @pytest.mark.parametrize("name", ["../outside", "nothing-here", "/etc"])
