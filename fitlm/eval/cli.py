@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +34,12 @@ def add_commands(sub) -> None:
         "  fitlm eval models/qwen --adapter runs/lora/adapter --tasks arc_easy,hellaswag --out evals/ --json",
     )
     p.add_argument("model", metavar="MODEL", help="fitlm model dir, training output dir, HF dir or GGUF file")
-    p.add_argument("--tasks", required=True, metavar="NAMES", help="comma-separated lm-eval task or group names")
+    p.add_argument(
+        "--tasks",
+        required=True,
+        metavar="NAMES",
+        help="comma-separated lm-eval task or group names, or .jsonl task files (docs/evaluation.md)",
+    )
     p.add_argument("--adapter", metavar="DIR", help="PEFT LoRA adapter to merge into MODEL first")
     p.add_argument("--include-path", metavar="DIR", help="a folder of task YAML files (your own, offline tasks)")
     p.add_argument("--limit", type=float, metavar="N", help="at most N documents per task (below 1: a fraction)")
@@ -46,12 +53,13 @@ def add_commands(sub) -> None:
     p.set_defaults(func=cmd_eval)
 
 
-def _task_manager(include_path: str | None):
+def _task_manager(include_path: str | None, made: Path | None):
     from lm_eval.tasks import TaskManager
 
     if include_path and not Path(include_path).is_dir():
         raise EvalError(f"--include-path {include_path}: not a directory; pass the folder holding your task YAMLs")
-    return TaskManager(include_path=include_path)
+    paths = [p for p in (include_path, made) if p]
+    return TaskManager(include_path=[str(p) for p in paths] or None)
 
 
 def _check_tasks(names: list[str], manager) -> None:
@@ -70,11 +78,21 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
     except ImportError:
         raise EvalError("fitlm eval needs lm-evaluation-harness: pip install 'fitlm[eval]' (or lm-eval)") from None
     from fitlm.eval.harness import FitlmLM
+    from fitlm.eval.local_tasks import local_tasks
 
     names = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    manager = _task_manager(args.include_path)
-    _check_tasks(names, manager)
-    lm = FitlmLM(args.model, args.adapter, batch_size=args.batch_size, max_length=args.max_length)
+    scratch = Path(tempfile.mkdtemp(prefix="fitlm-eval-"))  # the task files' lm-eval YAMLs, removed after
+    try:
+        names, made = local_tasks(names, scratch)
+        manager = _task_manager(args.include_path, made)
+        _check_tasks(names, manager)
+        lm = FitlmLM(args.model, args.adapter, batch_size=args.batch_size, max_length=args.max_length)
+        return _evaluate(lm_eval, lm, names, manager, args)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _evaluate(lm_eval, lm, names: list[str], manager, args: argparse.Namespace) -> dict[str, Any]:
     return lm_eval.simple_evaluate(
         model=lm,
         tasks=names,

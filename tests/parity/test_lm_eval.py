@@ -133,3 +133,31 @@ def test_fitlm_eval_refuses_unknown_tasks_naming_the_flag(tasks, model_dir, tmp_
     assert "--tasks: no_such_task unknown to lm-eval" in err and "--include-path" in err
     assert main(["eval", str(d), "--tasks", "fitlm_mc", "--include-path", str(tmp_path / "none")]) == 2
     assert "--include-path" in capsys.readouterr().err
+
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "eval"
+
+
+def test_fitlm_task_files_score_as_lm_evals_hf_model_on_the_same_task(model_dir, tmp_path, capsys):
+    # The shipped examples (multiple choice, C-Eval-style A/B/C/D in Chinese, exact answers) as a user runs them
+    from fitlm.cli import main
+    from fitlm.eval.local_tasks import local_tasks
+
+    files = sorted(str(p) for p in EXAMPLES.glob("*.jsonl"))
+    assert len(files) == 3
+    assert main(["eval", str(model_dir), "--tasks", ",".join(files), "--json"]) == 0
+    ours = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["results"]
+    names, made = local_tasks(files, tmp_path / "tasks")  # the same task YAMLs, for lm-eval's own model
+    from lm_eval.tasks import TaskManager
+
+    ref = lm_eval.simple_evaluate(
+        model="hf",
+        model_args=f"pretrained={model_dir},dtype=float32,max_length={CONTEXT}",
+        tasks=names,
+        task_manager=TaskManager(include_path=str(made)),
+        device="cpu",
+    )["results"]
+    assert set(ours) == set(names) == {"shakespeare_mc", "shakespeare_zh_abcd", "shakespeare_qa"}
+    for task in names:
+        metrics = {k: v for k, v in ref[task].items() if k.endswith(",none") and "stderr" not in k}
+        assert metrics and {k: ours[task][k] for k in metrics} == pytest.approx(metrics, rel=1e-4)
