@@ -175,7 +175,30 @@ def detail(root: Path, name: str) -> dict[str, Any]:
     out["config_path"] = str(config) if config.is_file() else None
     out["path"] = str(path)
     out["profile_report"] = _profile(path)
+    out["evaluation"] = evaluation(path)
     return out
+
+
+def evaluation(path: Path) -> dict[str, Any] | None:
+    """eval.json (what `fitlm eval` writes beside a run: lm-eval's results dict) as rows of task, metric, value and
+    standard error; None when the run was never evaluated."""
+    f = path / "eval.json"
+    if not f.is_file():
+        return None
+    try:
+        results = json.loads(f.read_text(encoding="utf-8")).get("results")
+    except (OSError, ValueError, AttributeError):
+        results = None
+    if not isinstance(results, dict):
+        return {"error": f"{f} is not lm-eval's results (interrupted while writing?); run `fitlm eval` again"}
+    rows = []
+    for task, metrics in results.items():
+        for key, value in (metrics or {}).items():
+            metric, _, filt = key.partition(",")
+            if filt and not metric.endswith("_stderr") and isinstance(value, (int, float)):
+                err = metrics.get(f"{metric}_stderr,{filt}")
+                rows.append({"task": task, "metric": metric, "value": value, "stderr": err})
+    return {"rows": rows}
 
 
 def _profile(path: Path) -> dict[str, Any] | None:
@@ -211,4 +234,14 @@ def _profile(path: Path) -> dict[str, Any] | None:
     }
 
 
-__all__ = ["RunNotFound", "detail", "find_runs", "is_model_dir", "list_runs", "read_records", "run_dir", "state"]
+__all__ = [
+    "RunNotFound",
+    "detail",
+    "evaluation",
+    "find_runs",
+    "is_model_dir",
+    "list_runs",
+    "read_records",
+    "run_dir",
+    "state",
+]

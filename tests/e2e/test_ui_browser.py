@@ -59,6 +59,9 @@ def world(tmp_path_factory, tiny_corpus):
     profiled = fitlm("profile", done, "--steps", "3", "--out", root / "prof")
     assert profiled.returncode == 0, profiled.stderr
     models = models_beside_runs(root, root / "done", lambda *a: fitlm(*a).returncode)
+    tasks = Path(__file__).resolve().parents[2] / "examples" / "eval" / "shakespeare_mc.jsonl"
+    evaluated = fitlm("eval", root / "done", "--tasks", tasks, "--limit", "3")  # eval.json beside the run
+    assert evaluated.returncode == 0, evaluated.stderr[-2000:]
     # A run that goes on until stopped: a step logged each step, a checkpoint every 5.
     long = write_config(
         tmp / "long.yaml",
@@ -324,6 +327,18 @@ def test_a_profile_report_is_shown_beside_the_plan(world):
     }
     d.execute_script("arguments[0].scrollIntoView()", plots[0])
     wait(d, lambda d: all(d.execute_script("return arguments[0].naturalWidth", p) > 0 for p in plots))
+
+
+def test_an_evaluated_run_shows_its_scores(world):
+    d = world["driver"]
+    d.get(f"{world['url']}/runs/done")
+    table = wait(d, lambda d: by_testid(d, "run-evaluation"))
+    results = json.loads((world["root"] / "done" / "eval.json").read_text())["results"]["shakespeare_mc"]
+    rows = [
+        [c.text for c in r.find_elements(By.TAG_NAME, "td")] for r in table.find_elements(By.CSS_SELECTOR, "tbody tr")
+    ]
+    assert [r[:2] for r in rows] == [["shakespeare_mc", "acc"], ["shakespeare_mc", "acc_norm"]]
+    assert [float(r[2]) for r in rows] == pytest.approx([results["acc,none"], results["acc_norm,none"]], abs=1e-4)
 
 
 def test_views_hold_at_phone_width_with_labelled_controls(world):
