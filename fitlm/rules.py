@@ -30,6 +30,16 @@ def _split(v: Values) -> bool:
     return v["parallel.tensor_parallel"] > 1 or v["parallel.pipeline_parallel"] > 1
 
 
+def _eval_tasks_split(v: Values) -> bool:
+    split = (
+        "parallel.tensor_parallel",
+        "parallel.pipeline_parallel",
+        "parallel.context_parallel",
+        "parallel.expert_parallel",
+    )
+    return any(v[k] > 1 for k in split) or v["parallel.zero_stage"] >= 2
+
+
 def _rollback_without_checkpoints(kind: str) -> Rule:
     key = f"train.observe.guards.{kind}"
     return Rule(
@@ -263,6 +273,25 @@ ROWS: tuple[Rule, ...] = (
     ),
     _rollback_without_checkpoints("nonfinite"),
     _rollback_without_checkpoints("spike"),
+    Rule(
+        "train.observe.eval_tasks",
+        "needs",
+        "evaluation tasks need `train.eval_interval` > 0",
+        lambda v: bool(v["train.observe.eval_tasks"]) and not v["train.eval_interval"],
+        lambda v: "train.observe.eval_tasks: run at each evaluation, but train.eval_interval is 0; set it (e.g. 100)",
+    ),
+    Rule(
+        "train.observe.eval_tasks",
+        "refused",
+        "evaluation tasks with a layout that holds no whole model on a rank (tensor, pipeline, context or expert "
+        "parallel, ZeRO-2/3)",
+        lambda v: bool(v["train.observe.eval_tasks"]) and _eval_tasks_split(v),
+        lambda v: (
+            "train.observe.eval_tasks: scored on rank 0's whole copy of the model, which tensor, pipeline, context "
+            "and expert parallel and ZeRO-2/3 do not keep; evaluate the saved model with `fitlm eval` instead, or "
+            "train with data_parallel and zero_stage 0 or 1"
+        ),
+    ),
     Rule(
         "train.early_stopping_patience",
         "needs",

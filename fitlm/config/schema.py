@@ -221,6 +221,10 @@ class ObserveConfig(Section):
     """MLflow experiment the run is logged under (created when missing); the run is named after output_dir."""
     profile_steps: list[int] | None = None
     """[first, last] optimizer steps to record with the torch profiler; a Chrome trace per rank goes to output_dir/profile/. null = off."""
+    eval_tasks: list[str] = []
+    """lm-evaluation-harness tasks scored at every evaluation (train.eval_interval) on the weights being trained: lm-eval task names or fitlm's .jsonl task files (docs/evaluation.md); logged to metrics.jsonl as `eval/<task>/<metric>`. Needs `pip install 'fitlm[eval]'`."""
+    eval_tasks_limit: Annotated[float, Field(gt=0)] | None = None
+    """With eval_tasks: at most this many documents per task (below 1: a fraction of each task); null = all of them."""
     oom_snapshot: bool = False
     """CUDA only: record allocator history and, on out of memory, dump a snapshot to output_dir/memory_snapshot_rank{R}.pickle (open it at pytorch.org/memory_viz)."""
 

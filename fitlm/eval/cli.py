@@ -53,22 +53,18 @@ def add_commands(sub) -> None:
     p.set_defaults(func=cmd_eval)
 
 
-def _task_manager(include_path: str | None, made: Path | None):
-    from lm_eval.tasks import TaskManager
+def _task_manager(names: list[str], include_path: str | None, made: Path | None):
+    from fitlm.eval.local_tasks import task_manager
 
     if include_path and not Path(include_path).is_dir():
         raise EvalError(f"--include-path {include_path}: not a directory; pass the folder holding your task YAMLs")
-    paths = [p for p in (include_path, made) if p]
-    return TaskManager(include_path=[str(p) for p in paths] or None)
-
-
-def _check_tasks(names: list[str], manager) -> None:
-    unknown = [n for n in names if n not in manager.all_tasks]
+    manager, unknown = task_manager(names, [str(p) for p in (include_path, made) if p])
     if unknown:
         raise EvalError(
             f"--tasks: {', '.join(unknown)} unknown to lm-eval; name registered tasks (`lm-eval ls tasks`) or put "
             "your task YAML in a folder and pass it with --include-path"
         )
+    return manager
 
 
 def run_eval(args: argparse.Namespace) -> dict[str, Any]:
@@ -84,8 +80,7 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
     scratch = Path(tempfile.mkdtemp(prefix="fitlm-eval-"))  # the task files' lm-eval YAMLs, removed after
     try:
         names, made = local_tasks(names, scratch)
-        manager = _task_manager(args.include_path, made)
-        _check_tasks(names, manager)
+        manager = _task_manager(names, args.include_path, made)
         lm = FitlmLM(args.model, args.adapter, batch_size=args.batch_size, max_length=args.max_length)
         return _evaluate(lm_eval, lm, names, manager, args)
     finally:

@@ -15,14 +15,17 @@ Texts are encoded without special tokens unless `add_bos_token` is set, as lm-ev
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
+import torch.nn as nn
 from lm_eval.api.model import TemplateLM
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+from fitlm.config import ModelConfig
+from fitlm.data.tokenizer import Tokenizer
 from fitlm.infer.generate import generate
 from fitlm.infer.scoring import score_prompts
-from fitlm.serve.model import ServedModel, load_served
+from fitlm.serve.model import load_served
 
 
 class FitlmLM(TemplateLM):
@@ -35,18 +38,22 @@ class FitlmLM(TemplateLM):
         batch_size: int | str = 8,
         max_length: int | None = None,
         add_bos_token: bool = False,
-        served: ServedModel | None = None,
+        module: nn.Module | None = None,
+        tokenizer: Tokenizer | None = None,
         **_: Any,
     ):
+        """MODEL (a path, loaded as `fitlm serve` loads it), or a `module` with its `tokenizer` already in memory
+        (training's evaluation: the weights being trained, evaluated as they are)."""
         super().__init__()
-        if served is None:
+        if module is None or tokenizer is None:
             if model is None:
                 raise ValueError("FitlmLM needs model=MODEL (a fitlm, run, HF directory or GGUF file)")
             served = load_served(model, adapter)
-        self.served = served
-        self.tokenizer = served.tokenizer
+            module, tokenizer = served.model, served.tokenizer
+        self.model, self.tokenizer = module, tokenizer
         self.batch = max(1, int(batch_size)) if str(batch_size).isdigit() else 8
-        self._max_length = int(max_length or served.context)
+        context = int(cast(ModelConfig, module.config).max_seq_len)  # (a fitlm model's config)
+        self._max_length = int(max_length or context)
         self.add_bos_token = add_bos_token
 
     @property
@@ -73,7 +80,7 @@ class FitlmLM(TemplateLM):
         rows = [(ctx + cont)[-(self.max_length + 1) :] for _, ctx, cont in requests]
         out: list[tuple[float, bool]] = []
         for start in range(0, len(rows), self.batch):
-            scored = score_prompts(self.served.model, rows[start : start + self.batch], top=1)
+            scored = score_prompts(self.model, rows[start : start + self.batch], top=1)
             for (_, _, cont), choices in zip(requests[start : start + self.batch], scored):
                 tail = choices[-len(cont) :]  # the continuation's tokens (never the first, which has no score)
                 logprob = sum(c.logprob for c in tail if c is not None)
@@ -112,7 +119,7 @@ class FitlmLM(TemplateLM):
             if max_new < 1:
                 out.append("")
                 continue
-            new = generate(self.served.model, ids, max_new, temperature, eos_id=self.tokenizer.stop_ids)
+            new = generate(self.model, ids, max_new, temperature, eos_id=self.tokenizer.stop_ids)
             text = self.tokenizer.decode([t for t in new if t not in self.tokenizer.stop_ids])
             for stop in until:
                 if stop:

@@ -111,8 +111,8 @@ def task_yaml(path: Path, data_file: Path) -> dict[str, Any]:
     }
 
 
-def local_tasks(names: list[str], scratch: Path) -> tuple[list[str], Path | None]:
-    """`--tasks` with task files (.jsonl) turned into tasks in `scratch`: (task names, the folder to include)."""
+def local_tasks(names: list[str], scratch: Path, key: str = "--tasks") -> tuple[list[str], Path | None]:
+    """`key`'s names with task files (.jsonl) turned into tasks in `scratch`: (task names, the folder to include)."""
     out, made = [], False
     for name in names:
         path = Path(name)
@@ -120,7 +120,7 @@ def local_tasks(names: list[str], scratch: Path) -> tuple[list[str], Path | None
             out.append(name)
             continue
         if not path.is_file():
-            raise TaskFileError(f"--tasks: {name} does not exist; pass a task name or a .jsonl task file")
+            raise TaskFileError(f"{key}: {name} does not exist; pass a task name or a .jsonl task file")
         scratch.mkdir(parents=True, exist_ok=True)
         spec = task_yaml(path, scratch / f"{path.stem}.data.jsonl")
         (scratch / f"{path.stem}.yaml").write_text(yaml.safe_dump(spec, allow_unicode=True, sort_keys=False))
@@ -129,4 +129,16 @@ def local_tasks(names: list[str], scratch: Path) -> tuple[list[str], Path | None
     return out, scratch if made else None
 
 
-__all__ = ["TaskFileError", "local_tasks", "task_yaml"]
+def task_manager(names: list[str], paths: list[str]):
+    """lm-eval's TaskManager that knows `names`: first over `paths` alone (a second; indexing lm-eval's own
+    thousands of task files takes most of a minute on 2 cores), then with lm-eval's registry when a name is not
+    there. Returns (manager, names it does not know)."""
+    from lm_eval.tasks import TaskManager
+
+    manager = TaskManager(include_path=paths or None, include_defaults=False) if paths else None
+    if manager is None or any(n not in manager.all_tasks for n in names):
+        manager = TaskManager(include_path=paths or None)
+    return manager, [n for n in names if n not in manager.all_tasks]
+
+
+__all__ = ["TaskFileError", "local_tasks", "task_manager", "task_yaml"]

@@ -49,6 +49,7 @@ from fitlm.step.train_step import StepOutput, TrainStep
 from fitlm.train import preflight
 from fitlm.train.balance import InputMonitor
 from fitlm.train.consistency import ConsistencyCheck
+from fitlm.train.eval_tasks import TaskEvaluator, plain_module
 from fitlm.train.heartbeat import Heartbeat
 from fitlm.train.host_memory import HostMemory
 from fitlm.train.metrics import MetricsLog, report
@@ -146,6 +147,8 @@ class Trainer:
         self.device = self.ctx.device
         self.heartbeat = Heartbeat.for_context(self.ctx, cfg.parallel.timeout_s)  # names a hung rank on a timeout
         self.train_data, self.valid_data, self.tokenizer = open_data(cfg)
+        # train.observe.eval_tasks: lm-eval's tasks read and checked now, before anything is written
+        self.task_eval = TaskEvaluator(cfg, self.tokenizer) if t.observe.eval_tasks else None
         # Everything that can fail on bad input runs before the output directory is touched.
         self.loader = self._loader(self.train_data, shuffle=True)
         # Built on meta: no rank holds the whole model; `parallelize` gives each its share (same values on every
@@ -259,6 +262,14 @@ class Trainer:
         sums = self.ctx.all_reduce_sum(sums, self.ctx.dims.token_dim)  # context parallel: each rank scored part
         return (sums[0] / sums[1].clamp(min=1)).item()
 
+    def evaluate_tasks(self, step: int, log: MetricsLog | None) -> None:
+        """train.observe.eval_tasks on rank 0's copy of the weights (fitlm.rules keeps the layouts that have one);
+        the scores go to metrics.jsonl (and the trackers) as eval/<task>/<metric>."""
+        if log is None or self.task_eval is None:
+            return
+        scores = self.task_eval.scores(plain_module(self.pm.modules[0]))
+        log.write({"step": step, **{k: round(v, 6) for k, v in scores.items()}})
+
     def fit(self) -> TrainResult:
         """Train to train.max_steps (resuming the latest checkpoint), save the final model; the run lock is
         released however this ends, with how it ended (fitlm.train.run_lock.lock_status reads it)."""
@@ -272,6 +283,8 @@ class Trainer:
             outcome = "stopped"
             raise
         finally:
+            if self.task_eval is not None:
+                self.task_eval.close()
             self.checkpointer.restore_sigterm()  # an error must not leave this run's handler in the process
             self.release_lock(outcome)
 
@@ -315,6 +328,10 @@ class Trainer:
                                 log.write({"step": step, "eval_loss": round(eval_loss, 6)})
                             progress.update(step, eval_loss=eval_loss)
                             window_start = time.perf_counter()  # evaluation time is not training time
+                        if self.task_eval is not None:
+                            with self.guard("evaluation"):
+                                self.evaluate_tasks(step, log)
+                            window_start = time.perf_counter()
                     self.heartbeat.mark("checkpoint save", step)
                     with self.guard("checkpoint save"):
                         self.checkpointer.after_step(step, self.pm, self.step.optimizer, self.stateful())

@@ -69,7 +69,7 @@ def evaluate(model: str, model_args: str, tasks: Path) -> dict:
         model=model,
         model_args=model_args,
         tasks=list(TASKS),
-        task_manager=TaskManager(include_path=str(tasks)),
+        task_manager=TaskManager(include_path=str(tasks), include_defaults=False),
         log_samples=True,
         device="cpu",
     )
@@ -154,7 +154,7 @@ def test_fitlm_task_files_score_as_lm_evals_hf_model_on_the_same_task(model_dir,
         model="hf",
         model_args=f"pretrained={model_dir},dtype=float32,max_length={CONTEXT}",
         tasks=names,
-        task_manager=TaskManager(include_path=str(made)),
+        task_manager=TaskManager(include_path=str(made), include_defaults=False),
         device="cpu",
     )["results"]
     assert set(ours) == set(names) == {"shakespeare_mc", "shakespeare_zh_abcd", "shakespeare_qa"}

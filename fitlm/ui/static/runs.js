@@ -98,7 +98,10 @@ function drawCharts(charts, events, records) {
     x: r.step, kind: r.guard ? "guard" : "warning",
     label: `step ${r.step}: ${r.guard || r.warning}: ${r.reason || r.message}` + (r.action ? ` (action ${r.action})` : ""),
   }));
-  fill(charts, ...CHARTS.map(([testid, title, series]) => {
+  // train.observe.eval_tasks: every eval/<task>/<metric> the run logged, one chart of all of them
+  const taskKeys = [...new Set(records.flatMap((r) => Object.keys(r).filter((k) => k.startsWith("eval/"))))].sort();
+  const specs = taskKeys.length ? [...CHARTS, ["eval-tasks-chart", "evaluation tasks", taskKeys.map((k) => [k.slice(5), k])]] : CHARTS;
+  fill(charts, ...specs.map(([testid, title, series]) => {
     const s = series.map(([label, key, scale]) => ({
       name: label, points: records.filter((r) => typeof r[key] === "number").map((r) => [r.step, r[key] * (scale || 1)]),
     }));
