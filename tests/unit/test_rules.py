@@ -49,6 +49,8 @@ BREAKS = [
     {"model": MOE, "parallel": EP, "finetune": {"objective": "dpo"}, "data": {"format": "preference"}},
     {"train": {"observe": {"guards": {"nonfinite": "rollback"}}}, "checkpoint": {"interval": 0}},
     {"train": {"observe": {"guards": {"spike": "rollback"}}}, "checkpoint": {"interval": 0}},
+    {"train": {"observe": {"eval_tasks": ["t.jsonl"]}, "eval_interval": 0}},
+    {"train": {"observe": {"eval_tasks": ["t.jsonl"]}}, "parallel": {"zero_stage": 3}},
     {"train": {"early_stopping_patience": 2, "eval_interval": 0}},
     {"finetune": {"method": "qlora"}},
     {"train": {"observe": {"tensorboard": True}}},
