@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from fitlm.config.schema import GrpoConfig
+from fitlm.step.rewards import total_rewards
 
 STD_EPS = 1e-4  # TRL's: keeps a group whose rewards are all equal at advantage 0 instead of 0/0
 
@@ -56,13 +57,6 @@ class Advantages:
 
     advantages: torch.Tensor  # [N·G], 0 for a completion no reward function scored
     metrics: dict[str, float]  # reward, reward_std, frac_reward_zero_std, rewards/<name>/mean and /std
-
-
-def total_rewards(per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Weighted sum of each completion's rewards ignoring None (NaN): per_func [N·G, F], weights [F] -> [N·G];
-    NaN where every function returned None (unscorable: out of the baselines and the logged means)."""
-    total = (per_func * weights.to(per_func.device).unsqueeze(0)).nansum(dim=1)  # [N·G]
-    return total.masked_fill(torch.isnan(per_func).all(dim=1), float("nan"))
 
 
 def group_advantages(
@@ -213,13 +207,4 @@ def clip_metrics(ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, low
     }
 
 
-__all__ = [
-    "Advantages",
-    "GrpoLoss",
-    "group_advantages",
-    "grpo_loss",
-    "loss_mask",
-    "nanstd",
-    "per_token_kl",
-    "total_rewards",
-]
+__all__ = ["Advantages", "GrpoLoss", "group_advantages", "grpo_loss", "loss_mask", "nanstd", "per_token_kl"]
