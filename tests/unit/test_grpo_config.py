@@ -81,3 +81,11 @@ def test_a_valid_grpo_config_loads_and_is_refused_at_launch():
 def test_bad_grpo_settings_name_the_key_and_the_fix(data, key, fix):
     message = problems(data)
     assert f"{key}" in message and fix in message, message
+
+
+def test_the_plan_says_what_it_does_not_count_for_grpo():
+    from fitlm.plan.devices import CATALOG
+    from fitlm.plan.report import plan
+
+    result = plan(validate_dict(config()), CATALOG["a100-80g"], 1)
+    assert any(n.startswith("finetune.objective: grpo is planned as one training step") for n in result["notes"])
