@@ -7,7 +7,7 @@ reference from them, so the reference can never drift from the schema.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import Field
@@ -35,8 +35,8 @@ class DataConfig(Section):
     """Directory of packed validation tokens, or null for no evaluation."""
     seq_length: Annotated[int, Field(ge=1)] = 2048
     """Tokens per training sample; must not exceed model.max_seq_len."""
-    format: Literal["pretrain", "chat", "preference"] = "pretrain"
-    """`pretrain`: plain text stream. `chat`: conversations with loss on assistant turns only. `preference`: (prompt, chosen, rejected) pairs packed with `fitlm data pack --format preference`, for `finetune.objective: dpo` or `simpo`; train.micro_batch_size counts pairs."""
+    format: Literal["pretrain", "chat", "preference", "prompts"] = "pretrain"
+    """`pretrain`: plain text stream. `chat`: conversations with loss on assistant turns only. `preference`: (prompt, chosen, rejected) pairs packed with `fitlm data pack --format preference`, for `finetune.objective: dpo` or `simpo`; train.micro_batch_size counts pairs. `prompts`: prompts whose completions are sampled during training, for `finetune.objective: grpo` (its packing is not written yet)."""
     tokenizer: str | None = None
     """tokenizer.json to use; null = the one stored beside the packed training data."""
     document_mask: bool = True
@@ -150,6 +150,47 @@ class SimpoConfig(Section):
     """SimPO's γ: the target reward margin between chosen and rejected (TRL's `simpo_gamma`, whose default 0.5 is used here)."""
 
 
+GrpoLossType = Literal["grpo", "dr_grpo", "dapo", "bnpo"]  # TRL's names for the losses fitlm computes
+GRPO_LOSS_TYPES: tuple[str, ...] = get_args(GrpoLossType)
+
+
+class GrpoConfig(Section):
+    """finetune.grpo: Group Relative Policy Optimization, TRL's GRPOConfig names, defaults and meanings."""
+
+    num_generations: Annotated[int, Field(ge=2)] = 8
+    """G: completions sampled per prompt; each completion's advantage is its reward against its group's. Batch sizes count completions, as TRL's do: a step samples train.micro_batch_size × gradient_accumulation_steps × parallel.data_parallel / G prompts, so G must divide that product."""
+    max_prompt_length: Annotated[int | None, Field(ge=1)] = 512
+    """Tokens a prompt may have (TRL's former default 512); null = up to data.seq_length − max_completion_length."""
+    max_completion_length: Annotated[int, Field(ge=1)] = 512
+    """Tokens sampled per completion at most; one cut there is truncated. Also the constant the `dr_grpo` loss divides by."""
+    temperature: Annotated[float, Field(gt=0)] = 1.0
+    """Sampling temperature: higher is more random."""
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p; 1.0 keeps all."""
+    top_k: Annotated[int, Field(ge=0)] = 0
+    """Sample among the top_k most probable tokens only; 0 = no top-k filtering."""
+    beta: Annotated[float, Field(ge=0)] = 0.0
+    """Weight of the per-token KL to the reference model in the loss (k3 estimator exp(ref − new) − (ref − new) − 1); 0 loads no reference (TRL's default; DeepSeek-R1 used 0.001)."""
+    epsilon: Annotated[float, Field(gt=0)] = 0.2
+    """Clip range of the importance ratio: below 1 − epsilon it is clipped."""
+    epsilon_high: Annotated[float | None, Field(gt=0)] = None
+    """Upper clip: above 1 + epsilon_high the ratio is clipped; null = epsilon (the DAPO paper uses 0.28)."""
+    loss_type: GrpoLossType = "dapo"
+    """How per-token losses become the step's loss: `grpo` mean over each completion's tokens, then over completions (favours short correct answers); `bnpo` sum over the micro batch's tokens / their count; `dr_grpo` sum / (completions × max_completion_length); `dapo` (TRL's default) sum / the tokens of the whole step (all micro batches and ranks)."""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """Advantage = reward − its group's mean, divided by (std + 1e-4) where std is the group's (`group`), the whole batch's (`batch`, PPO-Lite), or not divided (`none`, Dr. GRPO: no question-difficulty bias)."""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """Importance ratio new/old policy per token (`token`), or one per completion from its mean per-token log-ratio (`sequence`: GSPO, best with loss_type grpo)."""
+    num_iterations: Annotated[int, Field(ge=1)] = 1
+    """Policy updates per generation batch (μ); above 1 the sampling policy's log-probabilities are kept and the ratio departs from 1."""
+    mask_truncated_completions: bool = False
+    """Leave completions cut at max_completion_length (no end-of-sequence token) out of the loss (DAPO's advice)."""
+    reward_funcs: list[str] = []
+    """Reward functions, each a built-in name (fitlm.step.rewards) or `module:function` (an importable module, or a .py file such as `rewards.py:check`) with TRL's signature (prompts, completions, **columns) -> list[float | None]."""
+    reward_weights: list[float] | None = None
+    """Weight of each reward function in the total (one per reward_funcs entry); null = 1.0 each."""
+
+
 class FinetuneConfig(Section):
     method: Literal["full", "lora", "qlora", "freeze"] = "full"
     """`full` trains everything; `lora` trains adapters only; `qlora` trains adapters on a frozen base whose linear layers are stored in 4-bit NF4 (needs torchao: pip install 'fitlm[qlora]'); `freeze` freezes the bottom layers."""
@@ -159,12 +200,14 @@ class FinetuneConfig(Section):
     """Fraction of the bottom layers frozen when method is `freeze` (0.0-1.0; floor(fraction × layers) blocks)."""
     freeze_embeddings: bool = False
     """With method `freeze`: also freeze the token (and position) embeddings, and with them a tied output head."""
-    objective: Literal["sft", "dpo", "simpo"] = "sft"
-    """`sft`: next-token cross-entropy on the target tokens. `dpo`: Direct Preference Optimization on `data.format: preference` pairs (settings in finetune.dpo). `simpo`: SimPO on the same pairs, without a reference model (settings in finetune.simpo)."""
+    objective: Literal["sft", "dpo", "simpo", "grpo"] = "sft"
+    """`sft`: next-token cross-entropy on the target tokens. `dpo`: Direct Preference Optimization on `data.format: preference` pairs (settings in finetune.dpo). `simpo`: SimPO on the same pairs, without a reference model (settings in finetune.simpo). `grpo`: reinforcement learning from reward functions on `data.format: prompts` (settings in finetune.grpo; not yet runnable end to end)."""
     dpo: DpoConfig = DpoConfig()
     """DPO settings (used when objective is `dpo`)."""
     simpo: SimpoConfig = SimpoConfig()
     """SimPO settings (used when objective is `simpo`)."""
+    grpo: GrpoConfig = GrpoConfig()
+    """GRPO settings (used when objective is `grpo`)."""
 
     @property
     def pairs(self) -> bool:

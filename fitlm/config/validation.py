@@ -84,7 +84,8 @@ def sequence_errors(cfg: Config) -> list[str]:
 
 
 def objective_errors(cfg: Config) -> list[str]:
-    """The training objective and the data it needs: DPO and SimPO read preference pairs, and only they do."""
+    """The training objective and the data it needs: DPO and SimPO read preference pairs, and only they do;
+    GRPO reads prompts, and only it does."""
     f, fmt = cfg.finetune, cfg.data.format
     errs = []
     if f.pairs and fmt != "preference":
@@ -98,6 +99,35 @@ def objective_errors(cfg: Config) -> list[str]:
             f"data.format: preference pairs need finetune.objective: dpo or simpo (it is {f.objective!r}); "
             "set finetune.objective: dpo (or simpo), or pack the data with --format chat for supervised "
             "fine-tuning"
+        )
+    if (f.objective == "grpo") != (fmt == "prompts"):
+        errs.append(
+            f"finetune.objective: {f.objective} with data.format {fmt!r}: GRPO samples completions for prompts, "
+            "and prompts are only for GRPO; set finetune.objective: grpo with data.format: prompts, or neither"
+        )
+    return errs + (grpo_errors(cfg) if f.objective == "grpo" else [])
+
+
+def grpo_errors(cfg: Config) -> list[str]:
+    """finetune.grpo against the batch (TRL counts it in completions, G per prompt) and its reward functions."""
+    g, t, dp = cfg.finetune.grpo, cfg.train, cfg.parallel.data_parallel
+    completions = t.micro_batch_size * t.gradient_accumulation_steps * dp
+    errs = []
+    if completions % g.num_generations:
+        errs.append(
+            f"finetune.grpo.num_generations: a step holds train.micro_batch_size × gradient_accumulation_steps × "
+            f"parallel.data_parallel = {completions} completions, which {g.num_generations} per prompt do not "
+            f"divide; use num_generations in {[d for d in divisors(completions) if d >= 2]} or change the batch"
+        )
+    if not g.reward_funcs:
+        errs.append(
+            "finetune.grpo.reward_funcs: GRPO learns from rewards but none is named; list at least one, e.g. "
+            "[answer_equals] or [rewards.py:check]"
+        )
+    if g.reward_weights is not None and len(g.reward_weights) != len(g.reward_funcs):
+        errs.append(
+            f"finetune.grpo.reward_weights: {len(g.reward_weights)} weights for {len(g.reward_funcs)} "
+            "reward_funcs; give one weight per function, or null for 1.0 each"
         )
     return errs
 

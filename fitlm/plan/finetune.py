@@ -207,6 +207,16 @@ def lora_partial_gradients(s: Setup) -> int:
 PARTIAL_READS_PER_STEP = 3
 
 
+def objective_note(s: Setup) -> str | None:
+    """What the plan does not count yet for the objective: GRPO's rollout phase and reference (issue 54)."""
+    if s.objective != "grpo":
+        return None
+    return (
+        "finetune.objective: grpo is planned as one training step over micro_batch_size completions of "
+        "data.seq_length tokens; the rollout phase (sampling, KV cache) and the reference model are not counted yet"
+    )
+
+
 def dpo(s: Setup) -> bool:
     return s.objective == "dpo"
 

@@ -26,6 +26,7 @@ from fitlm.plan.finetune import (
     lora_targets,
     nf4_params,
     nf4_rank_bytes,
+    objective_note,
     reference_bytes,
     stage_trainable,
     trainable_params,
@@ -148,7 +149,7 @@ def plan(
             **dict(t.features),  # e.g. context_parallel_comm, activation_offload_copies, expert_parallel_all_to_all
         },
     }
-    notes = [n for n in (note, offload_note(s)) if n]
+    notes = [n for n in (note, offload_note(s), objective_note(s)) if n]
     if notes:
         out["notes"] = notes
     if longest:

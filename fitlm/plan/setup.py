@@ -111,7 +111,7 @@ class Setup:
     seq: int = 1  # data.seq_length: tokens per sample (a knob for `fitlm plan --max-seq`)
     cp: int = 1  # parallel.context_parallel: ranks each sequence is split over (fitlm.plan.context_parallel)
     act_offload: bool | str = False  # memory.activation_offload: False, True, "blocks" or "model"
-    objective: str = "sft"  # finetune.objective: "sft", "dpo" or "simpo" (the last two: micro batches of pairs)
+    objective: str = "sft"  # finetune.objective: "sft", "dpo", "simpo" (these two: micro batches of pairs) or "grpo"
     ep: int = 1  # parallel.expert_parallel: ranks each MoE layer's experts are split over (fitlm.plan.expert_parallel)
     # Where the planned run's tensors live: "accelerator" (CUDA and the catalog's devices), or "cpu" (`--device
     # cpu`), where activation offload has no other memory to move to and changes nothing. Not a config key: the
