@@ -1,0 +1,168 @@
+"""SIGTERM and Ctrl-C never lose a run silently (checkpoint.save_on_signal), through the real CLI in subprocesses.
+
+The demo's command (configs/tiny.yaml: checkpoint.interval 0) on the demo data, 20 steps as in the golden test:
+a signal once metrics.jsonl shows step 2 saves a final checkpoint at the end of the step and says so; the same
+command again resumes from it and ends with the golden losses of an uninterrupted run. The opt-out says that
+nothing was saved; a second signal stops at once; a dp2 launcher stopped by Ctrl-C to its process group saves
+once and exits 130. Every wait polls a file with a generous timeout: nothing depends on the machine's speed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fitlm.checkpoint.store import list_checkpoints, read_meta
+from tests.conftest import ROOT
+from tests.e2e.helpers import read_metrics, tiny_config, write_config
+
+GOLDEN = Path(__file__).parent / "golden" / "tiny_config_20_steps.json"
+WAIT_S = 300  # generous: a busy machine only takes longer
+
+
+def demo_command(data: Path, out: Path, *overrides: str) -> list[str]:
+    """`fitlm train configs/tiny.yaml` as test_demo_config.py's golden run (20 steps, every step logged)."""
+    sets = [
+        f"data.train={data / 'data' / 'train'}",
+        f"data.valid={data / 'data' / 'valid'}",
+        f"train.output_dir={out}",
+        "train.progress=false",
+        "train.max_steps=20",
+        "train.log_interval=1",
+        "train.eval_interval=0",
+        *overrides,
+    ]
+    return [sys.executable, "-m", "fitlm.cli", "train", str(ROOT / "configs" / "tiny.yaml")] + [
+        x for s in sets for x in ("--set", s)
+    ]
+
+
+def start(argv: list[str], log: Path) -> subprocess.Popen:
+    """The command in a session of its own (as a terminal job: killpg reaches exactly it), stderr to `log`."""
+    with open(log, "w") as err:
+        return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+
+
+def wait_for(cond, what: str, proc: subprocess.Popen, log: Path):
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        if found := cond():
+            return found
+        assert proc.poll() is None, f"exited ({proc.returncode}) before {what}:\n{log.read_text()[-3000:]}"
+        time.sleep(0.1)
+    proc.kill()
+    raise AssertionError(f"timed out after {WAIT_S} s waiting for {what}")
+
+
+def logged_step(out: Path) -> int:
+    """The last step metrics.jsonl shows (0 before the first)."""
+    path = out / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.is_file() else []
+    steps = [json.loads(x)["step"] for x in lines if x.endswith("}")]
+    return max(steps, default=0)
+
+
+def signal_at_step_2(argv: list[str], out: Path, log: Path, *signals: int) -> tuple[int, str]:
+    """Start, send `signals` to the process once step 2 is logged; (exit status, stderr)."""
+    proc = start(argv, log)
+    try:
+        wait_for(lambda: logged_step(out) >= 2, "step 2 in metrics.jsonl", proc, log)
+        for sig in signals:
+            os.kill(proc.pid, sig)
+        rc = proc.wait(WAIT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return rc, log.read_text()
+
+
+def golden() -> list[float]:
+    return json.loads(GOLDEN.read_text())["losses"]
+
+
+def test_ctrl_c_saves_and_the_same_command_resumes_with_the_losses_of_an_uninterrupted_run(demo_data, tmp_path):
+    out = tmp_path / "run"
+    argv = demo_command(demo_data, out)
+    rc, err = signal_at_step_2(argv, out, tmp_path / "first.log", signal.SIGINT)
+    assert rc == 130, err[-3000:]
+    (step, ckpt), *_ = list_checkpoints(out / "checkpoints")[::-1]
+    assert 2 <= step < 20 and read_meta(ckpt)["step"] == step  # complete, at the step the stop ended
+    assert "SIGINT received: saving a checkpoint at the end of this step, then stopping" in err
+    assert f"stopped by SIGINT after step {step}; checkpoint {ckpt} is complete" in err
+    assert f"Run the same command again to resume from step {step}" in err
+    assert logged_step(out) == step and not (out / "model").exists()
+
+    again = subprocess.run(argv, capture_output=True, text=True, timeout=WAIT_S)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from {ckpt} (step {step}, saved on" in again.stderr
+    assert f"resuming from step {step}" in again.stderr
+    records = [r for r in read_metrics(out) if "loss" in r]
+    assert [r["step"] for r in records] == list(range(1, 21))  # steps 1..k once, then k+1..20 resumed
+    assert [r["loss"] for r in records] == pytest.approx(golden(), rel=2e-4, abs=2e-4)
+
+
+def test_opting_out_says_nothing_was_saved_and_a_rerun_starts_over(demo_data, tmp_path):
+    out = tmp_path / "run"
+    argv = demo_command(demo_data, out, "checkpoint.save_on_signal=false")
+    rc, err = signal_at_step_2(argv, out, tmp_path / "first.log", signal.SIGTERM)
+    assert rc == 143, err[-3000:]
+    assert "stopping at the end of this step without a checkpoint (checkpoint.save_on_signal: false)" in err
+    step = logged_step(out)
+    assert f"stopped by SIGTERM after step {step}; nothing was saved (checkpoint.save_on_signal is false" in err
+    assert "no checkpoint is on disk, so running the same command again starts over from step 1" in err
+    assert not list_checkpoints(out / "checkpoints")
+    # A rerun (one step: max_steps may change on a rerun) says it starts over, instead of doing it silently.
+    again = subprocess.run(argv + ["--set", "train.max_steps=1"], capture_output=True, text=True, timeout=WAIT_S)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "holds no checkpoint of the run before: starting over from step 1" in again.stderr
+    assert [r["step"] for r in read_metrics(out)] == [1]
+
+
+def test_a_second_signal_stops_at_once_saying_what_is_on_disk(demo_data, tmp_path):
+    out = tmp_path / "run"
+    # Two signals at once: Python runs both handlers before the step goes on (the lower number first), so the
+    # second always finds the first's stop pending, on any machine.
+    rc, err = signal_at_step_2(demo_command(demo_data, out), out, tmp_path / "first.log", signal.SIGTERM, signal.SIGINT)
+    second = {130: "SIGTERM", 143: "SIGINT"}
+    assert rc in (130, 143), err[-3000:]
+    assert f"{second[rc]} received: saving a checkpoint at the end of this step" in err
+    name = "SIGINT" if rc == 130 else "SIGTERM"
+    assert f"{name} again: stopped at once, the save at the end of the step was abandoned" in err
+    assert "no checkpoint is on disk, so running the same command again starts over from step 1" in err
+    assert "is complete" not in err and not list_checkpoints(out / "checkpoints")
+
+
+def test_ctrl_c_to_a_dp2_launchers_process_group_saves_once_and_exits_130(tiny_corpus, tmp_path):
+    out = tmp_path / "run"
+    cfg = tiny_config(
+        tiny_corpus,
+        out,
+        parallel={"data_parallel": 2},
+        train={"max_steps": 100_000, "eval_interval": 0, "micro_batch_size": 2, "observe": {"tensorboard": False}},
+    )
+    assert "checkpoint" not in cfg  # interval 0: the demo's default
+    path = write_config(tmp_path / "dp2.yaml", cfg)
+    log = tmp_path / "dp2.log"
+    proc = start([sys.executable, "-m", "fitlm.cli", "train", str(path)], log)
+    try:
+        wait_for(lambda: logged_step(out) >= 2, "step 2 in metrics.jsonl", proc, log)
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
+        rc = proc.wait(WAIT_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    err = log.read_text()
+    assert rc == 130, err[-3000:]
+    (step, ckpt), *_ = list_checkpoints(out / "checkpoints")[::-1]
+    meta = read_meta(ckpt)
+    assert meta["step"] == step and meta["layout"]["data_parallel"] == 2
+    assert err.count("SIGINT received: saving a checkpoint") == 1  # rank 0 speaks, once
+    assert err.count(f"stopped by SIGINT after step {step}; checkpoint {ckpt} is complete") == 1
+    assert "Traceback" not in err and " again:" not in err  # one signal reached the ranks, not two
