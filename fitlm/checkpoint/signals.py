@@ -87,7 +87,7 @@ class StopSignals:
             return
         if self.speaks:
             say(
-                f"fitlm: {signal_name(signum)} again: stopped at once, the "
+                f"fitlm: second signal ({signal_name(signum)}): stopped at once, the "
                 f"{'final model save' if self.final_save else 'save at the end of the step'} was abandoned; "
                 f"{rerun_from(self.output_dir, self.resume)} (an unfinished save is removed at the next start)"
             )

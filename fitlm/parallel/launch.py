@@ -107,7 +107,8 @@ class Forwarder:
         from fitlm.checkpoint.signals import say, signal_name
 
         state = f"; {self.on_abandon()} (an unfinished save is removed at the next start)" if self.on_abandon else ""
-        say(f"fitlm: {signal_name(signum)} again: every rank was stopped at once, the save was abandoned{state}")
+        name = signal_name(signum)
+        say(f"fitlm: second signal ({name}): every rank was stopped at once, the save was abandoned{state}")
 
 
 def report_collectives(trace: str, nproc: int, rc: int) -> None:

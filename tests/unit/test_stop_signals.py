@@ -43,7 +43,7 @@ def test_first_signal_asks_for_a_stop_a_second_exits_at_once(tmp_path, monkeypat
     assert "SIGINT received: saving a checkpoint at the end of this step" in capfd.readouterr().err
     stop._on_signal(signal.SIGINT, None)
     err = capfd.readouterr().err
-    assert exits == [130] and "SIGINT again: stopped at once" in err and "starts over from step 1" in err
+    assert exits == [130] and "second signal (SIGINT): stopped at once" in err and "starts over from step 1" in err
 
 
 def test_handlers_are_installed_and_restored():
@@ -89,4 +89,7 @@ def test_the_launcher_forwards_one_signal_then_kills_on_the_second(got, sent, ca
     forward(signal.SIGINT, None)
     assert agent.sent == [sent] and agent.killed and forward.abandoned == signal.SIGINT
     err = capfd.readouterr().err
-    assert "SIGINT again: every rank was stopped at once, the save was abandoned; no checkpoint is on disk" in err
+    assert (
+        "second signal (SIGINT): every rank was stopped at once, the save was abandoned; no checkpoint is on disk"
+        in err
+    )
