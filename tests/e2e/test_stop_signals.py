@@ -3,8 +3,9 @@
 The demo's command (configs/tiny.yaml: checkpoint.interval 0) on the demo data, 20 steps as in the golden test:
 a signal once metrics.jsonl shows step 2 saves a final checkpoint at the end of the step and says so; the same
 command again resumes from it and ends with the golden losses of an uninterrupted run. The opt-out says that
-nothing was saved; a second signal stops at once; a dp2 launcher stopped by Ctrl-C to its process group saves
-once and exits 130. Every wait polls a file with a generous timeout: nothing depends on the machine's speed.
+nothing was saved; a second signal stops at once. A dp2 launcher stopped by Ctrl-C to its process group or by
+SIGTERM saves once and exits 130 / 143; a second signal to it stops every rank at once. Every wait polls a file
+with a generous timeout: nothing depends on the machine's speed.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import pytest
 
 from fitlm.checkpoint.store import list_checkpoints, read_meta
 from tests.conftest import ROOT
+from tests.distributed.test_no_orphans import run_pids
 from tests.e2e.helpers import read_metrics, tiny_config, write_config
 
 GOLDEN = Path(__file__).parent / "golden" / "tiny_config_20_steps.json"
@@ -140,7 +142,9 @@ def test_a_second_signal_stops_at_once_saying_what_is_on_disk(demo_data, tmp_pat
     assert "is complete" not in err and not list_checkpoints(out / "checkpoints")
 
 
-def test_ctrl_c_to_a_dp2_launchers_process_group_saves_once_and_exits_130(tiny_corpus, tmp_path):
+def start_dp2(tiny_corpus, tmp_path: Path) -> tuple[subprocess.Popen, Path, Path, Path]:
+    """A 2-rank `fitlm train` (the launcher re-runs itself under torchrun, gloo on CPU), checkpoint.interval 0;
+    returns once step 2 is logged."""
     out = tmp_path / "run"
     cfg = tiny_config(
         tiny_corpus,
@@ -154,16 +158,56 @@ def test_ctrl_c_to_a_dp2_launchers_process_group_saves_once_and_exits_130(tiny_c
     proc = start([sys.executable, "-m", "fitlm.cli", "train", str(path)], log)
     try:
         wait_for(lambda: logged_step(out) >= 2, "step 2 in metrics.jsonl", proc, log)
-        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    return proc, out, path, log
+
+
+def ended(proc: subprocess.Popen, path: Path, log: Path) -> tuple[int, str]:
+    """The launcher's exit status and stderr, once every process of the run (marked by its config path) is gone."""
+    try:
         rc = proc.wait(WAIT_S)
+        deadline = time.monotonic() + 60
+        while run_pids(str(path)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not run_pids(str(path)), "a rank outlived its launcher"
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    err = log.read_text()
-    assert rc == 130, err[-3000:]
+        for pid in run_pids(str(path)):
+            os.kill(pid, signal.SIGKILL)
+    return rc, log.read_text()
+
+
+@pytest.mark.parametrize(
+    ("how", "sig"), [("Ctrl-C to the process group", signal.SIGINT), ("kill the launcher", signal.SIGTERM)]
+)
+def test_a_dp2_run_stopped_saves_once_and_exits_128_plus_the_signal(tiny_corpus, tmp_path, how, sig):
+    proc, out, path, log = start_dp2(tiny_corpus, tmp_path)
+    if sig == signal.SIGINT:
+        os.killpg(proc.pid, sig)  # what a terminal's Ctrl-C does: the whole foreground group
+    else:
+        proc.send_signal(sig)  # `kill PID`, the UI's Stop (the launcher holds the run lock)
+    rc, err = ended(proc, path, log)
+    name = signal.Signals(sig).name
+    assert rc == 128 + sig, err[-3000:]
     (step, ckpt), *_ = list_checkpoints(out / "checkpoints")[::-1]
     meta = read_meta(ckpt)
     assert meta["step"] == step and meta["layout"]["data_parallel"] == 2
-    assert err.count("SIGINT received: saving a checkpoint") == 1  # rank 0 speaks, once
-    assert err.count(f"stopped by SIGINT after step {step}; checkpoint {ckpt} is complete") == 1
+    assert err.count(f"{name} received: saving a checkpoint") == 1  # rank 0 speaks, once
+    assert err.count(f"stopped by {name} after step {step}; checkpoint {ckpt} is complete") == 1
     assert "Traceback" not in err and "second signal" not in err  # one signal reached the ranks, not two
+
+
+def test_a_second_signal_to_a_dp2_launcher_stops_every_rank_at_once(tiny_corpus, tmp_path):
+    proc, out, path, log = start_dp2(tiny_corpus, tmp_path)
+    # Both at once: the launcher's handlers run one after the other, so the second always comes while the first is
+    # being passed on (which one is first does not matter).
+    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGINT)
+    rc, err = ended(proc, path, log)
+    second = re.search(
+        r"second signal \((SIGINT|SIGTERM)\): every rank was stopped at once, the save was abandoned", err
+    )
+    assert second and rc == 128 + signal.Signals[second[1]], err[-3000:]
+    assert "no checkpoint is on disk, so running the same command again starts over from step 1" in err
+    assert "is complete" not in err and not list_checkpoints(out / "checkpoints")
