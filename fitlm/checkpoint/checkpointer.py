@@ -224,7 +224,8 @@ class Checkpointer:
             return TrainingInterrupted(step, None, signum, rerun_from(self.output_dir, self.cfg.checkpoint.resume))
         path = self.save(step, pm, optimizer, stateful, wait=True)
         self.finish()
-        return TrainingInterrupted(step, str(path), signum)
+        refused = self.cfg.checkpoint.resume == "never"  # a rerun would refuse the directory: say what to set
+        return TrainingInterrupted(step, str(path), signum, rerun_from(self.output_dir, "never") if refused else "")
 
     def save(self, step: int, pm, optimizer, stateful: dict[str, Stateful], wait: bool = False) -> Path:
         """Write checkpoint `step` (collective). Synchronous unless checkpoint.async_save; `wait` forces it.

@@ -17,10 +17,9 @@ class TrainingInterrupted(Exception):
     def __init__(self, step: int, path: str | None, signum: int = signal.SIGTERM, rerun: str = ""):
         self.step, self.path, self.signum = step, path, int(signum)
         name = signal.Signals(self.signum).name
-        if path is not None:
-            text = (
-                f"stopped by {name} after step {step}; checkpoint {path} is complete. "
-                f"Run the same command again to resume from step {step}"
+        if path is not None:  # `rerun` only where the same command would not resume (checkpoint.resume: never)
+            text = f"stopped by {name} after step {step}; checkpoint {path} is complete. " + (
+                rerun or f"Run the same command again to resume from step {step}"
             )
         else:
             text = (

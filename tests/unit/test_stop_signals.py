@@ -61,6 +61,8 @@ def test_interrupted_says_saved_or_not():
     saved = str(TrainingInterrupted(6, "/r/checkpoints/step_00000006", signal.SIGINT))
     assert saved.startswith("stopped by SIGINT after step 6; checkpoint /r/checkpoints/step_00000006 is complete")
     assert "Run the same command again to resume from step 6" in saved
+    never = str(TrainingInterrupted(6, "/r/c/step_00000006", signal.SIGTERM, "checkpoint.resume is never, ..."))
+    assert never.endswith("is complete. checkpoint.resume is never, ...")
     none = str(TrainingInterrupted(6, None, signal.SIGTERM, "no checkpoint is on disk, ..."))
     assert "nothing was saved (checkpoint.save_on_signal is false" in none and none.endswith("on disk, ...")
 
@@ -93,3 +95,19 @@ def test_the_launcher_forwards_one_signal_then_kills_on_the_second(got, sent, ca
         "second signal (SIGINT): every rank was stopped at once, the save was abandoned; no checkpoint is on disk"
         in err
     )
+
+
+@pytest.mark.process
+def test_interval_0_saves_on_sigterm_and_resume_never_says_what_to_set(tiny_corpus, tmp_path):
+    from fitlm.checkpoint.store import list_checkpoints
+    from tests.unit.test_checkpoint import ckpt_config, train_in_process
+
+    out = tmp_path / "run"
+    cfg = ckpt_config(tiny_corpus, out, train={"max_steps": 4}, checkpoint={"interval": 0, "resume": "never"})
+    with pytest.raises(TrainingInterrupted) as stopped:
+        train_in_process(cfg, stop_at=2)
+    assert stopped.value.step == 2 and [s for s, _ in list_checkpoints(out / "checkpoints")] == [2]
+    said = str(stopped.value)
+    assert "is complete. checkpoint.resume is never, so a rerun into this output_dir is refused" in said
+    assert "set it to auto to resume from" in said and "step_00000002 (step 2)" in said
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers restored
