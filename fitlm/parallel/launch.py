@@ -77,12 +77,23 @@ def launch_local(
     forwarder = Forwarder(agent, on_abandon)
     previous = {s: signal.signal(s, forwarder) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     try:
-        rc = agent.wait()
+        rc = wait_waking(agent)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
     report_collectives(trace, nproc, rc)
     return 128 + forwarder.abandoned if forwarder.abandoned else rc
+
+
+def wait_waking(proc: subprocess.Popen, every_s: float = 0.2) -> int:
+    """`proc.wait()` that lets this process's signal handlers run while it waits. A signal the kernel hands to
+    another thread (torch's, the run lock's) only flags it for the main thread, which a blocking waitpid leaves
+    asleep: the launcher would never pass a Ctrl-C on. Polling returns to Python every `every_s` seconds."""
+    while True:
+        try:
+            return proc.wait(timeout=every_s)
+        except subprocess.TimeoutExpired:
+            continue
 
 
 class Forwarder:
@@ -103,7 +114,7 @@ class Forwarder:
             self.agent.send_signal(signal.SIGTERM if signum == signal.SIGHUP else signum)
             return
         self.abandoned = signum
-        self.agent.kill()  # (no wait here: the main thread is inside agent.wait(), holding its lock)
+        self.agent.kill()  # (no wait here: the main thread may be inside agent.wait(), holding its lock)
         from fitlm.checkpoint.signals import say, signal_name
 
         state = f"; {self.on_abandon()} (an unfinished save is removed at the next start)" if self.on_abandon else ""
