@@ -144,6 +144,7 @@ def _add_generate(sub) -> None:
 
 
 def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
+    from fitlm.checkpoint.signals import rerun_from
     from fitlm.parallel.launch import launch_local, restart_count
     from fitlm.parallel.mesh import env_world_size, launched_by_torchrun
     from fitlm.run_config import load_run_config
@@ -162,8 +163,14 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
             return 0
         # The launcher holds the run lock for the ranks it starts (they see HELD_BY and take none).
         with acquire_run_lock(cfg.train.output_dir, "fitlm " + " ".join(argv)) as lock:
-            rc = launch_local(world, argv, args.max_restarts, extra_env={HELD_BY: str(os.getpid())})
-            lock.release({0: "finished", 143: "stopped"}.get(rc, "failed"))  # what `fitlm ui` lists
+            rc = launch_local(
+                world,
+                argv,
+                args.max_restarts,
+                extra_env={HELD_BY: str(os.getpid())},
+                on_abandon=lambda: rerun_from(cfg.train.output_dir, cfg.checkpoint.resume),
+            )
+            lock.release({0: "finished", 130: "stopped", 143: "stopped"}.get(rc, "failed"))  # what `fitlm ui` lists
             return rc
     # A restarted attempt continues the run it belongs to: --overwrite applied to the first attempt only.
     result = Trainer(cfg, overwrite=args.overwrite and restart_count() == 0).fit()
@@ -266,10 +273,10 @@ def _dispatch(args: argparse.Namespace, argv: list[str]) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")
         return 130
-    except TrainingInterrupted as exc:  # SIGTERM: a checkpoint was saved; exit as a terminated process would
+    except TrainingInterrupted as exc:  # SIGTERM / Ctrl-C: exit as a process ended by that signal would
         if os.environ.get("RANK", "0") == "0":
             sys.stderr.write(f"fitlm {args.command}: {exc}\n")
-        return 143
+        return 128 + exc.signum
     except Exception as exc:  # noqa: BLE001 - user errors get a paragraph, bugs keep their traceback
         if not _is_user_error(exc):
             raise

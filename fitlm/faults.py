@@ -5,8 +5,8 @@ shards are written, the checkpoint is not yet complete) or `final` (the final mo
 written into its temporary directory, not yet renamed into place; `step` is ignored there).
 A numeric `rank` SIGKILLs that rank alone, as `kill -9` would, on the first attempt only (torchrun's
 TORCHELASTIC_RESTART_COUNT is 0), so a restarted job runs through. `rank` = `all` is a power loss:
-rank 0 SIGKILLs the launcher's process group (launcher and torchrun agent; every rank then dies with
-its agent, fitlm.parallel.lifetime) and itself, all at once. Unset, this costs one dictionary lookup.
+rank 0 SIGKILLs the launcher's process group, the torchrun agent (every rank then dies with its agent,
+fitlm.parallel.lifetime) and itself, all at once. Unset, this costs one dictionary lookup.
 """
 
 from __future__ import annotations
@@ -31,13 +31,18 @@ def maybe_die(where: str, step: int, rank: int) -> None:
 
 
 def power_loss() -> None:
-    """SIGKILL every process of this run at once: the launcher's process group, then this process."""
+    """SIGKILL every process of this run at once: the launcher's process group, the torchrun agent (this rank's
+    parent, in a session of its own: fitlm.parallel.launch), then this process."""
     launcher = os.environ.get(LAUNCHER_PID, "")
     if launcher.isdigit():
-        try:
-            os.killpg(os.getpgid(int(launcher)), signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        for kill in (
+            lambda: os.killpg(os.getpgid(int(launcher)), signal.SIGKILL),
+            lambda: os.kill(os.getppid(), signal.SIGKILL),
+        ):
+            try:
+                kill()
+            except ProcessLookupError:
+                pass
     os.kill(os.getpid(), signal.SIGKILL)
 
 

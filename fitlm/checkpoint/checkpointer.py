@@ -2,7 +2,8 @@
 
 The trainer calls three methods: `resume` at the start of `fit` (returns the step to continue
 after), `after_step` at the end of every optimizer step (saves every `checkpoint.interval` steps and
-at the last step, finalises an async save, stops on SIGTERM), and `finish` after the loop.
+at the last step, finalises an async save, stops on SIGTERM or Ctrl-C: fitlm.checkpoint.signals, under any
+interval), and `finish` after the loop.
 
 Every rank writes its own shards with torch.distributed.checkpoint into a temporary directory; the
 checkpoint is published (metadata written last, directory renamed) only after every rank's data is
@@ -13,9 +14,7 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
 import sys
-import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -30,7 +29,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from fitlm import __version__, faults
 from fitlm.checkpoint import checksums, state, store
 from fitlm.checkpoint.errors import CheckpointError, TrainingInterrupted
-from fitlm.checkpoint.resume import check_resumable, resume_source, trim_metrics
+from fitlm.checkpoint.resume import check_resumable, resume_source, say_starting_over, trim_metrics
+from fitlm.checkpoint.signals import StopSignals, rerun_from
 from fitlm.diskspace import DiskFullError, is_disk_full
 from fitlm.parallel_dims import layout_name
 
@@ -65,13 +65,14 @@ class Checkpointer:
         self.pending: tuple[Any, Path, dict, int, int] | None = None  # future, tmp, meta, step, bytes
         self.last_path: Path | None = None
         self.save_seconds: list[float] = []  # time the loop was blocked per save (bench/checkpoint.py)
-        self._stop_requested = False
-        self._previous_handler: Any = None
+        ck = cfg.checkpoint
+        self.signals = StopSignals(output_dir, ck.save_on_signal, ck.resume, speaks=ctx.is_main)
         # CPU (gloo) groups: the stop flag and async saves must not share the training group, nor each other.
-        saving = ctx.distributed and self.interval > 0
+        # The flag is agreed after every step under any interval: a signal may reach one rank only (the UI's Stop).
         wait = timedelta(seconds=cfg.parallel.timeout_s)  # new groups get torch's default (30 min), not the world's
-        self.flag_group = dist.new_group(backend="gloo", timeout=wait) if saving else None
-        self.save_group = dist.new_group(backend="gloo", timeout=wait) if saving and cfg.checkpoint.async_save else None
+        self.flag_group = dist.new_group(backend="gloo", timeout=wait) if ctx.distributed else None
+        saving = ctx.distributed and self.interval > 0
+        self.save_group = dist.new_group(backend="gloo", timeout=wait) if saving and ck.async_save else None
         if ctx.is_main:
             for p in store.clean_stale(self.root):
                 print(f"fitlm: removed {p}, left by a checkpoint save that did not finish", file=sys.stderr)
@@ -84,16 +85,21 @@ class Checkpointer:
         ckpt = self._verified(resume_source(self.cfg))
         if ckpt is None:
             if self.ctx.is_main:
+                say_starting_over(self.output_dir)
                 trim_metrics(self.output_dir / "metrics.jsonl", 0)  # a restart before the first checkpoint
             self.ctx.barrier()
-            self._catch_sigterm()
+            self.signals.install()
             return 0
         step, meta = self._load(ckpt, pm, optimizer, stateful)
         if self.ctx.is_main:
             trim_metrics(self.output_dir / "metrics.jsonl", step)
-            print(f"fitlm: resumed from {ckpt} (step {step}, saved on {meta['layout']['name']})", file=sys.stderr)
+            print(
+                f"fitlm: resumed from {ckpt} (step {step}, saved on {meta['layout']['name']}); "
+                f"resuming from step {step}, the next step is {step + 1}",
+                file=sys.stderr,
+            )
         self.ctx.barrier()
-        self._catch_sigterm()
+        self.signals.install()
         return step
 
     def latest(self) -> Path | None:
@@ -182,11 +188,6 @@ class Checkpointer:
             found = [p for part in every for p in part]
         return "; ".join(found) or None
 
-    def _catch_sigterm(self) -> None:
-        """From now until `finish`, SIGTERM means: checkpoint at the end of this step, then stop."""
-        if self.interval > 0 and _is_main_thread():
-            self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
-
     def check(self, ckpt: Path) -> dict[str, Any]:
         """Metadata of `ckpt` after refusing what cannot be resumed: damage, another run, another tokenizer."""
         return check_resumable(ckpt, self.cfg, self.tokenizer_sha256)
@@ -194,14 +195,13 @@ class Checkpointer:
     # ------------------------------------------------------------------ save
 
     def after_step(self, step: int, pm, optimizer, stateful: dict[str, Stateful]) -> None:
+        if self.interval > 0:
+            faults.maybe_die("step", step, self.ctx.rank)
+            self._poll()
+        if self._agreed_stop():
+            raise self._stop(step, pm, optimizer, stateful)
         if self.interval <= 0:
             return
-        faults.maybe_die("step", step, self.ctx.rank)
-        self._poll()
-        if self._agreed_stop():
-            path = self.save(step, pm, optimizer, stateful, wait=True)
-            self.finish()
-            raise TrainingInterrupted(step, str(path))
         if step % self.interval == 0 or step == self.cfg.train.max_steps:
             try:
                 self.save(step, pm, optimizer, stateful)
@@ -214,6 +214,18 @@ class Checkpointer:
                         f"(checkpoint.on_save_error: continue), the next save is at step {step + self.interval}",
                         file=sys.stderr,
                     )
+
+    def _stop(self, step: int, pm, optimizer, stateful: dict[str, Stateful]) -> TrainingInterrupted:
+        """A signal asked for a stop: the final checkpoint (unless checkpoint.save_on_signal is false), then the
+        exception that ends the run (the CLI prints it on rank 0 and exits 128 + the signal)."""
+        signum = self.signals.stop_signal  # the one this rank got, else SIGTERM (the UI's Stop signals rank 0 only)
+        if not self.cfg.checkpoint.save_on_signal:
+            self.finish()  # an interval's async save in flight completes: it is a good checkpoint
+            return TrainingInterrupted(step, None, signum, rerun_from(self.output_dir, self.cfg.checkpoint.resume))
+        path = self.save(step, pm, optimizer, stateful, wait=True)
+        self.finish()
+        refused = self.cfg.checkpoint.resume == "never"  # a rerun would refuse the directory: say what to set
+        return TrainingInterrupted(step, str(path), signum, rerun_from(self.output_dir, "never") if refused else "")
 
     def save(self, step: int, pm, optimizer, stateful: dict[str, Stateful], wait: bool = False) -> Path:
         """Write checkpoint `step` (collective). Synchronous unless checkpoint.async_save; `wait` forces it.
@@ -284,15 +296,14 @@ class Checkpointer:
         raise failure
 
     def finish(self) -> None:
-        """Complete a pending async save and restore the SIGTERM handler. Call on every rank after the loop."""
+        """Complete a pending async save. Call on every rank after the loop. The signal handlers stay until
+        `restore_sigterm`: a signal during the final model save lets it finish (a second one stops at once)."""
         self._wait_pending()
-        self.restore_sigterm()
+        self.signals.final_save = True
 
     def restore_sigterm(self) -> None:
-        """Put back the SIGTERM handler from before `resume` (also when training ended with an error)."""
-        if self._previous_handler is not None and _is_main_thread():
-            signal.signal(signal.SIGTERM, self._previous_handler)
-            self._previous_handler = None
+        """Put back the SIGTERM / SIGINT handlers from before `resume` (also when training ended with an error)."""
+        self.signals.restore()
 
     # ------------------------------------------------------------------ internals
 
@@ -356,14 +367,11 @@ class Checkpointer:
             self._wait_pending()
 
     def _agreed_stop(self) -> bool:
-        return self.ctx.any_rank(self._stop_requested, self.flag_group)
+        return self.ctx.any_rank(self.signals.signum is not None, self.flag_group)
 
     def _barrier(self, group) -> None:
         if self.ctx.distributed:
             dist.barrier(group=group)
-
-    def _on_sigterm(self, signum, frame) -> None:
-        self._stop_requested = True
 
 
 def _disk_full_cause(exc: BaseException) -> OSError | None:
@@ -388,10 +396,6 @@ def _payload_bytes(payload: Any) -> int:
         t = payload.to_local() if hasattr(payload, "to_local") else payload
         return t.numel() * t.element_size()
     return 0
-
-
-def _is_main_thread() -> bool:
-    return threading.current_thread() is threading.main_thread()
 
 
 def _read_extras(ckpt: Path) -> dict[str, Any]:

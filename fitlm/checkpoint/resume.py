@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,17 @@ def check_resumable(ckpt: Path, cfg, tokenizer_sha256: str) -> dict[str, Any]:
             f"{ckpt / 'tokenizer.json'}) or start a fresh run"
         )
     return meta
+
+
+def say_starting_over(output_dir: str | Path) -> None:
+    """A rerun into a directory whose run left metrics but no checkpoint starts over: say so, not silently."""
+    metrics = Path(output_dir) / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size > 0:
+        print(
+            f"fitlm: {output_dir} holds no checkpoint of the run before: starting over from step 1 (its "
+            "metrics.jsonl is cleared; checkpoint.interval saves as it goes, checkpoint.save_on_signal on a stop)",
+            file=sys.stderr,
+        )
 
 
 def trim_metrics(path: Path, step: int) -> None:

@@ -336,6 +336,8 @@ class CheckpointConfig(Section):
     """At resume, check every checkpoint file against the CRC-32 recorded when it was saved (reads the checkpoint once, split across ranks); a damaged checkpoint is reported with its file and the previous complete one is used instead."""
     on_save_error: Literal["stop", "continue"] = "stop"
     """When a checkpoint save fails for lack of disk space: `stop` (after removing the partial files; the previous checkpoint stays the latest) or `continue` training and try again at the next interval."""
+    save_on_signal: bool = True
+    """On SIGTERM or Ctrl-C (SIGINT), under any `interval` (0 too), save a final checkpoint at the end of the current step, say so on stderr, and exit with 143 / 130; running the same command again resumes from it (`resume: auto`). A second signal stops at once, abandoning the save. `false`: stop at the end of the step without saving, saying what a rerun starts from (the latest periodic checkpoint, or step 1)."""
     async_save: bool = False
     """Write checkpoints in a background thread (torch.distributed.checkpoint.async_save): the loop only waits for the copy to host memory; see bench/checkpoint.py for the measured step-time overhead."""
 

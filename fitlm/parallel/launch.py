@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from typing import Callable
 
 from fitlm.parallel.collective_trace import TRACE_ENV, read_reports
 from fitlm.parallel.lifetime import LAUNCHER_PID
@@ -50,8 +51,16 @@ def torchrun_command(nproc: int, argv: list[str], max_restarts: int = 0) -> list
     ]
 
 
-def launch_local(nproc: int, argv: list[str], max_restarts: int = 0, extra_env: dict[str, str] | None = None) -> int:
-    """Run `fitlm <argv>` in `nproc` processes on this machine; returns torchrun's exit status."""
+def launch_local(
+    nproc: int,
+    argv: list[str],
+    max_restarts: int = 0,
+    extra_env: dict[str, str] | None = None,
+    on_abandon: Callable[[], str] | None = None,
+) -> int:
+    """Run `fitlm <argv>` in `nproc` processes on this machine; returns torchrun's exit status.
+
+    `on_abandon`: what is on disk, in words, for the line a second SIGTERM / Ctrl-C prints (see `Forwarder`)."""
     env = dict(os.environ, **(extra_env or {}))
     # Share the cores between ranks instead of torchrun's default of one thread per rank.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
@@ -62,22 +71,55 @@ def launch_local(nproc: int, argv: list[str], max_restarts: int = 0, extra_env: 
     env[LAUNCHER_PID] = str(os.getpid())
     trace = tempfile.mkdtemp(prefix="fitlm-collectives-")  # each rank's current collective (collective_trace)
     env[TRACE_ENV] = trace
-    agent = subprocess.Popen(torchrun_command(nproc, argv, max_restarts), env=env)
-
-    # SIGTERM / Ctrl-C / SIGHUP to the launcher: pass SIGTERM to the agent (which forwards it to the ranks:
-    # a checkpoint, then exit 143) and wait for it, instead of dying at once and leaving them behind.
-    def forward(signum, frame) -> None:
-        if agent.poll() is None:
-            agent.send_signal(signal.SIGTERM)
-
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    # A session of its own: a terminal's Ctrl-C reaches the launcher only, which forwards it exactly once (the
+    # agent and the launcher both passing it on would be a second signal to the ranks: a stop without a save).
+    agent = subprocess.Popen(torchrun_command(nproc, argv, max_restarts), env=env, start_new_session=True)
+    forwarder = Forwarder(agent, on_abandon)
+    previous = {s: signal.signal(s, forwarder) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     try:
-        rc = agent.wait()
+        rc = wait_waking(agent)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
     report_collectives(trace, nproc, rc)
-    return rc
+    return 128 + forwarder.abandoned if forwarder.abandoned else rc
+
+
+def wait_waking(proc: subprocess.Popen, every_s: float = 0.2) -> int:
+    """`proc.wait()` that lets this process's signal handlers run while it waits. A signal the kernel hands to
+    another thread (torch's, the run lock's) only flags it for the main thread, which a blocking waitpid leaves
+    asleep: the launcher would never pass a Ctrl-C on. Polling returns to Python every `every_s` seconds."""
+    while True:
+        try:
+            return proc.wait(timeout=every_s)
+        except subprocess.TimeoutExpired:
+            continue
+
+
+class Forwarder:
+    """The launcher's SIGTERM / Ctrl-C / SIGHUP handler. The first signal goes on to the agent (SIGHUP as SIGTERM),
+    which passes it to the ranks: they save at the end of the step and exit 128 + it, and so does torchrun
+    (fitlm.parallel.lifetime). A second one stops at once: SIGKILL to the agent, whose ranks die with it."""
+
+    def __init__(self, agent: subprocess.Popen, on_abandon: Callable[[], str] | None):
+        self.agent, self.on_abandon = agent, on_abandon
+        self.first: int | None = None
+        self.abandoned = 0  # the second signal's number, once it came
+
+    def __call__(self, signum: int, frame) -> None:
+        if self.agent.poll() is not None:
+            return
+        if self.first is None:
+            self.first = signum
+            self.agent.send_signal(signal.SIGTERM if signum == signal.SIGHUP else signum)
+            return
+        self.abandoned = signum
+        self.agent.kill()  # (no wait here: the main thread may be inside agent.wait(), holding its lock)
+        from fitlm.checkpoint.signals import say, signal_name
+
+        state = f"; {self.on_abandon()} (an unfinished save is removed at the next start)" if self.on_abandon else ""
+        name = signal_name(signum)
+        say(f"fitlm: second signal ({name}): every rank was stopped at once, the save was abandoned{state}")
 
 
 def report_collectives(trace: str, nproc: int, rc: int) -> None:

@@ -50,7 +50,7 @@ class Job:
             "id": self.id,
             "kind": self.kind,
             "command": shlex.join(["fitlm", *self.argv]),
-            "state": "running" if code is None else ("done" if code == 0 else "failed"),
+            "state": "running" if code is None else _ended(code),
             "returncode": code,
             "seconds": round(time.time() - self.started, 1),
             "target": self.target,
@@ -58,6 +58,11 @@ class Job:
             "files": _files(Path(self.target)) if self.kind == "export" else [],
             "progress": _progress(text),
         }
+
+
+def _ended(code: int) -> str:
+    # 130 / 143: stopped by Ctrl-C / SIGTERM (the Stop button), saving a checkpoint unless told not to
+    return "done" if code == 0 else ("stopped" if code in (130, 143) else "failed")
 
 
 def _progress(log: str) -> list[int] | None:

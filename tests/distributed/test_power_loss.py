@@ -11,6 +11,7 @@ compared with an uninterrupted run, and no half-written checkpoint or model dire
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -101,7 +102,12 @@ def campaign(tiny_corpus, root: Path, seed: int, kills: int, steps: int) -> None
             try:
                 proc.wait(timeout=float(what))
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)  # the launcher's group; the ranks follow their agent
+                # Power off: the launcher's group and the torchrun agent, which has a session of its own (it would
+                # otherwise outlive the launcher long enough to let the ranks save: fitlm.parallel.launch).
+                os.killpg(proc.pid, signal.SIGKILL)
+                for pid in run_pids(str(cfg)):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
         _, err = proc.communicate(timeout=600)
         log.append(f"{kind} {what}: exit {proc.returncode}")
         try:

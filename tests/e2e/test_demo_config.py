@@ -1,4 +1,4 @@
-"""The shipped configs/tiny.yaml on the demo data, built with the same commands `make demo` runs."""
+"""The shipped configs/tiny.yaml on the demo data (tests/e2e/conftest.py: built with the commands `make demo` runs)."""
 
 from __future__ import annotations
 
@@ -8,41 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import PLAYS, ROOT
+from tests.conftest import ROOT
 from tests.e2e.helpers import fitlm, read_metrics
 
 GOLDEN = Path(__file__).parent / "golden" / "tiny_config_20_steps.json"
-TRAIN_PLAYS = ["hamlet", "macbeth", "tempest", "romeo_and_juliet"]
-
-
-@pytest.fixture(scope="module")
-def demo_data(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("demo")
-    steps = [
-        ("data", "tokenizer", *sorted(PLAYS.glob("*.txt")), "--vocab-size", "2048", "--out", root / "tokenizer.json"),
-        (
-            "data",
-            "pack",
-            *[PLAYS / f"{p}_gut.txt" for p in TRAIN_PLAYS],
-            "--tokenizer",
-            root / "tokenizer.json",
-            "--out",
-            root / "data" / "train",
-        ),
-        (
-            "data",
-            "pack",
-            PLAYS / "lear_gut.txt",
-            "--tokenizer",
-            root / "tokenizer.json",
-            "--out",
-            root / "data" / "valid",
-        ),
-    ]
-    for args in steps:
-        proc = fitlm(*args, "--json")
-        assert proc.returncode == 0, proc.stderr
-    return root
 
 
 def train_tiny(root: Path, out: str, *overrides: str):

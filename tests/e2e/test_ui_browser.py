@@ -62,14 +62,15 @@ def world(tmp_path_factory, tiny_corpus):
     tasks = Path(__file__).resolve().parents[2] / "examples" / "eval" / "shakespeare_mc.jsonl"
     evaluated = fitlm("eval", root / "done", "--tasks", tasks, "--limit", "3")  # eval.json beside the run
     assert evaluated.returncode == 0, evaluated.stderr[-2000:]
-    # A run that goes on until stopped: a step logged each step, a checkpoint every 5.
+    # A run that goes on until stopped: a step logged each step, no periodic checkpoint (interval 0, the demo's):
+    # the Stop button's SIGTERM saves the only one.
     long = write_config(
         tmp / "long.yaml",
         tiny_config(
             tiny_corpus,
             root / "unused",
             train={"max_steps": 100_000, "eval_interval": 0, "log_interval": 1},
-            checkpoint={"interval": 5},
+            checkpoint={"interval": 0},
         ),
     )
     server = subprocess.Popen(

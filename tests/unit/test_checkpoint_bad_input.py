@@ -131,6 +131,7 @@ def test_output_dir_whose_config_differs_only_in_harmless_keys_resumes(capsys, t
         work,
         train={"max_steps": 6, "lr": 5e-3, "log_interval": 2, "micro_batch_size": 2, "gradient_accumulation_steps": 4},
         memory={"recompute": "full"},
+        checkpoint={"save_on_signal": False},  # what a stop does is no part of the run
     )
     code, err = cli(capsys, "train", write_config(tmp_path / "c.yaml", cfg))
     assert code == 0, err

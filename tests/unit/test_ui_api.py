@@ -5,18 +5,23 @@ and the Runs view reads run states from the run lock."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
+from fitlm.checkpoint.store import list_checkpoints  # noqa: E402
 from fitlm.cli import main  # noqa: E402
+from fitlm.train.run_lock import lock_status  # noqa: E402
 from fitlm.ui.app import create_app  # noqa: E402
 from fitlm.ui.planning import knob_specs, scenarios  # noqa: E402
 from tests.e2e.helpers import tiny_config, write_config  # noqa: E402
@@ -211,6 +216,44 @@ def test_stopping_a_run_that_is_not_running_is_a_message(client, tiny_corpus, tm
     assert main(["train", str(cfg)]) == 0
     r = client.post("/api/run/stop", json={"name": "r"})
     assert r.status_code == 400 and "not running (finished)" in r.json()["error"]
+
+
+@pytest.mark.process
+def test_stop_saves_a_checkpoint_under_interval_0_and_lists_the_run_stopped(client, tiny_corpus, tmp_path):
+    root = tmp_path / "runs"
+    train = {"max_steps": 100_000, "eval_interval": 0, "log_interval": 1}
+    cfg = write_config(tmp_path / "long.yaml", tiny_config(tiny_corpus, root / "unused", train=train))
+    started = client.post("/api/run/start", json={"source": str(cfg), "name": "live"})
+    assert started.status_code == 200, started.text
+    job = {"id": started.json()["id"]}
+
+    def until(what, cond, timeout=300.0):
+        deadline = time.monotonic() + timeout
+        while not (found := cond()):
+            assert time.monotonic() < deadline, f"timed out waiting for {what}: {client.get('/api/job', params=job)}"
+            time.sleep(0.2)
+        return found
+
+    def logged_step() -> int:
+        records = client.get("/api/run/metrics", params={"name": "live"}).json().get("records", [])
+        return max((r.get("step", 0) for r in records), default=0)
+
+    def job_when_ended() -> dict | None:
+        j = client.get("/api/job", params=job).json()
+        return None if j["state"] == "running" else j
+
+    try:
+        until("step 2", lambda: logged_step() >= 2)
+        assert client.post("/api/run/stop", json={"name": "live"}).status_code == 200
+        ended = until("the run to end", job_when_ended)
+    finally:
+        status, info = lock_status(root / "live")
+        if status == "running":
+            os.kill(int(info["pid"]), signal.SIGKILL)
+    assert ended["state"] == "stopped" and ended["returncode"] == 143, ended["log"]
+    steps = [s for s, _ in list_checkpoints(root / "live" / "checkpoints")]
+    assert len(steps) == 1 and f"stopped by SIGTERM after step {steps[0]}; checkpoint" in ended["log"]
+    assert {r["name"]: r["state"] for r in client.get("/api/runs").json()["runs"]}["live"] == "stopped"
 
 
 @pytest.mark.parametrize(
