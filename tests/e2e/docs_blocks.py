@@ -187,7 +187,7 @@ def parse_file(path: Path, name: str) -> list[Block]:
     i = 0
     while i < len(lines):
         stripped = lines[i].strip()
-        if stripped.startswith("<!-- docs-test:"):
+        if lines[i].startswith("<!-- docs-test:"):  # at the line's start: an indented one is an example
             j = i
             while "-->" not in lines[j] and j + 1 < len(lines):
                 j += 1

@@ -31,6 +31,14 @@ def prerequisite(name: str) -> str | None:
     return afters.pop() if afters else None
 
 
+def depth(name: str) -> int:
+    before = prerequisite(name)
+    return 0 if before is None or before not in BLOCKS else 1 + depth(before)
+
+
+RUN.sort(key=depth)  # a file's prerequisite runs in its own test, before it
+
+
 def script(blocks: list[Block]) -> tuple[str, dict[str, str]]:
     """The bash session of a file's blocks: each command announced by `@@docs-test FILE:LINE`, and the session
     stopped at the first that fails (also within an `a && b` list, which `set -e` lets pass)."""
