@@ -57,9 +57,10 @@ def script(blocks: list[Block]) -> tuple[str, dict[str, str]]:
 
 
 def failure(name: str, output: str, commands: dict[str, str], why: str) -> str:
-    marks = [line.split()[1] for line in output.splitlines() if line.startswith("@@docs-test ") and ":" in line]
-    where = marks[-1] if marks else name
-    tail = "\n".join(output.splitlines()[-TAIL:])
+    lines = output.splitlines()
+    marks = [n for n, line in enumerate(lines) if line.startswith("@@docs-test ") and ":" in line]
+    where = lines[marks[-1]].split()[1] if marks else name
+    tail = "\n".join(lines[marks[-1] + 1 if marks else 0 :][-TAIL:])  # the failing command's own output
     return f"{where}: {why}\n$ {commands.get(where, '?')}\n--- output tail ---\n{tail}"
 
 
@@ -102,14 +103,12 @@ class Workdirs:
     def __init__(self, tmp: Path):
         self.tmp, self.done, self.env = tmp, {}, None
 
-    def environment(self) -> dict[str, str]:
+    def environment(self, text: str) -> dict[str, str]:
         if self.env is None:
             bindir = str(Path(sys.executable).parent)
-            self.env = {
-                **os.environ,
-                "PATH": bindir + os.pathsep + os.environ.get("PATH", ""),
-                **tiny_models(self.tmp / "models"),
-            }
+            self.env = {**os.environ, "PATH": bindir + os.pathsep + os.environ.get("PATH", "")}
+        if "$DOCS_TINY_" in text and "DOCS_TINY_QWEN_HF" not in self.env:
+            self.env.update(tiny_models(self.tmp / "models"))
         return self.env
 
     def run(self, name: str) -> tuple[Path, str | None]:
@@ -137,7 +136,7 @@ class Workdirs:
             proc = subprocess.run(
                 ["bash", ".docs-test.sh"],
                 cwd=work,
-                env=self.environment(),
+                env=self.environment(text),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
