@@ -241,8 +241,8 @@ def all_blocks(root: Path = ROOT) -> dict[str, list[Block]]:
 
 
 def table(blocks: dict[str, list[Block]]) -> str:
-    """One row per file (blocks and commands run / skipped), then every skip with its reason."""
-    rows, skips = [], []
+    """One row per file (blocks and commands run / skipped), the blocks run with changes, every skip with its reason."""
+    rows, skips, changes = [], [], []
     for name, bs in blocks.items():
         if not bs:
             continue
@@ -250,11 +250,16 @@ def table(blocks: dict[str, list[Block]]) -> str:
         run = sum(c.skip is None for c in cmds)
         rows.append(f"{name:28} blocks {sum(b.skip is None for b in bs)}/{len(bs)} run, commands {run}/{len(cmds)} run")
         for b in bs:
+            edits = [f"after {b.after}"] * bool(b.after) + [f"set {k}" for k in b.sets]
+            edits += [f"sub {old} => {new}" for old, new in b.subs]
+            if edits and b.skip is None:
+                changes.append(f"  {b.where}: " + "; ".join(edits))
             for c in b.commands:
                 if c.skip:
                     first = c.text.strip().splitlines()[0]
                     skips.append(f"  {b.file}:{c.line}: {first[:70]}  -- skipped: {c.skip}")
-    return "\n".join(["docs commands (tests/e2e/test_docs_commands.py):", *rows, "not run:", *skips])
+    head = "docs commands (tests/e2e/test_docs_commands.py):"
+    return "\n".join([head, *rows, "run with the marker's changes:", *changes, "not run:", *skips])
 
 
 if __name__ == "__main__":
