@@ -52,7 +52,11 @@ def script(blocks: list[Block]) -> tuple[str, dict[str, str]]:
                 if cmd.fails is None:
                     lines += [cmd.text, '__rc=$?; if [ "$__rc" -ne 0 ]; then exit "$__rc"; fi']
                 else:  # a documented refusal: it must fail
-                    lines += ["if {", cmd.text, "}; then echo '@@docs-test: exited 0, documented to fail'; exit 1; fi"]
+                    lines += [
+                        "if {",
+                        cmd.text,
+                        "}; then echo 'docs-test: this command exited 0, but its marker says it fails'; exit 1; fi",
+                    ]
     return "\n".join(lines) + "\n", commands
 
 
