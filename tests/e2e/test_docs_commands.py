@@ -150,8 +150,10 @@ class Workdirs:
         except subprocess.TimeoutExpired as e:
             out = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
             return work, failure(name, out, commands, f"still running after {TIMEOUT} s")
+        (work / ".docs-test.out").write_text(proc.stdout)  # the session's whole output, beside its script
         if proc.returncode != 0:
-            return work, failure(name, proc.stdout, commands, f"failed with exit status {proc.returncode}")
+            why = f"failed with exit status {proc.returncode} (whole output: {work / '.docs-test.out'})"
+            return work, failure(name, proc.stdout, commands, why)
         return work, None
 
 
