@@ -27,6 +27,7 @@ COMMAND_MODULES = (
     "fitlm.profile.cli",
     "fitlm.serve.cli",
     "fitlm.ui.cli",
+    "fitlm.eval.cli",
 )
 
 
@@ -143,14 +144,14 @@ def _add_generate(sub) -> None:
 
 
 def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
-    from fitlm.config import load_config
     from fitlm.parallel.launch import launch_local, restart_count
     from fitlm.parallel.mesh import env_world_size, launched_by_torchrun
+    from fitlm.run_config import load_run_config
     from fitlm.train.dry_run import dry_run
     from fitlm.train.run_lock import HELD_BY, acquire_run_lock
     from fitlm.train.trainer import Trainer
 
-    cfg = load_config(args.config, args.overrides)
+    cfg, _ = load_run_config(args.config, args.overrides)  # resolved (model.init_from read) and checked once
     joined = launched_by_torchrun()
     world = env_world_size() if joined else (args.nproc or cfg.parallel.world_size)
     if args.dry_run or ((world > 1 or args.max_restarts > 0) and not joined):
@@ -194,8 +195,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.flush()
 
     stream = None if args.json else write_piece
-    if stream:
-        sys.stdout.write(args.prompt)
     out = generate_text(
         args.model,
         args.prompt,
@@ -204,6 +203,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         seed=args.seed,
         stream=stream,
+        # the prompt is echoed once the model and tokenizer loaded: a bad MODEL prints only its error
+        ready=(lambda: write_piece(args.prompt)) if stream else None,
     )
     if args.json:
         emit_json(out)
@@ -213,12 +214,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
-    from fitlm.config import load_config
-    from fitlm.finetune.init_from import resolve_if_readable
+    from fitlm.run_config import load_run_config
 
     # Printed resolved: the full dump spells out every model key, so an unresolved one, used as a config,
     # would contradict the model.init_from weights in each default.
-    cfg, note = resolve_if_readable(load_config(args.config, args.overrides))
+    cfg, note = load_run_config(args.config, args.overrides, weights_optional=True)
     if note:
         sys.stderr.write(f"fitlm config show: note: {note}\n")
     sys.stdout.write(cfg.to_yaml())

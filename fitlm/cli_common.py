@@ -1,4 +1,5 @@
-"""What every command module shares: CONFIG and --set, the --nproc type, JSON and table output.
+"""What every command module shares: CONFIG and --set, the --nproc type, JSON and table output (progress on
+stderr: fitlm.progress).
 
 The command modules (`fitlm/<package>/cli.py`) import this, never `fitlm.cli`, which sits on top of
 them all and only dispatches.
@@ -8,34 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-from collections.abc import Iterable, Iterator
-from typing import TypeVar
-
-_T = TypeVar("_T")
-# Set by a caller that reads stderr (fitlm ui's export jobs): progress as plain "<what>: i/n" lines
-PROGRESS_LINES = "FITLM_PROGRESS_LINES"
-
-
-def counted(items: Iterable[_T], total: int, what: str) -> Iterator[_T]:
-    """`items`, reporting how many have passed on stderr: a progress bar on a terminal, "<what>: i/n" lines where
-    FITLM_PROGRESS_LINES is set (a page that shows the log), nothing otherwise (logs stay as they were)."""
-    if os.environ.get(PROGRESS_LINES):
-        for i, item in enumerate(items, 1):
-            yield item
-            print(f"{what}: {i}/{total}", file=sys.stderr, flush=True)
-        return
-    if not sys.stderr.isatty():
-        yield from items
-        return
-    from rich.progress import Progress
-
-    with Progress(transient=True) as bar:
-        task = bar.add_task(what, total=total)
-        for item in items:
-            yield item
-            bar.advance(task)
 
 
 def process_count(text: str) -> int:

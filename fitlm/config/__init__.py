@@ -14,7 +14,9 @@ from fitlm.config.loading import (
     apply_overrides,
     load_config,
     load_yaml,
+    parse_dict,
     parse_override,
+    read_config_dict,
     upgrade_moved_keys,
     validate_dict,
 )
@@ -77,6 +79,8 @@ __all__ = [
     "family_errors",
     "load_config",
     "load_yaml",
+    "parse_dict",
+    "read_config_dict",
     "memory_errors",
     "moe_errors",
     "objective_errors",

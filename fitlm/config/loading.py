@@ -138,18 +138,37 @@ def _semantic_errors_beside(data: dict[str, Any], err: ValidationError) -> list[
     return [m for m in semantic_errors(cfg) if not names.search(m)]
 
 
-def validate_dict(data: dict[str, Any], source: str | None = None, written_by_fitlm: bool = False) -> Config:
-    """Validate a raw mapping; raises ConfigError listing every problem found. `written_by_fitlm`: a config
-    fitlm wrote (model directory, checkpoint) whose moved keys are upgraded instead of refused."""
+def parse_dict(
+    data: dict[str, Any], source: str | None = None, written_by_fitlm: bool = False, semantic: bool = True
+) -> tuple[Config, list[str]]:
+    """The schema pass over a raw mapping: (config, problems found so far). Raises ConfigError when the schema
+    fails, with the semantic problems of the rest beside them (`semantic`: False when the model section is not
+    the one the run trains, model.init_from's, so no check judges defaults the checkpoint replaces). Returns the
+    moved keys' problems, which the caller reports with the semantic ones (all at once)."""
     data, moved = _without_moved_keys(upgrade_moved_keys(data) if written_by_fitlm else data)
     try:
-        cfg = Config.model_validate(data)
+        return Config.model_validate(data), moved
     except ValidationError as e:
-        raise ConfigError(moved + schema_errors(e) + _semantic_errors_beside(data, e), source) from None
+        beside = _semantic_errors_beside(data, e) if semantic else []
+        raise ConfigError(moved + schema_errors(e) + beside, source) from None
+
+
+def validate_dict(data: dict[str, Any], source: str | None = None, written_by_fitlm: bool = False) -> Config:
+    """Validate a raw mapping; raises ConfigError listing every problem found. `written_by_fitlm`: a config
+    fitlm wrote (model directory, checkpoint) whose moved keys are upgraded instead of refused. A config whose
+    model section is `model.init_from` is validated by fitlm.run_config, after the checkpoint is read."""
+    cfg, moved = parse_dict(data, source, written_by_fitlm)
     errs = moved + semantic_errors(cfg)
     if errs:
         raise ConfigError(errs, source)
     return cfg
+
+
+def read_config_dict(path: str | Path | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
+    """The raw mapping of `path` (YAML; {} for None) with the `--set` overrides applied, not yet validated."""
+    data = load_yaml(path) if path is not None else {}
+    apply_overrides(data, list(overrides or []))
+    return data
 
 
 def load_config(
@@ -157,6 +176,5 @@ def load_config(
 ) -> Config:
     """Load `path` (YAML), apply `--set` overrides, validate. Raises ConfigError with all problems.
     `written_by_fitlm`: the config.yaml of a model directory or run (see validate_dict)."""
-    data = load_yaml(path) if path is not None else {}
-    apply_overrides(data, list(overrides or []))
+    data = read_config_dict(path, overrides)
     return validate_dict(data, str(path) if path is not None else None, written_by_fitlm)

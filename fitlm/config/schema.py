@@ -273,7 +273,7 @@ class TrainConfig(Section):
     peak_tflops: float | None = None
     """Device peak TFLOP/s for MFU; null = the known peak of the GPU, or on CPU the best GEMM measured on this machine (cached in $FITLM_CACHE_DIR, default ~/.cache/fitlm, so a busy start-up does not inflate MFU). Pin it when MFU reads above 100%."""
     progress: bool = True
-    """Show a live progress bar."""
+    """Show progress on stderr: a live bar on a terminal; elsewhere (a log file, CI, nohup) a plain line each log_interval steps and each evaluation (step/total, loss, eval loss, tokens/s, elapsed, ETA), and at the first step to end 30 s or more after the last line."""
     observe: ObserveConfig = ObserveConfig()
     """The run's observers: NaN/spike guards, replica checksums, input balance, TensorBoard, profiler window, OOM snapshot."""
 

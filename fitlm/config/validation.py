@@ -77,10 +77,9 @@ def sequence_errors(cfg: Config) -> list[str]:
             f"(e.g. {max(2 * cp, d.seq_length // (2 * cp) * 2 * cp)}) or another context_parallel"
         )
     if d.seq_length > m.max_seq_len:
-        errs.append(
-            f"data.seq_length: {d.seq_length} exceeds model.max_seq_len={m.max_seq_len}; "
-            f"lower data.seq_length or raise model.max_seq_len"
-        )
+        # With model.init_from the context is the checkpoint's: raising it beside init_from is a conflict.
+        fix = "lower data.seq_length" + ("" if m.init_from else " or raise model.max_seq_len")
+        errs.append(f"data.seq_length: {d.seq_length} exceeds model.max_seq_len={m.max_seq_len}; {fix}")
     return errs
 
 

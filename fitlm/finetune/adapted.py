@@ -16,7 +16,6 @@ from typing import Iterator, Mapping
 
 import torch
 
-from fitlm.cli_common import counted
 from fitlm.config import Config
 from fitlm.finetune.lora import LoraSpec, merge_lora, untied_for
 from fitlm.finetune.peft_format import load_adapter
@@ -24,6 +23,7 @@ from fitlm.finetune.qlora import as_trained, read_recipe
 from fitlm.models.hf import model_keys
 from fitlm.models.io import ModelSource, Specs
 from fitlm.models.streaming import grouped, layer_group, meta_like, stream_to_hf
+from fitlm.progress import counted
 
 Tensors = dict[str, torch.Tensor]
 
@@ -90,7 +90,7 @@ class StreamedModel:
 
     def blocks(self) -> Iterator[Tensors]:
         """One block's fp32 weights (as stored with `keep_dtype`) at a time (fitlm names), its adapters merged; how
-        many have passed is shown on stderr (fitlm.cli_common.counted)."""
+        many have passed is shown on stderr (fitlm.progress.counted)."""
         names = grouped(model_keys(self.config.model))
         return counted(self._blocks(names), len(names), "weights (blocks)")
 

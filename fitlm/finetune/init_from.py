@@ -15,7 +15,7 @@ Lives in fitlm.finetune (which imports neither train, plan nor profile) so that 
 
 from __future__ import annotations
 
-from fitlm.config import Config, ConfigError, ModelConfig, validate_dict
+from fitlm.config import Config, ConfigError, ModelConfig, parse_dict, semantic_errors
 from fitlm.models.hf import HFFormatError
 from fitlm.models.io import ModelDirError, read_model_config
 
@@ -45,18 +45,20 @@ def shape_conflicts(m: ModelConfig, weights: ModelConfig) -> list[str]:
     return out
 
 
-def resolve_init_from(cfg: Config, weights: ModelConfig | None = None) -> Config:
-    """`cfg` with its model section taken from model.init_from (unchanged without it); ConfigError naming
-    every model key the user set that differs from the weights. `weights`: the model section already read
-    from model.init_from (see resolve_if_readable); read here when None."""
+def read_init_from(path: str) -> ModelConfig:
+    """The model section behind model.init_from (a fitlm model or run directory, an HF directory's config.json,
+    a GGUF file's metadata; no weights read); ConfigError naming the key when it cannot be read."""
+    try:
+        return read_model_config(path)
+    except (OSError, ModelDirError, HFFormatError) as e:  # say which key names the unreadable path
+        raise ConfigError([f"model.init_from: {e}"]) from None
+
+
+def merge_init_from(cfg: Config, weights: ModelConfig) -> Config:
+    """`cfg` with its network taken from `weights` (model.init_from's), schema-checked only: the caller runs the
+    semantic checks once, on this result (fitlm.run_config). ConfigError naming every model key the user set
+    that differs from the weights, with both values."""
     m = cfg.model
-    if not m.init_from:
-        return cfg
-    if weights is None:
-        try:
-            weights = read_model_config(m.init_from)
-        except (ModelDirError, HFFormatError) as e:  # say which key names the unreadable path
-            raise ConfigError([f"model.init_from: {e}"]) from None
     diffs = shape_conflicts(m, weights)
     if diffs:
         raise ConfigError(
@@ -68,8 +70,22 @@ def resolve_init_from(cfg: Config, weights: ModelConfig | None = None) -> Config
     # the network from the weights; the start, and the routing's training keys the user set
     user = {k: getattr(m, k) for k in INIT_ONLY if k in ("init_from", "init_std") or k in m.model_fields_set}
     merged = weights.model_copy(update=user)
-    # Re-validate: rules such as data.seq_length <= model.max_seq_len now see the real model.
-    return validate_dict(cfg.model_copy(update={"model": merged}).to_dict(), f"model.init_from={m.init_from}")
+    # Through the schema again, so every key reads as set: the result is resolved (idempotent, see above).
+    return parse_dict(cfg.model_copy(update={"model": merged}).to_dict(), f"model.init_from={m.init_from}")[0]
+
+
+def resolve_init_from(cfg: Config, weights: ModelConfig | None = None) -> Config:
+    """`cfg` with its model section taken from model.init_from (unchanged without it), validated: ConfigError
+    naming every model key the user set that differs from the weights, or what the real model makes invalid.
+    `weights`: the model section already read from model.init_from (see resolve_if_readable); read when None."""
+    if not cfg.model.init_from:
+        return cfg
+    merged = merge_init_from(cfg, weights or read_init_from(cfg.model.init_from))
+    # Rules such as data.seq_length <= model.max_seq_len now see the real model.
+    errs = semantic_errors(merged)
+    if errs:
+        raise ConfigError(errs, f"model.init_from={cfg.model.init_from}")
+    return merged
 
 
 def resolve_if_readable(cfg: Config) -> tuple[Config, str | None]:

@@ -63,7 +63,22 @@ def last_logits(model: nn.Module, ids: torch.Tensor, cache, position_ids: torch.
     (generate, chat, the batched server), so their numbers agree."""
     lm = cast("CausalLM", model)  # (a family's model)
     h = lm.hidden_states(ids, position_ids, kv_cache=cache)[:, -1]  # [B,C]; only the last position is needed
-    return lm.output_layer(h)  # [B,V]
+    return lm.logits(h)  # [B,V]: the training forward's logits (Gemma 2's soft cap included)
+
+
+def check_prompt(model: nn.Module, prompt_ids: list[int]) -> int:
+    """GenerationError unless `prompt_ids` can be continued by `model`; its context length otherwise."""
+    if not prompt_ids:
+        raise GenerationError(
+            "the prompt is empty: generation needs at least one token (e.g. the BOS token); pass a non-empty --prompt"
+        )
+    limit = _max_seq_len(model)
+    if len(prompt_ids) > limit:
+        raise GenerationError(
+            f"the prompt has {len(prompt_ids)} tokens but the model handles at most {limit} "
+            f"(model.max_seq_len); shorten the prompt"
+        )
+    return limit
 
 
 def generate(
@@ -86,16 +101,7 @@ def generate(
     as soon as it is chosen.
     """
     check_sampling(temperature, top_p)
-    if not prompt_ids:
-        raise GenerationError(
-            "the prompt is empty: generation needs at least one token (e.g. the BOS token); pass a non-empty --prompt"
-        )
-    limit = _max_seq_len(model)
-    if len(prompt_ids) > limit:
-        raise GenerationError(
-            f"the prompt has {len(prompt_ids)} tokens but the model handles at most {limit} "
-            f"(model.max_seq_len); shorten the prompt"
-        )
+    limit = check_prompt(model, prompt_ids)
     max_new_tokens = min(max_new_tokens, limit - len(prompt_ids))
     if max_new_tokens <= 0:
         return []

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Callable
 
 from fitlm.data.tokenizer import Tokenizer
-from fitlm.infer.generate import check_sampling, generate
+from fitlm.infer.generate import check_prompt, check_sampling, generate
 from fitlm.models.io import LoadedModel, ModelDirError, load_model_dir
 
 
@@ -69,12 +69,19 @@ def generate_text(
     top_p: float = 1.0,
     seed: int | None = 0,
     stream: Callable[[str], None] | None = None,
+    ready: Callable[[], None] | None = None,
 ) -> dict:
+    """Continue `prompt` with the model at `model_path`. `ready` is called once the model, its tokenizer and the
+    prompt are loaded and checked, before the first token: `fitlm generate` echoes the prompt there, so an error
+    is never printed after it."""
     check_sampling(temperature, top_p)  # before the model is read
     loaded = load_model_dir(model_path)
     tok = load_tokenizer(loaded, model_path)
     # BOS exactly when the model's tokenizer adds it (fitlm's own tokenizers: always; Qwen: never).
     prompt_ids = tok.encode(prompt, add_bos=tok.add_bos)
+    check_prompt(loaded.model, prompt_ids)
+    if ready is not None:
+        ready()
     decoder = StreamDecoder(tok, stream) if stream else None
     new_ids = generate(
         loaded.model,

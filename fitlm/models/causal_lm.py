@@ -111,11 +111,14 @@ class CausalLMMixin:
         """input_ids [B,T] -> logits [B,T,V] (hidden states [B,T,C] on a pipeline stage without the head).
         document_ids: see `hidden_states`."""
         h = self.hidden_states(input_ids, position_ids, kv_cache, document_ids=document_ids)
-        if self.lm_head is None:
-            return h
+        return h if self.lm_head is None else self.logits(h)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final-norm hidden states [..., C] -> logits [..., V]: the head, then Gemma 2's soft cap (bounded
+        logits), as forward computes them; decoding and scoring call it on the positions they need."""
         logits = self.lm_head(h)
         cap = self.config.final_logit_softcap
-        return logits if cap is None else torch.tanh(logits / cap) * cap  # Gemma 2's bounded logits
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def new_kv_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
         """An empty cache sized for this model, on its device and in its dtype."""

@@ -38,7 +38,9 @@ def _add_plan(sub) -> None:
         "--device",
         default=None,
         metavar="NAME",
-        help="a100-40g, a100-80g (default), h100-80g, h200, rtx4090, rtx3090, ascend-910b, cpu (measured)",
+        help="a100-40g, a100-80g, h100-80g, h200, rtx4090, rtx3090, ascend-910b, cpu (measured); default: "
+        "cpu if the config says train.device: cpu, else this machine's GPU, else a100-80g (the report's first "
+        "line says which and why)",
     )
     p.add_argument("--device-memory", default=None, metavar="SIZE", help="device memory, e.g. 80GiB or 40GB")
     p.add_argument("--device-tflops", type=float, default=None, metavar="T", help="dense half-precision peak TFLOP/s")
@@ -158,11 +160,13 @@ def cmd_config_import(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from fitlm.config import load_config
-    from fitlm.plan.devices import get_device
+    from fitlm.plan.device_choice import choose_device
     from fitlm.plan.report import plan, render
+    from fitlm.run_config import load_run_config
 
-    cfg = load_config(args.config, args.overrides)
+    # Resolved here (the model section from model.init_from, when readable) and checked once; plan() says why
+    # when the weights are not on this machine.
+    cfg, _ = load_run_config(args.config, args.overrides, weights_optional=True, layout=not args.search)
     calibration = None
     if args.calibrate is not None:
         from fitlm.plan.calibrate import CalibrationError, calibrated_efficiency, sustained_tflops
@@ -170,8 +174,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if args.efficiency is not None:
             raise CalibrationError("--calibrate and --efficiency both set the device efficiency; give one of them")
         rate, calibration = sustained_tflops(args.calibrate)
-    dev = get_device(
-        args.device, args.device_memory, args.device_tflops, args.device_bandwidth, args.efficiency, args.host_memory
+    dev, device_source = choose_device(
+        args.device,
+        args.device_memory,
+        args.device_tflops,
+        args.device_bandwidth,
+        args.efficiency,
+        args.host_memory,
+        config_device=cfg.train.device,
     )
     if calibration:
         dev = replace(dev, efficiency=calibrated_efficiency(rate, dev.tflops))
@@ -189,6 +199,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     )
     if calibration:
         result["device"]["calibration"] = calibration
+    result = {"device_source": device_source, **result}  # first: every figure below is for this device
     if args.json:
         sys.stdout.write(json.dumps(result) + "\n")
     else:

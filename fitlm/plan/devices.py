@@ -226,6 +226,18 @@ def get_device(
             f"--device {name!r} is not in the catalog; use one of {', '.join([*CATALOG, 'cpu'])}, "
             "or give --device-memory and --device-tflops for any other device"
         )
+    return with_flags(dev, memory, tflops, bandwidth, efficiency, host_memory)
+
+
+def with_flags(
+    dev: Device,
+    memory: str | None = None,
+    tflops: float | None = None,
+    bandwidth: float | None = None,
+    efficiency: float | None = None,
+    host_memory: str | None = None,
+) -> Device:
+    """`dev` with any number the command line gives replacing its own."""
     changes: dict = {}
     if memory is not None:
         changes["memory_bytes"] = parse_bytes(memory)

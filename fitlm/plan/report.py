@@ -248,6 +248,13 @@ def _render_host(console, h: dict[str, Any]) -> None:
         )
 
 
+# fitlm.plan.analytic's peak phases, as the table's header explains them.
+PEAK_MOMENTS = {
+    "forward/backward": "forward/backward: the loss or the first recomputed block, before this micro batch's gradients",
+    "optimizer step": "optimizer step: gradients complete, activations freed",
+}
+
+
 def gib(n: float) -> str:
     return f"{n / GiB:.2f} GiB"
 
@@ -257,6 +264,8 @@ def render(result: dict[str, Any]) -> None:
     from rich.table import Table
 
     console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
+    if "device_source" in result:  # which device, and why (fitlm.plan.device_choice)
+        console.print(result["device_source"]["note"], markup=False)
     d = result["device"]
     f = result["finetune"]
     what = (
@@ -272,7 +281,9 @@ def render(result: dict[str, Any]) -> None:
         f"{result['layout']} · {result['memory_options']} · {d['num_devices']}× {d['name']}"
     )
     table = Table()
-    table.add_column("per device")
+    # Each row is its component's bytes at that one moment, not its own maximum: a full fine-tuning plan whose peak
+    # is in forward/backward shows grads 0 (this step's gradients do not exist yet), which read as a bug unsaid.
+    table.add_column("per device, at the peak moment")
     table.add_column("analytic", justify="right")
     sim = result.get("simulated", {}).get("per_device")
     if sim:
@@ -288,7 +299,8 @@ def render(result: dict[str, Any]) -> None:
     verdict = "[green]fits[/green]" if result["fits_device"] else "[red]does not fit[/red]"
     console.print(
         f"{verdict}: {gib(result['per_device']['total'])} of {gib(d['usable_bytes'])} usable "
-        f"({gib(d['memory_bytes'])} minus runtime reserve); peak during {result['peak_phase']}"
+        f"({gib(d['memory_bytes'])} minus runtime reserve); each row is at the peak moment, "
+        f"{PEAK_MOMENTS.get(result['peak_phase'], result['peak_phase'])}"
         + (f"; {gib(result['host_bytes_per_device'])} in host memory" if result["host_bytes_per_device"] else "")
     )
     _render_host(console, result["host"])

@@ -24,6 +24,7 @@ from fitlm.finetune.init_from import resolve_init_from
 from fitlm.hardware import peak_memory_bytes
 from fitlm.memory.tracking import plan_components, track_step
 from fitlm.profile.trace import trace_steps
+from fitlm.train.progress import TrainProgress
 
 TRACED_STEPS = 2
 TRACKED_STEPS = 2  # one warm-up, one measured (MemTracker)
@@ -69,25 +70,7 @@ def run_burst(cfg: Config, steps: int, out: Path) -> list[dict] | None:
         return trainer.train_step(count, batches)
 
     _say(main, f"{steps} timed steps, world size {ctx.world_size}, {trainer.tokens_per_step:,} tokens per step")
-    records = []
-    for i in range(steps):
-        start = time.perf_counter()
-        step = one_step()
-        loss = step.loss.item()  # waits for the device: the step is done
-        wall = time.perf_counter() - start
-        records.append(
-            {
-                "step": count,
-                "loss": loss,
-                "grad_norm": float(step.grad_norm),
-                "skipped": step.skipped,
-                "step_s": wall,
-                "tokens_per_s": trainer.tokens_per_step / wall,
-                "phases_s": step.seconds,
-            }
-        )
-        if i == 0 or (i + 1) % max(1, steps // 5) == 0 or i + 1 == steps:
-            _say(main, f"step {i + 1}/{steps} loss {loss:.4f} {records[-1]['tokens_per_s']:,.0f} tokens/s")
+    records = timed_steps(one_step, steps, trainer.tokens_per_step, cfg.train.log_interval, main)
     _say(main, f"tracing {TRACED_STEPS} steps with torch.profiler")
     traced = trace_steps(one_step, TRACED_STEPS, device)
     _say(main, "measuring peak live tensor bytes (MemTracker) on one step")
@@ -108,6 +91,37 @@ def run_burst(cfg: Config, steps: int, out: Path) -> list[dict] | None:
     if main:
         shutil.rmtree(out / SCRATCH, ignore_errors=True)
     return gathered if main else None
+
+
+def timed_steps(one_step, steps: int, tokens_per_step: int, log_interval: int, main: bool) -> list[dict]:
+    """`steps` timed steps; progress as training shows it (a bar, or a line each log_interval steps)."""
+    records: list[dict] = []
+    logged = 0  # records already shown: a line's tokens/s is its window's, as in training
+    with TrainProgress(steps, enabled=main, what="profile") as progress:
+        for i in range(1, steps + 1):
+            start = time.perf_counter()
+            step = one_step()
+            loss = step.loss.item()  # waits for the device: the step is done
+            wall = time.perf_counter() - start
+            records.append(
+                {
+                    "step": i,
+                    "loss": loss,
+                    "grad_norm": float(step.grad_norm),
+                    "skipped": step.skipped,
+                    "step_s": wall,
+                    "tokens_per_s": tokens_per_step / wall,
+                    "phases_s": step.seconds,
+                }
+            )
+            if i % log_interval == 0 or i in (1, steps):
+                window = records[logged:]
+                speed = tokens_per_step * len(window) / sum(r["step_s"] for r in window)
+                progress.update(i, loss=loss, tokens_per_s=speed)
+                logged = i
+            else:
+                progress.update(i)
+    return records
 
 
 def summarize(trainer, records: list[dict], traced: dict, memory, memory_error: str | None) -> dict:

@@ -89,11 +89,10 @@ def check_out(out: Path, force: bool, clear: bool) -> None:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     from fitlm.cli_common import emit_json
-    from fitlm.config import load_config
-    from fitlm.finetune.init_from import resolve_init_from
     from fitlm.parallel.launch import launch_local
     from fitlm.parallel.mesh import env_world_size, launched_by_torchrun
     from fitlm.profile.burst import burst_config, run_burst
+    from fitlm.run_config import load_run_config
 
     if args.steps < 2:
         raise ProfileError(
@@ -104,7 +103,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         raise ProfileError(f"CONFIG: {args.config} does not exist; pass a fitlm YAML config (e.g. configs/tiny.yaml)")
     # Resolved once, here, from the user's own YAML and --set (the only place that knows which model keys
     # the user set): the burst, the dry run before a relaunch and the report all see the real network.
-    cfg = resolve_init_from(load_config(args.config, args.overrides))
+    cfg, _ = load_run_config(args.config, args.overrides)
     out = Path(args.out) if args.out else default_out(cfg.train.output_dir)
     joined = launched_by_torchrun()
     rank = int(os.environ.get("RANK", "0"))

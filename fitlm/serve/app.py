@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from fitlm.config import ModelConfig
 from fitlm.data.errors import DataError
 from fitlm.serve import protocol
+from fitlm.serve.choices import RequestRun
 from fitlm.serve.engine import Engine, Event, GenRequest
 from fitlm.serve.model import ServedModel
 
@@ -91,18 +92,27 @@ def create_app(served: ServedModel, max_batch: int = 8, engine: Engine | None = 
                 status=404,
                 code="model_not_found",
             )
-        ids = _prompt_ids(served, p, chat)
-        max_tokens = protocol.check_length(len(ids), p.max_tokens, served.context, "messages" if chat else "prompt")
-        args = dict(prompt_ids=ids, max_tokens=max_tokens, temperature=p.temperature, top_p=p.top_p, seed=p.seed)
-        req, q = await events(engine, {**args, "stop": p.stop})
+        prompts = _prompt_ids(served, p, chat)
+        where = "messages" if chat else "prompt"
+        max_tokens = [_room(len(ids), p.max_tokens, served.context, where) for ids in prompts]
+        _check_bias(p.logit_bias, cast(ModelConfig, served.model.config).vocab_size)
+        run = RequestRun(served, engine, p, prompts, chat)
+        try:
+            await run.start(max_tokens)
+        except BaseException:
+            run.cancel()
+            raise
         rid = protocol.new_id(chat)
         if p.stream:
             return StreamingResponse(
-                _stream(served.name, req, q, rid, chat, len(ids), p.include_usage),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache"},
+                _sse(run, rid), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
             )
-        return await _whole(served.name, request, req, q, rid, chat, len(ids))
+        try:
+            if not await run.wait(request.is_disconnected, DISCONNECT_POLL_S):
+                return JSONResponse({}, status_code=499)  # the client went away: nobody reads it
+            return run.whole(rid)
+        finally:
+            run.cancel()  # frees the slots when this handler is cancelled
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -115,72 +125,63 @@ def create_app(served: ServedModel, max_batch: int = 8, engine: Engine | None = 
     return app
 
 
-def _prompt_ids(served: ServedModel, p: protocol.Params, chat: bool) -> list[int]:
-    """The request's prompt as token ids: the conversation through the chat template, a prompt's text
-    encoded as `fitlm generate` encodes it, or its token ids checked against the vocabulary."""
-    try:
-        if chat:
-            ids = served.chat_ids(cast(list[dict[str, str]], p.messages))  # (parse requires messages)
-        else:  # (parse requires a prompt)
-            ids = list(p.prompt) if isinstance(p.prompt, list) else served.text_ids(cast(str, p.prompt))
-    except DataError as e:  # the chat template refused the conversation (raise_exception, ...)
-        raise protocol.APIError(str(e), "messages" if chat else "prompt") from None
+def _prompt_ids(served: ServedModel, p: protocol.Params, chat: bool) -> list[list[int]]:
+    """The request's prompts as token ids: the conversation through the chat template, a prompt's text encoded
+    as `fitlm generate` encodes it, or its token ids taken as given (no BOS added) and checked against the
+    vocabulary."""
     # (served.model.config: a fitlm model's ModelConfig, which nn.Module's __getattr__ types as Tensor | Module)
     vocab = cast(ModelConfig, served.model.config).vocab_size
-    if not chat and isinstance(p.prompt, list) and max(ids) >= vocab:
-        raise protocol.APIError(f"prompt holds token id {max(ids)} but the vocabulary has {vocab} ids", "prompt")
-    return ids
-
-
-async def _whole(name: str, request: Request, req: GenRequest, q: asyncio.Queue, rid: str, chat: bool, n_prompt: int):
-    """A non-streamed reply: the deltas joined, or 499 when the client went away while waiting."""
-    pieces: list[str] = []
     try:
-        while True:
-            try:
-                ev = await asyncio.wait_for(q.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    req.cancel()
-                    return JSONResponse({}, status_code=499)  # nobody reads it
-                continue
-            if ev[0] == "delta":
-                pieces.append(ev[1])
-            elif ev[0] == "done":
-                return protocol.completion(rid, name, chat, "".join(pieces), ev[1], protocol.usage(n_prompt, ev[2]))
-            else:
-                return _error(protocol.APIError(f"generation failed: {ev[1]}", None, 500, "server_error"))
-    finally:
-        req.cancel()  # a no-op once done; frees the slot when this handler is cancelled
+        if chat:
+            return [served.chat_ids(cast(list[dict[str, str]], p.messages))]  # (parse requires messages)
+        out = [list(x) if isinstance(x, list) else served.text_ids(x) for x in p.prompts]
+    except DataError as e:  # the chat template refused the conversation (raise_exception, ...)
+        raise protocol.APIError(str(e), "messages" if chat else "prompt") from None
+    for i, ids in enumerate(out):
+        if not ids:
+            raise protocol.APIError(f"prompt {i} encodes to no tokens; give some text or token ids", "prompt")
+        if max(ids) >= vocab:
+            raise protocol.APIError(
+                f"prompt {i} holds token id {max(ids)} but the vocabulary has {vocab} ids", "prompt"
+            )
+    return out
 
 
-async def _stream(
-    name: str, req: GenRequest, q: asyncio.Queue, rid: str, chat: bool, n_prompt: int, include_usage: bool
-) -> AsyncIterator[str]:
+def _room(n_prompt: int, max_tokens: int | None, context: int, where: str) -> int:
+    """The tokens to generate for one prompt (0: echo scores the prompt only, which must fit the context)."""
+    if max_tokens == 0:
+        if n_prompt > context:
+            raise protocol.APIError(
+                f"the {where} has {n_prompt} tokens but the model's context is {context} tokens; shorten it",
+                where,
+                code="context_length_exceeded",
+            )
+        return 0
+    return protocol.check_length(n_prompt, max_tokens, context, where)
+
+
+def _check_bias(bias: dict[int, float], vocab: int) -> None:
+    outside = [t for t in bias if t >= vocab]
+    if outside:
+        raise protocol.APIError(
+            f"logit_bias names token id {outside[0]} but the vocabulary has {vocab} ids", "logit_bias"
+        )
+
+
+async def _sse(run: RequestRun, rid: str) -> AsyncIterator[str]:
     """A streamed reply: OpenAI's chunks as server-sent events, then `data: [DONE]`."""
 
     def sse(obj: dict) -> str:
         return f"data: {json.dumps(obj)}\n\n"
 
     try:
-        if chat:
-            yield sse(protocol.chunk(rid, name, chat, None, first=True))
-        while True:
-            ev = await q.get()
-            if ev[0] == "delta":
-                yield sse(protocol.chunk(rid, name, chat, ev[1]))
-            elif ev[0] == "done":
-                yield sse(protocol.chunk(rid, name, chat, None, finish=ev[1]))
-                if include_usage:
-                    yield sse(protocol.chunk(rid, name, chat, None, use=protocol.usage(n_prompt, ev[2])))
-                break
-            else:
-                err = protocol.APIError(f"generation failed: {ev[1]}", None, 500, "server_error")
-                yield sse(err.body())
-                break
-        yield "data: [DONE]\n\n"
+        async for obj in run.stream(rid):
+            yield sse(obj)
+    except protocol.APIError as e:
+        yield sse(e.body())
     finally:
-        req.cancel()  # the client went away (Starlette cancels the generator): free the slot
+        run.cancel()  # the client went away (Starlette cancels the generator): free the slots
+    yield "data: [DONE]\n\n"
 
 
 __all__ = ["create_app", "events"]

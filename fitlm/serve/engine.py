@@ -23,10 +23,13 @@ import torch
 
 from fitlm.infer.batched import SlotBatch
 from fitlm.infer.generate import sample_next
+from fitlm.infer.scoring import Choice, choice_at, log_softmax, score_prompts
 from fitlm.serve.model import ServedModel
 from fitlm.serve.stops import TextStream
 
-# What a request receives: ("delta", text), then ("done", finish_reason, completion_tokens) or ("error", message).
+# What a request receives: ("delta", text, choices), then ("done", finish_reason, completion_tokens, choices) or
+# ("error", message); `choices` are the Choices of the tokens taken since the last event (with logprobs, else []).
+# A ScoreJob receives ("scores", [per prompt: [None, Choice, ...]]) or ("error", message).
 Event = tuple
 
 
@@ -39,10 +42,22 @@ class GenRequest:
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    logprobs: int | None = None  # report each token's log-probability and this many alternatives (None: none)
+    logit_bias: dict[int, float] = field(default_factory=dict)  # added to the logits before sampling
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     def cancel(self) -> None:
         self.cancelled.set()
+
+
+@dataclass(eq=False)
+class ScoreJob:
+    """Log-probabilities of whole prompts (echo), run on the engine thread between two steps: the model is only
+    ever used by that thread (a step's attention-mask hooks would otherwise reach this forward too)."""
+
+    prompts: list[list[int]]
+    top: int
+    emit: Callable[[Event], None]
 
 
 class _Running:
@@ -55,10 +70,18 @@ class _Running:
         self.text = TextStream(served.tokenizer, req.stop)
         self.count = 0
         self.last = -1
+        self.choices: list[Choice] = []  # tokens taken since the last event, with logprobs
+        bias = req.logit_bias
+        self.bias = (torch.tensor(list(bias)), torch.tensor(list(bias.values()))) if bias else None
 
     def take(self, logits: torch.Tensor, stop_ids: set[int]) -> str | None:
         """Choose the next token, send its text; return the finish reason when the request is done."""
-        token = sample_next(logits, self.req.temperature, self.req.top_p, self.generator)
+        scores = logits
+        if self.bias is not None:  # OpenAI's logit_bias: added before sampling; logprobs stay the model's
+            scores = logits.float().index_add(0, self.bias[0].to(logits.device), self.bias[1].to(logits.device))
+        token = sample_next(scores, self.req.temperature, self.req.top_p, self.generator)
+        if self.req.logprobs is not None:
+            self.choices.append(choice_at(log_softmax(logits), token, self.req.logprobs))
         self.count += 1
         self.last = token
         reason: str | None
@@ -71,8 +94,12 @@ class _Running:
             if reason == "length":
                 piece += self.text.finish()
         if piece:
-            self.req.emit(("delta", piece))
+            self.req.emit(("delta", piece, self.flush()))
         return reason
+
+    def flush(self) -> list[Choice]:
+        out, self.choices = self.choices, []
+        return out
 
 
 class Engine:
@@ -83,7 +110,7 @@ class Engine:
             raise ValueError(f"max_batch {max_batch}: at least 1 slot is needed")
         self.served, self.max_batch = served, max_batch
         self.stop_ids = set(served.tokenizer.stop_ids)
-        self.queue: queue.Queue[GenRequest | None] = queue.Queue()
+        self.queue: queue.Queue[GenRequest | ScoreJob | None] = queue.Queue()
         self.finished: Counter[str] = Counter()  # finish reasons so far, "cancelled" included
         self.active = 0  # requests in slots now (read by tests and /health)
         self.peak_batch = 0
@@ -93,7 +120,7 @@ class Engine:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, req: GenRequest) -> None:
+    def submit(self, req: GenRequest | ScoreJob) -> None:
         self.queue.put(req)
 
     def shutdown(self, timeout: float | None = None) -> None:
@@ -140,6 +167,9 @@ class Engine:
             if req is None:
                 closing = True
                 continue
+            if isinstance(req, ScoreJob):
+                self._score(req)
+                continue
             if req.cancelled.is_set():
                 self.finished["cancelled"] += 1
                 continue
@@ -153,6 +183,12 @@ class Engine:
             self._admitting = None
         return closing
 
+    def _score(self, job: ScoreJob) -> None:
+        try:
+            job.emit(("scores", score_prompts(self.served.model, job.prompts, job.top)))
+        except Exception:  # noqa: BLE001 - a bug: answer the request, keep serving
+            job.emit(("error", traceback.format_exc(limit=4)))
+
     def _after(self, batch: SlotBatch, running: dict, r: _Running, reason: str | None) -> None:
         if reason is None:
             return
@@ -161,7 +197,7 @@ class Engine:
         self.active = len(running)
         self.finished[reason] += 1
         if reason != "cancelled":
-            r.req.emit(("done", reason, r.count))
+            r.req.emit(("done", reason, r.count, r.flush()))
 
 
-__all__ = ["Engine", "Event", "GenRequest"]
+__all__ = ["Engine", "Event", "GenRequest", "ScoreJob"]

@@ -3,29 +3,26 @@
 Requests are checked field by field here rather than by a pydantic model, so that each problem is
 one OpenAI-style error naming the parameter (`param`) and the fix, and types are not coerced ("5"
 is not a number, true is not 1). Fields OpenAI defines but fitlm does not implement are accepted at
-their neutral value (n=1, logprobs false, penalties 0, ...) and refused otherwise; names OpenAI does
-not define are refused, as OpenAI refuses them.
+their neutral value (penalties 0, no tools, ...) and refused otherwise; names OpenAI does not define are
+refused, as OpenAI refuses them. What evaluation tools send is implemented as vLLM's server does it:
+`logprobs` / `top_logprobs`, `echo` (with `max_tokens` 0 to score a prompt only), `n` and `best_of`,
+`logit_bias`, and a completion `prompt` that is a text, a list of texts, token ids or a list of token-id lists.
 """
 
 from __future__ import annotations
 
-import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 ROLES = ("system", "user", "assistant")
 MAX_STOPS = 4
+MAX_LOGPROBS = 20  # alternatives per token, as vLLM allows (OpenAI: 5 for completions, 20 for chat)
+MAX_N = 16  # completions per prompt (n, best_of)
 # Known fields that are accepted only at these neutral values.
 NEUTRAL: dict[str, tuple] = {
-    "n": (1, None),
-    "logprobs": (False, None),
-    "top_logprobs": (0, None),
     "presence_penalty": (0, 0.0, None),
     "frequency_penalty": (0, 0.0, None),
-    "logit_bias": (None,),
-    "echo": (False, None),
-    "best_of": (1, None),
     "suffix": (None,),
     "tools": (None,),
     "tool_choice": (None, "none", "auto"),
@@ -90,7 +87,12 @@ class Params:
     stream: bool = False
     include_usage: bool = False
     messages: list[dict[str, str]] | None = None
-    prompt: str | list[int] | None = None
+    prompts: list[str | list[int]] = field(default_factory=list)  # completions: one choice group per prompt
+    n: int = 1
+    best_of: int = 1  # candidates per prompt; the n with the highest log-probability are returned
+    echo: bool = False  # completions: the prompt's text (and log-probabilities) before each completion
+    logprobs: int | None = None  # each token's log-probability with this many alternatives (None: not asked)
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
 
 def _is_int(v: Any) -> bool:
@@ -118,9 +120,49 @@ def _max_tokens(body: dict) -> int | None:
     v = body.get(name)
     if v is None:
         return None
+    if _is_int(v) and v == 0 and body.get("echo") is True:
+        return 0  # score the prompt only (echo with logprobs), as evaluation tools ask
     if not _is_int(v) or v < 1:
-        raise APIError(f"{name} must be a whole number >= 1 (the most tokens to generate), got {v!r}", name)
+        raise APIError(
+            f"{name} must be a whole number >= 1 (the most tokens to generate; 0 only with echo), got {v!r}", name
+        )
     return v
+
+
+def _count(body: dict, name: str, default: int, lo: int, hi: int) -> int:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not _is_int(v) or not lo <= v <= hi:
+        raise APIError(f"{name} must be a whole number in [{lo}, {hi}], got {v!r}", name)
+    return v
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """The alternatives per token to report, or None: completions' `logprobs` is that count; chat's is a flag
+    with the count in `top_logprobs`."""
+    if not chat:
+        return None if body.get("logprobs") is None else _count(body, "logprobs", 0, 0, MAX_LOGPROBS)
+    flag = body.get("logprobs")
+    if flag is not None and not isinstance(flag, bool):
+        raise APIError(f"logprobs must be true or false, got {flag!r}; the count goes in top_logprobs", "logprobs")
+    top = _count(body, "top_logprobs", 0, 0, MAX_LOGPROBS)
+    if body.get("top_logprobs") is not None and not flag:
+        raise APIError("top_logprobs needs logprobs: true", "top_logprobs")
+    return top if flag else None
+
+
+def _logit_bias(body: dict) -> dict[int, float]:
+    v = body.get("logit_bias")
+    if v is None:
+        return {}
+    ok = isinstance(v, dict) and all(isinstance(k, str) and k.isdigit() and _is_number(b) for k, b in v.items())
+    if not ok or any(not -100 <= b <= 100 for b in v.values()):
+        raise APIError(
+            f'logit_bias must map token ids to numbers in [-100, 100], e.g. {{"50256": -100}}, got {v!r:.80}',
+            "logit_bias",
+        )
+    return {int(k): float(b) for k, b in v.items()}
 
 
 def _stop(body: dict) -> list[str]:
@@ -166,13 +208,34 @@ def _messages(body: dict) -> list[dict[str, str]]:
     return out
 
 
-def _prompt(body: dict) -> str | list[int]:
+def _ids(p: Any) -> bool:
+    return isinstance(p, list) and bool(p) and all(_is_int(t) and t >= 0 for t in p)
+
+
+def _prompts(body: dict) -> list[str | list[int]]:
+    """A text, a list of texts, token ids, or a list of token-id lists: always a list of prompts."""
     p = body.get("prompt")
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
-        p = p[0]  # a batch of one prompt
-    if isinstance(p, str) or (isinstance(p, list) and p and all(_is_int(t) and t >= 0 for t in p)):
-        return p
-    raise APIError(f"prompt must be a string (or a list of token ids), got {p!r:.80}; one prompt per request", "prompt")
+    if isinstance(p, str):
+        return [p]
+    if isinstance(p, list) and _ids(p):
+        return [list(p)]
+    if isinstance(p, list) and p and all(isinstance(x, str) or _ids(x) for x in p):
+        return list(p)
+    raise APIError(
+        f"prompt must be a string, a list of strings, a list of token ids or a list of token-id lists, got {p!r:.80}",
+        "prompt",
+    )
+
+
+def _choices(body: dict, stream: bool) -> tuple[int, int]:
+    """(n, best_of): completions per prompt, and the candidates they are the best of."""
+    n = _count(body, "n", 1, 1, MAX_N)
+    best_of = _count(body, "best_of", n, 1, MAX_N)
+    if best_of < n:
+        raise APIError(f"best_of {best_of} must be at least n ({n}): the n best of best_of candidates", "best_of")
+    if stream and best_of > n:
+        raise APIError("best_of above n cannot be streamed (the best are known only at the end)", "best_of")
+    return n, best_of
 
 
 def parse(body: Any, chat: bool) -> Params:
@@ -208,6 +271,10 @@ def parse(body: Any, chat: bool) -> Params:
         raise APIError(f"seed must be a whole number, got {seed!r}", "seed")
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise APIError("user must be a string", "user")
+    echo = body.get("echo", False)
+    if echo is not None and not isinstance(echo, bool):
+        raise APIError(f"echo must be true or false, got {echo!r}", "echo")
+    n, best_of = _choices(body, bool(stream))
     return Params(
         model=model,
         max_tokens=_max_tokens(body),
@@ -218,7 +285,12 @@ def parse(body: Any, chat: bool) -> Params:
         stream=bool(stream),
         include_usage=bool(opts.get("include_usage", False)),
         messages=_messages(body) if chat else None,
-        prompt=None if chat else _prompt(body),
+        prompts=[] if chat else _prompts(body),
+        n=n,
+        best_of=best_of,
+        echo=bool(echo),
+        logprobs=_logprobs(body, chat),
+        logit_bias=_logit_bias(body),
     )
 
 
@@ -248,62 +320,4 @@ def new_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-def completion(rid: str, model: str, chat: bool, text: str, finish: str, use: dict) -> dict:
-    """The whole (non-streamed) response object."""
-    if chat:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": finish,
-        }
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-    return {
-        "id": rid,
-        "object": "chat.completion" if chat else "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [choice],
-        "usage": use,
-    }
-
-
-def chunk(
-    rid: str,
-    model: str,
-    chat: bool,
-    text: str | None,
-    finish: str | None = None,
-    first: bool = False,
-    use: dict | None = None,
-) -> dict:
-    """One server-sent event of a streamed response (usage chunk: no choices, as OpenAI sends it)."""
-    if use is not None:
-        choices: list = []
-    elif chat:
-        delta: dict = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-        choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
-    else:
-        choices = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]
-    out: dict[str, Any] = {
-        "id": rid,
-        "object": "chat.completion.chunk" if chat else "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-    }
-    if use is not None:
-        out["usage"] = use
-    return out
-
-
-__all__ = ["APIError", "Params", "check_length", "chunk", "completion", "new_id", "parse", "usage"]
+__all__ = ["APIError", "Params", "check_length", "new_id", "parse"]

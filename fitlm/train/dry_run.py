@@ -10,7 +10,6 @@ from fitlm.config import Config, ConfigError
 from fitlm.data.loader import SequenceLoader
 from fitlm.finetune.init_from import resolve_init_from
 from fitlm.models.flops import flops_per_token
-from fitlm.parallel.layout import layout_problems
 from fitlm.parallel_dims import layout_name
 from fitlm.registry import build_model
 from fitlm.train import preflight
@@ -20,8 +19,8 @@ from fitlm.train.trainer import open_data
 def dry_run(cfg: Config, world_size: int | None = None, overwrite: bool = False) -> dict:
     """Raises ConfigError/DataError with every problem a run would hit; returns the run's shape."""
     world_size = world_size or cfg.parallel.world_size
-    cfg = resolve_init_from(cfg)
-    problems = preflight.unsupported_options(cfg) + layout_problems(cfg, world_size)
+    cfg = resolve_init_from(cfg)  # a no-op for a config fitlm.run_config loaded (resolution is idempotent)
+    problems = preflight.launch_problems(cfg, world_size)
     problem = preflight.output_dir_problem(cfg, overwrite)
     if problem:
         problems.append(problem)

@@ -17,6 +17,7 @@ from fitlm.atomic import atomic_file, recover_stale
 from fitlm.checkpoint.compat import resume_conflicts
 from fitlm.checkpoint.store import checkpoints_root, list_checkpoints
 from fitlm.config import Config, ConfigError, upgrade_moved_keys
+from fitlm.parallel.layout import layout_problems
 from fitlm.train.run_lock import LOCK_FILE
 
 RUN_CONFIG = "config.yaml"  # the resolved config a run writes into its output_dir first
@@ -26,6 +27,12 @@ def unsupported_options(cfg: Config) -> list[str]:
     """Options the schema accepts (they are part of the config contract) but this build or this machine
     cannot run: fitlm.rules' rows checked before a run starts."""
     return rules.violations(rules.flatten(cfg.model_dump()), stage="launch")
+
+
+def launch_problems(cfg: Config, world_size: int) -> list[str]:
+    """What a resolved config cannot run as for `world_size` processes on this build: fitlm.rules' launch stage
+    and the world size against the declared layout (the model-dependent checks are fitlm.run_config's)."""
+    return unsupported_options(cfg) + layout_problems(cfg, world_size)
 
 
 def config_differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:

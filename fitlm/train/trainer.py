@@ -38,7 +38,6 @@ from fitlm.models.io import write_model_dir
 from fitlm.models.streaming import stream_to_hf
 from fitlm.parallel.apply import parallelize, prepares_for_tensor_parallel
 from fitlm.parallel.gather import full_groups, handed_over, weight_specs
-from fitlm.parallel.layout import layout_problems
 from fitlm.parallel.materialize import materialize, tied_aliases
 from fitlm.parallel.mesh import env_world_size, init_parallel, shutdown
 from fitlm.parallel_dims import WORLD
@@ -135,12 +134,13 @@ class FinalSaveFailed(ValueError):
 
 class Trainer:
     def __init__(self, cfg: Config, overwrite: bool = False, console=None):
-        problems = preflight.unsupported_options(cfg) + layout_problems(cfg, env_world_size())
+        # Resolved here too, for callers that pass the user's config; a config a command already resolved
+        # (fitlm.run_config) is accepted again unchanged. self.cfg is the resolved one: config.yaml and
+        # checkpoints record it. Then what the processes started can run, judged on that model.
+        cfg = resolve_init_from(cfg)
+        problems = preflight.launch_problems(cfg, env_world_size())
         if problems:
             raise ConfigError(problems)
-        # Resolved here too, for callers that pass the user's config; a config a command already resolved
-        # is accepted again unchanged. self.cfg is the resolved one: config.yaml and checkpoints record it.
-        cfg = resolve_init_from(cfg)
         self.cfg, t = cfg, cfg.train
         self.ctx = init_parallel(cfg.parallel, resolve_device(t.device).type)
         self.device = self.ctx.device

@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from fitlm.cli_common import PROGRESS_LINES
+from fitlm.progress import PROGRESS_INTERVAL, PROGRESS_LINES
 from fitlm.train.run_lock import in_use, lock_status
 from fitlm.ui.errors import UIError
 from fitlm.ui.runs import run_dir
@@ -61,12 +61,13 @@ class Job:
 
 
 def _progress(log: str) -> list[int] | None:
-    """[done, total] of the last "<what>: i/n" line the command printed (fitlm.cli_common.counted), if any."""
+    """[done, total] of the last "<what>: i/n[, elapsed …]" line the command printed (fitlm.progress.counted), if
+    any."""
     found = PROGRESS.findall(log)
     return [int(found[-1][0]), int(found[-1][1])] if found else None
 
 
-PROGRESS = re.compile(r"^[\w ()]+: (\d+)/(\d+)$", re.M)
+PROGRESS = re.compile(r"^[\w ()]+: (\d+)/(\d+)(?:,.*)?$", re.M)
 
 
 def _files(path: Path) -> list[dict[str, Any]]:
@@ -92,7 +93,9 @@ class Jobs:
         with open(log, "w", encoding="utf-8") as f:
             f.write(f"$ {shlex.join(['fitlm', *argv])}\n")
             f.flush()
-            env = dict(os.environ, PYTHONUNBUFFERED="1", **({PROGRESS_LINES: "1"} if kind == "export" else {}))
+            # the page draws an export's block count from its log: a line per block, not one every few seconds
+            lines = {PROGRESS_LINES: "1", PROGRESS_INTERVAL: "0"} if kind == "export" else {}
+            env = dict(os.environ, PYTHONUNBUFFERED="1", **lines)
             proc = subprocess.Popen(
                 [sys.executable, "-m", "fitlm.cli", *argv],
                 stdout=f,

@@ -18,10 +18,12 @@ from pydantic import BaseModel
 
 import fitlm
 from fitlm.checkpoint.store import META_FILE, read_meta
-from fitlm.config import Config, DataConfig, apply_overrides, load_yaml, parse_override, validate_dict
+from fitlm.config import Config, DataConfig, apply_overrides, load_yaml, parse_override
 from fitlm.models.io import read_model_config
-from fitlm.plan.devices import CATALOG, get_device
+from fitlm.plan.device_choice import choose_device
+from fitlm.plan.devices import CATALOG
 from fitlm.plan.report import plan
+from fitlm.run_config import run_config
 from fitlm.ui.errors import UIError
 
 # The knobs users turn, in the order the page shows them: (config key, label). Kind, choices and help come
@@ -165,7 +167,7 @@ def _with_devices(data: dict[str, Any], req: PlanRequest) -> list[str]:
 
 @dataclass
 class Resolved:
-    cfg: Config  # validated (model.init_from not yet resolved: plan and train resolve it, as from the CLI)
+    cfg: Config  # resolved (model.init_from read when readable) and validated, as `fitlm plan` loads it
     data: dict[str, Any]  # the source's own mapping with the overrides applied: what the YAML download holds
     overrides: list[str]
     path: str | None  # the YAML the commands name (None: a model source, the downloaded YAML)
@@ -181,7 +183,10 @@ def resolve(req: PlanRequest) -> Resolved:
     apply_overrides(data, overrides)
     # A checkpoint's config was written by fitlm: keys that moved since are upgraded, as a resume does.
     written = (Path(req.source).expanduser() / META_FILE).is_file()
-    return Resolved(validate_dict(data, path or req.source, written_by_fitlm=written), data, overrides, path)
+    cfg, _ = run_config(
+        data, path or req.source, written_by_fitlm=written, weights_optional=True, layout=not req.search
+    )
+    return Resolved(cfg, data, overrides, path)
 
 
 def commands(req: PlanRequest, overrides: list[str], path: str | None) -> dict[str, str]:
@@ -199,8 +204,8 @@ def plan_response(body: dict[str, Any]) -> dict[str, Any]:
     """The page's JSON: the plan (`fitlm plan --json`'s object), the config, its YAML and the commands."""
     req = PlanRequest.from_json(body)
     r = resolve(req)
-    dev = get_device(req.device)
-    result = plan(r.cfg, dev, req.num_devices, search=req.search, top=req.top)
+    dev, device_source = choose_device(req.device, config_device=r.cfg.train.device)  # as `fitlm plan` chooses
+    result = {"device_source": device_source, **plan(r.cfg, dev, req.num_devices, search=req.search, top=req.top)}
     return {
         "plan": result,
         "memory_parts": memory_parts(result),

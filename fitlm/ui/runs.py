@@ -1,5 +1,9 @@
 """The runs `fitlm ui` lists: every training output (or profile) directory under RUNS_DIR, its state and metrics.
 
+Model directories under RUNS_DIR (`fitlm import`, `export --format hf`, `merge`, `ckpt merge`: a fitlm.json or
+a config.json beside the weights) are not runs: they hold a config.yaml but never trained there, so listing them
+would show each as a crashed run at step 0. The Chat and Export views offer them (fitlm.ui.chat.chat_models).
+
 A run's state comes from its run lock (fitlm.train.run_lock.lock_status), read without taking it:
 `running` while the lock is held, `finished` / `stopped` (SIGTERM, a checkpoint saved) / `failed` as the run
 recorded when it let go, `crashed` when its holder died without letting go (killed, out of host memory).
@@ -15,6 +19,7 @@ from typing import Any
 import yaml
 
 from fitlm.checkpoint.store import checkpoints_root, list_checkpoints
+from fitlm.models.io import MARKER
 from fitlm.train.run_lock import lock_status
 from fitlm.ui.errors import UIError
 
@@ -34,13 +39,22 @@ def run_dir(root: Path, name: str) -> Path:
     if not path.is_relative_to(root.resolve()) or not _is_run(path):
         raise RunNotFound(
             f"{name}: no run of that name under {root} (a run is a train.output_dir holding metrics.jsonl or "
-            "config.yaml); pick one from the Runs list"
+            "config.yaml; a model directory is chosen in the Chat or Export view); pick one from the Runs list"
         )
     return path
 
 
+# What makes a directory a model rather than a run: a fitlm model directory's completion marker, or Hugging Face's
+# config (neither of which `fitlm train` writes at the top of its output directory).
+MODEL_MARKERS = (MARKER, "config.json")
+
+
+def is_model_dir(path: Path) -> bool:
+    return path.is_dir() and any((path / m).is_file() for m in MODEL_MARKERS)
+
+
 def _is_run(path: Path) -> bool:
-    return path.is_dir() and any((path / m).exists() for m in MARKERS)
+    return path.is_dir() and any((path / m).exists() for m in MARKERS) and not is_model_dir(path)
 
 
 def find_runs(root: Path) -> list[Path]:
@@ -51,7 +65,7 @@ def find_runs(root: Path) -> list[Path]:
         if _is_run(d) and d != root:
             found.append(d)
             return
-        if depth >= MAX_DEPTH:
+        if depth >= MAX_DEPTH or is_model_dir(d):  # (a model directory holds no runs)
             return
         try:
             children = sorted(d.iterdir()) if d.is_dir() else []
@@ -161,7 +175,30 @@ def detail(root: Path, name: str) -> dict[str, Any]:
     out["config_path"] = str(config) if config.is_file() else None
     out["path"] = str(path)
     out["profile_report"] = _profile(path)
+    out["evaluation"] = evaluation(path)
     return out
+
+
+def evaluation(path: Path) -> dict[str, Any] | None:
+    """eval.json (what `fitlm eval` writes beside a run: lm-eval's results dict) as rows of task, metric, value and
+    standard error; None when the run was never evaluated."""
+    f = path / "eval.json"
+    if not f.is_file():
+        return None
+    try:
+        results = json.loads(f.read_text(encoding="utf-8")).get("results")
+    except (OSError, ValueError, AttributeError):
+        results = None
+    if not isinstance(results, dict):
+        return {"error": f"{f} is not lm-eval's results (interrupted while writing?); run `fitlm eval` again"}
+    rows = []
+    for task, metrics in results.items():
+        for key, value in (metrics or {}).items():
+            metric, _, filt = key.partition(",")
+            if filt and not metric.endswith("_stderr") and isinstance(value, (int, float)):
+                err = metrics.get(f"{metric}_stderr,{filt}")
+                rows.append({"task": task, "metric": metric, "value": value, "stderr": err})
+    return {"rows": rows}
 
 
 def _profile(path: Path) -> dict[str, Any] | None:
@@ -197,4 +234,14 @@ def _profile(path: Path) -> dict[str, Any] | None:
     }
 
 
-__all__ = ["RunNotFound", "detail", "find_runs", "list_runs", "read_records", "run_dir", "state"]
+__all__ = [
+    "RunNotFound",
+    "detail",
+    "evaluation",
+    "find_runs",
+    "is_model_dir",
+    "list_runs",
+    "read_records",
+    "run_dir",
+    "state",
+]

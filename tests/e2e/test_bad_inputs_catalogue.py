@@ -3,9 +3,9 @@ proof that a refused command changes nothing on disk.
 
 Each case builds one bad input in its own directory and returns the command line; the test runs it in
 process through `fitlm.cli.main` and requires exit status 2 (fitlm's user error, or argparse's), a message
-naming the key or file and the fix, no traceback, and that no file anywhere under the case's directory or
-the shared fixtures was created, modified or deleted (path, size, mtime_ns, sha256 of every file, and the
-set of directories, so a run's output_dir may not even be created empty).
+naming the key or file and the fix, no traceback, nothing on stdout, and that no file anywhere under the case's
+directory or the shared fixtures was created, modified or deleted (path, size, mtime_ns, sha256 of every file,
+and the set of directories, so a run's output_dir may not even be created empty).
 
 The table in docs/troubleshooting.md ("Bad inputs and their messages") is generated from this catalogue:
 
@@ -410,6 +410,36 @@ def _(env):
 )
 def _(env):
     return ["train", env.config(parallel={"pipeline_parallel": 3, "micro_batch_num": 3}, train={"micro_batch_size": 3})]
+
+
+def init_from_only(env, **sections) -> Path:
+    """The tiny run fine-tuned from its HF export with a model section of `init_from` alone, as users write it."""
+    cfg = run_config(env.shared, env.tmp / "out", **sections)
+    cfg["model"] = {"init_from": str(env.shared.hf)}
+    return env.config(cfg)
+
+
+@case(
+    "layout-init-from-tp-heads",
+    "layout",
+    "`parallel.tensor_parallel` that does not divide the heads of the `model.init_from` checkpoint (model section: "
+    "`init_from` alone)",
+    "parallel.tensor_parallel: 3 does not divide model.num_heads=4",
+    "model.* read from model.init_from=",
+)
+def _(env):
+    return ["train", init_from_only(env, parallel={"tensor_parallel": 3})]
+
+
+@case(
+    "layout-init-from-expert-parallel-dense",
+    "layout",
+    "`parallel.expert_parallel` on a dense `model.init_from` checkpoint (model section: `init_from` alone)",
+    "model.arch='llama' has none",
+    "set expert_parallel: 1",
+)
+def _(env):
+    return ["plan", init_from_only(env, parallel={"data_parallel": 2, "expert_parallel": 2})]
 
 
 @case(
@@ -1618,6 +1648,7 @@ class Outcome:
     code: int | None
     err: str
     changes: list[str]
+    out: str = ""  # stdout: empty, the message is stderr's (`fitlm generate` once echoed its prompt first)
 
 
 @contextlib.contextmanager
@@ -1651,7 +1682,7 @@ def run_case(c: Case, tmp: Path, shared: Shared) -> Outcome:
                 code = None
     finally:
         sys.stdin = stdin
-    return Outcome(argv, code, err.getvalue(), changes(before, snapshot(roots)))
+    return Outcome(argv, code, err.getvalue(), changes(before, snapshot(roots)), out.getvalue())
 
 
 # --------------------------------------------------------------------------- the tests
@@ -1673,6 +1704,7 @@ def test_bad_input(c: Case, shared: Shared, tmp_path: Path) -> None:
     got = run_case(c, work, shared)
     assert got.code == 2, (got.code, got.err)
     assert "Traceback" not in got.err, got.err
+    assert got.out == "", f"a refused command printed on stdout: {got.out!r}"
     assert re.search(r"^(\[rank \d+\] )?fitlm[\w -]*: error: ", got.err, re.M), got.err
     for text in c.expect:
         assert text in got.err, (text, got.err)

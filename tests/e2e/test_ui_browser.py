@@ -17,6 +17,7 @@ import pytest
 
 from fitlm.train.run_lock import lock_status
 from tests.e2e.helpers import fitlm, tiny_config, write_config
+from tests.unit.serve_models import models_beside_runs
 
 ROOT = Path(__file__).resolve().parents[2]
 SHOTS = ROOT / "docs" / "img"
@@ -57,6 +58,10 @@ def world(tmp_path_factory, tiny_corpus):
     assert fitlm("train", done).returncode == 0
     profiled = fitlm("profile", done, "--steps", "3", "--out", root / "prof")
     assert profiled.returncode == 0, profiled.stderr
+    models = models_beside_runs(root, root / "done", lambda *a: fitlm(*a).returncode)
+    tasks = Path(__file__).resolve().parents[2] / "examples" / "eval" / "shakespeare_mc.jsonl"
+    evaluated = fitlm("eval", root / "done", "--tasks", tasks, "--limit", "3")  # eval.json beside the run
+    assert evaluated.returncode == 0, evaluated.stderr[-2000:]
     # A run that goes on until stopped: a step logged each step, a checkpoint every 5.
     long = write_config(
         tmp / "long.yaml",
@@ -87,7 +92,7 @@ def world(tmp_path_factory, tiny_corpus):
     driver.set_page_load_timeout(WAIT_S)
     SHOTS.mkdir(parents=True, exist_ok=True)
     try:
-        yield {"url": url, "root": root, "done": done, "long": long, "driver": driver, "tmp": tmp}
+        yield {"url": url, "root": root, "done": done, "long": long, "driver": driver, "tmp": tmp, "models": models}
     finally:
         driver.quit()
         server.send_signal(signal.SIGTERM)
@@ -143,7 +148,9 @@ def test_plan_numbers_are_the_clis(world):
     d, config = world["driver"], str(world["done"])
     d.get(f"{world['url']}/plan?config={config}")
     total = wait(d, lambda d: by_testid(d, "plan-total"))
-    assert int(total.get_attribute("data-bytes")) == cli_plan(config)["per_device"]["total"]
+    cli = cli_plan(config)
+    assert int(total.get_attribute("data-bytes")) == cli["per_device"]["total"]
+    assert by_testid(d, "plan-device-source").text == cli["device_source"]["note"]  # which device, and why
     set_knob(d, "train.micro_batch_size", 2)
     set_knob(d, "memory.recompute", "full")
     want = cli_plan(config, "--set", "train.micro_batch_size=2", "--set", "memory.recompute=full")
@@ -271,9 +278,25 @@ def test_export_writes_the_file_and_lists_it(world):
     assert state.get_attribute("data-state") == "done", d.find_element(By.CSS_SELECTOR, "pre.log").text
     assert str(out) in by_testid(d, "export-files").text and out.read_bytes()[:4] == b"GGUF"
     # the progress the page draws while it runs: the CLI's block count, to the last block
-    done = re.findall(r"^weights \(blocks\): (\d+)/(\d+)$", d.find_element(By.CSS_SELECTOR, "pre.log").text, re.M)
+    done = re.findall(r"^weights \(blocks\): (\d+)/(\d+), ", d.find_element(By.CSS_SELECTOR, "pre.log").text, re.M)
     assert done and done[-1][0] == done[-1][1] and len(done) == int(done[-1][1])
     d.save_screenshot(str(SHOTS / "ui-export.png"))
+
+
+def test_runs_view_lists_runs_and_models_are_offered_where_one_is_chosen(world):
+    """An imported and an exported model under RUNS_DIR: not rows of the Runs view (they were shown as crashed
+    runs), but choices in the Chat and Export views' model lists, beside the finished run's model."""
+    d, url, root = world["driver"], world["url"], world["root"]
+    d.get(f"{url}/runs")
+    table = wait(d, lambda d: by_testid(d, "runs-table"))
+    names = {a.text for a in table.find_elements(By.CSS_SELECTOR, "tbody tr td:first-child a")}
+    assert {"done", "prof"} <= names and not names & {"imported", "exported"}, names
+    models = {str(p) for p in world["models"].values()} | {str(root / "done" / "model")}
+    for view, datalist in (("chat", "models"), ("export", "ex-models")):
+        d.get(f"{url}/{view}")
+        find(d, "//main//form")
+        offered = {o.get_attribute("value") for o in d.find_elements(By.CSS_SELECTOR, f"datalist#{datalist} option")}
+        assert models <= offered and str(root / "prof") not in offered, (view, offered)
 
 
 def test_guard_interventions_are_marked_on_the_charts(world):
@@ -304,6 +327,18 @@ def test_a_profile_report_is_shown_beside_the_plan(world):
     }
     d.execute_script("arguments[0].scrollIntoView()", plots[0])
     wait(d, lambda d: all(d.execute_script("return arguments[0].naturalWidth", p) > 0 for p in plots))
+
+
+def test_an_evaluated_run_shows_its_scores(world):
+    d = world["driver"]
+    d.get(f"{world['url']}/runs/done")
+    table = wait(d, lambda d: by_testid(d, "run-evaluation"))
+    results = json.loads((world["root"] / "done" / "eval.json").read_text())["results"]["shakespeare_mc"]
+    rows = [
+        [c.text for c in r.find_elements(By.TAG_NAME, "td")] for r in table.find_elements(By.CSS_SELECTOR, "tbody tr")
+    ]
+    assert [r[:2] for r in rows] == [["shakespeare_mc", "acc"], ["shakespeare_mc", "acc_norm"]]
+    assert [float(r[2]) for r in rows] == pytest.approx([results["acc,none"], results["acc_norm,none"]], abs=1e-4)
 
 
 def test_views_hold_at_phone_width_with_labelled_controls(world):

@@ -46,3 +46,15 @@ def chat_model_dir(root: Path, style: str = "qwen", context: int = 256, seed: in
     for f in tok_dir.iterdir():
         shutil.copy(f, out / f.name)
     return out
+
+
+def models_beside_runs(root: Path, run: Path, cli) -> dict[str, Path]:
+    """Model directories as a user leaves them under RUNS_DIR next to `run` (a finished training output): a
+    transformers-made checkpoint through `fitlm import`, `run` through `fitlm export --format hf`, and a GGUF
+    export. `cli(*args)` runs a fitlm command (in process or as a process) and returns its exit status."""
+    src = chat_model_dir(root.parent / "hf-source")  # outside RUNS_DIR: only what fitlm wrote is under it
+    out = {"imported": root / "imported", "exported": root / "exported", "gguf": root / "exported.gguf"}
+    assert cli("import", str(src), "--out", str(out["imported"])) == 0
+    assert cli("export", str(run), "--format", "hf", "--out", str(out["exported"])) == 0
+    assert cli("export", str(run), "--format", "gguf", "--out", str(out["gguf"])) == 0
+    return out

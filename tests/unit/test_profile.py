@@ -61,7 +61,7 @@ def single(tiny_corpus, tmp_path_factory):
 def test_single_process_profile_writes_report_plots_and_json(single):
     proc, result = single["proc"], single["result"]
     assert len(proc.stdout.strip().splitlines()) == 1  # exactly one JSON object on stdout; progress on stderr
-    assert "fitlm profile: step" in proc.stderr
+    assert "profile: step 3/3, loss " in proc.stderr and ", ETA " in proc.stderr  # a line each log_interval (1)
     check_report(single["out"], result, world=1)
     assert len(result["history"]) == 3 and all(h["loss"] > 0 for h in result["history"])
     # accumulation 2: the root module runs twice in the measured step and is followed, not refused

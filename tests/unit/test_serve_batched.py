@@ -153,4 +153,4 @@ def test_engine_batches_queued_requests_and_matches_solo(tmp_path):
         solo = generate(model, p, n, eos_id=tok.stop_ids)
         text = "".join(ev[1] for ev in events[i] if ev[0] == "delta")
         assert text == tok.decode([t for t in solo if t not in stops])
-        assert events[i][-1] == ("done", "stop" if solo[-1] in stops else "length", len(solo))
+        assert events[i][-1] == ("done", "stop" if solo[-1] in stops else "length", len(solo), [])  # no logprobs

@@ -20,6 +20,7 @@ from fitlm.cli import main  # noqa: E402
 from fitlm.ui.app import create_app  # noqa: E402
 from fitlm.ui.planning import knob_specs, scenarios  # noqa: E402
 from tests.e2e.helpers import tiny_config, write_config  # noqa: E402
+from tests.unit.serve_models import models_beside_runs  # noqa: E402
 from tests.unit.test_plan import CONFIGS  # noqa: E402
 
 
@@ -184,6 +185,21 @@ def test_runs_list_states_and_metrics(client, tiny_corpus, tmp_path):
     assert done["lock"]["status"] == "finished" and "max_steps: 3" in done["config_yaml"]
 
 
+def test_runs_are_training_outputs_and_models_are_offered_to_chat(client, tiny_corpus, tmp_path):
+    """Model directories (imported, exported, merged) hold a config.yaml but never trained: they are offered where a
+    model is chosen, never listed as runs (they showed as `crashed` at step 0 of 1000)."""
+    root = tmp_path / "runs"
+    cfg = write_config(tmp_path / "a.yaml", tiny_config(tiny_corpus, root / "done", train={"max_steps": 2}))
+    assert main(["train", str(cfg)]) == 0
+    models = models_beside_runs(root, root / "done", lambda *a: main(list(a)))
+    listed = client.get("/api/runs").json()["runs"]
+    assert [(r["name"], r["state"]) for r in listed] == [("done", "finished")]
+    offered = client.get("/api/models").json()["models"]
+    assert set(offered) == {str(root / "done" / "model"), *(str(p) for p in models.values())}
+    r = client.get("/api/run", params={"name": "imported"})
+    assert r.status_code == 400 and "Chat or Export view" in r.json()["error"]
+
+
 @pytest.mark.parametrize("name", ["../outside", "nothing-here", "/etc"])
 def test_unknown_or_escaping_run_names_are_refused(client, name):
     r = client.get("/api/run", params={"name": name})
@@ -276,15 +292,14 @@ def test_odd_metrics_lines_still_list_and_chart(client, tmp_path):
 
 
 def test_a_job_reports_the_progress_lines_its_command_prints(monkeypatch, capsys):
-    """fitlm.cli_common.counted prints "<what>: i/n" where FITLM_PROGRESS_LINES is set (the UI's export jobs set it),
-    and the job's JSON carries the last one, which the Export view draws as a progress bar."""
-    from fitlm.cli_common import PROGRESS_LINES, counted
+    """fitlm.progress.counted prints "<what>: i/n, elapsed …, ETA …" lines where FITLM_PROGRESS_LINES is set (the UI's
+    export jobs set it), and the job's JSON carries the last count, which the Export view draws as a progress bar."""
+    from fitlm.progress import PROGRESS_INTERVAL, PROGRESS_LINES, counted
     from fitlm.ui.jobs import _progress
 
     monkeypatch.setenv(PROGRESS_LINES, "1")
+    monkeypatch.setenv(PROGRESS_INTERVAL, "0")
     assert list(counted(iter("abc"), 3, "weights (blocks)")) == ["a", "b", "c"]
     log = "loading\n" + capsys.readouterr().err + "exported\n"
-    assert log.count("weights (blocks): ") == 3
+    assert log.count("weights (blocks): ") == 3 and "weights (blocks): 3/3, elapsed " in log
     assert _progress(log) == [3, 3] and _progress("loading\n") is None
-    monkeypatch.delenv(PROGRESS_LINES)
-    assert list(counted(iter("ab"), 2, "x")) == ["a", "b"] and capsys.readouterr().err == ""  # not a terminal

@@ -1,5 +1,5 @@
 """What every `fitlm data` output shares: the atomic output directory and its checks, the manifest's
-common fields and the progress bar (`pack` on either engine, `merge`, `clean`)."""
+common fields and the progress on stderr (`pack` on either engine, `merge`, `clean`)."""
 
 from __future__ import annotations
 
@@ -14,17 +14,22 @@ from fitlm.data.errors import DataError
 from fitlm.data.format import FORMAT, FORMAT_VERSION
 from fitlm.data.tokenizer import Tokenizer
 from fitlm.diskspace import disk_full_guard
+from fitlm.progress import Lines, as_lines, byte_counts
 
 if TYPE_CHECKING:
     from rich.progress import Progress as RichProgress
 
 
 class Progress:
-    """A rich progress bar over input bytes, on stderr (stdout is reserved for --json output)."""
+    """Progress over input bytes on stderr (stdout is reserved for --json output): a rich bar on a terminal,
+    lines every few seconds elsewhere (fitlm.progress)."""
 
     def __init__(self, enabled: bool, total: int, label: str = "packing"):
         self._bar: RichProgress | None = None
-        if enabled:
+        self._lines: Lines | None = None
+        if enabled and as_lines():
+            self._lines = Lines(label, total, counts=byte_counts)
+        elif enabled:
             from rich.console import Console
             from rich.progress import (
                 BarColumn,
@@ -47,13 +52,17 @@ class Progress:
             self._task = self._bar.add_task(label, total=total)
 
     def __enter__(self) -> Callable[[int], None]:
-        bar = self._bar
+        bar, lines = self._bar, self._lines
+        if lines is not None:
+            return lines.advance
         if bar is None:
             return lambda n: None
         bar.__enter__()
         return lambda n: bar.advance(self._task, n)
 
     def __exit__(self, *exc) -> None:
+        if self._lines is not None and exc[0] is None:
+            self._lines.close()  # the end, also where the bytes read fell short of the files' sizes
         if self._bar is not None:
             self._bar.__exit__(*exc)
 

@@ -36,7 +36,8 @@ VIEWS.plan = async function (main, info) {
       autocomplete: "off", spellcheck: "false"}),
     `a YAML path, a model directory / checkpoint / .gguf, or a shipped scenario (${info.scenarios.join(", ")})`);
   const [devField, dev] = field("Device", el("select", {},
-    el("option", {value: ""}, "CLI default (a100-80g)"),
+    // none picked: the server chooses as `fitlm plan` does, and the plan names the device and why
+    el("option", {value: ""}, "fitlm plan's choice"),
     info.devices.map((d) => el("option", {value: d.name, selected: d.name === q.get("device")},
       d.memory_bytes ? `${d.name} (${gib(d.memory_bytes)})` : `${d.name} (measured here)`))));
   const [numField, count] = field("Devices", el("input", {type: "number", min: 1, step: 1,
@@ -108,6 +109,8 @@ function drawPlan(out, r, req) {
   const searchBtn = el("button", {type: "button", onclick: () => out.dispatchEvent(new Event("search"))},
     "Fastest layout");
   fill(out, [
+    // which device the figures are for, and why (the server chooses as `fitlm plan` does when none is picked)
+    p.device_source ? el("p", {class: "muted", "data-testid": "plan-device-source"}, p.device_source.note) : null,
     el("p", {class: "headline"}, `${p.model.arch} ${count(p.model.params)} params${trainable} · ${p.layout} · `
       + `${p.memory_options} · ${d.num_devices}× ${d.name}`),
     el("div", {class: "verdict"},
@@ -116,9 +119,9 @@ function drawPlan(out, r, req) {
         p.fits ? `fits: ${gib(total)} of ${gib(d.usable_bytes)} usable` : !p.fits_device ?
           `does not fit: ${gib(p.diagnosis.over_by_bytes)} over ${gib(d.usable_bytes)} usable` :
           `does not fit the host: ${gib(p.host.over_by_bytes)} over its usable RAM (see Host memory)`),
-      el("p", {}, `peak during ${p.peak_phase}`)),
+      el("p", {}, `each component at the peak moment: ${p.peak_phase}`)),
     stackedBar(parts, d.usable_bytes, "plan-bar"),
-    table(["component", "per device", "share"], parts.map((x, i) => [
+    table(["component", "per device at the peak", "share"], parts.map((x, i) => [
       el("span", {}, el("i", {class: "swatch", style: `background:${PALETTE[i % PALETTE.length]}`}), x.name),
       gib(x.bytes), pct(x.share)]),
       {class: "parts", "data-testid": "plan-parts"}),

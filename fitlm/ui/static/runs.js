@@ -127,6 +127,13 @@ function drawExtra(box, d, name) {
         alt: `profile plot ${p}`, loading: "lazy"}))));
     if (prof.report_md) parts.push(el("details", {}, el("summary", {}, "report.md"), el("pre", {}, prof.report_md)));
   }
+  const ev = d.evaluation;
+  if (ev && ev.error) parts.push(el("p", {class: "warn"}, ev.error));
+  else if (ev) {
+    parts.push(el("h2", {}, "Evaluation (fitlm eval)"), table(["task", "metric", "value", "± stderr"],
+      ev.rows.map((r) => [r.task, r.metric, num(r.value, 4), typeof r.stderr === "number" ? num(r.stderr, 4) : ""]),
+      {"data-testid": "run-evaluation"}));
+  }
   if (d.config_yaml) {
     parts.push(el("details", {}, el("summary", {}, "config.yaml"), el("pre", {"data-testid": "run-config"}, d.config_yaml)));
   }
