@@ -69,3 +69,14 @@ def _unit_tests_start_no_process(request, monkeypatch):
     monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
     yield
     monkeypatch.setattr(subprocess.Popen, "__init__", real)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """After a run that included tests/e2e/test_docs_commands.py: the table of the docs' commands that ran and of
+    those that did not, with why (also `python -m tests.e2e.docs_blocks`)."""
+    reports = (r for reports in terminalreporter.stats.values() for r in reports if hasattr(r, "nodeid"))
+    if any("test_docs_commands.py::test_docs_commands_run" in r.nodeid for r in reports):
+        from tests.e2e.docs_blocks import all_blocks, table
+
+        terminalreporter.write_sep("-", "docs commands")
+        terminalreporter.write_line(table(all_blocks()))
