@@ -1,4 +1,5 @@
-"""Each family trains the same under data parallel ZeRO-3 and pipeline parallel (MoE: ZeRO-3 only) as in one process:
+"""Each family trains the same under data parallel ZeRO-3 and pipeline parallel (MoE: pipeline parallel with the
+auxiliary loss on, MOE_PIPELINE) as in one process:
 `fitlm train` (torchrun, gloo), same data, seed and global batch; losses, gradient norms and final
 weights equal. Tensor parallel of every family is checked module by module in test_tensor_parallel.py.
 Qwen3 and Gemma 3 (the two most unlike Llama) run in the fast tier, the others in the slow one.
@@ -44,7 +45,25 @@ FAMILIES = {  # model section overrides of the tiny config (hidden 64, 2 layers,
         "router_aux_loss_coef": 0.0,
     },
 }
-PIPELINED = [f for f in FAMILIES if f != "qwen3_moe"]  # MoE families refuse pipeline parallel (yet)
+PIPELINED = [f for f in FAMILIES if f != "qwen3_moe"]  # the MoE families' pipeline runs are MOE_PIPELINE's
+# MoE under pipeline parallel with the aux loss on (fitlm/step/pipeline_balance.py): 4 blocks, so stage 0 holds a
+# sparse and the dense block and stage 1 two sparse ones, and the loss couples the stages' routing. The pipeline
+# layouts' micro batches hold the one process's rows (no data parallel), so the per-micro-batch aux loss agrees.
+MOE_PP = {**FAMILIES["qwen3_moe"], "num_layers": 4, "router_aux_loss_coef": 0.1}
+MIXTRAL_PP = {"arch": "mixtral", "head_dim": 24, "num_experts": 4, "num_experts_per_tok": 2, "num_layers": 4}
+MOE_PIPELINE = {  # case: (model, parallel)
+    "qwen3_moe-pp2-1f1b": (MOE_PP, {"pipeline_parallel": 2, "micro_batch_num": 2}),
+    "qwen3_moe-pp2-gpipe-m4-tied": (
+        {**MOE_PP, "tie_embeddings": True},
+        {"pipeline_parallel": 2, "pipeline_schedule": "gpipe", "micro_batch_num": 4},
+    ),
+    "qwen3_moe-pp2-interleaved": (
+        MOE_PP,
+        {"pipeline_parallel": 2, "pipeline_schedule": "interleaved_1f1b", "micro_batch_num": 2},
+    ),
+    "mixtral-pp2-1f1b": ({**MIXTRAL_PP, "router_aux_loss_coef": 0.1}, {"pipeline_parallel": 2, "micro_batch_num": 2}),
+}
+MOE_PIPELINE_FAST = ("qwen3_moe-pp2-1f1b",)
 FAST = ("qwen3", "gemma3")
 LAYOUTS = {
     "dp2-zero3": ({"data_parallel": 2, "zero_stage": 3}, {"micro_batch_size": 2, "gradient_accumulation_steps": 2}),
@@ -70,6 +89,10 @@ CASES = [
 def family_runs(request, tiny_corpus, tmp_path_factory) -> dict[str, dict]:
     """Each selected (family, layout) and each family's single-process run, in shared worlds (run_shared)."""
     cases = {}
+    for params in selected(request, "test_moe_pipeline_equals_single_process"):
+        model, parallel = MOE_PIPELINE[params["case"]]
+        cases[params["case"]] = {"parallel": parallel, "train": REFERENCE_BATCH, "model": model}
+        cases[params["case"] + "-single"] = {"parallel": {}, "train": REFERENCE_BATCH, "model": model}
     for params in selected(request, "test_family_layout_equals_single_process"):
         family, layout = params["family"], params["layout"]
         parallel, train = LAYOUTS[layout]
@@ -83,6 +106,16 @@ def test_family_layout_equals_single_process(family_runs, family, layout):
     reference = family_runs[f"{family}-single"]
     assert reference["losses"][-1] < reference["losses"][0]  # it trained
     assert_same_training(family_runs[f"{family}-{layout}"], reference)
+
+
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=() if c in MOE_PIPELINE_FAST else pytest.mark.slow) for c in MOE_PIPELINE]
+)
+def test_moe_pipeline_equals_single_process(family_runs, case):
+    """Pipeline parallel on an MoE model with the aux loss on: losses, gradient norms and weights of one process."""
+    reference = family_runs[f"{case}-single"]
+    assert reference["losses"][-1] < reference["losses"][0]  # it trained
+    assert_same_training(family_runs[case], reference)
 
 
 def test_phi3_checkpoint_reshards_between_layouts(tiny_corpus, tmp_path):
