@@ -116,6 +116,9 @@ def test_moe_pipeline_equals_single_process(family_runs, case):
     reference = family_runs[f"{case}-single"]
     assert reference["losses"][-1] < reference["losses"][0]  # it trained
     assert_same_training(family_runs[case], reference)
+    # the logged aux loss and expert load: every stage's MoE layers, as one process logs them
+    assert family_runs[case]["balance"] == pytest.approx(reference["balance"], rel=2e-5, abs=1e-5)
+    assert len(reference["balance"]) == 2 * len(reference["losses"])
 
 
 def test_phi3_checkpoint_reshards_between_layouts(tiny_corpus, tmp_path):
