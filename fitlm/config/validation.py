@@ -71,12 +71,6 @@ def family_errors(m: ModelConfig, p: ParallelConfig) -> list[str]:
 def _moe_pipeline_errors(m, p) -> list[str]:
     """What pipeline parallel does not run yet on an MoE model (fitlm.step.pipeline_balance runs the rest)."""
     errs = []
-    if p.expert_parallel > 1:
-        errs.append(
-            f"parallel.expert_parallel: {p.expert_parallel} with pipeline_parallel={p.pipeline_parallel} is not "
-            "supported yet (each stage's all-to-all over its own ep group is not wired into the stages); set "
-            "expert_parallel: 1 under pipeline parallel, or pipeline_parallel: 1 with expert_parallel"
-        )
     if m.moe_balance == "aux_free":
         errs.append(
             f"model.moe_balance: aux_free with pipeline_parallel={p.pipeline_parallel} is not supported yet (the "

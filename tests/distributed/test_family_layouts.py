@@ -64,10 +64,20 @@ MOE_PIPELINE = {  # case: (model, parallel)
     "mixtral-pp2-1f1b": ({**MIXTRAL_PP, "router_aux_loss_coef": 0.1}, {"pipeline_parallel": 2, "micro_batch_num": 2}),
     # A capacity is per forward: with one chunk per micro batch a chunk's tokens are the one process's forward's.
     "qwen3_moe-pp2-capacity-m1": ({**MOE_PP, "capacity_factor": 1.0}, {"pipeline_parallel": 2, "micro_batch_num": 1}),
-    # ZeRO-2 on each stage's dp2 replicas; the aux loss off, as the data split gives the micro batches other rows
+    # ZeRO-2 on each stage's dp2 replicas, and expert parallel inside each stage (each stage's experts split over
+    # its ep2 group, the all-to-alls among the ranks of one stage); the aux loss off, as the data split gives the
+    # micro batches other rows than the one process's
     "qwen3_moe-dp2-zero2-pp2": (
         {**MOE_PP, "router_aux_loss_coef": 0.0},
         {"pipeline_parallel": 2, "micro_batch_num": 2, "data_parallel": 2, "zero_stage": 2},
+    ),
+    "qwen3_moe-dp2-ep2-pp2": (
+        {**MOE_PP, "router_aux_loss_coef": 0.0},
+        {"pipeline_parallel": 2, "micro_batch_num": 2, "data_parallel": 2, "expert_parallel": 2},
+    ),
+    "mixtral-dp2-ep2-zero3-pp2-tied": (
+        {**MIXTRAL_PP, "tie_embeddings": True, "router_aux_loss_coef": 0.0},
+        {"pipeline_parallel": 2, "micro_batch_num": 2, "data_parallel": 2, "expert_parallel": 2, "zero_stage": 3},
     ),
 }
 MOE_PIPELINE_FAST = ("qwen3_moe-pp2-1f1b",)
