@@ -30,8 +30,9 @@ from fitlm.models.moe import MoEFeedForward
 from fitlm.step.router_balance import RouterBalance
 
 # Where torch's PipelineStage runs a stage's forward once on uninitialised buffers to learn its shapes before the
-# first chunk (torch 2.13: _forward_metadata_inference; 2.4-2.12: _shape_inference): that call is no chunk.
-_INFERENCE_FRAMES = ("_forward_metadata_inference", "_shape_inference")
+# first chunk (torch 2.13: _forward_metadata_inference; 2.4-2.12: _shape_inference): that call is no chunk. Its
+# backward (_backward_metadata_inference) reruns a recomputed block's forward, which must match it.
+_INFERENCE_FRAMES = ("_forward_metadata_inference", "_backward_metadata_inference", "_shape_inference")
 
 
 def _shape_inference() -> bool:

@@ -51,6 +51,16 @@ PIPELINED = [f for f in FAMILIES if f != "qwen3_moe"]  # the MoE families' pipel
 # layouts' micro batches hold the one process's rows (no data parallel), so the per-micro-batch aux loss agrees.
 MOE_PP = {**FAMILIES["qwen3_moe"], "num_layers": 4, "router_aux_loss_coef": 0.1}
 MIXTRAL_PP = {"arch": "mixtral", "head_dim": 24, "num_experts": 4, "num_experts_per_tok": 2, "num_layers": 4}
+QWEN2_MOE_PP = {
+    "arch": "qwen2_moe",
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 48,
+    "shared_expert_intermediate_size": 64,
+    "num_layers": 4,
+    "decoder_sparse_step": 2,
+}
+MOE_MEMORY = {"qwen2_moe-pp2-recompute": {"recompute": "full"}}  # the pipeline run's memory section
 MOE_PIPELINE = {  # case: (model, parallel)
     "qwen3_moe-pp2-1f1b": (MOE_PP, {"pipeline_parallel": 2, "micro_batch_num": 2}),
     "qwen3_moe-pp2-gpipe-m4-tied": (
@@ -62,6 +72,11 @@ MOE_PIPELINE = {  # case: (model, parallel)
         {"pipeline_parallel": 2, "pipeline_schedule": "interleaved_1f1b", "micro_batch_num": 2},
     ),
     "mixtral-pp2-1f1b": ({**MIXTRAL_PP, "router_aux_loss_coef": 0.1}, {"pipeline_parallel": 2, "micro_batch_num": 2}),
+    # a shared expert and a dense block every other layer, every block recomputed (its router forward rerun)
+    "qwen2_moe-pp2-recompute": (
+        {**QWEN2_MOE_PP, "router_aux_loss_coef": 0.1},
+        {"pipeline_parallel": 2, "micro_batch_num": 2},
+    ),
     # A capacity is per forward: with one chunk per micro batch a chunk's tokens are the one process's forward's.
     "qwen3_moe-pp2-capacity-m1": ({**MOE_PP, "capacity_factor": 1.0}, {"pipeline_parallel": 2, "micro_batch_num": 1}),
     # ZeRO-2 on each stage's dp2 replicas, and expert parallel inside each stage (each stage's experts split over
@@ -110,6 +125,8 @@ def family_runs(request, tiny_corpus, tmp_path_factory) -> dict[str, dict]:
         model, parallel = MOE_PIPELINE[params["case"]]
         train = {"micro_batch_size": 2, "gradient_accumulation_steps": 2} if "data_parallel" in parallel else None
         cases[params["case"]] = {"parallel": parallel, "train": train or REFERENCE_BATCH, "model": model}
+        if params["case"] in MOE_MEMORY:
+            cases[params["case"]]["memory"] = MOE_MEMORY[params["case"]]
         cases[params["case"] + "-single"] = {"parallel": {}, "train": REFERENCE_BATCH, "model": model}
     for params in selected(request, "test_family_layout_equals_single_process"):
         family, layout = params["family"], params["layout"]
