@@ -63,20 +63,6 @@ def family_errors(m: ModelConfig, p: ParallelConfig) -> list[str]:
             f"parallel.pipeline_parallel: model.arch={m.arch!r} cannot be pipeline-parallel yet; set it to 1 "
             f"and shard with data_parallel and zero_stage 3"
         )
-    if p.pipeline_parallel > 1 and m.moe:
-        errs += _moe_pipeline_errors(m, p)
-    return errs
-
-
-def _moe_pipeline_errors(m, p) -> list[str]:
-    """What pipeline parallel does not run yet on an MoE model (fitlm.step.pipeline_balance runs the rest)."""
-    errs = []
-    if m.moe_balance == "aux_free":
-        errs.append(
-            f"model.moe_balance: aux_free with pipeline_parallel={p.pipeline_parallel} is not supported yet (the "
-            "checkpoint keeps the routing biases of rank 0's stage only); use moe_balance: aux_loss or none, or "
-            "pipeline_parallel: 1"
-        )
     return errs
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import sys
 from types import FrameType
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -70,17 +71,31 @@ class PipelineRouterBalance(RouterBalance):
     group in `begin_step` (with the aux loss) and `observe`, on every pp rank alike."""
 
     def __init__(
-        self, layers: list[MoEFeedForward], num_experts: int, chunks: int, pp_group, device, capacity: bool, **kw
+        self,
+        stages: list[tuple[int, list[MoEFeedForward]]],
+        num_experts: int,
+        chunks: int,
+        pp_group,
+        device,
+        capacity: bool,
+        **kw,
     ):
+        """`stages`: this rank's (stage id, its MoE layers in block order), stage ids ascending."""
+        layers = [m for _, ms in stages for m in ms]
         super().__init__(layers, **kw)
         self.num_experts, self.chunks, self.pp_group = num_experts, chunks, pp_group
         self.device, self.capacity = torch.device(device), capacity
         self.index = {id(m): i for i, m in enumerate(layers)}
         self.phase: str | None = None  # "count" in the forward-only pass, "train" in the schedule, else None
-        self._bias_max = 0.0
         for m in layers:
             m.observer = self.see
         self._reset(1)
+        if self.biased:
+            everyone = _all_stages(stages, pp_group)
+            self.rows = _global_rows(stages, everyone)
+            # Every MoE layer's routing bias [L_all, E], on every rank: what the checkpoint (written by rank 0
+            # alone) keeps; refreshed after each update
+            self.biases = torch.zeros(sum(n for _, n in everyone), num_experts)
 
     def _reset(self, micro_batches: int) -> None:
         e = self.num_experts
@@ -171,6 +186,63 @@ class PipelineRouterBalance(RouterBalance):
         dist.all_reduce(load, op=dist.ReduceOp.MAX, group=self.pp_group)
         dist.all_reduce(dropped, group=self.pp_group)
         self.metrics = {"aux_loss": float(aux_sum[0] / aux_sum[1].clamp(min=1)), "expert_load": float(load[0])}
+        if self.biased:
+            self._load = counts  # [L, E] this rank's layers' loads over every token rank: the bias update's
+            self.metrics["router_bias_max"] = self.bias_max()
         if self.capacity:
             self.metrics["dropped_tokens"] = float(dropped[0] / dropped[1].clamp(min=1))
         self._aux, self._counts, self._dropped, self.phase = torch.zeros(2), None, None, None
+
+    # ------------------------------------------------------------------ aux_free: the routing biases of all stages
+
+    def after_optimizer_step(self, applied: bool) -> None:
+        """The bias update of every local layer (RouterBalance), then every stage's biases gathered (collective
+        over pp on every rank: the update is taken or skipped alike everywhere)."""
+        super().after_optimizer_step(applied)
+        if self.biased:
+            local = [
+                (row, cast(torch.Tensor, m.expert_bias).detach().float().cpu())
+                for row, m in zip(self.rows, self.layers)
+            ]
+            parts: list = [None] * dist.get_world_size(self.pp_group)
+            dist.all_gather_object(parts, local, group=self.pp_group)
+            for row, bias in (pair for part in parts for pair in part):
+                self.biases[row] = bias
+            self.metrics["router_bias_max"] = self.bias_max()
+
+    def bias_max(self) -> float:
+        return float(self.biases.abs().max()) if self.biased and self.biases.numel() else 0.0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every stage's routing biases [L_all, E] (kept on every rank: no collective; rank 0 writes them)."""
+        return {"expert_bias": self.biases.clone()} if self.biased else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        bias = state.get("expert_bias")
+        if bias is None or not self.biased:
+            return
+        if tuple(bias.shape) != tuple(self.biases.shape):
+            raise ValueError(
+                f"checkpoint: routing biases of shape {list(bias.shape)} for {self.biases.shape[0]} MoE layers; "
+                "resume with the model section the checkpoint was saved with"
+            )
+        self.biases = bias.float().clone()
+        with torch.no_grad():
+            for row, layer in zip(self.rows, self.layers):
+                assert layer.expert_bias is not None
+                layer.expert_bias.copy_(self.biases[row].to(layer.expert_bias.device))
+
+
+def _all_stages(stages: list[tuple[int, list[MoEFeedForward]]], pp_group) -> list[tuple[int, int]]:
+    """(stage id, MoE layers) of every stage of every pp rank, stage ids ascending (collective over pp)."""
+    parts: list = [None] * dist.get_world_size(pp_group)
+    dist.all_gather_object(parts, [(sid, len(ms)) for sid, ms in stages], group=pp_group)
+    return sorted(pair for part in parts for pair in part)
+
+
+def _global_rows(stages: list[tuple[int, list[MoEFeedForward]]], everyone: list[tuple[int, int]]) -> list[int]:
+    """The index of each of this rank's MoE layers among all of the model's (stage by stage, in block order)."""
+    start, offset = {}, 0
+    for sid, n in everyone:
+        start[sid], offset = offset, offset + n
+    return [start[sid] + i for sid, ms in stages for i in range(len(ms))]

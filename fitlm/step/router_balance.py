@@ -61,7 +61,7 @@ class RouterBalance:
             from fitlm.step.pipeline_balance import PipelineRouterBalance
 
             return PipelineRouterBalance(
-                layers,
+                [(sid, moe_layers([mod])) for sid, mod in pipeline.stages],
                 m.num_experts,
                 pipeline.chunks,
                 pipeline.group,

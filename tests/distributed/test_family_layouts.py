@@ -72,6 +72,11 @@ MOE_PIPELINE = {  # case: (model, parallel)
         {"pipeline_parallel": 2, "pipeline_schedule": "interleaved_1f1b", "micro_batch_num": 2},
     ),
     "mixtral-pp2-1f1b": ({**MIXTRAL_PP, "router_aux_loss_coef": 0.1}, {"pipeline_parallel": 2, "micro_batch_num": 2}),
+    # aux-loss-free balancing: every stage's layers' biases follow their loads (a step large enough to reroute)
+    "qwen3_moe-pp2-aux-free": (
+        {**MOE_PP, "moe_balance": "aux_free", "router_bias_update_rate": 0.05},
+        {"pipeline_parallel": 2, "micro_batch_num": 2},
+    ),
     # a shared expert and a dense block every other layer, every block recomputed (its router forward rerun)
     "qwen2_moe-pp2-recompute": (
         {**QWEN2_MOE_PP, "router_aux_loss_coef": 0.1},
@@ -95,7 +100,7 @@ MOE_PIPELINE = {  # case: (model, parallel)
         {"pipeline_parallel": 2, "micro_batch_num": 2, "data_parallel": 2, "expert_parallel": 2, "zero_stage": 3},
     ),
 }
-MOE_PIPELINE_FAST = ("qwen3_moe-pp2-1f1b",)
+MOE_PIPELINE_FAST = ("qwen3_moe-pp2-1f1b", "qwen3_moe-pp2-aux-free")
 FAST = ("qwen3", "gemma3")
 LAYOUTS = {
     "dp2-zero3": ({"data_parallel": 2, "zero_stage": 3}, {"micro_batch_size": 2, "gradient_accumulation_steps": 2}),
@@ -158,6 +163,8 @@ def test_moe_pipeline_equals_single_process(family_runs, case):
         reference["balance"][step - 1 :: step], rel=2e-5, abs=1e-5
     )
     assert len(reference["balance"]) == 2 * len(reference["losses"])
+    assert family_runs[case]["bias"] == pytest.approx(reference["bias"], rel=2e-5, abs=1e-7)
+    assert bool(reference["bias"]) == (MOE_PIPELINE[case][0].get("moe_balance") == "aux_free")
 
 
 def test_phi3_checkpoint_reshards_between_layouts(tiny_corpus, tmp_path):
@@ -194,3 +201,34 @@ def test_phi3_checkpoint_reshards_between_layouts(tiny_corpus, tmp_path):
     for k, v in single.items():
         torch.testing.assert_close(weights[k], v, rtol=1e-4, atol=1e-4, msg=k)
     assert json.loads((tmp_path / "tp2" / "model" / "fitlm.json").read_text())
+
+
+@pytest.mark.slow
+def test_moe_aux_free_pipeline_checkpoint_resumes_in_one_process(tiny_corpus, tmp_path):
+    """Every stage's routing biases are in a checkpoint written under pp2 (rank 0 writes it, holding stage 0's
+    layers only): one process resumes from it with the biases and continues as the uninterrupted run."""
+    from tests.e2e.helpers import fitlm, read_metrics, tiny_config, write_config
+
+    model, _ = MOE_PIPELINE["qwen3_moe-pp2-aux-free"]
+
+    def train(name, parallel, checkpoint):
+        cfg = tiny_config(
+            tiny_corpus,
+            tmp_path / name,
+            model={**model, "tie_embeddings": False},
+            parallel=parallel,
+            checkpoint=checkpoint,
+            train={"max_steps": 4, "eval_interval": 0, **REFERENCE_BATCH},
+        )
+        proc = fitlm("train", write_config(tmp_path / f"{name}.yaml", cfg), "--json")
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return {r["step"]: (r["loss"], r["router_bias_max"]) for r in read_metrics(tmp_path / name) if "loss" in r}
+
+    ref = train("single", {}, {"interval": 0})
+    train("pp2", {"pipeline_parallel": 2, "micro_batch_num": 2}, {"interval": 1, "keep_last": 4})
+    # after step 1 (the sign steps of 4 experts can cancel to 0 at even steps)
+    resumed = train("resumed", {}, {"resume": str(tmp_path / "pp2" / "checkpoints" / "step_00000001")})
+    assert ref[1][1] > 0  # the checkpoint holds a moved bias
+    assert sorted(resumed) == [2, 3, 4]
+    for step in (2, 3, 4):
+        assert resumed[step] == pytest.approx(ref[step], rel=2e-5, abs=1e-6)

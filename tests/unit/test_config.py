@@ -182,10 +182,6 @@ def test_family_keys_are_validated_with_the_key_and_the_fix():
         "model.shared_expert_intermediate_size: every qwen2_moe has a shared expert": {
             "model": {"arch": "qwen2_moe", "num_experts": 4}
         },
-        "model.moe_balance: aux_free with pipeline_parallel=2 is not supported yet": {
-            "model": {"arch": "qwen3_moe", "num_experts": 4, "moe_balance": "aux_free"},
-            "parallel": {"pipeline_parallel": 2},
-        },
         "model.decoder_sparse_step: every mixtral block is sparse": {
             "model": {"arch": "mixtral", "num_experts": 4, "decoder_sparse_step": 2}
         },
