@@ -3,9 +3,9 @@
 One process adds, per micro batch g, coef · aux_g / G with aux_g = E · Σ_e (T_e / R) · (P_e / R) over the router
 logits of EVERY MoE layer of that micro batch's forward (fitlm.models.moe.load_balancing_loss): T_e the top-k
 slots of expert e, P_e its summed routing probability, R the rows (tokens × MoE layers). Under pipeline parallel
-the layers live on different stages and a micro batch is cut into `micro_batch_num` chunks, each balanced... by
-nothing: the loss is not a sum over layers or chunks (T of one layer multiplies P of another), so no stage can
-compute its share alone. What makes it separable is that only P carries a gradient (top-k does not): the
+the layers live on different stages and a micro batch reaches them as `micro_batch_num` chunks, and the loss is
+not a sum over layers or chunks (T of one layer multiplies P of another), so no stage can compute its share of
+it alone. What makes it separable is that only P carries a gradient (top-k does not): the
 gradient of aux_g is that of Σ_e c_e · P_e with c_e = E · T_e / R², a constant once T and R are known.
 
 So each step, before the training schedule runs, a forward-only pass of the step's micro batches through the
@@ -16,6 +16,9 @@ stage. The pass costs one more forward per step; it runs only when the loss is a
 with a non-zero coefficient). The logged `aux_loss`, `expert_load` and `dropped_tokens` are the one process's:
 T, P and R are summed over the stages after the step (they are sums), the load is the max over every stage's
 layers. The routing is the same in the pass and in training (same weights, inputs and chunks).
+
+aux_free: each stage's layers update their biases from their own loads, as RouterBalance does; every rank also
+keeps all stages' biases (gathered over pp after each update), since rank 0 writes the checkpoint alone.
 """
 
 from __future__ import annotations
