@@ -156,7 +156,8 @@ class PipelineRouterBalance(RouterBalance):
         e = self.num_experts
         with torch.no_grad():
             p = logits.detach().float().softmax(dim=-1)
-            t = torch.bincount(p.topk(self.top_k, dim=-1).indices.reshape(-1), minlength=e).float()
+            chosen = p.topk(self.top_k, dim=-1).indices.reshape(-1)  # [N·k]; a scatter (not bincount): static
+            t = torch.zeros(e, device=p.device).scatter_add(0, chosen, torch.ones_like(chosen, dtype=p.dtype))
             parts = [t, p.sum(dim=0)] if probs else [t]
             into[g] += torch.cat([*parts, torch.tensor([float(p.shape[0])], device=p.device)]).to(into.device)
 
