@@ -65,7 +65,7 @@ def alltoall_seconds(
     if s.ep == 1:
         return 0.0
     leaving = routed_rows(s, tokens_per_micro_batch) * s.h * act_bytes * (s.ep - 1) / s.ep
-    return 4 * s.layers * s.accum * (leaving / bandwidth + latency_s * (s.ep - 1))
+    return 4 * stage_layers(s) * s.accum * (leaving / bandwidth + latency_s * (s.ep - 1))  # a stage's layers
 
 
 def owned(s: Setup, first: bool) -> Owned | None:
