@@ -315,6 +315,10 @@ class MoEFeedForward(nn.Module):
         self.router_logits: torch.Tensor | None = None
         self.expert_counts: torch.Tensor | None = None
         self.dropped_slots: torch.Tensor | None = None
+        # Under pipeline parallel a stage runs several chunks per micro batch before any is balanced, so the
+        # routing of each training forward is handed to this callable at once instead of being kept
+        # (fitlm.step.pipeline_balance): observer(layer, logits, counts, dropped, y) -> y.
+        self.observer: Callable | None = None
 
     def reset_expert_bias(self, device: torch.device | str | None = None) -> None:
         """A zero bias (after fitlm.parallel.materialize gave the meta-built layer uninitialised storage, or a
@@ -358,7 +362,9 @@ class MoEFeedForward(nn.Module):
             kept = self.kept(counts, split, self.capacity_factor)
             dropped = torch.tensor([float(sum(split) - sum(kept)), float(sum(split))], device=logits.device)
         y, counts = self.dispatcher(flat, weights.to(x.dtype), experts_of, self.experts, kept)
-        if self.training and torch.is_grad_enabled():
+        if self.observer is not None:
+            y = self.observer(self, logits, counts, dropped, y)
+        elif self.training and torch.is_grad_enabled():
             self.router_logits, self.expert_counts, self.dropped_slots = logits, counts, dropped
         if hasattr(self, "shared_expert"):
             y = y + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)

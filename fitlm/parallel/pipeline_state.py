@@ -17,7 +17,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fitlm.parallel.collective_trace import collective
-from fitlm.parallel.grad_norm import clip_by_norm, squared_norm
+from fitlm.parallel.grad_norm import clip_by_norm, clip_each, squared_norm
 
 if TYPE_CHECKING:
     from fitlm.models.causal_lm import CausalLM
@@ -102,7 +102,10 @@ def clip_grad_norm_pp(parameters: Iterable[torch.Tensor], max_norm: float, pp_gr
     with collective("all-reduce", "the squared gradient norm", "pp", sq):
         dist.all_reduce(sq, group=group)
     total = sq.sqrt()
-    clip_by_norm(params, max_norm, total)
+    # Expert-parallel experts (DTensors on "ep") beside plain or FSDP2 gradients: torch's foreach clip cannot take
+    # them in one list, so each is scaled on its own (the same factor).
+    kinds = {g.device_mesh if isinstance(g, DTensor) else None for g in (p.grad for p in params)}
+    (clip_each if len(kinds) > 1 else clip_by_norm)(params, max_norm, total)
     return total
 
 

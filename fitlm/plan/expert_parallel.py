@@ -19,7 +19,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from fitlm.parallel_dims import divisors
-from fitlm.plan.setup import Setup, act_bytes, param_bytes
+from fitlm.plan.setup import Setup, act_bytes, param_bytes, stage_layers
 from fitlm.plan.terms import Axis, Feature, Owned, Stage, Term, TimeContext, Timed
 
 if TYPE_CHECKING:
@@ -32,7 +32,14 @@ A2A_BUFFERS = "expert-parallel all-to-all buffers"
 def stage_expert_params(s: Setup) -> int:
     """Parameters of all experts of the blocks a rank's stage holds (before expert parallel splits them)."""
     per_block = sum(i * o for name, i, o in s.counts.linears if name.startswith("experts."))
-    return s.layers * per_block
+    return stage_layers(s) * per_block
+
+
+def experts_per_device(s: Setup) -> int:
+    """Routed experts a device holds, over the blocks of its pipeline stage (the most loaded, the first:
+    ceil(L/pp) blocks), E/ep of each; 0 for a dense model. Every block counts as routed, as in the block counts."""
+    e = s.cfg.model.num_experts or 0
+    return stage_layers(s) * e // s.ep
 
 
 def local_expert_params(s: Setup) -> float:
@@ -58,7 +65,7 @@ def alltoall_seconds(
     if s.ep == 1:
         return 0.0
     leaving = routed_rows(s, tokens_per_micro_batch) * s.h * act_bytes * (s.ep - 1) / s.ep
-    return 4 * s.layers * s.accum * (leaving / bandwidth + latency_s * (s.ep - 1))
+    return 4 * stage_layers(s) * s.accum * (leaving / bandwidth + latency_s * (s.ep - 1))  # a stage's layers
 
 
 def owned(s: Setup, first: bool) -> Owned | None:
@@ -97,4 +104,12 @@ def axis(cfg: "Config", lay: "Layout") -> Axis | None:
 
 FEATURE = Feature("expert parallel", memory=memory, owned=owned, time=time, axis=axis)
 
-__all__ = ["A2A_BUFFERS", "alltoall_buffers", "alltoall_seconds", "owned", "local_expert_params", "stage_expert_params"]
+__all__ = [
+    "A2A_BUFFERS",
+    "alltoall_buffers",
+    "alltoall_seconds",
+    "owned",
+    "local_expert_params",
+    "stage_expert_params",
+    "experts_per_device",
+]

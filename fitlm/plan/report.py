@@ -19,6 +19,7 @@ from fitlm.plan.activation_offload import note as offload_note
 from fitlm.plan.analytic import Breakdown, breakdown
 from fitlm.plan.devices import Device
 from fitlm.plan.diagnose import dominant, remedies
+from fitlm.plan.expert_parallel import experts_per_device
 from fitlm.plan.finetune import (
     adapter_params,
     adapters,
@@ -55,6 +56,12 @@ def _memory_opts(s: Setup) -> str:
     if s.accum > 1 and s.dims.fsdp_sharded:
         opts.append("sync=every" if s.sync_every else "sync=last")  # parallel.gradient_sync
     return " ".join(opts) + f" mbs={s.mbs}×accum{s.accum}"
+
+
+def _experts(s: Setup) -> dict[str, int]:
+    """An MoE model's routed experts, all of them and those one device holds ({} for a dense model)."""
+    e = s.cfg.model.num_experts
+    return {"experts": s.layers * e, "experts_per_device": experts_per_device(s)} if e else {}
 
 
 def _finetune(s: Setup) -> dict[str, Any]:
@@ -113,7 +120,7 @@ def plan(
     host = host_peaks(s, mem, dev, source)
     fits = fits_device and host.fits  # a run the host cannot hold (at load, step or save) does not fit either
     out: dict[str, Any] = {
-        "model": {"arch": s.arch, "params": total_params(s), "layers": s.layers, "hidden_size": s.h},
+        "model": {"arch": s.arch, "params": total_params(s), "layers": s.layers, "hidden_size": s.h, **_experts(s)},
         "finetune": _finetune(s),
         "device": {
             "name": dev.name,
@@ -277,6 +284,9 @@ def render(result: dict[str, Any]) -> None:
             f"{f['trainable_params'] / result['model']['params']:.2%})"
         )
     )
+    m = result["model"]
+    if "experts" in m:  # MoE: what a device holds of them (its pipeline stage's blocks, its ep share)
+        what += f" · {m['experts_per_device']} of {m['experts']} experts per device"
     console.print(
         f"[bold]{result['model']['arch']} {result['model']['params'] / 1e9:.3g}B params[/bold]{what} · "
         f"{result['layout']} · {result['memory_options']} · {d['num_devices']}× {d['name']}"

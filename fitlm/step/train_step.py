@@ -26,6 +26,7 @@ from fitlm.parallel_dims import WORLD
 from fitlm.step.guards import GuardEvent, StepGuards
 from fitlm.step.objectives import Objective, objective_for
 from fitlm.step.optim import optimizer_for
+from fitlm.step.pipeline_balance import PipelineRouterBalance
 from fitlm.step.router_balance import RouterBalance
 from fitlm.step.timing import PhaseTimer
 
@@ -69,7 +70,9 @@ class TrainStep:
         # finetune.objective (fitlm.step.objectives): what the loss is a mean over, each micro batch's loss, metrics
         self.objective = objective
         # an MoE model's load-balancing loss and expert load (fitlm.step.router_balance); None for a dense model
-        self.balance = RouterBalance.create(cfg, pm.modules, partial(ctx.all_reduce_sum, dim=ctx.dims.token_dim))
+        self.balance = RouterBalance.create(
+            cfg, pm.modules, partial(ctx.all_reduce_sum, dim=ctx.dims.token_dim), pipeline=pm.pipeline
+        )
 
     @classmethod
     def create(cls, cfg: Config, ctx: ParallelContext, pm: ParallelModel, simulate: bool = False) -> "TrainStep":
@@ -163,11 +166,23 @@ class TrainStep:
         doc = {k: joined(k) for k in ("position_ids", "document_ids")} if self.cfg.data.document_mask else {}
         # the timer's phase is forward_backward: the schedule interleaves both over the chunks
         assert self.pm.pipeline is not None  # (called under pipeline parallel only)
+        if isinstance(self.balance, PipelineRouterBalance):  # MoE: the aux loss's routing counts first
+            with autocast(self.cfg.memory, self.device), self.pm.loss_context(), self.timer("forward"):
+                self.balance.begin_step(len(batches), self.scaler.scale, partial(self._pipeline_forward, batches))
         with autocast(self.cfg.memory, self.device), self.pm.loss_context(), self.timer("forward_backward"):
             loss_sum = self.pm.pipeline.step(
                 joined("input_ids"), joined("labels"), scale, micro_batches=len(batches), **doc
             )
         return loss_sum.detach()
+
+    def _pipeline_forward(self, batches: list[dict[str, torch.Tensor]], g: int) -> None:
+        """Micro batch g through the pipeline, forward only (the MoE balance's counting pass)."""
+        assert self.pm.pipeline is not None
+        self.pm.pipeline.eval_step(
+            batches[g]["input_ids"].to(self.device),
+            batches[g]["labels"].to(self.device),
+            **self.document_inputs(batches[g]),
+        )
 
     def model_inputs(self, batch: dict[str, torch.Tensor]):
         """(input_ids [B, T], labels [B, T], document kwargs, context) of one micro batch on this device; under

@@ -14,10 +14,16 @@ import tempfile
 from pathlib import Path
 
 from tests.conftest import PLAYS
-from tests.distributed.test_family_layouts import FAMILIES
+from tests.distributed.test_family_layouts import FAMILIES, MIXTRAL_PP
 from tests.distributed.test_layouts import LAYOUTS, REFERENCE, assert_same_training, run_shared
 
-ALL_FAMILIES = {"llama": {}, **FAMILIES, "gpt2": {"arch": "gpt2", "num_kv_heads": 4}}
+ALL_FAMILIES = {
+    "llama": {},
+    **FAMILIES,
+    # Mixtral's every block sparse (qwen3_moe's FAMILIES row has a dense one); aux loss off as there
+    "mixtral": {**MIXTRAL_PP, "num_layers": 2, "router_aux_loss_coef": 0.0},
+    "gpt2": {"arch": "gpt2", "num_kv_heads": 4},
+}
 
 
 def corpus(root: Path) -> dict:

@@ -1,4 +1,5 @@
-"""Each family trains the same under data parallel ZeRO-3 and pipeline parallel (MoE: ZeRO-3 only) as in one process:
+"""Each family trains the same under data parallel ZeRO-3 and pipeline parallel (MoE: pipeline parallel with the
+auxiliary loss on, MOE_PIPELINE) as in one process:
 `fitlm train` (torchrun, gloo), same data, seed and global batch; losses, gradient norms and final
 weights equal. Tensor parallel of every family is checked module by module in test_tensor_parallel.py.
 Qwen3 and Gemma 3 (the two most unlike Llama) run in the fast tier, the others in the slow one.
@@ -44,7 +45,62 @@ FAMILIES = {  # model section overrides of the tiny config (hidden 64, 2 layers,
         "router_aux_loss_coef": 0.0,
     },
 }
-PIPELINED = [f for f in FAMILIES if f != "qwen3_moe"]  # MoE families refuse pipeline parallel (yet)
+PIPELINED = [f for f in FAMILIES if f != "qwen3_moe"]  # the MoE families' pipeline runs are MOE_PIPELINE's
+# MoE under pipeline parallel with the aux loss on (fitlm/step/pipeline_balance.py): 4 blocks, so stage 0 holds a
+# sparse and the dense block and stage 1 two sparse ones, and the loss couples the stages' routing. The pipeline
+# layouts' micro batches hold the one process's rows (no data parallel), so the per-micro-batch aux loss agrees.
+MOE_PP = {**FAMILIES["qwen3_moe"], "num_layers": 4, "router_aux_loss_coef": 0.1}
+MIXTRAL_PP = {"arch": "mixtral", "head_dim": 24, "num_experts": 4, "num_experts_per_tok": 2, "num_layers": 4}
+QWEN2_MOE_PP = {
+    "arch": "qwen2_moe",
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 48,
+    "shared_expert_intermediate_size": 64,
+    "num_layers": 4,
+    "decoder_sparse_step": 2,
+}
+MOE_MEMORY = {"qwen2_moe-pp2-recompute": {"recompute": "full"}}  # the pipeline run's memory section
+MOE_PIPELINE = {  # case: (model, parallel)
+    "qwen3_moe-pp2-1f1b": (MOE_PP, {"pipeline_parallel": 2, "micro_batch_num": 2}),
+    "qwen3_moe-pp2-gpipe-m4-tied": (
+        {**MOE_PP, "tie_embeddings": True},
+        {"pipeline_parallel": 2, "pipeline_schedule": "gpipe", "micro_batch_num": 4},
+    ),
+    "qwen3_moe-pp2-interleaved": (
+        MOE_PP,
+        {"pipeline_parallel": 2, "pipeline_schedule": "interleaved_1f1b", "micro_batch_num": 2},
+    ),
+    "mixtral-pp2-1f1b": ({**MIXTRAL_PP, "router_aux_loss_coef": 0.1}, {"pipeline_parallel": 2, "micro_batch_num": 2}),
+    # aux-loss-free balancing: every stage's layers' biases follow their loads (a step large enough to reroute)
+    "qwen3_moe-pp2-aux-free": (
+        {**MOE_PP, "moe_balance": "aux_free", "router_bias_update_rate": 0.05},
+        {"pipeline_parallel": 2, "micro_batch_num": 2},
+    ),
+    # a shared expert and a dense block every other layer, every block recomputed (its router forward rerun)
+    "qwen2_moe-pp2-recompute": (
+        {**QWEN2_MOE_PP, "router_aux_loss_coef": 0.1},
+        {"pipeline_parallel": 2, "micro_batch_num": 2},
+    ),
+    # A capacity is per forward: with one chunk per micro batch a chunk's tokens are the one process's forward's.
+    "qwen3_moe-pp2-capacity-m1": ({**MOE_PP, "capacity_factor": 1.0}, {"pipeline_parallel": 2, "micro_batch_num": 1}),
+    # ZeRO-2 on each stage's dp2 replicas, and expert parallel inside each stage (each stage's experts split over
+    # its ep2 group, the all-to-alls among the ranks of one stage); the aux loss off, as the data split gives the
+    # micro batches other rows than the one process's
+    "qwen3_moe-dp2-zero2-pp2": (
+        {**MOE_PP, "router_aux_loss_coef": 0.0},
+        {"pipeline_parallel": 2, "micro_batch_num": 2, "data_parallel": 2, "zero_stage": 2},
+    ),
+    "qwen3_moe-dp2-ep2-pp2": (
+        {**MOE_PP, "router_aux_loss_coef": 0.0},
+        {"pipeline_parallel": 2, "micro_batch_num": 2, "data_parallel": 2, "expert_parallel": 2},
+    ),
+    "mixtral-dp2-ep2-zero3-pp2-tied": (
+        {**MIXTRAL_PP, "tie_embeddings": True, "router_aux_loss_coef": 0.0},
+        {"pipeline_parallel": 2, "micro_batch_num": 2, "data_parallel": 2, "expert_parallel": 2, "zero_stage": 3},
+    ),
+}
+MOE_PIPELINE_FAST = ("qwen3_moe-pp2-1f1b", "qwen3_moe-pp2-aux-free")
 FAST = ("qwen3", "gemma3")
 LAYOUTS = {
     "dp2-zero3": ({"data_parallel": 2, "zero_stage": 3}, {"micro_batch_size": 2, "gradient_accumulation_steps": 2}),
@@ -70,6 +126,13 @@ CASES = [
 def family_runs(request, tiny_corpus, tmp_path_factory) -> dict[str, dict]:
     """Each selected (family, layout) and each family's single-process run, in shared worlds (run_shared)."""
     cases = {}
+    for params in selected(request, "test_moe_pipeline_equals_single_process"):
+        model, parallel = MOE_PIPELINE[params["case"]]
+        train = {"micro_batch_size": 2, "gradient_accumulation_steps": 2} if "data_parallel" in parallel else None
+        cases[params["case"]] = {"parallel": parallel, "train": train or REFERENCE_BATCH, "model": model}
+        if params["case"] in MOE_MEMORY:
+            cases[params["case"]]["memory"] = MOE_MEMORY[params["case"]]
+        cases[params["case"] + "-single"] = {"parallel": {}, "train": REFERENCE_BATCH, "model": model}
     for params in selected(request, "test_family_layout_equals_single_process"):
         family, layout = params["family"], params["layout"]
         parallel, train = LAYOUTS[layout]
@@ -83,6 +146,25 @@ def test_family_layout_equals_single_process(family_runs, family, layout):
     reference = family_runs[f"{family}-single"]
     assert reference["losses"][-1] < reference["losses"][0]  # it trained
     assert_same_training(family_runs[f"{family}-{layout}"], reference)
+
+
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=() if c in MOE_PIPELINE_FAST else pytest.mark.slow) for c in MOE_PIPELINE]
+)
+def test_moe_pipeline_equals_single_process(family_runs, case):
+    """Pipeline parallel on an MoE model with the aux loss on: losses, gradient norms and weights of one process."""
+    reference = family_runs[f"{case}-single"]
+    assert reference["losses"][-1] < reference["losses"][0]  # it trained
+    assert_same_training(family_runs[case], reference)
+    # the logged aux loss and expert load: every stage's MoE layers, as one process logs them (under data parallel
+    # the load only: the aux loss is a mean per micro batch, whose rows the data split changes)
+    step = 2 if "data_parallel" in MOE_PIPELINE[case][1] else 1
+    assert family_runs[case]["balance"][step - 1 :: step] == pytest.approx(
+        reference["balance"][step - 1 :: step], rel=2e-5, abs=1e-5
+    )
+    assert len(reference["balance"]) == 2 * len(reference["losses"])
+    assert family_runs[case]["bias"] == pytest.approx(reference["bias"], rel=2e-5, abs=1e-7)
+    assert bool(reference["bias"]) == (MOE_PIPELINE[case][0].get("moe_balance") == "aux_free")
 
 
 def test_phi3_checkpoint_reshards_between_layouts(tiny_corpus, tmp_path):
@@ -119,3 +201,34 @@ def test_phi3_checkpoint_reshards_between_layouts(tiny_corpus, tmp_path):
     for k, v in single.items():
         torch.testing.assert_close(weights[k], v, rtol=1e-4, atol=1e-4, msg=k)
     assert json.loads((tmp_path / "tp2" / "model" / "fitlm.json").read_text())
+
+
+@pytest.mark.slow
+def test_moe_aux_free_pipeline_checkpoint_resumes_in_one_process(tiny_corpus, tmp_path):
+    """Every stage's routing biases are in a checkpoint written under pp2 (rank 0 writes it, holding stage 0's
+    layers only): one process resumes from it with the biases and continues as the uninterrupted run."""
+    from tests.e2e.helpers import fitlm, read_metrics, tiny_config, write_config
+
+    model, _ = MOE_PIPELINE["qwen3_moe-pp2-aux-free"]
+
+    def train(name, parallel, checkpoint):
+        cfg = tiny_config(
+            tiny_corpus,
+            tmp_path / name,
+            model={**model, "tie_embeddings": False},
+            parallel=parallel,
+            checkpoint=checkpoint,
+            train={"max_steps": 4, "eval_interval": 0, **REFERENCE_BATCH},
+        )
+        proc = fitlm("train", write_config(tmp_path / f"{name}.yaml", cfg), "--json")
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return {r["step"]: (r["loss"], r["router_bias_max"]) for r in read_metrics(tmp_path / name) if "loss" in r}
+
+    ref = train("single", {}, {"interval": 0})
+    train("pp2", {"pipeline_parallel": 2, "micro_batch_num": 2}, {"interval": 1, "keep_last": 4})
+    # after step 1 (the sign steps of 4 experts can cancel to 0 at even steps)
+    resumed = train("resumed", {}, {"resume": str(tmp_path / "pp2" / "checkpoints" / "step_00000001")})
+    assert ref[1][1] > 0  # the checkpoint holds a moved bias
+    assert sorted(resumed) == [2, 3, 4]
+    for step in (2, 3, 4):
+        assert resumed[step] == pytest.approx(ref[step], rel=2e-5, abs=1e-6)

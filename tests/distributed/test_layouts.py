@@ -57,6 +57,8 @@ def collect(out_dir, eval_loss: float) -> dict:
     return {
         "losses": [r["loss"] for r in metrics],
         "grad_norms": [r["grad_norm"] for r in metrics],
+        "balance": [r[k] for r in metrics if "aux_loss" in r for k in ("aux_loss", "expert_load")],  # MoE: routing
+        "bias": [r["router_bias_max"] for r in metrics if "router_bias_max" in r],  # MoE aux_free: the largest |b_e|
         "eval_loss": eval_loss,
         "weights": load_file(str(out_dir / "model" / "model.safetensors")),
     }

@@ -182,10 +182,6 @@ def test_family_keys_are_validated_with_the_key_and_the_fix():
         "model.shared_expert_intermediate_size: every qwen2_moe has a shared expert": {
             "model": {"arch": "qwen2_moe", "num_experts": 4}
         },
-        "parallel.pipeline_parallel: model.arch='mixtral' cannot be pipeline-parallel yet": {
-            "model": {"arch": "mixtral", "num_experts": 4},
-            "parallel": {"pipeline_parallel": 2},
-        },
         "model.decoder_sparse_step: every mixtral block is sparse": {
             "model": {"arch": "mixtral", "num_experts": 4, "decoder_sparse_step": 2}
         },

@@ -115,3 +115,34 @@ def test_the_step_counts_the_flops_of_the_routed_experts_as_the_trainer_does(mod
     cfg = validate_dict({"model": model, "data": {"seq_length": 64}})
     planned = timing(from_config(cfg), get_device("a100-80g")).flops_per_token
     assert planned == flops_per_token(build_model(cfg.model), cfg.model, 64)
+
+
+def test_a_pipeline_stage_holds_the_experts_of_its_blocks():
+    """pp2 on a 4-block MoE: the first stage holds the embeddings and two blocks with their experts; the plan counts
+    2·E experts per device, and E/ep of those under expert parallel's count."""
+    model = {**MOE, "num_layers": 4}
+    one = per_device({}, model)
+    pp2 = per_device({"pipeline_parallel": 2, "micro_batch_num": 2}, model)
+    assert one["model"]["experts"] == pp2["model"]["experts"] == 4 * E
+    assert (one["model"]["experts_per_device"], pp2["model"]["experts_per_device"]) == (4 * E, 2 * E)
+    block = (one["model"]["params"] - 2 * V * H - H) / 4  # untied: embeddings and head V×H each, the final norm H
+    assert pp2["per_device"]["params"] == (V * H + 2 * block) * 4  # O0: fp32; the experts are in `block`
+    assert 2 * E * 3 * H * WIDTH < 2 * block  # (the two blocks do hold 2·E experts' weights)
+    assert "experts" not in per_device({}, {**MOE, "arch": "qwen3", "num_experts": None})["model"]
+
+
+def test_simulate_runs_an_moe_pipeline_step_with_its_aux_loss_pass():
+    """`fitlm plan --simulate` runs the training step on fake tensors; under pipeline parallel an MoE model's step
+    also runs the aux loss's counting pass (fitlm/step/pipeline_balance.py), which must take fake tensors too."""
+    model = {**MOE, "num_layers": 4, "mlp_only_layers": [1], "router_aux_loss_coef": 0.01}
+    cfg = validate_dict(
+        {
+            "model": model,
+            "data": {"seq_length": 64},
+            "parallel": {"pipeline_parallel": 2, "micro_batch_num": 2},
+            "train": {"micro_batch_size": 4, "gradient_accumulation_steps": 2},
+        }
+    )
+    result = plan(cfg, get_device("a100-80g"), simulate=True)
+    assert result["simulated"]["per_device"]["total"] > 0
+    assert result["model"]["experts_per_device"] == 2 * E

@@ -37,7 +37,6 @@ SPEC = register_spec(
         validate=validate,
         features=("sliding window", MOE_FEATURES[0], "top-k weights renormalized"),
         tensor_parallel=False,
-        pipeline_parallel=False,
         moe=True,
     )
 )

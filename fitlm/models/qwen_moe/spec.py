@@ -33,7 +33,6 @@ QWEN3_MOE = register_spec(
         validate=_no_shared_expert,
         features=("per-head q/k RMSNorm", *MOE_FEATURES),
         tensor_parallel=False,
-        pipeline_parallel=False,
         moe=True,
     )
 )
@@ -46,7 +45,6 @@ QWEN2_MOE = register_spec(
         validate=_needs_shared_expert,
         features=("q/k/v biases", "sigmoid-gated shared expert", *MOE_FEATURES),
         tensor_parallel=False,
-        pipeline_parallel=False,
         moe=True,
     )
 )
