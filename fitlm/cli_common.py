@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 
 
@@ -53,3 +55,15 @@ def print_table(title: str, rows: dict) -> None:
     for k, v in rows.items():
         table.add_row(str(k), f"{v:.4f}" if isinstance(v, float) else str(v))
     Console(stderr=True).print(table)
+
+
+def signal_name(signum: int) -> str:
+    return signal.Signals(signum).name
+
+
+def say(text: str) -> None:
+    """One line on stderr, safe inside a signal handler (the launcher's and the trainer's stop messages)."""
+    try:
+        os.write(2, (text.rstrip("\n") + "\n").encode("utf-8", "replace"))
+    except OSError:
+        pass  # stderr closed: the exit status still tells

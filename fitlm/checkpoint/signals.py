@@ -19,12 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from fitlm.checkpoint import store
+from fitlm.cli_common import say, signal_name
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-
-def signal_name(signum: int) -> str:
-    return signal.Signals(signum).name
 
 
 def again_hint(signum: int) -> str:
@@ -42,14 +39,6 @@ def rerun_from(output_dir: str | Path, resume: str = "auto") -> str:
         return "no checkpoint is on disk, so running the same command again starts over from step 1"
     step, path = found[-1]
     return f"the latest checkpoint on disk is {path} (step {step}); running the same command again resumes from it"
-
-
-def say(text: str) -> None:
-    """One line on stderr, safe inside a signal handler."""
-    try:
-        os.write(2, (text.rstrip("\n") + "\n").encode("utf-8", "replace"))
-    except OSError:
-        pass  # stderr closed: the exit status still tells
 
 
 class StopSignals:

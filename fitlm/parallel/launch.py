@@ -115,7 +115,7 @@ class Forwarder:
             return
         self.abandoned = signum
         self.agent.kill()  # (no wait here: the main thread may be inside agent.wait(), holding its lock)
-        from fitlm.checkpoint.signals import say, signal_name
+        from fitlm.cli_common import say, signal_name
 
         state = f"; {self.on_abandon()} (an unfinished save is removed at the next start)" if self.on_abandon else ""
         name = signal_name(signum)

@@ -30,7 +30,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from fitlm.models.moe import MoEFeedForward
+from fitlm.models.moe import MoEFeedForward, moe_layers
 from fitlm.step.router_balance import RouterBalance
 
 # Where torch's PipelineStage runs a stage's forward once on uninitialised buffers to learn its shapes before the
@@ -250,3 +250,29 @@ def _global_rows(stages: list[tuple[int, list[MoEFeedForward]]], everyone: list[
     for sid, n in everyone:
         start[sid], offset = offset, offset + n
     return [start[sid] + i for sid, ms in stages for i in range(len(ms))]
+
+
+def router_balance(cfg, modules, reduce, pipeline=None) -> RouterBalance | None:
+    """The balance of a model whose `modules` hold MoE layers (None for a dense model). `reduce(t)`: the sum of
+    `t` over the ranks that split the step's tokens. `pipeline` (fitlm.parallel.pipeline.Pipeline): the stages'
+    balance, on every pp rank of an MoE model, also one whose stages hold no MoE layer."""
+    layers = moe_layers(modules)
+    m = cfg.model
+    kw = dict(
+        top_k=m.num_experts_per_tok,
+        coef=m.router_aux_loss_coef,
+        reduce=reduce,
+        mode=m.moe_balance,
+        rate=m.router_bias_update_rate,
+    )
+    if pipeline is not None and m.num_experts:
+        return PipelineRouterBalance(
+            [(sid, moe_layers([mod])) for sid, mod in pipeline.stages],
+            m.num_experts,
+            pipeline.chunks,
+            pipeline.group,
+            pipeline.ctx.device,
+            m.capacity_factor is not None,
+            **kw,
+        )
+    return RouterBalance(layers, **kw) if layers else None

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from fitlm.models.moe import MoEFeedForward, load_balancing_loss, moe_layers
+from fitlm.models.moe import MoEFeedForward, load_balancing_loss
 
 
 class RouterBalance:
@@ -42,34 +42,6 @@ class RouterBalance:
         self._counts: torch.Tensor | None = None  # [L, E] tokens per expert, summed over micro batches
         self._dropped: torch.Tensor | None = None  # [dropped slots, routed slots], summed over micro batches
         self._load: torch.Tensor | None = None  # [L, E] the step's counts over every rank (for the bias update)
-
-    @classmethod
-    def create(cls, cfg, modules, reduce, pipeline=None) -> RouterBalance | None:
-        """The balance of a model whose `modules` hold MoE layers (None for a dense model). `reduce(t)`: the sum
-        of `t` over the ranks that split the step's tokens. `pipeline` (fitlm.parallel.pipeline.Pipeline): the
-        stages' balance, on every pp rank of an MoE model, also one whose stages hold no MoE layer."""
-        layers = moe_layers(modules)
-        m = cfg.model
-        kw = dict(
-            top_k=m.num_experts_per_tok,
-            coef=m.router_aux_loss_coef,
-            reduce=reduce,
-            mode=m.moe_balance,
-            rate=m.router_bias_update_rate,
-        )
-        if pipeline is not None and m.num_experts:
-            from fitlm.step.pipeline_balance import PipelineRouterBalance
-
-            return PipelineRouterBalance(
-                [(sid, moe_layers([mod])) for sid, mod in pipeline.stages],
-                m.num_experts,
-                pipeline.chunks,
-                pipeline.group,
-                pipeline.ctx.device,
-                m.capacity_factor is not None,
-                **kw,
-            )
-        return cls(layers, **kw) if layers else None
 
     @property
     def biased(self) -> bool:

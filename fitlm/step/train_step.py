@@ -26,8 +26,7 @@ from fitlm.parallel_dims import WORLD
 from fitlm.step.guards import GuardEvent, StepGuards
 from fitlm.step.objectives import Objective, objective_for
 from fitlm.step.optim import optimizer_for
-from fitlm.step.pipeline_balance import PipelineRouterBalance
-from fitlm.step.router_balance import RouterBalance
+from fitlm.step.pipeline_balance import PipelineRouterBalance, router_balance
 from fitlm.step.timing import PhaseTimer
 
 
@@ -70,7 +69,7 @@ class TrainStep:
         # finetune.objective (fitlm.step.objectives): what the loss is a mean over, each micro batch's loss, metrics
         self.objective = objective
         # an MoE model's load-balancing loss and expert load (fitlm.step.router_balance); None for a dense model
-        self.balance = RouterBalance.create(
+        self.balance = router_balance(
             cfg, pm.modules, partial(ctx.all_reduce_sum, dim=ctx.dims.token_dim), pipeline=pm.pipeline
         )
 
