@@ -78,8 +78,8 @@ def run_config(
     `layout`: check the declared layout's model-dependent rules too (see config_problems)."""
     init = _init_from(data)
     if not init:
-        cfg = validate_dict(data, source, written_by_fitlm)
-        errs = config_problems(cfg, layout)
+        cfg, errs = parse_dict(data, source, written_by_fitlm)
+        errs += config_problems(cfg, layout)  # the semantic checks (once) and the layout's model rules
     else:
         cfg, errs = parse_dict(data, source, written_by_fitlm, semantic=False)
         try:
