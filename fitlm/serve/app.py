@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from fitlm.config import ModelConfig
 from fitlm.data.errors import DataError
 from fitlm.serve import protocol
-from fitlm.serve.choices import RequestRun
+from fitlm.serve.choices import RequestRun, thread_emitter
 from fitlm.serve.engine import Engine, Event, GenRequest
 from fitlm.serve.model import ServedModel
 
@@ -33,16 +33,8 @@ def _error(e: protocol.APIError) -> JSONResponse:
 
 
 async def events(engine: Engine, req_args: dict) -> tuple[GenRequest, asyncio.Queue]:
-    loop = asyncio.get_running_loop()
     q: asyncio.Queue[Event] = asyncio.Queue()
-
-    def emit(ev: Event) -> None:  # on the engine thread
-        try:
-            loop.call_soon_threadsafe(q.put_nowait, ev)
-        except RuntimeError:  # the loop is gone (server stopped): nobody is listening
-            pass
-
-    req = GenRequest(emit=emit, **req_args)
+    req = GenRequest(emit=thread_emitter(q), **req_args)
     engine.submit(req)
     return req, q
 

@@ -20,6 +20,21 @@ from fitlm.serve.model import ServedModel
 from fitlm.serve.responses import Entry, Result
 
 
+def thread_emitter(q: asyncio.Queue, key: int | None = None) -> Callable[[Event], None]:
+    """The `emit` a request hands the engine, called on the decode thread: each event onto `q` through this event
+    loop (as (key, event) when `key` is given, so one queue gathers several requests); dropped once the loop is
+    gone (the server stopped: nobody is listening)."""
+    loop = asyncio.get_running_loop()
+
+    def emit(ev: Event) -> None:
+        try:
+            loop.call_soon_threadsafe(q.put_nowait, ev if key is None else (key, ev))
+        except RuntimeError:
+            pass
+
+    return emit
+
+
 @dataclass
 class Candidate:
     prompt: int  # which prompt
@@ -45,15 +60,7 @@ class RequestRun:
         self.queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
 
     def _emitter(self, key: int) -> Callable[[Event], None]:
-        loop = asyncio.get_running_loop()
-
-        def emit(ev: Event) -> None:  # on the engine thread
-            try:
-                loop.call_soon_threadsafe(self.queue.put_nowait, (key, ev))
-            except RuntimeError:  # the loop is gone (server stopped): nobody is listening
-                pass
-
-        return emit
+        return thread_emitter(self.queue, key)
 
     async def start(self, max_tokens: list[int]) -> None:
         """Score the prompts first when echo asks for their log-probabilities, then queue every candidate."""
@@ -166,4 +173,4 @@ class RequestRun:
             yield responses.chunk(rid, name, chat, None, use=self._usage())
 
 
-__all__ = ["RequestRun"]
+__all__ = ["RequestRun", "thread_emitter"]

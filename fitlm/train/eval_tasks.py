@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from fitlm.config import Config, ConfigError
 from fitlm.data.tokenizer import Tokenizer
+from fitlm.eval.results import score_rows
 
 
 class TaskEvaluator:
@@ -82,14 +83,7 @@ class TaskEvaluator:
 
 def flat_scores(results: dict[str, Any]) -> dict[str, float]:
     """lm-eval's results[task]["acc,none"] as {"eval/task/acc": value}; stderr left out (a chart of the score)."""
-    out = {}
-    for task, metrics in results.items():
-        for key, value in (metrics or {}).items():
-            metric, _, filt = key.partition(",")
-            if filt and not metric.endswith("_stderr") and isinstance(value, (int, float)):
-                name = metric if filt == "none" else f"{metric}[{filt}]"
-                out[f"eval/{task}/{name}"] = float(value)
-    return out
+    return {f"eval/{r['task']}/{r['metric']}": float(r["value"]) for r in score_rows(results)}
 
 
 def plain_module(module: nn.Module) -> nn.Module:

@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from fitlm.checkpoint.store import checkpoints_root, list_checkpoints
+from fitlm.eval.results import score_rows
 from fitlm.models.io import MARKER
 from fitlm.train.run_lock import lock_status
 from fitlm.ui.errors import UIError
@@ -191,14 +192,7 @@ def evaluation(path: Path) -> dict[str, Any] | None:
         results = None
     if not isinstance(results, dict):
         return {"error": f"{f} is not lm-eval's results (interrupted while writing?); run `fitlm eval` again"}
-    rows = []
-    for task, metrics in results.items():
-        for key, value in (metrics or {}).items():
-            metric, _, filt = key.partition(",")
-            if filt and not metric.endswith("_stderr") and isinstance(value, (int, float)):
-                err = metrics.get(f"{metric}_stderr,{filt}")
-                rows.append({"task": task, "metric": metric, "value": value, "stderr": err})
-    return {"rows": rows}
+    return {"rows": score_rows(results)}
 
 
 def _profile(path: Path) -> dict[str, Any] | None:
