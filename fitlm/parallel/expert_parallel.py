@@ -24,6 +24,12 @@ Gradients: each rank's loss is scaled so that averaging over the dp ranks gives 
 backward brings them), so it is summed over the ranks holding the same experts ("edp") and divided by dp, the
 same divisor as every other gradient. Dividing by edp instead (an average over the expert's replicas) would scale
 expert gradients by ep: pytorch#160285.
+
+ZeRO-2/3 with replicas (edp > 1): the experts are sharded once more, by FSDP2 over "edp" (torchtitan's
+dp_shard_mod_ep): each [E, ...] weight becomes a DTensor over the 2-D (edp, ep) mesh, (_StridedShard(0), Shard(0)),
+so a rank keeps E / (ep · edp) experts' parameters (ZeRO-3), gradients and optimizer states (ZeRO-2 and 3). FSDP2's
+reduce-scatter averages over edp, so `sync_expert_gradients` scales by edp / dp = 1 / ep afterwards (gloo has no
+pre-multiplied sum to fold it into the reduce-scatter).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from fitlm.models.moe import GroupedExperts, capacity_kept, first_slots, moe_layers
@@ -43,6 +50,7 @@ from fitlm.parallel.mesh import ParallelContext
 # Set on the GroupedExperts modules this module split (not on their parameters: materializing a meta model
 # replaces every Parameter object, `to_empty`, and would drop the mark).
 _EXPERT = "_fitlm_expert_parallel"
+_SHARDED = "_fitlm_experts_over_edp"  # set on the GroupedExperts that FSDP2 shards over "edp" too
 
 
 class _AllToAll(torch.autograd.Function):
@@ -146,13 +154,41 @@ def expert_parameters(modules: list[nn.Module]) -> list[nn.Parameter]:
     ]
 
 
+def whole_expert_parameters(modules: list[nn.Module]) -> list[nn.Parameter]:
+    """The expert-parallel parameters of `modules` that no FSDP2 unit shards over "edp" (each rank's whole)."""
+    return [
+        p
+        for m in modules
+        for sub in m.modules()
+        if getattr(sub, _EXPERT, False) and not getattr(sub, _SHARDED, False)
+        for p in sub.parameters(recurse=False)
+    ]
+
+
+def shard_experts_over_replicas(model: nn.Module, ctx: ParallelContext, policies: dict[str, Any]) -> None:
+    """ZeRO-2/3 under expert parallel with edp > 1: each split GroupedExperts an FSDP2 unit over "edp" (module
+    docstring), with the dense units' `policies` (mixed precision, reshard after forward). Before the blocks'
+    units, which then leave the experts' parameters to it."""
+    edp = ctx.submesh("edp")
+    assert edp is not None  # (edp > 1: a distributed run's mesh)
+    for layer in moe_layers([model]):
+        if getattr(layer.experts, _EXPERT, False):
+            fully_shard(layer.experts, mesh=edp, **policies)
+            setattr(layer.experts, _SHARDED, True)
+
+
 def sync_expert_gradients(modules: list[nn.Module], ctx: ParallelContext) -> None:
-    """Sum expert gradients over the replicas of the same experts ("edp") and divide by dp (module docstring)."""
+    """Sum expert gradients over the replicas of the same experts ("edp") and divide by dp (module docstring);
+    those FSDP2 reduce-scattered over edp (an average) are scaled by edp / dp."""
     group = ctx.group("edp") if ctx.dims.edp > 1 else None
+    whole = {id(p) for p in whole_expert_parameters(modules)}
     for p in expert_parameters(modules):
         if p.grad is None:
             continue
         local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        if id(p) not in whole:
+            local.mul_(ctx.dims.edp / ctx.dims.dp)
+            continue
         if group is not None:
             with collective("all-reduce", "an expert gradient", "edp", local):
                 dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
