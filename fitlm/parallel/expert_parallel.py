@@ -34,16 +34,18 @@ pre-multiplied sum to fold it into the reduce-scatter).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from fitlm.models.moe import GroupedExperts, capacity_kept, first_slots, moe_layers
+from fitlm.models.moe import GroupedExperts, capacity, capacity_kept, first_slots, moe_layers, slot_counts
 from fitlm.parallel.collective_trace import collective
 from fitlm.parallel.mesh import ParallelContext
 
@@ -81,6 +83,8 @@ class ExpertParallelDispatch:
 
     def kept_slots(self, counts: torch.Tensor, split: list[int], capacity_factor: float) -> list[int]:
         """This rank's slots per (global) expert kept under the capacity over the ep group (module docstring)."""
+        if is_fake(counts):  # the planner's simulation: every rank's even split, each keeping its share of C
+            return [min(n, capacity(capacity_factor, sum(split) * self.ep, len(split)) // self.ep) for n in split]
         every = [torch.empty_like(counts) for _ in range(self.ep)]
         dist.all_gather(every, counts, group=self.group)
         kept = capacity_kept(torch.stack(every), capacity_factor)  # [ep, E]
@@ -98,23 +102,36 @@ class ExpertParallelDispatch:
         e = experts.gate_proj.shape[0]  # the global expert count (a DTensor's shape is global)
         flat = experts_of.reshape(-1)  # [N·k]
         order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=e)  # [E] slots of this rank's tokens per (global) expert
-        sent = counts
+        counts, split = slot_counts(flat, e)  # [E] slots of this rank's tokens per (global) expert
         if kept is not None:  # a capacity: only the slots their experts keep leave (`kept_slots`)
-            order = order[first_slots(counts.tolist(), kept, flat.device)]
-            sent = torch.tensor(kept, dtype=counts.dtype, device=counts.device)
+            order, split = order[first_slots(split, kept, flat.device)], kept
         token = order // k
-        send_counts = sent.view(self.ep, e // self.ep)  # [ep, El]: to rank r, for its local experts
-        recv_counts = torch.empty_like(send_counts)  # [ep, El]: from rank s, for this rank's local experts
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
-        send, recv = send_counts.sum(dim=1).tolist(), recv_counts.sum(dim=1).tolist()
+        send, recv, local, regroup = (self._balanced if is_fake(flat) else self._exchanged)(split, counts)
         rows = _AllToAll.apply(x[token], send, recv, self.group)  # [R, H] ordered (source rank, local expert)
-        regroup = by_local_expert(recv_counts)  # [R]: the rows ordered (local expert, source rank)
-        out = experts(rows[regroup], recv_counts.sum(dim=0).tolist())  # [R, H]
+        out = experts(rows[regroup], local)  # [R, H], rows ordered (local expert, source rank)
         out = out[regroup.argsort()]  # back to (source rank, local expert)
         out = _AllToAll.apply(out, recv, send, self.group)  # [N·k, H] in the sorted slot order
         out = out * weights.reshape(-1)[order].unsqueeze(-1)
         return torch.zeros_like(x).index_add_(0, token, out.to(x.dtype)), counts
+
+    def _exchanged(self, split: list[int], counts: torch.Tensor):
+        """(rows sent to each rank, received from each, this rank's rows per local expert, the permutation
+        ordering the received rows by local expert), from the slot counts the ranks exchange."""
+        e = len(split)
+        send_counts = torch.tensor(split, dtype=counts.dtype, device=counts.device).view(self.ep, e // self.ep)
+        recv_counts = torch.empty_like(send_counts)  # [ep, El]: from rank s, for this rank's local experts
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        send, recv = send_counts.sum(dim=1).tolist(), recv_counts.sum(dim=1).tolist()
+        return send, recv, recv_counts.sum(dim=0).tolist(), by_local_expert(recv_counts)
+
+    def _balanced(self, split: list[int], counts: torch.Tensor):
+        """`_exchanged` under the planner's simulation (fake tensors: no counts to exchange): every rank routes
+        as this one, its slots split evenly over the experts, so it receives from each rank what it sends
+        itself; the regrouping is a permutation of the received rows (its values do not matter)."""
+        local_experts = len(split) // self.ep
+        mine = split[dist.get_rank(self.group) * local_experts :][:local_experts]  # this rank's experts' slots
+        send = [sum(split[r * local_experts :][:local_experts]) for r in range(self.ep)]
+        return send, [sum(mine)] * self.ep, [c * self.ep for c in mine], torch.arange(sum(mine) * self.ep)
 
 
 def by_local_expert(counts: torch.Tensor) -> torch.Tensor:
@@ -171,6 +188,9 @@ def shard_experts_over_replicas(model: nn.Module, ctx: ParallelContext, policies
     units, which then leave the experts' parameters to it."""
     edp = ctx.submesh("edp")
     assert edp is not None  # (edp > 1: a distributed run's mesh)
+    # The grouped path returns its output through an identity autograd function (a view: fitlm.models.moe's
+    # _ContiguousGrad), which FSDP2 warns about in case the caller modifies it in place; the dispatch only indexes it.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPGroupedExperts\) returned a view")
     for layer in moe_layers([model]):
         if getattr(layer.experts, _EXPERT, False):
             fully_shard(layer.experts, mesh=edp, **policies)
