@@ -24,6 +24,7 @@ from fitlm.memory.recompute import transformer_blocks
 from fitlm.parallel.collective_trace import collective
 from fitlm.parallel.expert_parallel import (
     expert_parameters,
+    expert_shard_placement,
     shard_experts_over_replicas,
     sync_expert_gradients,
     whole_expert_parameters,
@@ -58,12 +59,13 @@ def apply_data_parallel(model: nn.Module, ctx: ParallelContext, memory: MemoryCo
             # ZeRO-3 frees gathered parameters after forward; ZeRO-2 keeps them for backward.
             reshard_after_forward=ctx.dims.zero_stage == 3,
         )
+        assert dp_mesh is not None  # (dp_cp > 1: a distributed run's mesh)
+        place = expert_shard_placement(model, dp_mesh.size())  # fewer stacked experts than ranks: another dim
         # Frozen vocabulary tables stay out of FSDP2, their rows streamed piece by piece
         # (fitlm.parallel.streamed_vocab).
         tables = (
             [] if ctx.tp > 1 or ctx.pp > 1 or memory.cpu_offload else streamed_tables(model, memory.loss_chunk_size)
         )
-        assert dp_mesh is not None  # (dp_cp > 1: a distributed run's mesh)
         # Expert-parallel experts (DTensors on "ep"): sharded by FSDP2 over the replicas of the same experts
         # ("edp") where there are some, else left out of FSDP2 and summed over their replicas
         # (fitlm.parallel.expert_parallel.sync_expert_gradients).
@@ -80,7 +82,9 @@ def apply_data_parallel(model: nn.Module, ctx: ParallelContext, memory: MemoryCo
                 # (the step's peak per rank falls accordingly; bench/RESULTS.md, "fp32 LoRA under the bar").
                 for linear in _block_linears(block):
                     fully_shard(linear, **policies)
-            fully_shard(block, **policies, ignored_params=experts & set(block.parameters()) or None)
+            fully_shard(
+                block, **policies, ignored_params=experts & set(block.parameters()) or None, shard_placement_fn=place
+            )
         for unit in _own_units(model, memory, streamed=tables):
             fully_shard(unit, **policies)
             if isinstance(unit, nn.Embedding) and not unit.weight.requires_grad:

@@ -35,7 +35,7 @@ pre-multiplied sum to fold it into the reduce-scatter).
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -45,6 +45,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from fitlm.memory import nf4
 from fitlm.models.moe import GroupedExperts, capacity, capacity_kept, first_slots, moe_layers, slot_counts
 from fitlm.parallel.collective_trace import collective
 from fitlm.parallel.mesh import ParallelContext
@@ -182,6 +183,23 @@ def whole_expert_parameters(modules: list[nn.Module]) -> list[nn.Parameter]:
     ]
 
 
+def expert_shard_placement(model: nn.Module, ranks: int) -> Callable[[nn.Parameter], Shard | None]:
+    """FSDP2's `shard_placement_fn` over `ranks` ranks for `model`'s stacked experts ([E, out, in], this rank's E
+    under expert parallel): dim 0 (whole experts a rank) when the experts divide evenly over the ranks, else dim 1.
+    FSDP2 pads dim 0 to a multiple of the ranks, so fewer experts than ranks (Mixtral's 8 over 16 ZeRO-3 ranks, or
+    one expert a rank over 2 replicas) would leave each rank a whole expert's bytes, shard or padding: no saving.
+    None (FSDP2's dim 0) for every other parameter and for QLoRA's 4-bit weights (sharded by rows)."""
+    stacked = {id(p) for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters(recurse=False)}
+
+    def place(p: nn.Parameter) -> Shard | None:
+        local = p.to_local() if isinstance(p, DTensor) else p
+        if id(p) in stacked and local.dim() == 3 and local.shape[0] % ranks and not nf4.is_nf4(local):
+            return Shard(1)
+        return None
+
+    return place
+
+
 def shard_experts_over_replicas(model: nn.Module, ctx: ParallelContext, policies: dict[str, Any]) -> None:
     """ZeRO-2/3 under expert parallel with edp > 1: each split GroupedExperts an FSDP2 unit over "edp" (module
     docstring), with the dense units' `policies` (mixed precision, reshard after forward). Before the blocks'
@@ -191,9 +209,10 @@ def shard_experts_over_replicas(model: nn.Module, ctx: ParallelContext, policies
     # The grouped path returns its output through an identity autograd function (a view: fitlm.models.moe's
     # _ContiguousGrad), which FSDP2 warns about in case the caller modifies it in place; the dispatch only indexes it.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPGroupedExperts\) returned a view")
+    place = expert_shard_placement(model, edp.size())
     for layer in moe_layers([model]):
         if getattr(layer.experts, _EXPERT, False):
-            fully_shard(layer.experts, mesh=edp, **policies)
+            fully_shard(layer.experts, mesh=edp, **policies, shard_placement_fn=place)
             setattr(layer.experts, _SHARDED, True)
 
 

@@ -28,6 +28,7 @@ FAST_BIAS = {"router_bias_update_rate": 0.05}  # large enough for the bias to ch
 HALF = {"micro_batch_size": 2, "gradient_accumulation_steps": 2}  # two data-parallel ranks
 QUARTER = {"micro_batch_size": 1, "gradient_accumulation_steps": 2}  # four
 REFERENCE = {"micro_batch_size": 4, "gradient_accumulation_steps": 2}
+TWO_EXPERTS = {"num_experts": 2, "num_experts_per_tok": 1}  # one expert a rank under ep2, two replicas of it
 LAYOUTS = {  # name: (parallel, train, memory, model overrides)
     "ep2": ({"data_parallel": 2, "expert_parallel": 2}, HALF, {}, {}),
     "ep2-zero3": ({"data_parallel": 2, "zero_stage": 3, "expert_parallel": 2}, HALF, {}, {}),
@@ -36,6 +37,14 @@ LAYOUTS = {  # name: (parallel, train, memory, model overrides)
     # two replicas of each expert shard (edp 2): FSDP2 shards the experts over them too (ZeRO-2 and 3)
     "dp4-ep2-zero2": ({"data_parallel": 4, "zero_stage": 2, "expert_parallel": 2}, QUARTER, {}, {}),
     "dp4-ep2-zero3": ({"data_parallel": 4, "zero_stage": 3, "expert_parallel": 2}, QUARTER, {}, {}),
+    # fewer experts than the ranks that shard them: FSDP2 splits each expert's rows (dim 1), not the experts
+    "dp4-ep2-zero3-two-experts": (
+        {"data_parallel": 4, "zero_stage": 3, "expert_parallel": 2},
+        QUARTER,
+        {},
+        TWO_EXPERTS,
+    ),
+    "dp4-zero3-two-experts": ({"data_parallel": 4, "zero_stage": 3}, QUARTER, {}, TWO_EXPERTS),
     "dp4-ep4": ({"data_parallel": 4, "expert_parallel": 4}, QUARTER, {}, {}),
     # aux-free balancing: every rank moves the same bias from the step's global expert loads
     "ep2-aux-free": ({"data_parallel": 2, "expert_parallel": 2}, HALF, {}, {"moe_balance": "aux_free", **FAST_BIAS}),
@@ -57,7 +66,10 @@ FINETUNE = {"ep2-lora-experts": LORA}
 def _reference_name(model: dict, layout: str = "") -> str:
     suffix = "-lora" if layout in FINETUNE else ""
     return (
-        "single" + ("-tied" if model.get("tie_embeddings") else "") + ("-aux-free" if "moe_balance" in model else "")
+        "single"
+        + ("-tied" if model.get("tie_embeddings") else "")
+        + ("-aux-free" if "moe_balance" in model else "")
+        + (f"-e{model['num_experts']}" if "num_experts" in model else "")
     ) + suffix
 
 

@@ -173,3 +173,20 @@ def test_simulate_runs_expert_parallel_with_balanced_routing(parallel):
     for part in ("params", "optimizer"):
         assert simulated[part] == pytest.approx(analytic[part], rel=0.02), part
     assert simulated["activations"] > 0
+
+
+@pytest.mark.parametrize(
+    "parallel",
+    [{"data_parallel": 4, "zero_stage": 3}, {"data_parallel": 4, "expert_parallel": 2, "zero_stage": 3}],
+    ids=["dp4-zero3", "dp4-ep2-zero3"],
+)
+def test_fewer_experts_than_ranks_shard_each_experts_rows(parallel):
+    """Two wide experts over four ZeRO-3 ranks (or one a rank under ep2, over its two replicas): FSDP2 splits each
+    expert's rows (fitlm.parallel.expert_parallel.expert_shard_placement); on dim 0 it would pad every rank to a
+    whole expert. The simulated step runs the real sharding: its AdamW states are the even shares (its parameters at
+    the peak also hold a gathered block)."""
+    model = {**MOE, "num_experts": 2, "num_experts_per_tok": 1, "moe_intermediate_size": 1024}
+    cfg = validate_dict({"model": model, "data": {"seq_length": 64}, "parallel": parallel})
+    result = plan(cfg, get_device("a100-80g"), simulate=True)
+    simulated, analytic = result["simulated"]["per_device"], result["per_device"]
+    assert simulated["optimizer"] == pytest.approx(analytic["optimizer"], rel=0.01)
