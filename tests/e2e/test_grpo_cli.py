@@ -12,23 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.e2e.helpers import fitlm, read_metrics, write_config
+from tests.e2e.helpers import fitlm, read_metrics, tiny_config, write_config
 
 TOPICS = ["king", "night", "sword", "crown", "storm", "island", "ghost", "witch", "heath", "castle", "spirit", "sea"]
 REWARD = (
     "def e_share(prompts, completions, **columns):\n    return [c.count('e') / max(len(c), 1) for c in completions]\n"
 )
-MODEL = {
-    "arch": "llama",
-    "hidden_size": 64,
-    "num_layers": 2,
-    "num_heads": 4,
-    "num_kv_heads": 2,
-    "intermediate_size": 176,
-    "vocab_size": 512,
-    "max_seq_len": 64,
-    "tie_embeddings": False,
-}
+MODEL = tiny_config({"train": Path("unused"), "valid": Path("unused")}, Path("unused"))[
+    "model"
+]  # the golden tiny Llama
 
 
 def pack(src: Path, tokenizer: Path, out: Path, *extra: str):
