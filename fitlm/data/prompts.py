@@ -205,10 +205,14 @@ class PromptStream:
             self._orders = {epoch: np.random.default_rng([self.seed, epoch]).permutation(len(self.data.rows))}
         return self._orders[epoch]
 
+    def first(self, g: int) -> int:
+        """The place of this rank's first prompt of generation batch g in the global batch."""
+        return self.rank * self.per_rank
+
     def batch(self, g: int) -> list[PromptRow]:
         """Generation batch g's prompts for this rank (0-based g)."""
         n = len(self.data.rows)
-        start = (g * self.world_size + self.rank) * self.per_rank
+        start = g * self.world_size * self.per_rank + self.first(g)
         return [self.data.rows[int(self._order(i // n)[i % n])] for i in range(start, start + self.per_rank)]
 
     # The trainer's checkpoints keep a "loader" entry: the stream has no position of its own (see the class).

@@ -103,18 +103,18 @@ class Rollouts:
         policy: nn.Module,
         tokenizer: Tokenizer,
         rewards: list[Reward],
-        rank: int,
         reference: Forward | None,
         device: torch.device,
     ):
         self.cfg, self.g = cfg, cfg.finetune.grpo
         self.policy, self.tokenizer, self.rewards = policy, tokenizer, rewards
-        self.rank, self.reference, self.device = rank, reference, device
+        self.reference, self.device = reference, device
         weights = self.g.reward_weights or [1.0] * len(rewards)
         self.weights = torch.tensor(weights, dtype=torch.float32)
 
-    def generate(self, rows: list[PromptRow], generation: int) -> Rollout:
-        """Generation batch `generation` (0-based) of this rank from its prompt rows."""
+    def generate(self, rows: list[PromptRow], generation: int, first: int) -> Rollout:
+        """Generation batch `generation` (0-based) of this rank from its prompt rows, the first of them at place
+        `first` of the global batch (their sampling seeds)."""
         g, micro = self.g, self.cfg.train.micro_batch_size
         started = time.perf_counter()
         was_training = self.policy.training
@@ -126,7 +126,7 @@ class Rollouts:
                     [r.ids for r in rows],
                     g,
                     self.tokenizer.stop_ids,
-                    sampling_seed(self.cfg.train.seed, generation, self.rank),
+                    [sampling_seed(self.cfg.train.seed, generation, first + i) for i in range(len(rows))],
                 )
         finally:
             self.policy.train(was_training)

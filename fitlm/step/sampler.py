@@ -3,10 +3,12 @@ fitlm's batched decoder (`fitlm.infer.batched.SlotBatch`: one shared KV cache, o
 every completion at once), with no second copy of the model.
 
 Each token is drawn from softmax(logits / temperature) restricted to the top_k most likely tokens and then to
-the smallest set whose mass reaches top_p (TRL's and transformers' order), on the CPU in fp32 from one
-`torch.Generator`: seeded by (train.seed, generation batch, data-parallel rank), a rerun (a resumed run) draws
-the same tokens from the same weights, whatever the device. A completion ends at the first stop token of the
-tokenizer (kept, as TRL keeps EOS) or after max_completion_length tokens (truncated).
+the smallest set whose mass reaches top_p (TRL's and transformers' order), on the CPU in fp32, each prompt's
+group from its own `torch.Generator` seeded by (train.seed, generation batch, the prompt's place in the global
+batch): a rerun (a resumed run) draws the same tokens from the same weights whatever the device, and so does
+another data-parallel layout of the same global batch (which rank samples a group does not change its seed).
+A completion ends at the first stop token of the tokenizer (kept, as TRL keeps EOS) or after
+max_completion_length tokens (truncated).
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ from fitlm.config.schema import GrpoConfig
 from fitlm.infer.batched import SlotBatch
 
 
-def sampling_seed(seed: int, generation: int, rank: int) -> int:
-    """The generator seed of one rank's generation batch: distinct per (seed, batch, rank), fixed by them."""
-    return (seed * 1_000_003 + generation) * 65_537 + rank
+def sampling_seed(seed: int, generation: int, prompt: int) -> int:
+    """The generator seed of one prompt's group: distinct per (seed, generation batch, the prompt's place in the
+    global batch), fixed by them."""
+    return (seed * 1_000_003 + generation) * 65_537 + prompt
 
 
 def filtered_logits(logits: torch.Tensor, cfg: GrpoConfig) -> torch.Tensor:
@@ -50,12 +53,12 @@ class Samples:
 
 
 def sample(
-    model: nn.Module, prompts: list[list[int]], cfg: GrpoConfig, stop_ids: tuple[int, ...], seed: int
+    model: nn.Module, prompts: list[list[int]], cfg: GrpoConfig, stop_ids: tuple[int, ...], seeds: list[int]
 ) -> Samples:
     """cfg.num_generations completions of each prompt (token ids) from `model` (the plain module, in eval mode;
-    the caller sets autocast)."""
+    the caller sets autocast), prompt i's group drawn with seeds[i]."""
     g, limit = cfg.num_generations, cfg.max_completion_length
-    generator = torch.Generator().manual_seed(seed)
+    generators = [torch.Generator().manual_seed(s) for s in seeds]
     slots = SlotBatch(model)
     first = [slots.add(len(slots), ids, len(ids) + limit) for ids in prompts for _ in range(g)]
     logits = torch.stack(first)  # [B, V]
@@ -70,8 +73,11 @@ def sample(
         live = torch.tensor([not d for d in done])
         entropy += float(-(logp.exp() * logp).sum(-1)[live].sum())
         probs = torch.softmax(filtered_logits(logits.float().cpu(), cfg), dim=-1)  # [B, V]
-        drawn = torch.multinomial(probs, 1, generator=generator)  # [B, 1]
-        picked = drawn[:, 0].tolist()
+        picked = [
+            token
+            for i, gen in enumerate(generators)
+            for token in torch.multinomial(probs[i * g : (i + 1) * g], 1, generator=gen)[:, 0].tolist()
+        ]
         for i, token in enumerate(picked):
             if not done[i]:
                 out[i].append(token)

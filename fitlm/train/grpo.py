@@ -123,7 +123,7 @@ class GrpoRun:
         policy = plain_module(pm.model)
         reference = reference_forward(cfg, ctx, policy) if g.beta > 0 else None
         rewards = load_rewards(g.reward_funcs)
-        self.rollouts = Rollouts(cfg, policy, tokenizer, rewards, ctx.dp_rank, reference, ctx.device)
+        self.rollouts = Rollouts(cfg, policy, tokenizer, rewards, reference, ctx.device)
         self.current: Rollout | None = None
         self.log_path = output_dir / "rollouts.jsonl" if t.observe.log_completions and ctx.is_main else None
 
@@ -131,7 +131,8 @@ class GrpoRun:
         """Step `step`'s (1-based) micro batches, sampling a new generation batch when the step starts one."""
         if (step - 1) % self.iterations == 0 or self.current is None:
             generation = (step - 1) // self.iterations
-            self.current = self.rollouts.generate(self.stream.batch(generation), generation)
+            rows, first = self.stream.batch(generation), self.stream.first(generation)
+            self.current = self.rollouts.generate(rows, generation, first)
             self._log(step, self.current)
         else:  # a reused batch: nothing sampled this step
             self.current.metrics.update(sampling_seconds=0.0, sampling_tokens=0.0)

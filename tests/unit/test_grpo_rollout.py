@@ -36,16 +36,19 @@ def test_top_k_then_top_p_keep_what_transformers_keeps():
 def test_sampling_is_fixed_by_its_seed_and_stops_at_a_stop_token():
     m, prompts = model(), [[1, 2, 3], [4, 5, 6, 7, 8]]
     g = GrpoConfig(num_generations=3, max_completion_length=6)
-    a = sample(m, prompts, g, (0,), seed=sampling_seed(7, 2, 0))
-    assert a == sample(m, prompts, g, (0,), seed=sampling_seed(7, 2, 0))
-    assert a.completions != sample(m, prompts, g, (0,), seed=sampling_seed(7, 2, 1)).completions
+    seeds = [sampling_seed(7, 2, i) for i in range(2)]
+    a = sample(m, prompts, g, (0,), seeds)
+    assert a == sample(m, prompts, g, (0,), seeds)
+    assert a.completions != sample(m, prompts, g, (0,), [sampling_seed(7, 3, i) for i in range(2)]).completions
+    # a group's draws depend on its own seed only, not on the groups sampled beside it
+    assert sample(m, prompts[1:], g, (0,), seeds[1:]).completions == a.completions[3:]
     assert len(a.completions) == 6 and all(1 <= len(c) <= 6 for c in a.completions)
     for c, cut in zip(a.completions, a.truncated):
         assert cut == (0 not in c) and (cut or c.index(0) == len(c) - 1)
     # a stop token every completion draws first ends them all at one token
     first = int(torch.argmax(m(torch.tensor([prompts[0]]))[0, -1]))
     greedy = GrpoConfig(num_generations=2, max_completion_length=6, top_k=1)
-    assert sample(m, prompts[:1], greedy, (first,), seed=0).completions == [[first], [first]]
+    assert sample(m, prompts[:1], greedy, (first,), [0]).completions == [[first], [first]]
 
 
 def test_log_probs_are_those_of_the_completion_tokens_under_the_tempered_model():
