@@ -173,3 +173,26 @@ def test_pack_names_the_file_and_line_of_a_bad_row_and_refuses_a_long_prompt(tin
     src.write_text(json.dumps({"prompt": "Speak of the king and the crown and the storm"}) + "\n")
     proc = pack(src, tiny_corpus["tokenizer"], tmp_path / "b", "--max-length", "4")
     assert proc.returncode != 0 and f"{src}:1: the prompt has" in proc.stderr and "--max-length 4" in proc.stderr
+
+
+def test_a_reward_function_that_raises_stops_the_run_naming_it_and_the_prompt(runs, tmp_path):
+    (tmp_path / "bad_rewards.py").write_text(
+        "def picky(prompts, completions, topic, **columns):\n"
+        "    return [1 / 0 if t == 'witch' else 0.0 for t in topic]\n"
+    )
+    cfg = config(runs["root"], MODEL, tmp_path / "out", {"reward_funcs": [f"{tmp_path / 'bad_rewards.py'}:picky"]})
+    cfg["train"]["max_steps"] = 12  # an epoch of the 12 prompts: the witch's row comes up
+    proc = fitlm("train", write_config(tmp_path / "bad.yaml", cfg))
+    assert proc.returncode != 0, proc.stderr[-2000:]
+    assert f"reward function {tmp_path / 'bad_rewards.py'}:picky failed on the prompt 'Speak of the witch:'" in (
+        proc.stderr
+    ), proc.stderr[-2000:]
+
+
+def test_dry_run_says_what_a_step_samples(runs, tmp_path):
+    cfg = config(runs["root"], MODEL, tmp_path / "out")
+    proc = fitlm("train", write_config(tmp_path / "ok.yaml", cfg), "--dry-run", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    shape = json.loads(proc.stdout)
+    assert (shape["prompts_per_step"], shape["completions_per_step"], shape["train_prompts"]) == (2, 8, len(TOPICS))
+    assert not (tmp_path / "out").exists()
