@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 LOSS_METRICS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "kl")
 # Rollout metrics reduced over data-parallel ranks by their largest value (the rest by their mean, or summed)
 MAX_METRICS = ("completions/max_length", "sampling_seconds")
-SUM_METRICS = ("sampling_tokens", "loss_tokens")
+SUM_METRICS = ("sampling_tokens", "loss_tokens", "train_tokens")
 
 
 class GrpoObjective:
@@ -41,6 +41,7 @@ class GrpoObjective:
         self.pending: list[MicroRollout] = []
         self.rollout_metrics: dict[str, float] = {}
         self.tokens_per_rank = 1.0
+        self.step_tokens = 0.0  # the step's sequence tokens (prompt + completion) over all ranks
 
     @staticmethod
     def count(labels: torch.Tensor) -> int:
@@ -91,6 +92,7 @@ class GrpoObjective:
         self.metrics = {**self.rollout_metrics, **{k: float(v) for k, v in zip(names, means.tolist())}}
         tokens, seconds = self.metrics.pop("sampling_tokens", 0.0), self.metrics.pop("sampling_seconds", 0.0)
         self.metrics.pop("loss_tokens", None)
+        self.step_tokens = self.metrics.pop("train_tokens", 0.0)
         if seconds:
             self.metrics["sampling_seconds"] = seconds
             self.metrics["sampling_tokens_per_s"] = tokens / seconds

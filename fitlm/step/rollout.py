@@ -156,6 +156,7 @@ class Rollouts:
             "sampling_tokens": float(samples.tokens),
             "sampling_seconds": sampling_s,
             "loss_tokens": float(mask.sum()),
+            "train_tokens": float(sum(lengths_in)),
         }
         total = total_rewards(per_func, self.weights)
         records = [

@@ -193,6 +193,7 @@ class Trainer:
         if batch_note and self.ctx.is_main:
             print(f"fitlm: note: {batch_note}", file=sys.stderr)
         rows = 2 if cfg.finetune.pairs else 1  # DPO, SimPO: a sample is a pair of sequences
+        # (GRPO: the positions a step may fill, completions × seq_length; its throughput counts real tokens)
         self.tokens_per_step = (
             rows * t.micro_batch_size * cfg.data.seq_length * t.gradient_accumulation_steps * self.ctx.dp
         )
@@ -236,6 +237,13 @@ class Trainer:
             world_size=self.ctx.dp,
             shuffle=shuffle,
         )
+
+    def step_tokens(self) -> int:
+        """Tokens the last step trained on, all ranks: the packed windows' (a fixed count), or under GRPO the
+        sampled sequences' own (prompt + completion, no padding), so tokens_per_s and MFU are what was computed."""
+        if self.grpo is None:
+            return self.tokens_per_step
+        return int(grpo_objective(self.step.objective).step_tokens)
 
     def batches(self) -> Iterator[dict[str, torch.Tensor]]:
         """The packed data's micro batches (none under GRPO: its steps sample theirs, `GrpoRun`)."""
@@ -330,7 +338,7 @@ class Trainer:
                         continue
                     self.heartbeat.mark("logging", step)
                     self.consistency(step)  # replicas still identical (every consistency_interval steps)
-                    window_tokens += self.tokens_per_step
+                    window_tokens += self.step_tokens()
                     if step % t.log_interval == 0 or step == t.max_steps or step == 1 or out.skipped:
                         record = self.log_step(step, out, time.perf_counter() - window_start, window_tokens, log)
                         history.append(record)
