@@ -269,7 +269,7 @@ class ObserveConfig(Section):
     eval_tasks_limit: Annotated[float, Field(gt=0)] | None = None
     """With eval_tasks: at most this many documents per task (below 1: a fraction of each task); null = all of them."""
     log_completions: bool = False
-    """With finetune.objective: grpo, append every sampled completion to output_dir/rollouts.jsonl: one JSON object per completion with `step`, `prompt`, `completion` (text), `reward` (the weighted total), each reward function's value under its name, and the prompt row's other columns (rank 0's completions under data parallel)."""
+    """With finetune.objective: grpo, append every sampled completion to output_dir/rollouts.jsonl: one JSON object per completion with `step`, `prompt`, `completion` (text), `reward` (the weighted total), each reward function's value under its name (the function's, as TRL logs it: `check` for `rewards.py:check`; also the metrics' `rewards/<name>/mean`), and the prompt row's other columns (rank 0's completions under data parallel)."""
     oom_snapshot: bool = False
     """CUDA only: record allocator history and, on out of memory, dump a snapshot to output_dir/memory_snapshot_rank{R}.pickle (open it at pytorch.org/memory_viz)."""
 

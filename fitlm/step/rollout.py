@@ -19,6 +19,7 @@ softmax(logits / temperature), as TRL's are.
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -32,7 +33,7 @@ from fitlm.data.tokenizer import Tokenizer
 from fitlm.memory.precision import autocast
 from fitlm.models.loss import IGNORE_INDEX
 from fitlm.step.grpo_loss import group_advantages, loss_mask
-from fitlm.step.rewards import Reward, score, total_rewards
+from fitlm.step.rewards import BUILTINS, Reward, score, total_rewards
 from fitlm.step.sampler import sample, sampling_seed
 
 # (input_ids [B, T]) -> logits [B, T, V], without gradients: a model's forward (the policy, or the reference)
@@ -111,6 +112,7 @@ class Rollouts:
         self.reference, self.device = reference, device
         weights = self.g.reward_weights or [1.0] * len(rewards)
         self.weights = torch.tensor(weights, dtype=torch.float32)
+        self.keys = reward_keys(rewards)
 
     def generate(self, rows: list[PromptRow], generation: int, first: int) -> Rollout:
         """Generation batch `generation` (0-based) of this rank from its prompt rows, the first of them at place
@@ -135,8 +137,7 @@ class Rollouts:
         texts = [self.tokenizer.decode(c) for c in samples.completions]
         columns = {k: [r.columns.get(k) for r in prompts] for k in sorted({k for r in rows for k in r.columns})}
         per_func = score(self.rewards, [r.text for r in prompts], texts, columns)  # [B, F]
-        names = [r.name for r in self.rewards]
-        adv = group_advantages(per_func, self.weights, g.num_generations, g.scale_rewards, names)
+        adv = group_advantages(per_func, self.weights, g.num_generations, g.scale_rewards, self.keys)
         ids, labels = sequences([r.ids for r in prompts], samples.completions, self.tokenizer.pad_id)
         truncated = torch.tensor(samples.truncated)
         mask = loss_mask((labels != IGNORE_INDEX).float(), truncated, g.mask_truncated_completions)
@@ -164,7 +165,7 @@ class Rollouts:
                 "prompt": p.text,
                 "completion": t,
                 "reward": _num(total[i]),
-                **{r.name: _num(per_func[i, j]) for j, r in enumerate(self.rewards)},
+                **{k: _num(per_func[i, j]) for j, k in enumerate(self.keys)},
                 **p.columns,
             }
             for i, (p, t) in enumerate(zip(prompts, texts))
@@ -182,6 +183,18 @@ class Rollouts:
             if self.reference is not None:
                 out.ref = token_logps(self.reference(ids), labels, temperature)
         return out
+
+
+def reward_keys(rewards: list[Reward]) -> list[str]:
+    """The names a reward is logged under (rewards/<key>/mean, rollouts.jsonl), as TRL's: the function's name
+    (`check` of `rewards.py:check`), a built-in's own (`answer_equals`), in characters every tracker takes
+    (MLflow refuses `:`); a name taken twice gets its position appended."""
+    keys = []
+    for r in rewards:
+        builtin = r.name.partition(":")[0]
+        key = builtin if builtin in BUILTINS else r.name.rpartition(":")[2]  # module:function -> function
+        keys.append(re.sub(r"[^A-Za-z0-9_.-]", "_", key))
+    return [k if keys.count(k) == 1 else f"{k}_{i}" for i, k in enumerate(keys)]
 
 
 def _num(x: torch.Tensor) -> float | None:

@@ -75,3 +75,20 @@ def test_prompt_stream_gives_ranks_disjoint_slices_and_is_a_function_of_the_batc
     assert sorted(seen[:10]) == [str(i) for i in range(10)]  # the first epoch: every prompt once
     assert ranks[0].batch(3) == PromptStream(Data(), 2, seed=3, rank=0, world_size=2).batch(3)  # type: ignore[arg-type]
     assert [r.text for r in ranks[0].batch(0)] != [r.text for r in PromptStream(Data(), 2, 4, 0, 2).batch(0)]  # type: ignore[arg-type]
+
+
+def test_rewards_are_logged_under_their_function_names_as_trl_does():
+    from fitlm.step.rewards import Reward
+    from fitlm.step.rollout import reward_keys
+
+    def fn(prompts, completions, **columns):
+        return [0.0] * len(completions)
+
+    names = ["answer_equals:solution", "length:20", "my_rewards.py:check", "pkg.mod:check", "format_regex"]
+    assert reward_keys([Reward(n, fn) for n in names]) == [
+        "answer_equals",
+        "length",
+        "check_2",
+        "check_3",
+        "format_regex",
+    ]
