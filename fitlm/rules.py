@@ -329,15 +329,24 @@ ROWS: tuple[Rule, ...] = (
     Rule(
         "finetune.objective",
         "refused",
-        "`finetune.objective: grpo` for training: its configuration, loss and rewards exist, sampling and "
-        "`data.format: prompts` packing do not yet",
-        lambda v: v["finetune.objective"] == "grpo",
+        "GRPO with ZeRO-2/3 or CPU offload: its sampler reads whole weights on each rank; use ZeRO 0-1",
+        lambda v: v["finetune.objective"] == "grpo" and (v["parallel.zero_stage"] >= 2 or v["memory.cpu_offload"]),
         lambda v: (
-            "finetune.objective: grpo is not yet runnable end to end (its config, loss and reward functions "
-            "exist; sampling completions during training and packing data.format: prompts do not yet, issue 54); "
-            "train with sft, dpo or simpo meanwhile"
+            f"finetune.objective: grpo samples completions from each rank's whole copy of the weights, which "
+            f"zero_stage={v['parallel.zero_stage']} / memory.cpu_offload={v['memory.cpu_offload']} do not keep "
+            "(the sampler does not gather sharded blocks yet); use parallel.zero_stage 0 or 1 and "
+            "memory.cpu_offload: false, or LoRA/QLoRA to fit the model"
         ),
-        stage="launch",
+    ),
+    Rule(
+        "data.valid",
+        "refused",
+        "GRPO with `data.valid`: a validation loss over prompts has no meaning yet; use `train.observe.eval_tasks`",
+        lambda v: v["finetune.objective"] == "grpo" and bool(v["data.valid"]),
+        lambda v: (
+            "data.valid: finetune.objective: grpo has no validation loss (its data are prompts without "
+            "completions); remove data.valid, and score the policy with train.observe.eval_tasks or `fitlm eval`"
+        ),
     ),
     _tracker_installed("tensorboard"),
     _tracker_installed("wandb"),

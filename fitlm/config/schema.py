@@ -36,7 +36,7 @@ class DataConfig(Section):
     seq_length: Annotated[int, Field(ge=1)] = 2048
     """Tokens per training sample; must not exceed model.max_seq_len."""
     format: Literal["pretrain", "chat", "preference", "prompts"] = "pretrain"
-    """`pretrain`: plain text stream. `chat`: conversations with loss on assistant turns only. `preference`: (prompt, chosen, rejected) pairs packed with `fitlm data pack --format preference`, for `finetune.objective: dpo` or `simpo`; train.micro_batch_size counts pairs. `prompts`: prompts whose completions are sampled during training, for `finetune.objective: grpo` (its packing is not written yet)."""
+    """`pretrain`: plain text stream. `chat`: conversations with loss on assistant turns only. `preference`: (prompt, chosen, rejected) pairs packed with `fitlm data pack --format preference`, for `finetune.objective: dpo` or `simpo`; train.micro_batch_size counts pairs. `prompts`: prompts whose completions are sampled during training (rows of `prompt` or `messages` plus the reward functions' columns, packed with `fitlm data pack --format prompts`), for `finetune.objective: grpo`."""
     tokenizer: str | None = None
     """tokenizer.json to use; null = the one stored beside the packed training data."""
     document_mask: bool = True
@@ -201,7 +201,7 @@ class FinetuneConfig(Section):
     freeze_embeddings: bool = False
     """With method `freeze`: also freeze the token (and position) embeddings, and with them a tied output head."""
     objective: Literal["sft", "dpo", "simpo", "grpo"] = "sft"
-    """`sft`: next-token cross-entropy on the target tokens. `dpo`: Direct Preference Optimization on `data.format: preference` pairs (settings in finetune.dpo). `simpo`: SimPO on the same pairs, without a reference model (settings in finetune.simpo). `grpo`: reinforcement learning from reward functions on `data.format: prompts` (settings in finetune.grpo; not yet runnable end to end)."""
+    """`sft`: next-token cross-entropy on the target tokens. `dpo`: Direct Preference Optimization on `data.format: preference` pairs (settings in finetune.dpo). `simpo`: SimPO on the same pairs, without a reference model (settings in finetune.simpo). `grpo`: reinforcement learning from reward functions on `data.format: prompts` (settings in finetune.grpo)."""
     dpo: DpoConfig = DpoConfig()
     """DPO settings (used when objective is `dpo`)."""
     simpo: SimpoConfig = SimpoConfig()
@@ -268,6 +268,8 @@ class ObserveConfig(Section):
     """lm-evaluation-harness tasks scored at every evaluation (train.eval_interval) on the weights being trained: lm-eval task names or fitlm's .jsonl task files (docs/evaluation.md); logged to metrics.jsonl as `eval/<task>/<metric>`. Needs `pip install 'fitlm[eval]'`."""
     eval_tasks_limit: Annotated[float, Field(gt=0)] | None = None
     """With eval_tasks: at most this many documents per task (below 1: a fraction of each task); null = all of them."""
+    log_completions: bool = False
+    """With finetune.objective: grpo, append every sampled completion to output_dir/rollouts.jsonl: one JSON object per completion with `step`, `prompt`, `completion` (text), `reward` (the weighted total), each reward function's value under its name (the function's, as TRL logs it: `check` for `rewards.py:check`; also the metrics' `rewards/<name>/mean`), and the prompt row's other columns (rank 0's completions under data parallel)."""
     oom_snapshot: bool = False
     """CUDA only: record allocator history and, on out of memory, dump a snapshot to output_dir/memory_snapshot_rank{R}.pickle (open it at pytorch.org/memory_viz)."""
 

@@ -119,6 +119,14 @@ def grpo_errors(cfg: Config) -> list[str]:
             f"parallel.data_parallel = {completions} completions, which {g.num_generations} per prompt do not "
             f"divide; use num_generations in {[d for d in divisors(completions) if d >= 2]} or change the batch"
         )
+    elif (completions // dp) % g.num_generations:
+        per_rank = completions // dp
+        errs.append(
+            f"finetune.grpo.num_generations: each data-parallel rank samples whole groups, but its "
+            f"train.micro_batch_size × gradient_accumulation_steps = {per_rank} completions are not a multiple of "
+            f"{g.num_generations}; use num_generations in {[d for d in divisors(per_rank) if d >= 2]} or raise "
+            "micro_batch_size or gradient_accumulation_steps"
+        )
     if not g.reward_funcs:
         errs.append(
             "finetune.grpo.reward_funcs: GRPO learns from rewards but none is named; list at least one, e.g. "

@@ -79,9 +79,10 @@ def _add_pack(dsub) -> None:
     q.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
     q.add_argument(
         "--format",
-        choices=["text", "chat", "preference"],
+        choices=["text", "chat", "preference", "prompts"],
         default="text",
-        help="text documents, chat conversations, or preference pairs (prompt/chosen/rejected, for DPO)",
+        help="text documents, chat conversations, preference pairs (prompt/chosen/rejected, for DPO), or "
+        "prompts (prompt or messages plus reward columns, for GRPO)",
     )
     q.add_argument(
         "--template",
@@ -92,7 +93,8 @@ def _add_pack(dsub) -> None:
         "--max-length",
         type=int,
         help="chat: longest conversation in tokens (e.g. data.seq_length + 1); "
-        "preference: longest prompt + response (longer pairs are dropped)",
+        "preference: longest prompt + response (longer pairs are dropped); "
+        "prompts: longest prompt (finetune.grpo.max_prompt_length; longer prompts are refused)",
     )
     q.add_argument(
         "--overlong",
@@ -246,6 +248,8 @@ def cmd_data_tokenizer(args: argparse.Namespace) -> int:
 
 
 def cmd_data_pack(args: argparse.Namespace) -> int:
+    if args.format == "prompts":
+        return _pack_prompts(args)
     from fitlm.data.prep.pack import pack_corpus
     from fitlm.data.prep.pack_options import PackOptions
 
@@ -266,6 +270,30 @@ def cmd_data_pack(args: argparse.Namespace) -> int:
     )
     manifest = pack_corpus([Path(p) for p in args.inputs], Path(args.tokenizer), Path(args.out), options)
     _print_manifest(args, manifest, f"packed into {args.out}")
+    return 0
+
+
+def _pack_prompts(args: argparse.Namespace) -> int:
+    """--format prompts: small prompt sets, checked and encoded in this process (fitlm.data.prompts)."""
+    from fitlm.data.errors import DataError
+    from fitlm.data.prompts import pack_prompts
+
+    if args.engine != "local" or args.workers != 1 or args.num_shards is not None:
+        raise DataError("--format prompts packs in this process; drop --engine ray, --workers and --num-shards")
+    manifest = pack_prompts(
+        [Path(p) for p in args.inputs],
+        Path(args.tokenizer),
+        Path(args.out),
+        args.template,
+        args.max_length,
+        args.overwrite,
+    )
+    if args.json:
+        emit_json(manifest)
+    else:
+        rows = {k: v for k, v in manifest.items() if not isinstance(v, (list, dict)) and v is not None}
+        rows["columns"] = ", ".join(manifest["columns"]) or "none"
+        print_table(f"packed into {args.out}", rows)
     return 0
 
 

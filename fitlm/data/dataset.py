@@ -7,13 +7,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from fitlm.data.errors import DataError
 from fitlm.data.format import read_manifest, sha256_file
 from fitlm.data.tokenizer import TOKENIZER_FILE, Tokenizer
+
+if TYPE_CHECKING:
+    from fitlm.data.prompts import PromptDataset
 
 IGNORE_INDEX = -100  # label value that cross-entropy skips (torch's default ignore_index)
 
@@ -201,7 +204,7 @@ class PackedDataset:
         )
 
 
-def check_compat(dataset: PackedDataset, model_vocab_size: int) -> None:
+def check_compat(dataset: PackedDataset | PromptDataset, model_vocab_size: int) -> None:
     """Refuse data whose token ids would index past the model's embedding table."""
     if dataset.vocab_size > model_vocab_size:
         raise DataError(

@@ -163,6 +163,15 @@ class InPlaceAllGather(AllGather):
         return gather_chunks_in_place(output_tensor, group, last_async=True)
 
 
+def plain_module(module: nn.Module) -> nn.Module:
+    """The fitlm model inside the wrappers a layout puts around it (DDP's `.module`, torch.compile's `_orig_mod`)."""
+    while True:
+        inner = getattr(module, "module", None) or getattr(module, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            return module
+        module = inner
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, DistributedDataParallel) else model
 

@@ -61,7 +61,7 @@ def run_burst(cfg: Config, steps: int, out: Path) -> list[dict] | None:
     trainer = Trainer(burst_config(cfg, out, steps))
     ctx, device, main = trainer.ctx, trainer.device, trainer.ctx.is_main
     trainer.step.timer.sync = device.type == "cuda"  # exact phase times: wait for the device at each boundary
-    batches = iter(trainer.loader)
+    batches = trainer.batches()
     count = 0
 
     def one_step():

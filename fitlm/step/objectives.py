@@ -8,10 +8,11 @@ over all ranks, divided by the step's count (`observe`); the trainer logs `metri
     sft     next-token cross-entropy on the target tokens, no metrics (fitlm.step.sft_objective)
     dpo     Direct Preference Optimization on pairs (fitlm.step.pair_objectives)
     simpo   SimPO on the same pairs, no reference (fitlm.step.pair_objectives)
+    grpo    GRPO on completions sampled before the step (fitlm.step.grpo_objective, fitlm.step.rollout)
 
 An MoE model's load-balancing loss is not part of the objective: the step adds it to whichever objective's loss
 (fitlm.step.router_balance). Neither is the pipeline-parallel loss, computed inside the schedule; only SFT runs
-under pipeline parallel (fitlm.rules refuses the pair objectives there).
+under pipeline parallel (fitlm.rules refuses the others there).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from fitlm.config import Config
+from fitlm.step.grpo_objective import GrpoObjective
 from fitlm.step.pair_objectives import pair_objective
 from fitlm.step.sft_objective import SFTObjective
 
@@ -57,6 +59,8 @@ def objective_for(cfg: Config, ctx: ParallelContext, pm: ParallelModel, simulate
     --simulate`), where DPO's policy stands in for a frozen reference copy."""
     if cfg.finetune.pairs:
         return pair_objective(cfg, ctx, pm, simulate)
+    if cfg.finetune.objective == "grpo":
+        return GrpoObjective(cfg.finetune.grpo, cfg.train.gradient_accumulation_steps)
     return SFTObjective()
 
 

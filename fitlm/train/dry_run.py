@@ -8,11 +8,13 @@ import torch
 
 from fitlm.config import Config, ConfigError
 from fitlm.data.loader import SequenceLoader
+from fitlm.data.prompts import PromptDataset
 from fitlm.finetune.init_from import resolve_init_from
 from fitlm.models.flops import flops_per_token
 from fitlm.parallel_dims import layout_name
 from fitlm.registry import build_model
 from fitlm.train import preflight
+from fitlm.train.grpo import grpo_dry_run
 from fitlm.train.trainer import open_data
 
 
@@ -28,6 +30,8 @@ def dry_run(cfg: Config, world_size: int | None = None, overwrite: bool = False)
         raise ConfigError(problems)
     train, valid, tok = open_data(cfg)
     t = cfg.train
+    if isinstance(train, PromptDataset):
+        return grpo_dry_run(cfg, train, world_size)
     loader = SequenceLoader(
         train, cfg.data.seq_length, t.micro_batch_size, seed=t.seed, world_size=cfg.parallel.data_parallel
     )

@@ -22,6 +22,7 @@ import torch.nn as nn
 from fitlm.config import Config, ConfigError
 from fitlm.data.tokenizer import Tokenizer
 from fitlm.eval.results import score_rows
+from fitlm.parallel.data_parallel import plain_module
 
 
 class TaskEvaluator:
@@ -84,15 +85,6 @@ class TaskEvaluator:
 def flat_scores(results: dict[str, Any]) -> dict[str, float]:
     """lm-eval's results[task]["acc,none"] as {"eval/task/acc": value}; stderr left out (a chart of the score)."""
     return {f"eval/{r['task']}/{r['metric']}": float(r["value"]) for r in score_rows(results)}
-
-
-def plain_module(module: nn.Module) -> nn.Module:
-    """The fitlm model inside the wrappers a layout puts around it (DDP's `.module`, torch.compile's `_orig_mod`)."""
-    while True:
-        inner = getattr(module, "module", None) or getattr(module, "_orig_mod", None)
-        if not isinstance(inner, nn.Module):
-            return module
-        module = inner
 
 
 __all__ = ["TaskEvaluator", "flat_scores", "plain_module"]

@@ -13,7 +13,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, cast
+from typing import Any, Callable, Iterator, cast
 
 import torch
 import torch.nn as nn
@@ -25,6 +25,7 @@ from fitlm.checkpoint.store import latest_checkpoint
 from fitlm.config import Config, ConfigError
 from fitlm.data.dataset import PackedDataset, check_compat
 from fitlm.data.loader import SequenceLoader
+from fitlm.data.prompts import PromptDataset
 from fitlm.data.tokenizer import Tokenizer
 from fitlm.finetune.apply import apply_finetune, final_weights
 from fitlm.finetune.early_stopping import EarlyStopping
@@ -50,6 +51,7 @@ from fitlm.train import preflight
 from fitlm.train.balance import InputMonitor
 from fitlm.train.consistency import ConsistencyCheck
 from fitlm.train.eval_tasks import TaskEvaluator, plain_module
+from fitlm.train.grpo import GrpoRun, grpo_objective, grpo_problems
 from fitlm.train.heartbeat import Heartbeat
 from fitlm.train.host_memory import HostMemory
 from fitlm.train.metrics import MetricsLog, report
@@ -80,9 +82,11 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def open_data(cfg: Config) -> tuple[PackedDataset, PackedDataset | None, Tokenizer]:
-    """Open train/valid data and the tokenizer, and check they agree with each other and the model."""
-    train = PackedDataset(cfg.data.train)
+def open_data(cfg: Config) -> tuple[PackedDataset | PromptDataset, PackedDataset | None, Tokenizer]:
+    """Open train/valid data and the tokenizer, and check they agree with each other and the model (GRPO's
+    train data: prompts, fitlm.data.prompts)."""
+    grpo = cfg.finetune.objective == "grpo"
+    train = PromptDataset(cfg.data.train) if grpo else PackedDataset(cfg.data.train)
     valid = PackedDataset(cfg.data.valid) if cfg.data.valid else None
     tok = Tokenizer.from_file(cfg.data.tokenizer or train.tokenizer_path)
     for name, ds in (("data.train", train), ("data.valid", valid)):
@@ -147,10 +151,12 @@ class Trainer:
         self.device = self.ctx.device
         self.heartbeat = Heartbeat.for_context(self.ctx, cfg.parallel.timeout_s)  # names a hung rank on a timeout
         self.train_data, self.valid_data, self.tokenizer = open_data(cfg)
+        if isinstance(self.train_data, PromptDataset) and (problems := grpo_problems(cfg, self.train_data)):
+            raise ConfigError(problems)
         # train.observe.eval_tasks: lm-eval's tasks read and checked now, before anything is written
         self.task_eval = TaskEvaluator(cfg, self.tokenizer) if t.observe.eval_tasks else None
         # Everything that can fail on bad input runs before the output directory is touched.
-        self.loader = self._loader(self.train_data, shuffle=True)
+        self.loader = None if isinstance(self.train_data, PromptDataset) else self._loader(self.train_data, True)
         # Built on meta: no rank holds the whole model; `parallelize` gives each its share (same values on every
         # layout: the single process's seeded or loaded weights).
         model = meta_model(cfg)
@@ -177,12 +183,17 @@ class Trainer:
         self.host_memory.mark("load")  # building, loading and sharding the model is the first phase
         # The step (optimizer, loss scaler, guards, phase timer), built as the planner and profiler build it.
         self.step = TrainStep.create(cfg, self.ctx, self.pm)
+        # GRPO: each step's micro batches are completions sampled from the weights being trained
+        self.grpo = None
+        if isinstance(self.train_data, PromptDataset):
+            self.grpo = GrpoRun(cfg, self.ctx, self.pm, self.tokenizer, self.train_data, self.output_dir)
         # The schedule actually followed: train.lr_scaling may rescale lr/min_lr/warmup for the batch.
         self.schedule, batch_note = scale_for_batch(t, self.ctx.dp)
         self.console = console
         if batch_note and self.ctx.is_main:
             print(f"fitlm: note: {batch_note}", file=sys.stderr)
         rows = 2 if cfg.finetune.pairs else 1  # DPO, SimPO: a sample is a pair of sequences
+        # (GRPO: the positions a step may fill, completions × seq_length; its throughput counts real tokens)
         self.tokens_per_step = (
             rows * t.micro_batch_size * cfg.data.seq_length * t.gradient_accumulation_steps * self.ctx.dp
         )
@@ -227,13 +238,29 @@ class Trainer:
             shuffle=shuffle,
         )
 
+    def step_tokens(self) -> int:
+        """Tokens the last step trained on, all ranks: the packed windows' (a fixed count), or under GRPO the
+        sampled sequences' own (prompt + completion, no padding), so tokens_per_s and MFU are what was computed."""
+        if self.grpo is None:
+            return self.tokens_per_step
+        return int(grpo_objective(self.step.objective).step_tokens)
+
+    def batches(self) -> Iterator[dict[str, torch.Tensor]]:
+        """The packed data's micro batches (none under GRPO: its steps sample theirs, `GrpoRun`)."""
+        return iter(self.loader) if self.loader is not None else iter([])
+
     def train_step(self, step: int, batches: Iterator[dict[str, torch.Tensor]]) -> StepOutput:
         """One optimizer step (1-based `step`): read the micro batches, forward/backward, update."""
         s = self.step
         set_lr(s.optimizer, lr_at(step - 1, self.schedule))
         self.heartbeat.mark("data loading", step)
-        with self.guard("data loading"), s.timer("data"):
-            micro = [next(batches) for _ in range(self.cfg.train.gradient_accumulation_steps)]
+        if self.grpo is not None:
+            self.heartbeat.mark("sampling", step)
+            with self.guard("sampling"), s.timer("sampling"):
+                micro = self.grpo.micro_batches(step, grpo_objective(s.objective))
+        else:
+            with self.guard("data loading"), s.timer("data"):
+                micro = [next(batches) for _ in range(self.cfg.train.gradient_accumulation_steps)]
         self.inputs.observe_batches(micro)
         self.heartbeat.mark("forward/backward", step)
         with self.guard("forward/backward"):
@@ -292,7 +319,7 @@ class Trainer:
         t, main = self.cfg.train, self.ctx.is_main
         start = self.checkpointer.resume(self.pm, self.step.optimizer, self.stateful())  # 0 without a checkpoint
         log = self.open_metrics_log() if main else None
-        batches = iter(self.loader)
+        batches = self.batches()
         history: list[dict] = []
         eval_loss = None
         stopper = EarlyStopping(t.early_stopping_patience)
@@ -311,7 +338,7 @@ class Trainer:
                         continue
                     self.heartbeat.mark("logging", step)
                     self.consistency(step)  # replicas still identical (every consistency_interval steps)
-                    window_tokens += self.tokens_per_step
+                    window_tokens += self.step_tokens()
                     if step % t.log_interval == 0 or step == t.max_steps or step == 1 or out.skipped:
                         record = self.log_step(step, out, time.perf_counter() - window_start, window_tokens, log)
                         history.append(record)
@@ -425,7 +452,8 @@ class Trainer:
 
     def stateful(self) -> dict:
         """Objects besides model and optimizer whose state a checkpoint keeps (state_dict/load_state_dict)."""
-        out = {"loader": self.loader, "scaler": self.step.scaler, "guards": self.step.guards}
+        loader = self.grpo.stream if self.grpo is not None else self.loader
+        out: dict[str, Any] = {"loader": loader, "scaler": self.step.scaler, "guards": self.step.guards}
         if self.step.balance is not None and self.step.balance.biased:
             out["router"] = self.step.balance  # aux_free: the MoE layers' routing biases
         return out

@@ -710,6 +710,77 @@ def _(env):
     return ["data", "pack", f, "--format", "chat", "--tokenizer", env.shared.tokenizer, "--out", env.tmp / "packed"]
 
 
+@case(
+    "data-prompts-no-prompt",
+    "data",
+    'prompt data (`--format prompts`) with neither "prompt" nor "messages"',
+    "p.jsonl:1",
+    "exactly one of 'prompt' (text) or 'messages'",
+)
+def _(env):
+    f = env.write("p.jsonl", '{"answer": "5"}\n')
+    return ["data", "pack", f, "--format", "prompts", "--tokenizer", env.shared.tokenizer, "--out", env.tmp / "packed"]
+
+
+@case(
+    "data-prompts-too-long",
+    "data",
+    "a prompt longer than `--max-length` (finetune.grpo.max_prompt_length)",
+    "p.jsonl:1",
+    "over --max-length 2",
+    "shorten it",
+)
+def _(env):
+    f = env.write("p.jsonl", '{"prompt": "Speak of the king and the crown"}\n')
+    out = env.tmp / "packed"
+    return [
+        "data",
+        "pack",
+        f,
+        "--format",
+        "prompts",
+        "--tokenizer",
+        env.shared.tokenizer,
+        "--out",
+        out,
+        "--max-length",
+        "2",
+    ]
+
+
+def grpo_config(env: Env, prompts: Path, reward: str) -> Path:
+    """A GRPO run on `prompts` with one reward function."""
+    grpo = {"num_generations": 2, "max_prompt_length": 16, "max_completion_length": 8, "reward_funcs": [reward]}
+    return env.config(data={"train": str(prompts), "format": "prompts"}, finetune={"objective": "grpo", "grpo": grpo})
+
+
+@case(
+    "data-grpo-missing-column",
+    "data",
+    "GRPO with `answer_equals` on prompts that have no `answer` column",
+    "finetune.grpo.reward_funcs",
+    "'answer' column",
+    "answer_equals:COLUMN",
+)
+def _(env):
+    from fitlm.data.prompts import pack_prompts
+
+    src = env.write("p.jsonl", '{"prompt": "Hi", "solution": "5"}\n')
+    pack_prompts([src], env.shared.tokenizer, env.tmp / "prompts", None, None, False)
+    return ["train", grpo_config(env, env.tmp / "prompts", "answer_equals")]
+
+
+@case(
+    "data-grpo-text-data",
+    "data",
+    "GRPO (`finetune.objective: grpo`) on packed text instead of prompts",
+    "holds 'text' data, not prompts",
+    "--format prompts",
+)
+def _(env):
+    return ["train", grpo_config(env, env.shared.train, "length:10")]
+
+
 @case("data-chat-from-txt", "data", "`--format chat` given a .txt file", "a.txt", "chat data must be .jsonl")
 def _(env):
     f = env.write("a.txt", "hello\n")

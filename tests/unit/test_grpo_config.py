@@ -53,11 +53,10 @@ def test_defaults_are_trls():
         assert getattr(ours, key) == theirs[key].default, key
 
 
-def test_a_valid_grpo_config_loads_and_is_refused_at_launch():
+def test_a_valid_grpo_config_loads_and_launches():
     cfg = validate_dict(config(train={"gradient_accumulation_steps": 2}, grpo={"num_generations": 8}))
     assert cfg.finetune.grpo.num_generations == 8
-    found = unsupported_options(cfg)
-    assert any(m.startswith("finetune.objective: grpo is not yet runnable end to end") for m in found), found
+    assert unsupported_options(cfg) == []
 
 
 @pytest.mark.parametrize(
@@ -69,6 +68,11 @@ def test_a_valid_grpo_config_loads_and_is_refused_at_launch():
             config({"num_generations": 8}) | {"parallel": {"data_parallel": 3}},
             "finetune.grpo.num_generations",
             "= 12 completions",
+        ),
+        (
+            config({"num_generations": 4}, {"micro_batch_size": 2}) | {"parallel": {"data_parallel": 2}},
+            "finetune.grpo.num_generations",
+            "each data-parallel rank samples whole groups",
         ),
         (config({"reward_funcs": []}), "finetune.grpo.reward_funcs", "list at least one"),
         (config({"reward_weights": [1.0, 2.0]}), "finetune.grpo.reward_weights", "2 weights for 1 reward_funcs"),

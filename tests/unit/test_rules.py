@@ -27,6 +27,7 @@ MODEL = {
 MOE = {**MODEL, "arch": "qwen3_moe", "num_experts": 4, "moe_intermediate_size": 32}
 EP = {"data_parallel": 2, "expert_parallel": 2}
 PROMPTS = {"format": "prompts"}
+GRPO = {"objective": "grpo", "grpo": {"num_generations": 2, "reward_funcs": ["length:10"]}}
 # One config per row that breaks that row (and, as far as possible, no other).
 BREAKS = [
     {"parallel": {"data_parallel": 1, "tensor_parallel": 2, "zero_stage": 1}},
@@ -55,7 +56,8 @@ BREAKS = [
     {"train": {"early_stopping_patience": 2, "eval_interval": 0}},
     {"finetune": {"method": "qlora"}},
     {"train": {"observe": {"tensorboard": True}}},
-    {"finetune": {"objective": "grpo", "grpo": {"num_generations": 2, "reward_funcs": ["length"]}}, "data": PROMPTS},
+    {"finetune": GRPO, "data": PROMPTS, "parallel": {"data_parallel": 2, "zero_stage": 2}},
+    {"finetune": GRPO, "data": {**PROMPTS, "valid": "unused"}},
     {"train": {"observe": {"report_to": ["tensorboard"]}}},
     {"train": {"observe": {"report_to": ["wandb"]}}},
     {"train": {"observe": {"report_to": ["mlflow"]}}},

@@ -92,3 +92,11 @@ def test_8x64gb_lora_plan_beside_the_guides_numbers():
     assert "52 GB peak" in md and "14,564 tokens/s" in md and f"{planned['tokens_per_s']:,.0f} tokens/s" in md
     refused = next(r for r in table if r["plan"]["config"] == "configs/guide-7b-4x24gb.yaml")["plan"]
     assert "2 × 2 × 2 = 8" in refused["refused"] and refused["search_best"]["layout"].replace(" ", "").count("×") == 2
+
+
+def test_7b_lora_grpo_g8_fits_one_24gb_card():
+    cfg = load_config(CONFIGS / "guide-7b-lora-grpo-24gb.yaml")
+    g = cfg.finetune.grpo
+    assert (cfg.finetune.objective, cfg.finetune.method, g.num_generations) == ("grpo", "lora", 8)
+    out = plan(cfg, CATALOG["rtx4090"], 1)
+    assert out["fits"] is True and out["per_device"]["total"] <= CATALOG["rtx4090"].usable_bytes

@@ -1,0 +1,93 @@
+"""GRPO through the trainer's step: the same completions cut into other micro batches give the same step.
+
+Completions are sampled per prompt group with the group's own seed, so a step's rollout does not depend on how
+its completions are cut into micro batches (or ranks: the dp2 case below). For the loss
+types whose value is a mean over completions (grpo), over the step's tokens (dapo) or per completion slot
+(dr_grpo), the step's loss and gradient then equal TRL's over the whole batch whatever the accumulation: micro
+batches of 8 × 1, 4 × 2 and 2 × 4 give the same loss and gradient norm, step after step (lr > 0)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from fitlm.config import validate_dict
+from fitlm.data.prompts import pack_prompts
+from tests.e2e.test_grpo_cli import MODEL, REWARD
+from tests.e2e.test_grpo_cli import config as cli_config
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_corpus, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("grpo-step")
+    (root / "rewards.py").write_text(REWARD)
+    src = root / "p.jsonl"
+    src.write_text(
+        "".join(json.dumps({"prompt": f"Speak of {w}:"}) + "\n" for w in ("love", "war", "the sea", "kings"))
+    )
+    pack_prompts([src], Path(tiny_corpus["tokenizer"]), root / "prompts", None, 16, False)
+    return root
+
+
+def config(root: Path, out: Path, micro: int, accumulation: int, loss_type: str, **parallel) -> dict:
+    grpo = {"loss_type": loss_type, "beta": 0.05, "max_completion_length": 10}
+    train = {"micro_batch_size": micro, "gradient_accumulation_steps": accumulation, "max_steps": 3, "lr": 3e-2}
+    return cli_config(root, MODEL, out, grpo, train={**train, "seed": 5, "observe": {}}, parallel=parallel)
+
+
+# kl and the clip ratios are means over each micro batch's tokens, then over the micro batches (TRL's logging):
+# they change with the cut, the step's loss and gradient do not
+KEYS = ("loss", "grad_norm", "reward", "completions/mean_length")
+
+
+def history(cfg: dict) -> list[dict]:
+    from fitlm.train.trainer import Trainer
+
+    return Trainer(validate_dict(cfg)).fit().history
+
+
+# dapo (its denominator spans the step) in the fast tier; the per-micro-batch means under `make test`
+@pytest.mark.parametrize(
+    "loss_type", ["dapo", pytest.param("grpo", marks=pytest.mark.slow), pytest.param("dr_grpo", marks=pytest.mark.slow)]
+)
+def test_the_step_does_not_depend_on_how_its_completions_are_cut(prompts, tmp_path, loss_type):
+    whole = history(config(prompts, tmp_path / "whole", 8, 1, loss_type))
+    assert whole[0]["reward_std"] > 0 and whole[-1]["kl"] > 0  # something is learned: the comparison has teeth
+    for micro, acc in ((4, 2), (2, 4)):
+        cut = history(config(prompts, tmp_path / f"cut{micro}", micro, acc, loss_type))
+        for a, b in zip(whole, cut):
+            for key in KEYS:
+                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (micro, a["step"], key)
+
+
+def _dp_worker(rank: int, world: int, port: int, cases: dict, out_dir: str) -> None:
+    from fitlm.parallel.mesh import exit_process
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
+    torch.set_num_threads(1)
+    results = {name: history(cfg) for name, cfg in cases.items()}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    exit_process(0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_data_parallel_equals_one_process(prompts, tmp_path, zero_stage):
+    """dp2, each rank sampling its own prompt's group, equals one process sampling both groups."""
+    from tests.distributed.spawn import run_world
+
+    single = history(config(prompts, tmp_path / "single", 4, 2, "dapo"))
+    cases = {"dp2": config(prompts, tmp_path / "dp2", 4, 1, "dapo", data_parallel=2, zero_stage=zero_stage)}
+    (ranks := tmp_path / "ranks").mkdir()
+    got = run_world(_dp_worker, __name__, 2, cases, ranks, 300, "GRPO data-parallel workers")[0]["dp2"]
+    assert len(got) == len(single) == 3
+    for a, b in zip(single, got):  # the same micro batches: the logged kl is the same too
+        for key in (*KEYS, "kl"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
