@@ -236,13 +236,6 @@ ROWS: tuple[Rule, ...] = (
         ),
     ),
     _expert_parallel_refuses(
-        "parallel.zero_stage",
-        "ZeRO-1",
-        lambda v: v["parallel.zero_stage"] == 1,
-        "torch's ZeroRedundancyOptimizer shards whole parameters over every data-parallel rank, but expert "
-        "parameters differ between expert ranks; use zero_stage 0, 2 or 3",
-    ),
-    _expert_parallel_refuses(
         "parallel.context_parallel",
         "context parallel",
         lambda v: v["parallel.context_parallel"] > 1,

@@ -28,6 +28,11 @@ FAST_BIAS = {"router_bias_update_rate": 0.05}  # large enough for the bias to ch
 HALF = {"micro_batch_size": 2, "gradient_accumulation_steps": 2}  # two data-parallel ranks
 QUARTER = {"micro_batch_size": 1, "gradient_accumulation_steps": 2}  # four
 REFERENCE = {"micro_batch_size": 4, "gradient_accumulation_steps": 2}
+# The auxiliary loss on: transformers' aux loss is a mean per micro batch, so the ranks' micro batches must hold the
+# one process's rows. One row a micro batch gives that (the loader deals rank r the rows r, r + dp, ...).
+AUX = {"num_layers": 3, "mlp_only_layers": [1], "router_aux_loss_coef": 0.1}  # sparse, dense, sparse
+ROW = {"micro_batch_size": 1, "gradient_accumulation_steps": 4}  # two data-parallel ranks, one row a micro batch
+ROW_REFERENCE = {"micro_batch_size": 1, "gradient_accumulation_steps": 8}
 LAYOUTS = {  # name: (parallel, train, memory, model overrides)
     "ep2": ({"data_parallel": 2, "expert_parallel": 2}, HALF, {}, {}),
     "ep2-zero3": ({"data_parallel": 2, "zero_stage": 3, "expert_parallel": 2}, HALF, {}, {}),
@@ -39,8 +44,16 @@ LAYOUTS = {  # name: (parallel, train, memory, model overrides)
     "ep2-aux-free": ({"data_parallel": 2, "expert_parallel": 2}, HALF, {}, {"moe_balance": "aux_free", **FAST_BIAS}),
     # LoRA on attention and on every expert (fitlm.finetune.expert_lora): the adapters split with their experts
     "ep2-lora-experts": ({"data_parallel": 2, "expert_parallel": 2}, HALF, {}, {}),
+    # ZeRO-1: the dense optimizer states sharded over dp, each rank stepping its own experts (fitlm.step.optim)
+    "ep2-zero1-aux": ({"data_parallel": 2, "expert_parallel": 2, "zero_stage": 1}, ROW, {}, AUX),
+    "ep2-zero1-aux-tied": (
+        {"data_parallel": 2, "expert_parallel": 2, "zero_stage": 1},
+        ROW,
+        {},
+        {**AUX, "tie_embeddings": True},
+    ),
 }
-FAST = ("ep2", "ep2-zero3", "ep2-aux-free", "ep2-lora-experts")
+FAST = ("ep2", "ep2-zero3", "ep2-aux-free", "ep2-lora-experts", "ep2-zero1-aux")
 LORA = {
     "method": "lora",
     "lora": {
@@ -53,7 +66,7 @@ FINETUNE = {"ep2-lora-experts": LORA}
 
 
 def _reference_name(model: dict, layout: str = "") -> str:
-    suffix = "-lora" if layout in FINETUNE else ""
+    suffix = ("-lora" if layout in FINETUNE else "") + ("-aux" if model.get("router_aux_loss_coef") else "")
     return (
         "single" + ("-tied" if model.get("tie_embeddings") else "") + ("-aux-free" if "moe_balance" in model else "")
     ) + suffix
@@ -67,7 +80,7 @@ def ep_runs(request, tiny_corpus, tmp_path_factory) -> dict[str, dict]:
         tune = {"finetune": FINETUNE[params["layout"]]} if params["layout"] in FINETUNE else {}
         cases[_reference_name(model, params["layout"])] = {
             "parallel": {},
-            "train": REFERENCE,
+            "train": ROW_REFERENCE if train is ROW else REFERENCE,
             "model": {**MOE, **model},
             **tune,
         }
@@ -88,6 +101,8 @@ def test_expert_parallel_equals_single_process(ep_runs, layout):
     reference = ep_runs[name]
     assert reference["losses"][-1] < reference["losses"][0]  # it trained
     assert_same_training(ep_runs[layout], reference)
+    if LAYOUTS[layout][3].get("router_aux_loss_coef"):  # the logged aux loss and expert load, step for step
+        assert ep_runs[layout]["balance"] == pytest.approx(reference["balance"], rel=1e-4, abs=1e-6)
     if "moe_balance" in LAYOUTS[layout][3]:  # the bias step for step (every rank logs rank 0's, all equal)
         from tests.e2e.helpers import read_metrics
 
