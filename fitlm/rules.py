@@ -236,13 +236,6 @@ ROWS: tuple[Rule, ...] = (
         ),
     ),
     _expert_parallel_refuses(
-        "parallel.context_parallel",
-        "context parallel",
-        lambda v: v["parallel.context_parallel"] > 1,
-        "expert ranks are carved out of data_parallel only, not yet out of context-parallel ranks; set "
-        "context_parallel: 1 (or expert_parallel: 1)",
-    ),
-    _expert_parallel_refuses(
         "memory.cpu_offload",
         "CPU offload",
         lambda v: v["memory.cpu_offload"],

@@ -21,7 +21,8 @@ order: what one process keeps of the ep ranks' tokens concatenated. Every rank a
 
 Gradients: each rank's loss is scaled so that averaging over the dp ranks gives the global mean's gradient
 (fitlm.parallel.data_parallel). An expert's gradient already holds every ep rank's tokens (the all-to-all's
-backward brings them), so it is summed over the ranks holding the same experts ("edp") and divided by dp, the
+backward brings them), so it is summed over the ranks holding the same experts ("edp"; under context parallel
+"edp_cp", whose cp ranks route the other parts of the same sequences) and divided by dp (dp x cp), the
 same divisor as every other gradient. Dividing by edp instead (an average over the expert's replicas) would scale
 expert gradients by ep: pytorch#160285.
 """
@@ -147,13 +148,15 @@ def expert_parameters(modules: list[nn.Module]) -> list[nn.Parameter]:
 
 
 def sync_expert_gradients(modules: list[nn.Module], ctx: ParallelContext) -> None:
-    """Sum expert gradients over the replicas of the same experts ("edp") and divide by dp (module docstring)."""
-    group = ctx.group("edp") if ctx.dims.edp > 1 else None
+    """Sum expert gradients over the ranks holding the same experts ("edp", with the context-parallel ranks
+    "edp_cp") and divide by dp x cp, the divisor of every other gradient (module docstring)."""
+    dim = ctx.dims.expert_replica_dim
+    group = ctx.group(dim) if ctx.dims.expert_replicas > 1 else None
     for p in expert_parameters(modules):
         if p.grad is None:
             continue
         local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
         if group is not None:
-            with collective("all-reduce", "an expert gradient", "edp", local):
+            with collective("all-reduce", "an expert gradient", dim, local):
                 dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
-        local.div_(ctx.dims.dp)
+        local.div_(ctx.dims.dp_cp)

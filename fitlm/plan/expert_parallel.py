@@ -92,7 +92,7 @@ def time(tc: TimeContext) -> Timed:
         return Timed({"expert_parallel_all_to_all": a2a})
     grads = local_expert_params(s) * param_bytes(s) if s.method == "full" else 0.0
     syncs = s.accum if s.sync_every else 1
-    reduced = syncs * tc.ring("all_reduce", grads, s.dims.edp, tc.bandwidth(s.dims.dp_cp, s.tp))
+    reduced = syncs * tc.ring("all_reduce", grads, s.dims.expert_replicas, tc.bandwidth(s.dims.dp_cp, s.tp))
     return Timed({"expert_parallel_all_to_all": a2a}, reduced)
 
 

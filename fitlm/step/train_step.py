@@ -70,7 +70,11 @@ class TrainStep:
         self.objective = objective
         # an MoE model's load-balancing loss and expert load (fitlm.step.router_balance); None for a dense model
         self.balance = router_balance(
-            cfg, pm.modules, partial(ctx.all_reduce_sum, dim=ctx.dims.token_dim), pipeline=pm.pipeline
+            cfg,
+            pm.modules,
+            partial(ctx.all_reduce_sum, dim=ctx.dims.token_dim),
+            pipeline=pm.pipeline,
+            split=(partial(ctx.all_reduce_sum, dim="cp"), ctx.cp) if ctx.cp > 1 else None,
         )
 
     @classmethod

@@ -52,8 +52,18 @@ LAYOUTS = {  # name: (parallel, train, memory, model overrides)
         {},
         {**AUX, "tie_embeddings": True},
     ),
+    # context parallel: each cp rank routes its part of every sequence; expert gradients summed over edp x cp, the
+    # aux loss over the cp ranks' tokens together (fitlm.step.router_balance)
+    "ep2-cp2-aux": ({"data_parallel": 2, "expert_parallel": 2, "context_parallel": 2}, ROW, {}, AUX),
+    "ep2-cp2-aux-tied": (
+        {"data_parallel": 2, "expert_parallel": 2, "context_parallel": 2},
+        ROW,
+        {},
+        {**AUX, "tie_embeddings": True},
+    ),
+    "cp2-aux": ({"context_parallel": 2}, {"micro_batch_size": 1, "gradient_accumulation_steps": 8}, {}, AUX),
 }
-FAST = ("ep2", "ep2-zero3", "ep2-aux-free", "ep2-lora-experts", "ep2-zero1-aux")
+FAST = ("ep2", "ep2-zero3", "ep2-aux-free", "ep2-lora-experts", "ep2-zero1-aux", "ep2-cp2-aux")
 LORA = {
     "method": "lora",
     "lora": {
@@ -80,7 +90,7 @@ def ep_runs(request, tiny_corpus, tmp_path_factory) -> dict[str, dict]:
         tune = {"finetune": FINETUNE[params["layout"]]} if params["layout"] in FINETUNE else {}
         cases[_reference_name(model, params["layout"])] = {
             "parallel": {},
-            "train": ROW_REFERENCE if train is ROW else REFERENCE,
+            "train": ROW_REFERENCE if train["micro_batch_size"] == 1 else REFERENCE,
             "model": {**MOE, **model},
             **tune,
         }
