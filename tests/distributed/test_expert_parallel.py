@@ -61,7 +61,24 @@ LAYOUTS = {  # name: (parallel, train, memory, model overrides)
         {},
         {**AUX, "tie_embeddings": True},
     ),
-    "cp2-aux": ({"context_parallel": 2}, {"micro_batch_size": 1, "gradient_accumulation_steps": 8}, {}, AUX),
+    "cp2-aux": ({"context_parallel": 2}, ROW_REFERENCE, {}, AUX),
+    # tensor parallel: attention and the dense block's MLP split, the routed blocks run whole on every tp rank
+    "tp2-aux": ({"tensor_parallel": 2}, ROW_REFERENCE, {}, AUX),
+    "tp2-sp-aux-tied": (
+        {"tensor_parallel": 2, "sequence_parallel": True},
+        ROW_REFERENCE,
+        {},
+        {**AUX, "tie_embeddings": True},
+    ),
+    "tp2-aux-free": ({"tensor_parallel": 2}, REFERENCE, {}, {"moe_balance": "aux_free", **FAST_BIAS}),
+    "ep2-tp2-aux": ({"data_parallel": 2, "expert_parallel": 2, "tensor_parallel": 2}, ROW, {}, AUX),
+    "ep2-tp2-sp-aux-tied": (
+        {"data_parallel": 2, "expert_parallel": 2, "tensor_parallel": 2, "sequence_parallel": True},
+        ROW,
+        {},
+        {**AUX, "tie_embeddings": True},
+    ),
+    "dp2-zero3-tp2-aux": ({"data_parallel": 2, "zero_stage": 3, "tensor_parallel": 2}, ROW, {}, AUX),
 }
 FAST = ("ep2", "ep2-zero3", "ep2-aux-free", "ep2-lora-experts", "ep2-zero1-aux", "ep2-cp2-aux")
 LORA = {

@@ -95,6 +95,8 @@ MOE_PIPELINE = {  # case: (model, parallel)
         {**MOE_PP, "router_aux_loss_coef": 0.0},
         {"pipeline_parallel": 2, "micro_batch_num": 2, "data_parallel": 2, "expert_parallel": 2},
     ),
+    # tensor parallel inside each stage: attention split, the routed blocks whole on each tp rank
+    "qwen3_moe-tp2-pp2": (MOE_PP, {"pipeline_parallel": 2, "micro_batch_num": 2, "tensor_parallel": 2}),
     "mixtral-dp2-ep2-zero3-pp2-tied": (
         {**MIXTRAL_PP, "tie_embeddings": True, "router_aux_loss_coef": 0.0},
         {"pipeline_parallel": 2, "micro_batch_num": 2, "data_parallel": 2, "expert_parallel": 2, "zero_stage": 3},

@@ -103,10 +103,10 @@ REFUSED = {
         {"parallel": {"data_parallel": 3, "expert_parallel": 3}},
         "cannot split model.num_experts=4 experts",
     ),
-    "tensor parallel of an MoE family": (
+    "tensor parallel vs an MoE checkpoint's heads": (
         "moe",
-        {"parallel": {"tensor_parallel": 2}},
-        "model.arch='qwen3_moe' cannot be tensor-parallel",
+        {"parallel": {"tensor_parallel": 4}},
+        "parallel.tensor_parallel: 4 does not divide model.num_kv_heads=2",
     ),
     "pipeline stages vs the checkpoint's blocks": (
         "dense",
