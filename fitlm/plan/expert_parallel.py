@@ -69,14 +69,16 @@ def alltoall_seconds(
 
 
 def owned(s: Setup, first: bool) -> Owned | None:
-    """A rank's experts, counted apart from the dense model: E/ep of every block's, at ZeRO 0 (see the module
-    docstring). Trained under full fine-tuning, frozen under LoRA (its targets are attention's), trained above the
-    frozen bottom under freeze."""
-    if s.ep == 1:
+    """A rank's experts, counted apart from the dense model: E/ep of every block's, at ZeRO 0 under expert parallel
+    (see the module docstring), whole over tensor parallel, which runs the routed blocks whole on every tp rank
+    (fitlm.parallel.tensor_parallel), where the engine's count divided them by tp. Trained under full fine-tuning,
+    frozen under LoRA (its targets are attention's), trained above the frozen bottom under freeze."""
+    if s.ep == 1 and s.tp == 1:
         return None
     experts, local = stage_expert_params(s), local_expert_params(s)
     trained = {"full": local, "freeze": local * (1 - s.freeze_layers)}.get(s.method, 0.0)
-    return Owned(experts, experts if s.method == "full" else 0, local, trained, replace(s, zero=0))
+    counted = experts / s.tp  # what the engine's tp share holds of them (fitlm.plan.analytic.tp_share)
+    return Owned(counted, counted if s.method == "full" else 0, local, trained, replace(s, zero=0) if s.ep > 1 else s)
 
 
 def memory(st: Stage) -> list[Term]:
