@@ -235,6 +235,18 @@ ROWS: tuple[Rule, ...] = (
             "every weight in half, the adapters included; use O2 (half compute, fp32 adapters) or O1"
         ),
     ),
+    Rule(
+        "memory.compile",
+        "refused",
+        "torch.compile of an MoE model under tensor parallel",
+        lambda v: v["memory.compile"] and v["parallel.tensor_parallel"] > 1 and bool(v["model.num_experts"]),
+        lambda v: (
+            "memory.compile: an MoE model's routed blocks run whole on every tensor-parallel rank, their input "
+            "gathered and output sliced by DTensor around plain tensors, which torch.compile does not trace yet "
+            "(fitlm.parallel.tensor_parallel.WholeOnEveryRank); set memory.compile: false, or tensor_parallel: 1 "
+            "and split the experts with parallel.expert_parallel"
+        ),
+    ),
     _expert_parallel_refuses(
         "memory.cpu_offload",
         "CPU offload",

@@ -79,6 +79,8 @@ LAYOUTS = {  # name: (parallel, train, memory, model overrides)
         {**AUX, "tie_embeddings": True},
     ),
     "dp2-zero3-tp2-aux": ({"data_parallel": 2, "zero_stage": 3, "tensor_parallel": 2}, ROW, {}, AUX),
+    # LoRA on attention (split with its Linears) and on the experts (whole on every tp rank, split over ep)
+    "ep2-tp2-lora-experts": ({"data_parallel": 2, "expert_parallel": 2, "tensor_parallel": 2}, HALF, {}, {}),
 }
 FAST = ("ep2", "ep2-zero3", "ep2-aux-free", "ep2-lora-experts", "ep2-zero1-aux", "ep2-cp2-aux")
 LORA = {
@@ -89,7 +91,7 @@ LORA = {
         "target_modules": ["q_proj", "v_proj", "experts.gate_proj", "experts.up_proj", "experts.down_proj"],
     },
 }
-FINETUNE = {"ep2-lora-experts": LORA}
+FINETUNE = {"ep2-lora-experts": LORA, "ep2-tp2-lora-experts": LORA}
 
 
 def _reference_name(model: dict, layout: str = "") -> str:

@@ -161,3 +161,17 @@ def test_simulate_runs_an_moe_pipeline_step_with_its_aux_loss_pass():
     result = plan(cfg, get_device("a100-80g"), simulate=True)
     assert result["simulated"]["per_device"]["total"] > 0
     assert result["model"]["experts_per_device"] == 2 * E
+
+
+@pytest.mark.slow  # a fake world per layout: about 15 s each on 2 cores
+@pytest.mark.parametrize(
+    "parallel",
+    [{"tensor_parallel": 2, "sequence_parallel": True}, {"data_parallel": 2, "context_parallel": 2, "zero_stage": 1}],
+    ids=["tp2-sp", "dp2-cp2-zero1"],
+)
+def test_simulate_runs_an_moe_step_under_tensor_and_context_parallel(parallel):
+    """The fake-tensor step through the routed blocks run whole on every tp rank (their gather and slice), and the
+    aux loss's counts summed over the cp ranks."""
+    model = {**MOE, "mlp_only_layers": [1], "router_aux_loss_coef": 0.01}
+    cfg = validate_dict({"model": model, "data": {"seq_length": 64}, "parallel": parallel})
+    assert plan(cfg, get_device("a100-80g"), simulate=True)["simulated"]["per_device"]["total"] > 0
