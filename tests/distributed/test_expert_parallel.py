@@ -1,12 +1,11 @@
 """Expert parallel trains an MoE model as one process does: `fitlm train` under torchrun (gloo), same data, seed and
 global batch of 8 sequences; losses, gradient norms, eval loss and final weights equal (ep2, ep2 + ZeRO-3, ep2 with
-recompute, ep2 on a tied model, dp4 with ep2 where two ranks hold each expert shard, and ep4, one expert a rank).
+recompute, ep2 on a tied model, dp4 with ep2 where two ranks hold each expert shard, and ep4, one expert a rank),
+and beside ZeRO-1, context parallel and tensor parallel (tp2 without expert parallel too), with the auxiliary loss
+on: there one row a micro batch, so the ranks' micro batches hold the one process's rows (transformers' aux loss
+is a mean per micro batch, which a data split of larger micro batches changes; the other runs leave it off).
 Then the all-to-all dispatcher at its edges, against the one-rank dispatch on the same tokens, and a checkpoint
-written under ep2 resumed by one process.
-
-The load-balancing loss is off in the equivalence runs for the reason tests/distributed/test_family_layouts.py
-gives (transformers' aux loss is a mean per micro batch, which a data split changes); the dispatcher tests cover
-the routing with any split.
+written under ep2 (with ZeRO-1, with tensor parallel) resumed by one process.
 """
 
 from __future__ import annotations
@@ -268,9 +267,21 @@ def test_capacity_under_expert_parallel_equals_one_process(tmp_path):
     assert ranks[0]["0.5"]["ref_dropped"] > 0 and ranks[0]["8.0"]["ref_dropped"] == 0
 
 
-def test_checkpoint_from_ep2_resumes_in_one_process(tiny_corpus, tmp_path):
-    """A checkpoint written under dp2 x ep2 (experts as DTensors split over the ep ranks) resumes in one process,
-    which then trains on as the uninterrupted one-process run does."""
+@pytest.mark.parametrize(
+    "parallel",
+    [
+        pytest.param({"data_parallel": 2, "expert_parallel": 2}, id="ep2"),
+        # ZeRO-1: each rank writes the dense states it owns and its experts' (fitlm.step.optim)
+        pytest.param({"data_parallel": 2, "expert_parallel": 2, "zero_stage": 1}, marks=pytest.mark.slow, id="zero1"),
+        # tensor parallel: attention as DTensors on "tp", the routed blocks' plain tensors beside them
+        pytest.param(
+            {"data_parallel": 2, "expert_parallel": 2, "tensor_parallel": 2}, marks=pytest.mark.slow, id="ep2-tp2"
+        ),
+    ],
+)
+def test_checkpoint_from_ep2_resumes_in_one_process(tiny_corpus, tmp_path, parallel):
+    """A checkpoint written under dp2 x ep2 (experts as DTensors split over the ep ranks; with ZeRO-1, or tensor
+    parallel) resumes in one process, which then trains on as the uninterrupted one-process run does."""
     from tests.e2e.helpers import fitlm, read_metrics, tiny_config, write_config
 
     def train(name, parallel, batch, checkpoint):
@@ -287,7 +298,7 @@ def test_checkpoint_from_ep2_resumes_in_one_process(tiny_corpus, tmp_path):
         return {r["step"]: r["loss"] for r in read_metrics(tmp_path / name) if "loss" in r}
 
     ref = train("single", {}, REFERENCE, {"interval": 0})
-    ep2 = train("ep2", {"data_parallel": 2, "expert_parallel": 2}, HALF, {"interval": 2})
+    ep2 = train("ep2", parallel, HALF, {"interval": 2})
     assert [ep2[s] for s in (1, 2)] == pytest.approx([ref[s] for s in (1, 2)], rel=2e-5, abs=1e-5)
     resumed = train("resumed", {}, REFERENCE, {"resume": str(tmp_path / "ep2" / "checkpoints" / "step_00000002")})
     assert sorted(resumed) == [3, 4]
