@@ -77,7 +77,6 @@ LAYOUTS = {  # name: (parallel, train, memory, model overrides)
         {},
         {**AUX, "tie_embeddings": True},
     ),
-    "dp2-zero3-tp2-aux": ({"data_parallel": 2, "zero_stage": 3, "tensor_parallel": 2}, ROW, {}, AUX),
     # LoRA on attention (split with its Linears) and on the experts (whole on every tp rank, split over ep)
     "ep2-tp2-lora-experts": ({"data_parallel": 2, "expert_parallel": 2, "tensor_parallel": 2}, HALF, {}, {}),
 }
