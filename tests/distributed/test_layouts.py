@@ -298,7 +298,16 @@ MOE_LAYOUTS = {  # name: (parallel, train, model overrides)
         HALF,
         None,
     ),
-    "dp2-ep2-cp2": ({"data_parallel": 2, "expert_parallel": 2, "context_parallel": 2}, HALF, None),
+    "dp2-ep2-zero3-tp2": (
+        {"data_parallel": 2, "expert_parallel": 2, "zero_stage": 3, "tensor_parallel": 2},
+        HALF,
+        None,
+    ),
+    "dp2-ep2-zero2-cp2": (  # (ZeRO 0 beside cp: test_expert_parallel.py, aux loss on)
+        {"data_parallel": 2, "expert_parallel": 2, "zero_stage": 2, "context_parallel": 2},
+        HALF,
+        None,
+    ),
     "dp2-ep2-pp2": (
         {"data_parallel": 2, "expert_parallel": 2, "pipeline_parallel": 2, "micro_batch_num": 2},
         HALF,
