@@ -248,6 +248,18 @@ ROWS: tuple[Rule, ...] = (
         ),
     ),
     _expert_parallel_refuses(
+        "parallel.context_parallel",
+        "context parallel with the experts sharded over their replicas (ZeRO-2/3, data_parallel > expert_parallel)",
+        lambda v: (
+            v["parallel.context_parallel"] > 1
+            and v["parallel.zero_stage"] >= 2
+            and v["parallel.data_parallel"] > v["parallel.expert_parallel"]
+        ),
+        "FSDP2 shards each rank's experts over the edp ranks and reduce-scatters their gradients there, which leaves "
+        "out the context-parallel ranks' parts of the same sequences; set data_parallel equal to expert_parallel "
+        "(experts whole, summed over edp x cp), zero_stage 0 or 1, or context_parallel: 1",
+    ),
+    _expert_parallel_refuses(
         "memory.cpu_offload",
         "CPU offload",
         lambda v: v["memory.cpu_offload"],

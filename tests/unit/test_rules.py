@@ -43,6 +43,7 @@ BREAKS = [
     {"parallel": {"tensor_parallel": 2}, "finetune": {"method": "qlora"}},
     {"memory": {"mixed_precision": "O3"}, "finetune": {"method": "qlora"}},
     {"model": {**MOE, "num_kv_heads": 2}, "parallel": {"tensor_parallel": 2}, "memory": {"compile": True}},
+    {"model": MOE, "parallel": {"data_parallel": 4, "expert_parallel": 2, "context_parallel": 2, "zero_stage": 2}},
     {"model": MOE, "parallel": EP, "memory": {"cpu_offload": True}},
     {"model": MOE, "parallel": EP, "memory": {"compile": True}},
     {"model": MOE, "parallel": EP, "finetune": {"method": "qlora"}},
