@@ -47,6 +47,11 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+# What the MoE families' expert parallel composes with (each layout held against one process in
+# tests/distributed/test_expert_parallel.py, test_layouts.py and test_family_layouts.py; docs/moe.md)
+EXPERT_PARALLEL_CELL = "yes; beside ZeRO 0-3, tensor (and sequence), pipeline and context parallel"
+
+
 def families_table_markdown(families: "Iterable[Family] | None" = None) -> str:
     """The README's model families table: one row per registered family (or per given `families`)."""
     if families is None:
@@ -55,8 +60,8 @@ def families_table_markdown(families: "Iterable[Family] | None" = None) -> str:
         families = registered()
     rows = [
         "| family (`model.arch`) | HF model_type(s) read | HF in/out | GGUF in | GGUF out | LoRA targets "
-        "| tensor parallel | pipeline parallel | planner | notable features |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| tensor parallel | pipeline parallel | expert parallel | planner | notable features |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for f in families:
         hf = f"yes; `{f.hf_architecture}`" if f.config_to_hf is not None else "in only"
@@ -70,6 +75,7 @@ def families_table_markdown(families: "Iterable[Family] | None" = None) -> str:
             _code(f.lora_linears),
             _yes_no(f.spec.tensor_parallel),
             _yes_no(f.spec.pipeline_parallel),
+            EXPERT_PARALLEL_CELL if f.spec.moe else _NO,
             _yes_no(f.planner is not None),
             "; ".join(f.spec.features) or _NO,
         ]

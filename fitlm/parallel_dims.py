@@ -21,6 +21,9 @@ WORLD = "world"
 # split over (adjacent, like tensor parallel: an all-to-all per MoE layer), and "edp", the replicas of one expert
 # shard; "dp" is then the flattened edp x ep dimension.
 EXPERT_DIMS = ("edp", "ep")
+# Under expert and context parallel, the ranks that hold the same expert shard: its data-parallel replicas (edp)
+# times the context-parallel ranks (each routes its part of every sequence through the same experts).
+EDP_CP = "edp_cp"
 
 
 # What each ZeRO stage keeps per data-parallel rank at rest, in the one place the planner reads it from
@@ -89,6 +92,17 @@ class ParallelDims:
         """Ranks that hold the same expert shard (the data-parallel replicas of one expert-parallel group):
         expert gradients are summed over these, and divided by dp like every other gradient."""
         return self.dp // self.ep
+
+    @property
+    def expert_replicas(self) -> int:
+        """Ranks that hold the same expert shard and route other tokens through it (edp x cp): expert gradients
+        are summed over these and divided by dp x cp, the divisor of every other gradient."""
+        return self.edp * self.cp
+
+    @property
+    def expert_replica_dim(self) -> str:
+        """The mesh dimension of those ranks: "edp", or the flattened "edp_cp" under context parallel."""
+        return EDP_CP if self.cp > 1 else "edp"
 
     @property
     def name(self) -> str:

@@ -235,19 +235,29 @@ ROWS: tuple[Rule, ...] = (
             "every weight in half, the adapters included; use O2 (half compute, fp32 adapters) or O1"
         ),
     ),
-    _expert_parallel_refuses(
-        "parallel.zero_stage",
-        "ZeRO-1",
-        lambda v: v["parallel.zero_stage"] == 1,
-        "torch's ZeroRedundancyOptimizer shards whole parameters over every data-parallel rank, but expert "
-        "parameters differ between expert ranks; use zero_stage 0, 2 or 3",
+    Rule(
+        "memory.compile",
+        "refused",
+        "torch.compile of an MoE model under tensor parallel",
+        lambda v: v["memory.compile"] and v["parallel.tensor_parallel"] > 1 and bool(v["model.num_experts"]),
+        lambda v: (
+            "memory.compile: an MoE model's routed blocks run whole on every tensor-parallel rank, their input "
+            "gathered and output sliced by DTensor around plain tensors, which torch.compile does not trace yet "
+            "(fitlm.parallel.tensor_parallel.WholeOnEveryRank); set memory.compile: false, or tensor_parallel: 1 "
+            "and split the experts with parallel.expert_parallel"
+        ),
     ),
     _expert_parallel_refuses(
         "parallel.context_parallel",
-        "context parallel",
-        lambda v: v["parallel.context_parallel"] > 1,
-        "expert ranks are carved out of data_parallel only, not yet out of context-parallel ranks; set "
-        "context_parallel: 1 (or expert_parallel: 1)",
+        "context parallel with the experts sharded over their replicas (ZeRO-2/3, data_parallel > expert_parallel)",
+        lambda v: (
+            v["parallel.context_parallel"] > 1
+            and v["parallel.zero_stage"] >= 2
+            and v["parallel.data_parallel"] > v["parallel.expert_parallel"]
+        ),
+        "FSDP2 shards each rank's experts over the edp ranks and reduce-scatters their gradients there, which leaves "
+        "out the context-parallel ranks' parts of the same sequences; set data_parallel equal to expert_parallel "
+        "(experts whole, summed over edp x cp), zero_stage 0 or 1, or context_parallel: 1",
     ),
     _expert_parallel_refuses(
         "memory.cpu_offload",

@@ -375,6 +375,13 @@ def load_balancing_loss(logits: list[torch.Tensor], top_k: int) -> torch.Tensor:
     """transformers' `load_balancing_loss_func` (Switch Transformer eq. 4-6 over top-k) of the router logits
     of every MoE layer ([N, E] each): E · sum_e f_e · P_e, with f_e the share of the N·L rows' top-k slots
     that go to expert e (k in all) and P_e the mean routing probability of e over the same rows."""
+    tokens, probs, rows = balance_terms(logits, top_k)
+    return tokens.numel() * torch.sum((tokens / rows) * (probs / rows))
+
+
+def balance_terms(logits: list[torch.Tensor], top_k: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """`load_balancing_loss`'s sums: top-k slots per expert [E], summed routing probabilities [E] (with their
+    gradient) and rows (tokens x layers); sums, so ranks that split the tokens can add theirs up."""
     e = logits[0].shape[-1]
     tokens = torch.zeros(e, device=logits[0].device)
     probs = torch.zeros(e, device=logits[0].device)
@@ -385,7 +392,7 @@ def load_balancing_loss(logits: list[torch.Tensor], top_k: int) -> torch.Tensor:
         tokens = tokens.scatter_add(0, chosen, torch.ones_like(chosen, dtype=tokens.dtype))
         probs = probs + p.sum(dim=0)
         rows += p.shape[0]
-    return e * torch.sum((tokens / rows) * (probs / rows))
+    return tokens, probs, rows
 
 
 def moe_layers(modules) -> list[MoEFeedForward]:

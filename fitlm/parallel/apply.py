@@ -67,9 +67,11 @@ class ParallelModel:
         params = [p for m in self.modules for p in m.parameters() if p.grad is not None]
         if self.pipeline is not None:
             return self.pipeline.clip_grad_norm(params, max_norm)
-        if self.ctx.ep > 1:
-            # Expert-parallel experts (DTensors on "ep") beside plain or FSDP2 gradients: one norm over all, and
-            # each gradient scaled on its own (torch's clip cannot mix them in one foreach call).
+        kinds = {p.grad.device_mesh if isinstance(p.grad, DTensor) else None for p in params}
+        if len(kinds) > 1:
+            # Gradients of several kinds -- expert-parallel experts (DTensors on "ep"), an MoE block's plain
+            # parameters under tensor parallel -- beside plain, tensor-parallel or FSDP2 ones: one norm over all,
+            # and each gradient scaled on its own (torch's clip cannot mix them in one foreach call).
             norm = squared_norm([cast(torch.Tensor, p.grad) for p in params]).sqrt()
             clip_each(params, max_norm, norm)
             return norm

@@ -21,7 +21,8 @@ order: what one process keeps of the ep ranks' tokens concatenated. Every rank a
 
 Gradients: each rank's loss is scaled so that averaging over the dp ranks gives the global mean's gradient
 (fitlm.parallel.data_parallel). An expert's gradient already holds every ep rank's tokens (the all-to-all's
-backward brings them), so it is summed over the ranks holding the same experts ("edp") and divided by dp, the
+backward brings them), so it is summed over the ranks holding the same experts ("edp"; under context parallel
+"edp_cp", whose cp ranks route the other parts of the same sequences) and divided by dp (dp x cp), the
 same divisor as every other gradient. Dividing by edp instead (an average over the expert's replicas) would scale
 expert gradients by ep: pytorch#160285.
 
@@ -204,7 +205,7 @@ def shard_experts_over_replicas(model: nn.Module, ctx: ParallelContext, policies
     """ZeRO-2/3 under expert parallel with edp > 1: each split GroupedExperts an FSDP2 unit over "edp" (module
     docstring), with the dense units' `policies` (mixed precision, reshard after forward). Before the blocks'
     units, which then leave the experts' parameters to it."""
-    edp = ctx.submesh("edp")
+    edp = ctx.submesh("edp")  # (not beside context parallel: fitlm.rules)
     assert edp is not None  # (edp > 1: a distributed run's mesh)
     # The grouped path returns its output through an identity autograd function (a view: fitlm.models.moe's
     # _ContiguousGrad), which FSDP2 warns about in case the caller modifies it in place; the dispatch only indexes it.
@@ -217,9 +218,11 @@ def shard_experts_over_replicas(model: nn.Module, ctx: ParallelContext, policies
 
 
 def sync_expert_gradients(modules: list[nn.Module], ctx: ParallelContext) -> None:
-    """Sum expert gradients over the replicas of the same experts ("edp") and divide by dp (module docstring);
-    those FSDP2 reduce-scattered over edp (an average) are scaled by edp / dp."""
-    group = ctx.group("edp") if ctx.dims.edp > 1 else None
+    """Sum expert gradients over the ranks holding the same experts ("edp", with the context-parallel ranks
+    "edp_cp") and divide by dp x cp, the divisor of every other gradient (module docstring); those FSDP2
+    reduce-scattered over those ranks (an average) are scaled by edp / dp."""
+    dim = ctx.dims.expert_replica_dim
+    group = ctx.group(dim) if ctx.dims.expert_replicas > 1 else None
     whole = {id(p) for p in whole_expert_parameters(modules)}
     for p in expert_parameters(modules):
         if p.grad is None:
@@ -229,6 +232,6 @@ def sync_expert_gradients(modules: list[nn.Module], ctx: ParallelContext) -> Non
             local.mul_(ctx.dims.edp / ctx.dims.dp)
             continue
         if group is not None:
-            with collective("all-reduce", "an expert gradient", "edp", local):
+            with collective("all-reduce", "an expert gradient", dim, local):
                 dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
-        local.div_(ctx.dims.dp)
+        local.div_(ctx.dims.dp_cp)

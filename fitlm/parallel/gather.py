@@ -60,8 +60,9 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     if group is not None and t.placements == (Shard(0),) and dist.get_backend(group) == "gloo":
         # ZeRO-3's shards over gloo: gathered in place (gloo's own all-gather holds the output twice).
         out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-        chunks = out.chunk(dist.get_world_size(group))  # fewer than the ranks on a short dim 0 (a router's E rows)
-        if dist.get_rank(group) < len(chunks):  # the trailing ranks hold an empty shard
+        # fewer chunks than ranks on a short dim 0 (a router's E rows, Qwen2-MoE's [1, H] shared_expert_gate):
+        chunks = out.chunk(dist.get_world_size(group))
+        if dist.get_rank(group) < len(chunks):  # the trailing ranks' shards are empty
             chunks[dist.get_rank(group)].copy_(t.to_local())
         gather_chunks_in_place(out, group)
         return out.cpu()

@@ -2,7 +2,8 @@
 
 Mesh dimensions are fitlm.parallel_dims.MESH_DIMS ("pp", "dp", "cp", "tp"), outermost to innermost, plus the
 flattened "dp_cp" under context parallel (`dims.token_dim`: who sums losses and averages gradients), and "edp" and
-"ep" under expert parallel, whose flattening is "dp" (fitlm.parallel_dims.EXPERT_DIMS). A single
+"ep" under expert parallel, whose flattening is "dp" (fitlm.parallel_dims.EXPERT_DIMS), with "edp_cp" under both
+(`dims.expert_replica_dim`). A single
 process gets a context with no process group at all, so the single-device path has no distributed code in
 it. Every predicate about the layout (sharded, replicated, pipelined) is asked of `ctx.dims`.
 """
@@ -20,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fitlm.config import ParallelConfig
-from fitlm.parallel_dims import DP_CP, EXPERT_DIMS, MESH_DIMS, WORLD, ParallelDims
+from fitlm.parallel_dims import DP_CP, EDP_CP, EXPERT_DIMS, MESH_DIMS, WORLD, ParallelDims
 
 
 def launched_by_torchrun() -> bool:
@@ -99,7 +100,7 @@ class ParallelContext:
         return self._all_reduce(value, dim, dist.ReduceOp.MAX)
 
     def _all_reduce(self, value: torch.Tensor, dim: str, op) -> torch.Tensor:
-        if dim != WORLD and dim not in MESH_DIMS + (DP_CP,) + EXPERT_DIMS:
+        if dim != WORLD and dim not in MESH_DIMS + (DP_CP, EDP_CP) + EXPERT_DIMS:
             raise ValueError(
                 f"unknown reduction dimension {dim!r}: one of {MESH_DIMS + EXPERT_DIMS}, {DP_CP!r} or {WORLD!r}"
             )
@@ -142,6 +143,7 @@ def init_parallel(cfg: ParallelConfig, device_kind: str) -> ParallelContext:
     mesh = init_device_mesh(device_kind, cfg.dims.mesh_shape, mesh_dim_names=cfg.dims.mesh_names)
     ctx = replace(context_on_mesh(mesh, cfg.dims, device), owns_group=owns_group)
     extra = ((DP_CP,) if cfg.dims.cp > 1 else ()) + (EXPERT_DIMS if cfg.dims.ep > 1 else ())
+    extra += (EDP_CP,) if cfg.dims.cp > 1 and cfg.dims.ep > 1 else ()
     for dim in MESH_DIMS + extra:
         mesh.get_group(dim).set_timeout(timeout)
     return ctx
@@ -149,10 +151,12 @@ def init_parallel(cfg: ParallelConfig, device_kind: str) -> ParallelContext:
 
 def context_on_mesh(mesh: DeviceMesh, dims: ParallelDims, device: torch.device) -> ParallelContext:
     """This process's place in a built mesh (a real job's, or the planner's fake world as rank 0). Under context
-    parallel it also flattens dp x cp into "dp_cp", under expert parallel edp x ep into "dp" (collective: every rank
-    builds them)."""
+    parallel it also flattens dp x cp into "dp_cp", under expert parallel edp x ep into "dp", under both edp x cp into
+    "edp_cp" (collective: every rank builds them)."""
     if dims.ep > 1:
         mesh[EXPERT_DIMS]._flatten("dp")
+        if dims.cp > 1:
+            mesh["edp", "cp"]._flatten(EDP_CP)
     if dims.cp > 1:
         mesh["dp", "cp"]._flatten(DP_CP)
     return ParallelContext(

@@ -15,8 +15,14 @@ A LoRA-adapted Linear shards its adapter with it (fitlm.parallel.lora_parallel: 
 replicated and shards B on `out`, row-parallel shards A on `in` and reduces the adapter's partial sums in
 the base's one all-reduce). Frozen parameters (LoRA's base, `finetune.method: freeze`) stay frozen.
 
-Every parameter becomes a DTensor (replicated ones too) and every gradient is given its parameter's
-placement, so clipping, optimizers and FSDP2 see one kind of tensor. A pipeline stage (modules set to
+MoE models: attention and the dense blocks' MLPs split as above; a routed block's `mlp` (router, experts, a
+shared expert) runs whole on every rank (`WholeOnEveryRank`): its input gathered to the full sequence, its output
+this rank's part of it. Its parameters stay plain tensors, replicated, each rank computing the same gradients from
+the same tokens, so they need no reduction over tp (expert parallel then splits the experts over "ep" as without
+tensor parallel). Why not split inside each expert: docs/moe.md, "Tensor parallel".
+
+Every other parameter becomes a DTensor (replicated ones too) and every gradient is given its parameter's
+placement, so clipping, optimizers and FSDP2 see one kind of tensor per mesh. A pipeline stage (modules set to
 None, blocks deleted) is parallelised the same way and still sends and receives [B, T, C].
 
 Order in the trainer: `apply_tensor_parallel` first, then recompute, compile, then FSDP on the "dp"
@@ -46,6 +52,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 
 from fitlm.config import ModelConfig
+from fitlm.models.moe import MoEFeedForward
 from fitlm.parallel.lora_parallel import LoraColwiseParallel, LoraRowwiseParallel, has_adapter
 from fitlm.parallel_dims import divisors
 
@@ -109,6 +116,28 @@ class FirstArgLayout(ParallelStyle):
         return module
 
 
+class WholeOnEveryRank(ParallelStyle):
+    """A sub-block run whole, with its own plain parameters, on every tensor-parallel rank: its input (the residual
+    stream's layout `act`) gathered to the full sequence [B, T, C] as a plain tensor, its output cut back to
+    `act` (Shard(1): this rank's slice, no communication; Replicate: as it is). In backward the slice's gradient
+    is all-gathered, and the input's gradient, the same full one on every rank, is sliced."""
+
+    def __init__(self, act: Placement):
+        self.act = act
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        FirstArgLayout(self.act, Replicate(), to_local=True)._apply(module, device_mesh)
+
+        def output(_mod: nn.Module, _args: tuple, out: torch.Tensor) -> torch.Tensor:
+            if self.act == Replicate():
+                return out
+            full = DTensor.from_local(out, device_mesh, (Replicate(),), run_check=False)
+            return full.redistribute(placements=(self.act,)).to_local()
+
+        module.register_forward_hook(output)
+        return module
+
+
 def _has(module: nn.Module, path: str) -> bool:
     try:
         return isinstance(module.get_submodule(path), nn.Module)
@@ -153,7 +182,8 @@ def tensor_parallel_plan(
         for path in filter(present, roles.post_norms):  # their output meets the local residual stream
             plan[p + path] = _norm_style(sequence_parallel, local_output=True)
         for path in filter(present, roles.inputs):
-            plan[p + path] = FirstArgLayout(act, Replicate())
+            routed = isinstance(block.get_submodule(path), MoEFeedForward)
+            plan[p + path] = WholeOnEveryRank(act) if routed else FirstArgLayout(act, Replicate())
         # A LoRA-adapted Linear shards its adapter with it (fitlm.parallel.lora_parallel).
         for path in filter(present, roles.colwise):
             plan[p + path] = LoraColwiseParallel() if has_adapter(block.get_submodule(path)) else ColwiseParallel()

@@ -71,16 +71,20 @@ def alltoall_seconds(
 
 def owned(s: Setup, first: bool) -> Owned | None:
     """A rank's experts, counted apart from the dense model: E/ep of every block's, whole or sharded over edp (see
-    the module docstring). Trained under full fine-tuning, frozen under LoRA (its targets are attention's), trained
-    above the frozen bottom under freeze."""
-    if s.ep == 1:
+    the module docstring), whole over tensor parallel, which runs the routed blocks whole on every tp rank
+    (fitlm.parallel.tensor_parallel), where the engine's count divided them by tp. Trained under full fine-tuning,
+    frozen under LoRA (its targets are attention's), trained above the frozen bottom under freeze."""
+    if s.ep == 1 and s.tp == 1:
         return None
     experts, local = stage_expert_params(s), local_expert_params(s)
     trained = {"full": local, "freeze": local * (1 - s.freeze_layers)}.get(s.method, 0.0)
+    counted = experts / s.tp  # what the engine's tp share holds of them (fitlm.plan.analytic.tp_share)
+    if s.ep == 1:  # tensor parallel alone: the experts are ordinary parameters to the ZeRO stage
+        return Owned(counted, counted if s.method == "full" else 0, local, trained, s)
     # counted as a data-parallel group of edp ranks that the ZeRO stage shards, or at ZeRO 0 when it does not
     sharded = s.dims.expert_shard_factor("optimizer") > 1
     as_setup = replace(s, dp=s.dims.edp, ep=1, cp=1) if sharded else replace(s, zero=0)
-    return Owned(experts, experts if s.method == "full" else 0, local, trained, as_setup)
+    return Owned(counted, counted if s.method == "full" else 0, local, trained, as_setup)
 
 
 def memory(st: Stage) -> list[Term]:
@@ -99,7 +103,8 @@ def time(tc: TimeContext) -> Timed:
     syncs = s.accum if s.sync_every else 1
     bandwidth = tc.bandwidth(s.dims.dp_cp, s.tp)
     if s.dims.expert_shard_factor("optimizer") == 1:
-        return Timed({"expert_parallel_all_to_all": a2a}, syncs * tc.ring("all_reduce", grads, s.dims.edp, bandwidth))
+        reduced = syncs * tc.ring("all_reduce", grads, s.dims.expert_replicas, bandwidth)
+        return Timed({"expert_parallel_all_to_all": a2a}, reduced)
     gathered = local_expert_params(s) * act_bytes(s)  # gathered in the compute dtype (O2's half all-gather)
     gathers = s.accum * (1 if s.zero == 2 else 2)
     reduced = syncs * tc.ring("reduce_scatter", grads, s.dims.edp, bandwidth)

@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 from fitlm.config import Config, TrainConfig
 from fitlm.memory.offload import HostAdamW
 from fitlm.models.flops import is_embedding
+from fitlm.parallel.expert_parallel import expert_parameters
 from fitlm.parallel.mesh import ParallelContext
 
 
@@ -39,12 +40,15 @@ def build_optimizer(
     cfg: TrainConfig,
     zero1_group: "dist.ProcessGroup | None" = None,
     host_states: bool = False,
+    rank_local: list[nn.Parameter] | None = None,
 ) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters of `modules` (a model, or this rank's pipeline stages).
 
     Frozen parameters (requires_grad False) get no optimizer state at all. With `zero1_group`
     (ZeRO-1) each rank of that group keeps the optimizer states of its share only. `host_states`
-    (memory.cpu_offload without FSDP) keeps states and an fp32 master copy in host memory.
+    (memory.cpu_offload without FSDP) keeps states and an fp32 master copy in host memory. `rank_local`:
+    parameters that differ between the ranks of `zero1_group` (expert parallel's experts), stepped by every
+    rank's local optimizer with whole states, never broadcast (`_zero1_beside_local`).
     """
     groups = [g for g in param_groups(modules, cfg.weight_decay) if g["params"]]
     if not groups:
@@ -57,8 +61,42 @@ def build_optimizer(
         optimizer_class = torch.optim.AdamW
         kwargs.update(implementation([p for g in groups for p in g["params"]]))
     if zero1_group is not None:
-        return ZeroRedundancyOptimizer(groups, optimizer_class=optimizer_class, process_group=zero1_group, **kwargs)
+        return _zero1_beside_local(groups, optimizer_class, zero1_group, set(rank_local or ()), kwargs)
     return optimizer_class(groups, **kwargs)
+
+
+def _zero1_beside_local(
+    groups: list[dict], optimizer_class: type, group: "dist.ProcessGroup", local: set[nn.Parameter], kwargs: dict
+) -> torch.optim.Optimizer:
+    """ZeRO-1 over `group` for every parameter but `local`, which every rank's local optimizer steps in full.
+
+    Why: torch's ZeroRedundancyOptimizer gives each parameter one owner rank, which steps it and broadcasts the
+    result to the group; an expert-parallel expert shard differs from rank to rank of the data-parallel group
+    (each ep rank holds other experts), so one owner's broadcast would overwrite the others'. The shards go into
+    the local optimizer's groups instead (beside this rank's owned dense parameters, in the group of the same
+    weight decay): each rank steps its own experts, and ZeRO broadcasts only what it partitioned. Their states
+    stay whole on every rank, as under ZeRO-2/3 with expert parallel; checkpoints name them as any local
+    optimizer's states (fitlm.checkpoint.state.local_optimizer)."""
+    dense = [{**g, "params": [p for p in g["params"] if p not in local]} for g in groups]
+    extra = [[p for p in g["params"] if p in local] for g in groups]
+    if not any(g["params"] for g in dense):  # nothing to shard (e.g. LoRA on the experts only)
+        return optimizer_class(groups, **kwargs)
+
+    def local_optimizer(owned: list[dict], **kw) -> torch.optim.Optimizer:
+        # `owned`: ZeroRedundancyOptimizer's partition for this rank, one entry per group of `dense`, in order
+        return optimizer_class([{**g, "params": g["params"] + e} for g, e in zip(owned, extra)], **kw)
+
+    # (ZeroRedundancyOptimizer calls optimizer_class(owned groups, **kwargs): any such callable serves)
+    constructor: Any = local_optimizer if local else optimizer_class
+    return ZeroRedundancyOptimizer(dense, optimizer_class=constructor, process_group=group, **kwargs)
+
+
+def zero_grad(optimizer: torch.optim.Optimizer) -> None:
+    """Clear the gradients of every parameter `optimizer` steps: under ZeRO-1 with expert parallel the local
+    optimizer also steps parameters the wrapper does not list (`_zero1_beside_local`)."""
+    optimizer.zero_grad(set_to_none=True)
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        optimizer.optim.zero_grad(set_to_none=True)
 
 
 def implementation(params: list[torch.Tensor]) -> dict[str, bool]:
@@ -89,6 +127,7 @@ def optimizer_for(cfg: Config, ctx: ParallelContext, modules: list[nn.Module]) -
         cfg.train,
         zero1_group=ctx.group(ctx.dims.token_dim) if ctx.dims.zero1 else None,
         host_states=cfg.memory.cpu_offload and not ctx.dims.fsdp_sharded,
+        rank_local=expert_parameters(modules),
     )
 
 

@@ -252,10 +252,12 @@ def _global_rows(stages: list[tuple[int, list[MoEFeedForward]]], everyone: list[
     return [start[sid] + i for sid, ms in stages for i in range(len(ms))]
 
 
-def router_balance(cfg, modules, reduce, pipeline=None) -> RouterBalance | None:
+def router_balance(cfg, modules, reduce, pipeline=None, split=None) -> RouterBalance | None:
     """The balance of a model whose `modules` hold MoE layers (None for a dense model). `reduce(t)`: the sum of
-    `t` over the ranks that split the step's tokens. `pipeline` (fitlm.parallel.pipeline.Pipeline): the stages'
-    balance, on every pp rank of an MoE model, also one whose stages hold no MoE layer."""
+    `t` over the ranks that split the step's tokens; `split`: under context parallel, (the sum over the cp
+    ranks, cp), the ranks that split each micro batch's tokens (never with pipeline parallel: fitlm.rules).
+    `pipeline` (fitlm.parallel.pipeline.Pipeline): the stages' balance, on every pp rank of an MoE model, also
+    one whose stages hold no MoE layer."""
     layers = moe_layers(modules)
     m = cfg.model
     kw = dict(
@@ -275,4 +277,4 @@ def router_balance(cfg, modules, reduce, pipeline=None) -> RouterBalance | None:
             m.capacity_factor is not None,
             **kw,
         )
-    return RouterBalance(layers, **kw) if layers else None
+    return RouterBalance(layers, **kw, split=split) if layers else None

@@ -24,18 +24,27 @@ model.capacity_factor `dropped_tokens`, the share of the step's (token, expert) 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from fitlm.models.moe import MoEFeedForward, load_balancing_loss
+from fitlm.models.moe import MoEFeedForward, balance_terms, load_balancing_loss
 
 
 class RouterBalance:
     def __init__(
-        self, layers: list[MoEFeedForward], top_k: int, coef: float, reduce, mode: str = "aux_loss", rate: float = 0.001
+        self,
+        layers: list[MoEFeedForward],
+        top_k: int,
+        coef: float,
+        reduce,
+        mode: str = "aux_loss",
+        rate: float = 0.001,
+        split: tuple[Callable[[torch.Tensor], torch.Tensor], int] | None = None,
     ):
         self.layers, self.top_k, self.reduce, self.mode, self.rate = layers, top_k, reduce, mode, rate
+        # context parallel: (the sum over the cp ranks, their count), which split each micro batch's tokens
+        self.split = split
         self.coef = coef if mode == "aux_loss" else 0.0
         self.metrics: dict[str, float] = {}
         self._aux = torch.zeros(2)  # [summed aux loss, micro batches]
@@ -59,14 +68,30 @@ class RouterBalance:
             m.router_logits = m.expert_counts = m.dropped_slots = None
         if not logits:
             return None
-        aux = load_balancing_loss(logits, self.top_k)
-        self._aux = self._aux.to(aux.device) + torch.stack([aux.detach(), torch.ones_like(aux)])
+        aux, value = self._micro_aux(logits)
+        self._aux = self._aux.to(aux.device) + torch.stack([value, torch.ones_like(value)])
         stacked = torch.stack(counts).float()  # [L, E]
         self._counts = stacked if self._counts is None else self._counts + stacked
         if dropped:
             d = torch.stack(dropped).sum(dim=0)  # [2]
             self._dropped = d if self._dropped is None else self._dropped + d
         return self.coef * aux if self.coef else None
+
+    def _micro_aux(self, logits: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the term whose gradient this rank adds, the micro batch's aux loss). Under context parallel each cp
+        rank holds part of the micro batch's tokens, and the loss is E · sum_e T_e · P_e / R^2 over all of them
+        (T, R: slots and rows, P: summed probabilities, the only factor with a gradient). With T and R summed over
+        the cp ranks, a rank's own P carries its share of the gradient: E · sum_e T_e · P_e(rank) / R^2, times cp,
+        as gradients are averaged over the cp ranks (fitlm.parallel.data_parallel)."""
+        if self.split is None:
+            aux = load_balancing_loss(logits, self.top_k)
+            return aux, aux.detach()
+        cp_sum, cp = self.split
+        tokens, probs, rows = balance_terms(logits, self.top_k)
+        e = tokens.numel()
+        summed = cp_sum(torch.cat([tokens, probs.detach(), torch.tensor([float(rows)], device=tokens.device)]))
+        t, p, r = summed[:e], summed[e : 2 * e], summed[-1]
+        return cp * e * torch.sum(t * probs) / r**2, e * torch.sum(t * p) / r**2
 
     def observe(self) -> None:
         """After the step's micro batches (collective): its metrics over every rank's micro batches, and the

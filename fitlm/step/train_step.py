@@ -25,7 +25,7 @@ from fitlm.parallel.mesh import ParallelContext
 from fitlm.parallel_dims import WORLD
 from fitlm.step.guards import GuardEvent, StepGuards
 from fitlm.step.objectives import Objective, objective_for
-from fitlm.step.optim import optimizer_for
+from fitlm.step.optim import optimizer_for, zero_grad
 from fitlm.step.pipeline_balance import PipelineRouterBalance, router_balance
 from fitlm.step.timing import PhaseTimer
 
@@ -70,7 +70,11 @@ class TrainStep:
         self.objective = objective
         # an MoE model's load-balancing loss and expert load (fitlm.step.router_balance); None for a dense model
         self.balance = router_balance(
-            cfg, pm.modules, partial(ctx.all_reduce_sum, dim=ctx.dims.token_dim), pipeline=pm.pipeline
+            cfg,
+            pm.modules,
+            partial(ctx.all_reduce_sum, dim=ctx.dims.token_dim),
+            pipeline=pm.pipeline,
+            split=(partial(ctx.all_reduce_sum, dim="cp"), ctx.cp) if ctx.cp > 1 else None,
         )
 
     @classmethod
@@ -240,5 +244,5 @@ class TrainStep:
         if self.balance is not None:  # aux_free: the routing bias follows the step's expert loads
             self.balance.after_optimizer_step(applied)
         self.scaler.update(overflow)
-        self.optimizer.zero_grad(set_to_none=True)
+        zero_grad(self.optimizer)
         return grad_norm, not applied

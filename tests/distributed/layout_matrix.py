@@ -2,7 +2,8 @@
 and untied, each against its family's single-process run (losses, gradient norms, eval loss and final weights as
 assert_same_training holds them), in shared torchrun worlds. Prints one row per case: ok, refused (the rule's
 message) or the first line of the mismatch. CI runs the layouts on Llama (test_layouts.py) and two layouts on
-every family (test_family_layouts.py); this is the sweep behind them.
+every family (test_family_layouts.py), every layout and expert parallel's (MOE_LAYOUTS) on Qwen3-MoE
+(test_layouts.py); this is the sweep behind them.
 
     python -m tests.distributed.layout_matrix [--families qwen3 gemma2 ...] [--layouts tp2 pp2-1f1b ...] [--out DIR]
 """
@@ -15,7 +16,7 @@ from pathlib import Path
 
 from tests.conftest import PLAYS
 from tests.distributed.test_family_layouts import FAMILIES, MIXTRAL_PP
-from tests.distributed.test_layouts import LAYOUTS, REFERENCE, assert_same_training, run_shared
+from tests.distributed.test_layouts import LAYOUTS, MOE_LAYOUTS, REFERENCE, assert_same_training, run_shared
 
 ALL_FAMILIES = {
     "llama": {},
@@ -51,7 +52,7 @@ def verdict(result: dict, reference: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--families", nargs="*", default=list(ALL_FAMILIES))
-    ap.add_argument("--layouts", nargs="*", default=list(LAYOUTS))
+    ap.add_argument("--layouts", nargs="*", help="default: every layout (MoE families: and MOE_LAYOUTS')")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     root = args.out or Path(tempfile.mkdtemp(prefix="fitlm-matrix-"))
@@ -61,8 +62,9 @@ def main() -> None:
     for family in args.families:
         for tied in (True, False):
             tie = "tied" if tied else "untied"
-            for layout in args.layouts:
-                parallel, train, extra = LAYOUTS[layout]
+            moe = bool(ALL_FAMILIES[family].get("num_experts"))
+            for layout in args.layouts or [*LAYOUTS, *(MOE_LAYOUTS if moe else ())]:
+                parallel, train, extra = {**LAYOUTS, **MOE_LAYOUTS}[layout]
                 model = {**ALL_FAMILIES[family], **(extra or {}), "tie_embeddings": tied}
                 if extra and "layer_types" in model:  # a deeper model repeats the family's layer pattern
                     pattern = model["layer_types"]

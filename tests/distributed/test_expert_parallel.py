@@ -1,12 +1,11 @@
 """Expert parallel trains an MoE model as one process does: `fitlm train` under torchrun (gloo), same data, seed and
 global batch of 8 sequences; losses, gradient norms, eval loss and final weights equal (ep2, ep2 + ZeRO-3, ep2 with
-recompute, ep2 on a tied model, dp4 with ep2 where two ranks hold each expert shard, and ep4, one expert a rank).
+recompute, ep2 on a tied model, dp4 with ep2 where two ranks hold each expert shard, and ep4, one expert a rank),
+and beside ZeRO-1, context parallel and tensor parallel (tp2 without expert parallel too), with the auxiliary loss
+on: there one row a micro batch, so the ranks' micro batches hold the one process's rows (transformers' aux loss
+is a mean per micro batch, which a data split of larger micro batches changes; the other runs leave it off).
 Then the all-to-all dispatcher at its edges, against the one-rank dispatch on the same tokens, and a checkpoint
-written under ep2 resumed by one process.
-
-The load-balancing loss is off in the equivalence runs for the reason tests/distributed/test_family_layouts.py
-gives (transformers' aux loss is a mean per micro batch, which a data split changes); the dispatcher tests cover
-the routing with any split.
+written under ep2 (with ZeRO-1, with tensor parallel) resumed by one process.
 """
 
 from __future__ import annotations
@@ -29,6 +28,11 @@ HALF = {"micro_batch_size": 2, "gradient_accumulation_steps": 2}  # two data-par
 QUARTER = {"micro_batch_size": 1, "gradient_accumulation_steps": 2}  # four
 REFERENCE = {"micro_batch_size": 4, "gradient_accumulation_steps": 2}
 TWO_EXPERTS = {"num_experts": 2, "num_experts_per_tok": 1}  # one expert a rank under ep2, two replicas of it
+# The auxiliary loss on: transformers' aux loss is a mean per micro batch, so the ranks' micro batches must hold the
+# one process's rows. One row a micro batch gives that (the loader deals rank r the rows r, r + dp, ...).
+AUX = {"num_layers": 3, "mlp_only_layers": [1], "router_aux_loss_coef": 0.1}  # sparse, dense, sparse
+ROW = {"micro_batch_size": 1, "gradient_accumulation_steps": 4}  # two data-parallel ranks, one row a micro batch
+ROW_REFERENCE = {"micro_batch_size": 1, "gradient_accumulation_steps": 8}
 LAYOUTS = {  # name: (parallel, train, memory, model overrides)
     "ep2": ({"data_parallel": 2, "expert_parallel": 2}, HALF, {}, {}),
     "ep2-zero3": ({"data_parallel": 2, "zero_stage": 3, "expert_parallel": 2}, HALF, {}, {}),
@@ -50,8 +54,44 @@ LAYOUTS = {  # name: (parallel, train, memory, model overrides)
     "ep2-aux-free": ({"data_parallel": 2, "expert_parallel": 2}, HALF, {}, {"moe_balance": "aux_free", **FAST_BIAS}),
     # LoRA on attention and on every expert (fitlm.finetune.expert_lora): the adapters split with their experts
     "ep2-lora-experts": ({"data_parallel": 2, "expert_parallel": 2}, HALF, {}, {}),
+    # ZeRO-1: the dense optimizer states sharded over dp, each rank stepping its own experts (fitlm.step.optim)
+    "ep2-zero1-aux": ({"data_parallel": 2, "expert_parallel": 2, "zero_stage": 1}, ROW, {}, AUX),
+    "ep2-zero1-aux-tied": (
+        {"data_parallel": 2, "expert_parallel": 2, "zero_stage": 1},
+        ROW,
+        {},
+        {**AUX, "tie_embeddings": True},
+    ),
+    # context parallel: each cp rank routes its part of every sequence; expert gradients summed over edp x cp, the
+    # aux loss over the cp ranks' tokens together (fitlm.step.router_balance)
+    "ep2-cp2-aux": ({"data_parallel": 2, "expert_parallel": 2, "context_parallel": 2}, ROW, {}, AUX),
+    "ep2-cp2-aux-tied": (
+        {"data_parallel": 2, "expert_parallel": 2, "context_parallel": 2},
+        ROW,
+        {},
+        {**AUX, "tie_embeddings": True},
+    ),
+    "cp2-aux": ({"context_parallel": 2}, ROW_REFERENCE, {}, AUX),
+    # tensor parallel: attention and the dense block's MLP split, the routed blocks run whole on every tp rank
+    "tp2-aux": ({"tensor_parallel": 2}, ROW_REFERENCE, {}, AUX),
+    "tp2-sp-aux-tied": (
+        {"tensor_parallel": 2, "sequence_parallel": True},
+        ROW_REFERENCE,
+        {},
+        {**AUX, "tie_embeddings": True},
+    ),
+    "tp2-aux-free": ({"tensor_parallel": 2}, REFERENCE, {}, {"moe_balance": "aux_free", **FAST_BIAS}),
+    "ep2-tp2-aux": ({"data_parallel": 2, "expert_parallel": 2, "tensor_parallel": 2}, ROW, {}, AUX),
+    "ep2-tp2-sp-aux-tied": (
+        {"data_parallel": 2, "expert_parallel": 2, "tensor_parallel": 2, "sequence_parallel": True},
+        ROW,
+        {},
+        {**AUX, "tie_embeddings": True},
+    ),
+    # LoRA on attention (split with its Linears) and on the experts (whole on every tp rank, split over ep)
+    "ep2-tp2-lora-experts": ({"data_parallel": 2, "expert_parallel": 2, "tensor_parallel": 2}, HALF, {}, {}),
 }
-FAST = ("ep2", "ep2-zero3", "ep2-aux-free", "ep2-lora-experts")
+FAST = ("ep2", "ep2-zero3", "ep2-aux-free", "ep2-lora-experts", "ep2-zero1-aux", "ep2-cp2-aux")
 LORA = {
     "method": "lora",
     "lora": {
@@ -60,11 +100,11 @@ LORA = {
         "target_modules": ["q_proj", "v_proj", "experts.gate_proj", "experts.up_proj", "experts.down_proj"],
     },
 }
-FINETUNE = {"ep2-lora-experts": LORA}
+FINETUNE = {"ep2-lora-experts": LORA, "ep2-tp2-lora-experts": LORA}
 
 
 def _reference_name(model: dict, layout: str = "") -> str:
-    suffix = "-lora" if layout in FINETUNE else ""
+    suffix = ("-lora" if layout in FINETUNE else "") + ("-aux" if model.get("router_aux_loss_coef") else "")
     return (
         "single"
         + ("-tied" if model.get("tie_embeddings") else "")
@@ -81,7 +121,7 @@ def ep_runs(request, tiny_corpus, tmp_path_factory) -> dict[str, dict]:
         tune = {"finetune": FINETUNE[params["layout"]]} if params["layout"] in FINETUNE else {}
         cases[_reference_name(model, params["layout"])] = {
             "parallel": {},
-            "train": REFERENCE,
+            "train": ROW_REFERENCE if train["micro_batch_size"] == 1 else REFERENCE,
             "model": {**MOE, **model},
             **tune,
         }
@@ -102,6 +142,8 @@ def test_expert_parallel_equals_single_process(ep_runs, layout):
     reference = ep_runs[name]
     assert reference["losses"][-1] < reference["losses"][0]  # it trained
     assert_same_training(ep_runs[layout], reference)
+    if LAYOUTS[layout][3].get("router_aux_loss_coef"):  # the logged aux loss and expert load, step for step
+        assert ep_runs[layout]["balance"] == pytest.approx(reference["balance"], rel=1e-4, abs=1e-6)
     if "moe_balance" in LAYOUTS[layout][3]:  # the bias step for step (every rank logs rank 0's, all equal)
         from tests.e2e.helpers import read_metrics
 
@@ -242,14 +284,18 @@ WRITERS = {  # layout a checkpoint is written under: (parallel, per-rank batch)
     "ep2": ({"data_parallel": 2, "expert_parallel": 2}, HALF),
     # the experts DTensors over the 2-D (edp, ep) mesh: each rank holds one of the 4 experts
     "dp4-ep2-zero3": ({"data_parallel": 4, "zero_stage": 3, "expert_parallel": 2}, QUARTER),
+    # ZeRO-1: each rank writes the dense states it owns and its experts' (fitlm.step.optim)
+    "ep2-zero1": ({"data_parallel": 2, "expert_parallel": 2, "zero_stage": 1}, HALF),
+    # tensor parallel: attention as DTensors on "tp", the routed blocks' plain tensors beside them
+    "ep2-tp2": ({"data_parallel": 2, "expert_parallel": 2, "tensor_parallel": 2}, HALF),
 }
 
 
 @pytest.mark.parametrize("writer", [pytest.param(w, marks=() if w == "ep2" else pytest.mark.slow) for w in WRITERS])
 def test_checkpoint_from_ep2_resumes_in_one_process(tiny_corpus, tmp_path, writer):
-    """A checkpoint written under dp2 x ep2 (experts as DTensors split over the ep ranks), or under dp4 x ep2 with
-    ZeRO-3 (split over ep, then sharded over their replicas), resumes in one process, which then trains on as the
-    uninterrupted one-process run does."""
+    """A checkpoint written under dp2 x ep2 (experts as DTensors split over the ep ranks), under dp4 x ep2 with
+    ZeRO-3 (split over ep, then sharded over their replicas), with ZeRO-1 or with tensor parallel, resumes in one
+    process, which then trains on as the uninterrupted one-process run does."""
     from tests.e2e.helpers import fitlm, read_metrics, tiny_config, write_config
 
     def train(name, parallel, batch, checkpoint):

@@ -44,22 +44,26 @@ FAMILIES = {  # model section overrides of the tiny config (hidden 64, 2 layers,
         "mlp_only_layers": [1],
         "router_aux_loss_coef": 0.0,
     },
+    # a shared expert (its gate [1, H]: fewer rows than ranks under ZeRO-3) and every other block dense
+    "qwen2_moe": {
+        "arch": "qwen2_moe",
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 48,
+        "shared_expert_intermediate_size": 64,
+        "decoder_sparse_step": 2,
+        "router_aux_loss_coef": 0.0,
+    },
 }
-PIPELINED = [f for f in FAMILIES if f != "qwen3_moe"]  # the MoE families' pipeline runs are MOE_PIPELINE's
+PIPELINED = [
+    f for f in FAMILIES if "num_experts" not in FAMILIES[f]
+]  # the MoE families' pipeline runs are MOE_PIPELINE's
 # MoE under pipeline parallel with the aux loss on (fitlm/step/pipeline_balance.py): 4 blocks, so stage 0 holds a
 # sparse and the dense block and stage 1 two sparse ones, and the loss couples the stages' routing. The pipeline
 # layouts' micro batches hold the one process's rows (no data parallel), so the per-micro-batch aux loss agrees.
 MOE_PP = {**FAMILIES["qwen3_moe"], "num_layers": 4, "router_aux_loss_coef": 0.1}
+QWEN2_MOE_PP = {**FAMILIES["qwen2_moe"], "num_layers": 4, "router_aux_loss_coef": 0.001}
 MIXTRAL_PP = {"arch": "mixtral", "head_dim": 24, "num_experts": 4, "num_experts_per_tok": 2, "num_layers": 4}
-QWEN2_MOE_PP = {
-    "arch": "qwen2_moe",
-    "num_experts": 4,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 48,
-    "shared_expert_intermediate_size": 64,
-    "num_layers": 4,
-    "decoder_sparse_step": 2,
-}
 MOE_MEMORY = {"qwen2_moe-pp2-recompute": {"recompute": "full"}}  # the pipeline run's memory section
 MOE_PIPELINE = {  # case: (model, parallel)
     "qwen3_moe-pp2-1f1b": (MOE_PP, {"pipeline_parallel": 2, "micro_batch_num": 2}),
@@ -95,6 +99,8 @@ MOE_PIPELINE = {  # case: (model, parallel)
         {**MOE_PP, "router_aux_loss_coef": 0.0},
         {"pipeline_parallel": 2, "micro_batch_num": 2, "data_parallel": 2, "expert_parallel": 2},
     ),
+    # tensor parallel inside each stage: attention split, the routed blocks whole on each tp rank
+    "qwen3_moe-tp2-pp2": (MOE_PP, {"pipeline_parallel": 2, "micro_batch_num": 2, "tensor_parallel": 2}),
     "mixtral-dp2-ep2-zero3-pp2-tied": (
         {**MIXTRAL_PP, "tie_embeddings": True, "router_aux_loss_coef": 0.0},
         {"pipeline_parallel": 2, "micro_batch_num": 2, "data_parallel": 2, "expert_parallel": 2, "zero_stage": 3},

@@ -285,6 +285,63 @@ def test_data_parallel_layouts_equal_single_process(layout_runs, reference, name
     assert_same_training(layout_runs[name, tied], reference(tied))
 
 
+# -- the same matrix on an MoE model --------------------------------------------------------------------------
+# Qwen3-MoE (4 experts, 2 a token) with a dense block among the sparse ones (test_family_layouts.FAMILIES), aux loss
+# off there (a mean per micro batch, whose rows a data split changes; test_expert_parallel.py holds the layouts
+# with it on). Every layout above, and expert parallel beside each parallelism it composes with.
+MOE_LAYOUTS = {  # name: (parallel, train, model overrides)
+    "dp2-ep2": ({"data_parallel": 2, "expert_parallel": 2}, HALF, None),
+    "dp2-ep2-zero1": ({"data_parallel": 2, "expert_parallel": 2, "zero_stage": 1}, HALF, None),
+    "dp2-ep2-zero3": ({"data_parallel": 2, "expert_parallel": 2, "zero_stage": 3}, HALF, None),
+    "dp2-ep2-tp2-sp": (
+        {"data_parallel": 2, "expert_parallel": 2, "tensor_parallel": 2, "sequence_parallel": True},
+        HALF,
+        None,
+    ),
+    "dp2-ep2-zero3-tp2": (
+        {"data_parallel": 2, "expert_parallel": 2, "zero_stage": 3, "tensor_parallel": 2},
+        HALF,
+        None,
+    ),
+    "dp2-ep2-zero2-cp2": (  # (ZeRO 0 beside cp: test_expert_parallel.py, aux loss on)
+        {"data_parallel": 2, "expert_parallel": 2, "zero_stage": 2, "context_parallel": 2},
+        HALF,
+        None,
+    ),
+    "dp2-ep2-pp2": (
+        {"data_parallel": 2, "expert_parallel": 2, "pipeline_parallel": 2, "micro_batch_num": 2},
+        HALF,
+        None,
+    ),
+}
+MOE_CASES = {**LAYOUTS, **MOE_LAYOUTS}
+
+
+@pytest.fixture(scope="module")
+def moe_runs(request, tiny_corpus, tmp_path_factory) -> dict[str, dict]:
+    """The selected MoE layouts and their single-process references (plain and deep), in shared worlds."""
+    from tests.distributed.test_family_layouts import FAMILIES
+
+    cases = {}
+    for params in selected(request, "test_moe_layouts_equal_single_process"):
+        parallel, train, extra = MOE_CASES[params["name"]]
+        tie = "tied" if params["tied"] else "untied"
+        model = {**FAMILIES["qwen3_moe"], **(extra or {}), "tie_embeddings": params["tied"]}
+        cases[f"single-{tie}" + ("-deep" if extra else "")] = {"parallel": {}, "train": REFERENCE, "model": model}
+        cases[f"{params['name']}-{tie}"] = {"parallel": parallel, "train": train, "model": model}
+    return run_shared(tiny_corpus, tmp_path_factory.mktemp("moe-layouts"), cases) if cases else {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tied", TIES)
+@pytest.mark.parametrize("name", list(MOE_CASES))
+def test_moe_layouts_equal_single_process(moe_runs, name, tied):
+    tie = "tied" if tied else "untied"
+    reference = moe_runs[f"single-{tie}" + ("-deep" if MOE_CASES[name][2] else "")]
+    assert_same_training(moe_runs[f"{name}-{tie}"], reference)
+    assert moe_runs[f"{name}-{tie}"]["balance"][1::2] == pytest.approx(reference["balance"][1::2], rel=1e-4)  # load
+
+
 def test_two_node_rendezvous_on_localhost(tiny_corpus, tmp_path, reference):
     """Two torchrun "nodes" (one process each) meet through a c10d rendezvous, as on a real cluster."""
     import socket

@@ -103,10 +103,10 @@ REFUSED = {
         {"parallel": {"data_parallel": 3, "expert_parallel": 3}},
         "cannot split model.num_experts=4 experts",
     ),
-    "tensor parallel of an MoE family": (
+    "tensor parallel vs an MoE checkpoint's heads": (
         "moe",
-        {"parallel": {"tensor_parallel": 2}},
-        "model.arch='qwen3_moe' cannot be tensor-parallel",
+        {"parallel": {"tensor_parallel": 4}},
+        "parallel.tensor_parallel: 4 does not divide model.num_kv_heads=2",
     ),
     "pipeline stages vs the checkpoint's blocks": (
         "dense",
@@ -168,9 +168,27 @@ def test_profile_refuses_alike(ckpt, tmp_path, capsys):
     assert not (tmp_path / "profile").exists()
 
 
-def test_expert_parallel_trains_from_an_imported_moe_with_init_from_alone(ckpt, tmp_path):
-    # The run, as a user starts it: `fitlm train` launches the two ranks itself.
-    config = only_init_from(ckpt, "moe-fitlm", tmp_path, parallel={"data_parallel": 2, "expert_parallel": 2})
+@pytest.mark.parametrize(
+    "parallel",
+    [
+        {"data_parallel": 2, "expert_parallel": 2},
+        # expert parallel beside tensor (sequence) parallel, and beside context parallel with ZeRO-1: 4 ranks
+        pytest.param(
+            {"data_parallel": 2, "expert_parallel": 2, "tensor_parallel": 2, "sequence_parallel": True},
+            marks=pytest.mark.slow,
+            id="ep2-tp2-sp",
+        ),
+        pytest.param(
+            {"data_parallel": 2, "expert_parallel": 2, "context_parallel": 2, "zero_stage": 1},
+            marks=pytest.mark.slow,
+            id="ep2-cp2-zero1",
+        ),
+    ],
+    ids=lambda p: "ep2" if isinstance(p, dict) else None,
+)
+def test_expert_parallel_trains_from_an_imported_moe_with_init_from_alone(ckpt, tmp_path, parallel):
+    # The run, as a user starts it: `fitlm train` launches the ranks itself.
+    config = only_init_from(ckpt, "moe-fitlm", tmp_path, parallel=parallel)
     proc = fitlm("train", config, "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     written = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["model"]

@@ -55,6 +55,17 @@ def test_a_rank_holds_its_share_of_the_experts_sharded_over_their_replicas_by_ze
     assert z3_no_ep["params"] == (dense + EXPERTS) / 4 * 4  # without ep ZeRO-3 shards the experts over dp
 
 
+def test_tensor_parallel_keeps_the_experts_whole_on_every_tp_rank():
+    """Tensor parallel splits attention, the dense MLPs, embedding and head, but runs the routed blocks whole on
+    every tp rank (fitlm.parallel.tensor_parallel.WholeOnEveryRank): their experts are not divided by tp."""
+    one = per_device({})["per_device"]
+    tp2 = per_device({"tensor_parallel": 2})["per_device"]
+    dense = one["params"] // 4 - EXPERTS
+    assert tp2["params"] == (dense / 2 + EXPERTS) * 4
+    ep2_tp2 = per_device({"data_parallel": 2, "expert_parallel": 2, "tensor_parallel": 2})["per_device"]
+    assert ep2_tp2["params"] == (dense / 2 + EXPERTS / 2) * 4  # experts split over ep only
+
+
 def test_lora_leaves_the_experts_frozen():
     lora = {"finetune": {"method": "lora"}, "memory": {"mixed_precision": "O2"}}
     full = per_device({"data_parallel": 2, "expert_parallel": 2}, memory={"mixed_precision": "O2"})
@@ -79,6 +90,10 @@ def test_the_search_tries_expert_parallel_on_moe_models_only():
     moe = validate_dict({"model": MOE, "data": {"seq_length": 64}, "parallel": {"data_parallel": 4}})
     found = plan(moe, get_device("a100-80g"), 4, search=True, top=50)["search"]["top"]
     assert any("×ep2" in c["layout"] for c in found) and any("×ep4" in c["layout"] for c in found)
+    found = plan(moe, get_device("a100-80g"), 4, search=True, top=10_000)["search"]["top"]
+    layouts = {c["layout"] for c in found}  # with tensor and context parallel and ZeRO-1 too
+    for wanted in ("dp2×tp2×pp1 ", "dp2×tp2×pp1×ep2 ", "dp2×tp1×pp1×cp2×ep2 ", "dp4×tp1×pp1×ep2 zero1"):
+        assert any(name.startswith(wanted) for name in layouts), (wanted, sorted(layouts))
     dense = validate_dict({"model": {**MOE, "arch": "qwen3", "num_experts": None}, "data": {"seq_length": 64}})
     found = plan(dense, get_device("a100-80g"), 4, search=True, top=50)["search"]["top"]
     assert found and not any("×ep" in c["layout"] for c in found)
@@ -190,3 +205,17 @@ def test_fewer_experts_than_ranks_shard_each_experts_rows(parallel):
     result = plan(cfg, get_device("a100-80g"), simulate=True)
     simulated, analytic = result["simulated"]["per_device"], result["per_device"]
     assert simulated["optimizer"] == pytest.approx(analytic["optimizer"], rel=0.01)
+
+
+@pytest.mark.slow  # a fake world per layout: about 15 s each on 2 cores
+@pytest.mark.parametrize(
+    "parallel",
+    [{"tensor_parallel": 2, "sequence_parallel": True}, {"data_parallel": 2, "context_parallel": 2, "zero_stage": 1}],
+    ids=["tp2-sp", "dp2-cp2-zero1"],
+)
+def test_simulate_runs_an_moe_step_under_tensor_and_context_parallel(parallel):
+    """The fake-tensor step through the routed blocks run whole on every tp rank (their gather and slice), and the
+    aux loss's counts summed over the cp ranks."""
+    model = {**MOE, "mlp_only_layers": [1], "router_aux_loss_coef": 0.01}
+    cfg = validate_dict({"model": model, "data": {"seq_length": 64}, "parallel": parallel})
+    assert plan(cfg, get_device("a100-80g"), simulate=True)["simulated"]["per_device"]["total"] > 0

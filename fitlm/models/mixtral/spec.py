@@ -36,7 +36,6 @@ SPEC = register_spec(
         default_ffn=llama_ffn,
         validate=validate,
         features=("sliding window", MOE_FEATURES[0], "top-k weights renormalized"),
-        tensor_parallel=False,
         moe=True,
     )
 )

@@ -32,7 +32,6 @@ QWEN3_MOE = register_spec(
         default_ffn=llama_ffn,
         validate=_no_shared_expert,
         features=("per-head q/k RMSNorm", *MOE_FEATURES),
-        tensor_parallel=False,
         moe=True,
     )
 )
@@ -44,7 +43,6 @@ QWEN2_MOE = register_spec(
         default_ffn=llama_ffn,
         validate=_needs_shared_expert,
         features=("q/k/v biases", "sigmoid-gated shared expert", *MOE_FEATURES),
-        tensor_parallel=False,
         moe=True,
     )
 )
