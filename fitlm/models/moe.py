@@ -56,6 +56,10 @@ class GroupedExperts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(num_experts, inner, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inner))
         self.lora_scaling, self.lora_dropout = 1.0, 0.0  # of the adapters, when attached
+        # How expert e's [out, in] is read from a stacked weight stored in another form (QLoRA's 4-bit NF4:
+        # fitlm.finetune.qlora sets fitlm.memory.nf4.expert, a view of its codes that F.linear dequantizes);
+        # None: plain stacked tensors, row e. Set, the experts run in the loop, one expert's weight at full width.
+        self.take: Callable[[torch.Tensor, int], torch.Tensor] | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -74,7 +78,7 @@ class GroupedExperts(nn.Module):
         (fitlm.parallel.expert_parallel)."""
         gate, up, down = (_local(w) for w in (self.gate_proj, self.up_proj, self.down_proj))
         lora = self._adapters()
-        if lora:  # adapters run in the loop, each expert's A and B beside its weight
+        if lora or self.take is not None:  # adapters run in the loop, each expert's A and B beside its weight
             return _expert_loop(x, counts, gate, up, down, partial(self._project, lora=lora))
         dtype = _compute_dtype(x)
         traced = is_fake(x) or torch.compiler.is_compiling()
@@ -95,7 +99,7 @@ class GroupedExperts(nn.Module):
 
     def _project(self, x: torch.Tensor, w: torch.Tensor, e: int, proj: str, lora: dict) -> torch.Tensor:
         """x [m, in] through expert e's `proj` [out, in], plus its adapter's scaling · B_e·A_e·x where it has one."""
-        y = F.linear(x, w[e])
+        y = F.linear(x, w[e] if self.take is None else self.take(w, e))
         if proj not in lora:
             return y
         a, b = lora[proj]

@@ -105,6 +105,14 @@ def dequantized(model: nn.Module):
             m.weight = w
 
 
+def logits_and_grads(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The logits of x and the gradients of their mean log-sum-exp (every parameter that gets one)."""
+    model.zero_grad(set_to_none=True)
+    logits = model(x)
+    logits.logsumexp(-1).mean().backward()
+    return logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
 def test_qlora_forward_equals_the_network_on_the_dequantized_base(tiny_corpus, tmp_path):
     t = trainer(tiny_corpus, tmp_path / "run")
     model = t.pm.model
@@ -113,16 +121,9 @@ def test_qlora_forward_equals_the_network_on_the_dequantized_base(tiny_corpus, t
     batches = iter(t.loader)
     t.train_step(1, batches)  # B is no longer zero: the adapters take part
     x = torch.randint(0, 512, (2, 32))
-
-    def run() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        model.zero_grad(set_to_none=True)
-        logits = model(x)
-        logits.logsumexp(-1).mean().backward()
-        return logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-
-    ours, our_grads = run()
+    ours, our_grads = logits_and_grads(model, x)
     with dequantized(model):
-        theirs, their_grads = run()
+        theirs, their_grads = logits_and_grads(model, x)
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)  # stated tolerance: equal up to fp32 rounding
     # backward too: the adapters' gradients are those of the dequantized network
     assert our_grads and our_grads.keys() == their_grads.keys()
