@@ -3,7 +3,7 @@ bf16 (16 experts, top 4, a dense block among the sparse ones, experts most of th
 config whose model section is `init_from` alone, with adapters on attention and on the experts, the stacked
 experts in 4-bit NF4. The loss falls; the adapter records the experts' recipe; `fitlm merge` of base + adapter
 gives the run's merged model; the exported model gives in transformers the greedy tokens `fitlm generate`
-gives; the 4-bit base holds about a third of LoRA's parameter bytes."""
+gives; the 4-bit base holds 0.39× LoRA's parameter bytes, as the planner counts them."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ import torch
 from safetensors.torch import load_file
 
 from fitlm.memory import nf4
+from fitlm.plan.analytic import breakdown
+from fitlm.plan.setup import from_config
 from fitlm.run_config import load_run_config
 from fitlm.train.trainer import Trainer
 from tests.e2e.helpers import fitlm, hf_qwen3_moe, pack_chat, qlora_run_config, read_metrics, write_config
@@ -83,12 +85,16 @@ def stored_bytes(model: torch.nn.Module) -> int:
     return out
 
 
-def test_the_4bit_experts_hold_about_a_third_of_loras_parameter_bytes(run, tmp_path):
-    held = {}
+def test_the_4bit_experts_hold_well_under_half_of_loras_parameter_bytes_as_planned(run, tmp_path):
+    held, planned = {}, {}
     for method in ("lora", "qlora"):
         cfg, _ = load_run_config(run["config"], [f"finetune.method={method}", f"train.output_dir={tmp_path / method}"])
         t = Trainer(cfg)
         held[method] = stored_bytes(t.pm.model)
         t.release_lock()
-    # experts are ~87% of the weights: 4.126 bits there, bf16 elsewhere, fp32 adapters (LoRA: bf16 base)
-    assert held["qlora"] / held["lora"] < 0.4, held
+        planned[method] = breakdown(from_config(cfg)).params
+    # experts are ~80% of the weights: 4.126 bits there (and on q/o and the dense MLP), bf16 elsewhere, fp32
+    # adapters; LoRA keeps the whole base in bf16 (measured 0.39x)
+    assert held["qlora"] / held["lora"] < 0.42, held
+    for method in held:  # the planner's parameter bytes, within 1%
+        assert abs(planned[method] / held[method] - 1) < 0.01, (planned, held)
