@@ -11,35 +11,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fitlm.config import validate_dict
 from fitlm.finetune.expert_lora import expert_modules
 from fitlm.memory import nf4
 from fitlm.models.moe import PROJECTIONS
-from fitlm.train.trainer import Trainer
-from tests.e2e.helpers import tiny_config
-from tests.unit.test_qlora import logits_and_grads
-
-# 8 experts, top 2, a dense block (1) between routed ones; expert width 128 so each expert is whole groups
-MOE = {
-    "arch": "qwen3_moe",
-    "hidden_size": 64,
-    "num_layers": 3,
-    "num_heads": 4,
-    "num_kv_heads": 2,
-    "head_dim": 16,
-    "intermediate_size": 256,
-    "num_experts": 8,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 128,
-    "mlp_only_layers": [1],
-    "tie_embeddings": False,
-}
-
-
-def trainer(corpus, out, method: str, targets: list[str]) -> Trainer:
-    finetune = {"method": method, "lora": {"r": 4, "alpha": 8.0, "target_modules": targets}}
-    train = {"max_steps": 2, "eval_interval": 0, "peak_tflops": 1.0}
-    return Trainer(validate_dict(tiny_config(corpus, out, model=MOE, finetune=finetune, train=train)))
+from tests.unit.test_qlora import MOE, logits_and_grads, trainer
 
 
 @contextlib.contextmanager
@@ -95,7 +70,8 @@ def test_one_expert_of_the_stacked_codes_is_that_expert_quantized_alone():
 def test_qlora_experts_forward_and_gradients_equal_the_network_on_the_dequantized_experts(
     tiny_corpus, tmp_path, targets
 ):
-    t = trainer(tiny_corpus, tmp_path / "run", "qlora", targets)
+    finetune = {"method": "qlora", "lora": {"r": 4, "alpha": 8.0, "target_modules": targets}}
+    t = trainer(tiny_corpus, tmp_path / "run", model=MOE, finetune=finetune)
     model = t.pm.model
     stored = {n for n, p in model.named_parameters() if nf4.is_nf4(p)}
     # every block's q and o (k and v, [32, 64], are not a whole group of 64 scales) and its MLP's three weights:
