@@ -137,6 +137,13 @@ class ParallelDims:
         """How many ways `component` (params, grads or optimizer) is split over data-parallel ranks at rest."""
         return self.dp_cp if ZERO_STAGES[self.zero_stage][component] == "1/dp" else 1
 
+    def expert_shard_factor(self, component: str) -> int:
+        """How many ways expert parallel's experts' `component` is split over their replicas (edp) at rest: FSDP2
+        shards them over edp under ZeRO-2/3 as it shards the dense model over dp (fitlm.parallel.expert_parallel)."""
+        if self.ep == 1 or not self.fsdp_sharded:
+            return 1
+        return self.edp if ZERO_STAGES[self.zero_stage][component] == "1/dp" else 1
+
     def reduce_every_micro_batch(self, gradient_sync: str) -> bool:
         """parallel.gradient_sync resolved: `auto` reduces every micro batch exactly when ZeRO-2/3 shard
         gradients (they keep only their shard between micro batches); otherwise as the key says. Under

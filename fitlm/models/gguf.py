@@ -313,6 +313,11 @@ def read_gguf_config(path: str | Path) -> ModelConfig:
     return _config(_meta(reader), {t.name: t for t in reader.tensors}, path)
 
 
+# HF weights of one row ([1, H]) that GGUF files written by llama.cpp hold as vectors ([H]): Qwen2-MoE's
+# shared-expert gate
+ROW_VECTORS = (".shared_expert_gate.weight",)
+
+
 class GGUFTensors:
     """A GGUF file's weights under Hugging Face names, each read, dequantized to fp32 and put back in HF's
     layout (q/k rows unpermuted, Gemma's stored 1 + w norms undone) on its own, when asked for.
@@ -349,7 +354,11 @@ class GGUFTensors:
 
     def spec(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
         """(fp32, HF shape) of `name`, from the tensor table alone (GGML lists dimensions innermost first)."""
-        return torch.float32, tuple(int(d) for d in reversed(self.entries[name].shape.tolist()))
+        shape = tuple(int(d) for d in reversed(self.entries[name].shape.tolist()))
+        if name.endswith(ROW_VECTORS) and len(shape) == 1:
+            # llama.cpp's writers (its quantizer included) drop trailing unit dimensions: HF's [1, H] comes back [H]
+            shape = (1, *shape)
+        return torch.float32, shape
 
     def read(self, name: str) -> torch.Tensor:
         t = self.entries[name]
@@ -363,6 +372,7 @@ class GGUFTensors:
                 )
         w = torch.from_numpy(np.ascontiguousarray(_dequantize(t, str(self.path), raw), dtype=np.float32))
         del raw
+        w = w.reshape(self.spec(name)[1])
         names, cfg, kind = self.config.family.gguf, self.config, t.name.rpartition(".")[0].split(".")[-1]
         if names.permute_qk and t.name.endswith(".weight") and kind in ("attn_q", "attn_k"):
             w = _unpermute(w, cfg.num_heads if kind == "attn_q" else cfg.kv_heads)

@@ -22,7 +22,12 @@ from fitlm.memory.offload import fsdp_offload_policy
 from fitlm.memory.precision import fsdp_mixed_precision
 from fitlm.memory.recompute import transformer_blocks
 from fitlm.parallel.collective_trace import collective
-from fitlm.parallel.expert_parallel import expert_parameters, sync_expert_gradients
+from fitlm.parallel.expert_parallel import (
+    expert_parameters,
+    shard_experts_over_replicas,
+    sync_expert_gradients,
+    whole_expert_parameters,
+)
 from fitlm.parallel.mesh import ParallelContext
 from fitlm.parallel.streamed_vocab import apply_streamed_tables, streamed_tables
 
@@ -59,9 +64,12 @@ def apply_data_parallel(model: nn.Module, ctx: ParallelContext, memory: MemoryCo
             [] if ctx.tp > 1 or ctx.pp > 1 or memory.cpu_offload else streamed_tables(model, memory.loss_chunk_size)
         )
         assert dp_mesh is not None  # (dp_cp > 1: a distributed run's mesh)
-        # Expert-parallel experts (DTensors on "ep") stay out of FSDP2: each is summed over its own replicas
+        # Expert-parallel experts (DTensors on "ep"): sharded by FSDP2 over the replicas of the same experts
+        # ("edp") where there are some, else left out of FSDP2 and summed over their replicas
         # (fitlm.parallel.expert_parallel.sync_expert_gradients).
-        experts = set(expert_parameters([model]))
+        if ctx.ep > 1 and ctx.dims.edp > 1:
+            shard_experts_over_replicas(model, ctx, {k: v for k, v in policies.items() if k != "mesh"})
+        experts = set(whole_expert_parameters([model]))
         ignored = (apply_streamed_tables(tables, dp_mesh) or set()) | experts or None
         host = dist.get_backend(dp_mesh.get_group()) == "gloo"
         for block in transformer_blocks(model):

@@ -24,25 +24,35 @@ Gradients: each rank's loss is scaled so that averaging over the dp ranks gives 
 backward brings them), so it is summed over the ranks holding the same experts ("edp") and divided by dp, the
 same divisor as every other gradient. Dividing by edp instead (an average over the expert's replicas) would scale
 expert gradients by ep: pytorch#160285.
+
+ZeRO-2/3 with replicas (edp > 1): the experts are sharded once more, by FSDP2 over "edp" (torchtitan's
+dp_shard_mod_ep): each [E, ...] weight becomes a DTensor over the 2-D (edp, ep) mesh, (_StridedShard(0), Shard(0)),
+so a rank keeps E / (ep · edp) experts' parameters (ZeRO-3), gradients and optimizer states (ZeRO-2 and 3). FSDP2's
+reduce-scatter averages over edp, so `sync_expert_gradients` scales by edp / dp = 1 / ep afterwards (gloo has no
+pre-multiplied sum to fold it into the reduce-scatter).
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from fitlm.models.moe import GroupedExperts, capacity_kept, first_slots, moe_layers
+from fitlm.models.moe import GroupedExperts, capacity, capacity_kept, first_slots, moe_layers, slot_counts
 from fitlm.parallel.collective_trace import collective
 from fitlm.parallel.mesh import ParallelContext
 
 # Set on the GroupedExperts modules this module split (not on their parameters: materializing a meta model
 # replaces every Parameter object, `to_empty`, and would drop the mark).
 _EXPERT = "_fitlm_expert_parallel"
+_SHARDED = "_fitlm_experts_over_edp"  # set on the GroupedExperts that FSDP2 shards over "edp" too
 
 
 class _AllToAll(torch.autograd.Function):
@@ -73,6 +83,8 @@ class ExpertParallelDispatch:
 
     def kept_slots(self, counts: torch.Tensor, split: list[int], capacity_factor: float) -> list[int]:
         """This rank's slots per (global) expert kept under the capacity over the ep group (module docstring)."""
+        if is_fake(counts):  # the planner's simulation: every rank's even split, each keeping its share of C
+            return [min(n, capacity(capacity_factor, sum(split) * self.ep, len(split)) // self.ep) for n in split]
         every = [torch.empty_like(counts) for _ in range(self.ep)]
         dist.all_gather(every, counts, group=self.group)
         kept = capacity_kept(torch.stack(every), capacity_factor)  # [ep, E]
@@ -90,23 +102,36 @@ class ExpertParallelDispatch:
         e = experts.gate_proj.shape[0]  # the global expert count (a DTensor's shape is global)
         flat = experts_of.reshape(-1)  # [N·k]
         order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=e)  # [E] slots of this rank's tokens per (global) expert
-        sent = counts
+        counts, split = slot_counts(flat, e)  # [E] slots of this rank's tokens per (global) expert
         if kept is not None:  # a capacity: only the slots their experts keep leave (`kept_slots`)
-            order = order[first_slots(counts.tolist(), kept, flat.device)]
-            sent = torch.tensor(kept, dtype=counts.dtype, device=counts.device)
+            order, split = order[first_slots(split, kept, flat.device)], kept
         token = order // k
-        send_counts = sent.view(self.ep, e // self.ep)  # [ep, El]: to rank r, for its local experts
-        recv_counts = torch.empty_like(send_counts)  # [ep, El]: from rank s, for this rank's local experts
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
-        send, recv = send_counts.sum(dim=1).tolist(), recv_counts.sum(dim=1).tolist()
+        send, recv, local, regroup = (self._balanced if is_fake(flat) else self._exchanged)(split, counts)
         rows = _AllToAll.apply(x[token], send, recv, self.group)  # [R, H] ordered (source rank, local expert)
-        regroup = by_local_expert(recv_counts)  # [R]: the rows ordered (local expert, source rank)
-        out = experts(rows[regroup], recv_counts.sum(dim=0).tolist())  # [R, H]
+        out = experts(rows[regroup], local)  # [R, H], rows ordered (local expert, source rank)
         out = out[regroup.argsort()]  # back to (source rank, local expert)
         out = _AllToAll.apply(out, recv, send, self.group)  # [N·k, H] in the sorted slot order
         out = out * weights.reshape(-1)[order].unsqueeze(-1)
         return torch.zeros_like(x).index_add_(0, token, out.to(x.dtype)), counts
+
+    def _exchanged(self, split: list[int], counts: torch.Tensor):
+        """(rows sent to each rank, received from each, this rank's rows per local expert, the permutation
+        ordering the received rows by local expert), from the slot counts the ranks exchange."""
+        e = len(split)
+        send_counts = torch.tensor(split, dtype=counts.dtype, device=counts.device).view(self.ep, e // self.ep)
+        recv_counts = torch.empty_like(send_counts)  # [ep, El]: from rank s, for this rank's local experts
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        send, recv = send_counts.sum(dim=1).tolist(), recv_counts.sum(dim=1).tolist()
+        return send, recv, recv_counts.sum(dim=0).tolist(), by_local_expert(recv_counts)
+
+    def _balanced(self, split: list[int], counts: torch.Tensor):
+        """`_exchanged` under the planner's simulation (fake tensors: no counts to exchange): every rank routes
+        as this one, its slots split evenly over the experts, so it receives from each rank what it sends
+        itself; the regrouping is a permutation of the received rows (its values do not matter)."""
+        local_experts = len(split) // self.ep
+        mine = split[dist.get_rank(self.group) * local_experts :][:local_experts]  # this rank's experts' slots
+        send = [sum(split[r * local_experts :][:local_experts]) for r in range(self.ep)]
+        return send, [sum(mine)] * self.ep, [c * self.ep for c in mine], torch.arange(sum(mine) * self.ep)
 
 
 def by_local_expert(counts: torch.Tensor) -> torch.Tensor:
@@ -146,13 +171,44 @@ def expert_parameters(modules: list[nn.Module]) -> list[nn.Parameter]:
     ]
 
 
+def whole_expert_parameters(modules: list[nn.Module]) -> list[nn.Parameter]:
+    """The expert-parallel parameters of `modules` that no FSDP2 unit shards over "edp" (each rank's whole)."""
+    return [
+        p
+        for m in modules
+        for sub in m.modules()
+        if getattr(sub, _EXPERT, False) and not getattr(sub, _SHARDED, False)
+        for p in sub.parameters(recurse=False)
+    ]
+
+
+def shard_experts_over_replicas(model: nn.Module, ctx: ParallelContext, policies: dict[str, Any]) -> None:
+    """ZeRO-2/3 under expert parallel with edp > 1: each split GroupedExperts an FSDP2 unit over "edp" (module
+    docstring), with the dense units' `policies` (mixed precision, reshard after forward). Before the blocks'
+    units, which then leave the experts' parameters to it."""
+    edp = ctx.submesh("edp")
+    assert edp is not None  # (edp > 1: a distributed run's mesh)
+    # The grouped path returns its output through an identity autograd function (a view: fitlm.models.moe's
+    # _ContiguousGrad), which FSDP2 warns about in case the caller modifies it in place; the dispatch only indexes it.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPGroupedExperts\) returned a view")
+    for layer in moe_layers([model]):
+        if getattr(layer.experts, _EXPERT, False):
+            fully_shard(layer.experts, mesh=edp, **policies)
+            setattr(layer.experts, _SHARDED, True)
+
+
 def sync_expert_gradients(modules: list[nn.Module], ctx: ParallelContext) -> None:
-    """Sum expert gradients over the replicas of the same experts ("edp") and divide by dp (module docstring)."""
+    """Sum expert gradients over the replicas of the same experts ("edp") and divide by dp (module docstring);
+    those FSDP2 reduce-scattered over edp (an average) are scaled by edp / dp."""
     group = ctx.group("edp") if ctx.dims.edp > 1 else None
+    whole = {id(p) for p in whole_expert_parameters(modules)}
     for p in expert_parameters(modules):
         if p.grad is None:
             continue
         local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        if id(p) not in whole:
+            local.mul_(ctx.dims.edp / ctx.dims.dp)
+            continue
         if group is not None:
             with collective("all-reduce", "an expert gradient", "edp", local):
                 dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)

@@ -1,10 +1,11 @@
 """Expert parallel's planner terms (parallel.expert_parallel = ep > 1), as fitlm.parallel.expert_parallel runs it.
 
 - Each rank holds E/ep of every MoE block's stacked experts (3 matrices of E·I × H: `experts.*` in the family's
-  block counts), and those are not sharded by ZeRO: FSDP2 leaves them to expert parallel, which keeps each
-  rank's experts whole and sums their gradients over the ranks that hold the same experts (edp). So their
-  parameters, gradients and optimizer states are counted at ZeRO 0, on the E/ep a rank holds; the rest of the
-  model is counted as before.
+  block counts). Under ZeRO-2/3 with replicas of the same experts (edp = dp/ep > 1) FSDP2 shards them again over
+  those edp ranks, as it shards the dense model over dp (`ParallelDims.expert_shard_factor`); otherwise each rank
+  keeps its experts whole (ZeRO 0 and 1, or edp 1) and sums their gradients over edp. So their parameters,
+  gradients and optimizer states are counted on the E/ep a rank holds, sharded over edp as the ZeRO stage shards
+  the rest; the rest of the model is counted as before.
 - The dispatch keeps one MoE layer's send and receive buffers of the routed rows (tokens × top-k × H) while
   the layer runs: an `other` part.
 - Each MoE layer runs four all-to-alls of those rows per micro batch (dispatch and combine, forward and
@@ -69,14 +70,17 @@ def alltoall_seconds(
 
 
 def owned(s: Setup, first: bool) -> Owned | None:
-    """A rank's experts, counted apart from the dense model: E/ep of every block's, at ZeRO 0 (see the module
-    docstring). Trained under full fine-tuning, frozen under LoRA (its targets are attention's), trained above the
-    frozen bottom under freeze."""
+    """A rank's experts, counted apart from the dense model: E/ep of every block's, whole or sharded over edp (see
+    the module docstring). Trained under full fine-tuning, frozen under LoRA (its targets are attention's), trained
+    above the frozen bottom under freeze."""
     if s.ep == 1:
         return None
     experts, local = stage_expert_params(s), local_expert_params(s)
     trained = {"full": local, "freeze": local * (1 - s.freeze_layers)}.get(s.method, 0.0)
-    return Owned(experts, experts if s.method == "full" else 0, local, trained, replace(s, zero=0))
+    # counted as a data-parallel group of edp ranks that the ZeRO stage shards, or at ZeRO 0 when it does not
+    sharded = s.dims.expert_shard_factor("optimizer") > 1
+    as_setup = replace(s, dp=s.dims.edp, ep=1, cp=1) if sharded else replace(s, zero=0)
+    return Owned(experts, experts if s.method == "full" else 0, local, trained, as_setup)
 
 
 def memory(st: Stage) -> list[Term]:
@@ -85,15 +89,23 @@ def memory(st: Stage) -> list[Term]:
 
 def time(tc: TimeContext) -> Timed:
     """The all-to-alls on the critical path (the experts wait for their rows), and the experts' gradients
-    reduced over the ranks that hold the same ones (edp), overlapping backward as data parallel's do."""
+    reduced over the ranks that hold the same ones (edp), overlapping backward as data parallel's do: all-reduced,
+    or reduce-scattered with the parameters all-gathered as ZeRO-2/3 gathers the rest when FSDP2 shards them."""
     s = tc.s
     a2a = alltoall_seconds(s, s.rows * s.local_seq, act_bytes(s), tc.bandwidth(s.ep, s.tp), tc.latency_s)
     if s.ep == 1:
         return Timed({"expert_parallel_all_to_all": a2a})
     grads = local_expert_params(s) * param_bytes(s) if s.method == "full" else 0.0
     syncs = s.accum if s.sync_every else 1
-    reduced = syncs * tc.ring("all_reduce", grads, s.dims.edp, tc.bandwidth(s.dims.dp_cp, s.tp))
-    return Timed({"expert_parallel_all_to_all": a2a}, reduced)
+    bandwidth = tc.bandwidth(s.dims.dp_cp, s.tp)
+    if s.dims.expert_shard_factor("optimizer") == 1:
+        return Timed({"expert_parallel_all_to_all": a2a}, syncs * tc.ring("all_reduce", grads, s.dims.edp, bandwidth))
+    gathered = local_expert_params(s) * act_bytes(s)  # gathered in the compute dtype (O2's half all-gather)
+    gathers = s.accum * (1 if s.zero == 2 else 2)
+    reduced = syncs * tc.ring("reduce_scatter", grads, s.dims.edp, bandwidth)
+    return Timed(
+        {"expert_parallel_all_to_all": a2a}, reduced + gathers * tc.ring("all_gather", gathered, s.dims.edp, bandwidth)
+    )
 
 
 def axis(cfg: "Config", lay: "Layout") -> Axis | None:

@@ -51,7 +51,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fitlm.config import Config
 from fitlm.parallel.mesh import ParallelContext, context_on_mesh
-from fitlm.parallel_dims import MESH_DIMS
 
 
 class SimulationUnsupported(ValueError):
@@ -72,12 +71,6 @@ def fake_world(cfg: Config, rank: int = 0) -> Iterator[ParallelContext]:
     if dims.world_size == 1:
         yield ParallelContext()
         return
-    if dims.ep > 1:
-        raise SimulationUnsupported(
-            f"parallel.expert_parallel={dims.ep}: --simulate does not run expert parallel yet (its all-to-all "
-            "splits by routed token counts, which fake tensors do not have); the analytic plan counts it "
-            "(fitlm.plan.expert_parallel)"
-        )
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
@@ -91,7 +84,7 @@ def fake_world(cfg: Config, rank: int = 0) -> Iterator[ParallelContext]:
 
     try:
         with mock.patch.object(DeviceMesh, "__init__", init_on_real_tensors):
-            mesh = init_device_mesh("cpu", dims.mesh_shape, mesh_dim_names=MESH_DIMS)
+            mesh = init_device_mesh("cpu", dims.mesh_shape, mesh_dim_names=dims.mesh_names)
             yield context_on_mesh(mesh, dims, torch.device("cpu"))
     finally:
         dist.destroy_process_group()

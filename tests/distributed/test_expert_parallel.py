@@ -33,7 +33,9 @@ LAYOUTS = {  # name: (parallel, train, memory, model overrides)
     "ep2-zero3": ({"data_parallel": 2, "zero_stage": 3, "expert_parallel": 2}, HALF, {}, {}),
     "ep2-recompute": ({"data_parallel": 2, "expert_parallel": 2}, HALF, {"recompute": "full"}, {}),
     "ep2-tied": ({"data_parallel": 2, "expert_parallel": 2}, HALF, {}, {"tie_embeddings": True}),
+    # two replicas of each expert shard (edp 2): FSDP2 shards the experts over them too (ZeRO-2 and 3)
     "dp4-ep2-zero2": ({"data_parallel": 4, "zero_stage": 2, "expert_parallel": 2}, QUARTER, {}, {}),
+    "dp4-ep2-zero3": ({"data_parallel": 4, "zero_stage": 3, "expert_parallel": 2}, QUARTER, {}, {}),
     "dp4-ep4": ({"data_parallel": 4, "expert_parallel": 4}, QUARTER, {}, {}),
     # aux-free balancing: every rank moves the same bias from the step's global expert loads
     "ep2-aux-free": ({"data_parallel": 2, "expert_parallel": 2}, HALF, {}, {"moe_balance": "aux_free", **FAST_BIAS}),
@@ -224,9 +226,18 @@ def test_capacity_under_expert_parallel_equals_one_process(tmp_path):
     assert ranks[0]["0.5"]["ref_dropped"] > 0 and ranks[0]["8.0"]["ref_dropped"] == 0
 
 
-def test_checkpoint_from_ep2_resumes_in_one_process(tiny_corpus, tmp_path):
-    """A checkpoint written under dp2 x ep2 (experts as DTensors split over the ep ranks) resumes in one process,
-    which then trains on as the uninterrupted one-process run does."""
+WRITERS = {  # layout a checkpoint is written under: (parallel, per-rank batch)
+    "ep2": ({"data_parallel": 2, "expert_parallel": 2}, HALF),
+    # the experts DTensors over the 2-D (edp, ep) mesh: each rank holds one of the 4 experts
+    "dp4-ep2-zero3": ({"data_parallel": 4, "zero_stage": 3, "expert_parallel": 2}, QUARTER),
+}
+
+
+@pytest.mark.parametrize("writer", [pytest.param(w, marks=() if w == "ep2" else pytest.mark.slow) for w in WRITERS])
+def test_checkpoint_from_ep2_resumes_in_one_process(tiny_corpus, tmp_path, writer):
+    """A checkpoint written under dp2 x ep2 (experts as DTensors split over the ep ranks), or under dp4 x ep2 with
+    ZeRO-3 (split over ep, then sharded over their replicas), resumes in one process, which then trains on as the
+    uninterrupted one-process run does."""
     from tests.e2e.helpers import fitlm, read_metrics, tiny_config, write_config
 
     def train(name, parallel, batch, checkpoint):
@@ -243,8 +254,9 @@ def test_checkpoint_from_ep2_resumes_in_one_process(tiny_corpus, tmp_path):
         return {r["step"]: r["loss"] for r in read_metrics(tmp_path / name) if "loss" in r}
 
     ref = train("single", {}, REFERENCE, {"interval": 0})
-    ep2 = train("ep2", {"data_parallel": 2, "expert_parallel": 2}, HALF, {"interval": 2})
-    assert [ep2[s] for s in (1, 2)] == pytest.approx([ref[s] for s in (1, 2)], rel=2e-5, abs=1e-5)
-    resumed = train("resumed", {}, REFERENCE, {"resume": str(tmp_path / "ep2" / "checkpoints" / "step_00000002")})
+    parallel, batch = WRITERS[writer]
+    written = train(writer, parallel, batch, {"interval": 2})
+    assert [written[s] for s in (1, 2)] == pytest.approx([ref[s] for s in (1, 2)], rel=2e-5, abs=1e-5)
+    resumed = train("resumed", {}, REFERENCE, {"resume": str(tmp_path / writer / "checkpoints" / "step_00000002")})
     assert sorted(resumed) == [3, 4]
     assert [resumed[s] for s in (3, 4)] == pytest.approx([ref[s] for s in (3, 4)], rel=2e-5, abs=1e-5)

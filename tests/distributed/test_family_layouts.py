@@ -203,31 +203,45 @@ def test_phi3_checkpoint_reshards_between_layouts(tiny_corpus, tmp_path):
     assert json.loads((tmp_path / "tp2" / "model" / "fitlm.json").read_text())
 
 
+AUX_FREE_WRITERS = {  # layout a checkpoint is written under: (parallel, per-rank batch of the same global batch)
+    "pp2": ({"pipeline_parallel": 2, "micro_batch_num": 2}, REFERENCE_BATCH),
+    # 4 ranks: each stage's experts split over its ep2 group, its biases moved by the loads of both data ranks
+    "dp2-ep2-pp2": (
+        {"pipeline_parallel": 2, "micro_batch_num": 2, "data_parallel": 2, "expert_parallel": 2},
+        {"micro_batch_size": 2, "gradient_accumulation_steps": 2},
+    ),
+}
+
+
 @pytest.mark.slow
-def test_moe_aux_free_pipeline_checkpoint_resumes_in_one_process(tiny_corpus, tmp_path):
-    """Every stage's routing biases are in a checkpoint written under pp2 (rank 0 writes it, holding stage 0's
-    layers only): one process resumes from it with the biases and continues as the uninterrupted run."""
+@pytest.mark.parametrize("writer", list(AUX_FREE_WRITERS))
+def test_moe_aux_free_pipeline_checkpoint_resumes_in_one_process(tiny_corpus, tmp_path, writer):
+    """Every stage's routing biases are in a checkpoint written under pp2 or dp2 × ep2 × pp2 (rank 0 writes them,
+    holding stage 0's layers only; under ep the experts are DTensors split over the ep ranks): one process (ep1)
+    resumes from it with the biases and the experts whole, and continues as the uninterrupted run."""
     from tests.e2e.helpers import fitlm, read_metrics, tiny_config, write_config
 
     model, _ = MOE_PIPELINE["qwen3_moe-pp2-aux-free"]
 
-    def train(name, parallel, checkpoint):
+    def train(name, parallel, checkpoint, batch=REFERENCE_BATCH):
         cfg = tiny_config(
             tiny_corpus,
             tmp_path / name,
             model={**model, "tie_embeddings": False},
             parallel=parallel,
             checkpoint=checkpoint,
-            train={"max_steps": 4, "eval_interval": 0, **REFERENCE_BATCH},
+            train={"max_steps": 4, "eval_interval": 0, **batch},
         )
         proc = fitlm("train", write_config(tmp_path / f"{name}.yaml", cfg), "--json")
         assert proc.returncode == 0, proc.stderr[-4000:]
         return {r["step"]: (r["loss"], r["router_bias_max"]) for r in read_metrics(tmp_path / name) if "loss" in r}
 
     ref = train("single", {}, {"interval": 0})
-    train("pp2", {"pipeline_parallel": 2, "micro_batch_num": 2}, {"interval": 1, "keep_last": 4})
+    parallel, batch = AUX_FREE_WRITERS[writer]
+    written = train(writer, parallel, {"interval": 1, "keep_last": 4}, batch)
+    assert written[1] == pytest.approx(ref[1], rel=2e-5, abs=1e-6)
     # after step 1 (the sign steps of 4 experts can cancel to 0 at even steps)
-    resumed = train("resumed", {}, {"resume": str(tmp_path / "pp2" / "checkpoints" / "step_00000001")})
+    resumed = train("resumed", {}, {"resume": str(tmp_path / writer / "checkpoints" / "step_00000001")})
     assert ref[1][1] > 0  # the checkpoint holds a moved bias
     assert sorted(resumed) == [2, 3, 4]
     for step in (2, 3, 4):

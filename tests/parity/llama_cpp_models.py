@@ -182,6 +182,39 @@ KQUANT_CASE = (
     dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, tie_word_embeddings=False),
     "llama3",
 )
+# The MoE families' k-quants: experts and their rows 256 wide (llama.cpp's k-quant blocks), every block routed.
+KQUANT_MOE_CASES = {
+    "qwen3-moe": (
+        "qwen3_moe",
+        dict(
+            hidden_size=256,
+            head_dim=64,
+            moe_intermediate_size=256,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            tie_word_embeddings=False,
+        ),
+        "qwen",
+    ),
+    "qwen2-moe": (
+        "qwen2_moe",
+        dict(
+            hidden_size=256,
+            moe_intermediate_size=256,
+            shared_expert_intermediate_size=256,
+            num_experts=4,
+            num_experts_per_tok=2,
+            tie_word_embeddings=False,
+        ),
+        "qwen",
+    ),
+    "mixtral": (
+        "mixtral",
+        dict(hidden_size=256, intermediate_size=256, num_local_experts=4, num_experts_per_tok=2),
+        "llama2",
+    ),
+}
 CASES = {
     "llama3": ("llama", dict(tie_word_embeddings=True), "llama3"),
     "llama2": ("llama", dict(tie_word_embeddings=False), "llama2"),

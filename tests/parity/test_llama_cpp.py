@@ -192,6 +192,52 @@ def test_k_quants_are_llama_cpps_mixture_and_read_alike(kquant_case, dtype):
     assert err <= KQUANT_BOUND, f"{dtype}: relative logit error {err:.2e} > {KQUANT_BOUND}"
 
 
+@pytest.fixture(scope="module")
+def kquant_moe_cases(tmp_path_factory):
+    from tests.parity.llama_cpp_models import KQUANT_MOE_CASES
+
+    root = tmp_path_factory.mktemp("kquant-moe")
+    built = {}
+    for name, case in KQUANT_MOE_CASES.items():
+        d = build(name, root / name, spread=False, case=case)
+        _decisive_routers(d)
+        built[name] = (d, load_model_dir(d), root / name)
+    return built
+
+
+def _decisive_routers(d) -> None:
+    """Routers 30× transformers' initialisation: at std 0.02 every token's expert scores nearly tie, so llama.cpp's
+    8-bit activations in the k-quant products flip top-k choices that a trained router makes with a margin."""
+    from safetensors.torch import load_file, save_file
+
+    f = d / "model.safetensors"
+    weights = load_file(str(f))
+    router = ("mlp.gate.weight", "block_sparse_moe.gate.weight")  # Qwen-MoE, Mixtral
+    save_file({k: v * 30 if k.endswith(router) else v for k, v in weights.items()}, str(f), {"format": "pt"})
+
+
+@pytest.mark.parametrize(
+    "family,dtype",
+    [("qwen3-moe", "q4_k_m"), ("qwen3-moe", "q5_k_m"), ("qwen3-moe", "q6_k"), ("qwen2-moe", "q4_k_m")]
+    + [("mixtral", "q4_k_m")],
+)
+def test_moe_k_quants_are_llama_cpps_mixture_and_read_alike(kquant_moe_cases, family, dtype):
+    """The stacked experts ([E, I, H] as ffn_*_exps) quantized by llama.cpp's per-tensor mixture (Q4_K_M gives
+    some blocks' ffn_down_exps Q6_K); llama.cpp runs the file and follows fitlm's logits on it as for dense models."""
+    from gguf import GGUFReader
+
+    d, loaded, root = kquant_moe_cases[family]
+    summary = export_gguf(loaded, root / f"m-{dtype}.gguf", dtype)
+    experts = {t.name: t.tensor_type.name for t in GGUFReader(summary["out"]).tensors if "_exps." in t.name}
+    assert experts and set(experts.values()) <= KQUANT_TYPES[dtype], experts
+    assert KQUANT_TYPES[dtype] <= {t for n, t in experts.items()} | {"Q6_K"}  # the type itself is used
+    back = load_model_dir(summary["out"])  # fitlm's GGUF import dequantizes the k-quant blocks
+    ids = _fitlm_greedy(back, Tokenizer.from_file(d))
+    _, _, err = _compare(back.model, summary["out"], ids)
+    print(f"{family} {dtype}: {summary['bytes']} bytes, relative logit error {err:.2e} against fitlm on the same file")
+    assert err <= KQUANT_BOUND, f"{family} {dtype}: relative logit error {err:.2e} > {KQUANT_BOUND}"
+
+
 def back_tokens(back, text: str) -> list[int]:
     """fitlm's encoding with the tokenizer imported from the GGUF file itself."""
     from fitlm.infer.text import load_tokenizer

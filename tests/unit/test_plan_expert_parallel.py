@@ -1,5 +1,6 @@
 """The planner under expert parallel (fitlm/plan/expert_parallel.py): a rank holds E/ep of every block's experts,
-unsharded by ZeRO, while the dense part shards as before; the all-to-alls are in the step time; the search tries
+whole at ZeRO 0/1 or without replicas, sharded over their replicas (edp) under ZeRO-2/3, while the dense part shards
+as before; the all-to-alls are in the step time; the search tries
 expert_parallel on MoE models only; the MoE scenario configs plan as their comments say. (Against measured
 steps: tests/distributed/test_plan_accuracy.py's qwen3_moe rows.)"""
 
@@ -36,16 +37,22 @@ def per_device(parallel: dict, model: dict = MOE, **sections) -> dict:
     return plan(cfg, get_device("a100-80g"))
 
 
-def test_a_rank_holds_its_share_of_the_experts_unsharded_by_zero():
+def test_a_rank_holds_its_share_of_the_experts_sharded_over_their_replicas_by_zero_2_and_3():
     one = per_device({"data_parallel": 2})["per_device"]
     ep2 = per_device({"data_parallel": 2, "expert_parallel": 2})["per_device"]
     assert one["params"] - ep2["params"] == EXPERTS // 2 * 4  # O0: fp32, half the experts gone
     assert one["optimizer"] - ep2["optimizer"] == EXPERTS // 2 * 8  # AdamW's two moments
     dense = one["params"] // 4 - EXPERTS  # parameters outside the experts
     z3 = per_device({"data_parallel": 4, "expert_parallel": 2, "zero_stage": 3})["per_device"]
-    assert z3["params"] == (dense / 4 + EXPERTS / 2) * 4  # dense over dp4; experts E/2 each, whole
+    # dense over dp4; experts E/2 a rank, sharded over their 2 replicas (FSDP2 over edp)
+    assert z3["params"] == (dense / 4 + EXPERTS / 2 / 2) * 4
+    assert z3["optimizer"] == (dense / 4 + EXPERTS / 2 / 2) * 8
+    z2 = per_device({"data_parallel": 4, "expert_parallel": 2, "zero_stage": 2})["per_device"]
+    assert z2["params"] == z3["params"] and z2["optimizer"] == z3["optimizer"]  # FSDP2 at rest: the same shards
+    z3_ep4 = per_device({"data_parallel": 4, "expert_parallel": 4, "zero_stage": 3})["per_device"]
+    assert z3_ep4["params"] == (dense / 4 + EXPERTS / 4) * 4  # no replicas (edp 1): the experts E/4, whole
     z3_no_ep = per_device({"data_parallel": 4, "zero_stage": 3})["per_device"]
-    assert z3_no_ep["params"] == (dense + EXPERTS) / 4 * 4  # without ep ZeRO-3 shards the experts too
+    assert z3_no_ep["params"] == (dense + EXPERTS) / 4 * 4  # without ep ZeRO-3 shards the experts over dp
 
 
 def test_lora_leaves_the_experts_frozen():
@@ -83,7 +90,9 @@ def test_the_search_tries_expert_parallel_on_moe_models_only():
         ("qwen3-30b-a3b-lora-8x80gb", "a100-80g", [], True),
         ("qwen3-30b-a3b-qlora-24gb", "rtx4090", [], True),
         ("mixtral-8x7b-16x80gb", "h100-80g", [], True),
-        ("mixtral-8x7b-16x80gb", "h100-80g", ["parallel.expert_parallel=8"], False),  # as its comment says
+        # experts split over 8 ranks, each expert's shard over its 2 replicas (as its comment says)
+        ("mixtral-8x7b-16x80gb", "h100-80g", ["parallel.expert_parallel=8"], True),
+        ("mixtral-8x7b-16x80gb", "h100-80g", ["parallel.expert_parallel=8", "parallel.zero_stage=0"], False),
     ],
 )
 def test_the_moe_scenarios_plan_as_their_comments_say(name, device, overrides, fits):
@@ -146,3 +155,21 @@ def test_simulate_runs_an_moe_pipeline_step_with_its_aux_loss_pass():
     result = plan(cfg, get_device("a100-80g"), simulate=True)
     assert result["simulated"]["per_device"]["total"] > 0
     assert result["model"]["experts_per_device"] == 2 * E
+
+
+@pytest.mark.parametrize(
+    "parallel",
+    [{"data_parallel": 2, "expert_parallel": 2}, {"data_parallel": 4, "expert_parallel": 2, "zero_stage": 3}],
+    ids=["ep2", "dp4-ep2-zero3"],
+)
+def test_simulate_runs_expert_parallel_with_balanced_routing(parallel):
+    """`--simulate` under expert parallel: the all-to-alls split by an even routing (fake tensors hold no routed
+    counts), and the simulated model states are the analytic ones (experts E/ep a rank, sharded over edp under
+    ZeRO-3). Against measured steps: tests/distributed/test_plan_accuracy.py's qwen3_moe rows."""
+    cfg = validate_dict({"model": MOE, "data": {"seq_length": 64}, "parallel": parallel})
+    result = plan(cfg, get_device("a100-80g"), simulate=True)
+    simulated, analytic = result["simulated"]["per_device"], result["per_device"]
+    assert "error" not in result["simulated"]
+    for part in ("params", "optimizer"):
+        assert simulated[part] == pytest.approx(analytic[part], rel=0.02), part
+    assert simulated["activations"] > 0
