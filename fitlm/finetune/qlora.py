@@ -1,12 +1,16 @@
 """QLoRA: LoRA adapters on a frozen base whose linear layers are stored in 4-bit NF4 (`fitlm.memory.nf4`).
 
 Every Linear LoRA may target (all of them but the output head, PEFT's `all-linear` set) is quantized,
-targeted or not, as QLoRA does; embeddings, norms, biases and the head keep the frozen base's storage
+targeted or not, as QLoRA does, and so are an MoE layer's stacked experts (one NF4 tensor per projection,
+[E, out, in], each expert's weights whole blocks of 64 and whole double-quantization groups; the experts
+then run one at a time, each dequantized for its own matmuls: fitlm.models.moe.GroupedExperts.take). The
+router (a Linear LoRA never targets) keeps the base's storage, as do embeddings, norms, biases and the head
 (half under O2). It runs on the meta model after `inject_lora` and before any wrapper, so FSDP2 shards
 the 4-bit codes and `fitlm.parallel.materialize` quantizes each weight as it streams past.
 
 A weight whose shard would split a double-quantization group (`nf4.scaler_block` is None: a dimension
-that is not a multiple of 64 × 64 / shards, say) stays in the base's dtype; `quantize_base` names them.
+that is not a multiple of 64 × 64 / shards, say) stays in the base's dtype; `quantize_base` names them. So do
+stacked experts under ZeRO-2/3 or expert parallel (torchao's NF4 tensor cannot be split on a third dimension).
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
+from fitlm.finetune.expert_lora import expert_modules
 from fitlm.finetune.lora import LoraError, candidate_linears
 from fitlm.memory import nf4
+from fitlm.models.moe import PROJECTIONS, GroupedExperts
 
 if TYPE_CHECKING:
     from torchao.quantization import NF4Tensor  # untyped: Any to mypy
@@ -28,9 +34,16 @@ if TYPE_CHECKING:
 RECIPE_FILE = "fitlm_qlora.json"  # beside a QLoRA run's PEFT adapter: the base as the adapter saw it
 
 
-def quantize_base(model: nn.Module, shards: int = 1) -> list[str]:
+def expert_shards(param_shards: int, expert_parallel: int) -> int:
+    """How many ranks split a stacked expert weight's leading dimension: expert parallel's degree (FSDP2 leaves
+    the experts to it), else the ZeRO-2/3 degree that splits every weight (1: whole on every rank)."""
+    return expert_parallel if expert_parallel > 1 else param_shards
+
+
+def quantize_base(model: nn.Module, shards: int = 1, experts_split: int = 1) -> list[str]:
     """Store the frozen candidate Linears' weights of `model` (on meta) as NF4 parameters whose rows split evenly
-    into `shards` (the ZeRO-2/3 degree, 1 otherwise). Returns the Linears left unquantized."""
+    into `shards` (the ZeRO-2/3 degree, 1 otherwise), and the stacked experts when nothing splits them
+    (`experts_split`, `expert_shards`'s count, is 1). Returns the weights left unquantized."""
     kept: list[str] = []
     quantized: list[str] = []
     for name, linear in candidate_linears(model).items():
@@ -43,11 +56,32 @@ def quantize_base(model: nn.Module, shards: int = 1) -> list[str]:
             continue
         linear.weight = nf4.quantized_meta(w, scaler)
         quantized.append(f"{name}.weight")
+    for name, experts in expert_modules(model).items():
+        stored = _quantize_experts(experts, experts_split)
+        kept += [f"{name}.{p}" for p in PROJECTIONS if p not in stored]
+        quantized += [f"{name}.{p}" for p in stored]
     # DDP broadcasts every parameter at construction and cannot pack NF4 codes; frozen, they need no sync
     # (each rank quantizes the same full weights).
     ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ())) | set(quantized)
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, sorted(ignored))
     return kept
+
+
+def _quantize_experts(experts: GroupedExperts, shards: int) -> list[str]:
+    """Store the frozen stacked projections of one MoE layer (on meta) in NF4, each expert's weights whole
+    blocks and groups of one tensor (`nf4.stacked_scaler_block`), read one expert at a time in forward
+    (`nf4.expert`). Returns the projections stored."""
+    stored = []
+    for proj in PROJECTIONS:
+        w = getattr(experts, proj)  # [E, out, in]
+        scaler = nf4.stacked_scaler_block(tuple(w.shape), shards)
+        if w.requires_grad or scaler is None:
+            continue
+        setattr(experts, proj, nf4.quantized_meta(w, scaler))
+        stored.append(proj)
+    if stored:
+        experts.take = nf4.expert
+    return stored
 
 
 def recipe_of(model: nn.Module) -> dict[str, int]:

@@ -9,6 +9,10 @@ Why torchao and not bitsandbytes (measured, docs/finetuning.md): torchao's tenso
 and implements FSDP2's all-gather extension, so ZeRO-3 shards the 4-bit codes and two ranks train as one
 process does; bitsandbytes' `Params4bit` loses its `quant_state` under `fully_shard`.
 
+Stacked MoE experts [E, out, in] are one NF4 tensor under that outer shape (torchao quantizes the same flat
+order as [E·out, in]); each expert's weights are whole blocks and whole groups (`stacked_scaler_block`), so
+`expert` hands out expert e's codes as a 2-D NF4 tensor without a copy, dequantized for its matmuls alone.
+
 A weight is quantized on the meta device (`quantized_meta`, before any wrapper), sharded by FSDP2 like any
 other parameter, and filled when `fitlm.parallel.materialize` streams the full weight past it (`fill`):
 the full tensor is quantized on every rank (the double quantization's mean is a whole-tensor statistic)
@@ -17,6 +21,7 @@ and each rank keeps its rows' codes, so every layout holds the numbers one proce
 
 from __future__ import annotations
 
+import importlib
 import logging
 import sys
 from typing import TYPE_CHECKING, cast
@@ -72,6 +77,17 @@ def scaler_block(shape: tuple[int, ...], shards: int = 1) -> int | None:
     return next((sb for sb in SCALER_BLOCKS if local % (BLOCK * sb) == 0), None)
 
 
+def stacked_scaler_block(shape: tuple[int, ...], shards: int = 1) -> int | None:
+    """The double-quantization group for stacked experts [E, out, in] (fitlm.models.moe.GroupedExperts), stored as
+    one NF4 tensor whose blocks and groups never straddle two experts (each expert's out·in weights are whole
+    groups), so expert e's codes are one slice (`expert`); None when that cannot hold, or when they would be
+    sharded (`shards` > 1: torchao's NF4 splits only 1-D and 2-D tensors, so ZeRO-2/3 keep the experts in the
+    base's dtype)."""
+    if len(shape) != 3 or shards != 1:
+        return None
+    return scaler_block(tuple(shape[1:]))
+
+
 TABLE_BYTES = 16 * 2 + 2  # per tensor: the 16-entry code table and the scales' mean, in STORED_DTYPE
 
 
@@ -87,7 +103,47 @@ def quantized_meta(weight: torch.Tensor, scaler: int, device: str = "meta") -> t
     codes, or on `device` (a planner's fake tensors, under FakeTensorMode)."""
     _, to_nf4 = _nf4()
     empty = torch.empty(weight.shape, dtype=STORED_DTYPE, device=device)
-    return torch.nn.Parameter(to_nf4(empty, BLOCK, scaler), requires_grad=False)
+    return torch.nn.Parameter(_shaped(to_nf4(_rows(empty), BLOCK, scaler), weight.shape), requires_grad=False)
+
+
+def _rows(full: torch.Tensor) -> torch.Tensor:
+    """A stacked weight [E, out, in] as the 2-D [E·out, in] torchao quantizes (the same flat order); 2-D as is."""
+    return full.reshape(-1, full.shape[-1]) if full.dim() == 3 else full
+
+
+def _with(q, **changes):
+    """NF4 tensor `q` with some of its fields replaced (torchao's own constructor arguments, so nothing is copied)."""
+    args = importlib.import_module(type(q).__module__).construct_nf4_args(q, changes)
+    return type(q)(*args)
+
+
+def _shaped(q, shape: torch.Size | tuple[int, ...]):
+    """NF4 tensor `q` under the outer `shape` (same number of weights, flat order unchanged): a stacked weight
+    keeps its [E, out, in] (what the checkpoint, expert parallel and the experts' forward read)."""
+    if tuple(q.shape) == tuple(shape):
+        return q
+    strides = [1]
+    for n in reversed(shape[1:]):
+        strides.insert(0, strides[0] * n)
+    return _with(q, size=torch.Size(shape), stride=tuple(strides))
+
+
+def expert(t, e: int):
+    """Expert e's weight [out, in] of stacked NF4 experts `t` [E, out, in]: a 2-D NF4 tensor on slices of `t`'s
+    codes, scales and factors (no copy; `stacked_scaler_block` keeps each expert's groups whole), which F.linear
+    dequantizes for its one matmul, in forward and again in backward (torchao's LinearNF4)."""
+    per = t.shape[1] * t.shape[2]  # weights of one expert
+    groups = per // BLOCK  # absmax scales of one expert
+    factors = groups // t.scaler_block_size
+    return _with(
+        t,
+        size=torch.Size(t.shape[1:]),
+        stride=(t.shape[2], 1),
+        n_blocks=groups,
+        quantized_data=t.quantized_data[e * per // 2 : (e + 1) * per // 2],  # two codes a byte
+        quantized_scalers=t.quantized_scalers[e * groups : (e + 1) * groups],
+        quantization_factor=t.quantization_factor[e * factors : (e + 1) * factors],
+    )
 
 
 @torch.no_grad()
@@ -95,7 +151,7 @@ def fill(target, full: torch.Tensor, shards: int = 1, index: int = 0) -> None:
     """Quantize `full` and store the codes of its `index`-th of `shards` row blocks in `target` (an NF4 tensor
     that `to_empty` allocated: its codes, scales and factors have storage, the mean and the code table not)."""
     _, to_nf4 = _nf4()
-    q = to_nf4(full.to(target.quantized_data.device, STORED_DTYPE), target.block_size, target.scaler_block_size)
+    q = to_nf4(_rows(full.to(target.quantized_data.device, STORED_DTYPE)), target.block_size, target.scaler_block_size)
     if shards > 1:
         q = q.split(full.shape[0] // shards)[index]
     for name in ("quantized_data", "quantized_scalers", "quantization_factor"):
@@ -125,4 +181,4 @@ def round_trip(full: torch.Tensor, scaler: int) -> torch.Tensor:
     """`full` as NF4 holds it: quantized (as `fill` quantizes) and dequantized, in fp32 -- what a merge folds
     an adapter into, so the merged model computes what the QLoRA run computed."""
     _, to_nf4 = _nf4()
-    return to_nf4(full.to(STORED_DTYPE), BLOCK, scaler).get_original_weight().float()
+    return to_nf4(_rows(full.to(STORED_DTYPE)), BLOCK, scaler).get_original_weight().reshape(full.shape).float()

@@ -16,6 +16,8 @@ and the normalised one per element: +8 (O0) / +6 (half levels; +8 with Gemma's f
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from fitlm.config import ModelConfig
 from fitlm.models.family import BlockShape, PlannerCounts
 
@@ -95,5 +97,9 @@ def moe_block(cfg: ModelConfig, bias: bool = False, qk_norm: bool = False) -> Bl
 
 
 def moe_planner(block_bytes: dict = LLAMA_BYTES, **block_options) -> PlannerCounts:
-    """PlannerCounts of a routed RoPE decoder (`moe_block`); activations are counted as the dense block's."""
-    return rope_planner(block_bytes, moe_block, **block_options)
+    """PlannerCounts of a routed RoPE decoder (`moe_block`), with `rope_block` for the dense blocks among the routed
+    ones; a routed block's activations are the dense block's coefficients over its routed rows' width
+    (fitlm.plan.blocks)."""
+    counts = rope_planner(block_bytes, moe_block, **block_options)
+    dense = rope_planner(block_bytes, rope_block, **block_options).block
+    return replace(counts, dense_block=dense)

@@ -70,7 +70,8 @@ class PlannerCounts:
     bytes per token of one block as coefficients of (replicated h, head-sharded h, kv, ffn, head_dim),
     counted from the tensors its backward keeps (see fitlm.plan.analytic); `outside_bytes[level]`:
     the final norm and RoPE gathers as (h, head_dim) coefficients; `rope`: has cos/sin tables;
-    `activation_finetune`: LoRA/freeze savings per block follow the pre-norm Llama block's rules.
+    `activation_finetune`: LoRA/freeze savings per block follow the pre-norm Llama block's rules;
+    `dense_block(cfg)`: an MoE family's dense block among routed ones.
     """
 
     block: Callable[[ModelConfig], BlockShape]
@@ -80,6 +81,9 @@ class PlannerCounts:
     outside_bytes: Mapping[str, tuple[float, float]]
     rope: bool = True
     activation_finetune: bool = True
+    # An MoE family's dense block, which blocks among the routed ones keep (model.mlp_only_layers,
+    # decoder_sparse_step); None: every block is `block`.
+    dense_block: Callable[[ModelConfig], BlockShape] | None = None
 
 
 @dataclass(frozen=True)

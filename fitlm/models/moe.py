@@ -56,6 +56,10 @@ class GroupedExperts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(num_experts, inner, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inner))
         self.lora_scaling, self.lora_dropout = 1.0, 0.0  # of the adapters, when attached
+        # How expert e's [out, in] is read from a stacked weight stored in another form (QLoRA's 4-bit NF4:
+        # fitlm.finetune.qlora sets fitlm.memory.nf4.expert, a view of its codes that F.linear dequantizes);
+        # None: plain stacked tensors, row e. Set, the experts run in the loop, one expert's weight at full width.
+        self.take: Callable[[torch.Tensor, int], torch.Tensor] | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -66,22 +70,24 @@ class GroupedExperts(nn.Module):
         """x [M, H], rows grouped by expert in order (counts[e] rows for expert e of this rank's experts) -> [M, H].
 
         Three grouped matmuls (`torch.nn.functional.grouped_mm`: gate, up, down over all experts at once, the
-        groups cut by the cumulative counts) where torch has the kernel for the device and dtype
-        (`grouped_mm_supported`), else one matmul pair per expert that has rows (`_expert_loop`). Both give
+        groups cut by the cumulative counts; an adapted projection adds its A and B as two more grouped products)
+        where torch has the kernel for the device and dtype (`grouped_mm_supported`), else one matmul pair per
+        expert that has rows (`_expert_loop`), which also runs QLoRA's 4-bit experts (`take`) one at a time. Both give
         the same results (on CPU the grouped kernel runs a matmul per group as the loop does: equal to float
         rounding); experts with no row get a zero gradient slice. Under expert parallel the weights are DTensors
         sharded on the expert dimension and this rank computes its own E/ep experts
         (fitlm.parallel.expert_parallel)."""
         gate, up, down = (_local(w) for w in (self.gate_proj, self.up_proj, self.down_proj))
         lora = self._adapters()
-        if lora:  # adapters run in the loop, each expert's A and B beside its weight
-            return _expert_loop(x, counts, gate, up, down, partial(self._project, lora=lora))
         dtype = _compute_dtype(x)
         traced = is_fake(x) or torch.compiler.is_compiling()
-        aligned = _aligned(dtype, gate.shape[-1], gate.shape[-2])  # the kernel's strides: 16-byte multiples
-        if x.shape[0] and aligned and grouped_mm_supported(x.device, dtype, traced=traced):  # (no row: the loop)
-            return _grouped(x, counts, gate, up, down, dtype)
-        return _expert_loop(x, counts, gate, up, down)
+        ranks = [a.shape[1] for a, _ in lora.values()]  # the adapters' [M, r] rows are the kernel's operands too
+        aligned = _aligned(dtype, gate.shape[-1], gate.shape[-2], *ranks)  # the kernel's strides: 16-byte multiples
+        grouped = x.shape[0] > 0 and aligned and grouped_mm_supported(x.device, dtype, traced=traced)  # (no row: loop)
+        if grouped and self.take is None:
+            return _grouped(x, counts, {"gate_proj": gate, "up_proj": up, "down_proj": down}, dtype, self._delta(lora))
+        # the loop: no kernel, or weights read one expert at a time (QLoRA), each expert's A and B beside its weight
+        return _expert_loop(x, counts, gate, up, down, partial(self._project, lora=lora))
 
     def _adapters(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """This rank's (A, B) of every adapted projection; none while adapters are switched off (DPO's reference)."""
@@ -93,9 +99,25 @@ class GroupedExperts(nn.Module):
             if hasattr(self, f"lora_A_{p}")
         }
 
+    def _delta(self, lora: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> Callable | None:
+        """The adapters' term on the grouped path: delta(rows, proj, product) = scaling · B_e·A_e·rows for every
+        group e, two grouped products ([M, in] -> [M, r] -> [M, out]); None without adapters."""
+        if not lora:
+            return None
+
+        def delta(rows: torch.Tensor, proj: str, product: Callable) -> torch.Tensor | None:
+            if proj not in lora:
+                return None
+            a, b = lora[proj]  # [E, r, in], [E, out, r]
+            if self.lora_dropout > 0 and self.training:
+                rows = F.dropout(rows, self.lora_dropout, training=True)
+            return product(product(rows, a), b) * self.lora_scaling
+
+        return delta
+
     def _project(self, x: torch.Tensor, w: torch.Tensor, e: int, proj: str, lora: dict) -> torch.Tensor:
         """x [m, in] through expert e's `proj` [out, in], plus its adapter's scaling · B_e·A_e·x where it has one."""
-        y = F.linear(x, w[e])
+        y = F.linear(x, w[e] if self.take is None else self.take(w, e))
         if proj not in lora:
             return y
         a, b = lora[proj]
@@ -147,16 +169,27 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def _grouped(
-    x: torch.Tensor, counts: list[int], gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, dtype: torch.dtype
+    x: torch.Tensor, counts: list[int], weights: dict[str, torch.Tensor], dtype: torch.dtype, delta=None
 ) -> torch.Tensor:
     """The experts as three grouped matmuls over x [M, H]; `offs` [E] int32 is where each expert's rows end.
-    The op is not under autocast: operands are cast to the dtype F.linear would compute in (`dtype`)."""
+    `delta(rows, proj, product)` (GroupedExperts._delta): an adapter's term added to a projection, computed with
+    the same grouped `product`. The op is not under autocast: operands are cast to the dtype F.linear would
+    compute in (`dtype`)."""
     grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
     offs = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device=x.device)
-    x, gate, up, down = (t.to(dtype) for t in (x, gate, up, down))
-    # [E, I, H] weights as [E, H, I] (the transposed, column-major view the kernels take): rows @ weight.T
-    h = F.silu(grouped_mm(x, gate.transpose(-2, -1), offs=offs)) * grouped_mm(x, up.transpose(-2, -1), offs=offs)
-    return _ContiguousGrad.apply(grouped_mm(h, down.transpose(-2, -1), offs=offs))  # [M, H]
+
+    def product(rows: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        # [E, out, in] weights as [E, in, out] (the transposed, column-major view the kernels take): rows @ w_e.T
+        return grouped_mm(rows, w.to(dtype).transpose(-2, -1), offs=offs)
+
+    def project(rows: torch.Tensor, proj: str) -> torch.Tensor:
+        y = product(rows, weights[proj])
+        extra = delta(rows, proj, product) if delta is not None else None
+        return y if extra is None else y + extra
+
+    x = x.to(dtype)
+    h = F.silu(project(x, "gate_proj")) * project(x, "up_proj")  # [M, I]
+    return _ContiguousGrad.apply(project(h, "down_proj"))  # [M, H]
 
 
 class _ContiguousGrad(torch.autograd.Function):

@@ -106,8 +106,8 @@ def stage_params(s: Setup, first: bool) -> int:
     """The base model's parameters held by one pipeline rank before any sharding (first or last stage);
     LoRA adapters are split differently (`rank_params`)."""
     if s.pp == 1:
-        return embedding_params(s) + s.layers * layer_params(s) + head_params(s)
-    own = stage_layers(s) * layer_params(s)
+        return embedding_params(s) + round(s.layers * layer_params(s)) + head_params(s)
+    own = round(stage_layers(s) * layer_params(s))
     if first:
         return own + embedding_params(s)
     # The last stage keeps the head; a tied head is a copy of the embedding there.

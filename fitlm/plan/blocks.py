@@ -9,11 +9,16 @@ from __future__ import annotations
 
 from fitlm.models.matmul_attention import BLOCK_ROWS as ATTN_BLOCK_ROWS
 from fitlm.plan import context_parallel as cp
-from fitlm.plan.setup import Setup, act_bytes
+from fitlm.plan.setup import Setup, act_bytes, per_block
 
 
 def block_act_per_token(s: Setup) -> float:
-    """Saved bytes per token of one block with no recompute, on one tensor-parallel rank."""
+    """Saved bytes per token of one block with no recompute, on one tensor-parallel rank; an MoE model's mean over
+    its routed and dense blocks."""
+    return per_block(s, _one_block)
+
+
+def _one_block(s: Setup) -> float:
     rep, shard, kv, f, d = s.level_bytes()
     t = s.tp
     rep_h = rep * s.h / (t if s.sp else 1)
@@ -35,7 +40,19 @@ def block_act_per_token(s: Setup) -> float:
         + d * s.head_dim
         + 8
         - cp.local_kv_per_token(s)
+        + routing_per_token(s)
     )
+
+
+def routing_per_token(s: Setup) -> float:
+    """What a routed block keeps beyond its MLP coefficients over the k experts' rows (fitlm.models.moe): the
+    router's fp32 logits and softmax [N, E] (8E), the top-k weights and their renormalization (fp32, 8k), the
+    sorted slots' token index (int64, 8k), the gathered rows x[token] [N·k, H] each expert reads, and the
+    experts' outputs [N·k, H] their weights multiply (two activation copies of H per slot). 0 for a dense block."""
+    if not s.counts.routed_ffn:
+        return 0.0
+    e, k = s.cfg.model.num_experts or 0, s.cfg.model.num_experts_per_tok
+    return 8 * e + 16 * k + 2 * k * act_bytes(s) * s.h
 
 
 def blocked_attention(s: Setup) -> str | None:

@@ -20,7 +20,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from fitlm.parallel_dims import divisors
-from fitlm.plan.setup import Setup, act_bytes, param_bytes, stage_layers
+from fitlm.plan.setup import Setup, act_bytes, param_bytes, routed_layers, stage_layers
 from fitlm.plan.terms import Axis, Feature, Owned, Stage, Term, TimeContext, Timed
 
 if TYPE_CHECKING:
@@ -33,14 +33,14 @@ A2A_BUFFERS = "expert-parallel all-to-all buffers"
 def stage_expert_params(s: Setup) -> int:
     """Parameters of all experts of the blocks a rank's stage holds (before expert parallel splits them)."""
     per_block = sum(i * o for name, i, o in s.counts.linears if name.startswith("experts."))
-    return stage_layers(s) * per_block
+    return min(stage_layers(s), routed_layers(s)) * per_block
 
 
 def experts_per_device(s: Setup) -> int:
     """Routed experts a device holds, over the blocks of its pipeline stage (the most loaded, the first:
-    ceil(L/pp) blocks), E/ep of each; 0 for a dense model. Every block counts as routed, as in the block counts."""
+    ceil(L/pp) blocks, at most the routed ones), E/ep of each; 0 for a dense model."""
     e = s.cfg.model.num_experts or 0
-    return stage_layers(s) * e // s.ep
+    return min(stage_layers(s), routed_layers(s)) * e // s.ep
 
 
 def local_expert_params(s: Setup) -> float:

@@ -46,9 +46,11 @@ from fitlm.plan.blocks import block_act_per_token
 from fitlm.plan.setup import (
     Setup,
     act_bytes,
+    block_kinds,
     embedding_params,
     head_params,
     layer_params,
+    per_block,
     residual_bytes,
     stage_layers,
     total_params,
@@ -103,9 +105,14 @@ def adapter_size(s: Setup, name: str, i: int, o: int) -> int:
 
 
 def adapter_params(s: Setup) -> int:
-    """LoRA parameters of the whole model: r·(in + out) per targeted linear per block (per expert on experts)."""
-    shapes = linear_shapes(s)
-    return s.layers * sum(adapter_size(s, n, *shapes[n]) for n in lora_targets(s))
+    """LoRA parameters of the whole model: r·(in + out) per targeted linear per block (per expert on experts;
+    an MoE model's dense blocks with their own MLP)."""
+
+    def block(one: Setup) -> int:
+        shapes = linear_shapes(one)
+        return sum(adapter_size(one, n, *shapes[n]) for n in lora_targets(one))
+
+    return round(s.layers * per_block(s, block))
 
 
 def row_parallel(s: Setup) -> frozenset[str]:
@@ -114,9 +121,14 @@ def row_parallel(s: Setup) -> frozenset[str]:
     return frozenset(path.rsplit(".", 1)[-1] for path in s.cfg.model.family.tp_plan.rowwise)
 
 
-def rank_block_adapters(s: Setup) -> int:
+def rank_block_adapters(s: Setup) -> float:
     """LoRA parameters of one block on one tensor-parallel rank: r·(in + out/tp) per column-parallel target
-    (A [r, in] whole, B [out/tp, r]), r·(in/tp + out) per row-parallel one (A [r, in/tp], B [out, r] whole)."""
+    (A [r, in] whole, B [out/tp, r]), r·(in/tp + out) per row-parallel one (A [r, in/tp], B [out, r] whole).
+    An MoE model's mean over its routed and dense blocks."""
+    return per_block(s, _rank_block_adapters)
+
+
+def _rank_block_adapters(s: Setup) -> int:
     shapes, rows = linear_shapes(s), row_parallel(s)
     return sum(
         adapter_size(s, n, i, o) if n in EXPERT_INPUT else s.lora_r * (i // s.tp + o if n in rows else i + o // s.tp)
@@ -131,12 +143,20 @@ def nf4_shards(s: Setup) -> int:
 
 
 def nf4_linears(s: Setup) -> tuple[tuple[int, int, int], ...]:
-    """(in, out, double-quantization group) of each block Linear QLoRA stores in NF4 (none unless qlora)."""
+    """(in, out, double-quantization group) of each block Linear QLoRA stores in NF4 (none unless qlora), and of
+    each stacked expert projection (E·I wide on one side): stored whole when nothing splits the experts
+    (`nf4.stacked_scaler_block` of one expert's [out, in]; fitlm.finetune.qlora.expert_shards)."""
     if s.method != "qlora":
         return ()
+    e = s.cfg.model.num_experts or 1
     out = []
-    for i, o in linear_shapes(s).values():
-        scaler = nf4.scaler_block((o, i), nf4_shards(s))
+    for name, (i, o) in linear_shapes(s).items():
+        if name in EXPERT_INPUT:  # [E, out, in] with E·I on `in` (down) or `out` (gate, up)
+            shape = (e, o, i // e) if EXPERT_INPUT[name] else (e, o // e, i)
+            split = s.ep if s.ep > 1 else nf4_shards(s)
+            scaler = nf4.stacked_scaler_block(shape, split)
+        else:
+            scaler = nf4.scaler_block((o, i), nf4_shards(s))
         if scaler is not None:  # else quantize_base keeps it in the base's storage
             out.append((i, o, scaler))
     return tuple(out)
@@ -144,14 +164,18 @@ def nf4_linears(s: Setup) -> tuple[tuple[int, int, int], ...]:
 
 def nf4_params(s: Setup) -> int:
     """Parameters of the whole model stored in NF4 (QLoRA refuses tensor and pipeline parallel)."""
-    return s.layers * sum(i * o for i, o, _ in nf4_linears(s))
+    return round(s.layers * per_block(s, lambda one: sum(i * o for i, o, _ in nf4_linears(one))))
 
 
 def nf4_rank_bytes(s: Setup, gathered: bool = False) -> float:
     """Bytes of those NF4 weights on one rank: its rows' shard, or the whole of them (`gathered`: what FSDP2's
-    all-gather of the codes rebuilds)."""
+    all-gather of the codes rebuilds); stacked experts are never sharded."""
     shards = 1 if gathered else nf4_shards(s)
-    return s.layers * sum(nf4.nf4_bytes(i * o // shards, scaler) for i, o, scaler in nf4_linears(s))
+
+    def block(one: Setup) -> float:
+        return sum(nf4.nf4_bytes(i * o // shards, scaler) for i, o, scaler in nf4_linears(one))
+
+    return s.layers * per_block(s, block)
 
 
 def dequant_bytes(s: Setup, tokens: float) -> float:
@@ -160,7 +184,15 @@ def dequant_bytes(s: Setup, tokens: float) -> float:
     [tokens, out] (in the activations' dtype) it is about to multiply. Checked on fake tensors: within 1%
     of the simulated total for q/v and all-linear targets at O0-O2; the other in-flight gradients of that
     moment roughly cancel the saved tensors the block's backward has freed."""
-    return max((DEQUANT_BYTES_PER_PARAM * i * o + tokens * o * act_bytes(s) for i, o, _ in nf4_linears(s)), default=0.0)
+    e = s.cfg.model.num_experts or 1
+
+    def one(i: int, o: int) -> float:  # a stacked expert projection dequantizes one expert at a time
+        weights = i * o // e if (i, o) in experts else i * o
+        return DEQUANT_BYTES_PER_PARAM * weights + tokens * o * act_bytes(s)
+
+    kinds = [one_s for _, one_s in block_kinds(s)]
+    experts = {linear_shapes(k)[n] for k in kinds for n in EXPERT_INPUT if n in linear_shapes(k)}
+    return max((one(i, o) for k in kinds for i, o, _ in nf4_linears(k)), default=0.0)
 
 
 def stage_blocks(s: Setup, first: bool) -> range:
@@ -256,10 +288,10 @@ def head_trains(s: Setup) -> bool:
 def trainable_params(s: Setup) -> int:
     """Parameters that get a gradient and optimizer states (the whole model for `full`)."""
     if s.method == "full":
-        return embedding_params(s) + s.layers * layer_params(s) + head_params(s)
+        return embedding_params(s) + round(s.layers * layer_params(s)) + head_params(s)
     if adapters(s):
         return adapter_params(s)
-    out = (s.layers - frozen_blocks(s)) * layer_params(s)
+    out = round((s.layers - frozen_blocks(s)) * layer_params(s))
     out += embedding_params(s) if embeddings_train(s) else 0
     return out + head_params(s)  # the final norm, and an untied head (a tied one is the embedding, counted above)
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from fitlm.plan import finetune as ft
 from fitlm.plan.analytic import Breakdown, model_states, param_bytes, rank_params
 from fitlm.plan.devices import Device
-from fitlm.plan.setup import Setup, layer_params
+from fitlm.plan.setup import Setup, block_kinds
 
 HOST_USABLE = 0.9  # of the host's RAM; the rest for the OS and the page cache the packed data is read through
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1, "uint8": 1}
@@ -129,7 +129,8 @@ def host_peaks(s: Setup, mem: Breakdown, dev: Device, source: SourceTensor) -> H
     # `.to(param.dtype)` copies only when the dtypes differ (fp32 -> fp32 is the same tensor)
     convert = stored if stored != source.file_bytes else 0
     read = source.numel * (source.file_bytes + convert)
-    group = max(layer_params(s), s.vocab * s.h)  # a block, or the largest weight outside them (embedding, head)
+    # the largest block (an MoE model's routed one), or the largest weight outside them (embedding, head)
+    group = max(max(one.counts.block_params for _, one in block_kinds(s)), s.vocab * s.h)
     gathered = group * stored
     converted = group * (4 if s.method == "lora" else stored)  # the LoRA merge gives the file fp32 weights
     sharded = s.dims.fsdp_sharded or s.tp > 1

@@ -34,7 +34,7 @@ from fitlm.plan.finetune import (
 )
 from fitlm.plan.host import host_peaks, host_report, source_tensor
 from fitlm.plan.max_seq import max_seq
-from fitlm.plan.setup import Setup, from_config, on_device, to_overrides, total_params
+from fitlm.plan.setup import Setup, from_config, on_device, routed_layers, to_overrides, total_params
 from fitlm.plan.throughput import timing
 
 GiB = 1024**3
@@ -61,7 +61,7 @@ def _memory_opts(s: Setup) -> str:
 def _experts(s: Setup) -> dict[str, int]:
     """An MoE model's routed experts, all of them and those one device holds ({} for a dense model)."""
     e = s.cfg.model.num_experts
-    return {"experts": s.layers * e, "experts_per_device": experts_per_device(s)} if e else {}
+    return {"experts": routed_layers(s) * e, "experts_per_device": experts_per_device(s)} if e else {}
 
 
 def _finetune(s: Setup) -> dict[str, Any]:

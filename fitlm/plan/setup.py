@@ -64,11 +64,29 @@ class ModelCounts:
     finetune_activations: bool  # LoRA/freeze activation savings follow the pre-norm Llama block
     sliding: bool  # some blocks use sliding-window attention (a masked SDPA)
     softcap: bool  # attention scores soft-capped (Gemma 2): eager attention keeps [H, T, S] tensors
+    # An MoE model: the width of the rows a token's MLP activations cover (k routed experts' width, plus a shared
+    # expert's); 0 for a dense block (model.ffn_size). And its dense blocks among the routed ones
+    # (model.mlp_only_layers, decoder_sparse_step): how many, and their counts (`dense`, the same but the block).
+    routed_ffn: int = 0
+    dense_layers: int = 0
+    dense: "ModelCounts | None" = None
 
     @classmethod
     def of(cls, m: ModelConfig) -> "ModelCounts":
         pc = m.family.planner
-        block = pc.block(m)
+        counts = cls._of(m, pc.block(m))
+        if not m.moe:
+            return counts
+        routed_ffn = (m.num_experts_per_tok or 1) * m.expert_ffn_size + (m.shared_expert_intermediate_size or 0)
+        counts = replace(counts, routed_ffn=routed_ffn)
+        dense_layers = sum(not m.sparse_layer(i) for i in range(m.num_layers))
+        if dense_layers and pc.dense_block is not None:
+            counts = replace(counts, dense_layers=dense_layers, dense=cls._of(m, pc.dense_block(m)))
+        return counts
+
+    @classmethod
+    def _of(cls, m: ModelConfig, block) -> "ModelCounts":
+        pc = m.family.planner
         return cls(
             block.params,
             pc.embedding_params(m),
@@ -142,7 +160,9 @@ class Setup:
 
     @property
     def ffn(self) -> int:
-        return self.cfg.model.ffn_size
+        """The MLP width a token's saved activations cover: a dense block's intermediate size, or a routed block's
+        k experts' widths (`ModelCounts.routed_ffn`)."""
+        return self.counts.routed_ffn or self.cfg.model.ffn_size
 
     @property
     def head_dim(self) -> int:
@@ -290,9 +310,30 @@ def residual_bytes(s: Setup) -> int:
     return 4 if s.level in ("O0", "O1") else 2
 
 
-def layer_params(s: Setup) -> int:
-    """One block's parameters, as the family unit counts them (matmuls, norms, biases)."""
-    return s.counts.block_params
+def block_kinds(s: Setup) -> tuple[tuple[int, Setup], ...]:
+    """(how many blocks, a Setup counting one of them) per kind of block: every block for a dense model; an MoE
+    model's routed blocks and the dense ones among them (their own linears, parameters and MLP width)."""
+    dense = s.counts.dense
+    if dense is None:
+        return ((s.layers, s),)
+    return ((s.layers - s.counts.dense_layers, s), (s.counts.dense_layers, replace(s, counts=dense)))
+
+
+def routed_layers(s: Setup) -> int:
+    """Blocks that route their tokens to experts (0 for a dense model)."""
+    return (s.layers - s.counts.dense_layers) if s.cfg.model.moe else 0
+
+
+def per_block(s: Setup, count) -> float:
+    """The mean over the model's blocks of `count(setup of one block)`: L times it is the model's sum (exactly,
+    however the routed and dense blocks are spread; a pipeline stage's share of it is its blocks' mean)."""
+    return sum(n * count(one) for n, one in block_kinds(s)) / s.layers
+
+
+def layer_params(s: Setup) -> float:
+    """One block's parameters, as the family unit counts them (matmuls, norms, biases); an MoE model's mean
+    over its routed and dense blocks."""
+    return per_block(s, lambda one: one.counts.block_params)
 
 
 def embedding_params(s: Setup) -> int:
@@ -305,24 +346,27 @@ def head_params(s: Setup) -> int:
 
 
 def total_params(s: Setup) -> int:
-    return embedding_params(s) + s.layers * layer_params(s) + head_params(s)
+    return embedding_params(s) + round(s.layers * layer_params(s)) + head_params(s)
 
 
-def active_block_params(s: Setup) -> int:
+def active_block_params(s: Setup) -> float:
     """One block's parameters that a token's matmuls use: all of a dense block's; of an MoE block's E stacked
-    experts, the k the token is routed to (as fitlm.models.flops counts them)."""
-    experts = sum(i * o for name, i, o in s.counts.linears if name.startswith("experts."))
-    e = s.cfg.model.num_experts
-    if not experts or not e:
-        return layer_params(s)
-    return layer_params(s) - experts + experts * s.cfg.model.num_experts_per_tok // e
+    experts, the k the token is routed to (as fitlm.models.flops counts them). The mean over the blocks."""
+
+    def active(one: Setup) -> float:
+        experts = sum(i * o for name, i, o in one.counts.linears if name.startswith("experts."))
+        e = one.cfg.model.num_experts
+        params = one.counts.block_params
+        return params - experts + experts * one.cfg.model.num_experts_per_tok // e if experts and e else params
+
+    return per_block(s, active)
 
 
 def matmul_params(s: Setup) -> int:
     """Parameters in a matmul per token (as fitlm.models.flops counts them for the trainer's MFU): all but the
     embedding lookups (norms included), and of the experts the routed ones; the output projection counts even
     when tied."""
-    return s.layers * active_block_params(s) + s.counts.head_norm_params + s.vocab * s.h
+    return round(s.layers * active_block_params(s)) + s.counts.head_norm_params + s.vocab * s.h
 
 
 def stage_layers(s: Setup) -> int:

@@ -161,12 +161,13 @@ def _nf4_on_fake_device(model: torch.nn.Module) -> None:
     """QLoRA's NF4 weights, which `quantize_base` makes on meta for `materialize` to fill, as fake tensors beside
     the rest of the fake model (on meta, every op mixing them with it is a device mismatch): quantized again
     from an empty fake weight, so torchao's dequantization runs under FakeTensorMode as on real tensors. Only the
-    weight is replaced (a Linear's fake bias cannot be swapped by `to_empty`)."""
+    weight is replaced (a Linear's fake bias cannot be swapped by `to_empty`), and an MoE layer's stacked experts."""
     for module in model.modules():
-        w = module._parameters.get("weight")
-        if w is not None and is_nf4(w) and w.is_meta:
-            # (scaler_block_size: an attribute of torchao's NF4Tensor, which is_nf4 checked w is)
-            module.weight = nf4.quantized_meta(w, w.scaler_block_size, device="cpu")  # type: ignore[attr-defined]
+        for name, w in list(module._parameters.items()):
+            if w is not None and is_nf4(w) and w.is_meta:
+                # (scaler_block_size: an attribute of torchao's NF4Tensor, which is_nf4 checked w is)
+                fake = nf4.quantized_meta(w, w.scaler_block_size, device="cpu")  # type: ignore[attr-defined]
+                setattr(module, name, fake)
 
 
 def _build_in(cfg: Config, build) -> torch.nn.Module:

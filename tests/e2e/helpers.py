@@ -58,3 +58,68 @@ def write_config(path: Path, cfg: dict) -> Path:
 
 def read_metrics(out_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+CHAT = Path(__file__).resolve().parents[2] / "examples" / "data" / "chat" / "chatterbot_corpus.jsonl"
+
+
+def pack_chat(root: Path, hf: Path, lines: int = 200) -> Path:
+    """The first `lines` chat records of the example corpus packed (128 tokens) with the tokenizer in `hf`."""
+    chat = root / "chat.jsonl"
+    chat.write_text("".join(CHAT.read_text().splitlines(keepends=True)[:lines]))
+    r = fitlm(
+        "data", "pack", chat, "--format", "chat", "--tokenizer", hf / "tokenizer.json",
+        "--out", root / "chat", "--max-length", "128", "--overlong", "drop",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    return root / "chat"
+
+
+def qlora_run_config(hf: Path, packed: Path, out: Path, targets: list[str], steps: int) -> dict:
+    """A QLoRA fine-tune of the checkpoint `hf` (a model section of `init_from` alone) on packed chat data, every
+    step logged, at a learning rate that moves a tiny model within `steps` steps."""
+    return {
+        "model": {"init_from": str(hf)},
+        "data": {"train": str(packed), "format": "chat", "seq_length": 128},
+        "finetune": {"method": "qlora", "lora": {"r": 8, "alpha": 16.0, "target_modules": targets}},
+        "memory": {"mixed_precision": "O2"},
+        "train": {
+            "micro_batch_size": 4,
+            "max_steps": steps,
+            "lr": 2e-2,
+            "warmup_steps": 0,
+            "log_interval": 1,
+            "eval_interval": 0,
+            "seed": 3,
+            "progress": False,
+            "peak_tflops": 1.0,
+            "output_dir": str(out),
+        },
+    }
+
+
+def hf_qwen3_moe(path: Path, seed: int, dtype=None, **overrides) -> Path:
+    """A Qwen3-MoE checkpoint (6 experts, top 2, a dense block among the sparse ones; `overrides`: other
+    transformers config keys) as transformers writes it, in `dtype` (None: fp32)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    keys = dict(
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=6,
+        num_experts_per_tok=2,
+        mlp_only_layers=[1],
+        vocab_size=512,
+        max_position_embeddings=64,
+    )
+    cfg = transformers.AutoConfig.for_model("qwen3_moe", **{**keys, **overrides})
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    (model.to(dtype) if dtype is not None else model).save_pretrained(path)
+    return path

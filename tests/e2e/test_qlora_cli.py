@@ -13,10 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.e2e.helpers import fitlm, read_metrics, write_config
+from tests.e2e.helpers import fitlm, pack_chat, qlora_run_config, read_metrics, write_config
 
-ROOT = Path(__file__).resolve().parents[2]
-CHAT = ROOT / "examples" / "data" / "chat" / "chatterbot_corpus.jsonl"
 STEPS = 6
 
 
@@ -38,43 +36,8 @@ def run(tiny_corpus, tmp_path_factory) -> dict[str, Path]:
     )
     transformers.Qwen2ForCausalLM(hf_cfg).to(torch.bfloat16).save_pretrained(root / "hf")
     (root / "hf" / "tokenizer.json").write_bytes(Path(tiny_corpus["tokenizer"]).read_bytes())
-    chat = root / "chat.jsonl"
-    chat.write_text("".join(CHAT.read_text().splitlines(keepends=True)[:200]))
-    r = fitlm(
-        "data",
-        "pack",
-        chat,
-        "--format",
-        "chat",
-        "--tokenizer",
-        root / "hf" / "tokenizer.json",
-        "--out",
-        root / "chat",
-        "--max-length",
-        "128",
-        "--overlong",
-        "drop",
-    )
-    assert r.returncode == 0, r.stderr
     out = root / "run"
-    cfg = {
-        "model": {"init_from": str(root / "hf")},
-        "data": {"train": str(root / "chat"), "format": "chat", "seq_length": 128},
-        "finetune": {"method": "qlora", "lora": {"r": 8, "alpha": 16.0, "target_modules": ["all-linear"]}},
-        "memory": {"mixed_precision": "O2"},
-        "train": {
-            "micro_batch_size": 4,
-            "max_steps": STEPS,
-            "lr": 2e-2,
-            "warmup_steps": 0,
-            "log_interval": 1,
-            "eval_interval": 0,
-            "seed": 3,
-            "progress": False,
-            "peak_tflops": 1.0,
-            "output_dir": str(out),
-        },
-    }
+    cfg = qlora_run_config(root / "hf", pack_chat(root, root / "hf"), out, ["all-linear"], STEPS)
     r = fitlm("train", write_config(root / "qlora.yaml", cfg), timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return {"root": root, "hf": root / "hf", "run": out}
@@ -90,7 +53,8 @@ def test_qlora_trains_and_its_adapter_records_the_quantized_base(run):
     assert json.loads((run["run"] / "adapter" / "adapter_config.json").read_text())["r"] == 8
 
 
-def test_merge_of_base_and_adapter_is_the_runs_model(run):
+def merged_is_the_runs_model(run: dict[str, Path]) -> dict[str, torch.Tensor]:
+    """`fitlm merge` of the base and the run's adapter, checked equal to the run's merged model; returns that."""
     merged = run["root"] / "merged"
     r = fitlm("merge", run["hf"], "--adapter", run["run"] / "adapter", "--out", merged, "--json")
     assert r.returncode == 0, r.stderr
@@ -101,6 +65,11 @@ def test_merge_of_base_and_adapter_is_the_runs_model(run):
     assert ours.keys() == theirs.keys()
     for k in ours:  # both: the NF4-dequantized base + scale·B·A in fp32
         torch.testing.assert_close(ours[k], theirs[k], rtol=1e-6, atol=1e-6, msg=k)
+    return theirs
+
+
+def test_merge_of_base_and_adapter_is_the_runs_model(run):
+    theirs = merged_is_the_runs_model(run)
     base = load_file(str(run["hf"] / "model.safetensors"))
     # an untrained-adapter weight still differs from the bf16 original: it is the 4-bit base's value
     assert not torch.equal(
@@ -108,34 +77,42 @@ def test_merge_of_base_and_adapter_is_the_runs_model(run):
     )
 
 
-def test_exported_model_gives_in_transformers_the_greedy_tokens_of_fitlm_generate(run):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+PROMPT = "Hello, how are you?"
+
+
+def exported_and_generated(run: dict[str, Path]):
+    """(the greedy tokens `fitlm generate` gives on the run after PROMPT, the run exported by `fitlm export
+    --format hf` and loaded in transformers, its directory)."""
+    from transformers import AutoModelForCausalLM
 
     out = run["root"] / "export"
     r = fitlm("export", run["run"], "--format", "hf", "--out", out)
     assert r.returncode == 0, r.stderr
-    r = fitlm("generate", run["run"], "--prompt", "Hello, how are you?", "--max-new-tokens", "16", "--json")
+    r = fitlm("generate", run["run"], "--prompt", PROMPT, "--max-new-tokens", "16", "--json")
     assert r.returncode == 0, r.stderr
     ours = json.loads(r.stdout.strip().splitlines()[-1])["token_ids"]
-    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    ids = AutoTokenizer.from_pretrained(out)("Hello, how are you?")["input_ids"]  # the consumer's own encoding
+    return ours, AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval(), out
+
+
+def assert_same_greedy(hf, ids: list[int], ours: list[int]) -> None:
+    """transformers' 16 greedy tokens after `ids` begin with `ours`; where fitlm stopped early, at an EOS."""
     x = torch.tensor([ids])
     theirs = hf.generate(
-        x,
-        attention_mask=torch.ones_like(x),
-        max_new_tokens=16,
-        min_new_tokens=16,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-    )[0, len(ids) :].tolist()
+        x, attention_mask=torch.ones_like(x), max_new_tokens=16, min_new_tokens=16, do_sample=False,
+        eos_token_id=None, pad_token_id=0,
+    )[0, len(ids) :].tolist()  # fmt: skip
     assert ours and theirs[: len(ours)] == ours
     if len(ours) < 16:  # fitlm stopped at an end-of-sequence token: transformers chose it there too
-        assert (
-            theirs[len(ours)] in hf.generation_config.eos_token_id
-            if isinstance(hf.generation_config.eos_token_id, list)
-            else theirs[len(ours)] == hf.generation_config.eos_token_id
-        )
+        eos = hf.generation_config.eos_token_id
+        assert theirs[len(ours)] in eos if isinstance(eos, list) else theirs[len(ours)] == eos
+
+
+def test_exported_model_gives_in_transformers_the_greedy_tokens_of_fitlm_generate(run):
+    from transformers import AutoTokenizer
+
+    ours, hf, out = exported_and_generated(run)
+    ids = AutoTokenizer.from_pretrained(out)(PROMPT)["input_ids"]  # the consumer's own encoding
+    assert_same_greedy(hf, ids, ours)
 
 
 def test_export_of_base_with_the_adapter_is_the_export_of_the_run(run):

@@ -20,7 +20,7 @@ from fitlm.data.prep import pack_corpus
 from fitlm.finetune.lora import adapters_off, apply_lora
 from fitlm.models.loss import IGNORE_INDEX
 from fitlm.step.pair_objectives import pair_terms, sequence_logps
-from tests.e2e.helpers import read_metrics
+from tests.e2e.helpers import hf_qwen3_moe, read_metrics
 
 PROMPTS = [
     "What is a river?",
@@ -200,30 +200,6 @@ def hf_llama(path: Path, seed: int) -> Path:
         max_position_embeddings=64,
     )
     transformers.LlamaForCausalLM(cfg).save_pretrained(path)
-    return path
-
-
-def hf_qwen3_moe(path: Path, seed: int) -> Path:
-    """A Qwen3-MoE checkpoint (6 experts, top 2, a dense block among the sparse ones) as transformers writes it."""
-    import transformers
-
-    torch.manual_seed(seed)
-    cfg = transformers.AutoConfig.for_model(
-        "qwen3_moe",
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=6,
-        num_experts_per_tok=2,
-        mlp_only_layers=[1],
-        vocab_size=512,
-        max_position_embeddings=64,
-    )
-    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
     return path
 
 

@@ -134,3 +134,40 @@ def test_cuda_grouped_path_equals_the_loop(counts):
         y_ref, _ = run(experts, x.float(), counts, _expert_loop)
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y, y_ref, rtol=2e-2, atol=2e-2)
+
+
+def with_adapters(experts: GroupedExperts, r: int, targets=moe.PROJECTIONS) -> GroupedExperts:
+    """`experts` with LoRA adapters on `targets` (fitlm.finetune.expert_lora), B drawn non-zero so they count."""
+    from fitlm.finetune.expert_lora import attach
+
+    for proj in targets:
+        attach(experts, proj, r, scaling=2.0, dropout=0.0)
+        with torch.no_grad():
+            getattr(experts, f"lora_B_{proj}").normal_(0, 0.2)
+    return experts
+
+
+def lora_loop(experts: GroupedExperts):
+    """The per-expert loop with each expert's A and B beside its weight (the reference the grouped path matches)."""
+    from functools import partial
+
+    return lambda x, counts, *w: _expert_loop(x, counts, *w, partial(experts._project, lora=experts._adapters()))
+
+
+@pytest.mark.parametrize("targets", [moe.PROJECTIONS, ("down_proj",)])
+@pytest.mark.parametrize("counts", COUNTS[:3])
+def test_cpu_adapters_on_the_grouped_path_equal_the_loop(counts, targets, monkeypatch):
+    torch.manual_seed(0)
+    experts = with_adapters(GroupedExperts(5, 16, 8, init_std=0.2), r=4, targets=targets)
+    calls = []
+    grouped = moe._grouped
+    monkeypatch.setattr(moe, "_grouped", lambda *a, **k: calls.append(1) or grouped(*a, **k))  # (which path ran)
+    x = torch.randn(sum(counts), 16)
+    y, grads = run(experts, x, counts, None)
+    assert calls, "the adapted experts did not take the grouped path"
+    adapters = [getattr(experts, f"lora_{part}_{p}") for p in targets for part in "AB"]
+    lora_grads = [a.grad.clone() for a in adapters]
+    y_ref, grads_ref = run(experts, x, counts, lora_loop(experts))
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
+    for g, ref in zip(grads + lora_grads, grads_ref + [a.grad for a in adapters]):
+        torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-6)

@@ -86,9 +86,28 @@ def test_a_weight_is_stored_in_nf4_only_when_each_shard_holds_whole_groups(shape
     assert nf4.scaler_block(shape, shards) == want
 
 
+# Qwen3-MoE with 8 experts, top 2, a dense block (1) between routed ones; expert width 128 so each expert is whole
+# groups (fitlm.memory.nf4.stacked_scaler_block): tests/unit/test_qlora_experts.py's model
+MOE = {
+    "arch": "qwen3_moe",
+    "hidden_size": 64,
+    "num_layers": 3,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 256,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 128,
+    "mlp_only_layers": [1],
+    "tie_embeddings": False,
+}
+
+
 def trainer(corpus, out, **sections) -> Trainer:
     train = {"max_steps": 2, "eval_interval": 0, "peak_tflops": 1.0, **sections.pop("train", {})}
-    return Trainer(validate_dict(tiny_config(corpus, out, model=MODEL, finetune=QLORA, train=train, **sections)))
+    model, finetune = sections.pop("model", MODEL), sections.pop("finetune", QLORA)
+    return Trainer(validate_dict(tiny_config(corpus, out, model=model, finetune=finetune, train=train, **sections)))
 
 
 @contextlib.contextmanager
@@ -105,6 +124,14 @@ def dequantized(model: nn.Module):
             m.weight = w
 
 
+def logits_and_grads(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The logits of x and the gradients of their mean log-sum-exp (every parameter that gets one)."""
+    model.zero_grad(set_to_none=True)
+    logits = model(x)
+    logits.logsumexp(-1).mean().backward()
+    return logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
 def test_qlora_forward_equals_the_network_on_the_dequantized_base(tiny_corpus, tmp_path):
     t = trainer(tiny_corpus, tmp_path / "run")
     model = t.pm.model
@@ -113,16 +140,9 @@ def test_qlora_forward_equals_the_network_on_the_dequantized_base(tiny_corpus, t
     batches = iter(t.loader)
     t.train_step(1, batches)  # B is no longer zero: the adapters take part
     x = torch.randint(0, 512, (2, 32))
-
-    def run() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        model.zero_grad(set_to_none=True)
-        logits = model(x)
-        logits.logsumexp(-1).mean().backward()
-        return logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-
-    ours, our_grads = run()
+    ours, our_grads = logits_and_grads(model, x)
     with dequantized(model):
-        theirs, their_grads = run()
+        theirs, their_grads = logits_and_grads(model, x)
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)  # stated tolerance: equal up to fp32 rounding
     # backward too: the adapters' gradients are those of the dequantized network
     assert our_grads and our_grads.keys() == their_grads.keys()
@@ -132,16 +152,19 @@ def test_qlora_forward_equals_the_network_on_the_dequantized_base(tiny_corpus, t
 
 
 @pytest.mark.process
-def test_resume_quantizes_the_base_again_and_continues_exactly(tiny_corpus, tmp_path):
+@pytest.mark.parametrize("model", [MODEL, MOE], ids=["llama", "qwen3_moe"])  # the MoE: its 4-bit experts too
+def test_resume_quantizes_the_base_again_and_continues_exactly(tiny_corpus, tmp_path, model):
     from fitlm.checkpoint.store import list_checkpoints
 
     ckpt, small = (
         {"interval": 2, "keep_last": 2},
         {"max_steps": 4, "micro_batch_size": 2, "gradient_accumulation_steps": 1},
     )
-    trainer(tiny_corpus, tmp_path / "whole", train=small, checkpoint=ckpt).fit()
+    trainer(tiny_corpus, tmp_path / "whole", model=model, train=small, checkpoint=ckpt).fit()
     step2 = dict(list_checkpoints(tmp_path / "whole" / "checkpoints"))[2]
-    trainer(tiny_corpus, tmp_path / "resumed", train=small, checkpoint={**ckpt, "resume": str(step2)}).fit()
+    trainer(
+        tiny_corpus, tmp_path / "resumed", model=model, train=small, checkpoint={**ckpt, "resume": str(step2)}
+    ).fit()
 
     def losses(out):
         return [(r["step"], r["loss"]) for r in read_metrics(out) if "loss" in r]

@@ -1,0 +1,78 @@
+"""The planner counts an MoE model's blocks as the model builds them (fitlm.plan.setup.block_kinds): the dense
+blocks among routed ones (model.mlp_only_layers, decoder_sparse_step) with their own MLP, and under QLoRA the
+stacked experts at their 4-bit bytes (fitlm.plan.finetune.nf4_linears), checked against the model itself built
+on meta with `apply_finetune` (parameters, adapters, NF4 weights and their bytes, exactly). The peak against a
+measured profile: tests/distributed/test_plan_accuracy.py's `moe dense1` rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fitlm.config import validate_dict
+from fitlm.finetune.apply import apply_finetune
+from fitlm.memory import nf4
+from fitlm.plan import finetune as ft
+from fitlm.plan.expert_parallel import experts_per_device
+from fitlm.plan.setup import from_config, total_params
+from fitlm.registry import build_model
+from tests.distributed.test_plan_accuracy import MOE_DENSE1
+
+pytest.importorskip("torchao")
+
+# the accuracy test's issue-55 model (16 experts of width 128, top 4, vocabulary 1,024) with four blocks, laid out below
+MODEL = {**{k: v for k, v in MOE_DENSE1.items() if k != "mlp_only_layers"}, "num_layers": 4, "max_seq_len": 64}
+TARGETS = ["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"]
+LAYOUTS = {  # dense blocks: [1]; every second block routed (blocks 1 and 3); all four routed
+    "mlp_only_layers": {"mlp_only_layers": [1]},
+    "decoder_sparse_step": {"decoder_sparse_step": 2},
+    "all routed": {},
+}
+
+
+def _config(method: str, layout: dict):
+    return validate_dict(
+        {
+            "model": {**MODEL, **layout},
+            "memory": {"mixed_precision": "O2"},
+            "finetune": {"method": method, "lora": {"r": 8, "target_modules": TARGETS}},
+            "data": {"seq_length": 64},
+        }
+    )
+
+
+def _built(cfg):
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    apply_finetune(model, cfg)
+    return model
+
+
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+@pytest.mark.parametrize("method", ["full", "lora", "qlora"])
+def test_parameters_adapters_and_4bit_experts_are_the_built_models(method, layout):
+    cfg = _config(method, layout)
+    s, model = from_config(cfg), _built(cfg)
+    params = list(model.parameters())
+    trained = sum(p.numel() for p in params if p.requires_grad)
+    assert ft.trainable_params(s) == trained
+    assert total_params(s) + (trained if method != "full" else 0) == sum(p.numel() for p in params)
+    stored = [p for p in params if nf4.is_nf4(p)]
+    assert ft.nf4_params(s) == sum(p.numel() for p in stored)
+    assert ft.nf4_rank_bytes(s) == sum(nf4.nf4_bytes(p.numel(), p.scaler_block_size) for p in stored)
+    routed = sum(cfg.model.sparse_layer(i) for i in range(cfg.model.num_layers))
+    assert experts_per_device(s) == routed * 16
+    if method == "qlora":  # every expert projection of every routed block is 4-bit
+        assert sum(p.dim() == 3 for p in stored) == 3 * routed
+
+
+def test_qlora_under_zero3_keeps_the_sharded_experts_in_half_and_the_plan_says_so():
+    # (expert parallel with QLoRA is refused by fitlm.rules; ZeRO-3 shards every weight's rows)
+    shards = 2
+    parallel = {"data_parallel": shards, "zero_stage": 3}
+    cfg = validate_dict({**_config("qlora", LAYOUTS["mlp_only_layers"]).to_dict(), "parallel": parallel})
+    s, model = from_config(cfg), _built(cfg)
+    stored = [p for p in model.parameters() if nf4.is_nf4(p)]
+    assert stored and not any(p.dim() == 3 for p in stored)  # torchao's NF4 splits no stacked [E, out, in]
+    assert ft.nf4_params(s) == sum(p.numel() for p in stored)
+    assert ft.nf4_rank_bytes(s) == sum(nf4.nf4_bytes(p.numel() // shards, p.scaler_block_size) for p in stored)
