@@ -224,7 +224,8 @@ AUX_FREE_WRITERS = {  # layout a checkpoint is written under: (parallel, per-ran
 def test_moe_aux_free_pipeline_checkpoint_resumes_in_one_process(tiny_corpus, tmp_path, writer):
     """Every stage's routing biases are in a checkpoint written under pp2 or dp2 × ep2 × pp2 (rank 0 writes them,
     holding stage 0's layers only; under ep the experts are DTensors split over the ep ranks): one process (ep1)
-    resumes from it with the biases and the experts whole, and continues as the uninterrupted run."""
+    resumes from it with the biases and the experts whole, and continues as the uninterrupted run; the dp2 × ep2 ×
+    pp2 one resumes under tp2 too."""
     from tests.e2e.helpers import fitlm, read_metrics, tiny_config, write_config
 
     model, _ = MOE_PIPELINE["qwen3_moe-pp2-aux-free"]
@@ -246,9 +247,11 @@ def test_moe_aux_free_pipeline_checkpoint_resumes_in_one_process(tiny_corpus, tm
     parallel, batch = AUX_FREE_WRITERS[writer]
     written = train(writer, parallel, {"interval": 1, "keep_last": 4}, batch)
     assert written[1] == pytest.approx(ref[1], rel=2e-5, abs=1e-6)
-    # after step 1 (the sign steps of 4 experts can cancel to 0 at even steps)
-    resumed = train("resumed", {}, {"resume": str(tmp_path / writer / "checkpoints" / "step_00000001")})
     assert ref[1][1] > 0  # the checkpoint holds a moved bias
-    assert sorted(resumed) == [2, 3, 4]
-    for step in (2, 3, 4):
-        assert resumed[step] == pytest.approx(ref[step], rel=2e-5, abs=1e-6)
+    # one process (ep1, experts whole), and under tensor parallel (the routed blocks whole on each tp rank)
+    for name, resumer in (("resumed", {}), ("resumed-tp2", {"tensor_parallel": 2}))[: 2 if "ep2" in writer else 1]:
+        # after step 1 (the sign steps of 4 experts can cancel to 0 at even steps)
+        resumed = train(name, resumer, {"resume": str(tmp_path / writer / "checkpoints" / "step_00000001")})
+        assert sorted(resumed) == [2, 3, 4], name
+        for step in (2, 3, 4):
+            assert resumed[step] == pytest.approx(ref[step], rel=2e-5, abs=1e-6), name
