@@ -99,12 +99,25 @@ MOE_PIPELINE = {  # case: (model, parallel)
         {**MOE_PP, "router_aux_loss_coef": 0.0},
         {"pipeline_parallel": 2, "micro_batch_num": 2, "data_parallel": 2, "expert_parallel": 2},
     ),
+    # the aux loss on under data parallel: one row a micro batch, so each rank's micro batches hold the one process's
+    # rows (MOE_PIPELINE_BATCH); the loss couples the stages' routing and the all-to-alls run inside each stage
+    "qwen3_moe-dp2-ep2-pp2-aux": (
+        MOE_PP,
+        {"pipeline_parallel": 2, "micro_batch_num": 1, "data_parallel": 2, "expert_parallel": 2},
+    ),
     # tensor parallel inside each stage: attention split, the routed blocks whole on each tp rank
     "qwen3_moe-tp2-pp2": (MOE_PP, {"pipeline_parallel": 2, "micro_batch_num": 2, "tensor_parallel": 2}),
     "mixtral-dp2-ep2-zero3-pp2-tied": (
         {**MIXTRAL_PP, "tie_embeddings": True, "router_aux_loss_coef": 0.0},
         {"pipeline_parallel": 2, "micro_batch_num": 2, "data_parallel": 2, "expert_parallel": 2, "zero_stage": 3},
     ),
+}
+# case: (its per-rank batch, the one process's): one row a micro batch (the loader deals rank r rows r, r + dp, ...)
+MOE_PIPELINE_BATCH = {
+    "qwen3_moe-dp2-ep2-pp2-aux": (
+        {"micro_batch_size": 1, "gradient_accumulation_steps": 4},
+        {"micro_batch_size": 1, "gradient_accumulation_steps": 8},
+    )
 }
 MOE_PIPELINE_FAST = ("qwen3_moe-pp2-1f1b", "qwen3_moe-pp2-aux-free")
 FAST = ("qwen3", "gemma3")
@@ -135,10 +148,11 @@ def family_runs(request, tiny_corpus, tmp_path_factory) -> dict[str, dict]:
     for params in selected(request, "test_moe_pipeline_equals_single_process"):
         model, parallel = MOE_PIPELINE[params["case"]]
         train = {"micro_batch_size": 2, "gradient_accumulation_steps": 2} if "data_parallel" in parallel else None
-        cases[params["case"]] = {"parallel": parallel, "train": train or REFERENCE_BATCH, "model": model}
+        train, single = MOE_PIPELINE_BATCH.get(params["case"], (train or REFERENCE_BATCH, REFERENCE_BATCH))
+        cases[params["case"]] = {"parallel": parallel, "train": train, "model": model}
         if params["case"] in MOE_MEMORY:
             cases[params["case"]]["memory"] = MOE_MEMORY[params["case"]]
-        cases[params["case"] + "-single"] = {"parallel": {}, "train": REFERENCE_BATCH, "model": model}
+        cases[params["case"] + "-single"] = {"parallel": {}, "train": single, "model": model}
     for params in selected(request, "test_family_layout_equals_single_process"):
         family, layout = params["family"], params["layout"]
         parallel, train = LAYOUTS[layout]
@@ -164,7 +178,7 @@ def test_moe_pipeline_equals_single_process(family_runs, case):
     assert_same_training(family_runs[case], reference)
     # the logged aux loss and expert load: every stage's MoE layers, as one process logs them (under data parallel
     # the load only: the aux loss is a mean per micro batch, whose rows the data split changes)
-    step = 2 if "data_parallel" in MOE_PIPELINE[case][1] else 1
+    step = 2 if "data_parallel" in MOE_PIPELINE[case][1] and case not in MOE_PIPELINE_BATCH else 1
     assert family_runs[case]["balance"][step - 1 :: step] == pytest.approx(
         reference["balance"][step - 1 :: step], rel=2e-5, abs=1e-5
     )
