@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, machine, median, write_json  # noqa: E402
+from common import RESULTS, log, machine, median, write_json  # noqa: E402
 from fetch_smollm2 import CACHE  # noqa: E402
 
 TEXT = (
@@ -65,16 +65,9 @@ def hf_generate(model, prompt: list[int], n: int) -> list[int]:
     import torch
 
     ids = torch.tensor([prompt])
+    greedy_n = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.inference_mode():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **greedy_n)
     return out[0, len(prompt) :].tolist()
 
 
@@ -133,7 +126,10 @@ def main() -> None:
         runs[f"transformers {prec}"] = lambda hm=hm: hf_generate(hm, prompt, n)
         runs[f"llama.cpp {prec}"] = lambda lm=lm: llama_cpp_generate(lm, prompt, n)
         runs[f"fitlm {prec} x{args.streams} streams"] = lambda fm=fm: streams_generate(fm, prompts, n)
-    tokens = {name: fn() for name, fn in runs.items()}  # also each one's warm-up
+    tokens = {}
+    for name, fn in runs.items():  # also each one's warm-up
+        tokens[name] = fn()
+        log(f"warm: {name}")
     checks = {}
     for prec, (fm, _, _) in models.items():
         checks[f"fitlm {prec} == transformers {prec}"] = tokens[f"fitlm {prec}"] == tokens[f"transformers {prec}"]
@@ -146,6 +142,7 @@ def main() -> None:
             t = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t)
+            log(f"{name}: {times[name][-1]:.2f} s")
     tps = {name: n * (args.streams if "streams" in name else 1) / median(t) for name, t in times.items()}
     rows = []
     for name, v in tps.items():
