@@ -5,7 +5,7 @@ Not a test: it prints a table (or one JSON object). The weights are SmolLM2-135M
 dir, its HF export for transformers, and its f32 / f16 GGUF exports for llama.cpp (llama-cpp-python).
 
     python bench/fetch_smollm2.py
-    python bench/generate.py [--new-tokens 64] [--repeats 3] [--threads 2] [--streams 8] [--json]
+    python bench/generate.py [--new-tokens 64] [--repeats 3] [--threads 2] [--streams 8] [--clock wall|cpu] [--json]
                              [--out bench/results/generate.json]
 
 Contenders, timed in turn within every repeat (interleaved, so load on a shared machine hits them alike;
@@ -13,7 +13,8 @@ medians reported): single-stream greedy decoding at fp32 (fitlm `generate`, tran
 llama.cpp on f32.gguf) and in half precision (fitlm and transformers in bf16, llama.cpp on f16.gguf), and
 fitlm's batched decoder (`SlotBatch`, what `fitlm serve` runs) with `--streams` sequences of different
 prompt lengths decoding together. tokens/s = new tokens / wall time of the whole call (the prompt's prefill
-included); for the streams, all streams' new tokens. Every contender sees `--threads` threads.
+included); for the streams, all streams' new tokens. Every contender sees `--threads` threads. `--clock cpu`
+divides by the process's CPU seconds instead, which other jobs on a shared machine disturb far less.
 
 Checked, not timed: fitlm's greedy tokens equal transformers' at the same dtype, and each stream's tokens
 equal that prompt's single-stream `generate` (llama.cpp's are reported beside them: another kernel's rounding
@@ -100,6 +101,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="cpu: the process's CPU seconds instead of wall time (steadier on a machine other jobs share; "
+        "with --threads 1 it is the decoding work itself, with more threads it counts their waits too)",
+    )
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", type=Path, default=RESULTS / "generate.json")
     args = ap.parse_args()
@@ -136,12 +144,13 @@ def main() -> None:
         checks[f"llama.cpp {prec} == fitlm {prec}"] = tokens[f"llama.cpp {prec}"] == tokens[f"fitlm {prec}"]
         solo = [generate(fm, p, n) for p in prompts]
         checks[f"fitlm {prec} streams == single-stream"] = tokens[f"fitlm {prec} x{args.streams} streams"] == solo
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(args.repeats):
         for name, fn in runs.items():
-            t = time.perf_counter()
+            t = clock()
             fn()
-            times[name].append(time.perf_counter() - t)
+            times[name].append(clock() - t)
             log(f"{name}: {times[name][-1]:.2f} s")
     tps = {name: n * (args.streams if "streams" in name else 1) / median(t) for name, t in times.items()}
     rows = []
@@ -157,6 +166,7 @@ def main() -> None:
         "prompt_tokens": len(prompt),
         "new_tokens": n,
         "repeats": args.repeats,
+        "clock": args.clock,
         "rows": rows,
         "checks": checks,
         "greedy_tokens": {k: v for k, v in tokens.items() if "streams" not in k},
