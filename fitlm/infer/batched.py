@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 
 from fitlm.infer.generate import last_logits
+from fitlm.infer.packed_linear import packed_linears
 from fitlm.models.layers import KVCache, SelfAttention
 
 if TYPE_CHECKING:
@@ -85,7 +86,7 @@ class SlotBatch:
                 f"a slot needs 1 <= prompt ({len(prompt_ids)} tokens) < max_len ({max_len}) <= "
                 f"the model's context ({limit})"
             )
-        with torch.inference_mode():
+        with torch.inference_mode(), packed_linears(self.model):
             solo = self.model.new_kv_cache(1, len(prompt_ids))
             ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)  # [1,P]
             logits = last_logits(self.model, ids, solo)[0]  # [V]
@@ -115,7 +116,11 @@ class SlotBatch:
         # Cells f - len .. f of each row are its own tokens (cell f: the one fed now).
         mask = None if same else (torch.arange(f + 1, device=self.device)[None, :] >= (f - lengths)[:, None])
         positions = None if same else lengths[:, None]  # [B,1]: each slot's own next position
-        with torch.inference_mode(), attention_mask(self.model, None if mask is None else mask[:, None, None, :]):
+        with (
+            torch.inference_mode(),
+            packed_linears(self.model),
+            attention_mask(self.model, None if mask is None else mask[:, None, None, :]),
+        ):
             logits = last_logits(self.model, ids, self.cache, positions)  # [B,V]
         self.lengths = [n + 1 for n in self.lengths]
         return logits

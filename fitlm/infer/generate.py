@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Callable, Collection, cast
 import torch
 import torch.nn as nn
 
+from fitlm.infer.packed_linear import packed_linears
+
 if TYPE_CHECKING:
     from fitlm.models.causal_lm import CausalLM
 
@@ -109,7 +111,7 @@ def generate(
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     device = next(model.parameters()).device
     out: list[int] = []
-    with torch.inference_mode():
+    with torch.inference_mode(), packed_linears(model):  # (the weights read once per step, see packed_linear)
         cache = cast("CausalLM", model).new_kv_cache(1, len(prompt_ids) + max_new_tokens)  # (_max_seq_len: ours)
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # [1,T]
         for _ in range(max_new_tokens):
