@@ -45,6 +45,7 @@ class FitlmLM(TemplateLM):
         """MODEL (a path, loaded as `fitlm serve` loads it), or a `module` with its `tokenizer` already in memory
         (training's evaluation: the weights being trained, evaluated as they are)."""
         super().__init__()
+        self.loaded = module is None or tokenizer is None  # loaded here, not the training process's own model
         if module is None or tokenizer is None:
             if model is None:
                 raise ValueError("FitlmLM needs model=MODEL (a fitlm, run, HF directory or GGUF file)")
@@ -119,7 +120,8 @@ class FitlmLM(TemplateLM):
             if max_new < 1:
                 out.append("")
                 continue
-            new = generate(self.model, ids, max_new, temperature, eos_id=self.tokenizer.stop_ids)
+            # packed weights (a second copy) only for a loaded model, not the one being trained
+            new = generate(self.model, ids, max_new, temperature, eos_id=self.tokenizer.stop_ids, packed=self.loaded)
             text = self.tokenizer.decode([t for t in new if t not in self.tokenizer.stop_ids])
             for stop in until:
                 if stop:

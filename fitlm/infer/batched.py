@@ -66,8 +66,11 @@ class SlotBatch:
     may reach (`max_len`, at most the model's context): the caller removes it before it goes further.
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, packed: bool = True):
+        """`packed`: decode through oneDNN-packed weights (fitlm.infer.packed_linear: faster on a CPU, a second
+        copy of the weights' bytes for as long as the model lives); False where the model trains in between."""
         self.model = cast("CausalLM", model)  # (a family's model)
+        self.packed = packed
         self.keys: list[Hashable] = []
         self.lengths: list[int] = []  # tokens of each slot in the cache
         self.max_lens: list[int] = []
@@ -86,7 +89,7 @@ class SlotBatch:
                 f"a slot needs 1 <= prompt ({len(prompt_ids)} tokens) < max_len ({max_len}) <= "
                 f"the model's context ({limit})"
             )
-        with torch.inference_mode(), packed_linears(self.model):
+        with torch.inference_mode(), packed_linears(self.model, self.packed):
             solo = self.model.new_kv_cache(1, len(prompt_ids))
             ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)  # [1,P]
             logits = last_logits(self.model, ids, solo)[0]  # [V]
@@ -118,7 +121,7 @@ class SlotBatch:
         positions = None if same else lengths[:, None]  # [B,1]: each slot's own next position
         with (
             torch.inference_mode(),
-            packed_linears(self.model),
+            packed_linears(self.model, self.packed),
             attention_mask(self.model, None if mask is None else mask[:, None, None, :]),
         ):
             logits = last_logits(self.model, ids, self.cache, positions)  # [B,V]

@@ -92,8 +92,10 @@ def generate(
     eos_id: int | Collection[int] | None = None,
     seed: int | None = None,
     stream: Callable[[int], None] | None = None,
+    packed: bool = True,
 ) -> list[int]:
-    """Continue `prompt_ids`; return only the new tokens (ending with EOS if it was produced).
+    """Continue `prompt_ids`; return only the new tokens (ending with EOS if it was produced). `packed`: decode
+    through oneDNN-packed weights (fitlm.infer.packed_linear); False in a training process.
 
     `eos_id` is one id or several (a model may end a text and a turn differently, e.g. Llama 3's
     <|end_of_text|> and <|eot_id|>: pass `Tokenizer.stop_ids`); generation stops at any of them.
@@ -111,7 +113,7 @@ def generate(
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     device = next(model.parameters()).device
     out: list[int] = []
-    with torch.inference_mode(), packed_linears(model):  # (the weights read once per step, see packed_linear)
+    with torch.inference_mode(), packed_linears(model, packed):  # (the weights read once per step, see packed_linear)
         cache = cast("CausalLM", model).new_kv_cache(1, len(prompt_ids) + max_new_tokens)  # (_max_seq_len: ours)
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # [1,T]
         for _ in range(max_new_tokens):

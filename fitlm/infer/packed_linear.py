@@ -69,9 +69,10 @@ def _packed_forward(module: nn.Linear):
 
 
 @contextmanager
-def packed_linears(model: nn.Module) -> Iterator[None]:
-    """Run `model`'s plain CPU `nn.Linear`s on oneDNN-packed weights while inside (see the module doc)."""
-    dtypes = packable_dtypes()
+def packed_linears(model: nn.Module, enabled: bool = True) -> Iterator[None]:
+    """Run `model`'s plain CPU `nn.Linear`s on oneDNN-packed weights while inside (see the module doc). `enabled`
+    False: as they are (a training process, where the packed copies would hold the weights' bytes twice)."""
+    dtypes = packable_dtypes() if enabled else set()
     patched = [
         m
         for m in model.modules()

@@ -59,7 +59,8 @@ def sample(
     the caller sets autocast), prompt i's group drawn with seeds[i]."""
     g, limit = cfg.num_generations, cfg.max_completion_length
     generators = [torch.Generator().manual_seed(s) for s in seeds]
-    slots = SlotBatch(model)
+    # not packed: the weights train between rollouts, and packed copies would double them for the whole run
+    slots = SlotBatch(model, packed=False)
     first = [slots.add(len(slots), ids, len(ids) + limit) for ids in prompts for _ in range(g)]
     logits = torch.stack(first)  # [B, V]
     count = len(first)
