@@ -120,3 +120,15 @@ def test_planned_rollout_peak_matches_the_sampler_measured():
     planned = breakdown(s)
     assert planned.phase == ROLLOUT
     assert (planned.total - planned.optimizer) / measured["total"] == pytest.approx(1.0, abs=0.05)
+
+
+def test_two_prompts_per_step_on_24gb_is_diagnosed_with_fewer_completions():
+    """The guide's config at 2 prompts × G 8 per step: the rollout (its cache and the rebuild's copy) does not fit
+    the rtx4090, and the diagnosis offers halving the accumulation, which does."""
+    cfg = load_config(ROOT / "configs/guide-7b-lora-grpo-24gb.yaml", overrides=["train.gradient_accumulation_steps=4"])
+    out = plan(cfg, CATALOG["rtx4090"])
+    assert out["peak_phase"] == ROLLOUT and not out["fits_device"]
+    assert out["diagnosis"]["dominant"] == "activations"
+    fixes = {r["change"]: r for r in out["diagnosis"]["remedies"]}
+    half = next(k for k in fixes if k.startswith("train.gradient_accumulation_steps: 2"))
+    assert fixes[half]["fits"], fixes
