@@ -3,6 +3,7 @@ copy under full fine-tuning with beta > 0, the peak phase, the sampling time, an
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from fitlm.plan.setup import from_config
 from fitlm.plan.throughput import timing
 from fitlm.registry import build_model
 from fitlm.step.sampler import sample
+from tests.e2e.helpers import fitlm
 from tests.unit.test_plan_finetune_layouts import MODEL as LAYOUT_MODEL
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -132,3 +134,18 @@ def test_two_prompts_per_step_on_24gb_is_diagnosed_with_fewer_completions():
     fixes = {r["change"]: r for r in out["diagnosis"]["remedies"]}
     half = next(k for k in fixes if k.startswith("train.gradient_accumulation_steps: 2"))
     assert fixes[half]["fits"], fixes
+
+
+@pytest.mark.process
+def test_plan_cli_names_the_rollout_phase(tmp_path):
+    """The user's path: `fitlm plan CONFIG --device rtx4090` prints the rollout's parts and its peak moment; --json
+    carries finetune.grpo and time_breakdown_s.grpo_sampling."""
+    config = ROOT / "configs/guide-7b-lora-grpo-24gb.yaml"
+    shown = fitlm("plan", config, "--device", "rtx4090", cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    assert gp.KV_CACHE in shown.stderr and "GRPO's rollout (sampling)" in shown.stderr
+    js = fitlm("plan", config, "--device", "rtx4090", "--json", cwd=tmp_path)
+    out = json.loads(js.stdout)
+    assert out["peak_phase"] == ROLLOUT and out["fits_device"]
+    assert out["finetune"]["grpo"]["kv_cache_bytes"] == dict(out["activation_parts"])[gp.KV_CACHE]
+    assert out["time_breakdown_s"][gp.SAMPLING_KEY] > 0
