@@ -19,7 +19,8 @@ casts them again in backward instead, except where recompute, compile, FSDP2 or 
 Korthikanti et al.'s GPT constant (34·s·b·h) does not transfer: no dropout masks, a 3-matrix MLP, GQA.
 Fine-tuning (LoRA, QLoRA, freeze) changes what trains, what the frozen weights cost and what a block saves
 (QLoRA's dequantization working set is a named part of the backward moment), and DPO doubles the rows of a micro
-batch and may keep a frozen reference copy (`other`): see fitlm.plan.finetune.
+batch and may keep a frozen reference copy (`other`): see fitlm.plan.finetune. GRPO adds a third peak candidate, its
+rollout phase (the KV cache and the sampling logits beside the weights and optimizer states): fitlm.plan.grpo.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ class Breakdown:
     activations: int
     logits: int
     other: int
-    phase: str  # when the peak happens: "forward/backward" or "optimizer step"
+    phase: str  # when the peak happens: "forward/backward", "optimizer step" or (GRPO) ROLLOUT
     host: int = 0  # bytes kept in host memory by offload
     other_parts: tuple[tuple[str, int], ...] = ()  # what `other` holds, by name; they sum to `other`
     # Named shares of `activations` (the rest is the blocks' and the embedding's saved tensors), e.g. context
@@ -314,7 +315,15 @@ def _stage(s: Setup, first: bool) -> Breakdown:
     step_tmp = opt / 2 if not s.offload and foreach_adamw(s) else 0.0
     terms.append(Term("other", "optimizer temporaries", step_tmp, "step"))
     step = _at_moment(params, grads, opt, 0, 0, terms, "step", host, host_act, left)  # pinned buffers stay
-    return max((fb, replace(step, phase="optimizer step")), key=lambda b: b.total)
+    candidates = [fb, replace(step, phase="optimizer step")]
+    if s.objective == "grpo":  # sampling (fitlm.plan.grpo): states as trained, no gradients but DDP's buckets
+        act, logit = (sum_terms(terms, "rollout", c) for c in ("activations", "logits"))
+        roll = _at_moment(params, grads if s.dims.ddp else 0, opt, act, logit, terms, "rollout", host, 0, 1.0)
+        candidates.append(replace(roll, phase=ROLLOUT))
+    return max(candidates, key=lambda b: b.total)
+
+
+ROLLOUT = "rollout (sampling)"  # GRPO's peak phase when sampling holds more than the step
 
 
 COMPONENTS = ("params", "grads", "optimizer", "activations", "logits", "other")

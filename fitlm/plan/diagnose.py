@@ -4,7 +4,8 @@ Why single changes: a user fixing an out-of-memory error wants the smallest edit
 with the arithmetic that shows it works ("recompute: full saves 11.2 GiB -> 61.3 GiB, fits").
 Each remedy keeps what is learned unchanged (the global batch is held fixed), except the fine-tuning
 ones offered when a pretrained model is fine-tuned (model.init_from): LoRA or QLoRA on q/v, or freezing the
-bottom half, which train fewer parameters (and so say so); a LoRA run is offered QLoRA's 4-bit base.
+bottom half, which train fewer parameters (and so say so); a LoRA run is offered QLoRA's 4-bit base; a GRPO run
+whose rollout is the peak, half the accumulation (fewer prompts per step, and so says so).
 """
 
 from __future__ import annotations
@@ -108,11 +109,25 @@ def remedies(s: Setup) -> list[Remedy]:
         )
     if s.pretrained and s.method == "lora":  # the same adapters on the base stored in 4 bits
         trials.append(("finetune.method: qlora (the same adapters on a 4-bit NF4 base)", replace(s, method="qlora")))
+    trials += _grpo_trials(s)
     before = breakdown(s).total
     out = [Remedy(name, t, breakdown(t)) for name, t in trials if _allowed(s, t)]
     out = [r for r in out if r.memory.total < before]
     out.sort(key=lambda r: r.memory.total)
     return out
+
+
+def _grpo_trials(s: Setup) -> list[tuple[str, Setup]]:
+    """GRPO samples a rank's whole batch at once (fitlm.plan.grpo): half the accumulation samples half the
+    completions (fewer prompts per step, so it changes what is learned, and says so); the rules drop it where the
+    batch would no longer hold whole groups of G."""
+    if s.objective != "grpo" or s.accum < 2 or s.accum % 2:
+        return []
+    change = (
+        f"train.gradient_accumulation_steps: {s.accum // 2} (GRPO samples half the completions at once: "
+        "half the prompts per step)"
+    )
+    return [(change, replace(s, accum=s.accum // 2))]
 
 
 def oom_message(cfg, phase: str, rank: int, device_memory: int | None = None) -> str:

@@ -5,7 +5,7 @@ search (fitlm.plan.search) read them from this table. The order is the order of 
 
 from __future__ import annotations
 
-from fitlm.plan import activation_offload, context_parallel, data_parallel, expert_parallel, finetune, pipeline
+from fitlm.plan import activation_offload, context_parallel, data_parallel, expert_parallel, finetune, grpo, pipeline
 from fitlm.plan.terms import Feature
 
 FEATURES: tuple[Feature, ...] = (
@@ -15,4 +15,5 @@ FEATURES: tuple[Feature, ...] = (
     context_parallel.FEATURE,
     data_parallel.FEATURE,
     activation_offload.FEATURE,
+    grpo.FEATURE,
 )

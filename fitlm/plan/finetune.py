@@ -37,6 +37,10 @@ vocabulary; the planner does not read its directory).
 
 SimPO (`finetune.objective: simpo`) trains on the same pairs, 2B rows with whole logits, but has no
 reference: no copy of the weights and no reference forward.
+
+GRPO (`finetune.objective: grpo`) keeps a reference when finetune.grpo.beta > 0: under full fine-tuning the same
+frozen copy as DPO's (`reference_bytes`), under LoRA/QLoRA none (the adapters switched off). Its rollout phase
+(KV cache, sampling logits, sampling time) is fitlm.plan.grpo's.
 """
 
 from __future__ import annotations
@@ -65,7 +69,7 @@ ADAPTER_METHODS = ("lora", "qlora")  # fitlm.config.FinetuneConfig.adapters
 # are freed and needs less (bf16 + fp32: 6), as does autocast's bf16 copy of it.
 DEQUANT_BYTES_PER_PARAM = 14
 NF4_PARAMS = "NF4 base linears (4-bit codes + scales)"  # the part of `params` `nf4_rank_bytes` counts
-REFERENCE = "DPO reference model (frozen, unsharded)"  # the part of `other` that `reference_bytes` counts
+REFERENCE = "reference model (DPO, GRPO; frozen, unsharded)"  # the part of `other` `reference_bytes` counts
 DEQUANT = "NF4 dequantization (largest linear)"  # the part of `activations` `dequant_bytes` counts
 
 
@@ -239,35 +243,39 @@ def lora_partial_gradients(s: Setup) -> int:
 PARTIAL_READS_PER_STEP = 3
 
 
-def objective_note(s: Setup) -> str | None:
-    """What the plan does not count yet for the objective: GRPO's rollout phase and reference (issue 54)."""
-    if s.objective != "grpo":
-        return None
-    return (
-        "finetune.objective: grpo is planned as one training step over micro_batch_size completions of "
-        "data.seq_length tokens; the rollout phase (sampling, KV cache) and the reference model are not counted yet"
-    )
-
-
 def dpo(s: Setup) -> bool:
     return s.objective == "dpo"
 
 
+def grpo_beta(s: Setup) -> bool:
+    """GRPO with a KL term (finetune.grpo.beta > 0): it has a reference."""
+    return s.objective == "grpo" and s.cfg.finetune.grpo.beta > 0
+
+
 def reference_copy(s: Setup) -> bool:
-    """Does DPO keep a second, frozen model (not the LoRA base with adapters off)?"""
+    """Does DPO, or GRPO with beta > 0, keep a second, frozen model (not the LoRA base with adapters off)?
+    GRPO's reference is always the starting model (fitlm.train.grpo.reference_forward)."""
+    if grpo_beta(s):
+        return not adapters(s)
     return dpo(s) and not (adapters(s) and s.dpo_reference is None)
 
 
 def reference_bytes(s: Setup) -> int:
-    """The DPO reference copy on every rank: the whole network, unsplit and unsharded, stored as the run
+    """The DPO (or GRPO) reference copy on every rank: the whole network, unsplit and unsharded, stored as the run
     stores weights (apply_precision: fp32 at O0/O1, half at O2/O3)."""
     return total_params(s) * (2 if s.level in ("O2", "O3") else 4) if reference_copy(s) else 0
 
 
 def reference_forward_flops(s: Setup, matmul: int) -> float:
-    """FLOPs per row token of DPO's reference no-grad forward: a third of training's 6 per matmul
-    parameter and 12·L·h·T attention (the LoRA base: adapters off); 0 for SimPO and SFT, which have none."""
-    return (2.0 * matmul + 4.0 * s.layers * s.h * s.seq) if dpo(s) else 0.0
+    """FLOPs per row token of the no-grad forwards beside training: DPO's reference, a third of training's 6 per
+    matmul parameter and 12·L·h·T attention (the LoRA base: adapters off); GRPO's reference (beta > 0) and old
+    policy (num_iterations > 1), once per generation batch, so 1/num_iterations of them per step; 0 for SimPO
+    and SFT, which have none."""
+    forward = 2.0 * matmul + 4.0 * s.layers * s.h * s.seq
+    if s.objective == "grpo":
+        g = s.cfg.finetune.grpo
+        return forward * (int(g.beta > 0) + int(g.num_iterations > 1)) / g.num_iterations
+    return forward if dpo(s) else 0.0
 
 
 def frozen_blocks(s: Setup) -> int:
@@ -368,8 +376,8 @@ def outside_savings(s: Setup) -> float:
 
 
 def memory(st: Stage) -> list[Term]:
-    """DPO's frozen reference copy (all run), QLoRA's dequantization working set in the last block's backward, and
-    its NF4 weights named among the parameters (none where ZeRO's CPU offload holds the parameters)."""
+    """DPO's or GRPO's frozen reference copy (all run), QLoRA's dequantization working set in the last block's
+    backward, and its NF4 weights named among the parameters (none where ZeRO's CPU offload holds them)."""
     s = st.s
     terms = [
         Term("other", REFERENCE, reference_bytes(s), "always"),

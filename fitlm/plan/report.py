@@ -16,7 +16,7 @@ from fitlm.config import Config, ConfigError
 from fitlm.finetune.init_from import resolve_if_readable
 from fitlm.parallel.layout import layout_problems
 from fitlm.plan.activation_offload import note as offload_note
-from fitlm.plan.analytic import Breakdown, breakdown
+from fitlm.plan.analytic import ROLLOUT, Breakdown, breakdown
 from fitlm.plan.devices import Device
 from fitlm.plan.diagnose import dominant, remedies
 from fitlm.plan.expert_parallel import experts_per_device
@@ -27,11 +27,11 @@ from fitlm.plan.finetune import (
     lora_targets,
     nf4_params,
     nf4_rank_bytes,
-    objective_note,
     reference_bytes,
     stage_trainable,
     trainable_params,
 )
+from fitlm.plan.grpo import summary as grpo_summary
 from fitlm.plan.host import host_peaks, host_report, source_tensor
 from fitlm.plan.max_seq import max_seq
 from fitlm.plan.setup import Setup, from_config, on_device, routed_layers, to_overrides, total_params
@@ -79,6 +79,8 @@ def _finetune(s: Setup) -> dict[str, Any]:
             "reference": s.dpo_reference or "starting model",
             "reference_bytes": reference_bytes(s),
         }  # 0: LoRA's base with the adapters off
+    elif s.objective == "grpo":  # the rollout phase (fitlm.plan.grpo)
+        out["grpo"] = grpo_summary(s)
     elif s.pairs:  # SimPO: the pairs' rows, no reference model
         out[s.objective] = {"rows_per_micro_batch": s.rows, "reference_bytes": reference_bytes(s)}
     if adapters(s):
@@ -156,7 +158,7 @@ def plan(
             **dict(t.features),  # e.g. context_parallel_comm, activation_offload_copies, expert_parallel_all_to_all
         },
     }
-    notes = [n for n in (note, offload_note(s), objective_note(s)) if n]
+    notes = [n for n in (note, offload_note(s)) if n]
     if notes:
         out["notes"] = notes
     if longest:
@@ -260,6 +262,7 @@ def _render_host(console, h: dict[str, Any]) -> None:
 PEAK_MOMENTS = {
     "forward/backward": "forward/backward: the loss or the first recomputed block, before this micro batch's gradients",
     "optimizer step": "optimizer step: gradients complete, activations freed",
+    ROLLOUT: "GRPO's rollout (sampling): weights, optimizer states, the KV cache and the sampling logits",
 }
 
 

@@ -8,7 +8,8 @@ A rank's peak is the largest of three moments, and a term says in which it exist
   - "backward": the first block's backward, logits freed and the block regathered or rebuilt;
   - "forward_backward": both of those (the larger of the two is the forward/backward peak);
   - "step": the optimizer step;
-  - "always": all three (buffers, a frozen reference copy).
+  - "rollout": GRPO's sampling, before the step's forward (fitlm.plan.grpo: the KV cache, the sampling logits);
+  - "always": all of them (buffers, a frozen reference copy).
 Its component (params, grads, optimizer, activations, logits, other) is where the report shows it; a named term
 is listed among that component's parts. A term with `shown` names a share of bytes the engine counts already
 (e.g. context parallel's gathered K/V among the blocks' saved tensors) or shows another size than it adds.
@@ -28,14 +29,15 @@ if TYPE_CHECKING:
     from fitlm.plan.analytic import Breakdown
     from fitlm.plan.devices import Device
 
-Moment = Literal["loss", "backward", "forward_backward", "step", "always"]
+Moment = Literal["loss", "backward", "forward_backward", "step", "rollout", "always"]
 Component = Literal["params", "grads", "optimizer", "activations", "logits", "other"]
 MOMENTS: dict[str, tuple[str, ...]] = {  # which peak candidates a term's moment belongs to
     "loss": ("loss",),
     "backward": ("backward",),
     "forward_backward": ("loss", "backward"),
     "step": ("step",),
-    "always": ("loss", "backward", "step"),
+    "rollout": ("rollout",),
+    "always": ("loss", "backward", "step", "rollout"),
 }
 
 

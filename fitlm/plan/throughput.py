@@ -7,6 +7,8 @@ efficiency; full recompute adds one more forward of the blocks (hardware FLOPs, 
 Frozen weights (LoRA, freeze) skip their weight gradients, so their model FLOPs are 4 per parameter.
 DPO trains on both rows of every pair (tokens per step count 2 rows per pair) and runs one more, no-grad
 forward of the reference per micro batch (2 per matmul parameter plus 4·L·h·s per token: a third more).
+GRPO's old and reference forwards count the same way, once per generation batch; its sampling is fitlm.plan.grpo's
+`grpo_sampling`.
 LoRA under tensor parallel leaves the gradients of the replicated adapter halves Partial; the optimizer step
 all-reduces them each time it reads them (fitlm.plan.finetune.lora_partial_gradients), once per step.
 Communication uses ring costs (all-reduce 2(n-1)/n·S/B, all-gather and reduce-scatter (n-1)/n·S/B)
@@ -130,7 +132,7 @@ def _compute_s(s: Setup, dev: Device, fpt: float) -> float:
     at the device's peak times its efficiency; host AdamW's transfers and update under cpu_offload."""
     tokens_replica = s.rows * s.seq * s.accum  # per data-parallel replica per step (DPO: both rows of a pair)
     peak = dev.tflops * 1e12 * dev.efficiency
-    hw = fpt + ft.reference_forward_flops(s, matmul_params(s))  # DPO's reference forward: work, not model FLOPs
+    hw = fpt + ft.reference_forward_flops(s, matmul_params(s))  # DPO's/GRPO's no-grad forwards: work, not model FLOPs
     if s.recompute != "none":
         frac = 1.0 / max(1, s.recompute_every)
         block_fwd = 2.0 * s.layers * active_block_params(s) + 4.0 * s.layers * s.h * s.seq

@@ -87,9 +87,11 @@ def test_bad_grpo_settings_name_the_key_and_the_fix(data, key, fix):
     assert f"{key}" in message and fix in message, message
 
 
-def test_the_plan_says_what_it_does_not_count_for_grpo():
+def test_the_plan_counts_grpo_rollout_with_no_caveat_note():
+    """The rollout phase is planned (fitlm.plan.grpo; tests/unit/test_plan_grpo.py): no 'not counted' note."""
     from fitlm.plan.devices import CATALOG
     from fitlm.plan.report import plan
 
     result = plan(validate_dict(config()), CATALOG["a100-80g"], 1)
-    assert any(n.startswith("finetune.objective: grpo is planned as one training step") for n in result["notes"])
+    assert result["finetune"]["grpo"]["kv_cache_bytes"] > 0
+    assert not any("grpo" in n for n in result.get("notes", []))
