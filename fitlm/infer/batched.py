@@ -81,24 +81,37 @@ class SlotBatch:
         return len(self.keys)
 
     def add(self, key: Hashable, prompt_ids: list[int], max_len: int) -> torch.Tensor:
-        if key in self.keys:
-            raise ValueError(f"slot {key!r} is already decoding")
+        """Start slot `key` from `prompt_ids` (prefilled alone), room for max_len tokens; its next-token logits [V]."""
+        return self.add_many([(key, prompt_ids, max_len)])[0]
+
+    def add_many(self, slots: list[tuple[Hashable, list[int], int]]) -> torch.Tensor:
+        """`add` for several (key, prompt_ids, max_len) slots at once: each distinct prompt prefilled once (a group of
+        samples of one prompt shares its prefill) and one cache rebuild for them all, so the batch holds the new
+        cache and the prompts' own, not the previous cache besides (a rebuild per slot would). Logits [n, V]."""
         limit = int(self.model.config.max_seq_len)
-        if not 1 <= len(prompt_ids) < max_len <= limit:
-            raise ValueError(
-                f"a slot needs 1 <= prompt ({len(prompt_ids)} tokens) < max_len ({max_len}) <= "
-                f"the model's context ({limit})"
-            )
+        keys = [key for key, _, _ in slots]
+        for key, prompt_ids, max_len in slots:
+            if key in self.keys or keys.count(key) > 1:
+                raise ValueError(f"slot {key!r} is already decoding")
+            if not 1 <= len(prompt_ids) < max_len <= limit:
+                raise ValueError(
+                    f"a slot needs 1 <= prompt ({len(prompt_ids)} tokens) < max_len ({max_len}) <= "
+                    f"the model's context ({limit})"
+                )
+        prefilled: dict[tuple[int, ...], tuple[KVCache, torch.Tensor]] = {}
         with torch.inference_mode(), packed_linears(self.model, self.packed):
-            solo = self.model.new_kv_cache(1, len(prompt_ids))
-            ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)  # [1,P]
-            logits = last_logits(self.model, ids, solo)[0]  # [V]
-        rows = [(self.cache, i, n) for i, n in enumerate(self.lengths)] + [(solo, 0, len(prompt_ids))]
-        self.keys.append(key)
-        self.lengths.append(len(prompt_ids))
-        self.max_lens.append(max_len)
+            for _, prompt_ids, _ in slots:
+                if tuple(prompt_ids) not in prefilled:
+                    solo = self.model.new_kv_cache(1, len(prompt_ids))
+                    ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)  # [1,P]
+                    prefilled[tuple(prompt_ids)] = (solo, last_logits(self.model, ids, solo)[0])  # [V]
+        rows = [(self.cache, i, n) for i, n in enumerate(self.lengths)]
+        rows += [(prefilled[tuple(ids)][0], 0, len(ids)) for _, ids, _ in slots]
+        self.keys += keys
+        self.lengths += [len(ids) for _, ids, _ in slots]
+        self.max_lens += [max_len for _, _, max_len in slots]
         self._rebuild(rows)
-        return logits
+        return torch.stack([prefilled[tuple(ids)][1] for _, ids, _ in slots])
 
     def remove(self, key: Hashable) -> None:
         j = self.keys.index(key)

@@ -8,10 +8,10 @@ the rank's whole copy of the weights (fitlm.rules refuses ZeRO-2/3 and CPU offlo
     zeroes them with set_to_none; DDP's buckets stay, so under DDP they count);
   - the KV cache (KVCache: per layer a k and a v [rows, kv_heads, cells, head_dim] in the embedding's dtype):
     rows × (max_prompt_length + max_completion_length) cells, the longest prompt right-aligned and room for
-    every completion token. SlotBatch adds the rows one prompt at a time and rebuilds the cache at each add while
-    the previous one is still alive, so the last add holds rows − 1 more rows at once (`KV_REBUILD`);
-  - the sampling logits: last_logits' [rows, V] in the forward's dtype, the stacked first step's [rows, V] (the
-    sampler keeps its list), and the fp32 copy `.float()` makes before the copy to the CPU (none at O0).
+    every completion token. SlotBatch.add_many prefills each prompt once for its group, then builds the cache
+    from those prompt caches (`KV_PREFILL`: rows / G caches of max_prompt_length cells, alive while it builds);
+  - the sampling logits: last_logits' [rows, V] in the forward's dtype, the stacked first step's [rows, V], and
+    the fp32 copy `.float()` makes before the copy to the CPU (none at O0).
 The reference model (beta > 0) is fitlm.plan.finetune's REFERENCE term: a frozen copy under full fine-tuning,
 none under LoRA/QLoRA (the adapters switched off). After sampling the cache is freed; the old and reference
 log-probability forwards run per micro batch under no_grad and keep at most [b, T, V] logits, a half copy and two
@@ -21,10 +21,11 @@ seq_length to max_prompt_length + max_completion_length, as the guide's config d
 
 Time: sampling is memory-bound decoding. Each of the max_completion_length steps reads the weights and the cache
 filled so far (on average prompt + completion/2 cells of every row) at the device's memory bandwidth, and copies
-the [rows, V] fp32 logits to the host; each row's prompt is first run alone (prefill, compute-bound). The sampling
+the [rows, V] fp32 logits to the host; each prompt is first run once for its group (prefill, compute-bound). The
+sampling
 runs once per generation batch, so a step carries 1/num_iterations of it (`grpo_sampling` in the report); the old
 and reference forwards are fitlm.plan.finetune.reference_forward_flops in the training compute. Not modelled: the
-CPU's top-k/top-p sampling per token, the cache rebuild copies, and completions that stop early (the plan
+CPU's top-k/top-p sampling per token, the cache build's copies, and completions that stop early (the plan
 assumes every one runs to max_completion_length, the worst case).
 """
 
@@ -35,7 +36,7 @@ from fitlm.plan.setup import Setup, act_bytes, matmul_params, param_bytes, total
 from fitlm.plan.terms import Feature, Stage, Term, TimeContext, Timed
 
 KV_CACHE = "GRPO rollout KV cache"  # a part of `activations` at the rollout moment
-KV_REBUILD = "GRPO KV cache rebuild (previous cache, last add)"
+KV_PREFILL = "GRPO prompts' prefill caches (one a group, while the batch cache is built)"
 SAMPLING_LOGITS = "GRPO sampling logits"  # a part of `logits` at the rollout moment
 SAMPLING_KEY = "grpo_sampling"  # time_breakdown_s key
 
@@ -78,16 +79,16 @@ def kv_cache_bytes(s: Setup) -> int:
     return rollout_rows(s) * rollout_length(s) * kv_bytes_per_cell(s) if grpo(s) else 0
 
 
-def kv_rebuild_bytes(s: Setup) -> int:
-    """The previous cache alive while the last add builds the new one: rows − 1 rows of as many cells."""
-    return (rollout_rows(s) - 1) * rollout_length(s) * kv_bytes_per_cell(s) if grpo(s) else 0
+def kv_prefill_bytes(s: Setup) -> int:
+    """The prompts' own caches, one per group (G completions share a prefill), alive while the batch's is built."""
+    g = s.cfg.finetune.grpo.num_generations
+    return -(-rollout_rows(s) // g) * prompt_length(s) * kv_bytes_per_cell(s) if grpo(s) else 0
 
 
 def sampling_logits_bytes(s: Setup) -> int:
-    """[rows, V] logits in the forward's dtype twice (the step's and the kept first step's), plus the fp32 copy
-    made before the move to the host (the same tensor at O0)."""
-    a = act_bytes(s)
-    return rollout_rows(s) * s.vocab * (2 * a + (4 if a < 4 else 0)) if grpo(s) else 0
+    """A decoding step's [rows, V] logits in the forward's dtype and the sampler's fp32 working set beside them
+    (fitlm.step.sampler.sample: the scaled logits, their log-softmax, and the entropy's exp and product)."""
+    return rollout_rows(s) * s.vocab * (act_bytes(s) + 4 * 4) if grpo(s) else 0
 
 
 def weight_bytes(s: Setup) -> float:
@@ -98,11 +99,12 @@ def weight_bytes(s: Setup) -> float:
 
 
 def sampling_s(s: Setup, peak_flops: float, hbm_bps: float, host_bps: float) -> float:
-    """Seconds to sample one generation batch on a rank: prefill of every row's prompt alone, then
+    """Seconds to sample one generation batch on a rank: each prompt's prefill once for its group, then
     max_completion_length memory-bound decoding steps over all rows at once."""
     rows, p = rollout_rows(s), prompt_length(s)
     steps = s.cfg.finetune.grpo.max_completion_length
-    prefill = rows * p * (2.0 * matmul_params(s) + 4.0 * s.layers * s.h * p) / peak_flops
+    prompts = -(-rows // s.cfg.finetune.grpo.num_generations)
+    prefill = prompts * p * (2.0 * matmul_params(s) + 4.0 * s.layers * s.h * p) / peak_flops
     cache_read = rows * steps * (p + steps / 2) * kv_bytes_per_cell(s)
     decode = (steps * weight_bytes(s) + cache_read) / hbm_bps
     to_host = steps * rows * s.vocab * 4 / host_bps
@@ -110,13 +112,13 @@ def sampling_s(s: Setup, peak_flops: float, hbm_bps: float, host_bps: float) -> 
 
 
 def memory(st: Stage) -> list[Term]:
-    """The rollout moment's KV cache (with the rebuild's previous copy) and sampling logits."""
+    """The rollout moment's KV cache (with the prompts' prefill caches) and sampling logits."""
     s = st.s
     if not grpo(s):
         return []
     return [
         Term("activations", KV_CACHE, kv_cache_bytes(s), "rollout"),
-        Term("activations", KV_REBUILD, kv_rebuild_bytes(s), "rollout"),
+        Term("activations", KV_PREFILL, kv_prefill_bytes(s), "rollout"),
         Term("logits", SAMPLING_LOGITS, sampling_logits_bytes(s), "rollout"),
     ]
 
@@ -136,7 +138,7 @@ def summary(s: Setup) -> dict[str, int]:
         "rollout_rows_per_device": rollout_rows(s),
         "rollout_tokens_per_row": rollout_length(s),
         "kv_cache_bytes": kv_cache_bytes(s),
-        "kv_rebuild_bytes": kv_rebuild_bytes(s),
+        "kv_prefill_bytes": kv_prefill_bytes(s),
         "sampling_logits_bytes": sampling_logits_bytes(s),
         "reference_bytes": ft.reference_bytes(s),
     }

@@ -61,9 +61,9 @@ def sample(
     generators = [torch.Generator().manual_seed(s) for s in seeds]
     # not packed: the weights train between rollouts, and packed copies would double them for the whole run
     slots = SlotBatch(model, packed=False)
-    first = [slots.add(len(slots), ids, len(ids) + limit) for ids in prompts for _ in range(g)]
-    logits = torch.stack(first)  # [B, V]
-    count = len(first)
+    # one prefill per prompt for its group, one cache for the batch
+    logits = slots.add_many([(i * g + j, ids, len(ids) + limit) for i, ids in enumerate(prompts) for j in range(g)])
+    count = logits.shape[0]  # [B, V]
     out: list[list[int]] = [[] for _ in range(count)]
     done = [False] * count
     entropy, tokens = 0.0, 0

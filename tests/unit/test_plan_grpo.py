@@ -50,7 +50,7 @@ def test_kv_cache_equals_the_hand_formula_and_the_engine_cache():
     assert gp.kv_cache_bytes(s) == rows * cells * 4 * 2 * 2 * 16 * 4
     cache = KVCache(4, rows, cells, 2, 16)  # the engine's own cache for the same rows and cells
     assert gp.kv_cache_bytes(s) == sum(t.numel() * t.element_size() for t in cache.k + cache.v)
-    assert gp.kv_rebuild_bytes(s) == (rows - 1) * cells * 4 * 2 * 2 * 16 * 4
+    assert gp.kv_prefill_bytes(s) == rows // 4 * 16 * 4 * 2 * 2 * 16 * 4  # one prompt cache a group of G = 4
 
 
 def test_kv_cache_takes_the_embedding_dtype():
@@ -76,13 +76,13 @@ def test_peak_phase_switches_to_rollout_when_a_rank_samples_many_completions():
     micro_batch_size at a time: few of them, the training step is the peak; many (long), sampling is."""
     short = breakdown(from_config(_cfg(micro=4, accum=1)))
     assert short.phase != ROLLOUT
-    s = from_config(_cfg(micro=1, accum=32, num_generations=8, max_completion_length=64))
+    s = from_config(_cfg(micro=1, accum=96, num_generations=8, max_completion_length=64))
     long = breakdown(s)
     assert long.phase == ROLLOUT
     parts = dict(long.activation_parts)
-    assert parts == {gp.KV_CACHE: gp.kv_cache_bytes(s), gp.KV_REBUILD: gp.kv_rebuild_bytes(s)}
-    assert long.activations == gp.kv_cache_bytes(s) + gp.kv_rebuild_bytes(s)
-    assert long.logits == gp.sampling_logits_bytes(s) == 32 * 512 * (4 + 4)  # O0: the step's and the first's
+    assert parts == {gp.KV_CACHE: gp.kv_cache_bytes(s), gp.KV_PREFILL: gp.kv_prefill_bytes(s)}
+    assert long.activations == gp.kv_cache_bytes(s) + gp.kv_prefill_bytes(s)
+    assert long.logits == gp.sampling_logits_bytes(s) == 96 * 512 * (4 + 4 * 4)  # O0: the step's, 4 fp32 beside
     assert long.grads == 0  # set_to_none: no gradients while sampling (one process)
 
 
@@ -99,7 +99,7 @@ def test_guide_24gb_config_counts_the_rollout_and_fits_rtx4090():
     cfg = load_config(ROOT / "configs/guide-7b-lora-grpo-24gb.yaml")
     out = plan(cfg, CATALOG["rtx4090"])
     g = out["finetune"]["grpo"]
-    assert g["kv_cache_bytes"] == 8 * 1024 * 32 * 2 * 4096 * 2  # 8 rows (1 prompt × G 8) of 1024 half cells
+    assert g["kv_cache_bytes"] == 16 * 1024 * 32 * 2 * 4096 * 2  # 16 rows (2 prompts × G 8) of 1024 half cells
     assert g["reference_bytes"] == 0  # LoRA: the adapters switched off
     assert out["peak_phase"] == ROLLOUT
     assert out["time_breakdown_s"][gp.SAMPLING_KEY] > 0
@@ -111,28 +111,30 @@ def test_guide_24gb_config_counts_the_rollout_and_fits_rtx4090():
 def test_planned_rollout_peak_matches_the_sampler_measured():
     """The real sampler (fitlm.step.sampler.sample, SlotBatch's cache) under MemTracker, every completion run to
     max_completion_length (no stop token): its peak live bytes against the plan's rollout moment less the
-    optimizer states (none here), within 5% (measured +0.8%: the KV cache and its rebuild copy dominate)."""
-    cfg = _cfg(micro=1, accum=32, num_generations=8, max_completion_length=64)
+    optimizer states (none here), within 5% (the KV cache dominates)."""
+    cfg = _cfg(micro=1, accum=96, num_generations=8, max_completion_length=64)
     s, g = from_config(cfg), cfg.finetune.grpo
     torch.manual_seed(0)
     model = build_model(cfg.model).eval()
-    prompts = [[1 + (i * 7 + j) % 500 for j in range(g.max_prompt_length)] for i in range(32 // 8)]
+    prompts = [[1 + (i * 7 + j) % 500 for j in range(g.max_prompt_length)] for i in range(96 // 8)]
     seeds = list(range(len(prompts)))
     measured = peak_live_bytes(lambda: sample(model, prompts, g, (), seeds), [model], None, warmup_steps=0)
     planned = breakdown(s)
     assert planned.phase == ROLLOUT
-    assert (planned.total - planned.optimizer) / measured["total"] == pytest.approx(1.0, abs=0.05)
+    ratio = (planned.total - planned.optimizer) / measured["total"]
+    print(f"planned / measured rollout peak: {ratio:.3f}")
+    assert ratio == pytest.approx(1.0, abs=0.05)
 
 
 def test_two_prompts_per_step_on_24gb_is_diagnosed_with_fewer_completions():
-    """The guide's config at 2 prompts × G 8 per step: the rollout (its cache and the rebuild's copy) does not fit
-    the rtx4090, and the diagnosis offers halving the accumulation, which does."""
-    cfg = load_config(ROOT / "configs/guide-7b-lora-grpo-24gb.yaml", overrides=["train.gradient_accumulation_steps=4"])
+    """The guide's config at 4 prompts × G 8 per step: the rollout (its KV cache) does not fit the rtx4090, and the
+    diagnosis offers halving the accumulation, which does."""
+    cfg = load_config(ROOT / "configs/guide-7b-lora-grpo-24gb.yaml", overrides=["train.gradient_accumulation_steps=8"])
     out = plan(cfg, CATALOG["rtx4090"])
     assert out["peak_phase"] == ROLLOUT and not out["fits_device"]
     assert out["diagnosis"]["dominant"] == "activations"
     fixes = {r["change"]: r for r in out["diagnosis"]["remedies"]}
-    half = next(k for k in fixes if k.startswith("train.gradient_accumulation_steps: 2"))
+    half = next(k for k in fixes if k.startswith("train.gradient_accumulation_steps: 4"))
     assert fixes[half]["fits"], fixes
 
 

@@ -86,6 +86,23 @@ def test_each_slot_equals_its_solo_run(model):
     assert len({len(p) for p in PROMPTS}) > 1 and len(set(tokens[0])) > 2
 
 
+def test_add_many_equals_adding_one_at_a_time(model):
+    """Slots added together (a prompt repeated, as GRPO's group of samples: one prefill for them) decode as the same
+    slots added one by one, beside a slot already decoding; a key given twice is refused."""
+    one, many = SlotBatch(model), SlotBatch(model)
+    for batch in (one, many):
+        batch.add("old", PROMPTS[0], 40)
+        batch.step([3])
+    slots = [(0, PROMPTS[1], 40), (1, PROMPTS[1], 40), (2, PROMPTS[2], 40)]
+    first = torch.stack([one.add(*slot) for slot in slots])
+    torch.testing.assert_close(many.add_many(slots), first, rtol=0, atol=0)
+    assert many.keys == one.keys and many.lengths == one.lengths
+    for _ in range(3):
+        torch.testing.assert_close(many.step([5, 6, 6, 7]), one.step([5, 6, 6, 7]), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="already"):
+        SlotBatch(model).add_many([(0, [1, 2], 5), (0, [1, 3], 5)])
+
+
 def test_slot_limits_are_enforced(model):
     batch = SlotBatch(model)
     with pytest.raises(ValueError, match="max_len"):
