@@ -91,13 +91,15 @@ class SlotBatch:
         limit = int(self.model.config.max_seq_len)
         keys = [key for key, _, _ in slots]
         for key, prompt_ids, max_len in slots:
-            if key in self.keys or keys.count(key) > 1:
+            if key in self.keys:
                 raise ValueError(f"slot {key!r} is already decoding")
             if not 1 <= len(prompt_ids) < max_len <= limit:
                 raise ValueError(
                     f"a slot needs 1 <= prompt ({len(prompt_ids)} tokens) < max_len ({max_len}) <= "
                     f"the model's context ({limit})"
                 )
+        if len(set(keys)) < len(keys):
+            raise ValueError(f"slots {sorted({k for k in keys if keys.count(k) > 1}, key=repr)} are already decoding")
         prefilled: dict[tuple[int, ...], tuple[KVCache, torch.Tensor]] = {}
         with torch.inference_mode(), packed_linears(self.model, self.packed):
             for _, prompt_ids, _ in slots:

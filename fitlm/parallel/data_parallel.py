@@ -27,7 +27,6 @@ from fitlm.parallel.expert_parallel import (
     expert_shard_placement,
     shard_experts_over_replicas,
     sync_expert_gradients,
-    whole_expert_parameters,
 )
 from fitlm.parallel.mesh import ParallelContext
 from fitlm.parallel.streamed_vocab import apply_streamed_tables, streamed_tables
@@ -71,7 +70,7 @@ def apply_data_parallel(model: nn.Module, ctx: ParallelContext, memory: MemoryCo
         # (fitlm.parallel.expert_parallel.sync_expert_gradients).
         if ctx.ep > 1 and ctx.dims.edp > 1:
             shard_experts_over_replicas(model, ctx, {k: v for k, v in policies.items() if k != "mesh"})
-        experts = set(whole_expert_parameters([model]))
+        experts = set(expert_parameters([model], whole_only=True))
         ignored = (apply_streamed_tables(tables, dp_mesh) or set()) | experts or None
         host = dist.get_backend(dp_mesh.get_group()) == "gloo"
         for block in transformer_blocks(model):

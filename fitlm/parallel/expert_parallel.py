@@ -166,20 +166,14 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:
     return model
 
 
-def expert_parameters(modules: list[nn.Module]) -> list[nn.Parameter]:
-    """The expert-parallel parameters of `modules` (what data parallel leaves to `sync_expert_gradients`)."""
-    return [
-        p for m in modules for sub in m.modules() if getattr(sub, _EXPERT, False) for p in sub.parameters(recurse=False)
-    ]
-
-
-def whole_expert_parameters(modules: list[nn.Module]) -> list[nn.Parameter]:
-    """The expert-parallel parameters of `modules` that no FSDP2 unit shards over "edp" (each rank's whole)."""
+def expert_parameters(modules: list[nn.Module], whole_only: bool = False) -> list[nn.Parameter]:
+    """The expert-parallel parameters of `modules` (what data parallel leaves to `sync_expert_gradients`);
+    `whole_only`: those that no FSDP2 unit shards over "edp" (each rank's whole)."""
     return [
         p
         for m in modules
         for sub in m.modules()
-        if getattr(sub, _EXPERT, False) and not getattr(sub, _SHARDED, False)
+        if getattr(sub, _EXPERT, False) and not (whole_only and getattr(sub, _SHARDED, False))
         for p in sub.parameters(recurse=False)
     ]
 
@@ -223,7 +217,7 @@ def sync_expert_gradients(modules: list[nn.Module], ctx: ParallelContext) -> Non
     reduce-scattered over those ranks (an average) are scaled by edp / dp."""
     dim = ctx.dims.expert_replica_dim
     group = ctx.group(dim) if ctx.dims.expert_replicas > 1 else None
-    whole = {id(p) for p in whole_expert_parameters(modules)}
+    whole = {id(p) for p in expert_parameters(modules, whole_only=True)}
     for p in expert_parameters(modules):
         if p.grad is None:
             continue
