@@ -4,8 +4,8 @@ Order, after the real `Trainer` is built for the configured layout (into a scrat
   1. `steps` timed steps (`Trainer.train_step`, phase wall times from its PhaseTimer, device-synced
      on CUDA); the first is warm-up (optimizer states, thread pools) and is left out of the averages;
   2. two steps under torch.profiler (communication time, memory by operator; see trace.py);
-  3. two steps under MemTracker (fitlm.memory.tracking.track_step): the second is measured, giving
-     peak live tensor bytes by category and per module.
+  3. steps under MemTracker (fitlm.memory.tracking.track_step): one warm-up, then one measured (the least of
+     three under gloo, `measured_steps_for`), giving peak live tensor bytes by category and per module.
 Each phase gets its own steps so that no instrument slows the steps another one times.
 """
 
@@ -22,12 +22,12 @@ import torch
 from fitlm.config import Config, validate_dict
 from fitlm.finetune.init_from import resolve_init_from
 from fitlm.hardware import peak_memory_bytes
-from fitlm.memory.tracking import plan_components, track_step
+from fitlm.memory.tracking import measured_steps_for, plan_components, track_step
 from fitlm.profile.trace import trace_steps
 from fitlm.train.progress import TrainProgress
 
 TRACED_STEPS = 2
-TRACKED_STEPS = 2  # one warm-up, one measured (MemTracker)
+TRACKED_STEPS = 4  # one warm-up, then up to three measured (MemTracker; see measured_steps_for)
 SCRATCH = "burst"  # the burst's own train.output_dir, under the profile's output directory
 
 
@@ -76,7 +76,8 @@ def run_burst(cfg: Config, steps: int, out: Path) -> list[dict] | None:
     _say(main, "measuring peak live tensor bytes (MemTracker) on one step")
     memory, memory_error = None, None
     try:
-        memory = track_step(one_step, trainer.pm.modules, trainer.step.optimizer, warmup_steps=TRACKED_STEPS - 1)
+        measured = measured_steps_for(ctx.distributed, device)
+        memory = track_step(one_step, trainer.pm.modules, trainer.step.optimizer, 1, measured)
     except Exception as exc:  # noqa: BLE001 - a tracker limitation must not lose the timing results
         memory_error = f"{type(exc).__name__}: {exc}"
     result = summarize(trainer, records, traced, memory, memory_error)

@@ -379,3 +379,28 @@ def test_o2_training_is_unchanged_by_the_recast(tiny_corpus, tmp_path, monkeypat
     recast = losses(make_trainer(tiny_corpus, tmp_path / "a", train=SHORT, memory=o2))
     monkeypatch.setattr("fitlm.memory.precision.recasts_in_backward", lambda *a, **kw: False)
     assert losses(make_trainer(tiny_corpus, tmp_path / "b", train=SHORT, memory=o2)) == recast
+
+
+def test_the_least_of_several_measured_steps_is_kept_with_its_own_module_rows():
+    """gloo's worker thread can release a finished collective's buffer after the rank's next allocation
+    (fitlm.memory.tracking.measured_steps_for): a step whose peak holds such a straggler must not be the one kept."""
+    from fitlm.memory.tracking import measured_steps_for, track_step
+
+    model = torch.nn.Linear(16, 16)
+    straggler = iter([True, False, True])  # the first and last measured steps hold an extra 1 MiB at their peak
+
+    def step():
+        extra = torch.ones(262_144) if next(straggler, False) else None  # 1 MiB of fp32
+        model(torch.ones(4, 16)).sum().backward()
+        del extra
+
+    def warmup():
+        model(torch.ones(4, 16)).sum().backward()
+
+    calls = iter([warmup, step, step, step])
+    memory = track_step(lambda: next(calls)(), [model], None, warmup_steps=1, measured_steps=3)
+    alone = track_step(warmup, [model], None, warmup_steps=1, measured_steps=1)
+    assert memory.peak["total"] == alone.peak["total"] < 1 << 20, (memory.peak, alone.peak)
+    assert memory.modules and all(row["forward_peak"] < 1 << 20 for row in memory.modules)
+    assert measured_steps_for(True, torch.device("cpu")) == 3
+    assert measured_steps_for(False, torch.device("cpu")) == 1
