@@ -16,8 +16,9 @@ The reference model (beta > 0) is fitlm.plan.finetune's REFERENCE term: a frozen
 none under LoRA/QLoRA (the adapters switched off). After sampling the cache is freed; the old and reference
 log-probability forwards run per micro batch under no_grad and keep at most [b, T, V] logits, a half copy and two
 fp32 ones: no more than the training loss's own at its peak, so the training phase covers them.
-The training phase is the engine's step over micro_batch_size completions of data.seq_length tokens (set
-seq_length to max_prompt_length + max_completion_length, as the guide's config does).
+The training phase is the engine's step over micro_batch_size completions of max_prompt_length +
+max_completion_length tokens (fitlm.plan.setup.grpo_row_length: the rollout cuts each micro batch to its longest
+row, however long data.seq_length is).
 
 Time: sampling is memory-bound decoding. Each of the max_completion_length steps reads the weights and the cache
 filled so far (on average prompt + completion/2 cells of every row) at the device's memory bandwidth, and copies
@@ -39,6 +40,7 @@ KV_CACHE = "GRPO rollout KV cache"  # a part of `activations` at the rollout mom
 KV_PREFILL = "GRPO prompts' prefill caches (one a group, while the batch cache is built)"
 SAMPLING_LOGITS = "GRPO sampling logits"  # a part of `logits` at the rollout moment
 SAMPLING_KEY = "grpo_sampling"  # time_breakdown_s key
+LOSS_LOGITS = "GRPO loss: logits / temperature (fp32)"  # a part of `logits` at the training step's loss moment
 
 
 def grpo(s: Setup) -> bool:
@@ -51,8 +53,8 @@ def rollout_rows(s: Setup) -> int:
 
 
 def prompt_length(s: Setup) -> int:
-    """The longest prompt allowed: max_prompt_length, or (null) data.seq_length − max_completion_length
-    (fitlm.train.grpo.longest_prompt_allowed)."""
+    """The longest prompt allowed: max_prompt_length, or (null) the row length less max_completion_length
+    (fitlm.train.grpo.longest_prompt_allowed; s.seq is grpo_row_length's)."""
     g = s.cfg.finetune.grpo
     return g.max_prompt_length if g.max_prompt_length is not None else s.seq - g.max_completion_length
 
@@ -112,14 +114,19 @@ def sampling_s(s: Setup, peak_flops: float, hbm_bps: float, host_bps: float) -> 
 
 
 def memory(st: Stage) -> list[Term]:
-    """The rollout moment's KV cache (with the prompts' prefill caches) and sampling logits."""
+    """The rollout moment's KV cache (with the prompts' prefill caches) and sampling logits; the loss's scaled
+    logits at the training step's loss moment."""
     s = st.s
     if not grpo(s):
         return []
+    # token_logps' logits / temperature: one more fp32 [b, T, V] than the cross-entropy's path, kept for
+    # logsumexp's backward (a new tensor at any temperature, 1.0 included)
+    scaled = st.tokens * s.vocab / s.tp * 4 if st.has_logits else 0.0
     return [
         Term("activations", KV_CACHE, kv_cache_bytes(s), "rollout"),
         Term("activations", KV_PREFILL, kv_prefill_bytes(s), "rollout"),
         Term("logits", SAMPLING_LOGITS, sampling_logits_bytes(s), "rollout"),
+        Term("logits", LOSS_LOGITS, scaled, "loss"),
     ]
 
 

@@ -60,7 +60,8 @@ class _ScalarStub(TorchDispatchMode):
 
 
 def _batch(cfg: Config) -> dict[str, torch.Tensor]:
-    b, t = from_config(cfg).rows, cfg.data.seq_length  # DPO: B pairs are 2B rows
+    setup = from_config(cfg)
+    b, t = setup.rows, setup.seq  # DPO: B pairs are 2B rows; GRPO: rows of its longest prompt and completion
     ids = torch.zeros(b, t, dtype=torch.long)
     return {
         "input_ids": ids,

@@ -183,10 +183,13 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
 
 def nan_extreme(x: torch.Tensor, largest: bool) -> float:
     """The largest (or smallest) of x [B] ignoring NaN; NaN when all are."""
-    kept = x[~torch.isnan(x)]
-    if kept.numel() == 0:
-        return float("nan")
-    return (kept.max() if largest else kept.min()).item()
+    # NaN mapped past every value rather than indexed away: a boolean index has a data-dependent shape, which
+    # `fitlm plan --simulate`'s fake tensors cannot run
+    if largest:
+        value = torch.where(torch.isnan(x), float("-inf"), x).max().item() if x.numel() else float("-inf")
+        return float("nan") if value == float("-inf") else value
+    value = torch.where(torch.isnan(x), float("inf"), x).min().item() if x.numel() else float("inf")
+    return float("nan") if value == float("inf") else value
 
 
 def clip_metrics(ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, low: float, high: float) -> dict:

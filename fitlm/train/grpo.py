@@ -125,7 +125,7 @@ class GrpoRun:
         rewards = load_rewards(g.reward_funcs)
         self.rollouts = Rollouts(cfg, policy, tokenizer, rewards, reference, ctx.device)
         self.current: Rollout | None = None
-        self.log_path = output_dir / "rollouts.jsonl" if t.observe.log_completions and ctx.is_main else None
+        self.log_path = output_dir / "rollouts.jsonl" if t.observe.log_completions else None
 
     def micro_batches(self, step: int, objective: GrpoObjective) -> list[dict[str, torch.Tensor]]:
         """Step `step`'s (1-based) micro batches, sampling a new generation batch when the step starts one."""
@@ -140,10 +140,21 @@ class GrpoRun:
         return [m.batch() for m in self.current.micro]
 
     def _log(self, step: int, rollout: Rollout) -> None:
+        """Every rank's completions of this step, written by the main rank in the order one process samples them
+        (dp rank r holds the r-th slice of the generation batch's prompts)."""
         if self.log_path is None:
             return
+        records = rollout.records
+        if self.ctx.dp > 1:  # every rank takes part in the gather; only the main rank writes
+            import torch.distributed as dist
+
+            every: list[list[dict]] | None = [[] for _ in range(self.ctx.dp)] if self.ctx.dp_rank == 0 else None
+            dist.gather_object(records, every, group=self.ctx.group("dp"), group_dst=0)
+            records = [r for part in every or [] for r in part]
+        if not self.ctx.is_main:
+            return
         with self.log_path.open("a", encoding="utf-8") as f:
-            for record in rollout.records:
+            for record in records:
                 f.write(json.dumps({"step": step, **record}, ensure_ascii=False, default=str) + "\n")
 
 

@@ -95,10 +95,10 @@ def state(path: Path) -> str:
     return STATE_OF.get(status, status)
 
 
-def read_records(path: Path, since: int = 0) -> tuple[list[dict[str, Any]], int]:
-    """metrics.jsonl records from byte `since` on, and the byte to read from next: the end of the last complete
-    line (a half-written last line waits for its newline). Polling a long run reads only what is new."""
-    f = path / "metrics.jsonl"
+def read_records(path: Path, since: int = 0, name: str = "metrics.jsonl") -> tuple[list[dict[str, Any]], int]:
+    """`name`'s records (metrics.jsonl, rollouts.jsonl) from byte `since` on, and the byte to read from next: the end
+    of the last complete line (a half-written last line waits for its newline). Polling reads only what is new."""
+    f = path / name
     if not f.is_file():
         return [], since
     with open(f, "rb") as fh:
@@ -127,6 +127,25 @@ def _last_records(path: Path) -> list[dict[str, Any]]:
     start = max(f.stat().st_size - TAIL_BYTES, 0)
     records, _ = read_records(path, start)
     return records  # (a first line cut by the seek fails to parse and is skipped)
+
+
+ROLLOUT_TAIL_BYTES = 1 << 20  # the end of rollouts.jsonl (GRPO's train.observe.log_completions) a run's page reads
+ROLLOUT_ROWS = 64
+
+
+def rollouts(path: Path) -> dict[str, Any] | None:
+    """The completions of the last step rollouts.jsonl holds (at most ROLLOUT_ROWS, the last ones), with their
+    columns in the file's order; None when the run logs none."""
+    f = path / "rollouts.jsonl"
+    if not f.is_file():
+        return None
+    records, _ = read_records(path, max(f.stat().st_size - ROLLOUT_TAIL_BYTES, 0), "rollouts.jsonl")
+    steps = [r["step"] for r in records if isinstance(r.get("step"), int)]
+    if not steps:
+        return None
+    rows = [r for r in records if r.get("step") == steps[-1]][-ROLLOUT_ROWS:]
+    columns = [k for k in dict.fromkeys(k for r in rows for k in r) if k != "step"]
+    return {"step": steps[-1], "columns": columns, "rows": [[r.get(k) for k in columns] for r in rows]}
 
 
 def _config(path: Path) -> dict[str, Any]:
@@ -166,7 +185,8 @@ def list_runs(root: Path) -> list[dict[str, Any]]:
 
 
 def detail(root: Path, name: str) -> dict[str, Any]:
-    """A run's page: its summary, config YAML, lock holder or outcome, and its `fitlm profile` report if any."""
+    """A run's page: its summary, config YAML, lock holder or outcome, its `fitlm profile` report, `fitlm eval`
+    scores and last logged GRPO completions, if any."""
     path = run_dir(root, name)
     out = summary(root, path)
     status, info = lock_status(path)
@@ -177,6 +197,7 @@ def detail(root: Path, name: str) -> dict[str, Any]:
     out["path"] = str(path)
     out["profile_report"] = _profile(path)
     out["evaluation"] = evaluation(path)
+    out["rollouts"] = rollouts(path)
     return out
 
 

@@ -20,8 +20,8 @@ from tests.e2e.helpers import fitlm, tiny_config, write_config
 from tests.e2e.test_moe_cli import MOE as MOE_CLI
 
 ANALYTIC_TOLERANCE = 0.10
-# The issue-55 MoE rows (a dense block among routed ones; full, LoRA and QLoRA on attention and experts) are held
-# to 5%: the planner counts each kind of block as it runs.
+# The issue-55 MoE rows (a dense block among routed ones; full, LoRA and QLoRA on attention and experts) and the
+# GRPO rows (issue 54) are held to 5%: the planner counts each kind of block, and the rollout, as they run.
 MOE_ANALYTIC_TOLERANCE = 0.05
 SIMULATED_TOLERANCE = 0.03
 slow = pytest.mark.slow
@@ -287,6 +287,24 @@ CONFIGS = [
         },
         2,
     ),
+    # GRPO (`_prompt_corpus`): the peak is the larger of the rollout (KV cache, sampling logits) and the training
+    # over rows of the longest prompt and completion; max_prompt_length is the corpus's longest prompt, so the
+    # measured rows are as long as the planned ones. Full fine-tuning keeps a frozen reference (beta > 0), LoRA
+    # switches its adapters off instead.
+    (
+        "grpo full beta O0",
+        {"finetune": {"method": "full", "objective": "grpo", "grpo": {"beta": 0.04}}, "train": {"micro_batch_size": 4}},
+        1,
+    ),
+    (
+        "grpo lora O2",
+        {
+            "finetune": {"method": "lora", "objective": "grpo", "grpo": {"beta": 0.04}},
+            "memory": {"mixed_precision": "O2"},
+            "train": {"micro_batch_size": 4, "gradient_accumulation_steps": 2},
+        },
+        1,
+    ),
 ]
 FAST = {
     "O0",
@@ -324,6 +342,19 @@ def _preference_corpus(tiny_corpus, root) -> dict:
     return {**tiny_corpus, "train": root / "pairs", "valid": root / "pairs"}
 
 
+def _prompt_corpus(tiny_corpus, root, cfg: dict) -> None:
+    """cfg trained on tiny_corpus's tokenizer over test_grpo_cli's prompts and reward (GRPO has no validation)."""
+    from tests.e2e.test_grpo_cli import prompt_data
+
+    root.mkdir(parents=True, exist_ok=True)
+    manifest = prompt_data(root, tiny_corpus["tokenizer"])
+    cfg["data"] = {**cfg["data"], "train": str(root / "prompts"), "format": "prompts"}
+    del cfg["data"]["valid"]
+    grpo = cfg["finetune"]["grpo"]
+    grpo.update(num_generations=4, max_prompt_length=manifest["max_prompt_tokens"], max_completion_length=12)
+    grpo["reward_funcs"] = [f"{root / 'rewards.py'}:e_share"]
+
+
 def measure(tiny_corpus, root, name: str) -> dict:
     """The profile of one configuration (2 timed steps), with the plan held against it; cached per name."""
     if name in _results:
@@ -333,6 +364,8 @@ def measure(tiny_corpus, root, name: str) -> dict:
         tiny_corpus = _preference_corpus(tiny_corpus, root / "preference")
     train = {"max_steps": 4, "eval_interval": 0, "gradient_accumulation_steps": 1, **sections.get("train", {})}
     cfg = tiny_config(tiny_corpus, root / "run", train=train, **{k: v for k, v in sections.items() if k != "train"})
+    if sections.get("finetune", {}).get("objective") == "grpo":
+        _prompt_corpus(tiny_corpus, root / "prompts", cfg)
     out = root / "out"
     if nproc > 1:  # the real command: torchrun, gloo, every rank measured and gathered to rank 0
         proc = fitlm("profile", write_config(root / "cfg.yaml", cfg), "--steps", "2", "--out", out, "--json")
@@ -370,7 +403,7 @@ def _params(with_sim: bool):
 @pytest.mark.parametrize("name", _params(with_sim=False))
 def test_analytic_total_within_10_percent_of_measured(tiny_corpus, tmp_path, name):
     result = measure(tiny_corpus, tmp_path, name)
-    bound = MOE_ANALYTIC_TOLERANCE if name.startswith("moe dense1") else ANALYTIC_TOLERANCE
+    bound = MOE_ANALYTIC_TOLERANCE if name.startswith(("moe dense1", "grpo")) else ANALYTIC_TOLERANCE
     assert abs(result["errors"]["analytic"]["total"]) <= bound, result["errors"]
 
 

@@ -68,17 +68,22 @@ def train(root: Path, name: str, cfg: dict) -> tuple[list[dict], list[dict]]:
     return [r for r in read_metrics(out) if "loss" in r], rollouts
 
 
+def prompt_data(root: Path, tokenizer: Path) -> dict:
+    """root/rewards.py (e_share) and root/prompts packed from TOPICS' prompts; the pack's manifest."""
+    (root / "rewards.py").write_text(REWARD)
+    src = root / "prompts.jsonl"
+    src.write_text("".join(json.dumps({"prompt": f"Speak of the {t}:", "topic": t}) + "\n" for t in TOPICS))
+    proc = pack(src, tokenizer, root / "prompts", "--max-length", "16")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 @pytest.fixture(scope="module")
 def runs(tiny_corpus, tmp_path_factory) -> dict:
     import transformers
 
     root = tmp_path_factory.mktemp("grpo")
-    (root / "rewards.py").write_text(REWARD)
-    src = root / "prompts.jsonl"
-    src.write_text("".join(json.dumps({"prompt": f"Speak of the {t}:", "topic": t}) + "\n" for t in TOPICS))
-    proc = pack(src, tiny_corpus["tokenizer"], root / "prompts", "--max-length", "16")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    manifest = json.loads(proc.stdout.strip().splitlines()[-1])
+    manifest = prompt_data(root, tiny_corpus["tokenizer"])
     assert manifest["num_prompts"] == len(TOPICS) and manifest["columns"] == ["topic"]
     torch.manual_seed(0)
     hf = transformers.LlamaConfig(

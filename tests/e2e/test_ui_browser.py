@@ -17,6 +17,8 @@ import pytest
 
 from fitlm.train.run_lock import lock_status
 from tests.e2e.helpers import fitlm, tiny_config, write_config
+from tests.e2e.test_grpo_cli import MODEL, prompt_data
+from tests.e2e.test_grpo_cli import config as grpo_config
 from tests.unit.serve_models import models_beside_runs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,6 +58,10 @@ def world(tmp_path_factory, tiny_corpus):
         tiny_config(tiny_corpus, root / "done", train={"max_steps": 30, "observe": {"guards": guards}}),
     )
     assert fitlm("train", done).returncode == 0
+    (grpo := tmp / "grpo-data").mkdir()  # a GRPO run: its reward, KL and length charts, its last completions
+    prompt_data(grpo, tiny_corpus["tokenizer"])
+    trained = fitlm("train", write_config(tmp / "grpo.yaml", grpo_config(grpo, MODEL, root / "grpo")))
+    assert trained.returncode == 0, trained.stderr[-2000:]
     profiled = fitlm("profile", done, "--steps", "3", "--out", root / "prof")
     assert profiled.returncode == 0, profiled.stderr
     models = models_beside_runs(root, root / "done", lambda *a: fitlm(*a).returncode)
@@ -312,6 +318,35 @@ def test_guard_interventions_are_marked_on_the_charts(world):
     chart = by_testid(d, "loss-chart")
     assert int(chart.get_attribute("data-points")) == len([r for r in records if "loss" in r])
     assert len(chart.find_elements(By.CSS_SELECTOR, "line.marker")) == len(events)
+
+
+def test_a_grpo_run_charts_its_rewards_and_shows_its_last_completions(world):
+    d = world["driver"]
+    out = world["root"] / "grpo"
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rollouts = [json.loads(x) for x in (out / "rollouts.jsonl").read_text().splitlines()]
+    d.get(f"{world['url']}/runs/grpo")
+    table = wait(d, lambda d: by_testid(d, "run-rollouts"))
+    last = [r for r in rollouts if r["step"] == rollouts[-1]["step"]]
+    rows = [
+        [c.text for c in r.find_elements(By.TAG_NAME, "td")] for r in table.find_elements(By.CSS_SELECTOR, "tbody tr")
+    ]
+    assert [r[:2] for r in rows] == [[r["prompt"], r["completion"].strip()] for r in last]
+    assert [float(r[2]) for r in rows] == pytest.approx([r["reward"] for r in last], abs=1e-4)
+    charts = {  # a chart's points: every series' (metrics.jsonl's step records holding the key)
+        "reward-chart": ("reward", "reward_std"),
+        "reward-funcs-chart": ("rewards/e_share/mean",),
+        "length-chart": ("completions/mean_length", "completions/max_length"),
+        "sampling-chart": ("sampling_tokens_per_s",),
+    }
+    for testid, keys in charts.items():
+        chart = wait(d, lambda d, t=testid: by_testid(d, t))
+        points = sum(isinstance(r.get(k), (int, float)) for r in records for k in keys)
+        assert points and int(chart.get_attribute("data-points") or -1) == points, testid
+    d.save_screenshot(str(SHOTS / "ui-grpo.png"))
+    d.get(f"{world['url']}/runs/done")  # a run without GRPO keys has none of these charts
+    wait(d, lambda d: by_testid(d, "loss-chart"))
+    assert not d.find_elements(By.CSS_SELECTOR, '[data-testid="reward-chart"], [data-testid="run-rollouts"]')
 
 
 def test_a_profile_report_is_shown_beside_the_plan(world):

@@ -83,11 +83,20 @@ def test_data_parallel_equals_one_process(prompts, tmp_path, zero_stage):
     """dp2, each rank sampling its own prompt's group, equals one process sampling both groups."""
     from tests.distributed.spawn import run_world
 
-    single = history(config(prompts, tmp_path / "single", 4, 2, "dapo"))
-    cases = {"dp2": config(prompts, tmp_path / "dp2", 4, 1, "dapo", data_parallel=2, zero_stage=zero_stage)}
+    logged = {"log_completions": True}  # rollouts.jsonl: the main rank writes every rank's completions
+    single = history(_observe(config(prompts, tmp_path / "single", 4, 2, "dapo"), logged))
+    dp2 = config(prompts, tmp_path / "dp2", 4, 1, "dapo", data_parallel=2, zero_stage=zero_stage)
+    cases = {"dp2": _observe(dp2, logged)}
     (ranks := tmp_path / "ranks").mkdir()
     got = run_world(_dp_worker, __name__, 2, cases, ranks, 300, "GRPO data-parallel workers")[0]["dp2"]
     assert len(got) == len(single) == 3
     for a, b in zip(single, got):  # the same micro batches: the logged kl is the same too
         for key in (*KEYS, "kl"):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
+    rollouts = [(tmp_path / run / "rollouts.jsonl").read_text().splitlines() for run in ("single", "dp2")]
+    assert len(rollouts[0]) == 3 * 8 and rollouts[1] == rollouts[0]
+
+
+def _observe(cfg: dict, observe: dict) -> dict:
+    cfg["train"]["observe"] = observe
+    return cfg

@@ -334,6 +334,27 @@ def test_odd_metrics_lines_still_list_and_chart(client, tmp_path):
     assert client.get("/api/run/metrics", params={"name": "odd", "since": -1}).status_code == 422
 
 
+def test_a_grpo_run_shows_the_completions_of_its_last_logged_step(client, tmp_path):
+    run = tmp_path / "runs" / "grpo"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 0.1, "reward": 0.5}\n')
+    rows = [
+        {"step": s, "prompt": f"p{i}", "completion": f"c{s}.{i}", "reward": None if i == 1 else s + i / 10, "e": 1.0}
+        for s in (1, 2)
+        for i in range(3)
+    ]
+    lines = [json.dumps(r) for r in rows]
+    (run / "rollouts.jsonl").write_text("\n".join(lines) + '\n{"step": 3, "prompt": "torn')  # a half-written line
+    got = client.get("/api/run", params={"name": "grpo"}).json()["rollouts"]
+    assert got == {
+        "step": 2,
+        "columns": ["prompt", "completion", "reward", "e"],
+        "rows": [["p0", "c2.0", 2.0, 1.0], ["p1", "c2.1", None, 1.0], ["p2", "c2.2", 2.2, 1.0]],
+    }
+    (run / "rollouts.jsonl").unlink()
+    assert client.get("/api/run", params={"name": "grpo"}).json()["rollouts"] is None
+
+
 def test_a_job_reports_the_progress_lines_its_command_prints(monkeypatch, capsys):
     """fitlm.progress.counted prints "<what>: i/n, elapsed …, ETA …" lines where FITLM_PROGRESS_LINES is set (the UI's
     export jobs set it), and the job's JSON carries the last count, which the Export view draws as a progress bar."""

@@ -11,6 +11,15 @@ const CHARTS = [
   ["tps-chart", "tokens/s", [["tokens/s", "tokens_per_s"]]],
   ["mfu-chart", "MFU", [["MFU", "mfu"]]],
   ["peak-chart", "peak memory (GiB)", [["peak", "peak_bytes", 1 / GiB]]],
+  // GRPO (finetune.objective: grpo): charts of the keys only its runs log, so other runs never show them
+  ["reward-chart", "reward", [["reward", "reward"], ["reward std", "reward_std"]]],
+  ["kl-chart", "KL and clipped share", [["KL", "kl"], ["clipped (region)", "clip_ratio/region_mean"],
+    ["clipped low", "clip_ratio/low_mean"], ["clipped high", "clip_ratio/high_mean"]]],
+  ["groups-chart", "groups and completions", [["groups with equal rewards", "frac_reward_zero_std"],
+    ["truncated completions", "completions/clipped_ratio"]]],
+  ["length-chart", "completion length (tokens)", [["mean", "completions/mean_length"], ["max", "completions/max_length"]]],
+  ["entropy-chart", "entropy (nats per token)", [["entropy", "entropy"]]],
+  ["sampling-chart", "sampling tokens/s", [["sampling tokens/s", "sampling_tokens_per_s"]]],
 ];
 
 function badge(s) { return el("span", {class: "state " + s, "data-testid": "run-state"}, s); }
@@ -100,7 +109,10 @@ function drawCharts(charts, events, records) {
   }));
   // train.observe.eval_tasks: every eval/<task>/<metric> the run logged, one chart of all of them
   const taskKeys = [...new Set(records.flatMap((r) => Object.keys(r).filter((k) => k.startsWith("eval/"))))].sort();
-  const specs = taskKeys.length ? [...CHARTS, ["eval-tasks-chart", "evaluation tasks", taskKeys.map((k) => [k.slice(5), k])]] : CHARTS;
+  const specs = taskKeys.length ? [...CHARTS, ["eval-tasks-chart", "evaluation tasks", taskKeys.map((k) => [k.slice(5), k])]] : [...CHARTS];
+  // GRPO with several reward functions: each function's mean reward (rewards/<name>/mean) beside the total
+  const funcKeys = [...new Set(records.flatMap((r) => Object.keys(r).filter((k) => /^rewards\/.+\/mean$/.test(k))))];
+  if (funcKeys.length) specs.push(["reward-funcs-chart", "reward by function", funcKeys.map((k) => [k.slice(8, -5), k])]);
   fill(charts, ...specs.map(([testid, title, series]) => {
     const s = series.map(([label, key, scale]) => ({
       name: label, points: records.filter((r) => typeof r[key] === "number").map((r) => [r.step, r[key] * (scale || 1)]),
@@ -136,6 +148,12 @@ function drawExtra(box, d, name) {
     parts.push(el("h2", {}, "Evaluation (fitlm eval)"), table(["task", "metric", "value", "± stderr"],
       ev.rows.map((r) => [r.task, r.metric, num(r.value, 4), typeof r.stderr === "number" ? num(r.stderr, 4) : ""]),
       {"data-testid": "run-evaluation"}));
+  }
+  const ro = d.rollouts;
+  if (ro) {
+    parts.push(el("h2", {}, `Completions of step ${ro.step} (rollouts.jsonl)`), table(ro.columns,
+      ro.rows.map((r) => r.map((v) => typeof v === "number" ? num(v, 4) : v === null ? "" : String(v))),
+      {"data-testid": "run-rollouts", class: "rollouts"}));
   }
   if (d.config_yaml) {
     parts.push(el("details", {}, el("summary", {}, "config.yaml"), el("pre", {"data-testid": "run-config"}, d.config_yaml)));
