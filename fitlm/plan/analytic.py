@@ -32,7 +32,7 @@ from fitlm.models.matmul_attention import BLOCK_ROWS as ATTN_BLOCK_ROWS
 from fitlm.plan import context_parallel as cp
 from fitlm.plan import data_parallel, pipeline
 from fitlm.plan import finetune as ft
-from fitlm.plan.blocks import attention_kept, block_act_per_token, blocked_attention
+from fitlm.plan.blocks import attention_kept, block_act_per_token, blocked_attention, mlp_width
 from fitlm.plan.context_parallel import gathered_layers
 from fitlm.plan.features import FEATURES
 from fitlm.plan.setup import (
@@ -148,7 +148,7 @@ def block_act_recompute(s: Setup, tokens: float) -> float:
         # probabilities)
         return tokens * (
             residual_bytes(s) * width
-            + e * (2 * s.q + 2 * s.kv + 2 * s.ffn) / t
+            + e * (2 * s.q + 2 * s.kv + 2 * mlp_width(s)) / t
             + 2 * e * width
             + attention_kept(s) / t
             - cp.local_kv_per_token(s)

@@ -36,7 +36,7 @@ def _one_block(s: Setup) -> float:
     scores = 8 * s.heads * s.seq if s.softcap else 0
     return (
         rep_h
-        + (shard * s.q + kv * s.kv + f * s.ffn + gqa_repeat + scores + attention_kept(s)) / t
+        + (shard * s.q + kv * s.kv + f * mlp_width(s) + gqa_repeat + scores + attention_kept(s)) / t
         + d * s.head_dim
         + 8
         - cp.local_kv_per_token(s)
@@ -48,11 +48,23 @@ def routing_per_token(s: Setup) -> float:
     """What a routed block keeps beyond its MLP coefficients over the k experts' rows (fitlm.models.moe): the
     router's fp32 logits and softmax [N, E] (8E), the top-k weights and their renormalization (fp32, 8k), the
     sorted slots' token index (int64, 8k), the gathered rows x[token] [N·k, H] each expert reads, and the
-    experts' outputs [N·k, H] their weights multiply (two activation copies of H per slot). 0 for a dense block."""
+    experts' outputs [N·k, H] their weights multiply (two activation copies of H per slot). 0 for a dense block.
+    Under expert parallel the gathered rows are saved where the experts run, on the rank that receives them: that
+    copy scales with `Setup.imbalance`; the outputs come back to the token's rank (N·k)."""
     if not s.counts.routed_ffn:
         return 0.0
     e, k = s.cfg.model.num_experts or 0, s.cfg.model.num_experts_per_tok
-    return 8 * e + 16 * k + 2 * k * act_bytes(s) * s.h
+    return 8 * e + 16 * k + (1 + s.imbalance) * k * act_bytes(s) * s.h
+
+
+def mlp_width(s: Setup) -> float:
+    """The MLP width a token's saved activations cover on this rank: `Setup.ffn`, of which the k routed experts'
+    share (k · I) is scaled by `Setup.imbalance` (the rows this rank's experts receive over the balanced N·k;
+    1 but under a worst-case plan, fitlm.plan.routing). A shared expert runs every token on its own rank."""
+    if s.imbalance == 1 or not s.counts.routed_ffn:
+        return s.ffn
+    m = s.cfg.model
+    return s.ffn + (s.imbalance - 1) * m.num_experts_per_tok * m.expert_ffn_size
 
 
 def blocked_attention(s: Setup) -> str | None:

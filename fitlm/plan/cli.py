@@ -72,6 +72,14 @@ def _add_plan(sub) -> None:
         "on this device, so the plan reproduces the measured step time",
     )
     p.add_argument(
+        "--expert-load",
+        default=None,
+        metavar="PROFILE|F",
+        help="an MoE model's routing skew for the worst-case plan under expert parallel: max / mean tokens per "
+        "expert, as a number or measured (a `fitlm profile` profile.json, a run's metrics.jsonl, or their "
+        "directory); default: model.capacity_factor's bound, else every token's experts on one rank",
+    )
+    p.add_argument(
         "--num-devices", type=int, default=None, metavar="N", help="devices (default: the layout's dp×tp×pp)"
     )
     p.add_argument("--search", action="store_true", help="rank every fitting layout × memory option for N devices")
@@ -162,6 +170,7 @@ def cmd_config_import(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from fitlm.plan.device_choice import choose_device
     from fitlm.plan.report import plan, render
+    from fitlm.plan.routing import read_expert_load
     from fitlm.run_config import load_run_config
 
     # Resolved here (the model section from model.init_from, when readable) and checked once; plan() says why
@@ -196,6 +205,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         top=args.top,
         best_out=args.best_out,
         longest=args.max_seq,
+        expert_load=read_expert_load(args.expert_load) if args.expert_load is not None else None,
     )
     if calibration:
         result["device"]["calibration"] = calibration

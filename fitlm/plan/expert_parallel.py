@@ -54,8 +54,9 @@ def routed_rows(s: Setup, tokens: float) -> float:
 
 
 def alltoall_buffers(s: Setup, tokens: float, act_bytes: int) -> float:
-    """One layer's send and receive buffers of the routed rows (H wide, in the activation dtype)."""
-    return 2 * routed_rows(s, tokens) * s.h * act_bytes if s.ep > 1 else 0.0
+    """One layer's send and receive buffers of the routed rows (H wide, in the activation dtype): N·k sent, and
+    received `Setup.imbalance` times that (balanced: as many as sent; fitlm.plan.routing's worst case: more)."""
+    return (1 + s.imbalance) * routed_rows(s, tokens) * s.h * act_bytes if s.ep > 1 else 0.0
 
 
 def alltoall_seconds(

@@ -5,6 +5,7 @@ its chunks are those of every micro batch of the step (`Setup.step_chunks`).
 
 from __future__ import annotations
 
+from fitlm.plan.blocks import mlp_width
 from fitlm.plan.setup import Setup, act_bytes, residual_bytes, stage_layers
 from fitlm.plan.terms import Feature, Stage, Term
 
@@ -53,7 +54,7 @@ def memory(st: Stage) -> list[Term]:
     if s.doc_mask:  # per chunk: an additive mask [b, 1, T, T] in the activation dtype, kept for its backward
         terms.append(Term("other", DOC_MASKS, in_flight * tokens * s.seq * act_bytes(s)))
     if st.first:
-        act, logits = local * in_flight * hidden + tokens * 3 * s.ffn * act_bytes(s) / s.tp, 0.0
+        act, logits = local * in_flight * hidden + tokens * 3 * mlp_width(s) * act_bytes(s) / s.tp, 0.0
     else:
         held = in_flight if s.schedule == "gpipe" else 1  # the last stage's chunks between forward and backward
         act = (local - 1) * in_flight * hidden

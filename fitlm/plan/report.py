@@ -34,6 +34,8 @@ from fitlm.plan.finetune import (
 from fitlm.plan.grpo import summary as grpo_summary
 from fitlm.plan.host import host_peaks, host_report, source_tensor
 from fitlm.plan.max_seq import max_seq
+from fitlm.plan.routing import ExpertLoad, describe
+from fitlm.plan.routing import summary as routing_summary
 from fitlm.plan.setup import Setup, from_config, on_device, routed_layers, to_overrides, total_params
 from fitlm.plan.throughput import timing
 
@@ -105,8 +107,10 @@ def plan(
     top: int = 5,
     best_out: str | None = None,
     longest: bool = False,
+    expert_load: ExpertLoad | None = None,
 ) -> dict[str, Any]:
-    """The plan's JSON; `longest` adds `max_seq` (fitlm plan --max-seq)."""
+    """The plan's JSON; `longest` adds `max_seq` (fitlm plan --max-seq); an MoE model's `routing` holds the
+    worst-case routing beside the balanced plan (fitlm.plan.routing; `expert_load`: plan --expert-load)."""
     # With model.init_from the weights define the network, as in training (the same resolver).
     cfg, note = resolve_if_readable(cfg)
     n = num_devices or cfg.parallel.world_size
@@ -163,6 +167,8 @@ def plan(
         out["notes"] = notes
     if longest:
         out["max_seq"] = max_seq(s, dev, source).as_dict()
+    if s.cfg.model.moe:
+        out["routing"] = routing_summary(s, mem, expert_load)
     if not fits_device:
         out["diagnosis"] = _diagnosis(s, mem, dev)
     if simulate:
@@ -302,13 +308,17 @@ def render(result: dict[str, Any]) -> None:
     sim = result.get("simulated", {}).get("per_device")
     if sim:
         table.add_column("simulated", justify="right")
+    routing = result.get("routing", {})
+    worst = routing["worst_case"] if routing.get("imbalance", 1) > 1 else None  # MoE under expert parallel
+    if worst:
+        table.add_column("worst-case routing", justify="right")
     for key, value in result["per_device"].items():
-        row = [key, gib(value)] + ([gib(sim[key])] if sim else [])
+        row = [key, gib(value)] + ([gib(sim[key])] if sim else []) + ([gib(worst[key])] if worst else [])
         table.add_row(*row, style="bold" if key == "total" else None)
         named = {"params": "param_parts", "other": "other_parts", "activations": "activation_parts"}.get(key)
         if named:  # the named parts of `params`, `other` and `activations` (the simulation cannot tell them apart)
             for part, nbytes in result.get(named, {}).items():
-                table.add_row(f"  {part}", gib(nbytes), *([""] if sim else []), style="dim")
+                table.add_row(f"  {part}", gib(nbytes), *[""] * (bool(sim) + bool(worst)), style="dim")
     console.print(table)
     verdict = "[green]fits[/green]" if result["fits_device"] else "[red]does not fit[/red]"
     console.print(
@@ -317,6 +327,8 @@ def render(result: dict[str, Any]) -> None:
         f"{PEAK_MOMENTS.get(result['peak_phase'], result['peak_phase'])}"
         + (f"; {gib(result['host_bytes_per_device'])} in host memory" if result["host_bytes_per_device"] else "")
     )
+    if routing:
+        console.print(describe(routing, d["usable_bytes"]), markup=False)
     _render_host(console, result["host"])
     for note in result.get("notes", []):
         console.print(f"note: {note}")

@@ -131,6 +131,9 @@ class Setup:
     act_offload: bool | str = False  # memory.activation_offload: False, True, "blocks" or "model"
     objective: str = "sft"  # finetune.objective: "sft", "dpo", "simpo" (these two: micro batches of pairs) or "grpo"
     ep: int = 1  # parallel.expert_parallel: ranks each MoE layer's experts are split over (fitlm.plan.expert_parallel)
+    # Under expert parallel: the routed rows a rank's experts receive per MoE layer over the balanced share (N·k, its
+    # own tokens' slots); 1 is balanced routing, the plan's; fitlm.plan.routing sets a worst case. Not a config key.
+    imbalance: float = 1.0
     # Where the planned run's tensors live: "accelerator" (CUDA and the catalog's devices), or "cpu" (`--device
     # cpu`), where activation offload has no other memory to move to and changes nothing. Not a config key: the
     # plan's device says it (`on_device`).

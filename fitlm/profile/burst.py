@@ -63,11 +63,16 @@ def run_burst(cfg: Config, steps: int, out: Path) -> list[dict] | None:
     trainer.step.timer.sync = device.type == "cuda"  # exact phase times: wait for the device at each boundary
     batches = trainer.batches()
     count = 0
+    loads: list[float] = []  # an MoE model's expert load of each step (fitlm.step.router_balance)
 
     def one_step():
         nonlocal count
         count += 1
-        return trainer.train_step(count, batches)
+        step = trainer.train_step(count, batches)
+        balance = trainer.step.balance
+        if balance is not None and "expert_load" in balance.metrics:
+            loads.append(balance.metrics["expert_load"])
+        return step
 
     _say(main, f"{steps} timed steps, world size {ctx.world_size}, {trainer.tokens_per_step:,} tokens per step")
     records = timed_steps(one_step, steps, trainer.tokens_per_step, cfg.train.log_interval, main)
@@ -81,6 +86,7 @@ def run_burst(cfg: Config, steps: int, out: Path) -> list[dict] | None:
     except Exception as exc:  # noqa: BLE001 - a tracker limitation must not lose the timing results
         memory_error = f"{type(exc).__name__}: {exc}"
     result = summarize(trainer, records, traced, memory, memory_error)
+    result["expert_load"] = max(loads) if loads else None  # for `fitlm plan --expert-load` (fitlm.plan.routing)
     gathered: list[Any] | None = [result]  # (every rank's result dict on rank 0, once gathered)
     if ctx.distributed:
         import torch.distributed as dist

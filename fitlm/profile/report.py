@@ -57,6 +57,8 @@ def assemble(cfg: Config, config_path: str, steps: int, ranks: list[dict], plan:
         "mfu": slowest["mfu"],
         "step_time_s": slowest["step_s"],
         "peak_bytes": max(device_peaks),
+        # an MoE model's largest max / mean tokens per expert over the burst's steps (`fitlm plan --expert-load`)
+        "expert_load": max((r["expert_load"] for r in ranks if r.get("expert_load") is not None), default=None),
         "peak_kind": "cuda allocator peak" if ranks[0]["cuda_peak_bytes"] is not None else "peak live tensor bytes",
         "rss_peak_bytes": max(r["rss_peak_bytes"] for r in ranks),
         "step_seconds": slowest["phase_s"],
