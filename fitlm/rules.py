@@ -339,13 +339,13 @@ ROWS: tuple[Rule, ...] = (
     Rule(
         "finetune.objective",
         "refused",
-        "GRPO with ZeRO-2/3 or CPU offload: its sampler reads whole weights on each rank; use ZeRO 0-1",
-        lambda v: v["finetune.objective"] == "grpo" and (v["parallel.zero_stage"] >= 2 or v["memory.cpu_offload"]),
+        "GRPO with CPU offload: its sampler decodes on the device, which offload's host-held weights are not on",
+        lambda v: v["finetune.objective"] == "grpo" and v["memory.cpu_offload"],
         lambda v: (
-            f"finetune.objective: grpo samples completions from each rank's whole copy of the weights, which "
-            f"zero_stage={v['parallel.zero_stage']} / memory.cpu_offload={v['memory.cpu_offload']} do not keep "
-            "(the sampler does not gather sharded blocks yet); use parallel.zero_stage 0 or 1 and "
-            "memory.cpu_offload: false, or LoRA/QLoRA to fit the model"
+            "finetune.objective: grpo samples completions on the device, one forward a token, while "
+            "memory.cpu_offload: true keeps the weights (or AdamW's states and master copy) on the host; set "
+            "memory.cpu_offload: false and shard instead (parallel.zero_stage 3 gathers one block at a time while "
+            "sampling), or use LoRA/QLoRA to fit the model"
         ),
     ),
     Rule(

@@ -66,11 +66,14 @@ class SlotBatch:
     may reach (`max_len`, at most the model's context): the caller removes it before it goes further.
     """
 
-    def __init__(self, model: nn.Module, packed: bool = True):
+    def __init__(self, model: nn.Module, packed: bool = True, inference: bool = True):
         """`packed`: decode through oneDNN-packed weights (fitlm.infer.packed_linear: faster on a CPU, a second
-        copy of the weights' bytes for as long as the model lives); False where the model trains in between."""
+        copy of the weights' bytes for as long as the model lives); False where the model trains in between.
+        `inference`: under torch.inference_mode; False (no_grad) where decoding gathers sharded weights (ZeRO-2/3)
+        whose buffers the training forward reuses, which tensors made in inference mode could not be."""
         self.model = cast("CausalLM", model)  # (a family's model)
         self.packed = packed
+        self.grad_free = torch.inference_mode if inference else torch.no_grad
         self.keys: list[Hashable] = []
         self.lengths: list[int] = []  # tokens of each slot in the cache
         self.max_lens: list[int] = []
@@ -101,7 +104,7 @@ class SlotBatch:
         if len(set(keys)) < len(keys):
             raise ValueError(f"slots {sorted({k for k in keys if keys.count(k) > 1}, key=repr)} are already decoding")
         prefilled: dict[tuple[int, ...], tuple[KVCache, torch.Tensor]] = {}
-        with torch.inference_mode(), packed_linears(self.model, self.packed):
+        with self.grad_free(), packed_linears(self.model, self.packed):
             for _, prompt_ids, _ in slots:
                 if tuple(prompt_ids) not in prefilled:
                     solo = self.model.new_kv_cache(1, len(prompt_ids))
@@ -135,7 +138,7 @@ class SlotBatch:
         mask = None if same else (torch.arange(f + 1, device=self.device)[None, :] >= (f - lengths)[:, None])
         positions = None if same else lengths[:, None]  # [B,1]: each slot's own next position
         with (
-            torch.inference_mode(),
+            self.grad_free(),
             packed_linears(self.model, self.packed),
             attention_mask(self.model, None if mask is None else mask[:, None, None, :]),
         ):

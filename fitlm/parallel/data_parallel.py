@@ -6,7 +6,8 @@ rank's loss by the data-parallel degree to get the gradient of the global token-
 
 from __future__ import annotations
 
-from typing import cast
+from contextlib import contextmanager
+from typing import Iterator, cast
 
 import torch
 import torch.distributed as dist
@@ -202,3 +203,20 @@ def set_gradient_sync(modules: list[nn.Module], enabled: bool):
             module.set_requires_gradient_sync(enabled)
         elif isinstance(module, DistributedDataParallel):
             module.require_backward_grad_sync = enabled
+
+
+@contextmanager
+def whole_root(module: nn.Module) -> Iterator[None]:
+    """The root's own parameters (embedding, final norm, head) gathered under ZeRO-2/3 for code that calls the
+    model's parts instead of its forward (the decoder's `hidden_states` and `logits`: the root's forward hook,
+    which gathers them, never runs); each block still gathers in its own forward. Nothing for other layouts."""
+    if not isinstance(module, FSDPModule):
+        yield
+        return
+    # FSDP2 sets every unit up at the root's first forward; a part called first would take itself for the root
+    module._get_fsdp_state()._lazy_init()
+    module.unshard()
+    try:
+        yield
+    finally:
+        module.reshard()

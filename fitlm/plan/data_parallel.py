@@ -2,6 +2,8 @@
 beyond the model states (fitlm.plan.analytic.model_states shards those by the ZeRO stage), at the peak.
 
 - ZeRO-2 keeps the gathered (separate, full) parameters from forward to backward.
+- GRPO samples from the sharded weights: under ZeRO-2 the first forward gathers them until backward, under ZeRO-3
+  each block and vocabulary table is gathered in its own forward (`_rollout_gathers`).
 - ZeRO-3 regathers blocks in backward: the one computing and the prefetched next; QLoRA peaks in the last block's
   backward while it dequantizes (that block gathered, the next one's prefetch not yet issued: measured with
   MemTracker, one block, its NF4 codes, norms and adapters); over gloo each Linear is its own FSDP2 unit
@@ -18,11 +20,13 @@ from __future__ import annotations
 
 from fitlm.plan import finetune as ft
 from fitlm.plan import pipeline
+from fitlm.plan.grpo import grpo
 from fitlm.plan.setup import Setup, layer_params, param_bytes
 from fitlm.plan.terms import Feature, Stage, Term
 
 ZERO2 = "ZeRO-2 gathered parameters"
 ZERO3 = "ZeRO-3 gathered blocks"
+ZERO3_ROLLOUT = "ZeRO-3 blocks and vocabulary table gathered while sampling (GRPO)"
 DDP_BUCKETS = "DDP buckets beside unsynced gradients"
 
 
@@ -37,8 +41,8 @@ def memory(st: Stage) -> list[Term]:
         return []
     pb = gathered_bytes(s)
     unsharded = (st.dense - ft.nf4_params(s)) * pb + ft.nf4_rank_bytes(s, gathered=True)  # NF4: its codes
-    if s.zero == 2:
-        return [Term("other", ZERO2, unsharded)]
+    if s.zero == 2:  # (gathered at the first forward, GRPO's sampling's included, until backward)
+        return [Term("other", ZERO2, unsharded)] + ([Term("other", ZERO2, unsharded, "rollout")] if grpo(s) else [])
     if ft.nf4_params(s):
         nf4_block = ft.nf4_params(s) / s.layers
         staging = (layer_params(s) + ft.rank_block_adapters(s) - nf4_block) * pb + ft.nf4_rank_bytes(
@@ -48,7 +52,17 @@ def memory(st: Stage) -> list[Term]:
         staging = 3 * max(i * o for _, i, o in s.counts.linears) / s.tp * pb
     else:
         staging = 2 * unsharded / max(1, st.layers)
-    return [Term("other", ZERO3, staging, "backward")]
+    return [Term("other", ZERO3, staging, "backward"), *_rollout_gathers(s, staging, pb)]
+
+
+def _rollout_gathers(s: Setup, staging: float, pb: int) -> list[Term]:
+    """GRPO's sampling under ZeRO-3 (fitlm.parallel.data_parallel.whole_root): each block gathered in its forward
+    as in training (the computing one and the prefetched next: `staging`), and a vocabulary table at a time (the
+    embedding's lookup, the head's logits), except that a tied one is the root's, gathered for all of sampling."""
+    if not grpo(s):
+        return []
+    table = s.vocab * s.h * pb / s.tp
+    return [Term("other", ZERO3_ROLLOUT, table + staging if s.tied else max(table, staging), "rollout")]
 
 
 def forward_grads(st: Stage, grads: float) -> tuple[float, list[Term]]:

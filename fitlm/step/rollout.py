@@ -32,6 +32,7 @@ from fitlm.data.prompts import PromptRow
 from fitlm.data.tokenizer import Tokenizer
 from fitlm.memory.precision import autocast
 from fitlm.models.loss import IGNORE_INDEX
+from fitlm.parallel.data_parallel import whole_root
 from fitlm.step.grpo_loss import group_advantages, loss_mask
 from fitlm.step.rewards import BUILTINS, Reward, score, total_rewards
 from fitlm.step.sampler import sample, sampling_seed
@@ -106,8 +107,10 @@ class Rollouts:
         rewards: list[Reward],
         reference: Forward | None,
         device: torch.device,
+        peers: Callable[[int], int] | None = None,
     ):
-        self.cfg, self.g = cfg, cfg.finetune.grpo
+        """`peers`: fitlm.step.sampler.sample's (ranks sharing sharded weights decode in lockstep)."""
+        self.cfg, self.g, self.peers = cfg, cfg.finetune.grpo, peers
         self.policy, self.tokenizer, self.rewards = policy, tokenizer, rewards
         self.reference, self.device = reference, device
         weights = self.g.reward_weights or [1.0] * len(rewards)
@@ -122,13 +125,14 @@ class Rollouts:
         was_training = self.policy.training
         self.policy.eval()  # no dropout while sampling
         try:
-            with autocast(self.cfg.memory, self.device):
+            with autocast(self.cfg.memory, self.device), whole_root(self.policy):
                 samples = sample(
                     self.policy,
                     [r.ids for r in rows],
                     g,
                     self.tokenizer.stop_ids,
                     [sampling_seed(self.cfg.train.seed, generation, first + i) for i in range(len(rows))],
+                    self.peers,
                 )
         finally:
             self.policy.train(was_training)

@@ -14,12 +14,13 @@ max_completion_length tokens (truncated).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
 
 from fitlm.config.schema import GrpoConfig
-from fitlm.infer.batched import SlotBatch
+from fitlm.infer.batched import SlotBatch, last_logits
 
 
 def sampling_seed(seed: int, generation: int, prompt: int) -> int:
@@ -53,16 +54,29 @@ class Samples:
 
 
 def sample(
-    model: nn.Module, prompts: list[list[int]], cfg: GrpoConfig, stop_ids: tuple[int, ...], seeds: list[int]
+    model: nn.Module,
+    prompts: list[list[int]],
+    cfg: GrpoConfig,
+    stop_ids: tuple[int, ...],
+    seeds: list[int],
+    peers: Callable[[int], int] | None = None,
 ) -> Samples:
     """cfg.num_generations completions of each prompt (token ids) from `model` (the plain module, in eval mode;
-    the caller sets autocast), prompt i's group drawn with seeds[i]."""
+    the caller sets autocast), prompt i's group drawn with seeds[i].
+
+    `peers(n)` is the largest n over the ranks that shard the weights (ZeRO-2/3: each forward gathers blocks from
+    all of them, so every rank runs as many forwards as the busiest one: idle prefills, and decoding steps until
+    every rank's completions are done); None for whole weights on this rank."""
     g, limit = cfg.num_generations, cfg.max_completion_length
     generators = [torch.Generator().manual_seed(s) for s in seeds]
     # not packed: the weights train between rollouts, and packed copies would double them for the whole run
-    slots = SlotBatch(model, packed=False)
+    slots = SlotBatch(model, packed=False, inference=peers is None)
     # one prefill per prompt for its group, one cache for the batch
     logits = slots.add_many([(i * g + j, ids, len(ids) + limit) for i, ids in enumerate(prompts) for j in range(g)])
+    if peers is not None:  # a rank with repeated prompts prefilled fewer
+        distinct = len({tuple(ids) for ids in prompts})
+        for _ in range(peers(distinct) - distinct):
+            idle_forward(model)
     count = logits.shape[0]  # [B, V]
     out: list[list[int]] = [[] for _ in range(count)]
     done = [False] * count
@@ -84,10 +98,16 @@ def sample(
                 out[i].append(token)
                 tokens += 1
                 done[i] = token in stops
-        if all(done) or t == limit - 1:
+        if t == limit - 1 or (all(done) if peers is None else peers(int(not all(done))) == 0):
             break
         logits = slots.step(picked)  # finished slots run on (their tokens are dropped): one forward for all
     return Samples(out, [not d for d in done], entropy, tokens)
 
 
-__all__ = ["Samples", "filtered_logits", "sample", "sampling_seed"]
+def idle_forward(model: nn.Module) -> None:
+    """A one-token forward whose result is dropped: this rank's part in a peer's forward under ZeRO-2/3."""
+    with torch.no_grad():  # (not inference_mode: see SlotBatch's `inference`)
+        last_logits(model, torch.zeros(1, 1, dtype=torch.long, device=next(model.parameters()).device), None)
+
+
+__all__ = ["Samples", "filtered_logits", "idle_forward", "sample", "sampling_seed"]

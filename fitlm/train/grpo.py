@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -123,7 +124,8 @@ class GrpoRun:
         policy = plain_module(pm.model)
         reference = reference_forward(cfg, ctx, policy) if g.beta > 0 else None
         rewards = load_rewards(g.reward_funcs)
-        self.rollouts = Rollouts(cfg, policy, tokenizer, rewards, reference, ctx.device)
+        peers = lockstep(ctx) if cfg.parallel.dims.fsdp_sharded and ctx.distributed else None
+        self.rollouts = Rollouts(cfg, policy, tokenizer, rewards, reference, ctx.device, peers)
         self.current: Rollout | None = None
         self.log_path = output_dir / "rollouts.jsonl" if t.observe.log_completions else None
 
@@ -156,6 +158,19 @@ class GrpoRun:
         with self.log_path.open("a", encoding="utf-8") as f:
             for record in records:
                 f.write(json.dumps({"step": step, **record}, ensure_ascii=False, default=str) + "\n")
+
+
+def lockstep(ctx: ParallelContext) -> Callable[[int], int]:
+    """The largest of a count over every rank: under ZeRO-2/3 each decoding forward gathers blocks from all of
+    them, so they run as many as the busiest (fitlm.step.sampler.sample's `peers`)."""
+    import torch.distributed as dist
+
+    def peers(n: int) -> int:
+        value = torch.tensor([n], dtype=torch.long, device=ctx.device)  # (NCCL reduces device tensors only)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return int(value.item())
+
+    return peers
 
 
 def grpo_objective(objective: object) -> GrpoObjective:

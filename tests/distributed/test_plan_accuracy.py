@@ -297,6 +297,15 @@ CONFIGS = [
         1,
     ),
     (
+        "grpo dp2 zero3",
+        {
+            "finetune": {"method": "full", "objective": "grpo", "grpo": {}},
+            "parallel": {"data_parallel": 2, "zero_stage": 3},
+            "train": {"micro_batch_size": 4},
+        },
+        2,
+    ),
+    (
         "grpo lora O2",
         {
             "finetune": {"method": "lora", "objective": "grpo", "grpo": {"beta": 0.04}},

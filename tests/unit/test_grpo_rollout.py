@@ -51,6 +51,30 @@ def test_sampling_is_fixed_by_its_seed_and_stops_at_a_stop_token():
     assert sample(m, prompts[:1], greedy, (first,), [0]).completions == [[first], [first]]
 
 
+def test_ranks_that_shard_the_weights_run_as_many_forwards_as_the_busiest_and_sample_the_same():
+    """Under ZeRO-2/3 every forward gathers from all ranks: a rank whose completions end early, or whose repeated
+    prompts need fewer prefills, runs on in lockstep (fitlm.step.sampler.sample's `peers`), drawing the same."""
+    m, prompts = model(), [[1, 2, 3], [1, 2, 3]]  # one prompt twice: one prefill
+    forwards = []
+    m.model.layers["0"].register_forward_pre_hook(lambda *_: forwards.append(1))
+    first = int(torch.argmax(m(torch.tensor([prompts[0]]))[0, -1]))
+    greedy = GrpoConfig(num_generations=2, max_completion_length=6, top_k=1)  # every completion stops at once
+    forwards.clear()
+    alone = sample(m, prompts, greedy, (first,), [0, 1])
+    assert alone.completions == [[first]] * 4 and len(forwards) == 1
+    answers = [3, 1, 1, 1, 0]  # the busiest peer's: 3 distinct prompts, then not done three times, then done
+    asked = []
+
+    def peers(n: int) -> int:
+        asked.append(n)
+        return max(n, answers[len(asked) - 1])
+
+    forwards.clear()
+    assert sample(m, prompts, greedy, (first,), [0, 1], peers) == alone
+    assert asked == [1, 0, 0, 0, 0]  # this rank: 1 distinct prompt, then done from the first token on
+    assert len(forwards) == 1 + 2 + 3  # its prefill, 2 idle ones, then a step each time the peer was not done
+
+
 def test_log_probs_are_those_of_the_completion_tokens_under_the_tempered_model():
     m = model()
     prompts, completions = [[1, 2, 3], [4, 5]], [[6, 7], [8, 9, 10]]

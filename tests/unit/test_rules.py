@@ -56,7 +56,7 @@ BREAKS = [
     {"train": {"early_stopping_patience": 2, "eval_interval": 0}},
     {"finetune": {"method": "qlora"}},
     {"train": {"observe": {"tensorboard": True}}},
-    {"finetune": GRPO, "data": PROMPTS, "parallel": {"data_parallel": 2, "zero_stage": 2}},
+    {"finetune": GRPO, "data": PROMPTS, "memory": {"cpu_offload": True}},
     {"finetune": GRPO, "data": {**PROMPTS, "valid": "unused"}},
     {"train": {"observe": {"report_to": ["tensorboard"]}}},
     {"train": {"observe": {"report_to": ["wandb"]}}},
