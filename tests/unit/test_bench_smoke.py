@@ -250,9 +250,10 @@ def test_train_standalone_preloads_jemalloc(tmp_path):
     assert "fitlm_vs_hf_eager_jemalloc" in r
 
 
-@pytest.mark.slow  # ~60 s: one process builds a Qwen3-MoE in transformers and trains it in fitlm and three ways in HF
+@pytest.mark.slow  # ~70 s: one process builds a Qwen3-MoE in transformers, trains it in fitlm and three ways in HF, and LoRA in both
 def test_moe_contract(tmp_path):
     pytest.importorskip("transformers")
+    pytest.importorskip("peft")
     out = tmp_path / "moe.json"
     r = run_script("moe.py", "--size", "tiny", "--steps", "1", "--warmup", "1", "--rounds", "1", "--out", out)
     assert json.loads(out.read_text()) == r
@@ -262,7 +263,18 @@ def test_moe_contract(tmp_path):
         assert s["loss_max_abs_diff"] < 1e-4 and s["aux_loss_max_abs_diff"] < 1e-4, name  # same model, same batch
         assert r["layer"][name]["max_abs_diff_vs_fitlm"] < 1e-5, name
     assert r["step"]["fitlm"]["ratio_vs_fitlm"] == 1.0
+    # LoRA on attention and the experts (issue #55): fitlm's step against transformers + PEFT from the same adapters
+    lora = r["lora_step"]
+    assert lora.keys() == {"fitlm_lora", "hf_peft_lora"} and lora["fitlm_lora"]["ratio_vs_fitlm"] == 1.0
+    for name, s in lora.items():
+        assert s["tokens_per_s"] > 0 and s["peak_bytes"] > 0, name
+        assert s["loss_max_abs_diff"] < 1e-4 and s["aux_loss_max_abs_diff"] < 1e-4, name  # same training
+    assert lora["hf_peft_lora"]["adapter_effect_rel_diff"] < 1e-2  # a scaling or wiring mismatch gives ~1
+    m = r["model"]
+    shared_a = m["num_hidden_layers"] * m["num_experts"] * 8 * m["hidden_size"]  # PEFT's gate_up A, one per expert
+    assert lora["fitlm_lora"]["trainable_params"] == lora["hf_peft_lora"]["trainable_params"] + shared_a
     md = subprocess.run(
         [sys.executable, str(BENCH / "moe.py"), "--markdown", str(out)], capture_output=True, text=True, cwd=ROOT
     )
     assert md.returncode == 0 and "| fitlm_loop |" in md.stdout and "--size tiny" in md.stdout
+    assert "| hf_peft_lora |" in md.stdout
