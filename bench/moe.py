@@ -21,11 +21,14 @@ Not a test: it prints a table (stderr with --json) and writes JSON; it asserts n
   fitlm.memory.tracking.peak_live_bytes: parameters, gradients, optimizer states, activations, temporaries);
 * honesty check: each step's token loss and aux loss of every transformers contender against fitlm's
   (`loss_max_abs_diff` over the timed run; the first step starts from the same weights and batch);
-* (c) LoRA on attention and the experts (`lora_step`, issue #55): fitlm's LoRA step against transformers + PEFT
-  (`target_parameters` on its fused experts) from the same adapters, same batches (bench/moe_lora.py says how).
+* (c) LoRA on attention and the experts (`lora`, issue #55): fitlm's LoRA step against transformers + PEFT
+  (`target_parameters` on its fused experts) from the same adapters, same batches (bench/moe_lora.py says how);
+* `--parts` runs some of (a), (b), (c): with `--out` an earlier report of the same model keeps the others (each
+  part records its command), e.g. more rounds of the LoRA rows than the whole run's time allows.
 
     python bench/moe.py [--json] [--size small|tiny] [--steps 4] [--warmup 2] [--rounds 3]
                         [--hf-impls eager batched_mm grouped_mm]
+                        [--parts layer step lora] [--lora-experts all|down_proj]
                         [--lora-hf-impl grouped_mm] [--profile] [--out bench/results/moe.json]
     python bench/moe.py --markdown [bench/results/moe.json]   # the RESULTS.md table
 
@@ -46,7 +49,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, log, machine, prepare_data, profile_step, write_json  # noqa: E402
-from moe_lora import lora_rounds, lora_table  # noqa: E402
+from moe_lora import lora_part, lora_table  # noqa: E402
 from moe_setup import (  # noqa: E402
     HF_IMPLS,
     SIZES,
@@ -60,6 +63,8 @@ from moe_setup import (  # noqa: E402
     summary,
     timed,
 )
+
+PARTS = ("layer", "step", "lora")
 
 # --------------------------------------------------------------------------- contenders: the layer
 
@@ -162,6 +167,7 @@ def step_part(args, size: dict, ckpt: Path, data_dir: Path, tmp: Path, impls: li
 
 
 def run(args) -> dict:
+    """The parts `args.parts` names of the report (the model's description always)."""
     import torch
 
     from fitlm.models.moe import grouped_mm_supported
@@ -170,31 +176,43 @@ def run(args) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="bench_moe_"))
     data_dir = prepare_data(tmp / "data", tokenizer_vocab=min(1024, size["vocab_size"]))
     ckpt = hf_checkpoint(size, tmp / "hf")
-    layer, layer_prof = layer_part(args, size, ckpt)
-    gc.collect()
-    impls = [n.removeprefix("hf_") for n in layer if n.startswith("hf_")]  # those that run on this device
-    step, step_prof = step_part(args, size, ckpt, data_dir, tmp, impls)
-    report = {
+    command = "python bench/moe.py " + " ".join(sys.argv[1:])
+    report: dict = {
         "benchmark": "moe",
-        "machine": machine(),
-        "command": "python bench/moe.py " + " ".join(sys.argv[1:]),
         "size": args.size,
         "model": size,
         "tokens_per_step": size["batch"] * size["seq"],
-        "steps": args.steps,
-        "warmup": args.warmup,
-        "rounds": args.rounds,
-        "grouped_mm_on_cpu": grouped_mm_supported(torch.device("cpu"), torch.float32),
-        "layer": layer,
-        "step": step,
     }
-    if importlib.util.find_spec("peft") is None:
-        log("  peft is not installed (pip install peft): the LoRA rows are left out")
-    else:
-        report |= {"lora_hf_impl": args.lora_hf_impl, "lora_step": lora_rounds(args, size, ckpt, data_dir, tmp)}
-    if args.profile:
-        report["profile"] = {"layer": layer_prof, "step": step_prof}
+    if {"layer", "step"} & set(args.parts):
+        report |= {"machine": machine(), "command": command, "steps": args.steps, "warmup": args.warmup}
+        report |= {"rounds": args.rounds, "grouped_mm_on_cpu": grouped_mm_supported(torch.device("cpu"), torch.float32)}
+    impls, profile = list(args.hf_impls), {}
+    if "layer" in args.parts:
+        report["layer"], profile["layer"] = layer_part(args, size, ckpt)
+        impls = [n.removeprefix("hf_") for n in report["layer"] if n.startswith("hf_")]  # those that run here
+        gc.collect()
+    if "step" in args.parts:
+        report["step"], profile["step"] = step_part(args, size, ckpt, data_dir, tmp, impls)
+    if args.profile and profile:
+        report["profile"] = profile
+    if "lora" in args.parts:
+        if importlib.util.find_spec("peft") is None:
+            raise SystemExit("bench/moe.py --parts lora: PEFT is not installed (pip install peft), or leave lora out")
+        report["lora"] = lora_part(args, size, ckpt, data_dir, tmp, command)
     return report
+
+
+def merged(report: dict, out: Path | None, parts: list[str]) -> dict:
+    """`report` over the report at `out` of the same model: the parts not rerun stay as measured there (each part
+    says its command). A different model's, or no earlier report: `report` alone."""
+    if out is None or not out.exists() or set(parts) == set(PARTS):
+        return report
+    old = json.loads(out.read_text())
+    if old.get("model") != report["model"]:
+        return report
+    if {"layer", "step"} & set(parts):
+        old.pop("profile", None)  # of the earlier run's layer and step
+    return old | report
 
 
 def table(report: dict) -> str:
@@ -202,23 +220,43 @@ def table(report: dict) -> str:
     head = (
         f"Qwen3-MoE {report['size']}: H {m['hidden_size']}, {m['num_hidden_layers']} layers, {m['num_experts']} "
         f"experts (top {m['num_experts_per_tok']}, width {m['moe_intermediate_size']}), vocab {m['vocab_size']}, "
-        f"batch {m['batch']} x {m['seq']}; fp32, {report['steps']} timed steps after {report['warmup']}, "
-        f"{report['rounds']} rounds; fitlm's grouped matmul on CPU: {report['grouped_mm_on_cpu']}\n"
+        f"batch {m['batch']} x {m['seq']}; fp32\n"
     )
+    out = [head]
+    if "step" in report or "layer" in report:
+        out.append(main_table(report))
+    if "lora" in report:
+        out.append(lora_table(report["lora"]))
+    return "\n".join(out)
+
+
+def main_table(report: dict) -> str:
+    """The layer and step parts as a markdown table, with their command."""
     rows = [
+        f"{report['steps']} timed steps after {report['warmup']}, {report['rounds']} rounds; fitlm's grouped matmul "
+        f"on CPU: {report['grouped_mm_on_cpu']}",
+        "",
         "| contender | layer fwd+bwd ms | layer tokens/s | layer ratio | layer peak MiB | step ms | step tokens/s "
         "| step ratio | step peak MiB | loss diff vs fitlm |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for n, s in report["step"].items():
-        ly = report["layer"][n]
-        rows.append(
-            f"| {n} | {ly['median_s'] * 1e3:.1f} | {ly['tokens_per_s']:,.0f} | {ly['ratio_vs_fitlm']:.2f} "
-            f"| {ly['peak_bytes'] / 2**20:.1f} | {s['median_s'] * 1e3:.0f} | {s['tokens_per_s']:,.0f} "
-            f"| {s['ratio_vs_fitlm']:.2f} | {s['peak_bytes'] / 2**20:.1f} | {s['loss_max_abs_diff']:.1e} |"
-        )
-    lora = "\n\n" + lora_table(report) if "lora_step" in report else ""  # reports written before issue #55 lack it
-    return head + "\n".join(rows) + lora + f"\n\n`{report['command']}`\n"
+    layer, step = report.get("layer", {}), report.get("step", {})
+    for n in {**layer, **step}:
+        cells = []
+        if n in layer:
+            ly = layer[n]
+            cells += [f"{ly['median_s'] * 1e3:.1f}", f"{ly['tokens_per_s']:,.0f}", f"{ly['ratio_vs_fitlm']:.2f}"]
+            cells += [f"{ly['peak_bytes'] / 2**20:.1f}"]
+        else:
+            cells += [""] * 4
+        if n in step:
+            s = step[n]
+            cells += [f"{s['median_s'] * 1e3:.0f}", f"{s['tokens_per_s']:,.0f}", f"{s['ratio_vs_fitlm']:.2f}"]
+            cells += [f"{s['peak_bytes'] / 2**20:.1f}", f"{s['loss_max_abs_diff']:.1e}"]
+        else:
+            cells += [""] * 5
+        rows.append(f"| {n} | " + " | ".join(cells) + " |")
+    return "\n".join(rows) + f"\n\n`{report['command']}`\n"
 
 
 def main(argv=None) -> None:
@@ -228,6 +266,19 @@ def main(argv=None) -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--hf-impls", nargs="+", default=list(HF_IMPLS))
+    p.add_argument(
+        "--parts",
+        nargs="+",
+        choices=PARTS,
+        default=list(PARTS),
+        help="what to run; with --out an earlier report of the same model keeps the other parts",
+    )
+    p.add_argument(
+        "--lora-experts",
+        choices=["all", "down_proj"],
+        default="all",
+        help="expert projections with adapters (down_proj alone: both sides have the same parameters)",
+    )
     p.add_argument("--lora-hf-impl", default="grouped_mm", help="transformers' experts implementation under PEFT")
     p.add_argument("--profile", action="store_true", help="torch.profiler's top ops of one layer call and step")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
@@ -240,6 +291,7 @@ def main(argv=None) -> None:
     with contextlib.redirect_stdout(sys.stderr):
         report = run(args)
     out = args.out or (None if args.json else RESULTS / "moe.json")
+    report = merged(report, out, args.parts)
     if out:
         write_json(out, report)
     if args.json:

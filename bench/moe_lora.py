@@ -1,5 +1,5 @@
 """LoRA on the experts: fitlm's LoRA training step beside transformers + PEFT's on the same Qwen3-MoE and batches
-(issue #55). Not a script: bench/moe.py runs it after the full-training step (its `lora_step` rows).
+(issue #55). Not a script: bench/moe.py runs it (its `lora` part, with its own command, machine and rounds).
 
 * fitlm: `finetune.method: lora` (r 8, alpha 16, no dropout) on attention (q/k/v/o_proj) and the stacked experts'
   gate_proj, up_proj, down_proj (fitlm.finetune.expert_lora: the grouped matmul computes the base and the
@@ -12,11 +12,14 @@
 * the same start: PEFT initializes its adapters (A random, B zero) and saves them, and fitlm's trainer reads that
   adapter (fitlm.finetune.peft_format.load_adapter) into its own. PEFT's gate_up_proj has one A per expert for
   gate and up, which fitlm reads as equal A_gate and A_up; from there fitlm's two follow their own gradients where
-  PEFT's one follows their sum. The first two steps are the same training; later ones differ by terms of order
-  lr² (far under the losses' float tolerance over a few steps at lr 3e-4);
+  PEFT's one follows their sum. The first two steps are the same training (B is zero at the first, so A has no
+  gradient); after them they part a little (small size, 5 steps: the adapters' effects on the logits ~7% apart,
+  the losses 2e-5), where `--lora-experts down_proj` (the same parameters on both sides) stays at float rounding
+  (2e-6 and 5e-7): the shared A, not the setup;
 * honesty checks: each step's token and aux loss against fitlm_lora's (a wrong scaling shows from step 2 at
   ~1e-3), and after round one's steps the adapters' effect on the logits of a batch (with adapters minus without)
-  on both sides: `adapter_effect_rel_diff` = max |Δ_peft − Δ_fitlm| / max |Δ_fitlm| (~1 for a mismatch).
+  on both sides: `adapter_effect_rel_diff` = max |Δ_peft − Δ_fitlm| / max |Δ_fitlm| (~0.5 for a wrong
+  scaling).
 """
 
 from __future__ import annotations
@@ -24,33 +27,39 @@ from __future__ import annotations
 import gc
 from pathlib import Path
 
-from common import log
+from common import log, machine
 from moe_setup import batches_for, fitlm_contender, hf_contender, hf_model, loss_checks, summary, timed
 
 R, ALPHA = 8, 16.0
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
-EXPERTS = ["gate_proj", "up_proj", "down_proj"]  # fitlm's stacked experts' projections
-FUSED = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]  # transformers 5's fused expert parameters
-FINETUNE = {"method": "lora", "lora": {"r": R, "alpha": ALPHA, "dropout": 0.0, "target_modules": ATTENTION + EXPERTS}}
+# `--lora-experts`: fitlm's stacked experts' projections, and transformers 5's fused expert parameters for PEFT.
+# `down_proj` alone is the control where both sides have the same parameters (no A shared by gate and up).
+EXPERTS = {
+    "all": (["gate_proj", "up_proj", "down_proj"], ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
+    "down_proj": (["down_proj"], ["mlp.experts.down_proj"]),
+}
 
 
-def peft_model(ckpt: Path, impl: str, adapter_dir: Path):
+def peft_model(ckpt: Path, impl: str, experts: str, adapter_dir: Path):
     """The transformers model of `ckpt` with PEFT's fresh adapters (seeded), which it saves to `adapter_dir`."""
     import peft
     import torch
 
-    config = peft.LoraConfig(r=R, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=ATTENTION, target_parameters=FUSED)
+    config = peft.LoraConfig(
+        r=R, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=ATTENTION, target_parameters=EXPERTS[experts][1]
+    )
     torch.manual_seed(0)
     model = peft.get_peft_model(hf_model(ckpt, impl), config)
     model.save_pretrained(str(adapter_dir))
     return model.train()
 
 
-def fitlm_lora(ckpt: Path, data_dir: Path, out: Path, size: dict, adapter_dir: Path):
+def fitlm_lora(ckpt: Path, data_dir: Path, out: Path, size: dict, experts: str, adapter_dir: Path):
     """fitlm's LoRA step (step() -> (token loss, aux loss), its Trainer) whose adapters start as `adapter_dir`'s."""
     from fitlm.finetune.peft_format import load_adapter
 
-    step, trainer = fitlm_contender(ckpt, data_dir, out, size, loop=False, finetune=FINETUNE)
+    lora = {"r": R, "alpha": ALPHA, "dropout": 0.0, "target_modules": ATTENTION + EXPERTS[experts][0]}
+    step, trainer = fitlm_contender(ckpt, data_dir, out, size, loop=False, finetune={"method": "lora", "lora": lora})
     _, tensors = load_adapter(adapter_dir)
     model = trainer.pm.modules[0]
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
@@ -80,6 +89,14 @@ def trainable(modules) -> int:
     return sum(p.numel() for m in modules for p in m.parameters() if p.requires_grad)
 
 
+def lora_part(args, size: dict, ckpt: Path, data_dir: Path, tmp: Path, command: str) -> dict:
+    """The LoRA part of a report: how it was run, and `step`, the summaries of fitlm_lora and hf_peft_lora."""
+    how = {"command": command, "machine": machine(), "steps": args.steps, "warmup": args.warmup}
+    how |= {"rounds": args.rounds, "hf_impl": args.lora_hf_impl, "r": R, "alpha": ALPHA}
+    how |= {"experts": args.lora_experts}
+    return how | {"step": lora_rounds(args, size, ckpt, data_dir, tmp)}
+
+
 def lora_rounds(args, size: dict, ckpt: Path, data_dir: Path, tmp: Path) -> dict:
     """`--rounds` rounds of fitlm_lora and hf_peft_lora, interleaved step by step; their step summaries."""
     from fitlm.memory.tracking import peak_live_bytes
@@ -90,8 +107,8 @@ def lora_rounds(args, size: dict, ckpt: Path, data_dir: Path, tmp: Path) -> dict
     extra: dict[str, dict] = {}
     for r in range(args.rounds):
         log(f"[{args.size}] LoRA round {r + 1}/{args.rounds}: fitlm_lora, transformers {args.lora_hf_impl} + PEFT")
-        hf_peft = peft_model(ckpt, args.lora_hf_impl, tmp / f"peft{r}")
-        fit_step, trainer = fitlm_lora(ckpt, data_dir, tmp / f"lora{r}", size, tmp / f"peft{r}")
+        hf_peft = peft_model(ckpt, args.lora_hf_impl, args.lora_experts, tmp / f"peft{r}")
+        fit_step, trainer = fitlm_lora(ckpt, data_dir, tmp / f"lora{r}", size, args.lora_experts, tmp / f"peft{r}")
         batches = batches_for(trainer.cfg, steps + 2)
         hf_step, opt = hf_contender(hf_peft, batches)
         contenders = {"fitlm_lora": fit_step, "hf_peft_lora": hf_step}
@@ -113,21 +130,23 @@ def lora_rounds(args, size: dict, ckpt: Path, data_dir: Path, tmp: Path) -> dict
     return {n: s | extra[n] for n, s in out.items()}
 
 
-def lora_table(report: dict) -> str:
-    """The LoRA rows of a bench/moe.py report as a markdown table."""
+def lora_table(lora: dict) -> str:
+    """A report's LoRA part as a markdown table, with its command."""
     rows = [
-        f"LoRA r {R}, alpha {ALPHA:g} on q/k/v/o_proj and the experts (fitlm: gate/up/down_proj; PEFT on transformers "
-        f"{report.get('lora_hf_impl', 'grouped_mm')}: target_parameters gate_up_proj, down_proj); ratio vs fitlm_lora",
+        f"LoRA r {lora['r']}, alpha {lora['alpha']:g} on q/k/v/o_proj and the experts (fitlm: "
+        f"{'/'.join(EXPERTS[lora['experts']][0])}; transformers {lora['hf_impl']} + PEFT: target_parameters "
+        f"{', '.join(EXPERTS[lora['experts']][1])}); {lora['steps']} timed steps after {lora['warmup']}, "
+        f"{lora['rounds']} rounds; ratio vs fitlm_lora",
         "",
         "| contender | step ms | step tokens/s | step ratio | step peak MiB | trainable params | loss diff vs fitlm_lora "
         "| adapter effect rel. diff |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for n, s in report["lora_step"].items():
+    for n, s in lora["step"].items():
         effect = s.get("adapter_effect_rel_diff")
         rows.append(
             f"| {n} | {s['median_s'] * 1e3:.0f} | {s['tokens_per_s']:,.0f} | {s['ratio_vs_fitlm']:.2f} "
             f"| {s['peak_bytes'] / 2**20:.1f} | {s['trainable_params']:,} | {s['loss_max_abs_diff']:.1e} "
             f"| {'' if effect is None else f'{effect:.1e}'} |"
         )
-    return "\n".join(rows) + "\n"
+    return "\n".join(rows) + f"\n\n`{lora['command']}`\n"
