@@ -44,15 +44,18 @@ def fitlm_config(
     seq: int,
     memory: dict | None = None,
     device: str = "cpu",
+    finetune: dict | None = None,
     **train,
 ):
-    """A validated fitlm Config for benchmarking: no eval, no progress bar, no warm-up of the LR."""
+    """A validated fitlm Config for benchmarking: no eval, no progress bar, no warm-up of the LR; `finetune`: the
+    config's finetune section (e.g. LoRA), none = full training."""
     from fitlm.config import validate_dict
 
     return validate_dict(
         {
             "model": {"arch": "llama", "max_seq_len": seq, **model},
             "memory": memory or {},
+            "finetune": finetune or {},
             # Plain causal attention over the packed row, as transformers computes it (no block-causal mask).
             "data": {"train": str(data_dir), "seq_length": seq, "document_mask": False},
             "train": {

@@ -20,10 +20,16 @@ Not a test: it prints a table (stderr with --json) and writes JSON; it asserts n
 * peak bytes: the live tensors over one layer call / one step (torch's MemTracker,
   fitlm.memory.tracking.peak_live_bytes: parameters, gradients, optimizer states, activations, temporaries);
 * honesty check: each step's token loss and aux loss of every transformers contender against fitlm's
-  (`loss_max_abs_diff` over the timed run; the first step starts from the same weights and batch).
+  (`loss_max_abs_diff` over the timed run; the first step starts from the same weights and batch);
+* (c) LoRA on attention and the experts (`lora`, issue #55): fitlm's LoRA step against transformers + PEFT
+  (`target_parameters` on its fused experts) from the same adapters, same batches (bench/moe_lora.py says how);
+* `--parts` runs some of (a), (b), (c): with `--out` an earlier report of the same model keeps the others (each
+  part records its command), e.g. more rounds of the LoRA rows than the whole run's time allows.
 
     python bench/moe.py [--json] [--size small|tiny] [--steps 4] [--warmup 2] [--rounds 3]
-                        [--hf-impls eager batched_mm grouped_mm] [--profile] [--out bench/results/moe.json]
+                        [--hf-impls eager batched_mm grouped_mm]
+                        [--parts layer step lora] [--lora-experts all|down_proj]
+                        [--lora-hf-impl grouped_mm] [--profile] [--out bench/results/moe.json]
     python bench/moe.py --markdown [bench/results/moe.json]   # the RESULTS.md table
 
 How to read it: `*_tokens_per_s` = B·T / median time; `ratio` = the contender's time / fitlm's, > 1 means
@@ -35,150 +41,30 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib.util
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, fitlm_config, log, machine, median, prepare_data, profile_step, write_json  # noqa: E402
+from common import RESULTS, log, machine, prepare_data, profile_step, write_json  # noqa: E402
+from moe_lora import lora_part, lora_table  # noqa: E402
+from moe_setup import (  # noqa: E402
+    HF_IMPLS,
+    SIZES,
+    batches_for,
+    fitlm_contender,
+    hf_checkpoint,
+    hf_contender,
+    hf_model,
+    loop_path,
+    loss_checks,
+    summary,
+    timed,
+)
 
-SIZES = {
-    # a small Qwen3-MoE: 16 experts, 4 per token, ~256 rows per expert at batch 4 x 256
-    "small": {
-        "hidden_size": 256,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 64,
-        "intermediate_size": 512,
-        "moe_intermediate_size": 256,
-        "num_experts": 16,
-        "num_experts_per_tok": 4,
-        "vocab_size": 2048,
-        "batch": 4,
-        "seq": 256,
-    },
-    "tiny": {
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "intermediate_size": 128,
-        "moe_intermediate_size": 32,
-        "num_experts": 8,
-        "num_experts_per_tok": 2,
-        "vocab_size": 1024,
-        "batch": 2,
-        "seq": 32,
-    },
-}
-HF_IMPLS = ("eager", "batched_mm", "grouped_mm")
-LR, WD, BETAS, EPS, CLIP, AUX_COEF = 3e-4, 0.1, (0.9, 0.95), 1e-8, 1.0, 0.001
-
-
-@contextlib.contextmanager
-def loop_path():
-    """fitlm's GroupedExperts with the per-expert loop forced (the grouped matmul reported unsupported)."""
-    import fitlm.models.moe as moe
-
-    saved = moe.grouped_mm_supported
-    moe.grouped_mm_supported = lambda device, dtype, traced=False: False
-    try:
-        yield
-    finally:
-        moe.grouped_mm_supported = saved
-
-
-def hf_checkpoint(size: dict, out: Path) -> Path:
-    """A seeded transformers Qwen3-MoE saved to `out` (fp32, eager-free sdpa attention, no cache)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    dims = {k: v for k, v in size.items() if k not in ("batch", "seq")}
-    cfg = AutoConfig.for_model(
-        "qwen3_moe",
-        **dims,
-        max_position_embeddings=size["seq"],
-        norm_topk_prob=True,
-        tie_word_embeddings=False,
-        router_aux_loss_coef=AUX_COEF,
-        output_router_logits=True,
-        use_cache=False,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg).float()
-    model.save_pretrained(out)
-    return out
-
-
-def hf_model(path: Path, impl: str):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, experts_implementation=impl, attn_implementation="sdpa")
-    model.config.use_cache = False
-    return model.float().train()
-
-
-def batches_for(cfg, n: int) -> list[dict]:
-    """The first n batches fitlm's Trainer reads (same dataset, seed and loader)."""
-    from fitlm.data.dataset import PackedDataset
-    from fitlm.data.loader import SequenceLoader
-
-    loader = SequenceLoader.from_config(
-        PackedDataset(cfg.data.train), cfg.data, cfg.train.micro_batch_size, seed=cfg.train.seed, shuffle=True
-    )
-    return [next(loader) for _ in range(n)]
-
-
-# --------------------------------------------------------------------------- contenders: the step
-
-
-def fitlm_contender(ckpt: Path, data_dir: Path, out: Path, size: dict, loop: bool):
-    """(step() -> (token loss, aux loss), its Trainer)."""
-    from fitlm.models.hf import read_hf_config
-    from fitlm.train.trainer import Trainer
-
-    model = read_hf_config(ckpt).model_dump(exclude_unset=True) | {"init_from": str(ckpt)}
-    train = {"lr_schedule": "constant", "lr": LR, "weight_decay": WD, "grad_clip": CLIP, "eps": EPS}
-    train |= {"beta1": BETAS[0], "beta2": BETAS[1]}
-    cfg = fitlm_config(model, data_dir, out, size["batch"], size["seq"], {"loss_chunk_size": 0}, **train)
-    trainer = Trainer(cfg)
-    batches = iter(trainer.loader)
-    state = {"step": 0}
-
-    def step():
-        state["step"] += 1
-        with loop_path() if loop else contextlib.nullcontext():
-            o = trainer.train_step(state["step"], batches)
-        return float(o.loss), float(trainer.step.balance.metrics.get("aux_loss", float("nan")))
-
-    return step, trainer
-
-
-def hf_contender(model, batches: list[dict]):
-    """(step() -> (token loss, aux loss), optimizer): the model's own loss + coef · aux, clip, AdamW."""
-    import torch
-
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD, eps=EPS, foreach=True)
-    it = iter(range(10**9))
-
-    def step():
-        b = batches[next(it) % len(batches)]
-        out = model(input_ids=b["input_ids"], labels=b["labels"], shift_labels=b["labels"])
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        aux = float(out.aux_loss.detach())
-        return float(out.loss.detach()) - model.config.router_aux_loss_coef * aux, aux
-
-    return step, opt
-
+PARTS = ("layer", "step", "lora")
 
 # --------------------------------------------------------------------------- contenders: the layer
 
@@ -200,21 +86,14 @@ def layer_call(layer, x, g, loop: bool = False):
 # --------------------------------------------------------------------------- the run
 
 
-def run(args) -> dict:
+def layer_part(args, size: dict, ckpt: Path) -> tuple[dict, dict]:
+    """(a) layer 0's MoE block alone, forward + backward: (summaries by contender, profiles)."""
     import torch
 
     from fitlm.memory.tracking import peak_live_bytes
     from fitlm.models.hf import load_hf_dir
-    from fitlm.models.moe import grouped_mm_supported, moe_layers
+    from fitlm.models.moe import moe_layers
 
-    size = SIZES[args.size]
-    tmp = Path(tempfile.mkdtemp(prefix="bench_moe_"))
-    data_dir = prepare_data(tmp / "data", tokenizer_vocab=min(1024, size["vocab_size"]))
-    ckpt = hf_checkpoint(size, tmp / "hf")
-    tokens = size["batch"] * size["seq"]
-    steps = args.warmup + args.steps
-
-    # ---- (a) the MoE layer alone
     fit_model, _ = load_hf_dir(ckpt)
     fit_layer = moe_layers([fit_model.train()])[0]
     layers = {"fitlm": (fit_layer, False), "fitlm_loop": (fit_layer, True)}
@@ -237,27 +116,27 @@ def run(args) -> dict:
     calls = {name: layer_call(layer, x, g, loop) for name, (layer, loop) in layers.items()}
     layer_times: dict[str, list[list[float]]] = {n: [] for n in calls}
     for _round in range(args.rounds):
-        per = {n: [] for n in calls}
-        for _ in range(steps):
-            for name, call in calls.items():
-                t0 = time.perf_counter()
-                call()
-                per[name].append(time.perf_counter() - t0)
+        per, _ = timed(calls, args.warmup + args.steps)
         for n in calls:
             layer_times[n].append(per[n])
-    layer_peak = {n: peak_live_bytes(call, [layers[n][0]], None, warmup_steps=1)["total"] for n, call in calls.items()}
-    layer_prof = {n: profile_step(calls[n], f"layer {n}", rows=8) for n in calls} if args.profile else {}
-    del calls
-    hf_models.clear()
-    gc.collect()
+    layer = summary(layer_times, args.warmup, size["batch"] * size["seq"], "fitlm")
+    for n, call in calls.items():
+        layer[n]["peak_bytes"] = peak_live_bytes(call, [layers[n][0]], None, warmup_steps=1)["total"]
+        layer[n]["max_abs_diff_vs_fitlm"] = layer_diff[n]
+    return layer, ({n: profile_step(calls[n], f"layer {n}", rows=8) for n in calls} if args.profile else {})
 
-    # ---- (b) the training step
+
+def step_part(args, size: dict, ckpt: Path, data_dir: Path, tmp: Path, impls: list[str]) -> tuple[dict, dict]:
+    """(b) the whole training step of fitlm, fitlm_loop and transformers' `impls`: (summaries, profiles)."""
+    from fitlm.memory.tracking import peak_live_bytes
+
+    steps = args.warmup + args.steps
     step_times: dict[str, list[list[float]]] = {}
     losses: dict[str, list[tuple[float, float]]] = {}
     step_peak: dict[str, int] = {}
     step_prof: dict[str, list] = {}
     for r in range(args.rounds):
-        log(f"[{args.size}] round {r + 1}/{args.rounds}: fitlm, fitlm_loop, transformers {' '.join(args.hf_impls)}")
+        log(f"[{args.size}] round {r + 1}/{args.rounds}: fitlm, fitlm_loop, transformers {' '.join(impls)}")
         contenders, holders = {}, {}
         fit_step, fit_trainer = fitlm_contender(ckpt, data_dir, tmp / f"fit{r}", size, loop=False)
         contenders["fitlm"], holders["fitlm"] = fit_step, (fit_trainer.pm.modules, fit_trainer.step.optimizer)
@@ -265,71 +144,75 @@ def run(args) -> dict:
         contenders["fitlm_loop"] = loop_step
         holders["fitlm_loop"] = (loop_trainer.pm.modules, loop_trainer.step.optimizer)
         batches = batches_for(fit_trainer.cfg, steps + 2)
-        for impl in args.hf_impls:
-            if f"hf_{impl}" not in layers:
-                continue
+        for impl in impls:
             model = hf_model(ckpt, impl)
             contenders[f"hf_{impl}"], opt = hf_contender(model, batches)
             holders[f"hf_{impl}"] = ([model], opt)
-        per = {n: [] for n in contenders}
-        for _ in range(steps):
-            for name, step in contenders.items():
-                t0 = time.perf_counter()
-                out = step()
-                per[name].append(time.perf_counter() - t0)
-                if r == 0:
-                    losses.setdefault(name, []).append(out)
+        per, outs = timed(contenders, steps)
         for n in contenders:
             step_times.setdefault(n, []).append(per[n])
         if r == 0:
+            losses = outs
             for n, step in contenders.items():
                 step_peak[n] = peak_live_bytes(step, *holders[n], warmup_steps=0)["total"]
             if args.profile:
                 step_prof = {n: profile_step(step, f"step {n}", rows=8) for n, step in contenders.items()}
         del contenders, holders, fit_trainer, loop_trainer
         gc.collect()
-
-    def summary(times: dict[str, list[list[float]]]) -> dict:
-        out = {}
-        for n, rounds in times.items():
-            meds = [median(t[args.warmup :]) for t in rounds]
-            ratios = [median(t[args.warmup :]) / median(f[args.warmup :]) for t, f in zip(rounds, times["fitlm"])]
-            out[n] = {
-                "median_s": round(median(meds), 6),
-                "tokens_per_s": round(tokens / median(meds), 1),
-                "ratio_vs_fitlm": round(median(ratios), 3),
-                "round_median_s": [round(m, 6) for m in meds],
-            }
-        return out
-
-    layer = summary(layer_times)
-    step = summary(step_times)
-    for n in layer:
-        layer[n]["peak_bytes"] = layer_peak[n]
-        layer[n]["max_abs_diff_vs_fitlm"] = layer_diff[n]
-    fit_losses = losses["fitlm"]
+    step = summary(step_times, args.warmup, size["batch"] * size["seq"], "fitlm")
     for n in step:
         step[n]["peak_bytes"] = step_peak[n]
-        step[n]["losses"] = [[round(a, 6), round(b, 6)] for a, b in losses[n]]
-        step[n]["loss_max_abs_diff"] = max(abs(a - fa) for (a, _), (fa, _) in zip(losses[n], fit_losses))
-        step[n]["aux_loss_max_abs_diff"] = max(abs(b - fb) for (_, b), (_, fb) in zip(losses[n], fit_losses))
-    report = {
+    loss_checks(step, losses, "fitlm")
+    return step, step_prof
+
+
+def run(args) -> dict:
+    """The parts `args.parts` names of the report (the model's description always)."""
+    import torch
+
+    from fitlm.models.moe import grouped_mm_supported
+
+    size = SIZES[args.size]
+    tmp = Path(tempfile.mkdtemp(prefix="bench_moe_"))
+    data_dir = prepare_data(tmp / "data", tokenizer_vocab=min(1024, size["vocab_size"]))
+    ckpt = hf_checkpoint(size, tmp / "hf")
+    command = "python bench/moe.py " + " ".join(sys.argv[1:])
+    report: dict = {
         "benchmark": "moe",
-        "machine": machine(),
-        "command": "python bench/moe.py " + " ".join(sys.argv[1:]),
         "size": args.size,
         "model": size,
-        "tokens_per_step": tokens,
-        "steps": args.steps,
-        "warmup": args.warmup,
-        "rounds": args.rounds,
-        "grouped_mm_on_cpu": grouped_mm_supported(torch.device("cpu"), torch.float32),
-        "layer": layer,
-        "step": step,
+        "tokens_per_step": size["batch"] * size["seq"],
     }
-    if args.profile:
-        report["profile"] = {"layer": layer_prof, "step": step_prof}
+    if {"layer", "step"} & set(args.parts):
+        report |= {"machine": machine(), "command": command, "steps": args.steps, "warmup": args.warmup}
+        report |= {"rounds": args.rounds, "grouped_mm_on_cpu": grouped_mm_supported(torch.device("cpu"), torch.float32)}
+    impls, profile = list(args.hf_impls), {}
+    if "layer" in args.parts:
+        report["layer"], profile["layer"] = layer_part(args, size, ckpt)
+        impls = [n.removeprefix("hf_") for n in report["layer"] if n.startswith("hf_")]  # those that run here
+        gc.collect()
+    if "step" in args.parts:
+        report["step"], profile["step"] = step_part(args, size, ckpt, data_dir, tmp, impls)
+    if args.profile and profile:
+        report["profile"] = profile
+    if "lora" in args.parts:
+        if importlib.util.find_spec("peft") is None:
+            raise SystemExit("bench/moe.py --parts lora: PEFT is not installed (pip install peft), or leave lora out")
+        report["lora"] = lora_part(args, size, ckpt, data_dir, tmp, command)
     return report
+
+
+def merged(report: dict, out: Path | None, parts: list[str]) -> dict:
+    """`report` over the report at `out` of the same model: the parts not rerun stay as measured there (each part
+    says its command). A different model's, or no earlier report: `report` alone."""
+    if out is None or not out.exists() or set(parts) == set(PARTS):
+        return report
+    old = json.loads(out.read_text())
+    if old.get("model") != report["model"]:
+        return report
+    if {"layer", "step"} & set(parts):
+        old.pop("profile", None)  # of the earlier run's layer and step
+    return old | report
 
 
 def table(report: dict) -> str:
@@ -337,22 +220,43 @@ def table(report: dict) -> str:
     head = (
         f"Qwen3-MoE {report['size']}: H {m['hidden_size']}, {m['num_hidden_layers']} layers, {m['num_experts']} "
         f"experts (top {m['num_experts_per_tok']}, width {m['moe_intermediate_size']}), vocab {m['vocab_size']}, "
-        f"batch {m['batch']} x {m['seq']}; fp32, {report['steps']} timed steps after {report['warmup']}, "
-        f"{report['rounds']} rounds; fitlm's grouped matmul on CPU: {report['grouped_mm_on_cpu']}\n"
+        f"batch {m['batch']} x {m['seq']}; fp32\n"
     )
+    out = [head]
+    if "step" in report or "layer" in report:
+        out.append(main_table(report))
+    if "lora" in report:
+        out.append(lora_table(report["lora"]))
+    return "\n".join(out)
+
+
+def main_table(report: dict) -> str:
+    """The layer and step parts as a markdown table, with their command."""
     rows = [
+        f"{report['steps']} timed steps after {report['warmup']}, {report['rounds']} rounds; fitlm's grouped matmul "
+        f"on CPU: {report['grouped_mm_on_cpu']}",
+        "",
         "| contender | layer fwd+bwd ms | layer tokens/s | layer ratio | layer peak MiB | step ms | step tokens/s "
         "| step ratio | step peak MiB | loss diff vs fitlm |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for n, s in report["step"].items():
-        ly = report["layer"][n]
-        rows.append(
-            f"| {n} | {ly['median_s'] * 1e3:.1f} | {ly['tokens_per_s']:,.0f} | {ly['ratio_vs_fitlm']:.2f} "
-            f"| {ly['peak_bytes'] / 2**20:.1f} | {s['median_s'] * 1e3:.0f} | {s['tokens_per_s']:,.0f} "
-            f"| {s['ratio_vs_fitlm']:.2f} | {s['peak_bytes'] / 2**20:.1f} | {s['loss_max_abs_diff']:.1e} |"
-        )
-    return head + "\n".join(rows) + f"\n\n`{report['command']}`\n"
+    layer, step = report.get("layer", {}), report.get("step", {})
+    for n in {**layer, **step}:
+        cells = []
+        if n in layer:
+            ly = layer[n]
+            cells += [f"{ly['median_s'] * 1e3:.1f}", f"{ly['tokens_per_s']:,.0f}", f"{ly['ratio_vs_fitlm']:.2f}"]
+            cells += [f"{ly['peak_bytes'] / 2**20:.1f}"]
+        else:
+            cells += [""] * 4
+        if n in step:
+            s = step[n]
+            cells += [f"{s['median_s'] * 1e3:.0f}", f"{s['tokens_per_s']:,.0f}", f"{s['ratio_vs_fitlm']:.2f}"]
+            cells += [f"{s['peak_bytes'] / 2**20:.1f}", f"{s['loss_max_abs_diff']:.1e}"]
+        else:
+            cells += [""] * 5
+        rows.append(f"| {n} | " + " | ".join(cells) + " |")
+    return "\n".join(rows) + f"\n\n`{report['command']}`\n"
 
 
 def main(argv=None) -> None:
@@ -362,6 +266,20 @@ def main(argv=None) -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--hf-impls", nargs="+", default=list(HF_IMPLS))
+    p.add_argument(
+        "--parts",
+        nargs="+",
+        choices=PARTS,
+        default=list(PARTS),
+        help="what to run; with --out an earlier report of the same model keeps the other parts",
+    )
+    p.add_argument(
+        "--lora-experts",
+        choices=["all", "down_proj"],
+        default="all",
+        help="expert projections with adapters (down_proj alone: both sides have the same parameters)",
+    )
+    p.add_argument("--lora-hf-impl", default="grouped_mm", help="transformers' experts implementation under PEFT")
     p.add_argument("--profile", action="store_true", help="torch.profiler's top ops of one layer call and step")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
     p.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/moe.json without --json)")
@@ -373,6 +291,7 @@ def main(argv=None) -> None:
     with contextlib.redirect_stdout(sys.stderr):
         report = run(args)
     out = args.out or (None if args.json else RESULTS / "moe.json")
+    report = merged(report, out, args.parts)
     if out:
         write_json(out, report)
     if args.json:

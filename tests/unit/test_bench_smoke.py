@@ -250,9 +250,10 @@ def test_train_standalone_preloads_jemalloc(tmp_path):
     assert "fitlm_vs_hf_eager_jemalloc" in r
 
 
-@pytest.mark.slow  # ~60 s: one process builds a Qwen3-MoE in transformers and trains it in fitlm and three ways in HF
+@pytest.mark.slow  # ~70 s: one process builds a Qwen3-MoE in transformers, trains it in fitlm and three ways in HF, and LoRA in both
 def test_moe_contract(tmp_path):
     pytest.importorskip("transformers")
+    pytest.importorskip("peft")
     out = tmp_path / "moe.json"
     r = run_script("moe.py", "--size", "tiny", "--steps", "1", "--warmup", "1", "--rounds", "1", "--out", out)
     assert json.loads(out.read_text()) == r
@@ -262,7 +263,29 @@ def test_moe_contract(tmp_path):
         assert s["loss_max_abs_diff"] < 1e-4 and s["aux_loss_max_abs_diff"] < 1e-4, name  # same model, same batch
         assert r["layer"][name]["max_abs_diff_vs_fitlm"] < 1e-5, name
     assert r["step"]["fitlm"]["ratio_vs_fitlm"] == 1.0
+    # LoRA on attention and the experts (issue #55): fitlm's step against transformers + PEFT from the same adapters
+    lora = r["lora"]["step"]
+    assert lora.keys() == {"fitlm_lora", "hf_peft_lora"} and lora["fitlm_lora"]["ratio_vs_fitlm"] == 1.0
+    for name, s in lora.items():
+        assert s["tokens_per_s"] > 0 and s["peak_bytes"] > 0, name
+        assert s["loss_max_abs_diff"] < 1e-4 and s["aux_loss_max_abs_diff"] < 1e-4, name  # same training
+    assert lora["hf_peft_lora"]["adapter_effect_rel_diff"] < 1e-2  # a scaling or wiring mismatch gives ~1
+    m = r["model"]
+    shared_a = m["num_hidden_layers"] * m["num_experts"] * r["lora"]["r"] * m["hidden_size"]  # PEFT's gate_up A
+    assert lora["fitlm_lora"]["trainable_params"] == lora["hf_peft_lora"]["trainable_params"] + shared_a
+    # one part rerun into the same file: the others stay as measured, each part with its command. The control with
+    # adapters on down_proj alone (the same parameters on both sides, no shared A) trains alike to float rounding.
+    again = run_script(
+        "moe.py", "--size", "tiny", "--steps", "6", "--warmup", "0", "--rounds", "1", "--parts", "lora",
+        "--lora-experts", "down_proj", "--out", out,
+    )  # fmt: skip
+    assert again == json.loads(out.read_text()) and again["layer"] == r["layer"] and again["step"] == r["step"]
+    assert "--parts lora" in again["lora"]["command"] and "--parts" not in again["command"]
+    control = again["lora"]["step"]
+    assert control["fitlm_lora"]["trainable_params"] == control["hf_peft_lora"]["trainable_params"]
+    assert control["hf_peft_lora"]["adapter_effect_rel_diff"] < 2e-5  # with gate_up_proj: ~2e-4 at 6 steps
     md = subprocess.run(
         [sys.executable, str(BENCH / "moe.py"), "--markdown", str(out)], capture_output=True, text=True, cwd=ROOT
     )
     assert md.returncode == 0 and "| fitlm_loop |" in md.stdout and "--size tiny" in md.stdout
+    assert "| hf_peft_lora |" in md.stdout and "--parts lora" in md.stdout
