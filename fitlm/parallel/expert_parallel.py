@@ -80,8 +80,11 @@ def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: dist.P
 class ExpertParallelDispatch:
     """fitlm.models.moe.dispatch over the ep group: same arguments and results, experts on their ranks."""
 
-    def __init__(self, group: dist.ProcessGroup, ep: int):
-        self.group, self.ep = group, ep
+    def __init__(self, group: dist.ProcessGroup, ep: int, capacity_factor: float | None = None):
+        self.group, self.ep, self.capacity_factor = group, ep, capacity_factor
+        # The planner's simulation only (fake tensors, fitlm.plan.simulate): this rank's experts receive this many
+        # times their balanced rows (fitlm.plan.routing's worst case), capped as routing allows (`_received`).
+        self.imbalance = 1.0
 
     def kept_slots(self, counts: torch.Tensor, split: list[int], capacity_factor: float) -> list[int]:
         """This rank's slots per (global) expert kept under the capacity over the ep group (module docstring)."""
@@ -108,7 +111,10 @@ class ExpertParallelDispatch:
         if kept is not None:  # a capacity: only the slots their experts keep leave (`kept_slots`)
             order, split = order[first_slots(split, kept, flat.device)], kept
         token = order // k
-        send, recv, local, regroup = (self._balanced if is_fake(flat) else self._exchanged)(split, counts)
+        if is_fake(flat):
+            send, recv, local, regroup = self._simulated(split, n, k)
+        else:
+            send, recv, local, regroup = self._exchanged(split, counts)
         rows = _AllToAll.apply(x[token], send, recv, self.group)  # [R, H] ordered (source rank, local expert)
         out = experts(rows[regroup], local)  # [R, H], rows ordered (local expert, source rank)
         out = out[regroup.argsort()]  # back to (source rank, local expert)
@@ -126,14 +132,36 @@ class ExpertParallelDispatch:
         send, recv = send_counts.sum(dim=1).tolist(), recv_counts.sum(dim=1).tolist()
         return send, recv, recv_counts.sum(dim=0).tolist(), by_local_expert(recv_counts)
 
-    def _balanced(self, split: list[int], counts: torch.Tensor):
-        """`_exchanged` under the planner's simulation (fake tensors: no counts to exchange): every rank routes
-        as this one, its slots split evenly over the experts, so it receives from each rank what it sends
-        itself; the regrouping is a permutation of the received rows (its values do not matter)."""
+    def _simulated(self, split: list[int], tokens: int, k: int):
+        """`_exchanged` under the planner's simulation (fake tensors: no counts to exchange). Balanced, every rank
+        routes as this one, its slots split evenly over the experts, so it receives from each rank what it sends
+        itself; with an imbalance, this rank is the most loaded one and receives `_received` rows. The regrouping
+        is a permutation of the received rows (its values do not matter)."""
         local_experts = len(split) // self.ep
         mine = split[dist.get_rank(self.group) * local_experts :][:local_experts]  # this rank's experts' slots
         send = [sum(split[r * local_experts :][:local_experts]) for r in range(self.ep)]
-        return send, [sum(mine)] * self.ep, [c * self.ep for c in mine], torch.arange(sum(mine) * self.ep)
+        rows = self._received(sum(mine) * self.ep, tokens, k, local_experts)  # `tokens`: this rank's N
+        # The received rows spread evenly over the source ranks and this rank's experts, and what it sends stays
+        # its own slots: only the sums are buffers' rows (a real skew also moves its sends to the loaded rank)
+        local = [c * self.ep for c in mine] if rows == sum(mine) * self.ep else _even(rows, local_experts)
+        return send, _even(rows, self.ep), local, torch.arange(rows)
+
+    def _received(self, balanced: int, tokens: int, k: int, local_experts: int) -> int:
+        """Rows this rank's experts receive: `imbalance` times the `balanced` ones (the ep group's even split),
+        at most what routing can bring them (fitlm.plan.routing's bounds): every token of the ep group choosing
+        min(k, El) of them, or, under a capacity, C = ceil(cf · N·k · ep / E) slots per expert; N = `tokens`."""
+        if self.imbalance == 1:
+            return balanced
+        most = self.ep * tokens * min(k, local_experts)
+        if self.capacity_factor is not None:
+            c = capacity(self.capacity_factor, tokens * k * self.ep, local_experts * self.ep)
+            most = min(most, local_experts * c)
+        return max(balanced, min(round(self.imbalance * balanced), most))
+
+
+def _even(total: int, parts: int) -> list[int]:
+    """`total` split into `parts` sizes that differ by at most one."""
+    return [total // parts + (i < total % parts) for i in range(parts)]
 
 
 def by_local_expert(counts: torch.Tensor) -> torch.Tensor:
@@ -161,9 +189,18 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:
             )
             setattr(experts, name, sharded)
         setattr(experts, _EXPERT, True)
-        layer.dispatcher = dispatcher = ExpertParallelDispatch(ep_mesh.get_group(), ep_mesh.size())
+        dispatcher = ExpertParallelDispatch(ep_mesh.get_group(), ep_mesh.size(), layer.capacity_factor)
+        layer.dispatcher = dispatcher
         layer.kept = dispatcher.kept_slots
     return model
+
+
+def simulate_imbalance(modules: list[nn.Module], factor: float) -> None:
+    """The planner's simulation of a worst case (fitlm.plan.simulate): every expert-parallel MoE layer of `modules`
+    gives this rank's experts `factor` times their balanced rows (`ExpertParallelDispatch._received`)."""
+    for layer in moe_layers(modules):
+        if isinstance(layer.dispatcher, ExpertParallelDispatch):
+            layer.dispatcher.imbalance = factor
 
 
 def expert_parameters(modules: list[nn.Module], whole_only: bool = False) -> list[nn.Parameter]:

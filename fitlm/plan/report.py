@@ -172,7 +172,7 @@ def plan(
     if not fits_device:
         out["diagnosis"] = _diagnosis(s, mem, dev)
     if simulate:
-        out["simulated"] = _simulated(cfg, s, dev)
+        _add_simulations(out, cfg, s, dev)
     if search:
         out["search"] = _search(cfg, n, dev, top, best_out)
     return out
@@ -196,12 +196,22 @@ def _diagnosis(s: Setup, mem: Breakdown, dev: Device) -> dict[str, Any]:
     }
 
 
-def _simulated(cfg: Config, s: Setup, dev: Device) -> dict[str, Any]:
-    """--simulate: the real step on fake tensors, per component (or why it cannot run)."""
+def _add_simulations(out: dict[str, Any], cfg: Config, s: Setup, dev: Device) -> None:
+    """--simulate: the step as planned (balanced routing) in `simulated`, and under expert parallel the same step
+    with the simulated rank's experts the loaded ones in `routing.simulated_worst_case` (fitlm.plan.routing)."""
+    out["simulated"] = _simulated(cfg, s, dev)
+    worst = out.get("routing", {}).get("imbalance", 1)
+    if worst > 1 and "per_device" in out["simulated"]:
+        out["routing"]["simulated_worst_case"] = _simulated(cfg, s, dev, worst)["per_device"]
+
+
+def _simulated(cfg: Config, s: Setup, dev: Device, imbalance: float = 1.0) -> dict[str, Any]:
+    """--simulate: the real step on fake tensors, per component (or why it cannot run); `imbalance`: the routing's
+    worst case (fitlm.plan.routing), the simulated rank's experts receiving that many times their balanced rows."""
     from fitlm.plan.simulate import SimulationUnsupported, run_step
 
     try:
-        sim = run_step(cfg)
+        sim = run_step(cfg, imbalance=imbalance)
         note = "logits are counted inside activations by the simulation"
         if reference_bytes(s):  # fitlm.plan.simulate: the policy stood in for the reference's forward
             note += "; the DPO reference copy is added from the analytic count, under other"
@@ -310,15 +320,17 @@ def render(result: dict[str, Any]) -> None:
         table.add_column("simulated", justify="right")
     routing = result.get("routing", {})
     worst = routing["worst_case"] if routing.get("imbalance", 1) > 1 else None  # MoE under expert parallel
+    columns = [c for c in (sim, worst, routing.get("simulated_worst_case")) if c]  # beside the analytic one
     if worst:
         table.add_column("worst-case routing", justify="right")
+    if routing.get("simulated_worst_case"):
+        table.add_column("worst case, simulated", justify="right")
     for key, value in result["per_device"].items():
-        row = [key, gib(value)] + ([gib(sim[key])] if sim else []) + ([gib(worst[key])] if worst else [])
-        table.add_row(*row, style="bold" if key == "total" else None)
+        table.add_row(key, gib(value), *[gib(c[key]) for c in columns], style="bold" if key == "total" else None)
         named = {"params": "param_parts", "other": "other_parts", "activations": "activation_parts"}.get(key)
         if named:  # the named parts of `params`, `other` and `activations` (the simulation cannot tell them apart)
             for part, nbytes in result.get(named, {}).items():
-                table.add_row(f"  {part}", gib(nbytes), *[""] * (bool(sim) + bool(worst)), style="dim")
+                table.add_row(f"  {part}", gib(nbytes), *[""] * len(columns), style="dim")
     console.print(table)
     verdict = "[green]fits[/green]" if result["fits_device"] else "[red]does not fit[/red]"
     console.print(

@@ -100,6 +100,9 @@ def describe(r: dict[str, Any], usable: int) -> str:
         return f"routing: {r['source']}"
     worst = r["worst_case"]["total"]
     verdict = "fits" if worst <= usable else "does not fit"
+    simulated = r.get("simulated_worst_case", {}).get("total")  # (plan --simulate)
+    if simulated is not None:
+        verdict += f"; simulated {_size(simulated)}"
     return (
         f"routing: worst case {_size(worst)} per device ({verdict}), {_size(r['extra_bytes'])} over balanced "
         f"routing: a rank's experts receive {r['imbalance']:.3g}× their balanced rows ({r['source']})"

@@ -40,6 +40,7 @@ from fitlm.memory.nf4 import is_nf4
 from fitlm.memory.precision import half_dtype
 from fitlm.memory.tracking import plan_components, track_step
 from fitlm.parallel.apply import parallelize
+from fitlm.parallel.expert_parallel import simulate_imbalance
 from fitlm.plan.fake_world import SimulationUnsupported, answer_ddp, fake_world, peers_answered, pipeline_ranks
 from fitlm.plan.finetune import reference_bytes
 from fitlm.plan.setup import from_config
@@ -71,19 +72,21 @@ def _batch(cfg: Config) -> dict[str, torch.Tensor]:
     }
 
 
-def run_step(cfg: Config, fake: bool = True) -> dict[str, int]:
+def run_step(cfg: Config, fake: bool = True, imbalance: float = 1.0) -> dict[str, int]:
     """Peak live bytes of a steady training step (after an untracked first step, in which optimizer states
     appear, and a tracked warm-up, as `fitlm profile` measures), by component, on the most loaded rank.
 
-    `fake=False` runs the same thing on real CPU tensors (a cross-check of the harness itself).
+    `fake=False` runs the same thing on real CPU tensors (a cross-check of the harness itself). `imbalance`
+    (under expert parallel: fitlm.plan.routing's worst case): the simulated rank's experts receive that many
+    times their balanced rows (fitlm.parallel.expert_parallel.simulate_imbalance), capped as routing allows.
     """
     boundary: dict[str, Any] = {}  # what the first pipeline stage sends on, for the later stages' simulations
     peaks = []
     for rank in pipeline_ranks(cfg):
-        peak, heavier = _run_rank(cfg, rank, fake, boundary)
+        peak, heavier = _run_rank(cfg, rank, fake, boundary, imbalance)
         peaks.append(peak)
         if heavier is not None:  # ZeRO-1 gives the data-parallel ranks unequal shares: the largest one too
-            peaks.append(_run_rank(cfg, heavier, fake, boundary)[0])
+            peaks.append(_run_rank(cfg, heavier, fake, boundary, imbalance)[0])
     return _with_reference(cfg, max(peaks, key=lambda p: p["total"]))
 
 
@@ -122,8 +125,11 @@ def _micro_batches(cfg: Config) -> int:
     return min(2, accum)
 
 
-def _run_rank(cfg: Config, rank: int, fake: bool, boundary: dict[str, Any]) -> tuple[dict[str, int], int | None]:
-    """The peak of global `rank`, and a heavier ZeRO-1 rank to run as well (None when there is none)."""
+def _run_rank(
+    cfg: Config, rank: int, fake: bool, boundary: dict[str, Any], imbalance: float
+) -> tuple[dict[str, int], int | None]:
+    """The peak of global `rank` (its experts receiving `imbalance` times their balanced rows), and a heavier
+    ZeRO-1 rank to run as well (None when there is none)."""
     with contextlib.ExitStack() as stack:
         ctx = stack.enter_context(fake_world(cfg, rank))
         stack.enter_context(peers_answered(boundary, fake_tensors=fake, pipeline=cfg.parallel.pipeline_parallel > 1))
@@ -141,6 +147,7 @@ def _run_rank(cfg: Config, rank: int, fake: bool, boundary: dict[str, Any]) -> t
             _adapters_to_half(model, cfg)
         pm = parallelize(model, _as_built(cfg) if fake else cfg, ctx)
         answer_ddp(pm.modules)
+        simulate_imbalance(pm.modules, imbalance)
         train_step = TrainStep.create(cfg, ctx, pm, simulate=fake)  # the trainer's own step, optimizer and all
         batches = [_batch(cfg)] * _micro_batches(cfg)
 
