@@ -280,10 +280,13 @@ ROWS: tuple[Rule, ...] = (
     ),
     _expert_parallel_refuses(
         "finetune.objective",
-        "DPO, SimPO or GRPO",
-        lambda v: v["finetune.objective"] in SEQUENCE_OBJECTIVES,
+        "DPO, SimPO, or GRPO with a frozen reference (full fine-tuning, beta > 0)",
+        lambda v: (
+            v["finetune.objective"] in ("dpo", "simpo")
+            or (v["finetune.objective"] == "grpo" and v["finetune.method"] == "full" and v["finetune.grpo.beta"] > 0)
+        ),
         "the frozen reference model is not built with split experts; train these objectives with "
-        "data_parallel and zero_stage 0-3",
+        "data_parallel and zero_stage 0-3 (GRPO: LoRA, whose reference is its adapters switched off, or beta: 0)",
     ),
     _rollback_without_checkpoints("nonfinite"),
     _rollback_without_checkpoints("spike"),

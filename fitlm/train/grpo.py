@@ -124,7 +124,9 @@ class GrpoRun:
         policy = plain_module(pm.model)
         reference = reference_forward(cfg, ctx, policy) if g.beta > 0 else None
         rewards = load_rewards(g.reward_funcs)
-        peers = lockstep(ctx) if cfg.parallel.dims.fsdp_sharded and ctx.distributed else None
+        # ZeRO-2/3 gather blocks and expert parallel exchanges tokens in every forward: ranks decode in lockstep
+        collective = cfg.parallel.dims.fsdp_sharded or ctx.ep > 1
+        peers = lockstep(ctx) if collective and ctx.distributed else None
         self.rollouts = Rollouts(cfg, policy, tokenizer, rewards, reference, ctx.device, peers)
         self.current: Rollout | None = None
         self.log_path = output_dir / "rollouts.jsonl" if t.observe.log_completions else None
@@ -162,7 +164,8 @@ class GrpoRun:
 
 def lockstep(ctx: ParallelContext) -> Callable[[int], int]:
     """The largest of a count over every rank: under ZeRO-2/3 each decoding forward gathers blocks from all of
-    them, so they run as many as the busiest (fitlm.step.sampler.sample's `peers`)."""
+    them (under expert parallel it exchanges tokens), so they run as many as the busiest
+    (fitlm.step.sampler.sample's `peers`)."""
     import torch.distributed as dist
 
     def peers(n: int) -> int:

@@ -19,6 +19,7 @@ from fitlm.config import validate_dict
 from fitlm.data.prompts import pack_prompts
 from tests.e2e.test_grpo_cli import MODEL, REWARD
 from tests.e2e.test_grpo_cli import config as cli_config
+from tests.e2e.test_moe_cli import MOE as MOE_CLI
 
 
 @pytest.fixture(scope="module")
@@ -77,25 +78,42 @@ def _dp_worker(rank: int, world: int, port: int, cases: dict, out_dir: str) -> N
     exit_process(0)
 
 
+# A Qwen3-MoE with a dense block among routed ones, the router's aux loss on (tests/e2e/test_moe_cli.py's)
+MOE = {**MODEL, **MOE_CLI, "router_aux_loss_coef": 0.01}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
-def test_data_parallel_equals_one_process(prompts, tmp_path, zero_stage):
-    """dp2, each rank sampling its own prompt's group, equals one process sampling both groups; under ZeRO-2/3 the
-    ranks decode in lockstep over sharded weights (their completions end at different steps)."""
+@pytest.mark.parametrize(
+    "zero_stage,moe", [(0, False), (1, False), (2, False), (3, False), (0, True), pytest.param(3, True, id="3-moe-ep2")]
+)
+def test_data_parallel_equals_one_process(prompts, tmp_path, zero_stage, moe):
+    """dp2, each rank sampling its own prompt's group, equals one process sampling both groups; under ZeRO-2/3 and
+    expert parallel every forward is a collective, and the ranks decode in lockstep (their completions end at
+    different steps). The MoE cases: dp2 and dp2 × ep2 (each rank's experts serve both ranks' tokens)."""
     from tests.distributed.spawn import run_world
 
     logged = {"log_completions": True}  # rollouts.jsonl: the main rank writes every rank's completions
-    single = history(_observe(config(prompts, tmp_path / "single", 4, 2, "dapo"), logged))
-    dp2 = config(prompts, tmp_path / "dp2", 4, 1, "dapo", data_parallel=2, zero_stage=zero_stage)
-    cases = {"dp2": _observe(dp2, logged)}
+    ep = {"expert_parallel": 2} if moe and zero_stage == 3 else {}
+    single = history(_observe(_model(config(prompts, tmp_path / "single", 4, 2, "dapo"), moe, ep), logged))
+    dp2 = config(prompts, tmp_path / "dp2", 4, 1, "dapo", data_parallel=2, zero_stage=zero_stage, **ep)
+    cases = {"dp2": _observe(_model(dp2, moe, ep), logged)}
     (ranks := tmp_path / "ranks").mkdir()
     got = run_world(_dp_worker, __name__, 2, cases, ranks, 300, "GRPO data-parallel workers")[0]["dp2"]
     assert len(got) == len(single) == 3
     for a, b in zip(single, got):  # the same micro batches: the logged kl is the same too
-        for key in (*KEYS, "kl"):
-            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
+        for key in (*KEYS, "kl", "aux_loss"):
+            assert (key in b) == (key in a), key
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
     rollouts = [(tmp_path / run / "rollouts.jsonl").read_text().splitlines() for run in ("single", "dp2")]
     assert len(rollouts[0]) == 3 * 8 and rollouts[1] == rollouts[0]
+
+
+def _model(cfg: dict, moe: bool, ep: dict) -> dict:
+    cfg["model"] = MOE if moe else cfg["model"]
+    if ep:  # no frozen reference copy of split experts (fitlm.rules): beta 0
+        cfg["finetune"]["grpo"]["beta"] = 0.0
+    return cfg
 
 
 def _observe(cfg: dict, observe: dict) -> dict:
