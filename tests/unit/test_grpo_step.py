@@ -84,9 +84,19 @@ MOE = {**MODEL, **MOE_CLI, "router_aux_loss_coef": 0.01}
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "zero_stage,moe", [(0, False), (1, False), (2, False), (3, False), (0, True), pytest.param(3, True, id="3-moe-ep2")]
+    "zero_stage,moe,method",
+    [
+        (0, False, "full"),
+        (1, False, "full"),
+        (2, False, "full"),
+        (3, False, "full"),
+        (3, False, "lora"),
+        (3, False, "qlora"),
+        (0, True, "full"),
+        pytest.param(3, True, "full", id="3-moe-ep2"),
+    ],
 )
-def test_data_parallel_equals_one_process(prompts, tmp_path, zero_stage, moe):
+def test_data_parallel_equals_one_process(prompts, tmp_path, zero_stage, moe, method):
     """dp2, each rank sampling its own prompt's group, equals one process sampling both groups; under ZeRO-2/3 and
     expert parallel every forward is a collective, and the ranks decode in lockstep (their completions end at
     different steps). The MoE cases: dp2 and dp2 × ep2 (each rank's experts serve both ranks' tokens)."""
@@ -94,8 +104,14 @@ def test_data_parallel_equals_one_process(prompts, tmp_path, zero_stage, moe):
 
     logged = {"log_completions": True}  # rollouts.jsonl: the main rank writes every rank's completions
     ep = {"expert_parallel": 2} if moe and zero_stage == 3 else {}
-    single = history(_observe(_model(config(prompts, tmp_path / "single", 4, 2, "dapo"), moe, ep), logged))
+    single = config(prompts, tmp_path / "single", 4, 2, "dapo")
     dp2 = config(prompts, tmp_path / "dp2", 4, 1, "dapo", data_parallel=2, zero_stage=zero_stage, **ep)
+    for cfg in (single, dp2):  # LoRA / QLoRA: the reference is the adapters switched off
+        cfg["finetune"].update({"method": method} if method == "full" else {"method": method, "lora": {"r": 4}})
+        if method == "qlora":  # widths whose halves are whole NF4 groups: both layouts quantize the same weights
+            cfg["model"] = {**cfg["model"], "hidden_size": 256, "num_heads": 8, "num_kv_heads": 4}
+            cfg["model"]["intermediate_size"] = 512
+    single = history(_observe(_model(single, moe, ep), logged))
     cases = {"dp2": _observe(_model(dp2, moe, ep), logged)}
     (ranks := tmp_path / "ranks").mkdir()
     got = run_world(_dp_worker, __name__, 2, cases, ranks, 300, "GRPO data-parallel workers")[0]["dp2"]
