@@ -289,3 +289,27 @@ def test_moe_contract(tmp_path):
     )
     assert md.returncode == 0 and "| fitlm_loop |" in md.stdout and "--size tiny" in md.stdout
     assert "| hf_peft_lora |" in md.stdout and "--parts lora" in md.stdout
+
+
+@pytest.mark.process  # ~25 s: two gloo processes (issue #52), each imports torch
+def test_moe_tp_contract(tmp_path):
+    out = tmp_path / "moe_tp.json"
+    r = run_script(
+        "moe_tp.py", "--sizes", "tiny", "--seq", "32", "--rounds", "1", "--steps", "1", "--warmup", "1", "--out", out
+    )
+    assert json.loads(out.read_text()) == r
+    rows = {x["contender"]: x for x in r["results"]}
+    assert rows.keys() == {"replicated", "split", "local"} and rows["replicated"]["vs_replicated"] == 1.0
+    for name, x in rows.items():
+        assert x["step_s"] > 0 and x["peak_bytes"] > 0 and len(x["step_s_ranks"]) == 2, name
+        assert x["max_rel_diff"] < 1e-5, name  # each gives one process's output and gradients
+    # bytes each rank receives (fp32, ring counts): B·T·H = 2·32·64 elements, E·H = 4·64, all parameters 24832
+    half = 2 * 32 * 64 * 4 // 2  # an all-gather or a reduce-scatter of the full sequence over tp2
+    assert rows["replicated"]["comm_bytes"] == 2 * half  # gather x, gather the output gradient
+    assert rows["split"]["comm_bytes"] == 4 * half + 4 * 64 * 4  # + reduce-scatters of y and dx, the router's grad
+    assert rows["local"]["comm_bytes"] == (4 * 64 + 3 * 4 * 32 * 64) * 4  # every parameter's gradient
+    assert rows["split"]["param_bytes"] == (4 * 64 + 3 * 4 * 16 * 64) * 4  # half of each expert, the router whole
+    md = subprocess.run(
+        [sys.executable, str(BENCH / "moe_tp.py"), "--markdown", str(out)], capture_output=True, text=True, cwd=ROOT
+    )
+    assert md.returncode == 0 and "| tiny (64, 4, 2, 32) | split |" in md.stdout and "--sizes tiny" in md.stdout
