@@ -313,3 +313,42 @@ def test_moe_tp_contract(tmp_path):
         [sys.executable, str(BENCH / "moe_tp.py"), "--markdown", str(out)], capture_output=True, text=True, cwd=ROOT
     )
     assert md.returncode == 0 and "| tiny (64, 4, 2, 32) | split |" in md.stdout and "--sizes tiny" in md.stdout
+
+
+@pytest.mark.slow  # ~40 s: fitlm (data pack, train, export) and a TRL GRPOTrainer, each a fresh process
+def test_grpo_contract(tiny_corpus, tmp_path):
+    """bench/grpo.py at its tiniest on a transformers-made tiny Llama (nothing downloaded): both contenders train
+    the same steps, the held-out set is scored before and after each, and the table prints from the JSON."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("trl")
+    import torch
+
+    torch.manual_seed(0)
+    hf = transformers.LlamaConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=176
+    )
+    hf.vocab_size, hf.max_position_embeddings, hf.tie_word_embeddings = 512, 64, False
+    model = tmp_path / "hf"
+    transformers.LlamaForCausalLM(hf).save_pretrained(model)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (model / name).write_bytes((tiny_corpus["root"] / name).read_bytes())
+    out = tmp_path / "grpo.json"
+    r = run_script(
+        "grpo.py", "--model", model, "--steps", "2", "--rounds", "1", "--held-out", "4", "--max-operand", "4", "--completion-length",
+        "4", "--threads", "1", "--out", out,
+    )  # fmt: skip
+    assert json.loads(out.read_text()) == r
+    (round_,) = r["rounds"]
+    for name in ("fitlm", "trl"):
+        raw = round_["raw"][name]
+        assert len(raw["step_s"]) == len(raw["sampling_s"]) == len(raw["reward"]) == 2, name
+        assert 0 < round_[name]["sampling_s"] < round_[name]["step_s"], name
+        assert 0 < round_[name]["completion_length"] <= 4, name
+        assert 0.0 <= r["held_out"][f"after_{name}"]["mean_reward"] <= 1.0, name
+    assert round_["trl_over_fitlm"] > 0 and r["task"] == {"train_prompts": 12, "held_out_prompts": 4, "max_operand": 4}
+    assert r["settings"]["prompts_per_step"] == 2 and r["settings"]["num_generations"] == 4
+    md = subprocess.run(
+        [sys.executable, str(BENCH / "grpo.py"), "--markdown", str(out)], capture_output=True, text=True, cwd=ROOT
+    )
+    assert md.returncode == 0, md.stderr[-2000:]
+    assert "| TRL `GRPOTrainer`, after 2 steps |" in md.stdout and "G=4" in md.stdout
