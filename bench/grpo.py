@@ -10,20 +10,22 @@ rather than prose). Both are dense: a group of G completions almost always has a
 
 Each contender trains from the same weights, with the same settings, in its own fresh process:
 
-* `fitlm`: as a user runs it, `fitlm data pack --format prompts`, then `fitlm train CONFIG`, the config's
-  model section `init_from` the HF directory alone; per-step times from its metrics.jsonl (`step_seconds`,
-  the sampling phase among them);
+* `fitlm`: as a user runs it, `fitlm data pack --format prompts`, then `fitlm train CONFIG` (the CLI's own entry
+  point, run in a child of this file that times `Trainer.train_step` and `GrpoRun.micro_batches` in CPU
+  seconds), the config's model section `init_from` the HF directory alone; wall-clock times from its
+  metrics.jsonl (`step_seconds`, the sampling phase among them);
 * `trl`: `trl.GRPOTrainer` on the same directory (transformers' model and tokenizer), the same reward
   functions (bench/grpo_task.py); per-step times from a callback, the sampling (`_generate_single_turn`:
-  transformers' `generate`) timed around its call.
+  transformers' `generate`) timed around its call, on both clocks.
 
 Same: G (num_generations), completions per step (so prompts per step), max_completion_length,
 temperature 1, top_p 1, top_k 0, beta 0 (no reference), loss_type, scale_rewards `group`, one policy update
 per generation batch, AdamW (lr constant, no warm-up, weight decay 0, betas 0.9/0.999, gradient clip 1.0),
 full fine-tuning in fp32, dropout off, `--threads` threads (default 1: on a machine other jobs share, a
-2-thread team stalls at every barrier its other thread is descheduled at, and the steps' times scatter 10x). A round runs each contender for --steps steps;
-the order alternates from round to round, and the ratio (TRL's median step / fitlm's) is taken within a
-round, then the median over rounds. The first step of each run is a warm-up and left out.
+2-thread team stalls at every barrier its other thread is descheduled at, and the steps' times scatter 10x).
+A round runs each contender for --steps steps; the order alternates from round to round, and the ratio
+(TRL's median step / fitlm's) is taken within a round, then the median over rounds, on the wall clock and in the process's CPU seconds (which other jobs on
+a shared machine do not inflate). The first step of each run is a warm-up and left out.
 
 Learning: mean reward (and the share of exact sums) of greedy completions of the held-out prompts before
 training and after round 1's --steps steps of each contender, all scored by one evaluator (transformers'
@@ -171,17 +173,49 @@ def run_fitlm(args, model: Path, data: Path, out: Path) -> dict:
 
     path = out.parent / f"{out.name}.yaml"
     path.write_text(yaml.safe_dump(fitlm_config(args, model, data, out), sort_keys=False))
-    cmd = [sys.executable, "-m", "fitlm.cli", "train", str(path)]
-    call(cmd, f"fitlm train {path}", args.threads)
+    stdout = call([sys.executable, str(THIS), "--fitlm-child", str(path)], f"fitlm train {path}", args.threads)
+    cpu = json.loads(stdout.strip().splitlines()[-1])
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "loss" in r and "step_seconds" in r]
+    if len(cpu["step_cpu_s"]) != len(steps):
+        raise SystemExit(f"fitlm train {path}: {len(steps)} steps logged, {len(cpu['step_cpu_s'])} timed")
     return {
+        **cpu,
         "step_s": [sum(r["step_seconds"].values()) for r in steps],
         "sampling_s": [r["step_seconds"].get("sampling", 0.0) for r in steps],
         "completion_length": [r["completions/mean_length"] for r in steps],
         "reward": [r["reward"] for r in steps],
         "model_dir": str(out / "model"),
     }
+
+
+def fitlm_child(config: str) -> None:
+    """--fitlm-child: `fitlm train CONFIG` in this process (the CLI's own entry point), each step's and its
+    sampling phase's CPU seconds taken around `Trainer.train_step` and `GrpoRun.micro_batches`; one JSON
+    object on stdout's last line."""
+    from fitlm.cli import main as fitlm_main
+    from fitlm.train.grpo import GrpoRun
+    from fitlm.train.trainer import Trainer
+
+    record: dict[str, list[float]] = {"step_cpu_s": [], "sampling_cpu_s": []}
+    for cls, name, key in ((Trainer, "train_step", "step_cpu_s"), (GrpoRun, "micro_batches", "sampling_cpu_s")):
+        setattr(cls, name, cpu_timed(getattr(cls, name), record[key]))
+    if fitlm_main(["train", config]) != 0:
+        raise SystemExit(f"fitlm train {config} failed")
+    print(json.dumps(record))
+
+
+def cpu_timed(fn, into: list[float]):
+    """fn, appending the process's CPU seconds of each call to `into` (descheduling does not count)."""
+
+    def timed(*a, **kw):
+        t0 = time.process_time()
+        try:
+            return fn(*a, **kw)
+        finally:
+            into.append(time.process_time() - t0)
+
+    return timed
 
 
 def trl_child(args) -> None:
@@ -226,7 +260,9 @@ def trl_child(args) -> None:
     trainer = GRPOTrainer(model=model, reward_funcs=list(REWARDS), args=config, train_dataset=Dataset.from_list(train))
     trainer.processing_class = trainer.processing_class or tok
     record: dict[str, list[float]] = {"step_s": [], "sampling_s": [], "completion_length": [], "reward": []}
-    sampling = trainer._generate_single_turn  # transformers' generate of the step's completions
+    record.update(step_cpu_s=[], sampling_cpu_s=[])
+    # transformers' generate of the step's completions (wall clock, and CPU seconds)
+    sampling = cpu_timed(trainer._generate_single_turn, record["sampling_cpu_s"])
 
     def timed_sampling(*a, **kw):
         t0 = time.perf_counter()
@@ -238,10 +274,11 @@ def trl_child(args) -> None:
 
     class Steps(TrainerCallback):
         def on_step_begin(self, *a, **kw):
-            self.t0 = time.perf_counter()
+            self.t0, self.c0 = time.perf_counter(), time.process_time()
 
         def on_step_end(self, *a, **kw):
             record["step_s"].append(time.perf_counter() - self.t0)
+            record["step_cpu_s"].append(time.process_time() - self.c0)
 
         def on_log(self, _args, _state, _control, logs=None, **kw):
             if logs and "reward" in logs:
@@ -275,13 +312,14 @@ def pack(model: Path, rows: list[dict], root: Path) -> Path:
 
 def summary(run: dict) -> dict:
     """Medians over a run's steps after the first (its warm-up)."""
-    step, samp = run["step_s"][1:], run["sampling_s"][1:]
-    return {
-        "step_s": round(median(step), 4),
-        "sampling_s": round(median(samp), 4),
-        "training_s": round(median([a - b for a, b in zip(step, samp)]), 4),
-        "completion_length": round(median(run["completion_length"][1:]), 2),
-    }
+    out = {}
+    for clock in ("", "_cpu"):  # wall clock, CPU seconds
+        step, samp = run[f"step{clock}_s"][1:], run[f"sampling{clock}_s"][1:]
+        out[f"step{clock}_s"] = round(median(step), 4)
+        out[f"sampling{clock}_s"] = round(median(samp), 4)
+        out[f"training{clock}_s"] = round(median([a - b for a, b in zip(step, samp)]), 4)
+    out["completion_length"] = round(median(run["completion_length"][1:]), 2)
+    return out
 
 
 def bench(args, root: Path) -> dict:
@@ -301,6 +339,7 @@ def bench(args, root: Path) -> dict:
             runs[name] = run_fitlm(args, args.model, data, out) if name == "fitlm" else run_trl(args, args.model, out)
         sums = {name: summary(run) for name, run in runs.items()}
         sums["trl_over_fitlm"] = round(sums["trl"]["step_s"] / sums["fitlm"]["step_s"], 3)
+        sums["trl_over_fitlm_cpu"] = round(sums["trl"]["step_cpu_s"] / sums["fitlm"]["step_cpu_s"], 3)
         result["rounds"].append({"order": order, **sums, "raw": runs})
         if r == 0:
             for name, run in runs.items():
@@ -308,9 +347,13 @@ def bench(args, root: Path) -> dict:
                 result["held_out"][f"after_{name}"] = evaluate(
                     Path(run["model_dir"]), held, args.completion_length, args.threads
                 )
-    result["trl_over_fitlm"] = round(median([x["trl_over_fitlm"] for x in result["rounds"]]), 3)
+    for key in ("trl_over_fitlm", "trl_over_fitlm_cpu"):
+        result[key] = round(median([x[key] for x in result["rounds"]]), 3)
     result["machine"] = machine()
     return result
+
+
+PARTS = ("step", "sampling", "training")
 
 
 def markdown(result: dict) -> str:
@@ -319,20 +362,21 @@ def markdown(result: dict) -> str:
         "Step times: medians over each run's steps after the first, then over the rounds; held-out scores: greedy, "
         "after round 1.",
         "",
-        "| contender | step (s) | sampling (s) | training (s) | completion tokens | held-out reward "
-        "| closeness | numeric | exact sums |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| contender | step (s) | sampling (s) | training (s) | step CPU (s) | sampling CPU (s) | training CPU (s) "
+        "| completion tokens | held-out reward | closeness | numeric | exact sums |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
     def scores(h: dict) -> str:
         return " | ".join(f"{h[k]:.3f}" for k in ("mean_reward", "closeness", "numeric", "exact"))
 
-    lines.append(f"| starting model | | | | | {scores(result['held_out']['before'])} |")
+    lines.append(f"| starting model | | | | | | | | {scores(result['held_out']['before'])} |")
     for name, label in (("fitlm", "fitlm `fitlm train`"), ("trl", "TRL `GRPOTrainer`")):
         m = {k: median([x[name][k] for x in result["rounds"]]) for k in first[name]}  # over rounds
+        times = " | ".join(f"{m[f'{part}{clock}_s']:.2f}" for clock in ("", "_cpu") for part in PARTS)
         lines.append(
-            f"| {label}, after {s['steps']} steps | {m['step_s']:.2f} | {m['sampling_s']:.2f} | "
-            f"{m['training_s']:.2f} | {m['completion_length']:.1f} | {scores(result['held_out'][f'after_{name}'])} |"
+            f"| {label}, after {s['steps']} steps | {times} | {m['completion_length']:.1f} | "
+            f"{scores(result['held_out'][f'after_{name}'])} |"
         )
     lines.append("")
     for name, label in (("fitlm", "fitlm"), ("trl", "TRL")):
@@ -342,9 +386,13 @@ def markdown(result: dict) -> str:
             f"{label}'s training reward (sampled, round 1): first {k} steps {sum(reward[:k]) / k:.3f}, "
             f"last {k} steps {sum(reward[-k:]) / k:.3f}.  "
         )
+    for key, clock in (("trl_over_fitlm", "wall clock"), ("trl_over_fitlm_cpu", "CPU seconds")):
+        lines.append(
+            f"TRL step / fitlm step, {clock}: {result[key]}x (median over {len(result['rounds'])} round(s); per "
+            f"round: {', '.join(str(x[key]) for x in result['rounds'])}).  "
+        )
     lines.append(
-        f"TRL step / fitlm step: {result['trl_over_fitlm']}x (median over {len(result['rounds'])} round(s); per "
-        f"round: {', '.join(str(x['trl_over_fitlm']) for x in result['rounds'])}). G={s['num_generations']}, "
+        f"G={s['num_generations']}, "
         f"{s['prompts_per_step']} prompts ({s['completions_per_step']} completions) a step, max_completion_length="
         f"{s['max_completion_length']}, loss_type={s['loss_type']}, beta=0, lr={s['learning_rate']} constant, "
         f"full fine-tuning in fp32, {s['threads']} thread(s)."
@@ -370,9 +418,13 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=RESULTS / "grpo.json")
     ap.add_argument("--markdown", nargs="?", const=RESULTS / "grpo.json", type=Path, help="print a saved run's table")
     ap.add_argument("--trl-child", help=argparse.SUPPRESS)
+    ap.add_argument("--fitlm-child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.markdown:
         print(markdown(json.loads(args.markdown.read_text())))
+        return
+    if args.fitlm_child:
+        fitlm_child(args.fitlm_child)
         return
     if args.trl_child:
         trl_child(args)

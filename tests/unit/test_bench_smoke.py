@@ -343,9 +343,14 @@ def test_grpo_contract(tiny_corpus, tmp_path):
         raw = round_["raw"][name]
         assert len(raw["step_s"]) == len(raw["sampling_s"]) == len(raw["reward"]) == 2, name
         assert 0 < round_[name]["sampling_s"] < round_[name]["step_s"], name
+        assert 0 < round_[name]["sampling_cpu_s"] < round_[name]["step_cpu_s"], name
         assert 0 < round_[name]["completion_length"] <= 4, name
         assert 0.0 <= r["held_out"][f"after_{name}"]["mean_reward"] <= 1.0, name
-    assert round_["trl_over_fitlm"] > 0 and r["task"] == {"train_prompts": 12, "held_out_prompts": 4, "max_operand": 4}
+    assert (
+        round_["trl_over_fitlm"] > 0
+        and round_["trl_over_fitlm_cpu"] > 0
+        and r["task"] == {"train_prompts": 12, "held_out_prompts": 4, "max_operand": 4}
+    )
     assert r["settings"]["prompts_per_step"] == 2 and r["settings"]["num_generations"] == 4
     md = subprocess.run(
         [sys.executable, str(BENCH / "grpo.py"), "--markdown", str(out)], capture_output=True, text=True, cwd=ROOT
