@@ -16,8 +16,11 @@ def semantic_errors(cfg: Config) -> list[str]:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     errs = shape_errors(m) + rope_scaling_errors(m) + moe_errors(m)
     errs += expert_parallel_errors(m, p) + family_errors(m, p) + sequence_errors(cfg) + objective_errors(cfg)
-    if t.min_lr > t.lr:
-        errs.append(f"train.min_lr: {t.min_lr} is above train.lr={t.lr}; the schedule decays from lr down to min_lr")
+    if t.min_lr > t.lr and t.lr_schedule != "constant":  # (a constant schedule never reads min_lr)
+        errs.append(
+            f"train.min_lr: {t.min_lr} is above train.lr={t.lr}; the {t.lr_schedule} schedule decays from lr down to "
+            f"min_lr: set train.min_lr below lr (e.g. {t.lr / 10:g}, a tenth), or train.lr_schedule: constant"
+        )
     errs += memory_errors(cfg) + observe_errors(cfg)
     return errs + rules.violations(rules.flatten(cfg.model_dump()))  # what composes with what (fitlm.rules)
 

@@ -92,6 +92,14 @@ def test_cross_field_errors_are_all_reported_at_once():
     assert "train.min_lr" in joined
 
 
+def test_a_constant_schedule_takes_any_lr_below_the_default_min_lr():
+    """TRL's default lr (1e-6) is below train.min_lr's default (3e-5), which only a decaying schedule reads."""
+    assert validate_dict({"train": {"lr": 1e-6, "lr_schedule": "constant"}}).train.lr == 1e-6
+    with pytest.raises(ConfigError) as e:
+        validate_dict({"train": {"lr": 1e-6, "lr_schedule": "linear"}})
+    assert "set train.min_lr below lr (e.g. 1e-07, a tenth), or train.lr_schedule: constant" in str(e.value)
+
+
 def test_non_power_of_two_gqa_is_valid():
     cfg = validate_dict({"model": {"hidden_size": 384, "num_heads": 6, "num_kv_heads": 3}})
     assert cfg.model.kv_heads == 3 and cfg.model.head_size == 64
