@@ -1,0 +1,89 @@
+"""QLoRA on a Qwen3-MoE (a dense block among routed ones) under ZeRO-3 at dp2 keeps its stacked experts in 4-bit
+NF4, sharded by FSDP2 like a Linear's codes ([E·out, in] by rows: four whole experts a rank), and trains the same
+adapters as one process: the same losses and gradient norms, a merged model on the same 4-bit base; each rank
+holds half of the one-process NF4 bytes, and the planner's NF4 parameter bytes of each layout are the measured
+ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.spawn import run_world
+from tests.distributed.test_lora_layouts import HALF, REPLICA, saved, worker
+from tests.distributed.test_qlora_layouts import config
+
+pytest.importorskip("torchao")
+
+QLORA = {
+    "method": "qlora",
+    "lora": {"r": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"]},
+}
+# Every Linear and each expert [128, 256] is whole double-quantization groups of 256, and so is each half at dp2,
+# so one process and two ranks quantize alike; block 1 is dense (its MLP three Linears), 0 and 2 routed.
+MODEL = {
+    "arch": "qwen3_moe",
+    "hidden_size": 256,
+    "num_layers": 3,
+    "num_heads": 8,
+    "num_kv_heads": 4,
+    "head_dim": 32,
+    "intermediate_size": 512,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 128,
+    "mlp_only_layers": [1],
+    "tie_embeddings": False,
+}
+ZERO3 = {"data_parallel": 2, "zero_stage": 3}
+
+
+def planned_nf4_bytes(cfg: dict) -> float:
+    from fitlm.config import validate_dict
+    from fitlm.plan import finetune as ft
+    from fitlm.plan.setup import from_config
+
+    return ft.nf4_rank_bytes(from_config(validate_dict(cfg)))
+
+
+def test_qlora_moe_under_zero3_shards_the_4bit_experts_and_equals_one_process(tiny_corpus, tmp_path):
+    single_cfg = config(tiny_corpus, tmp_path, "single", {}, REPLICA, {}, QLORA, MODEL)
+    zero3_cfg = config(tiny_corpus, tmp_path, "dp2-zero3", ZERO3, HALF, {}, QLORA, MODEL)
+    single = run_world(worker, __name__, 1, {"single": single_cfg}, tmp_path, 300, "one-process MoE QLoRA")[0]
+    ranks = run_world(worker, __name__, 2, {"dp2-zero3": zero3_cfg}, tmp_path, 420, "MoE QLoRA at dp2 ZeRO-3")
+    one, two = single["single"], [r["dp2-zero3"] for r in ranks]
+    experts = {f"model.layers.{i}.mlp.experts.{p}" for i in (0, 2) for p in ("gate_proj", "up_proj", "down_proj")}
+    for got in (one, *two):  # the experts of both routed blocks are 4-bit, in one process and on each rank
+        assert experts <= {n.replace("_fsdp_wrapped_module.", "") for n in got["nf4"]}
+    assert two[0]["nf4"].keys() == one["nf4"].keys()
+    table = 16 * 2 + 2  # the code table and the mean, which each shard keeps whole
+    for r in two:  # each rank's half of the codes, scales and factors
+        for name, size in r["nf4"].items():
+            assert size - table == (one["nf4"][name] - table) // 2, name
+    assert sum(two[0]["nf4"].values()) == pytest.approx(sum(one["nf4"].values()) / 2, rel=1e-3)
+    # the planner's NF4 parameter bytes of each layout are what each rank holds
+    assert planned_nf4_bytes(single_cfg) == sum(one["nf4"].values())
+    assert planned_nf4_bytes(zero3_cfg) == sum(two[0]["nf4"].values())
+    assert two[1]["losses"] == two[0]["losses"]
+    assert two[0]["losses"] == pytest.approx(one["losses"], rel=2e-5, abs=1e-5)
+    assert two[0]["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-4, abs=1e-5)
+    assert_same_base(tmp_path / "dp2-zero3", tmp_path / "single", QLORA["lora"]["alpha"] / QLORA["lora"]["r"])
+
+
+def assert_same_base(got_dir, want_dir, scaling: float) -> None:
+    """The merged models of two runs differ by their adapters' scaling · B·A alone: each folded its adapter into
+    the same dequantized 4-bit base (the experts' gathered from the ranks' shards as [E, out, in]). Their adapters
+    are not held to each other: Adam moves an entry whose gradient is rounding noise (the MoE's routed sums add
+    in another order at half the micro batch, as plain LoRA's do) by up to lr a step, whichever sign."""
+    got, want = saved(got_dir), saved(want_dir)
+    assert got["model"].keys() == want["model"].keys()
+    assert got["adapter"].keys() == want["adapter"].keys() and got["adapter_config"] == want["adapter_config"]
+    assert any(".experts.7.down_proj." in k for k in got["adapter"])  # every expert's adapter is exported
+    for name, weight in want["model"].items():
+        a = "base_model.model." + name.replace(".weight", ".lora_A.weight")
+        b = a.replace(".lora_A.", ".lora_B.")
+        delta = (got["model"][name].double() - weight.double()).reshape(weight.shape)
+        if a in want["adapter"]:
+            mine, theirs = got["adapter"], want["adapter"]
+            delta -= scaling * (mine[b].double() @ mine[a].double() - theirs[b].double() @ theirs[a].double())
+        torch.testing.assert_close(delta, torch.zeros_like(delta), rtol=0, atol=1e-6, msg=name)
