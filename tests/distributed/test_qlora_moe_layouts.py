@@ -1,4 +1,4 @@
-"""QLoRA on a Qwen3-MoE (a dense block among routed ones) under ZeRO-3 at dp2 keeps its stacked experts in 4-bit
+"""QLoRA on a transformers-made Qwen3-MoE (a dense block among routed ones) under ZeRO-3 at dp2 keeps its stacked experts in 4-bit
 NF4, sharded by FSDP2 like a Linear's codes ([E·out, in] by rows: four whole experts a rank), and trains the same
 adapters as one process: the same losses and gradient norms, a merged model on the same 4-bit base; each rank
 holds half of the one-process NF4 bytes, and the planner's NF4 parameter bytes of each layout are the measured
@@ -6,12 +6,15 @@ ones."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from tests.distributed.spawn import run_world
 from tests.distributed.test_lora_layouts import HALF, REPLICA, saved, worker
 from tests.distributed.test_qlora_layouts import config
+from tests.e2e.helpers import hf_qwen3_moe
 
 pytest.importorskip("torchao")
 
@@ -19,36 +22,41 @@ QLORA = {
     "method": "qlora",
     "lora": {"r": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"]},
 }
-# Every Linear and each expert [128, 256] is whole double-quantization groups of 256, and so is each half at dp2,
-# so one process and two ranks quantize alike; block 1 is dense (its MLP three Linears), 0 and 2 routed.
-MODEL = {
-    "arch": "qwen3_moe",
-    "hidden_size": 256,
-    "num_layers": 3,
-    "num_heads": 8,
-    "num_kv_heads": 4,
-    "head_dim": 32,
-    "intermediate_size": 512,
-    "num_experts": 8,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 128,
-    "mlp_only_layers": [1],
-    "tie_embeddings": False,
-}
+# A Qwen3-MoE as transformers makes it (hf_qwen3_moe: block 1 dense, its MLP three Linears; 0 and 2 routed), every
+# Linear and each expert [128, 256] whole double-quantization groups of 256, and so each half at dp2: one process
+# and two ranks quantize alike.
+HF = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    moe_intermediate_size=128,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=32,
+    num_experts=8,
+    num_experts_per_tok=2,
+    tie_word_embeddings=False,
+)
 ZERO3 = {"data_parallel": 2, "zero_stage": 3}
 
 
 def planned_nf4_bytes(cfg: dict) -> float:
-    from fitlm.config import validate_dict
     from fitlm.plan import finetune as ft
     from fitlm.plan.setup import from_config
+    from fitlm.run_config import run_config
 
-    return ft.nf4_rank_bytes(from_config(validate_dict(cfg)))
+    return ft.nf4_rank_bytes(from_config(run_config(cfg, None)[0]))  # (init_from read as the CLI reads it)
+
+
+def run_config(corpus: dict, root, hf, name: str, parallel: dict, train: dict) -> dict:
+    """The tiny run's config on the checkpoint `hf`, its model section `init_from` alone."""
+    return {**config(corpus, root, name, parallel, train, {}, QLORA), "model": {"init_from": str(hf)}}
 
 
 def test_qlora_moe_under_zero3_shards_the_4bit_experts_and_equals_one_process(tiny_corpus, tmp_path):
-    single_cfg = config(tiny_corpus, tmp_path, "single", {}, REPLICA, {}, QLORA, MODEL)
-    zero3_cfg = config(tiny_corpus, tmp_path, "dp2-zero3", ZERO3, HALF, {}, QLORA, MODEL)
+    hf = hf_qwen3_moe(tmp_path / "hf", 0, **HF)
+    (hf / "tokenizer.json").write_bytes(Path(tiny_corpus["tokenizer"]).read_bytes())
+    single_cfg = run_config(tiny_corpus, tmp_path, hf, "single", {}, REPLICA)
+    zero3_cfg = run_config(tiny_corpus, tmp_path, hf, "dp2-zero3", ZERO3, HALF)
     single = run_world(worker, __name__, 1, {"single": single_cfg}, tmp_path, 300, "one-process MoE QLoRA")[0]
     ranks = run_world(worker, __name__, 2, {"dp2-zero3": zero3_cfg}, tmp_path, 420, "MoE QLoRA at dp2 ZeRO-3")
     one, two = single["single"], [r["dp2-zero3"] for r in ranks]
