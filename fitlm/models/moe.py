@@ -93,8 +93,8 @@ class GroupedExperts(nn.Module):
 
     def stacked_shape(self, proj: str) -> tuple[int, int, int]:
         """The [E, out, in] of projection `proj` whatever its storage: QLoRA keeps the 4-bit codes 2-D as
-        [E·out, in] (the same flat order; FSDP2 shards them by rows), which the checkpoint and the gathered
-        weights read back under this shape."""
+        [E·out, in] (the same flat order; FSDP2 shards them by rows), which the gathered weights (the final save,
+        the merge and the export) read back under this shape; a checkpoint leaves the 4-bit base out."""
         shape = tuple(getattr(self, proj).shape)
         if len(shape) == 3:
             return shape
