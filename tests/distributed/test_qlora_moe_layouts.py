@@ -1,8 +1,8 @@
-"""QLoRA on a transformers-made Qwen3-MoE (a dense block among routed ones) under ZeRO-3 at dp2 keeps its stacked experts in 4-bit
-NF4, sharded by FSDP2 like a Linear's codes ([E·out, in] by rows: four whole experts a rank), and trains the same
-adapters as one process: the same losses and gradient norms, a merged model on the same 4-bit base; each rank
-holds half of the one-process NF4 bytes, and the planner's NF4 parameter bytes of each layout are the measured
-ones."""
+"""QLoRA on a transformers-made Qwen3-MoE (a dense block among routed ones) under ZeRO-2 and ZeRO-3 at dp2 keeps
+its stacked experts in 4-bit NF4, sharded by FSDP2 like a Linear's codes ([E·out, in] by rows: four whole experts a
+rank), and trains the same adapters as one process: the same losses and gradient norms, a merged model on the same
+4-bit base; each rank holds half of the one-process NF4 bytes, and the planner's NF4 parameter bytes of each layout
+are the measured ones."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ HF = dict(
     num_experts_per_tok=2,
     tie_word_embeddings=False,
 )
-ZERO3 = {"data_parallel": 2, "zero_stage": 3}
+ZERO = {z: {"data_parallel": 2, "zero_stage": z} for z in (2, 3)}
 
 
 def planned_nf4_bytes(cfg: dict) -> float:
@@ -52,30 +52,30 @@ def run_config(corpus: dict, root, hf, name: str, parallel: dict, train: dict) -
     return {**config(corpus, root, name, parallel, train, {}, QLORA), "model": {"init_from": str(hf)}}
 
 
-def test_qlora_moe_under_zero3_shards_the_4bit_experts_and_equals_one_process(tiny_corpus, tmp_path):
+def test_qlora_moe_under_zero2_and_zero3_shards_the_4bit_experts_and_equals_one_process(tiny_corpus, tmp_path):
     hf = hf_qwen3_moe(tmp_path / "hf", 0, **HF)
     (hf / "tokenizer.json").write_bytes(Path(tiny_corpus["tokenizer"]).read_bytes())
     single_cfg = run_config(tiny_corpus, tmp_path, hf, "single", {}, REPLICA)
-    zero3_cfg = run_config(tiny_corpus, tmp_path, hf, "dp2-zero3", ZERO3, HALF)
-    single = run_world(worker, __name__, 1, {"single": single_cfg}, tmp_path, 300, "one-process MoE QLoRA")[0]
-    ranks = run_world(worker, __name__, 2, {"dp2-zero3": zero3_cfg}, tmp_path, 420, "MoE QLoRA at dp2 ZeRO-3")
-    one, two = single["single"], [r["dp2-zero3"] for r in ranks]
+    cases = {f"dp2-zero{z}": run_config(tiny_corpus, tmp_path, hf, f"dp2-zero{z}", ZERO[z], HALF) for z in ZERO}
+    one = run_world(worker, __name__, 1, {"single": single_cfg}, tmp_path, 300, "one-process MoE QLoRA")[0]["single"]
+    ranks = run_world(worker, __name__, 2, cases, tmp_path, 420, "MoE QLoRA at dp2 ZeRO-2/3")
     experts = {f"model.layers.{i}.mlp.experts.{p}" for i in (0, 2) for p in ("gate_proj", "up_proj", "down_proj")}
-    for got in (one, *two):  # the experts of both routed blocks are 4-bit, in one process and on each rank
-        assert experts <= {n.replace("_fsdp_wrapped_module.", "") for n in got["nf4"]}
-    assert two[0]["nf4"].keys() == one["nf4"].keys()
+    assert experts <= one["nf4"].keys()  # the experts of both routed blocks are 4-bit in one process
+    assert planned_nf4_bytes(single_cfg) == sum(one["nf4"].values())  # the planner's NF4 bytes are what it holds
     table = 16 * 2 + 2  # the code table and the mean, which each shard keeps whole
-    for r in two:  # each rank's half of the codes, scales and factors
-        for name, size in r["nf4"].items():
-            assert size - table == (one["nf4"][name] - table) // 2, name
-    assert sum(two[0]["nf4"].values()) == pytest.approx(sum(one["nf4"].values()) / 2, rel=1e-3)
-    # the planner's NF4 parameter bytes of each layout are what each rank holds
-    assert planned_nf4_bytes(single_cfg) == sum(one["nf4"].values())
-    assert planned_nf4_bytes(zero3_cfg) == sum(two[0]["nf4"].values())
-    assert two[1]["losses"] == two[0]["losses"]
-    assert two[0]["losses"] == pytest.approx(one["losses"], rel=2e-5, abs=1e-5)
-    assert two[0]["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-4, abs=1e-5)
-    assert_same_base(tmp_path / "dp2-zero3", tmp_path / "single", QLORA["lora"]["alpha"] / QLORA["lora"]["r"])
+    for name, cfg in cases.items():
+        two = [r[name] for r in ranks]
+        for r in two:  # and on each rank, which holds half of their codes, scales and factors
+            assert experts <= {n.replace("_fsdp_wrapped_module.", "") for n in r["nf4"]}, name
+            assert r["nf4"].keys() == one["nf4"].keys(), name
+            for weight, size in r["nf4"].items():
+                assert size - table == (one["nf4"][weight] - table) // 2, (name, weight)
+        assert sum(two[0]["nf4"].values()) == pytest.approx(sum(one["nf4"].values()) / 2, rel=1e-3)
+        assert planned_nf4_bytes(cfg) == sum(two[0]["nf4"].values()), name
+        assert two[1]["losses"] == two[0]["losses"], name
+        assert two[0]["losses"] == pytest.approx(one["losses"], rel=2e-5, abs=1e-5), name
+        assert two[0]["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-4, abs=1e-5), name
+        assert_same_base(tmp_path / name, tmp_path / "single", QLORA["lora"]["alpha"] / QLORA["lora"]["r"])
 
 
 def assert_same_base(got_dir, want_dir, scaling: float) -> None:
