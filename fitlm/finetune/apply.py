@@ -28,7 +28,7 @@ from fitlm.finetune.lora import (
     split_lora_state_dict,
 )
 from fitlm.finetune.peft_format import save_adapter
-from fitlm.finetune.qlora import expert_shards, quantize_base, recipe_of
+from fitlm.finetune.qlora import quantize_base, recipe_of
 from fitlm.memory.nf4 import is_nf4
 from fitlm.memory.precision import half_dtype
 from fitlm.registry import build_model
@@ -56,8 +56,7 @@ def apply_finetune(model: nn.Module, cfg: Config) -> list[str]:
         apply_lora(model, lora.r, lora.alpha, lora.dropout, lora.target_modules)
         refuse_unshardable_adapters(model, cfg)
         if f.method == "qlora":
-            shards = cfg.parallel.dims.param_shards
-            quantize_base(model, shards, expert_shards(shards, cfg.parallel.expert_parallel))
+            quantize_base(model, cfg.parallel.dims.param_shards, cfg.parallel.expert_parallel)
         trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     if stores_frozen_in_half(cfg):
         dtype = half_dtype(cfg.memory)

@@ -99,7 +99,8 @@ def drawn(model: nn.Module) -> list[tuple[str, int, int, int, int]]:
         for proj in PROJECTIONS:
             if hasattr(m, f"lora_A_{proj}"):
                 a = getattr(m, f"lora_A_{proj}")
-                out.append((f"{name}.{proj}", a.shape[0], a.shape[2], getattr(m, proj).shape[1], a.shape[1]))
+                # (out from the stacked shape: QLoRA stores the weight as [E·out, in])
+                out.append((f"{name}.{proj}", a.shape[0], a.shape[2], m.stacked_shape(proj)[1], a.shape[1]))
     return out
 
 

@@ -2,20 +2,24 @@
 
 Every Linear LoRA may target (all of them but the output head, PEFT's `all-linear` set) is quantized,
 targeted or not, as QLoRA does, and so are an MoE layer's stacked experts (one NF4 tensor per projection,
-[E, out, in], each expert's weights whole blocks of 64 and whole double-quantization groups; the experts
-then run one at a time, each dequantized for its own matmuls: fitlm.models.moe.GroupedExperts.take). The
+[E, out, in] stored 2-D as [E·out, in], each expert's weights whole blocks of 64 and whole double-quantization
+groups; the experts then run one at a time, each dequantized for its own matmuls:
+fitlm.models.moe.GroupedExperts.take). Under ZeRO-2/3 FSDP2 shards those codes by rows as a Linear's, E/shards
+whole experts a rank (E must divide by the shards), and gathers them per block. The
 router (a Linear LoRA never targets) keeps the base's storage, as do embeddings, norms, biases and the head
 (half under O2). It runs on the meta model after `inject_lora` and before any wrapper, so FSDP2 shards
 the 4-bit codes and `fitlm.parallel.materialize` quantizes each weight as it streams past.
 
 A weight whose shard would split a double-quantization group (`nf4.scaler_block` is None: a dimension
 that is not a multiple of 64 × 64 / shards, say) stays in the base's dtype; `quantize_base` names them. So do
-stacked experts under ZeRO-2/3 or expert parallel (torchao's NF4 tensor cannot be split on a third dimension).
+stacked experts whose count the ZeRO-2/3 shards do not divide, and the experts under expert parallel (its
+DTensors split [E, out, in] on E, which the 2-D codes do not have; fitlm.rules refuses QLoRA there).
 """
 
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping, cast
 
@@ -34,16 +38,10 @@ if TYPE_CHECKING:
 RECIPE_FILE = "fitlm_qlora.json"  # beside a QLoRA run's PEFT adapter: the base as the adapter saw it
 
 
-def expert_shards(param_shards: int, expert_parallel: int) -> int:
-    """How many ranks split a stacked expert weight's leading dimension: expert parallel's degree (FSDP2 leaves
-    the experts to it), else the ZeRO-2/3 degree that splits every weight (1: whole on every rank)."""
-    return expert_parallel if expert_parallel > 1 else param_shards
-
-
-def quantize_base(model: nn.Module, shards: int = 1, experts_split: int = 1) -> list[str]:
+def quantize_base(model: nn.Module, shards: int = 1, expert_parallel: int = 1) -> list[str]:
     """Store the frozen candidate Linears' weights of `model` (on meta) as NF4 parameters whose rows split evenly
-    into `shards` (the ZeRO-2/3 degree, 1 otherwise), and the stacked experts when nothing splits them
-    (`experts_split`, `expert_shards`'s count, is 1). Returns the weights left unquantized."""
+    into `shards` (the ZeRO-2/3 degree, 1 otherwise), and the stacked experts unless expert parallel splits them.
+    Returns the weights left unquantized."""
     kept: list[str] = []
     quantized: list[str] = []
     for name, linear in candidate_linears(model).items():
@@ -57,7 +55,7 @@ def quantize_base(model: nn.Module, shards: int = 1, experts_split: int = 1) -> 
         linear.weight = nf4.quantized_meta(w, scaler)
         quantized.append(f"{name}.weight")
     for name, experts in expert_modules(model).items():
-        stored = _quantize_experts(experts, experts_split)
+        stored = _quantize_experts(experts, shards) if expert_parallel == 1 else []
         kept += [f"{name}.{p}" for p in PROJECTIONS if p not in stored]
         quantized += [f"{name}.{p}" for p in stored]
     # DDP broadcasts every parameter at construction and cannot pack NF4 codes; frozen, they need no sync
@@ -68,19 +66,20 @@ def quantize_base(model: nn.Module, shards: int = 1, experts_split: int = 1) -> 
 
 
 def _quantize_experts(experts: GroupedExperts, shards: int) -> list[str]:
-    """Store the frozen stacked projections of one MoE layer (on meta) in NF4, each expert's weights whole
-    blocks and groups of one tensor (`nf4.stacked_scaler_block`), read one expert at a time in forward
-    (`nf4.expert`). Returns the projections stored."""
+    """Store the frozen stacked projections of one MoE layer (on meta) in NF4 as [E·out, in], each expert's weights
+    whole blocks and groups of one tensor and each of the `shards` row blocks whole experts
+    (`nf4.stacked_scaler_block`), read one expert at a time in forward (`nf4.expert`). Returns the projections
+    stored."""
     stored = []
     for proj in PROJECTIONS:
         w = getattr(experts, proj)  # [E, out, in]
         scaler = nf4.stacked_scaler_block(tuple(w.shape), shards)
         if w.requires_grad or scaler is None:
             continue
-        setattr(experts, proj, nf4.quantized_meta(w, scaler))
+        setattr(experts, proj, nf4.quantized_meta(w, scaler))  # [E·out, in]
         stored.append(proj)
     if stored:
-        experts.take = nf4.expert
+        experts.take = partial(nf4.expert, count=experts.num_experts)
     return stored
 
 

@@ -9,9 +9,12 @@ Why torchao and not bitsandbytes (measured, docs/finetuning.md): torchao's tenso
 and implements FSDP2's all-gather extension, so ZeRO-3 shards the 4-bit codes and two ranks train as one
 process does; bitsandbytes' `Params4bit` loses its `quant_state` under `fully_shard`.
 
-Stacked MoE experts [E, out, in] are one NF4 tensor under that outer shape (torchao quantizes the same flat
-order as [E·out, in]); each expert's weights are whole blocks and whole groups (`stacked_scaler_block`), so
-`expert` hands out expert e's codes as a 2-D NF4 tensor without a copy, dequantized for its matmuls alone.
+Stacked MoE experts [E, out, in] are one NF4 tensor stored 2-D as [E·out, in] (the same flat order); each
+expert's weights are whole blocks and whole groups (`stacked_scaler_block`), so `expert` hands out expert e's
+codes as a 2-D NF4 tensor without a copy, dequantized for its matmuls alone. 2-D because torchao's NF4 splits
+and gathers (FSDP2's dim-0 chunks) only 1-D and 2-D tensors: under ZeRO-2/3 each rank holds E/shards whole
+experts' rows, gathered per block like a Linear's (fitlm.models.moe.GroupedExperts.stacked_shape reads them back
+as [E, out, in]).
 
 A weight is quantized on the meta device (`quantized_meta`, before any wrapper), sharded by FSDP2 like any
 other parameter, and filled when `fitlm.parallel.materialize` streams the full weight past it (`fill`):
@@ -79,11 +82,11 @@ def scaler_block(shape: tuple[int, ...], shards: int = 1) -> int | None:
 
 def stacked_scaler_block(shape: tuple[int, ...], shards: int = 1) -> int | None:
     """The double-quantization group for stacked experts [E, out, in] (fitlm.models.moe.GroupedExperts), stored as
-    one NF4 tensor whose blocks and groups never straddle two experts (each expert's out·in weights are whole
-    groups), so expert e's codes are one slice (`expert`); None when that cannot hold, or when they would be
-    sharded (`shards` > 1: torchao's NF4 splits only 1-D and 2-D tensors, so ZeRO-2/3 keep the experts in the
-    base's dtype)."""
-    if len(shape) != 3 or shards != 1:
+    one NF4 tensor [E·out, in] whose blocks and groups never straddle two experts (each expert's out·in weights
+    are whole groups), so expert e's codes are one slice (`expert`), and whose `shards` row blocks (ZeRO-2/3's)
+    are whole experts (E divisible by `shards`), so no group straddles two ranks either; None when that cannot
+    hold."""
+    if len(shape) != 3 or shape[0] % shards:
         return None
     return scaler_block(tuple(shape[1:]))
 
@@ -102,8 +105,13 @@ def quantized_meta(weight: torch.Tensor, scaler: int, device: str = "meta") -> t
     """A frozen NF4 parameter with `weight`'s shape and no values: on meta (no storage) for `fill` to give it its
     codes, or on `device` (a planner's fake tensors, under FakeTensorMode)."""
     _, to_nf4 = _nf4()
-    empty = torch.empty(weight.shape, dtype=STORED_DTYPE, device=device)
-    return torch.nn.Parameter(_shaped(to_nf4(_rows(empty), BLOCK, scaler), weight.shape), requires_grad=False)
+    empty = torch.empty(stored_shape(weight.shape), dtype=STORED_DTYPE, device=device)
+    return torch.nn.Parameter(to_nf4(empty, BLOCK, scaler), requires_grad=False)
+
+
+def stored_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, ...]:
+    """The shape a weight of `shape` has in NF4: stacked experts [E, out, in] as [E·out, in]; 2-D as is."""
+    return (shape[0] * shape[1], shape[2]) if len(shape) == 3 else tuple(shape)
 
 
 def _rows(full: torch.Tensor) -> torch.Tensor:
@@ -117,28 +125,18 @@ def _with(q, **changes):
     return type(q)(*args)
 
 
-def _shaped(q, shape: torch.Size | tuple[int, ...]):
-    """NF4 tensor `q` under the outer `shape` (same number of weights, flat order unchanged): a stacked weight
-    keeps its [E, out, in] (what the checkpoint, expert parallel and the experts' forward read)."""
-    if tuple(q.shape) == tuple(shape):
-        return q
-    strides = [1]
-    for n in reversed(shape[1:]):
-        strides.insert(0, strides[0] * n)
-    return _with(q, size=torch.Size(shape), stride=tuple(strides))
-
-
-def expert(t, e: int):
-    """Expert e's weight [out, in] of stacked NF4 experts `t` [E, out, in]: a 2-D NF4 tensor on slices of `t`'s
-    codes, scales and factors (no copy; `stacked_scaler_block` keeps each expert's groups whole), which F.linear
-    dequantizes for its one matmul, in forward and again in backward (torchao's LinearNF4)."""
-    per = t.shape[1] * t.shape[2]  # weights of one expert
+def expert(t, e: int, count: int):
+    """Expert e's weight [out, in] of `count` stacked NF4 experts `t` [count·out, in]: a 2-D NF4 tensor on slices
+    of `t`'s codes, scales and factors (no copy; `stacked_scaler_block` keeps each expert's groups whole), which
+    F.linear dequantizes for its one matmul, in forward and again in backward (torchao's LinearNF4)."""
+    out = t.shape[0] // count
+    per = out * t.shape[1]  # weights of one expert
     groups = per // BLOCK  # absmax scales of one expert
     factors = groups // t.scaler_block_size
     return _with(
         t,
-        size=torch.Size(t.shape[1:]),
-        stride=(t.shape[2], 1),
+        size=torch.Size((out, t.shape[1])),
+        stride=(t.shape[1], 1),
         n_blocks=groups,
         quantized_data=t.quantized_data[e * per // 2 : (e + 1) * per // 2],  # two codes a byte
         quantized_scalers=t.quantized_scalers[e * groups : (e + 1) * groups],
@@ -151,9 +149,10 @@ def fill(target, full: torch.Tensor, shards: int = 1, index: int = 0) -> None:
     """Quantize `full` and store the codes of its `index`-th of `shards` row blocks in `target` (an NF4 tensor
     that `to_empty` allocated: its codes, scales and factors have storage, the mean and the code table not)."""
     _, to_nf4 = _nf4()
-    q = to_nf4(_rows(full.to(target.quantized_data.device, STORED_DTYPE)), target.block_size, target.scaler_block_size)
+    rows = _rows(full.to(target.quantized_data.device, STORED_DTYPE))  # [rows, in]
+    q = to_nf4(rows, target.block_size, target.scaler_block_size)
     if shards > 1:
-        q = q.split(full.shape[0] // shards)[index]
+        q = q.split(rows.shape[0] // shards)[index]
     for name in ("quantized_data", "quantized_scalers", "quantization_factor"):
         getattr(target, name).copy_(getattr(q, name))
     target.scaler_mean = q.scaler_mean.clone()

@@ -24,7 +24,7 @@ def matmul_params(model: nn.Module) -> int:
     total = sum(p.numel() for n, p in named.items() if not is_embedding(n))
     for m in moe_layers([model]):  # a token runs k of an MoE layer's E experts
         stacked = sum(p.numel() for p in m.experts.parameters())
-        total -= stacked - stacked * m.top_k // m.experts.gate_proj.shape[0]
+        total -= stacked - stacked * m.top_k // m.experts.num_experts
     lm_head = getattr(model, "lm_head", None)
     if lm_head is not None and "lm_head.weight" not in named:
         total += lm_head.weight.numel()

@@ -52,13 +52,15 @@ class GroupedExperts(nn.Module):
     def __init__(self, num_experts: int, hidden: int, inner: int, init_std: float):
         super().__init__()
         self.init_std = init_std
+        self.num_experts = num_experts  # E of the whole layer (expert parallel's ranks hold E/ep of the rows)
         self.gate_proj = nn.Parameter(torch.empty(num_experts, inner, hidden))
         self.up_proj = nn.Parameter(torch.empty(num_experts, inner, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inner))
         self.lora_scaling, self.lora_dropout = 1.0, 0.0  # of the adapters, when attached
-        # How expert e's [out, in] is read from a stacked weight stored in another form (QLoRA's 4-bit NF4:
-        # fitlm.finetune.qlora sets fitlm.memory.nf4.expert, a view of its codes that F.linear dequantizes);
-        # None: plain stacked tensors, row e. Set, the experts run in the loop, one expert's weight at full width.
+        # How expert e's [out, in] is read from a stacked weight stored in another form (QLoRA's 4-bit NF4, 2-D
+        # [E·out, in]: fitlm.finetune.qlora sets fitlm.memory.nf4.expert, a view of its codes that F.linear
+        # dequantizes); None: plain stacked tensors, row e. Set, the experts run in the loop, one expert's weight
+        # at full width.
         self.take: Callable[[torch.Tensor, int], torch.Tensor] | None = None
         self.reset_parameters()
 
@@ -88,6 +90,15 @@ class GroupedExperts(nn.Module):
             return _grouped(x, counts, {"gate_proj": gate, "up_proj": up, "down_proj": down}, dtype, self._delta(lora))
         # the loop: no kernel, or weights read one expert at a time (QLoRA), each expert's A and B beside its weight
         return _expert_loop(x, counts, gate, up, down, partial(self._project, lora=lora))
+
+    def stacked_shape(self, proj: str) -> tuple[int, int, int]:
+        """The [E, out, in] of projection `proj` whatever its storage: QLoRA keeps the 4-bit codes 2-D as
+        [E·out, in] (the same flat order; FSDP2 shards them by rows), which the gathered weights (the final save,
+        the merge and the export) read back under this shape; a checkpoint leaves the 4-bit base out."""
+        shape = tuple(getattr(self, proj).shape)
+        if len(shape) == 3:
+            return shape
+        return (self.num_experts, shape[0] // self.num_experts, shape[1])
 
     def _adapters(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """This rank's (A, B) of every adapted projection; none while adapters are switched off (DPO's reference)."""
@@ -295,7 +306,7 @@ def dispatch(
     `kept_slots`): expert e runs only its first kept[e] slots, the earliest tokens; the others add nothing.
     None: dropless. On fake tensors (the planner's simulation) the slots are split evenly over the experts."""
     n, k = experts_of.shape
-    e = experts.gate_proj.shape[0]
+    e = experts.num_experts
     flat = experts_of.reshape(-1)  # [N·k]
     order = flat.argsort(stable=True)
     counts, split = slot_counts(flat, e)
@@ -391,7 +402,7 @@ class MoEFeedForward(nn.Module):
         logits, weights, experts_of = self.route(flat)
         kept = dropped = None
         if self.capacity_factor is not None:
-            counts, split = slot_counts(experts_of.reshape(-1), self.experts.gate_proj.shape[0])
+            counts, split = slot_counts(experts_of.reshape(-1), self.experts.num_experts)
             kept = self.kept(counts, split, self.capacity_factor)
             dropped = torch.tensor([float(sum(split) - sum(kept)), float(sum(split))], device=logits.device)
         y, counts = self.dispatcher(flat, weights.to(x.dtype), experts_of, self.experts, kept)

@@ -104,7 +104,7 @@ class ExpertParallelDispatch:
         kept: list[int] | None = None,
     ):
         n, k = experts_of.shape
-        e = experts.gate_proj.shape[0]  # the global expert count (a DTensor's shape is global)
+        e = experts.num_experts  # the global expert count
         flat = experts_of.reshape(-1)  # [N·k]
         order = flat.argsort(stable=True)
         counts, split = slot_counts(flat, e)  # [E] slots of this rank's tokens per (global) expert

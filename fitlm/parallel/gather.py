@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from fitlm.hardware import return_freed_host_memory
 from fitlm.memory.nf4 import dequantized
+from fitlm.models.moe import PROJECTIONS, GroupedExperts
 from fitlm.models.streaming import grouped
 from fitlm.parallel.apply import ParallelModel
 from fitlm.parallel.data_parallel import gather_chunks_in_place, unwrap
@@ -41,10 +42,25 @@ def _state(module: nn.Module) -> dict[str, torch.Tensor]:
     return {plain_name(k): v for k, v in module.state_dict().items()}
 
 
+def _stacked_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Plain names -> [E, out, in] of the stacked expert weights stored in another shape (QLoRA's NF4 codes,
+    [E·out, in]): what the checkpoint holds, and what they are gathered back to."""
+    return {
+        plain_name(f"{name}.{p}"): m.stacked_shape(p)
+        for name, m in module.named_modules()
+        if isinstance(m, GroupedExperts)
+        for p in PROJECTIONS
+        if getattr(m, p).dim() != 3
+    }
+
+
 def weight_specs(pm: ParallelModel) -> Specs:
     """Every weight of the whole model, plain name -> (dtype, global shape). Collective under pipeline
     parallel (each stage knows its own blocks only)."""
-    mine = {k: (v.dtype, tuple(v.shape)) for m in _local_modules(pm) for k, v in _state(m).items()}
+    mine = {}
+    for m in _local_modules(pm):
+        stacked = _stacked_shapes(m)
+        mine.update({k: (v.dtype, stacked.get(k, tuple(v.shape))) for k, v in _state(m).items()})
     if pm.pipeline is None:
         return mine
     everyone: list = [None] * dist.get_world_size(pm.pipeline.group)
@@ -82,10 +98,10 @@ def handed_over(groups: Iterator[dict | None]) -> Iterator[dict | None]:
 def _blocks(pm: ParallelModel) -> Iterator[dict[str, torch.Tensor]]:
     """This rank's blocks, gathered over the ranks that shard them (every rank of a stage calls the same)."""
     for module in _local_modules(pm):
-        state = _state(module)
+        state, stacked = _state(module), _stacked_shapes(module)
         for names in grouped(state).values():
             return_freed_host_memory()  # the groups before, freed into the heap: not resident while this one gathers
-            yield {n: _full(state[n]) for n in names}
+            yield {n: _full(state[n]).reshape(stacked[n]) if n in stacked else _full(state[n]) for n in names}
 
 
 def full_groups(pm: ParallelModel) -> Iterator[dict[str, torch.Tensor] | None]:

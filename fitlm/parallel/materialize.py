@@ -48,13 +48,13 @@ def tied_aliases(model: nn.Module) -> dict[str, list[str]]:
 
 def _fill(param: torch.Tensor, full: torch.Tensor, name: str) -> None:
     """Copy this rank's part of the full weight into `param` (a plain tensor or a DTensor of any placement)."""
-    if tuple(full.shape) != tuple(param.shape):
+    # the storage FSDP2 gathers from
+    local: torch.Tensor = param._local_tensor if isinstance(param, DTensor) else param
+    if (nf4.stored_shape(full.shape) if nf4.is_nf4(local) else tuple(full.shape)) != tuple(param.shape):
         raise MaterializeError(
             f"weight {name}: the weights hold {list(full.shape)} but the model built from the "
             f"config needs {list(param.shape)}; the config does not match the weights"
         )
-    # the storage FSDP2 gathers from
-    local: torch.Tensor = param._local_tensor if isinstance(param, DTensor) else param
     if nf4.is_nf4(local):  # QLoRA's 4-bit base: quantized here, this rank's rows kept (FSDP2 shards dim 0)
         sharded = isinstance(param, DTensor) and any(pl.is_shard() for pl in param.placements)
         nf4.fill(

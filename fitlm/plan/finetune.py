@@ -148,8 +148,9 @@ def nf4_shards(s: Setup) -> int:
 
 def nf4_linears(s: Setup) -> tuple[tuple[int, int, int], ...]:
     """(in, out, double-quantization group) of each block Linear QLoRA stores in NF4 (none unless qlora), and of
-    each stacked expert projection (E·I wide on one side): stored whole when nothing splits the experts
-    (`nf4.stacked_scaler_block` of one expert's [out, in]; fitlm.finetune.qlora.expert_shards)."""
+    each stacked expert projection (E·I wide on one side), stored as [E·out, in] and sharded by rows like a
+    Linear when the ZeRO-2/3 shards divide E (`nf4.stacked_scaler_block`); never under expert parallel
+    (fitlm.finetune.qlora.quantize_base)."""
     if s.method != "qlora":
         return ()
     e = s.cfg.model.num_experts or 1
@@ -157,8 +158,7 @@ def nf4_linears(s: Setup) -> tuple[tuple[int, int, int], ...]:
     for name, (i, o) in linear_shapes(s).items():
         if name in EXPERT_INPUT:  # [E, out, in] with E·I on `in` (down) or `out` (gate, up)
             shape = (e, o, i // e) if EXPERT_INPUT[name] else (e, o // e, i)
-            split = s.ep if s.ep > 1 else nf4_shards(s)
-            scaler = nf4.stacked_scaler_block(shape, split)
+            scaler = None if s.ep > 1 else nf4.stacked_scaler_block(shape, nf4_shards(s))
         else:
             scaler = nf4.scaler_block((o, i), nf4_shards(s))
         if scaler is not None:  # else quantize_base keeps it in the base's storage
@@ -173,7 +173,7 @@ def nf4_params(s: Setup) -> int:
 
 def nf4_rank_bytes(s: Setup, gathered: bool = False) -> float:
     """Bytes of those NF4 weights on one rank: its rows' shard, or the whole of them (`gathered`: what FSDP2's
-    all-gather of the codes rebuilds); stacked experts are never sharded."""
+    all-gather of the codes rebuilds); stacked experts as [E·out, in], by rows too."""
     shards = 1 if gathered else nf4_shards(s)
 
     def block(one: Setup) -> float:

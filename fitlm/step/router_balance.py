@@ -143,7 +143,7 @@ class RouterBalance:
         bias = state.get("expert_bias")
         if bias is None or not self.biased:
             return
-        if tuple(bias.shape) != (len(self.layers), self.layers[0].experts.gate_proj.shape[0]):
+        if tuple(bias.shape) != (len(self.layers), self.layers[0].experts.num_experts):
             raise ValueError(
                 f"checkpoint: routing biases of shape {list(bias.shape)} for {len(self.layers)} MoE layers; "
                 "resume with the model section the checkpoint was saved with"

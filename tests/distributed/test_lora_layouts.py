@@ -77,7 +77,29 @@ def train_and_save(cfg: dict) -> dict:
     losses, norms = zip(*[(out.loss.item(), out.grad_norm.item()) for out in outs])
     trainer.save_final_model()
     trainer.release_lock()
-    return {"losses": list(losses), "grad_norms": list(norms), "placements": adapter_placements(trainer.pm.modules)}
+    return {
+        "losses": list(losses),
+        "grad_norms": list(norms),
+        "placements": adapter_placements(trainer.pm.modules),
+        "nf4": nf4_local_bytes(trainer.pm.modules),
+    }
+
+
+def nf4_local_bytes(modules: list) -> dict[str, int]:
+    """Parameter name -> bytes this rank holds of each QLoRA NF4 weight (its shard's codes, scales and factors,
+    and the code table and mean every shard keeps), as torchao stores them."""
+    from torch.distributed.tensor import DTensor
+
+    from fitlm.memory.nf4 import is_nf4
+
+    parts = ("quantized_data", "quantized_scalers", "quantization_factor", "nf4", "scaler_mean")
+    out = {}
+    for module in modules:
+        for name, p in module.named_parameters():
+            local = p.to_local() if isinstance(p, DTensor) else p
+            if is_nf4(local):
+                out[name] = sum(getattr(local, part).nbytes for part in parts)
+    return out
 
 
 def worker(rank: int, world: int, port: int, cases: dict, out_dir: str) -> None:

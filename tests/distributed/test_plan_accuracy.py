@@ -251,6 +251,18 @@ CONFIGS = [
         {"model": MOE_DENSE1, "finetune": {"method": "qlora", "lora": MOE_LORA}, "memory": {"mixed_precision": "O2"}},
         1,
     ),
+    # ZeRO-3 shards the 4-bit experts by rows, 8 whole experts a rank, and gathers one block's at a time
+    (
+        "moe dense1 qlora dp2 zero3 O2",
+        {
+            "model": MOE_DENSE1,
+            "finetune": {"method": "qlora", "lora": MOE_LORA},
+            "memory": {"mixed_precision": "O2"},
+            "parallel": {"data_parallel": 2, "zero_stage": 3},
+            "train": {"micro_batch_size": 2},
+        },
+        2,
+    ),
     # DPO on preference pairs (`_preference_corpus`): micro batch 2 = 4 rows; LoRA's reference is its base with
     # the adapters off, full fine-tuning keeps a frozen fp32 copy (the profile files it under params).
     (

@@ -20,13 +20,15 @@ FAST = {"dp2-zero0": {"data_parallel": 2}, "dp2-zero3": {"data_parallel": 2, "ze
 SLOW = {"dp2-zero1": {"data_parallel": 2, "zero_stage": 1}, "dp2-zero2": {"data_parallel": 2, "zero_stage": 2}}
 
 
-def config(corpus: dict, root, name: str, parallel: dict, train: dict, memory: dict) -> dict:
+def config(
+    corpus: dict, root, name: str, parallel: dict, train: dict, memory: dict, finetune=QLORA, model=MODEL
+) -> dict:
     return tiny_config(
         corpus,
         root / name,
         parallel=parallel,
-        finetune=QLORA,
-        model=MODEL,
+        finetune=finetune,
+        model=model,
         memory=memory,
         train={"max_steps": STEPS, "eval_interval": 0, "observe": {"tensorboard": False}, **train},
     )

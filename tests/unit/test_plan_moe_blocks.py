@@ -62,17 +62,29 @@ def test_parameters_adapters_and_4bit_experts_are_the_built_models(method, layou
     assert ft.nf4_rank_bytes(s) == sum(nf4.nf4_bytes(p.numel(), p.scaler_block_size) for p in stored)
     routed = sum(cfg.model.sparse_layer(i) for i in range(cfg.model.num_layers))
     assert experts_per_device(s) == routed * 16
-    if method == "qlora":  # every expert projection of every routed block is 4-bit
-        assert sum(p.dim() == 3 for p in stored) == 3 * routed
+    if method == "qlora":  # every expert projection of every routed block is 4-bit ([E·out, in])
+        experts = [n for n, p in model.named_parameters() if nf4.is_nf4(p) and ".experts." in n]
+        assert len(experts) == 3 * routed
 
 
-def test_qlora_under_zero3_keeps_the_sharded_experts_in_half_and_the_plan_says_so():
-    # (expert parallel with QLoRA is refused by fitlm.rules; ZeRO-3 shards every weight's rows)
-    shards = 2
+@pytest.mark.parametrize("shards", [2, 16])
+def test_qlora_under_zero3_shards_the_4bit_experts_and_the_plan_says_so(shards):
+    # (expert parallel with QLoRA is refused by fitlm.rules; ZeRO-3 shards every weight's rows, the experts' 16 too)
     parallel = {"data_parallel": shards, "zero_stage": 3}
     cfg = validate_dict({**_config("qlora", LAYOUTS["mlp_only_layers"]).to_dict(), "parallel": parallel})
     s, model = from_config(cfg), _built(cfg)
-    stored = [p for p in model.parameters() if nf4.is_nf4(p)]
-    assert stored and not any(p.dim() == 3 for p in stored)  # torchao's NF4 splits no stacked [E, out, in]
-    assert ft.nf4_params(s) == sum(p.numel() for p in stored)
-    assert ft.nf4_rank_bytes(s) == sum(nf4.nf4_bytes(p.numel() // shards, p.scaler_block_size) for p in stored)
+    stored = {n: p for n, p in model.named_parameters() if nf4.is_nf4(p)}
+    assert len([n for n in stored if ".experts." in n]) == 3 * 3  # every routed block's three projections
+    assert ft.nf4_params(s) == sum(p.numel() for p in stored.values())
+    assert ft.nf4_rank_bytes(s) == sum(nf4.nf4_bytes(p.numel() // shards, p.scaler_block_size) for p in stored.values())
+
+
+def test_qlora_under_zero3_keeps_experts_the_shards_would_cut_in_half_and_the_plan_says_so():
+    shards = 32  # 16 experts over 32 ranks: a rank's rows would hold half an expert
+    parallel = {"data_parallel": shards, "zero_stage": 3}
+    cfg = validate_dict({**_config("qlora", LAYOUTS["mlp_only_layers"]).to_dict(), "parallel": parallel})
+    s, model = from_config(cfg), _built(cfg)
+    stored = {n: p for n, p in model.named_parameters() if nf4.is_nf4(p)}
+    assert not any(".experts." in n for n in stored)
+    assert ft.nf4_params(s) == sum(p.numel() for p in stored.values())
+    assert ft.nf4_rank_bytes(s) == sum(nf4.nf4_bytes(p.numel() // shards, p.scaler_block_size) for p in stored.values())

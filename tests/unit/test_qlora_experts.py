@@ -1,5 +1,5 @@
 """QLoRA on an MoE model's stacked experts (fitlm.finetune.qlora, fitlm.memory.nf4's stacked storage): each
-projection one NF4 tensor [E, out, in] whose experts are whole blocks and groups, read one expert at a time; the
+projection one NF4 tensor [E·out, in] whose experts are whole blocks and groups, read one expert at a time; the
 forward and the adapters' gradients against the same network on the dequantized experts; which stacked shapes
 can be stored; the parameter bytes against LoRA's on a model whose experts dominate."""
 
@@ -26,7 +26,8 @@ def dequantized(model: nn.Module):
         saved[experts] = (experts.take, {p: getattr(experts, p) for p in PROJECTIONS})
         for p, w in saved[experts][1].items():
             if nf4.is_nf4(w):
-                setattr(experts, p, nn.Parameter(w.get_original_weight().float(), requires_grad=False))
+                full = w.get_original_weight().float().reshape(experts.stacked_shape(p))  # [E·out, in] -> [E, out, in]
+                setattr(experts, p, nn.Parameter(full, requires_grad=False))
         experts.take = None
     try:
         yield model
@@ -43,7 +44,9 @@ def dequantized(model: nn.Module):
         ((8, 128, 64), 1, 128),  # one expert: 8192 weights, 128 scales, one group of 128
         ((8, 64, 128), 1, 128),
         ((4, 256, 256), 1, 256),
-        ((8, 128, 64), 2, None),  # sharded: torchao's NF4 splits no third dimension
+        ((8, 128, 64), 2, 128),  # ZeRO-2/3 over 2 ranks: 4 whole experts a rank
+        ((8, 128, 64), 8, 128),
+        ((6, 128, 64), 4, None),  # 6 experts over 4 ranks: a rank's rows would cut an expert
         ((8, 32, 64), 1, None),  # 2048 weights an expert: 32 scales, not a whole group of 64
         ((128, 64), 1, None),  # a Linear's weight is `scaler_block`'s
     ],
@@ -55,11 +58,11 @@ def test_stacked_experts_are_stored_only_when_each_expert_holds_whole_groups(sha
 def test_one_expert_of_the_stacked_codes_is_that_expert_quantized_alone():
     torch.manual_seed(0)
     w = torch.randn(4, 128, 64).to(nf4.STORED_DTYPE)
-    q = nf4._shaped(nf4._nf4()[1](nf4._rows(w), nf4.BLOCK, 128), w.shape)
-    assert tuple(q.shape) == (4, 128, 64)
-    whole = q.get_original_weight()
+    q = nf4._nf4()[1](nf4._rows(w), nf4.BLOCK, 128)
+    assert tuple(q.shape) == nf4.stored_shape(w.shape) == (4 * 128, 64)
+    whole = q.get_original_weight().reshape(w.shape)
     for e in range(4):
-        alone = nf4.expert(q, e)
+        alone = nf4.expert(q, e, 4)
         assert tuple(alone.shape) == (128, 64)
         # the codes are a slice: dequantizing expert e alone gives the stacked tensor's row e exactly
         torch.testing.assert_close(alone.get_original_weight(), whole[e], rtol=0, atol=0)
