@@ -74,7 +74,8 @@ def owned(s: Setup, first: bool) -> Owned | None:
     """A rank's experts, counted apart from the dense model: E/ep of every block's, whole or sharded over edp (see
     the module docstring), whole over tensor parallel, which runs the routed blocks whole on every tp rank
     (fitlm.parallel.tensor_parallel), where the engine's count divided them by tp. Trained under full fine-tuning,
-    frozen under LoRA (its targets are attention's), trained above the frozen bottom under freeze."""
+    frozen under LoRA (the adapters of a rank's E/ep experts are counted by fitlm.plan.finetune), trained above
+    the frozen bottom under freeze."""
     if s.ep == 1 and s.tp == 1:
         return None
     experts, local = stage_expert_params(s), local_expert_params(s)

@@ -127,15 +127,18 @@ def row_parallel(s: Setup) -> frozenset[str]:
 
 def rank_block_adapters(s: Setup) -> float:
     """LoRA parameters of one block on one tensor-parallel rank: r·(in + out/tp) per column-parallel target
-    (A [r, in] whole, B [out/tp, r]), r·(in/tp + out) per row-parallel one (A [r, in/tp], B [out, r] whole).
-    An MoE model's mean over its routed and dense blocks."""
+    (A [r, in] whole, B [out/tp, r]), r·(in/tp + out) per row-parallel one (A [r, in/tp], B [out, r] whole);
+    the adapters of the E/ep experts an expert-parallel rank holds (fitlm.finetune.expert_lora splits them with
+    their experts). An MoE model's mean over its routed and dense blocks."""
     return per_block(s, _rank_block_adapters)
 
 
-def _rank_block_adapters(s: Setup) -> int:
+def _rank_block_adapters(s: Setup) -> float:
     shapes, rows = linear_shapes(s), row_parallel(s)
     return sum(
-        adapter_size(s, n, i, o) if n in EXPERT_INPUT else s.lora_r * (i // s.tp + o if n in rows else i + o // s.tp)
+        adapter_size(s, n, i, o) / s.ep
+        if n in EXPERT_INPUT
+        else s.lora_r * (i // s.tp + o if n in rows else i + o // s.tp)
         for n in lora_targets(s)
         for i, o in [shapes[n]]
     )  # (an MoE model is not tensor-parallel)

@@ -20,8 +20,9 @@ from tests.e2e.helpers import fitlm, tiny_config, write_config
 from tests.e2e.test_moe_cli import MOE as MOE_CLI
 
 ANALYTIC_TOLERANCE = 0.10
-# The issue-55 MoE rows (a dense block among routed ones; full, LoRA and QLoRA on attention and experts) and the
-# GRPO rows (issue 54) are held to 5%: the planner counts each kind of block, and the rollout, as they run.
+# The issue-55 MoE rows (a dense block among routed ones; full, LoRA and QLoRA on attention and experts, LoRA under
+# expert parallel) and the GRPO rows (issue 54) are held to 5%: the planner counts each kind of block, and the
+# rollout, as they run.
 MOE_ANALYTIC_TOLERANCE = 0.05
 SIMULATED_TOLERANCE = 0.03
 slow = pytest.mark.slow
@@ -250,6 +251,19 @@ CONFIGS = [
         "moe dense1 qlora O2",
         {"model": MOE_DENSE1, "finetune": {"method": "qlora", "lora": MOE_LORA}, "memory": {"mixed_precision": "O2"}},
         1,
+    ),
+    # LoRA on attention and experts under expert parallel: each rank holds E/ep experts and their adapters
+    # (QLoRA's NF4 experts are not split between expert ranks: refused by fitlm.rules).
+    (
+        "moe dense1 lora dp2 ep2 O2",
+        {
+            "model": MOE_DENSE1,
+            "finetune": {"method": "lora", "lora": MOE_LORA},
+            "memory": {"mixed_precision": "O2"},
+            "parallel": {"data_parallel": 2, "expert_parallel": 2},
+            "train": {"micro_batch_size": 2},
+        },
+        2,
     ),
     # DPO on preference pairs (`_preference_corpus`): micro batch 2 = 4 rows; LoRA's reference is its base with
     # the adapters off, full fine-tuning keeps a frozen fp32 copy (the profile files it under params).
