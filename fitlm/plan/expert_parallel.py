@@ -20,7 +20,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from fitlm.parallel_dims import divisors
-from fitlm.plan.setup import Setup, act_bytes, param_bytes, routed_layers, stage_layers
+from fitlm.plan.setup import Setup, act_bytes, param_bytes, stage_layers, stage_routed
 from fitlm.plan.terms import Axis, Feature, Owned, Stage, Term, TimeContext, Timed
 
 if TYPE_CHECKING:
@@ -30,22 +30,23 @@ if TYPE_CHECKING:
 A2A_BUFFERS = "expert-parallel all-to-all buffers"
 
 
-def stage_expert_params(s: Setup) -> int:
-    """Parameters of all experts of the blocks a rank's stage holds (before expert parallel splits them)."""
+def stage_expert_params(s: Setup, first: bool = True) -> int:
+    """Parameters of all experts of the routed blocks a rank's stage holds (the first, most loaded, or the last;
+    before expert parallel splits them)."""
     per_block = sum(i * o for name, i, o in s.counts.linears if name.startswith("experts."))
-    return min(stage_layers(s), routed_layers(s)) * per_block
+    return stage_routed(s, first) * per_block
 
 
 def experts_per_device(s: Setup) -> int:
-    """Routed experts a device holds, over the blocks of its pipeline stage (the most loaded, the first:
-    ceil(L/pp) blocks, at most the routed ones), E/ep of each; 0 for a dense model."""
+    """Routed experts a device holds at most, over the routed blocks of its pipeline stage (the first or the last,
+    whichever holds more of them: a dense block among them may sit on either), E/ep of each; 0 for a dense model."""
     e = s.cfg.model.num_experts or 0
-    return min(stage_layers(s), routed_layers(s)) * e // s.ep
+    return max(stage_routed(s, True), stage_routed(s, False)) * e // s.ep
 
 
-def local_expert_params(s: Setup) -> float:
-    """The experts a rank holds: E/ep of every MoE block's."""
-    return stage_expert_params(s) / s.ep
+def local_expert_params(s: Setup, first: bool = True) -> float:
+    """The experts a rank holds: E/ep of every MoE block's of its stage."""
+    return stage_expert_params(s, first) / s.ep
 
 
 def routed_rows(s: Setup, tokens: float) -> float:
@@ -78,7 +79,7 @@ def owned(s: Setup, first: bool) -> Owned | None:
     the frozen bottom under freeze."""
     if s.ep == 1 and s.tp == 1:
         return None
-    experts, local = stage_expert_params(s), local_expert_params(s)
+    experts, local = stage_expert_params(s, first), local_expert_params(s, first)
     trained = {"full": local, "freeze": local * (1 - s.freeze_layers)}.get(s.method, 0.0)
     counted = experts / s.tp  # what the engine's tp share holds of them (fitlm.plan.analytic.tp_share)
     if s.ep == 1:  # tensor parallel alone: the experts are ordinary parameters to the ZeRO stage

@@ -56,7 +56,7 @@ from fitlm.plan.setup import (
     layer_params,
     per_block,
     residual_bytes,
-    stage_layers,
+    stage_range,
     total_params,
 )
 from fitlm.plan.terms import Feature, Stage, Term
@@ -204,10 +204,7 @@ def dequant_bytes(s: Setup, tokens: float) -> float:
 
 def stage_blocks(s: Setup, first: bool) -> range:
     """The blocks on the first or the last pipeline stage (all of them without pipeline parallel)."""
-    if s.pp == 1:
-        return range(s.layers)
-    n = stage_layers(s)
-    return range(n) if first else range(s.layers - n, s.layers)
+    return stage_range(s, first)
 
 
 def stage_trainable(s: Setup, first: bool) -> float:

@@ -265,6 +265,29 @@ CONFIGS = [
         },
         2,
     ),
+    # Pipelines over the MoE: the first stage keeps a routed block and the dense one, the last a routed block and
+    # the head; with expert parallel each stage's routed block holds E/ep experts. The first stage peaks in its last
+    # backward (every gradient, the experts' new one being accumulated). O2 as the rows above: at O0 a CPU step
+    # runs torch's fp32 grouped matmul, which fake tensors cannot (the simulation takes the per-expert loop).
+    (
+        "moe dense1 pp2 O2",
+        {
+            "model": MOE_DENSE1,
+            "parallel": {"pipeline_parallel": 2, "micro_batch_num": 2},
+            "memory": {"mixed_precision": "O2"},
+        },
+        2,
+    ),
+    (
+        "moe dense1 dp2 ep2 pp2 O2",
+        {
+            "model": MOE_DENSE1,
+            "parallel": {"data_parallel": 2, "expert_parallel": 2, "pipeline_parallel": 2, "micro_batch_num": 2},
+            "memory": {"mixed_precision": "O2"},
+            "train": {"micro_batch_size": 2},
+        },
+        4,
+    ),
     # DPO on preference pairs (`_preference_corpus`): micro batch 2 = 4 rows; LoRA's reference is its base with
     # the adapters off, full fine-tuning keeps a frozen fp32 copy (the profile files it under params).
     (
