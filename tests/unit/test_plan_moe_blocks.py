@@ -12,8 +12,10 @@ import torch
 from fitlm.config import validate_dict
 from fitlm.finetune.apply import apply_finetune
 from fitlm.memory import nf4
+from fitlm.parallel.pipeline import build_stage_modules
 from fitlm.plan import finetune as ft
-from fitlm.plan.expert_parallel import experts_per_device
+from fitlm.plan.analytic import stage_params
+from fitlm.plan.expert_parallel import experts_per_device, stage_expert_params
 from fitlm.plan.setup import from_config, total_params
 from fitlm.registry import build_model
 from tests.distributed.test_plan_accuracy import MOE_DENSE1
@@ -76,3 +78,20 @@ def test_qlora_under_zero3_keeps_the_sharded_experts_in_half_and_the_plan_says_s
     assert stored and not any(p.dim() == 3 for p in stored)  # torchao's NF4 splits no stacked [E, out, in]
     assert ft.nf4_params(s) == sum(p.numel() for p in stored)
     assert ft.nf4_rank_bytes(s) == sum(nf4.nf4_bytes(p.numel() // shards, p.scaler_block_size) for p in stored)
+
+
+@pytest.mark.parametrize("layers", [4, 3])
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_pipeline_stages_count_the_blocks_they_hold(layout, layers):
+    """Under pp2 each stage's parameters and experts are those of the blocks fitlm.parallel.pipeline gives it (the
+    first takes the extra block of an odd count), a dense block counted on the stage that holds it, not L/pp of
+    the model's mean block."""
+    cfg = validate_dict(
+        {**_config("full", {**layout, "num_layers": layers}).to_dict(), "parallel": {"pipeline_parallel": 2}}
+    )
+    s, model = from_config(cfg), _built(cfg)
+    for rank, first in [(0, True), (1, False)]:
+        ((_, stage),) = build_stage_modules(model, rank, 2, "1f1b")
+        assert stage_params(s, first) == sum(p.numel() for p in stage.parameters())
+        experts = sum(p.numel() for n, p in stage.named_parameters() if ".experts." in n)
+        assert stage_expert_params(s, first) == experts
