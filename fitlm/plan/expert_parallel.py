@@ -20,7 +20,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from fitlm.parallel_dims import divisors
-from fitlm.plan.setup import Setup, act_bytes, param_bytes, stage_layers, stage_routed
+from fitlm.plan.setup import Setup, act_bytes, param_bytes, stage_routed
 from fitlm.plan.terms import Axis, Feature, Owned, Stage, Term, TimeContext, Timed
 
 if TYPE_CHECKING:
@@ -63,12 +63,14 @@ def alltoall_buffers(s: Setup, tokens: float, act_bytes: int) -> float:
 def alltoall_seconds(
     s: Setup, tokens_per_micro_batch: float, act_bytes: int, bandwidth: float, latency_s: float
 ) -> float:
-    """A step's all-to-all time: 4 per MoE layer per micro batch, each moving the (ep-1)/ep of the routed rows
-    that leave the rank at `bandwidth` (bytes/s) after `latency_s` per peer."""
+    """A step's all-to-all time: 4 per MoE layer of the busier pipeline stage (its routed blocks: a dense block
+    runs none) per micro batch, each moving the (ep-1)/ep of the routed rows that leave the rank at `bandwidth`
+    (bytes/s) after `latency_s` per peer."""
     if s.ep == 1:
         return 0.0
     leaving = routed_rows(s, tokens_per_micro_batch) * s.h * act_bytes * (s.ep - 1) / s.ep
-    return 4 * stage_layers(s) * s.accum * (leaving / bandwidth + latency_s * (s.ep - 1))  # a stage's layers
+    layers = max(stage_routed(s, True), stage_routed(s, False))
+    return 4 * layers * s.accum * (leaving / bandwidth + latency_s * (s.ep - 1))
 
 
 def owned(s: Setup, first: bool) -> Owned | None:

@@ -15,7 +15,7 @@ from fitlm.memory import nf4
 from fitlm.parallel.pipeline import build_stage_modules
 from fitlm.plan import finetune as ft
 from fitlm.plan.analytic import stage_params
-from fitlm.plan.expert_parallel import experts_per_device, stage_expert_params
+from fitlm.plan.expert_parallel import alltoall_seconds, experts_per_device, stage_expert_params
 from fitlm.plan.setup import from_config, total_params
 from fitlm.registry import build_model
 from tests.distributed.test_plan_accuracy import MOE_DENSE1
@@ -95,3 +95,14 @@ def test_pipeline_stages_count_the_blocks_they_hold(layout, layers):
         assert stage_params(s, first) == sum(p.numel() for p in stage.parameters())
         experts = sum(p.numel() for n, p in stage.named_parameters() if ".experts." in n)
         assert stage_expert_params(s, first) == experts
+
+
+def test_all_to_all_time_counts_the_routed_blocks_only():
+    """A dense block among routed ones dispatches nothing: 3 of the 4 blocks' all-to-alls under mlp_only_layers."""
+    ep2 = {"parallel": {"data_parallel": 2, "expert_parallel": 2}}
+
+    def seconds(layout: dict) -> float:
+        s = from_config(validate_dict({**_config("full", layout).to_dict(), **ep2}))
+        return alltoall_seconds(s, 256, 2, 1e9, 1e-5)
+
+    assert seconds(LAYOUTS["mlp_only_layers"]) == pytest.approx(3 / 4 * seconds(LAYOUTS["all routed"]))
