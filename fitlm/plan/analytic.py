@@ -32,7 +32,7 @@ from fitlm.models.matmul_attention import BLOCK_ROWS as ATTN_BLOCK_ROWS
 from fitlm.plan import context_parallel as cp
 from fitlm.plan import data_parallel, pipeline
 from fitlm.plan import finetune as ft
-from fitlm.plan.blocks import attention_kept, block_act_per_token, blocked_attention, mlp_width
+from fitlm.plan.blocks import attention_kept, block_act_per_token, blocked_attention, mlp_width, stage_act_per_token
 from fitlm.plan.context_parallel import gathered_layers
 from fitlm.plan.features import FEATURES
 from fitlm.plan.setup import (
@@ -44,7 +44,8 @@ from fitlm.plan.setup import (
     layer_params,
     param_bytes,
     residual_bytes,
-    stage_layers,
+    stage_mean,
+    stage_range,
 )
 from fitlm.plan.terms import Stage, Term, named, only, sum_terms
 
@@ -108,7 +109,7 @@ def stage_params(s: Setup, first: bool) -> int:
     LoRA adapters are split differently (`rank_params`)."""
     if s.pp == 1:
         return embedding_params(s) + round(s.layers * layer_params(s)) + head_params(s)
-    own = round(stage_layers(s) * layer_params(s))
+    own = round(len(stage_range(s, first)) * stage_mean(s, first, lambda one: one.counts.block_params))
     if first:
         return own + embedding_params(s)
     # The last stage keeps the head; a tied head is a copy of the embedding there.
@@ -166,7 +167,7 @@ def activations(
     every = max(1, s.recompute_every)
     recomputed = 0 if s.recompute == "none" else -(-layers // every)
     plain = layers - recomputed
-    kept = in_flight * (plain * tokens * block_act_per_token(s) + recomputed * block_act_recompute(s, tokens))
+    kept = in_flight * (plain * tokens * stage_act_per_token(s, first) + recomputed * block_act_recompute(s, tokens))
     kept += in_flight * gathered_layers(s, layers) * cp.gathered_kv(s)  # context parallel: full-length K/V
     casts = WEIGHT_CAST[s.level] * layer_params(s) / s.tp
     if s.level == "O2" and s.dims.fsdp_sharded:
@@ -287,6 +288,30 @@ def _stage(s: Setup, first: bool) -> Breakdown:
     the features add (fitlm.plan.features), at the larger of the forward/backward and the optimizer-step moment."""
     st, states = _stage_shape(s, first)
     params, grads, opt, host = states
+    fb, terms, host_act, left = _forward_backward(st, states)
+    candidates = [fb]
+    if pipeline.later_backward(s, first, st.in_flight):  # its last backward: every gradient, one chunk left
+        candidates.append(_forward_backward(replace(st, in_flight=1), states, every_grad=True)[0])
+    # Optimizer step: gradients complete (DDP's are views into its buckets: no second copy), plus foreach
+    # AdamW's one state-sized temporary (sqrt of v) where sharded DTensors keep it off the fused kernel.
+    step_tmp = opt / 2 if not s.offload and foreach_adamw(s) else 0.0
+    terms.append(Term("other", "optimizer temporaries", step_tmp, "step"))
+    step = _at_moment(params, grads, opt, 0, 0, terms, "step", host, host_act, left)  # pinned buffers stay
+    candidates.append(replace(step, phase="optimizer step"))
+    if s.objective == "grpo":  # sampling (fitlm.plan.grpo): states as trained, no gradients but DDP's buckets
+        act, logit = (sum_terms(terms, "rollout", c) for c in ("activations", "logits"))
+        roll = _at_moment(params, grads if s.dims.ddp else 0, opt, act, logit, terms, "rollout", host, 0, 1.0)
+        candidates.append(replace(roll, phase=ROLLOUT))
+    return max(candidates, key=lambda b: b.total)
+
+
+def _forward_backward(
+    st: Stage, states: tuple[float, float, float, float], every_grad: bool = False
+) -> tuple[Breakdown, list[Term], float, float]:
+    """The forward/backward peak of a stage (with `every_grad`: at a backward that meets every gradient of the
+    step), the terms counted there, and the saved tensors moved to the host and the share left on the device."""
+    s, first = st.s, st.first
+    params, grads, opt, host = states
     kept, casts, working = activations(s, st.tokens, st.layers, st.in_flight, first)
     outside = st.in_flight * outside_bytes(s, st.tokens) * (1 if st.has_logits else 0.5)
     terms = _model_terms(st) + [t for f in FEATURES for t in f.memory(st)]
@@ -308,19 +333,10 @@ def _stage(s: Setup, first: bool) -> Breakdown:
         act, logit = kept + working + at["activations"], 0.0
     held, dp_terms = data_parallel.forward_grads(st, grads)
     terms += dp_terms
+    if every_grad:  # every gradient of the step, and one more being added into its accumulated copy
+        held, act = grads, act + pipeline.accumulation_bytes(s, first)
     fb = _at_moment(params, held + at["grads"], opt, act, logit, terms, moment, host, host_act, left)
-    fb = replace(fb, phase="forward/backward")
-    # Optimizer step: gradients complete (DDP's are views into its buckets: no second copy), plus foreach
-    # AdamW's one state-sized temporary (sqrt of v) where sharded DTensors keep it off the fused kernel.
-    step_tmp = opt / 2 if not s.offload and foreach_adamw(s) else 0.0
-    terms.append(Term("other", "optimizer temporaries", step_tmp, "step"))
-    step = _at_moment(params, grads, opt, 0, 0, terms, "step", host, host_act, left)  # pinned buffers stay
-    candidates = [fb, replace(step, phase="optimizer step")]
-    if s.objective == "grpo":  # sampling (fitlm.plan.grpo): states as trained, no gradients but DDP's buckets
-        act, logit = (sum_terms(terms, "rollout", c) for c in ("activations", "logits"))
-        roll = _at_moment(params, grads if s.dims.ddp else 0, opt, act, logit, terms, "rollout", host, 0, 1.0)
-        candidates.append(replace(roll, phase=ROLLOUT))
-    return max(candidates, key=lambda b: b.total)
+    return replace(fb, phase="forward/backward"), terms, host_act, left
 
 
 ROLLOUT = "rollout (sampling)"  # GRPO's peak phase when sampling holds more than the step

@@ -9,13 +9,19 @@ from __future__ import annotations
 
 from fitlm.models.matmul_attention import BLOCK_ROWS as ATTN_BLOCK_ROWS
 from fitlm.plan import context_parallel as cp
-from fitlm.plan.setup import Setup, act_bytes, per_block
+from fitlm.plan.setup import Setup, act_bytes, per_block, stage_mean
 
 
 def block_act_per_token(s: Setup) -> float:
     """Saved bytes per token of one block with no recompute, on one tensor-parallel rank; an MoE model's mean over
     its routed and dense blocks."""
     return per_block(s, _one_block)
+
+
+def stage_act_per_token(s: Setup, first: bool) -> float:
+    """`block_act_per_token` over the first or the last pipeline stage's own blocks (the model's without pipeline
+    parallel)."""
+    return stage_mean(s, first, _one_block)
 
 
 def _one_block(s: Setup) -> float:

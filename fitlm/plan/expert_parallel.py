@@ -20,7 +20,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from fitlm.parallel_dims import divisors
-from fitlm.plan.setup import Setup, act_bytes, param_bytes, routed_layers, stage_layers
+from fitlm.plan.setup import Setup, act_bytes, param_bytes, stage_routed
 from fitlm.plan.terms import Axis, Feature, Owned, Stage, Term, TimeContext, Timed
 
 if TYPE_CHECKING:
@@ -30,22 +30,23 @@ if TYPE_CHECKING:
 A2A_BUFFERS = "expert-parallel all-to-all buffers"
 
 
-def stage_expert_params(s: Setup) -> int:
-    """Parameters of all experts of the blocks a rank's stage holds (before expert parallel splits them)."""
+def stage_expert_params(s: Setup, first: bool = True) -> int:
+    """Parameters of all experts of the routed blocks a rank's stage holds (the first, most loaded, or the last;
+    before expert parallel splits them)."""
     per_block = sum(i * o for name, i, o in s.counts.linears if name.startswith("experts."))
-    return min(stage_layers(s), routed_layers(s)) * per_block
+    return stage_routed(s, first) * per_block
 
 
 def experts_per_device(s: Setup) -> int:
-    """Routed experts a device holds, over the blocks of its pipeline stage (the most loaded, the first:
-    ceil(L/pp) blocks, at most the routed ones), E/ep of each; 0 for a dense model."""
+    """Routed experts a device holds at most, over the routed blocks of its pipeline stage (the first or the last,
+    whichever holds more of them: a dense block among them may sit on either), E/ep of each; 0 for a dense model."""
     e = s.cfg.model.num_experts or 0
-    return min(stage_layers(s), routed_layers(s)) * e // s.ep
+    return max(stage_routed(s, True), stage_routed(s, False)) * e // s.ep
 
 
-def local_expert_params(s: Setup) -> float:
-    """The experts a rank holds: E/ep of every MoE block's."""
-    return stage_expert_params(s) / s.ep
+def local_expert_params(s: Setup, first: bool = True) -> float:
+    """The experts a rank holds: E/ep of every MoE block's of its stage."""
+    return stage_expert_params(s, first) / s.ep
 
 
 def routed_rows(s: Setup, tokens: float) -> float:
@@ -62,22 +63,25 @@ def alltoall_buffers(s: Setup, tokens: float, act_bytes: int) -> float:
 def alltoall_seconds(
     s: Setup, tokens_per_micro_batch: float, act_bytes: int, bandwidth: float, latency_s: float
 ) -> float:
-    """A step's all-to-all time: 4 per MoE layer per micro batch, each moving the (ep-1)/ep of the routed rows
-    that leave the rank at `bandwidth` (bytes/s) after `latency_s` per peer."""
+    """A step's all-to-all time: 4 per MoE layer of the busier pipeline stage (its routed blocks: a dense block
+    runs none) per micro batch, each moving the (ep-1)/ep of the routed rows that leave the rank at `bandwidth`
+    (bytes/s) after `latency_s` per peer."""
     if s.ep == 1:
         return 0.0
     leaving = routed_rows(s, tokens_per_micro_batch) * s.h * act_bytes * (s.ep - 1) / s.ep
-    return 4 * stage_layers(s) * s.accum * (leaving / bandwidth + latency_s * (s.ep - 1))  # a stage's layers
+    layers = max(stage_routed(s, True), stage_routed(s, False))
+    return 4 * layers * s.accum * (leaving / bandwidth + latency_s * (s.ep - 1))
 
 
 def owned(s: Setup, first: bool) -> Owned | None:
     """A rank's experts, counted apart from the dense model: E/ep of every block's, whole or sharded over edp (see
     the module docstring), whole over tensor parallel, which runs the routed blocks whole on every tp rank
     (fitlm.parallel.tensor_parallel), where the engine's count divided them by tp. Trained under full fine-tuning,
-    frozen under LoRA (its targets are attention's), trained above the frozen bottom under freeze."""
+    frozen under LoRA (the adapters of a rank's E/ep experts are counted by fitlm.plan.finetune), trained above
+    the frozen bottom under freeze."""
     if s.ep == 1 and s.tp == 1:
         return None
-    experts, local = stage_expert_params(s), local_expert_params(s)
+    experts, local = stage_expert_params(s, first), local_expert_params(s, first)
     trained = {"full": local, "freeze": local * (1 - s.freeze_layers)}.get(s.method, 0.0)
     counted = experts / s.tp  # what the engine's tp share holds of them (fitlm.plan.analytic.tp_share)
     if s.ep == 1:  # tensor parallel alone: the experts are ordinary parameters to the ZeRO stage

@@ -56,7 +56,7 @@ from fitlm.plan.setup import (
     layer_params,
     per_block,
     residual_bytes,
-    stage_layers,
+    stage_range,
     total_params,
 )
 from fitlm.plan.terms import Feature, Stage, Term
@@ -127,15 +127,18 @@ def row_parallel(s: Setup) -> frozenset[str]:
 
 def rank_block_adapters(s: Setup) -> float:
     """LoRA parameters of one block on one tensor-parallel rank: r·(in + out/tp) per column-parallel target
-    (A [r, in] whole, B [out/tp, r]), r·(in/tp + out) per row-parallel one (A [r, in/tp], B [out, r] whole).
-    An MoE model's mean over its routed and dense blocks."""
+    (A [r, in] whole, B [out/tp, r]), r·(in/tp + out) per row-parallel one (A [r, in/tp], B [out, r] whole);
+    the adapters of the E/ep experts an expert-parallel rank holds (fitlm.finetune.expert_lora splits them with
+    their experts). An MoE model's mean over its routed and dense blocks."""
     return per_block(s, _rank_block_adapters)
 
 
-def _rank_block_adapters(s: Setup) -> int:
+def _rank_block_adapters(s: Setup) -> float:
     shapes, rows = linear_shapes(s), row_parallel(s)
     return sum(
-        adapter_size(s, n, i, o) if n in EXPERT_INPUT else s.lora_r * (i // s.tp + o if n in rows else i + o // s.tp)
+        adapter_size(s, n, i, o) / s.ep
+        if n in EXPERT_INPUT
+        else s.lora_r * (i // s.tp + o if n in rows else i + o // s.tp)
         for n in lora_targets(s)
         for i, o in [shapes[n]]
     )  # (an MoE model is not tensor-parallel)
@@ -201,10 +204,7 @@ def dequant_bytes(s: Setup, tokens: float) -> float:
 
 def stage_blocks(s: Setup, first: bool) -> range:
     """The blocks on the first or the last pipeline stage (all of them without pipeline parallel)."""
-    if s.pp == 1:
-        return range(s.layers)
-    n = stage_layers(s)
-    return range(n) if first else range(s.layers - n, s.layers)
+    return stage_range(s, first)
 
 
 def stage_trainable(s: Setup, first: bool) -> float:

@@ -6,7 +6,7 @@ its chunks are those of every micro batch of the step (`Setup.step_chunks`).
 from __future__ import annotations
 
 from fitlm.plan.blocks import mlp_width
-from fitlm.plan.setup import Setup, act_bytes, residual_bytes, stage_layers
+from fitlm.plan.setup import Setup, act_bytes, param_bytes, residual_bytes, stage_kinds, stage_range
 from fitlm.plan.terms import Feature, Stage, Term
 
 RECEIVE = "pipeline receive buffers"
@@ -20,7 +20,7 @@ def shape(s: Setup, first: bool) -> tuple[float, int, float, bool]:
     if s.pp == 1:
         return s.rows * s.local_seq, s.layers, 1, True
     tokens = s.rows / max(1, s.chunks) * s.seq  # one pipeline chunk
-    layers = stage_layers(s) if s.schedule != "interleaved_1f1b" else 2 * -(-s.layers // (2 * s.pp))
+    layers = len(stage_range(s, first)) if s.schedule != "interleaved_1f1b" else 2 * -(-s.layers // (2 * s.pp))
     step_chunks = s.step_chunks  # one schedule run per step: its warm-up counts the chunks of every micro batch
     in_flight: float
     if s.schedule == "gpipe":
@@ -69,6 +69,31 @@ def backward_share(s: Setup, first: bool) -> float:
     if s.schedule == "gpipe" or (first and s.step_chunks <= s.pp) or s.step_chunks == 1:
         return 0.0
     return 0.5 if s.schedule == "interleaved_1f1b" and not first else 1.0
+
+
+def later_backward(s: Setup, first: bool, in_flight: float) -> bool:
+    """Whether a stage whose peak `backward_share` puts in its first backward (no gradient yet, every in-flight
+    chunk saved) may peak again in its last one, with every gradient of the step and one chunk left: the first
+    stage of a 1F1B schedule that holds more than one chunk (an MoE stage's gradients can outweigh a chunk's
+    saved tensors)."""
+    return s.pp > 1 and first and s.schedule == "1f1b" and in_flight > 1 and backward_share(s, first) == 0
+
+
+def accumulation_bytes(s: Setup, first: bool) -> float:
+    """A backward that meets the step's gradients adds each new one into its accumulated copy (in place), beside it
+    while it does: the stage's largest trained parameter's new gradient (fp32), and at O1/O2 the half product it is
+    cast up from. Under full fine-tuning: an MoE stage's stacked experts (E/ep of them), else the largest matrix
+    or the vocabulary table the stage holds. Adapters' and frozen models' gradients are small: 0."""
+    if s.method != "full":
+        return 0.0
+    largest = max(
+        i * o / (s.ep if name.startswith("experts.") else s.tp)
+        for n, one in stage_kinds(s, first)
+        if n
+        for name, i, o in one.counts.linears
+    )
+    largest = max(largest, s.vocab * s.h / s.tp)  # the embedding (first stage) or the head (last)
+    return largest * (param_bytes(s) + (act_bytes(s) if s.level in ("O1", "O2") else 0))
 
 
 FEATURE = Feature("pipeline parallel", memory=memory)

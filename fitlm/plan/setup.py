@@ -386,3 +386,37 @@ def matmul_params(s: Setup) -> int:
 def stage_layers(s: Setup) -> int:
     """Blocks on the most loaded (first) pipeline rank: ceil(L/pp)."""
     return -(-s.layers // s.pp)
+
+
+def stage_range(s: Setup, first: bool) -> range:
+    """The blocks of the first or the last pipeline stage, as fitlm.parallel.pipeline.split_layers balances them
+    (the earlier stages take the extra block: the last holds floor(L/pp)); all of them without pipeline parallel.
+    Interleaved schedules: ceil(L/pp) at either end (their ranks' blocks are not contiguous)."""
+    if s.pp == 1:
+        return range(s.layers)
+    n = stage_layers(s) if first or s.schedule == "interleaved_1f1b" else s.layers // s.pp
+    return range(n) if first else range(s.layers - n, s.layers)
+
+
+def stage_kinds(s: Setup, first: bool) -> tuple[tuple[int, Setup], ...]:
+    """`block_kinds` over the first or the last pipeline stage's own blocks: how many of them route (or are dense
+    for a dense model) and how many are an MoE model's dense blocks (model.mlp_only_layers, decoder_sparse_step),
+    where in the model they sit."""
+    blocks, dense = stage_range(s, first), s.counts.dense
+    if dense is None:
+        return ((len(blocks), s),)
+    n = sum(not s.cfg.model.sparse_layer(i) for i in blocks)
+    return ((len(blocks) - n, s), (n, replace(s, counts=dense)))
+
+
+def stage_routed(s: Setup, first: bool = True) -> int:
+    """Blocks of the first (most loaded) or the last pipeline stage that route their tokens to experts."""
+    return stage_kinds(s, first)[0][0] if s.cfg.model.moe else 0
+
+
+def stage_mean(s: Setup, first: bool, count) -> float:
+    """The mean of `count(setup of one block)` over the stage's blocks (`per_block` without pipeline parallel): a
+    pipeline stage holds the blocks it holds, not L/pp of the model's mean (an MoE model's dense block sits on one)."""
+    if s.pp == 1:
+        return per_block(s, count)
+    return sum(n * count(one) for n, one in stage_kinds(s, first)) / len(stage_range(s, first))

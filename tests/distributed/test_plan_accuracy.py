@@ -20,8 +20,9 @@ from tests.e2e.helpers import fitlm, tiny_config, write_config
 from tests.e2e.test_moe_cli import MOE as MOE_CLI
 
 ANALYTIC_TOLERANCE = 0.10
-# The issue-55 MoE rows (a dense block among routed ones; full, LoRA and QLoRA on attention and experts) and the
-# GRPO rows (issue 54) are held to 5%: the planner counts each kind of block, and the rollout, as they run.
+# The issue-55 MoE rows (a dense block among routed ones; full, LoRA and QLoRA on attention and experts, LoRA under
+# expert parallel) and the GRPO rows (issue 54) are held to 5%: the planner counts each kind of block, and the
+# rollout, as they run.
 MOE_ANALYTIC_TOLERANCE = 0.05
 SIMULATED_TOLERANCE = 0.03
 slow = pytest.mark.slow
@@ -262,6 +263,42 @@ CONFIGS = [
             "train": {"micro_batch_size": 2},
         },
         2,
+    ),
+    # LoRA on attention and experts under expert parallel: each rank holds E/ep experts and their adapters
+    # (QLoRA's NF4 experts are not split between expert ranks: refused by fitlm.rules).
+    (
+        "moe dense1 lora dp2 ep2 O2",
+        {
+            "model": MOE_DENSE1,
+            "finetune": {"method": "lora", "lora": MOE_LORA},
+            "memory": {"mixed_precision": "O2"},
+            "parallel": {"data_parallel": 2, "expert_parallel": 2},
+            "train": {"micro_batch_size": 2},
+        },
+        2,
+    ),
+    # Pipelines over the MoE: the first stage keeps a routed block and the dense one, the last a routed block and
+    # the head; with expert parallel each stage's routed block holds E/ep experts. The first stage peaks in its last
+    # backward (every gradient, the experts' new one being accumulated). O2 as the rows above: at O0 a CPU step
+    # runs torch's fp32 grouped matmul, which fake tensors cannot (the simulation takes the per-expert loop).
+    (
+        "moe dense1 pp2 O2",
+        {
+            "model": MOE_DENSE1,
+            "parallel": {"pipeline_parallel": 2, "micro_batch_num": 2},
+            "memory": {"mixed_precision": "O2"},
+        },
+        2,
+    ),
+    (
+        "moe dense1 dp2 ep2 pp2 O2",
+        {
+            "model": MOE_DENSE1,
+            "parallel": {"data_parallel": 2, "expert_parallel": 2, "pipeline_parallel": 2, "micro_batch_num": 2},
+            "memory": {"mixed_precision": "O2"},
+            "train": {"micro_batch_size": 2},
+        },
+        4,
     ),
     # DPO on preference pairs (`_preference_corpus`): micro batch 2 = 4 rows; LoRA's reference is its base with
     # the adapters off, full fine-tuning keeps a frozen fp32 copy (the profile files it under params).

@@ -12,8 +12,10 @@ import torch
 from fitlm.config import validate_dict
 from fitlm.finetune.apply import apply_finetune
 from fitlm.memory import nf4
+from fitlm.parallel.pipeline import build_stage_modules
 from fitlm.plan import finetune as ft
-from fitlm.plan.expert_parallel import experts_per_device
+from fitlm.plan.analytic import stage_params
+from fitlm.plan.expert_parallel import alltoall_seconds, experts_per_device, stage_expert_params
 from fitlm.plan.setup import from_config, total_params
 from fitlm.registry import build_model
 from tests.distributed.test_plan_accuracy import MOE_DENSE1
@@ -88,3 +90,31 @@ def test_qlora_under_zero3_keeps_experts_the_shards_would_cut_in_half_and_the_pl
     assert not any(".experts." in n for n in stored)
     assert ft.nf4_params(s) == sum(p.numel() for p in stored.values())
     assert ft.nf4_rank_bytes(s) == sum(nf4.nf4_bytes(p.numel() // shards, p.scaler_block_size) for p in stored.values())
+
+
+@pytest.mark.parametrize("layers", [4, 3])
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_pipeline_stages_count_the_blocks_they_hold(layout, layers):
+    """Under pp2 each stage's parameters and experts are those of the blocks fitlm.parallel.pipeline gives it (the
+    first takes the extra block of an odd count), a dense block counted on the stage that holds it, not L/pp of
+    the model's mean block."""
+    cfg = validate_dict(
+        {**_config("full", {**layout, "num_layers": layers}).to_dict(), "parallel": {"pipeline_parallel": 2}}
+    )
+    s, model = from_config(cfg), _built(cfg)
+    for rank, first in [(0, True), (1, False)]:
+        ((_, stage),) = build_stage_modules(model, rank, 2, "1f1b")
+        assert stage_params(s, first) == sum(p.numel() for p in stage.parameters())
+        experts = sum(p.numel() for n, p in stage.named_parameters() if ".experts." in n)
+        assert stage_expert_params(s, first) == experts
+
+
+def test_all_to_all_time_counts_the_routed_blocks_only():
+    """A dense block among routed ones dispatches nothing: 3 of the 4 blocks' all-to-alls under mlp_only_layers."""
+    ep2 = {"parallel": {"data_parallel": 2, "expert_parallel": 2}}
+
+    def seconds(layout: dict) -> float:
+        s = from_config(validate_dict({**_config("full", layout).to_dict(), **ep2}))
+        return alltoall_seconds(s, 256, 2, 1e9, 1e-5)
+
+    assert seconds(LAYOUTS["mlp_only_layers"]) == pytest.approx(3 / 4 * seconds(LAYOUTS["all routed"]))
