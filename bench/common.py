@@ -192,6 +192,18 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def emit(report: dict, table: Callable[[dict], str], out: Path | None, as_json: bool) -> None:
+    """A bench's report: written to `out` when given, then one JSON object on stdout (the table on stderr) with
+    `as_json`, or the table on stdout."""
+    if out:
+        write_json(out, report)
+    if as_json:
+        log(table(report))
+        print(json.dumps(report))
+    else:
+        print(table(report))
+
+
 def profile_step(step: Callable[[], object], label: str, rows: int = 12) -> list[dict]:
     """Self CPU time of the top ops over one call of `step` (torch.profiler), for 'where does the time go'."""
     from torch.profiler import ProfilerActivity, profile

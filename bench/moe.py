@@ -48,7 +48,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, log, machine, prepare_data, profile_step, write_json  # noqa: E402
+from common import RESULTS, emit, log, machine, prepare_data, profile_step  # noqa: E402
 from moe_lora import lora_part, lora_table  # noqa: E402
 from moe_setup import (  # noqa: E402
     HF_IMPLS,
@@ -292,13 +292,7 @@ def main(argv=None) -> None:
         report = run(args)
     out = args.out or (None if args.json else RESULTS / "moe.json")
     report = merged(report, out, args.parts)
-    if out:
-        write_json(out, report)
-    if args.json:
-        log(table(report))
-        print(json.dumps(report))
-    else:
-        print(table(report))
+    emit(report, table, out, args.json)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, log, machine, median, write_json  # noqa: E402
+from common import RESULTS, emit, log, machine, median  # noqa: E402
 
 TP = 2
 # Qwen3-30B-A3B (H 2048, 128 experts, top 8, I 768) scaled down: H / 4, experts / 4, top 8; I 256 and 1024.
@@ -362,13 +362,7 @@ def main() -> None:
         "warmup": args.warmup,
         "results": merge(per_rank),
     }
-    if args.out:
-        write_json(Path(args.out), report)
-    if args.json:
-        log(table(report))
-        print(json.dumps(report))
-    else:
-        print(table(report))
+    emit(report, table, Path(args.out) if args.out else None, args.json)
 
 
 if __name__ == "__main__":

@@ -190,6 +190,15 @@ class GrpoConfig(Section):
     reward_weights: list[float] | None = None
     """Weight of each reward function in the total (one per reward_funcs entry); null = 1.0 each."""
 
+    def longest_prompt(self, seq_length: int) -> int:
+        """Tokens a prompt may have: max_prompt_length, or (null) seq_length − max_completion_length."""
+        return self.max_prompt_length if self.max_prompt_length is not None else seq_length - self.max_completion_length
+
+    def row_length(self, seq_length: int) -> int:
+        """The longest row trained on: the longest prompt plus max_completion_length (each micro batch of rollouts is
+        cut to its longest row), never more than seq_length."""
+        return min(seq_length, self.longest_prompt(seq_length) + self.max_completion_length)
+
 
 class FinetuneConfig(Section):
     method: Literal["full", "lora", "qlora", "freeze"] = "full"

@@ -17,7 +17,7 @@ none under LoRA/QLoRA (the adapters switched off). After sampling the cache is f
 log-probability forwards run per micro batch under no_grad and keep at most [b, T, V] logits, a half copy and two
 fp32 ones: no more than the training loss's own at its peak, so the training phase covers them.
 The training phase is the engine's step over micro_batch_size completions of max_prompt_length +
-max_completion_length tokens (fitlm.plan.setup.grpo_row_length: the rollout cuts each micro batch to its longest
+max_completion_length tokens (GrpoConfig.row_length: the rollout cuts each micro batch to its longest
 row, however long data.seq_length is).
 
 Time: sampling is memory-bound decoding. Each of the max_completion_length steps reads the weights and the cache
@@ -53,10 +53,9 @@ def rollout_rows(s: Setup) -> int:
 
 
 def prompt_length(s: Setup) -> int:
-    """The longest prompt allowed: max_prompt_length, or (null) the row length less max_completion_length
-    (fitlm.train.grpo.longest_prompt_allowed; s.seq is grpo_row_length's)."""
-    g = s.cfg.finetune.grpo
-    return g.max_prompt_length if g.max_prompt_length is not None else s.seq - g.max_completion_length
+    """The longest prompt allowed (GrpoConfig.longest_prompt of the row length s.seq, which is
+    GrpoConfig.row_length's)."""
+    return s.cfg.finetune.grpo.longest_prompt(s.seq)
 
 
 def rollout_length(s: Setup) -> int:

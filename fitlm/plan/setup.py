@@ -278,17 +278,8 @@ def from_config(cfg: Config) -> Setup:
     knobs = {name: values[key] for name, key in KNOBS.items()}
     knobs["lora_targets"] = tuple(knobs["lora_targets"])
     if knobs["objective"] == "grpo":  # trained on its rollouts: rows as long as the longest prompt and completion
-        knobs["seq"] = grpo_row_length(cfg)
+        knobs["seq"] = cfg.finetune.grpo.row_length(cfg.data.seq_length)
     return Setup(cfg=cfg, counts=ModelCounts.of(cfg.model), **knobs)
-
-
-def grpo_row_length(cfg: Config) -> int:
-    """The longest row GRPO trains on: the longest prompt allowed (max_prompt_length, or data.seq_length less
-    max_completion_length) plus max_completion_length (fitlm.step.rollout cuts each micro batch to its longest
-    row), never more than data.seq_length."""
-    g, seq = cfg.finetune.grpo, cfg.data.seq_length
-    prompt = g.max_prompt_length if g.max_prompt_length is not None else seq - g.max_completion_length
-    return min(seq, prompt + g.max_completion_length)
 
 
 def on_device(s: Setup, device_name: str) -> Setup:

@@ -185,11 +185,12 @@ def nan_extreme(x: torch.Tensor, largest: bool) -> float:
     """The largest (or smallest) of x [B] ignoring NaN; NaN when all are."""
     # NaN mapped past every value rather than indexed away: a boolean index has a data-dependent shape, which
     # `fitlm plan --simulate`'s fake tensors cannot run
-    if largest:
-        value = torch.where(torch.isnan(x), float("-inf"), x).max().item() if x.numel() else float("-inf")
-        return float("nan") if value == float("-inf") else value
-    value = torch.where(torch.isnan(x), float("inf"), x).min().item() if x.numel() else float("inf")
-    return float("nan") if value == float("inf") else value
+    fill = float("-inf") if largest else float("inf")
+    if x.numel() == 0:
+        return float("nan")
+    filled = torch.where(torch.isnan(x), fill, x)
+    value = (filled.max() if largest else filled.min()).item()
+    return float("nan") if value == fill else value
 
 
 def clip_metrics(ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, low: float, high: float) -> dict:

@@ -34,17 +34,11 @@ from fitlm.step.rewards import RewardError, load_rewards
 from fitlm.step.rollout import Forward, Rollout, Rollouts
 
 
-def longest_prompt_allowed(cfg: Config) -> int:
-    """finetune.grpo.max_prompt_length, or (null) data.seq_length − max_completion_length."""
-    g = cfg.finetune.grpo
-    return g.max_prompt_length if g.max_prompt_length is not None else cfg.data.seq_length - g.max_completion_length
-
-
 def grpo_problems(cfg: Config, data: PromptDataset) -> list[str]:
     """What stops a GRPO run before its first step, each naming the key or file and the fix."""
     g, longest = cfg.finetune.grpo, data.max_prompt_tokens
     problems = []
-    allowed = longest_prompt_allowed(cfg)
+    allowed = g.longest_prompt(cfg.data.seq_length)
     if longest > allowed:
         problems.append(
             f"data.train: {data.path} holds a prompt of {longest} tokens, over finetune.grpo.max_prompt_length "
@@ -181,4 +175,4 @@ def grpo_objective(objective: object) -> GrpoObjective:
     return objective
 
 
-__all__ = ["GrpoRun", "grpo_objective", "grpo_problems", "longest_prompt_allowed", "reference_forward"]
+__all__ = ["GrpoRun", "grpo_objective", "grpo_problems", "reference_forward"]
