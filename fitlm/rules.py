@@ -241,10 +241,10 @@ ROWS: tuple[Rule, ...] = (
         "torch.compile of an MoE model under tensor parallel",
         lambda v: v["memory.compile"] and v["parallel.tensor_parallel"] > 1 and bool(v["model.num_experts"]),
         lambda v: (
-            "memory.compile: an MoE model's routed blocks run whole on every tensor-parallel rank, their input "
-            "gathered and output sliced by DTensor around plain tensors, which torch.compile does not trace yet "
-            "(fitlm.parallel.tensor_parallel.WholeOnEveryRank); set memory.compile: false, or tensor_parallel: 1 "
-            "and split the experts with parallel.expert_parallel"
+            "memory.compile: an MoE model's routed blocks split their experts over the tensor-parallel ranks with "
+            "plain tensors between DTensor layout changes and a hand-written gradient reduction, which torch.compile "
+            "does not trace yet (fitlm.parallel.expert_tensor_parallel); set memory.compile: false, or "
+            "tensor_parallel: 1 and split the experts with parallel.expert_parallel"
         ),
     ),
     _expert_parallel_refuses(

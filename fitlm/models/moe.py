@@ -363,6 +363,10 @@ class MoEFeedForward(nn.Module):
         # routing of each training forward is handed to this callable at once instead of being kept
         # (fitlm.step.pipeline_balance): observer(layer, logits, counts, dropped, y) -> y.
         self.observer: Callable | None = None
+        # Under tensor parallel with the experts split inside (fitlm.parallel.expert_tensor_parallel): identity in
+        # forward, the gradient summed over tp in backward, for what feeds the split experts (their input rows,
+        # routing weights and the shared expert's gate), whose gradients each rank has a partial sum of.
+        self.partial_grad: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def reset_expert_bias(self, device: torch.device | str | None = None) -> None:
         """A zero bias (after fitlm.parallel.materialize gave the meta-built layer uninitialised storage, or a
@@ -405,14 +409,19 @@ class MoEFeedForward(nn.Module):
             counts, split = slot_counts(experts_of.reshape(-1), self.experts.num_experts)
             kept = self.kept(counts, split, self.capacity_factor)
             dropped = torch.tensor([float(sum(split) - sum(kept)), float(sum(split))], device=logits.device)
-        y, counts = self.dispatcher(flat, weights.to(x.dtype), experts_of, self.experts, kept)
+        summed = self.partial_grad or _identity
+        y, counts = self.dispatcher(summed(flat), summed(weights.to(x.dtype)), experts_of, self.experts, kept)
         if self.observer is not None:
             y = self.observer(self, logits, counts, dropped, y)
         elif self.training and torch.is_grad_enabled():
             self.router_logits, self.expert_counts, self.dropped_slots = logits, counts, dropped
         if hasattr(self, "shared_expert"):
-            y = y + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+            y = y + summed(torch.sigmoid(self.shared_expert_gate(flat))) * self.shared_expert(flat)
         return y.reshape(x.shape)
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def load_balancing_loss(logits: list[torch.Tensor], top_k: int) -> torch.Tensor:

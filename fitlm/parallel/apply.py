@@ -147,7 +147,8 @@ def parallelize(
         if p.expert_parallel > 1:
             from fitlm.parallel.expert_parallel import apply_expert_parallel
 
-            apply_expert_parallel(stage, cast(DeviceMesh, ctx.submesh("ep")))  # (expert_parallel > 1: an ep dim)
+            ep_tp = cast(DeviceMesh, ctx.mesh)["ep", "tp"] if p.tensor_parallel > 1 else None  # (ep > 1: a mesh)
+            apply_expert_parallel(stage, cast(DeviceMesh, ctx.submesh("ep")), ep_tp)  # (expert_parallel > 1: an ep dim)
         if context_parallel is not None:
             from fitlm.parallel.context_parallel import apply_context_parallel
 

@@ -29,6 +29,7 @@ from fitlm.parallel.expert_parallel import (
     shard_experts_over_replicas,
     sync_expert_gradients,
 )
+from fitlm.parallel.expert_tensor_parallel import sync_split_expert_gradients
 from fitlm.parallel.mesh import ParallelContext
 from fitlm.parallel.streamed_vocab import apply_streamed_tables, streamed_tables
 
@@ -179,6 +180,8 @@ def unwrap(model: nn.Module) -> nn.Module:
 def sync_gradients(modules: list[nn.Module], ctx: ParallelContext) -> None:
     """Average gradients over "dp" (or "dp_cp") for modules that no engine syncs (tensor/pipeline/expert parallel
     with ZeRO 0); expert-parallel experts are summed over their own replicas (whatever the ZeRO stage)."""
+    if ctx.tp > 1:
+        sync_split_expert_gradients(modules)
     if ctx.ep > 1:
         sync_expert_gradients(modules, ctx)
     group = ctx.group(ctx.dims.token_dim)

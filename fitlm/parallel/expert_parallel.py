@@ -177,22 +177,33 @@ def by_local_expert(counts: torch.Tensor) -> torch.Tensor:
     return torch.repeat_interleave(first, lengths) + within
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, ep_tp_mesh: DeviceMesh | None = None) -> nn.Module:
     """Split every MoE layer's stacked experts of `model` over the 1-D `ep_mesh` (Shard(0)) and route its tokens
     through `ExpertParallelDispatch`. Every rank holds the same full weights beforehand (or meta ones, filled by
-    fitlm.parallel.materialize with each rank's slice)."""
+    fitlm.parallel.materialize with each rank's slice). Experts tensor parallel already split inside
+    (fitlm.parallel.expert_tensor_parallel) are split over both, on `ep_tp_mesh`, the 2-D ("ep", "tp") mesh."""
     for layer in moe_layers([model]):
         experts = layer.experts
         for name, p in list(experts.named_parameters(recurse=False)):
-            sharded = nn.Parameter(
-                distribute_tensor(p.data, ep_mesh, [Shard(0)], src_data_rank=None), requires_grad=p.requires_grad
-            )
+            sharded = nn.Parameter(_over_ep(p, ep_mesh, ep_tp_mesh), requires_grad=p.requires_grad)
             setattr(experts, name, sharded)
         setattr(experts, _EXPERT, True)
         dispatcher = ExpertParallelDispatch(ep_mesh.get_group(), ep_mesh.size(), layer.capacity_factor)
         layer.dispatcher = dispatcher
         layer.kept = dispatcher.kept_slots
     return model
+
+
+def _over_ep(p: torch.Tensor, ep_mesh: DeviceMesh, ep_tp_mesh: DeviceMesh | None) -> DTensor:
+    """A stacked expert weight split on dim 0 over "ep": whole experts (a plain tensor) on `ep_mesh`; split inside
+    over tp already (a DTensor on "tp") on `ep_tp_mesh`, (Shard(0), its tp placement)."""
+    if not isinstance(p, DTensor):
+        return distribute_tensor(p.data, ep_mesh, [Shard(0)], src_data_rank=None)
+    assert ep_tp_mesh is not None  # (the trainer passes it under tensor parallel)
+    local = p.to_local()
+    # the whole weight, from which every rank cuts its (ep, tp) block locally; a meta model's stays meta
+    full = torch.empty(p.shape, dtype=p.dtype, device="meta") if local.is_meta else p.detach().full_tensor()
+    return distribute_tensor(full, ep_tp_mesh, [Shard(0), *p.placements], src_data_rank=None)
 
 
 def simulate_imbalance(modules: list[nn.Module], factor: float) -> None:

@@ -15,11 +15,8 @@ A LoRA-adapted Linear shards its adapter with it (fitlm.parallel.lora_parallel: 
 replicated and shards B on `out`, row-parallel shards A on `in` and reduces the adapter's partial sums in
 the base's one all-reduce). Frozen parameters (LoRA's base, `finetune.method: freeze`) stay frozen.
 
-MoE models: attention and the dense blocks' MLPs split as above; a routed block's `mlp` (router, experts, a
-shared expert) runs whole on every rank (`WholeOnEveryRank`): its input gathered to the full sequence, its output
-this rank's part of it. Its parameters stay plain tensors, replicated, each rank computing the same gradients from
-the same tokens, so they need no reduction over tp (expert parallel then splits the experts over "ep" as without
-tensor parallel). Why not split inside each expert: docs/moe.md, "Tensor parallel".
+MoE models: attention and the dense blocks' MLPs split as above; a routed block's experts split inside each
+expert on their width (fitlm.parallel.expert_tensor_parallel, `SplitExperts`), its router replicated.
 
 Every other parameter becomes a DTensor (replicated ones too) and every gradient is given its parameter's
 placement, so clipping, optimizers and FSDP2 see one kind of tensor per mesh. A pipeline stage (modules set to
@@ -39,7 +36,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleOutput,
@@ -49,11 +46,12 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel import loss_parallel as _torch_loss_parallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
-from torch.distributed.tensor.placement_types import Placement
 
 from fitlm.config import ModelConfig
 from fitlm.models.moe import MoEFeedForward
+from fitlm.parallel.expert_tensor_parallel import SplitExperts
 from fitlm.parallel.lora_parallel import LoraColwiseParallel, LoraRowwiseParallel, has_adapter
+from fitlm.parallel.tp_styles import FirstArgLayout, ReplicateParallel
 from fitlm.parallel_dims import divisors
 
 if TYPE_CHECKING:
@@ -61,81 +59,6 @@ if TYPE_CHECKING:
 
 # Set on the model by apply_tensor_parallel; read by loss_context and tests.
 TP_ATTR = "_fitlm_tensor_parallel"
-
-
-class ReplicateParallel(ParallelStyle):
-    """Parameters replicated over the mesh (as DTensors); the input is read as `input_layout` and the
-    output redistributed to `output_layout`, then returned as a local tensor.
-
-    Used for the norms without sequence parallel and for gpt2's position embedding: their gradients
-    are then DTensors like every other one, and their placement bookkeeping is done by DTensor.
-    """
-
-    def __init__(self, input_layout: Placement, output_layout: Placement):
-        self.input_layout, self.output_layout = input_layout, output_layout
-
-    def _input_fn(self, mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
-        x = inputs[0]
-        if not isinstance(x, DTensor):
-            x = DTensor.from_local(x, mesh, (self.input_layout,), run_check=False)
-        return (x, *inputs[1:])
-
-    def _output_fn(self, mod: nn.Module, out: DTensor, mesh: DeviceMesh) -> torch.Tensor:
-        if out.placements != (self.output_layout,):
-            out = out.redistribute(placements=(self.output_layout,))
-        return out.to_local()
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        # partition_fn=None: every parameter becomes a Replicate DTensor (broadcast from rank 0).
-        # (torch types input_fn/output_fn as returning None, though it uses what they return)
-        return distribute_module(module, device_mesh, None, self._input_fn, self._output_fn)  # type: ignore[arg-type]
-
-
-class FirstArgLayout(ParallelStyle):
-    """PrepareModuleInput for the first positional argument only: the activation, read as `src`,
-    is redistributed to `dst` (Shard(1) -> Replicate is the sequence all-gather of SP).
-
-    The other arguments (rotary cos/sin, the KV cache, positional or keyword) pass untouched,
-    whatever their number, which differs between families. By default the activation stays a
-    DTensor, so the gradients of q/k/v (gate/up) add up as partial sums and are reduced once.
-    """
-
-    def __init__(self, src: Placement, dst: Placement, to_local: bool = False):
-        self.src, self.dst, self.to_local = src, dst, to_local
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def hook(_mod: nn.Module, args: tuple) -> tuple:
-            x = args[0]
-            if not isinstance(x, DTensor):
-                x = DTensor.from_local(x, device_mesh, (self.src,), run_check=False)
-            if x.placements != (self.dst,):
-                x = x.redistribute(placements=(self.dst,))
-            return (x.to_local() if self.to_local else x, *args[1:])
-
-        module.register_forward_pre_hook(hook)
-        return module
-
-
-class WholeOnEveryRank(ParallelStyle):
-    """A sub-block run whole, with its own plain parameters, on every tensor-parallel rank: its input (the residual
-    stream's layout `act`) gathered to the full sequence [B, T, C] as a plain tensor, its output cut back to
-    `act` (Shard(1): this rank's slice, no communication; Replicate: as it is). In backward the slice's gradient
-    is all-gathered, and the input's gradient, the same full one on every rank, is sliced."""
-
-    def __init__(self, act: Placement):
-        self.act = act
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        FirstArgLayout(self.act, Replicate(), to_local=True)._apply(module, device_mesh)
-
-        def output(_mod: nn.Module, _args: tuple, out: torch.Tensor) -> torch.Tensor:
-            if self.act == Replicate():
-                return out
-            full = DTensor.from_local(out, device_mesh, (Replicate(),), run_check=False)
-            return full.redistribute(placements=(self.act,)).to_local()
-
-        module.register_forward_hook(output)
-        return module
 
 
 def _has(module: nn.Module, path: str) -> bool:
@@ -183,7 +106,7 @@ def tensor_parallel_plan(
             plan[p + path] = _norm_style(sequence_parallel, local_output=True)
         for path in filter(present, roles.inputs):
             routed = isinstance(block.get_submodule(path), MoEFeedForward)
-            plan[p + path] = WholeOnEveryRank(act) if routed else FirstArgLayout(act, Replicate())
+            plan[p + path] = SplitExperts(act) if routed else FirstArgLayout(act, Replicate())
         # A LoRA-adapted Linear shards its adapter with it (fitlm.parallel.lora_parallel).
         for path in filter(present, roles.colwise):
             plan[p + path] = LoraColwiseParallel() if has_adapter(block.get_submodule(path)) else ColwiseParallel()
@@ -326,6 +249,10 @@ def tensor_parallel_problems(
         "model.intermediate_size": model_cfg.ffn_size,
         "model.vocab_size": model_cfg.vocab_size,
     }
+    if model_cfg.moe:  # the experts are split inside on their width, a shared expert as a dense MLP
+        sizes["model.moe_intermediate_size"] = model_cfg.expert_ffn_size
+        if model_cfg.shared_expert_intermediate_size:
+            sizes["model.shared_expert_intermediate_size"] = model_cfg.shared_expert_intermediate_size
     if sequence_parallel and seq_length:
         sizes["data.seq_length"] = seq_length  # sequence shards must be equal for DTensor.from_local
     valid = [d for d in divisors(sizes["model.num_heads"]) if all(v % d == 0 for v in sizes.values())]

@@ -11,7 +11,8 @@
 - Each MoE layer runs four all-to-alls of those rows per micro batch (dispatch and combine, forward and
   backward); a rank keeps 1/ep of them and sends the rest over the link.
 
-The planner counts every block as a routed one (fitlm.models.counts.moe_block), and so do these terms.
+Tensor parallel splits each expert on its width (fitlm.parallel.expert_tensor_parallel): a rank holds 1/tp of
+each of its experts, and each routed block all-reduces its input gradient over tp once more (`split_experts_seconds`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from fitlm.parallel_dims import divisors
+from fitlm.plan.finetune import lora_targets
 from fitlm.plan.setup import Setup, act_bytes, param_bytes, stage_routed
 from fitlm.plan.terms import Axis, Feature, Owned, Stage, Term, TimeContext, Timed
 
@@ -45,8 +47,9 @@ def experts_per_device(s: Setup) -> int:
 
 
 def local_expert_params(s: Setup, first: bool = True) -> float:
-    """The experts a rank holds: E/ep of every MoE block's of its stage."""
-    return stage_expert_params(s, first) / s.ep
+    """The experts a rank holds: E/ep of every MoE block's of its stage, each 1/tp of its width (tensor parallel
+    splits inside each expert: fitlm.parallel.expert_tensor_parallel)."""
+    return stage_expert_params(s, first) / (s.ep * s.tp)
 
 
 def routed_rows(s: Setup, tokens: float) -> float:
@@ -74,18 +77,16 @@ def alltoall_seconds(
 
 
 def owned(s: Setup, first: bool) -> Owned | None:
-    """A rank's experts, counted apart from the dense model: E/ep of every block's, whole or sharded over edp (see
-    the module docstring), whole over tensor parallel, which runs the routed blocks whole on every tp rank
-    (fitlm.parallel.tensor_parallel), where the engine's count divided them by tp. Trained under full fine-tuning,
-    frozen under LoRA (the adapters of a rank's E/ep experts are counted by fitlm.plan.finetune), trained above
-    the frozen bottom under freeze."""
-    if s.ep == 1 and s.tp == 1:
+    """A rank's experts, counted apart from the dense model: E/ep of every block's, 1/tp of each one's width,
+    whole or sharded over edp (see the module docstring). Trained under full fine-tuning, frozen under LoRA (the
+    adapters of a rank's E/ep experts are counted by fitlm.plan.finetune), trained above the frozen bottom under
+    freeze. Without expert parallel the engine's own count holds: tensor parallel splits the experts as it splits
+    every other weight (fitlm.parallel.expert_tensor_parallel)."""
+    if s.ep == 1:
         return None
     experts, local = stage_expert_params(s, first), local_expert_params(s, first)
     trained = {"full": local, "freeze": local * (1 - s.freeze_layers)}.get(s.method, 0.0)
     counted = experts / s.tp  # what the engine's tp share holds of them (fitlm.plan.analytic.tp_share)
-    if s.ep == 1:  # tensor parallel alone: the experts are ordinary parameters to the ZeRO stage
-        return Owned(counted, counted if s.method == "full" else 0, local, trained, s)
     # counted as a data-parallel group of edp ranks that the ZeRO stage shards, or at ZeRO 0 when it does not
     sharded = s.dims.expert_shard_factor("optimizer") > 1
     as_setup = replace(s, dp=s.dims.edp, ep=1, cp=1) if sharded else replace(s, zero=0)
@@ -102,8 +103,9 @@ def time(tc: TimeContext) -> Timed:
     or reduce-scattered with the parameters all-gathered as ZeRO-2/3 gathers the rest when FSDP2 shards them."""
     s = tc.s
     a2a = alltoall_seconds(s, s.rows * s.local_seq, act_bytes(s), tc.bandwidth(s.ep, s.tp), tc.latency_s)
+    split = split_experts_seconds(tc)
     if s.ep == 1:
-        return Timed({"expert_parallel_all_to_all": a2a})
+        return Timed({"expert_parallel_all_to_all": a2a, **split})
     grads = local_expert_params(s) * param_bytes(s) if s.method == "full" else 0.0
     syncs = s.accum if s.sync_every else 1
     bandwidth = tc.bandwidth(s.dims.dp_cp, s.tp)
@@ -114,8 +116,27 @@ def time(tc: TimeContext) -> Timed:
     gathers = s.accum * (1 if s.zero == 2 else 2)
     reduced = syncs * tc.ring("reduce_scatter", grads, s.dims.edp, bandwidth)
     return Timed(
-        {"expert_parallel_all_to_all": a2a}, reduced + gathers * tc.ring("all_gather", gathered, s.dims.edp, bandwidth)
+        {"expert_parallel_all_to_all": a2a, **split},
+        reduced + gathers * tc.ring("all_gather", gathered, s.dims.edp, bandwidth),
     )
+
+
+def split_experts_seconds(tc: TimeContext) -> dict[str, float]:
+    """What splitting the experts over tensor parallel adds to the block's usual two all-reduces a sub-block (the
+    reduce of the experts' partial output replaces the slice of a whole one's): per routed block and micro batch, the
+    all-reduce of the routed rows' input gradient [N, H] (the routing weights' [N, k] beside it is small); per step,
+    the all-reduce of the replicated expert adapter factors' gradients (fitlm.parallel.expert_tensor_parallel)."""
+    s = tc.s
+    routed = max(stage_routed(s, True), stage_routed(s, False))
+    if s.tp == 1 or not routed:
+        return {}
+    bandwidth = tc.bandwidth(s.tp, 1)
+    rows = s.rows * s.local_seq * s.h * act_bytes(s)  # the tp group's tokens, every rank's full copy
+    # the replicated factors: A [r, H] of gate/up, B [H, r] of down, of each of the rank's E/ep experts
+    factors = sum(1 for n in lora_targets(s) if n in ("experts.gate_proj", "experts.up_proj", "experts.down_proj"))
+    grads = routed * factors * s.h * s.lora_r * (s.cfg.model.num_experts or 0) / s.ep * param_bytes(s)
+    per_micro_batch = routed * tc.ring("all_reduce", rows, s.tp, bandwidth)
+    return {"split_experts_comm": s.accum * per_micro_batch + tc.ring("all_reduce", grads, s.tp, bandwidth)}
 
 
 def axis(cfg: "Config", lay: "Layout") -> Axis | None:

@@ -99,13 +99,14 @@ ROUTER = "gate"  # an MoE block's router in the family's block counts (fitlm.mod
 EXPERT_INPUT = {"experts.gate_proj": False, "experts.up_proj": False, "experts.down_proj": True}  # E·I on `in`?
 
 
-def adapter_size(s: Setup, name: str, i: int, o: int) -> int:
+def adapter_size(s: Setup, name: str, i: int, o: int, tp: int = 1) -> int:
     """LoRA parameters of one targeted linear, r·(in + out); a stacked expert projection (E·I wide on one side,
-    fitlm.finetune.expert_lora) holds one adapter per expert, E·r·(in + out) of one expert's."""
+    fitlm.finetune.expert_lora) holds one adapter per expert, E·r·(in + out) of one expert's, its I-wide factor
+    1/tp of it on a tensor-parallel rank (fitlm.parallel.expert_tensor_parallel)."""
     if name not in EXPERT_INPUT:
         return s.lora_r * (i + o)
     e = s.cfg.model.num_experts or 1
-    return e * s.lora_r * ((i // e + o) if EXPERT_INPUT[name] else (i + o // e))
+    return e * s.lora_r * ((i // e // tp + o) if EXPERT_INPUT[name] else (i + o // e // tp))
 
 
 def adapter_params(s: Setup) -> int:
@@ -136,12 +137,12 @@ def rank_block_adapters(s: Setup) -> float:
 def _rank_block_adapters(s: Setup) -> float:
     shapes, rows = linear_shapes(s), row_parallel(s)
     return sum(
-        adapter_size(s, n, i, o) / s.ep
+        adapter_size(s, n, i, o, s.tp) / s.ep
         if n in EXPERT_INPUT
         else s.lora_r * (i // s.tp + o if n in rows else i + o // s.tp)
         for n in lora_targets(s)
         for i, o in [shapes[n]]
-    )  # (an MoE model is not tensor-parallel)
+    )
 
 
 def nf4_shards(s: Setup) -> int:

@@ -87,7 +87,7 @@ def accumulation_bytes(s: Setup, first: bool) -> float:
     if s.method != "full":
         return 0.0
     largest = max(
-        i * o / (s.ep if name.startswith("experts.") else s.tp)
+        i * o / (s.ep * s.tp if name.startswith("experts.") else s.tp)
         for n, one in stage_kinds(s, first)
         if n
         for name, i, o in one.counts.linears

@@ -72,7 +72,7 @@ LAYOUTS = {  # name: (parallel, train, memory, model overrides)
         {**AUX, "tie_embeddings": True},
     ),
     "cp2-aux": ({"context_parallel": 2}, ROW_REFERENCE, {}, AUX),
-    # tensor parallel: attention and the dense block's MLP split, the routed blocks run whole on every tp rank
+    # tensor parallel: attention and the dense block's MLP split, each expert split on its width, the router whole
     "tp2-aux": ({"tensor_parallel": 2}, ROW_REFERENCE, {}, AUX),
     "tp2-sp-aux-tied": (
         {"tensor_parallel": 2, "sequence_parallel": True},
@@ -88,7 +88,7 @@ LAYOUTS = {  # name: (parallel, train, memory, model overrides)
         {},
         {**AUX, "tie_embeddings": True},
     ),
-    # LoRA on attention (split with its Linears) and on the experts (whole on every tp rank, split over ep)
+    # LoRA on attention (split with its Linears) and on the experts (split over ep, and with them over tp)
     "ep2-tp2-lora-experts": ({"data_parallel": 2, "expert_parallel": 2, "tensor_parallel": 2}, HALF, {}, {}),
 }
 FAST = ("ep2", "ep2-zero3", "ep2-aux-free", "ep2-lora-experts", "ep2-zero1-aux", "ep2-cp2-aux")

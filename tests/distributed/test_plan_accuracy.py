@@ -277,6 +277,28 @@ CONFIGS = [
         },
         2,
     ),
+    # Tensor parallel splits each expert on its width (fitlm.parallel.expert_tensor_parallel), under sequence
+    # parallel; with expert parallel and LoRA on attention and experts, a rank holds E/ep experts at I/tp each.
+    (
+        "moe dense1 tp2 sp O2",
+        {
+            "model": MOE_DENSE1,
+            "parallel": {"tensor_parallel": 2, "sequence_parallel": True},
+            "memory": {"mixed_precision": "O2"},
+        },
+        2,
+    ),
+    (
+        "moe dense1 lora dp2 ep2 tp2 O2",
+        {
+            "model": MOE_DENSE1,
+            "finetune": {"method": "lora", "lora": MOE_LORA},
+            "memory": {"mixed_precision": "O2"},
+            "parallel": {"data_parallel": 2, "expert_parallel": 2, "tensor_parallel": 2},
+            "train": {"micro_batch_size": 2},
+        },
+        4,
+    ),
     # Pipelines over the MoE: the first stage keeps a routed block and the dense one, the last a routed block and
     # the head; with expert parallel each stage's routed block holds E/ep experts. The first stage peaks in its last
     # backward (every gradient, the experts' new one being accumulated). O2 as the rows above: at O0 a CPU step

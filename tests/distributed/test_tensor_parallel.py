@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from fitlm.config import ModelConfig
+from fitlm.parallel.expert_tensor_parallel import sync_split_expert_gradients
 from fitlm.parallel.mesh import exit_process
 from fitlm.parallel.tensor_parallel import tensor_parallel_problems
 
@@ -25,6 +26,7 @@ WORLD = 2
 STEPS = 3
 V = 128
 
+EXPERTS = dict(num_kv_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 CASES = {
     "llama": dict(arch="llama", num_kv_heads=2, intermediate_size=128, tie_embeddings=False),
     "llama_tied": dict(arch="llama", num_kv_heads=2, intermediate_size=128, tie_embeddings=True),
@@ -56,6 +58,10 @@ CASES = {
         tie_embeddings=True,
     ),
     "phi3": dict(arch="phi3", num_kv_heads=2, intermediate_size=128, sliding_window=7),
+    # MoE: the experts split inside on their width (fitlm.parallel.expert_tensor_parallel), the router replicated;
+    # a dense block among sparse ones; Qwen2-MoE's shared expert column-/row-parallel, every block sparse
+    "qwen3_moe": dict(arch="qwen3_moe", mlp_only_layers=[1], **EXPERTS),
+    "qwen2_moe": dict(arch="qwen2_moe", shared_expert_intermediate_size=48, **EXPERTS),
     # tp=4 on 4 ranks: 8 query heads, 4 kv heads (2 per kv group), 2 heads per rank.
     "llama_tp4": dict(arch="llama", num_heads=8, num_kv_heads=4, intermediate_size=128, tie_embeddings=True),
 }
@@ -73,6 +79,9 @@ RUNS = [
     ("gemma2", True, True),
     ("gemma3", False, True),
     ("phi3", True, True),
+    ("qwen3_moe", False, True),
+    ("qwen3_moe", True, True),
+    ("qwen2_moe", True, False),
 ]
 RUNS4 = [("llama_tp4", True, True)]
 STAGES = [("llama", True, True), ("gpt2_untied", True, False)]  # split in two pipeline stages
@@ -120,6 +129,20 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).clone()
 
 
+def clip(params: list, max_norm: float) -> torch.Tensor:
+    """torch's clip, or, where the gradients are of several kinds (an MoE's replicated router, a plain tensor,
+    beside DTensors), ParallelModel.clip_grad_norm's: one norm over all, each gradient scaled on its own."""
+    from torch.distributed.tensor import DTensor
+
+    from fitlm.parallel.grad_norm import clip_each, squared_norm
+
+    if len({p.grad.device_mesh if isinstance(p.grad, DTensor) else None for p in params}) == 1:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    norm = squared_norm([p.grad for p in params]).sqrt()
+    clip_each(params, max_norm, norm)
+    return norm
+
+
 def train(model: torch.nn.Module, ctx_fn) -> dict:
     """3 AdamW steps with clipping on the fixed batch: per-step losses, pre-clip norms, first gradients."""
     from fitlm.models.loss import count_targets, cross_entropy_sum
@@ -139,8 +162,9 @@ def train(model: torch.nn.Module, ctx_fn) -> dict:
         out["loss"].append(loss.item())
         if step == 0:
             out["grads"] = {k: full(p.grad) for k, p in model.named_parameters()}
+        sync_split_expert_gradients([model])  # (the trainer's, after the last micro batch)
         # What the trainer calls; 0.5 is below the norms, so clipping acts on the update.
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        norm = clip(list(model.parameters()), 0.5)
         out["norm_type"] = str(getattr(norm, "placements", "plain"))
         out["norm"].append(norm.item())
         opt.step()
@@ -179,7 +203,11 @@ def run_case(case: str, sp: bool, lp: bool, mesh) -> dict:
     hf = partial(to_hf_state_dict, cfg=model.config)
     ref_g, tp_g = hf(ref_out.pop("grads")), hf(tp_out.pop("grads"))
     res["grad_diff"] = {k: [(tp_g[k] - g).abs().max().item(), g.abs().max().item()] for k, g in ref_g.items()}
-    res["all_dtensor"] = all(type(p).__name__ == "DTensor" for p in model.parameters())
+    # every parameter a DTensor, but an MoE router's (and shared expert gate's) replicated plain weight
+    plain = [k for k, p in model.named_parameters() if type(p).__name__ != "DTensor"]
+    res["all_dtensor"] = all(k.endswith(("mlp.gate.weight", "mlp.shared_expert_gate.weight")) for k in plain)
+    experts = [m for m in model.modules() if type(m).__name__ == "GroupedExperts"]
+    res["expert_shapes"] = [[list(m.gate_proj.to_local().shape), list(m.down_proj.to_local().shape)] for m in experts]
     got = hf({k: full(v) for k, v in model.state_dict().items()})  # gathered: plain full tensors
     want = hf(ref.state_dict())
     res["keys_equal"] = sorted(got) == sorted(want)
@@ -267,14 +295,17 @@ def results(tmp_path_factory) -> dict:
 def test_tp_matches_single_process(results, case, sp, lp):
     res = results[run_id(case, sp, lp)]
     assert "error" not in res, res.get("error")
-    ref, tp = res["ref"], res["tp"]
+    ref, tp, cfg = res["ref"], res["tp"], model_cfg(case)
     # With loss_parallel the logits stay sharded on the vocabulary: the full [B, T, V] is never gathered.
     assert tp["sharded_logits"] == ["(Shard(dim=2),)" if lp else "plain"] * STEPS, tp["sharded_logits"]
     assert tp["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-6)
     assert tp["norm"] == pytest.approx(ref["norm"], rel=1e-5, abs=1e-6)
     # torch's clip_grad_norm_ returns a replicated DTensor (already reduced over the shards: .item() is
     # the global norm); ParallelModel.clip_grad_norm turns it into a plain tensor.
-    assert tp["norm_type"] == "(Replicate(),)", tp["norm_type"]
+    assert tp["norm_type"] == ("plain" if cfg.moe else "(Replicate(),)"), tp["norm_type"]
+    if cfg.moe:  # each rank holds half of every expert's width: gate/up [E, I/2, H], down [E, H, I/2]
+        e, i, h = cfg.num_experts, cfg.expert_ffn_size, cfg.hidden_size
+        assert res["expert_shapes"] and all(s == [[e, i // 2, h], [e, h, i // 2]] for s in res["expert_shapes"])
     # First-step gradients, before Adam amplifies rounding: |diff| <= 1e-8 + 1e-4 * max|grad|. (The
     # fp32 reference itself is off by up to 2e-5 relative from fp64 on gpt2's tiny q gradients, and
     # k biases have exactly zero gradient, so a purely relative bound would test rounding noise.)

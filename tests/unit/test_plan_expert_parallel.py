@@ -55,15 +55,15 @@ def test_a_rank_holds_its_share_of_the_experts_sharded_over_their_replicas_by_ze
     assert z3_no_ep["params"] == (dense + EXPERTS) / 4 * 4  # without ep ZeRO-3 shards the experts over dp
 
 
-def test_tensor_parallel_keeps_the_experts_whole_on_every_tp_rank():
-    """Tensor parallel splits attention, the dense MLPs, embedding and head, but runs the routed blocks whole on
-    every tp rank (fitlm.parallel.tensor_parallel.WholeOnEveryRank): their experts are not divided by tp."""
+def test_tensor_parallel_splits_each_expert_on_its_width():
+    """Tensor parallel splits attention, the dense MLPs, embedding and head, and each expert inside on its width
+    (fitlm.parallel.expert_tensor_parallel): a rank holds 1/tp of every expert it holds, E/ep of them."""
     one = per_device({})["per_device"]
     tp2 = per_device({"tensor_parallel": 2})["per_device"]
     dense = one["params"] // 4 - EXPERTS
-    assert tp2["params"] == (dense / 2 + EXPERTS) * 4
+    assert tp2["params"] == (dense + EXPERTS) / 2 * 4
     ep2_tp2 = per_device({"data_parallel": 2, "expert_parallel": 2, "tensor_parallel": 2})["per_device"]
-    assert ep2_tp2["params"] == (dense / 2 + EXPERTS / 2) * 4  # experts split over ep only
+    assert ep2_tp2["params"] == (dense / 2 + EXPERTS / 2 / 2) * 4  # experts split over ep, then each over tp
 
 
 def test_lora_leaves_the_experts_frozen():
@@ -214,7 +214,8 @@ def test_fewer_experts_than_ranks_shard_each_experts_rows(parallel):
     ids=["tp2-sp", "dp2-cp2-zero1"],
 )
 def test_simulate_runs_an_moe_step_under_tensor_and_context_parallel(parallel):
-    """The fake-tensor step through the routed blocks run whole on every tp rank (their gather and slice), and the
+    """The fake-tensor step through the routed blocks' experts split over tp (the gather, the partial output's
+    reduce-scatter and the input gradient's all-reduce), and the
     aux loss's counts summed over the cp ranks."""
     model = {**MOE, "mlp_only_layers": [1], "router_aux_loss_coef": 0.01}
     cfg = validate_dict({"model": model, "data": {"seq_length": 64}, "parallel": parallel})
