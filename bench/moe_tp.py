@@ -12,6 +12,12 @@ MoEFeedForward: fp32 router, top-k, stacked experts on fitlm's grouped-matmul pa
   its half of I (router replicated); all-gather the sequence, route, run all tokens on the shard, reduce-scatter
   the partial outputs to the sequence slices. Backward: all-gather of the output gradient, reduce-scatter of the
   partial input gradients, all-reduce of the router's (partial) gradient.
+* `fitlm`: fitlm's own split (fitlm.parallel.expert_tensor_parallel, `SplitExperts`, what `fitlm train` runs under
+  tensor parallel now): the same shards, the router on every token on both ranks, the partial outputs
+  reduce-scattered; backward all-gathers the output gradient and all-reduces the partial gradients of the routed
+  rows and of their routing weights (the router's own gradient is then whole, no reduction). Its collectives run
+  inside DTensor and autograd, so its bytes are the ring counts of those collectives and its seconds in them are
+  not measured.
 * `local`: each rank routes only its own T/2 tokens through the whole (replicated) experts, no gather; the
   parameters' gradients are then all-reduced over tp, in place (under data parallel that reduction would join
   the dp one, so `comm_s` is its cost when it cannot).
@@ -49,7 +55,7 @@ SIZES = {
     "wide": {"hidden": 512, "experts": 32, "top_k": 8, "inner": 1024},
     "tiny": {"hidden": 64, "experts": 4, "top_k": 2, "inner": 32},
 }
-CONTENDERS = ("replicated", "split", "local")
+CONTENDERS = ("replicated", "split", "fitlm", "local")
 
 # --------------------------------------------------------------------------- collectives, counted
 
@@ -161,6 +167,14 @@ def contenders(size: dict, rank: int, comm: Comm):
         comm.all_reduce(shard.gate.weight.grad)  # partial: the routing weights' gradient is per shard
         return y_r, comm.scatter_seq(x.grad)  # the input gradient: sum of the shards', this rank's slice
 
+    fitlm_layer = fitlm_split_layer(whole, size)
+
+    def fitlm(x_r, g_r):
+        x = x_r.detach().requires_grad_()
+        y = fitlm_layer(x)  # [B, T/TP, H]: SplitExperts gathers, routes, runs the shards, reduce-scatters
+        y.backward(g_r)
+        return y.detach(), x.grad
+
     def local(x_r, g_r):
         x = x_r.detach().requires_grad_()
         y = whole(x)
@@ -168,7 +182,30 @@ def contenders(size: dict, rank: int, comm: Comm):
         reduce_grads(comm, list(whole.parameters()))  # each rank's gradient covers its tokens only
         return y.detach(), x.grad
 
-    return {"replicated": (whole, replicated), "split": (shard, split), "local": (whole, local)}, cut
+    runs = {"replicated": (whole, replicated), "split": (shard, split), "fitlm": (fitlm_layer, fitlm)}
+    return {**runs, "local": (whole, local)}, cut
+
+
+def fitlm_split_layer(whole, size: dict):
+    """`whole`'s weights in a layer split by fitlm's own tensor-parallel style over the 2 ranks, under sequence
+    parallel (its input and output the rank's part of the sequence)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+
+    from fitlm.parallel.expert_tensor_parallel import SplitExperts
+
+    layer = moe_layer(size, size["inner"])
+    layer.load_state_dict(whole.state_dict())
+    mesh = init_device_mesh("cpu", (TP,), mesh_dim_names=("tp",))
+    return SplitExperts(Shard(1))._apply(layer, mesh)
+
+
+def fitlm_bytes(size: dict, tokens: int) -> int:
+    """Bytes a rank receives per layer and step in fitlm's split (ring counts, fp32): the input's all-gather, the
+    output's reduce-scatter, the output gradient's all-gather ((TP-1)/TP of [N, H] each), the all-reduces of the
+    routed rows' [N, H] and routing weights' [N, k] gradients (2(TP-1)/TP each)."""
+    full, weights = tokens * size["hidden"], tokens * size["top_k"]
+    return int(4 * (3 * full * (TP - 1) / TP + 2 * (full + weights) * (TP - 1) / TP))
 
 
 # --------------------------------------------------------------------------- one rank
@@ -192,9 +229,9 @@ def check(size: dict, rank: int, x, g, runs: dict, shard_cut) -> dict[str, float
         pairs = [(y_r, seq_slice(y, rank)), (dx_r, seq_slice(xx.grad, rank))]
         for (pname, p), (_, q) in zip(module.named_parameters(), ref.named_parameters()):
             want = q.grad
-            if name == "split" and pname.startswith("experts."):
+            if name in ("split", "fitlm") and pname.startswith("experts."):
                 want = want[:, :, shard_cut] if pname.endswith("down_proj") else want[:, shard_cut]
-            pairs.append((p.grad, want))
+            pairs.append((p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad, want))
         out[name] = max(float((a - b).abs().max() / b.abs().max()) for a, b in pairs)
         module.zero_grad(set_to_none=True)
     return out
@@ -246,6 +283,8 @@ def measure(size_name: str, args, rank: int) -> list[dict]:
     x_r, g_r = seq_slice(x, rank).contiguous(), seq_slice(g, rank).contiguous()
     calls = {name: step_call(module, step, x_r, g_r) for name, (module, step) in runs.items()}
     times, comm_s, sent = timed_rounds(calls, args, comm)
+    sent["fitlm"] = fitlm_bytes(size, args.batch * args.seq)  # (its collectives are DTensor's and autograd's)
+    comm_s["fitlm"] = []  # not measured
     peaks = {}
     for name, call in calls.items():
         dist.barrier()
@@ -258,15 +297,19 @@ def measure(size_name: str, args, rank: int) -> list[dict]:
             "contender": name,
             "rank": rank,
             "step_s": median(times[name]),
-            "comm_s": median(comm_s[name]),
+            "comm_s": median(comm_s[name]) if comm_s[name] else None,
             "comm_bytes": sent[name],
             "peak_bytes": peaks[name],
-            "param_bytes": sum(p.numel() * 4 for p in runs[name][0].parameters()),
+            "param_bytes": sum(_local(p).numel() * 4 for p in runs[name][0].parameters()),
             "max_rel_diff": diffs[name],
             "step_s_all": [round(t, 4) for t in times[name]],
         }
         for name in CONTENDERS
     ]
+
+
+def _local(p):
+    return p.to_local() if hasattr(p, "to_local") else p
 
 
 def rank_main(rank: int, args, tmp: str) -> None:
@@ -292,7 +335,7 @@ def merge(per_rank: list[list[dict]]) -> list[dict]:
         r = {k: v for k, v in rows[0].items() if k not in ("rank", "step_s_all")}
         r["step_s_ranks"] = [round(x["step_s"], 4) for x in rows]
         r["step_s"] = round(max(x["step_s"] for x in rows), 4)
-        r["comm_s"] = round(max(x["comm_s"] for x in rows), 4)
+        r["comm_s"] = None if rows[0]["comm_s"] is None else round(max(x["comm_s"] for x in rows), 4)
         r["peak_bytes"] = max(x["peak_bytes"] for x in rows)
         r["max_rel_diff"] = max(x["max_rel_diff"] for x in rows)
         r["step_s_all"] = [x["step_s_all"] for x in rows]
@@ -321,7 +364,8 @@ def table(report: dict) -> str:
     for r in report["results"]:
         shape = f"{r['size']} ({r['hidden']}, {r['experts']}, {r['top_k']}, {r['inner']})"
         lines.append(
-            f"| {shape} | {r['contender']} | {r['step_s']:.3f} | {r['vs_replicated']:.2f} | {r['comm_s']:.3f} | "
+            f"| {shape} | {r['contender']} | {r['step_s']:.3f} | {r['vs_replicated']:.2f} | "
+            f"{'–' if r['comm_s'] is None else format(r['comm_s'], '.3f')} | "
             f"{r['comm_bytes'] / 2**20:.2f} | {r['peak_bytes'] / 2**20:.1f} | {r['param_bytes'] / 2**20:.1f} | "
             f"{r['max_rel_diff']:.1e} |"
         )

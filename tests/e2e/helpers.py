@@ -101,6 +101,13 @@ def qlora_run_config(hf: Path, packed: Path, out: Path, targets: list[str], step
 def hf_qwen3_moe(path: Path, seed: int, dtype=None, **overrides) -> Path:
     """A Qwen3-MoE checkpoint (6 experts, top 2, a dense block among the sparse ones; `overrides`: other
     transformers config keys) as transformers writes it, in `dtype` (None: fp32)."""
+    return hf_moe(path, seed, "qwen3_moe", dtype, **overrides)
+
+
+def hf_moe(path: Path, seed: int, model_type: str, dtype=None, **overrides) -> Path:
+    """A checkpoint of the MoE family `model_type` (qwen3_moe, qwen2_moe: 6 experts, top 2, a dense block among
+    the sparse ones; `overrides`: other transformers config keys, e.g. Qwen2-MoE's shared_expert_intermediate_size)
+    as transformers writes it, in `dtype` (None: fp32)."""
     import torch
     import transformers
 
@@ -119,7 +126,7 @@ def hf_qwen3_moe(path: Path, seed: int, dtype=None, **overrides) -> Path:
         vocab_size=512,
         max_position_embeddings=64,
     )
-    cfg = transformers.AutoConfig.for_model("qwen3_moe", **{**keys, **overrides})
+    cfg = transformers.AutoConfig.for_model(model_type, **{**keys, **overrides})
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     (model.to(dtype) if dtype is not None else model).save_pretrained(path)
     return path

@@ -299,7 +299,7 @@ def test_moe_tp_contract(tmp_path):
     )
     assert json.loads(out.read_text()) == r
     rows = {x["contender"]: x for x in r["results"]}
-    assert rows.keys() == {"replicated", "split", "local"} and rows["replicated"]["vs_replicated"] == 1.0
+    assert rows.keys() == {"replicated", "split", "fitlm", "local"} and rows["replicated"]["vs_replicated"] == 1.0
     for name, x in rows.items():
         assert x["step_s"] > 0 and x["peak_bytes"] > 0 and len(x["step_s_ranks"]) == 2, name
         assert x["max_rel_diff"] < 1e-5, name  # each gives one process's output and gradients
@@ -309,6 +309,10 @@ def test_moe_tp_contract(tmp_path):
     assert rows["split"]["comm_bytes"] == 4 * half + 4 * 64 * 4  # + reduce-scatters of y and dx, the router's grad
     assert rows["local"]["comm_bytes"] == (4 * 64 + 3 * 4 * 32 * 64) * 4  # every parameter's gradient
     assert rows["split"]["param_bytes"] == (4 * 64 + 3 * 4 * 16 * 64) * 4  # half of each expert, the router whole
+    # fitlm's split: gather x, reduce-scatter y, gather the output gradient; all-reduce the rows' and the routing
+    # weights' (B·T·k = 2·32·2) partial gradients
+    assert rows["fitlm"]["comm_bytes"] == 3 * half + 2 * half + 2 * 32 * 2 * 4
+    assert rows["fitlm"]["param_bytes"] == rows["split"]["param_bytes"] and rows["fitlm"]["comm_s"] is None
     md = subprocess.run(
         [sys.executable, str(BENCH / "moe_tp.py"), "--markdown", str(out)], capture_output=True, text=True, cwd=ROOT
     )
