@@ -88,6 +88,13 @@ LAYOUTS = {  # name: (parallel, train, memory, model overrides)
         {},
         {**AUX, "tie_embeddings": True},
     ),
+    # experts split three ways: over ep, inside over tp, and by FSDP2 over their 2 replicas (edp): a 3-D DTensor
+    "dp4-ep2-zero3-tp2": (
+        {"data_parallel": 4, "zero_stage": 3, "expert_parallel": 2, "tensor_parallel": 2},
+        QUARTER,
+        {},
+        {},
+    ),
     # LoRA on attention (split with its Linears) and on the experts (split over ep, and with them over tp)
     "ep2-tp2-lora-experts": ({"data_parallel": 2, "expert_parallel": 2, "tensor_parallel": 2}, HALF, {}, {}),
 }
