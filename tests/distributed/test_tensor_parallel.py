@@ -62,6 +62,7 @@ CASES = {
     # a dense block among sparse ones; Qwen2-MoE's shared expert column-/row-parallel, every block sparse
     "qwen3_moe": dict(arch="qwen3_moe", mlp_only_layers=[1], **EXPERTS),
     "qwen2_moe": dict(arch="qwen2_moe", shared_expert_intermediate_size=48, **EXPERTS),
+    "mixtral": dict(arch="mixtral", **EXPERTS),
     # tp=4 on 4 ranks: 8 query heads, 4 kv heads (2 per kv group), 2 heads per rank.
     "llama_tp4": dict(arch="llama", num_heads=8, num_kv_heads=4, intermediate_size=128, tie_embeddings=True),
 }
@@ -82,6 +83,7 @@ RUNS = [
     ("qwen3_moe", False, True),
     ("qwen3_moe", True, True),
     ("qwen2_moe", True, False),
+    ("mixtral", True, True),
 ]
 RUNS4 = [("llama_tp4", True, True)]
 STAGES = [("llama", True, True), ("gpt2_untied", True, False)]  # split in two pipeline stages
