@@ -6,7 +6,7 @@ Not a test: it prints a table (stderr with --json) and writes JSON; it asserts n
 * builds a Qwen3-MoE with transformers (`AutoConfig.for_model("qwen3_moe")`, `from_config`, seeded init),
   saves it, and loads that directory into fitlm (`model.init_from`): the same weights on both sides;
 * contenders: fitlm (GroupedExperts on its grouped-matmul path where torch has the kernel:
-  fitlm.models.moe.grouped_mm_supported), `fitlm_loop` (the same with the per-expert loop forced), and
+  fitlm.models.experts.grouped_mm_supported), `fitlm_loop` (the same with the per-expert loop forced), and
   transformers with each of its experts implementations that runs on this device (`--hf-impls`; default:
   eager = a loop over the experts hit, batched_mm = one bmm per token-expert slot over gathered weights,
   grouped_mm = torch's grouped matmul, which torch 2.11+ also has on CPU);
@@ -170,7 +170,7 @@ def run(args) -> dict:
     """The parts `args.parts` names of the report (the model's description always)."""
     import torch
 
-    from fitlm.models.moe import grouped_mm_supported
+    from fitlm.models.experts import grouped_mm_supported
 
     size = SIZES[args.size]
     tmp = Path(tempfile.mkdtemp(prefix="bench_moe_"))

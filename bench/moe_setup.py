@@ -50,7 +50,7 @@ LR, WD, BETAS, EPS, CLIP, AUX_COEF = 3e-4, 0.1, (0.9, 0.95), 1e-8, 1.0, 0.001
 @contextlib.contextmanager
 def loop_path():
     """fitlm's GroupedExperts with the per-expert loop forced (the grouped matmul reported unsupported)."""
-    import fitlm.models.moe as moe
+    import fitlm.models.experts as moe
 
     saved = moe.grouped_mm_supported
     moe.grouped_mm_supported = lambda device, dtype, traced=False: False

@@ -1,7 +1,7 @@
 """LoRA on the stacked experts of an MoE layer, stored as PEFT stores LoRA on each expert's nn.Linear.
 
 Inside fitlm a layer's experts are stacked (`<layer>.mlp.experts.{gate,up,down}_proj` [E, out, in]:
-fitlm.models.moe.GroupedExperts), and so are their adapters: `<layer>.mlp.experts.lora_A_<proj>` [E, r, in] and
+fitlm.models.experts.GroupedExperts), and so are their adapters: `<layer>.mlp.experts.lora_A_<proj>` [E, r, in] and
 `lora_B_<proj>` [E, out, r], expert e's A and B in row e. An adapter target is named by the projection's
 parameter, `<layer>.mlp.experts.gate_proj`, among the LoRA modules.
 
@@ -21,7 +21,7 @@ from typing import Iterator, Mapping, TypeVar
 import torch
 import torch.nn as nn
 
-from fitlm.models.moe import PROJECTIONS, GroupedExperts
+from fitlm.models.experts import PROJECTIONS, GroupedExperts
 
 # fitlm's stacked adapter tensors, and PEFT's per-expert ones (Qwen's mlp/gate_proj..., Mixtral's
 # block_sparse_moe/w1, w3, w2)

@@ -4,7 +4,7 @@ Every Linear LoRA may target (all of them but the output head, PEFT's `all-linea
 targeted or not, as QLoRA does, and so are an MoE layer's stacked experts (one NF4 tensor per projection,
 [E, out, in] stored 2-D as [E·out, in], each expert's weights whole blocks of 64 and whole double-quantization
 groups; the experts then run one at a time, each dequantized for its own matmuls:
-fitlm.models.moe.GroupedExperts.take). Under ZeRO-2/3 FSDP2 shards those codes by rows as a Linear's, E/shards
+fitlm.models.experts.GroupedExperts.take). Under ZeRO-2/3 FSDP2 shards those codes by rows as a Linear's, E/shards
 whole experts a rank (E must divide by the shards), and gathers them per block. The
 router (a Linear LoRA never targets) keeps the base's storage, as do embeddings, norms, biases and the head
 (half under O2). It runs on the meta model after `inject_lora` and before any wrapper, so FSDP2 shards
@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 from fitlm.finetune.expert_lora import expert_modules
 from fitlm.finetune.lora import LoraError, candidate_linears
 from fitlm.memory import nf4
-from fitlm.models.moe import PROJECTIONS, GroupedExperts
+from fitlm.models.experts import PROJECTIONS, GroupedExperts
 
 if TYPE_CHECKING:
     from torchao.quantization import NF4Tensor  # untyped: Any to mypy

@@ -13,7 +13,7 @@ Stacked MoE experts [E, out, in] are one NF4 tensor stored 2-D as [E·out, in] (
 expert's weights are whole blocks and whole groups (`stacked_scaler_block`), so `expert` hands out expert e's
 codes as a 2-D NF4 tensor without a copy, dequantized for its matmuls alone. 2-D because torchao's NF4 splits
 and gathers (FSDP2's dim-0 chunks) only 1-D and 2-D tensors: under ZeRO-2/3 each rank holds E/shards whole
-experts' rows, gathered per block like a Linear's (fitlm.models.moe.GroupedExperts.stacked_shape reads them back
+experts' rows, gathered per block like a Linear's (fitlm.models.experts.GroupedExperts.stacked_shape reads them back
 as [E, out, in]).
 
 A weight is quantized on the meta device (`quantized_meta`, before any wrapper), sharded by FSDP2 like any
@@ -81,7 +81,7 @@ def scaler_block(shape: tuple[int, ...], shards: int = 1) -> int | None:
 
 
 def stacked_scaler_block(shape: tuple[int, ...], shards: int = 1) -> int | None:
-    """The double-quantization group for stacked experts [E, out, in] (fitlm.models.moe.GroupedExperts), stored as
+    """The double-quantization group for stacked experts [E, out, in] (fitlm.models.experts.GroupedExperts), stored as
     one NF4 tensor [E·out, in] whose blocks and groups never straddle two experts (each expert's out·in weights
     are whole groups), so expert e's codes are one slice (`expert`), and whose `shards` row blocks (ZeRO-2/3's)
     are whole experts (E divisible by `shards`), so no group straddles two ranks either; None when that cannot

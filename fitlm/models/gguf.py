@@ -238,7 +238,7 @@ def gguf_tensors(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig):
     yield from _rope_tensors(cfg).items()
 
 
-# llama.cpp's stacked expert tensors, by fitlm's stacked projection (fitlm.models.moe.GroupedExperts)
+# llama.cpp's stacked expert tensors, by fitlm's stacked projection (fitlm.models.experts.GroupedExperts)
 EXPERT_TENSORS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
 
 

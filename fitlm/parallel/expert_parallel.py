@@ -47,7 +47,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from fitlm.memory import nf4
-from fitlm.models.moe import GroupedExperts, capacity, capacity_kept, first_slots, moe_layers, slot_counts
+from fitlm.models.experts import GroupedExperts
+from fitlm.models.moe import capacity, capacity_kept, first_slots, moe_layers, slot_counts
 from fitlm.parallel.collective_trace import collective
 from fitlm.parallel.mesh import ParallelContext
 
@@ -202,7 +203,7 @@ def _over_ep(p: torch.Tensor, ep_mesh: DeviceMesh, ep_tp_mesh: DeviceMesh | None
     assert ep_tp_mesh is not None  # (the trainer passes it under tensor parallel)
     local = p.to_local()
     # the whole weight, from which every rank cuts its (ep, tp) block locally; a meta model's stays meta
-    full = torch.empty(p.shape, dtype=p.dtype, device="meta") if local.is_meta else p.detach().full_tensor()
+    full = torch.empty(p.shape, dtype=p.dtype, device="meta") if local.is_meta else p.full_tensor().detach()
     return distribute_tensor(full, ep_tp_mesh, [Shard(0), *p.placements], src_data_rank=None)
 
 

@@ -39,7 +39,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.distributed.tensor.parallel.style import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 
-from fitlm.models.moe import PROJECTIONS, MoEFeedForward
+from fitlm.models.experts import PROJECTIONS
+from fitlm.models.moe import MoEFeedForward
 from fitlm.parallel.collective_trace import collective
 from fitlm.parallel.lora_parallel import LoraColwiseParallel, LoraRowwiseParallel, has_adapter
 from fitlm.parallel.tp_styles import FirstArgLayout

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from fitlm.hardware import return_freed_host_memory
 from fitlm.memory.nf4 import dequantized
-from fitlm.models.moe import PROJECTIONS, GroupedExperts
+from fitlm.models.experts import PROJECTIONS, GroupedExperts
 from fitlm.models.streaming import grouped
 from fitlm.parallel.apply import ParallelModel
 from fitlm.parallel.data_parallel import gather_chunks_in_place, unwrap

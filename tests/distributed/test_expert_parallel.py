@@ -176,7 +176,8 @@ def _edge_worker(rank: int, world: int, port: int, cases, out_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from fitlm.models.moe import GroupedExperts, dispatch
+    from fitlm.models.experts import GroupedExperts
+    from fitlm.models.moe import dispatch
     from fitlm.parallel.expert_parallel import ExpertParallelDispatch
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
@@ -234,7 +235,8 @@ def _capacity_worker(rank: int, world: int, port: int, factors, out_dir: str) ->
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from fitlm.models.moe import GroupedExperts, dispatch, kept_slots
+    from fitlm.models.experts import GroupedExperts
+    from fitlm.models.moe import dispatch, kept_slots
     from fitlm.parallel.expert_parallel import ExpertParallelDispatch
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))

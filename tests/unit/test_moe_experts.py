@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import fitlm.models.moe as moe
-from fitlm.models.moe import GroupedExperts, _expert_loop, grouped_mm_supported
+import fitlm.models.experts as moe
+from fitlm.models.experts import GroupedExperts, _expert_loop, grouped_mm_supported
 
 CPU, CUDA, META = torch.device("cpu"), torch.device("cuda"), torch.device("meta")
 

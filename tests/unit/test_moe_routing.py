@@ -14,8 +14,9 @@ import torch.nn.functional as F
 
 from fitlm.config import ConfigError, ModelConfig
 from fitlm.config.loading import validate_dict
+from fitlm.models.experts import GroupedExperts
 from fitlm.models.hf import to_hf_state_dict
-from fitlm.models.moe import GroupedExperts, MoEFeedForward, capacity_kept, dispatch, kept_slots
+from fitlm.models.moe import MoEFeedForward, capacity_kept, dispatch, kept_slots
 from fitlm.registry import build_model
 from fitlm.step.router_balance import RouterBalance
 from tests.unit.test_moe import cfg, reference

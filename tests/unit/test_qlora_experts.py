@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from fitlm.finetune.expert_lora import expert_modules
 from fitlm.memory import nf4
-from fitlm.models.moe import PROJECTIONS
+from fitlm.models.experts import PROJECTIONS
 from tests.unit.test_qlora import MOE, logits_and_grads, trainer
 
 
