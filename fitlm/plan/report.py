@@ -61,9 +61,12 @@ def _memory_opts(s: Setup) -> str:
 
 
 def _experts(s: Setup) -> dict[str, int]:
-    """An MoE model's routed experts, all of them and those one device holds ({} for a dense model)."""
+    """An MoE model's routed experts, all of them and those one device holds, and the share of each one's width it
+    holds: 1/tp, `expert_width_split` = tp ({} for a dense model)."""
     e = s.cfg.model.num_experts
-    return {"experts": routed_layers(s) * e, "experts_per_device": experts_per_device(s)} if e else {}
+    if not e:
+        return {}
+    return {"experts": routed_layers(s) * e, "experts_per_device": experts_per_device(s), "expert_width_split": s.tp}
 
 
 def _finetune(s: Setup) -> dict[str, Any]:
@@ -306,6 +309,8 @@ def render(result: dict[str, Any]) -> None:
     m = result["model"]
     if "experts" in m:  # MoE: what a device holds of them (its pipeline stage's blocks, its ep share)
         what += f" · {m['experts_per_device']} of {m['experts']} experts per device"
+        if m.get("expert_width_split", 1) > 1:  # tensor parallel splits each expert on its width
+            what += f" (1/{m['expert_width_split']} of each)"
     console.print(
         f"[bold]{result['model']['arch']} {result['model']['params'] / 1e9:.3g}B params[/bold]{what} · "
         f"{result['layout']} · {result['memory_options']} · {d['num_devices']}× {d['name']}"

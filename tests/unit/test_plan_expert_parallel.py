@@ -59,9 +59,11 @@ def test_tensor_parallel_splits_each_expert_on_its_width():
     """Tensor parallel splits attention, the dense MLPs, embedding and head, and each expert inside on its width
     (fitlm.parallel.expert_tensor_parallel): a rank holds 1/tp of every expert it holds, E/ep of them."""
     one = per_device({})["per_device"]
-    tp2 = per_device({"tensor_parallel": 2})["per_device"]
+    tp2_plan = per_device({"tensor_parallel": 2})
+    tp2 = tp2_plan["per_device"]
     dense = one["params"] // 4 - EXPERTS
     assert tp2["params"] == (dense + EXPERTS) / 2 * 4
+    assert tp2_plan["model"]["expert_width_split"] == 2  # the report: "(1/2 of each)"
     ep2_tp2 = per_device({"data_parallel": 2, "expert_parallel": 2, "tensor_parallel": 2})["per_device"]
     assert ep2_tp2["params"] == (dense / 2 + EXPERTS / 2 / 2) * 4  # experts split over ep, then each over tp
 
