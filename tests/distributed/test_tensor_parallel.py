@@ -356,3 +356,20 @@ def test_problems_name_key_arithmetic_and_valid_values():
     assert tensor_parallel_problems(cfg, 2, sequence_parallel=True, seq_length=15)[0].startswith(
         "parallel.tensor_parallel: 2 does not divide data.seq_length=15"
     )
+
+
+def test_problems_name_the_expert_widths_of_an_moe():
+    """Each expert (and a shared expert) is split on its width: those must divide by tp too."""
+    cfg = ModelConfig(
+        arch="qwen2_moe", hidden_size=64, num_heads=4, num_kv_heads=4, intermediate_size=96, vocab_size=128,
+        num_experts=4, moe_intermediate_size=30, shared_expert_intermediate_size=38,
+    )  # fmt: skip
+    assert tensor_parallel_problems(cfg, 2) == []
+    probs = tensor_parallel_problems(cfg, 4)
+    assert [p.split(" does not divide ")[1].split("=")[0] for p in probs] == [
+        "model.moe_intermediate_size",
+        "model.shared_expert_intermediate_size",
+    ], probs
+    assert probs[0].endswith("[1, 2]"), probs
+    probs = tensor_parallel_problems(cfg, 3)  # 3 divides the experts' 30, not the shared expert's 38
+    assert "model.moe_intermediate_size" not in " ".join(probs) and "shared_expert_intermediate_size=38" in probs[-1]
