@@ -377,6 +377,16 @@ CONFIGS = [
         2,
     ),
     (
+        "grpo lora beta dp2 zero3 tied O0",
+        {
+            "model": {"tie_embeddings": True},
+            "finetune": {"method": "lora", "objective": "grpo", "grpo": {"beta": 0.04}},
+            "parallel": {"data_parallel": 2, "zero_stage": 3},
+            "train": {"micro_batch_size": 4},
+        },
+        2,
+    ),
+    (
         "grpo lora O2",
         {
             "finetune": {"method": "lora", "objective": "grpo", "grpo": {"beta": 0.04}},
