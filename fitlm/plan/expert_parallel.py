@@ -20,6 +20,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from fitlm.parallel_dims import divisors
+from fitlm.plan.finetune import nf4_split
 from fitlm.plan.setup import Setup, act_bytes, param_bytes, stage_routed
 from fitlm.plan.terms import Axis, Feature, Owned, Stage, Term, TimeContext, Timed
 
@@ -78,7 +79,7 @@ def owned(s: Setup, first: bool) -> Owned | None:
     the module docstring), whole over tensor parallel, which runs the routed blocks whole on every tp rank
     (fitlm.parallel.tensor_parallel), where the engine's count divided them by tp. Trained under full fine-tuning,
     frozen under LoRA (the adapters of a rank's E/ep experts are counted by fitlm.plan.finetune), trained above
-    the frozen bottom under freeze."""
+    the frozen bottom under freeze; QLoRA's 4-bit experts by their bytes (fitlm.plan.finetune.nf4_split)."""
     if s.ep == 1 and s.tp == 1:
         return None
     experts, local = stage_expert_params(s, first), local_expert_params(s, first)
@@ -89,7 +90,8 @@ def owned(s: Setup, first: bool) -> Owned | None:
     # counted as a data-parallel group of edp ranks that the ZeRO stage shards, or at ZeRO 0 when it does not
     sharded = s.dims.expert_shard_factor("optimizer") > 1
     as_setup = replace(s, dp=s.dims.edp, ep=1, cp=1) if sharded else replace(s, zero=0)
-    return Owned(counted, counted if s.method == "full" else 0, local, trained, as_setup)
+    # QLoRA's 4-bit experts: this rank's E/ep experts' codes, split over edp as FSDP2 splits them
+    return Owned(counted, counted if s.method == "full" else 0, local, trained, as_setup, nf4_split(s, experts=True))
 
 
 def memory(st: Stage) -> list[Term]:
