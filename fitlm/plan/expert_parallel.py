@@ -20,7 +20,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from fitlm.parallel_dims import divisors
-from fitlm.plan.finetune import nf4_split
+from fitlm.plan.finetune import nf4_split, stage_expert_adapters
 from fitlm.plan.setup import Setup, act_bytes, param_bytes, stage_routed
 from fitlm.plan.terms import Axis, Feature, Owned, Stage, Term, TimeContext, Timed
 
@@ -87,11 +87,15 @@ def owned(s: Setup, first: bool) -> Owned | None:
     counted = experts / s.tp  # what the engine's tp share holds of them (fitlm.plan.analytic.tp_share)
     if s.ep == 1:  # tensor parallel alone: the experts are ordinary parameters to the ZeRO stage
         return Owned(counted, counted if s.method == "full" else 0, local, trained, s)
-    # counted as a data-parallel group of edp ranks that the ZeRO stage shards, or at ZeRO 0 when it does not
+    # counted as a data-parallel group of edp ranks that the ZeRO stage shards, or at ZeRO 0 when it does not;
+    # LoRA's and QLoRA's expert adapters with them (the engine's count has them in its trainable ones)
     sharded = s.dims.expert_shard_factor("optimizer") > 1
     as_setup = replace(s, dp=s.dims.edp, ep=1, cp=1) if sharded else replace(s, zero=0)
+    adapters = stage_expert_adapters(s, first)
+    dense_trained = counted if s.method == "full" else adapters
     # QLoRA's 4-bit experts: this rank's E/ep experts' codes, split over edp as FSDP2 splits them
-    return Owned(counted, counted if s.method == "full" else 0, local, trained, as_setup, nf4_split(s, experts=True))
+    nf4 = nf4_split(s, experts=True)
+    return Owned(counted + adapters, dense_trained, local + adapters, trained + adapters, as_setup, nf4)
 
 
 def memory(st: Stage) -> list[Term]:

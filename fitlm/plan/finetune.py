@@ -146,6 +146,20 @@ def _rank_block_adapters(s: Setup) -> float:
     )  # (an MoE model is not tensor-parallel)
 
 
+def stage_expert_adapters(s: Setup, first: bool = True) -> float:
+    """The part of `stage_trainable` that adapts the E/ep experts a rank of the first or last stage holds (their
+    stacked adapters split with them): under expert parallel they are sharded as their experts are, over edp or
+    not at all (fitlm.plan.expert_parallel.owned), not over dp as the rest."""
+    if not adapters(s):
+        return 0.0
+
+    def block(one: Setup) -> float:
+        shapes = linear_shapes(one)
+        return sum(adapter_size(one, n, *shapes[n]) / one.ep for n in lora_targets(one) if n in EXPERT_INPUT)
+
+    return len(stage_blocks(s, first)) * per_block(s, block)
+
+
 def nf4_shards(s: Setup) -> int:
     """The row shards of each NF4 Linear: the ZeRO-2/3 degree (fitlm.finetune.apply), else 1."""
     return s.dims.param_shards
