@@ -14,7 +14,8 @@ expert's weights are whole blocks and whole groups (`stacked_scaler_block`), so 
 codes as a 2-D NF4 tensor without a copy, dequantized for its matmuls alone. 2-D because torchao's NF4 splits
 and gathers (FSDP2's dim-0 chunks) only 1-D and 2-D tensors: under ZeRO-2/3 each rank holds E/shards whole
 experts' rows, gathered per block like a Linear's (fitlm.models.moe.GroupedExperts.stacked_shape reads them back
-as [E, out, in]).
+as [E, out, in]); under expert parallel each ep rank's E/ep experts' rows (a DTensor Shard(0) over "ep"), split
+once more over their edp replicas under ZeRO-2/3.
 
 A weight is quantized on the meta device (`quantized_meta`, before any wrapper), sharded by FSDP2 like any
 other parameter, and filled when `fitlm.parallel.materialize` streams the full weight past it (`fill`):

@@ -12,7 +12,8 @@ It mirrors fitlm.finetune (apply.py, lora.py, freeze.py) and fitlm.step.pair_obj
   - Frozen parameters get no gradient and no AdamW state; O2 stores them in half, ZeRO-2/3's shards too
     (`stores_frozen_in_half`), so they need no half cast either.
   - QLoRA (fitlm.finetune.qlora) is LoRA, with every block Linear (targeted or not) stored as torchao's NF4
-    (`nf4.nf4_bytes` each; per ZeRO-2/3 shard when sharded, `nf4.scaler_block` as `quantize_base` picks it; a
+    (`nf4.nf4_bytes` each; per ZeRO-2/3 shard when sharded, the stacked experts per expert-parallel rank's E/ep
+    too, `nf4.scaler_block` as `quantize_base` picks it; a
     Linear whose shard would split a group stays in the base's storage). An NF4 matmul saves the NF4 weight,
     never a half cast (torchao's LinearNF4), so O1 keeps no cast of those weights; each matmul dequantizes its
     weight in forward and again in backward, whose temporaries (`DEQUANT_BYTES_PER_PARAM`) of the largest
