@@ -81,3 +81,23 @@ def test_qlora_moe_under_ep2_holds_each_ranks_4bit_experts_and_equals_one_proces
 @pytest.mark.slow
 def test_qlora_moe_under_dp4_ep2_zero3_shards_the_4bit_experts_over_their_replicas_too(reference):
     check_layouts(reference, FOUR_RANKS, 4)
+
+
+def test_checkpoint_from_qlora_ep2_resumes_in_one_process(reference, tmp_path):
+    """A checkpoint written by `fitlm train` (torchrun) under dp2 × ep2 QLoRA (the expert adapters DTensors over the
+    ep ranks; the 4-bit base left out, quantized again from init_from) resumes in one process, which then trains on
+    as the uninterrupted one-process run does."""
+    from tests.e2e.helpers import fitlm, read_metrics, write_config
+
+    def train(name: str, parallel: dict, batch: dict, checkpoint: dict) -> dict[int, float]:
+        cfg = run_config(reference["corpus"], tmp_path, reference["hf"], name, parallel, {"max_steps": 4, **batch})
+        proc = fitlm("train", write_config(tmp_path / f"{name}.yaml", {**cfg, "checkpoint": checkpoint}), "--json")
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return {r["step"]: r["loss"] for r in read_metrics(tmp_path / name) if "loss" in r}
+
+    ref = train("single", {}, REPLICA, {"interval": 0})
+    written = train("ep2", TWO_RANKS["dp2-ep2-zero0"][0], HALF, {"interval": 2})
+    assert [written[s] for s in (1, 2)] == pytest.approx([ref[s] for s in (1, 2)], rel=2e-5, abs=1e-5)
+    resumed = train("resumed", {}, REPLICA, {"resume": str(tmp_path / "ep2" / "checkpoints" / "step_00000002")})
+    assert sorted(resumed) == [3, 4]
+    assert [resumed[s] for s in (3, 4)] == pytest.approx([ref[s] for s in (3, 4)], rel=2e-5, abs=1e-5)
