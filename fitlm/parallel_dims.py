@@ -132,6 +132,15 @@ class ParallelDims:
         return self.dp_cp if self.fsdp_sharded else 1
 
     @property
+    def expert_param_shards(self) -> int:
+        """Row shards each stacked expert weight is split into: `param_shards` without expert parallel; under it
+        the ep ranks' E/ep experts each, and FSDP2 (ZeRO-2/3) splits those once more over their edp replicas
+        (fitlm.parallel.expert_parallel)."""
+        if self.ep == 1:
+            return self.param_shards
+        return self.ep * (self.edp if self.fsdp_sharded else 1)
+
+    @property
     def zero1(self) -> bool:
         """ZeRO-1: torch's ZeroRedundancyOptimizer shards optimizer states over the data-parallel group."""
         return self.zero_stage == 1 and self.dp_cp > 1

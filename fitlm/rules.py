@@ -272,13 +272,6 @@ ROWS: tuple[Rule, ...] = (
         "the all-to-all's token counts are data-dependent and untested under compile; set memory.compile: false",
     ),
     _expert_parallel_refuses(
-        "finetune.method",
-        "QLoRA",
-        lambda v: v["finetune.method"] == "qlora",
-        "the 4-bit NF4 experts are not split between expert ranks; use finetune.method: lora, or "
-        "data_parallel with zero_stage 3",
-    ),
-    _expert_parallel_refuses(
         "finetune.objective",
         "DPO, SimPO, or GRPO with a frozen reference (full fine-tuning, beta > 0)",
         lambda v: (

@@ -56,7 +56,7 @@ def apply_finetune(model: nn.Module, cfg: Config) -> list[str]:
         apply_lora(model, lora.r, lora.alpha, lora.dropout, lora.target_modules)
         refuse_unshardable_adapters(model, cfg)
         if f.method == "qlora":
-            quantize_base(model, cfg.parallel.dims.param_shards, cfg.parallel.expert_parallel)
+            quantize_base(model, cfg.parallel.dims)
         trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     if stores_frozen_in_half(cfg):
         dtype = half_dtype(cfg.memory)

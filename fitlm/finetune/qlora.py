@@ -5,15 +5,16 @@ targeted or not, as QLoRA does, and so are an MoE layer's stacked experts (one N
 [E, out, in] stored 2-D as [E·out, in], each expert's weights whole blocks of 64 and whole double-quantization
 groups; the experts then run one at a time, each dequantized for its own matmuls:
 fitlm.models.experts.GroupedExperts.take). Under ZeRO-2/3 FSDP2 shards those codes by rows as a Linear's, E/shards
-whole experts a rank (E must divide by the shards), and gathers them per block. The
+whole experts a rank (E must divide by the shards), and gathers them per block. Under expert parallel the codes
+split by rows as the stacked tensors split by experts (a DTensor Shard(0) over "ep": each rank's E/ep experts,
+[E/ep·out, in], which `take` reads with count E/ep), and ZeRO-2/3 splits those over their edp replicas. The
 router (a Linear LoRA never targets) keeps the base's storage, as do embeddings, norms, biases and the head
 (half under O2). It runs on the meta model after `inject_lora` and before any wrapper, so FSDP2 shards
 the 4-bit codes and `fitlm.parallel.materialize` quantizes each weight as it streams past.
 
 A weight whose shard would split a double-quantization group (`nf4.scaler_block` is None: a dimension
 that is not a multiple of 64 × 64 / shards, say) stays in the base's dtype; `quantize_base` names them. So do
-stacked experts whose count the ZeRO-2/3 shards do not divide, and the experts under expert parallel (its
-DTensors split [E, out, in] on E, which the 2-D codes do not have; fitlm.rules refuses QLoRA there).
+stacked experts whose count their row shards (`ParallelDims.expert_param_shards`) do not divide.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from fitlm.finetune.expert_lora import expert_modules
 from fitlm.finetune.lora import LoraError, candidate_linears
 from fitlm.memory import nf4
 from fitlm.models.experts import PROJECTIONS, GroupedExperts
+from fitlm.parallel_dims import ParallelDims
 
 if TYPE_CHECKING:
     from torchao.quantization import NF4Tensor  # untyped: Any to mypy
@@ -38,10 +40,12 @@ if TYPE_CHECKING:
 RECIPE_FILE = "fitlm_qlora.json"  # beside a QLoRA run's PEFT adapter: the base as the adapter saw it
 
 
-def quantize_base(model: nn.Module, shards: int = 1, expert_parallel: int = 1) -> list[str]:
+def quantize_base(model: nn.Module, dims: ParallelDims | None = None) -> list[str]:
     """Store the frozen candidate Linears' weights of `model` (on meta) as NF4 parameters whose rows split evenly
-    into `shards` (the ZeRO-2/3 degree, 1 otherwise), and the stacked experts unless expert parallel splits them.
-    Returns the weights left unquantized."""
+    into `dims.param_shards` (the ZeRO-2/3 degree, 1 otherwise), and the stacked experts whose experts split evenly
+    into `dims.expert_param_shards` (expert parallel's, times ZeRO-2/3's). Returns the weights left unquantized."""
+    dims = dims or ParallelDims()
+    shards = dims.param_shards
     kept: list[str] = []
     quantized: list[str] = []
     for name, linear in candidate_linears(model).items():
@@ -55,7 +59,7 @@ def quantize_base(model: nn.Module, shards: int = 1, expert_parallel: int = 1) -
         linear.weight = nf4.quantized_meta(w, scaler)
         quantized.append(f"{name}.weight")
     for name, experts in expert_modules(model).items():
-        stored = _quantize_experts(experts, shards) if expert_parallel == 1 else []
+        stored = _quantize_experts(experts, dims.expert_param_shards, dims.ep)
         kept += [f"{name}.{p}" for p in PROJECTIONS if p not in stored]
         quantized += [f"{name}.{p}" for p in stored]
     # DDP broadcasts every parameter at construction and cannot pack NF4 codes; frozen, they need no sync
@@ -65,11 +69,11 @@ def quantize_base(model: nn.Module, shards: int = 1, expert_parallel: int = 1) -
     return kept
 
 
-def _quantize_experts(experts: GroupedExperts, shards: int) -> list[str]:
+def _quantize_experts(experts: GroupedExperts, shards: int, expert_parallel: int) -> list[str]:
     """Store the frozen stacked projections of one MoE layer (on meta) in NF4 as [E·out, in], each expert's weights
     whole blocks and groups of one tensor and each of the `shards` row blocks whole experts
-    (`nf4.stacked_scaler_block`), read one expert at a time in forward (`nf4.expert`). Returns the projections
-    stored."""
+    (`nf4.stacked_scaler_block`), read one expert at a time in forward (`nf4.expert`) from this rank's E/ep
+    experts' rows (all E without expert parallel). Returns the projections stored."""
     stored = []
     for proj in PROJECTIONS:
         w = getattr(experts, proj)  # [E, out, in]
@@ -79,7 +83,7 @@ def _quantize_experts(experts: GroupedExperts, shards: int) -> list[str]:
         setattr(experts, proj, nf4.quantized_meta(w, scaler))  # [E·out, in]
         stored.append(proj)
     if stored:
-        experts.take = partial(nf4.expert, count=experts.num_experts)
+        experts.take = partial(nf4.expert, count=experts.num_experts // expert_parallel)  # the local experts
     return stored
 
 

@@ -14,7 +14,8 @@ expert's weights are whole blocks and whole groups (`stacked_scaler_block`), so 
 codes as a 2-D NF4 tensor without a copy, dequantized for its matmuls alone. 2-D because torchao's NF4 splits
 and gathers (FSDP2's dim-0 chunks) only 1-D and 2-D tensors: under ZeRO-2/3 each rank holds E/shards whole
 experts' rows, gathered per block like a Linear's (fitlm.models.experts.GroupedExperts.stacked_shape reads them back
-as [E, out, in]).
+as [E, out, in]); under expert parallel each ep rank's E/ep experts' rows (a DTensor Shard(0) over "ep"), split
+once more over their edp replicas under ZeRO-2/3.
 
 A weight is quantized on the meta device (`quantized_meta`, before any wrapper), sharded by FSDP2 like any
 other parameter, and filled when `fitlm.parallel.materialize` streams the full weight past it (`fill`):
@@ -60,7 +61,26 @@ def _nf4():
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
+    _gather_into_dtensors(NF4Tensor)
     return NF4Tensor, to_nf4
+
+
+def _gather_into_dtensors(cls) -> None:
+    """Let FSDP2 gather NF4 codes into a DTensor parameter again (expert parallel's experts sharded over their edp
+    replicas too: a DTensor over "ep" whose local codes FSDP2 shards). From the second all-gather on, FSDP2 hands
+    `fsdp_post_all_gather` the unsharded parameter as `out`, here that DTensor; torchao 0.18's NF4 asserts an
+    NF4Tensor (its float8 and MoE weights take the DTensor's local tensor, as this does). The `out` call only
+    checks that the gathered codes are `out`'s storage, so passing the local NF4 tensor changes nothing else."""
+    post = cls.fsdp_post_all_gather
+    if getattr(post, "_fitlm_dtensor_out", False):
+        return
+    from torch.distributed.tensor import DTensor
+
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        return post(self, outputs, metadata, param_dtype, out=out.to_local() if isinstance(out, DTensor) else out)
+
+    fsdp_post_all_gather._fitlm_dtensor_out = True  # type: ignore[attr-defined]  # (applied once)
+    cls.fsdp_post_all_gather = fsdp_post_all_gather
 
 
 def is_nf4(t) -> bool:

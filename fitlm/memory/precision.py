@@ -89,6 +89,15 @@ def apply_precision(model: nn.Module, cfg: MemoryConfig, sharded: bool, tensor_p
     return model
 
 
+def cast_left_out(modules: list[nn.Module], cfg: MemoryConfig) -> None:
+    """O2 for the modules of a ZeRO-2/3 model that FSDP2 leaves out, whose policy casts only what it shards
+    (expert parallel's experts without replicas to shard them over): each casts its own parameters to half as it
+    runs, as `apply_precision` casts an unsharded model's, so they compute as the half activations arriving."""
+    if cfg.mixed_precision == "O2":
+        for module in modules:
+            _cast_own_parameters(module, half_dtype(cfg))
+
+
 class _Recast:
     """What a saved half weight is packed into: the fp32 parameter and the view to rebuild (no bytes held)."""
 

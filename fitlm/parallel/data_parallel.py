@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from fitlm.config import MemoryConfig
 from fitlm.hardware import return_freed_host_memory
 from fitlm.memory.offload import fsdp_offload_policy
-from fitlm.memory.precision import fsdp_mixed_precision
+from fitlm.memory.precision import cast_left_out, fsdp_mixed_precision
 from fitlm.memory.recompute import transformer_blocks
 from fitlm.parallel.collective_trace import collective
 from fitlm.parallel.expert_parallel import (
@@ -73,6 +73,7 @@ def apply_data_parallel(model: nn.Module, ctx: ParallelContext, memory: MemoryCo
         if ctx.ep > 1 and ctx.dims.edp > 1:
             shard_experts_over_replicas(model, ctx, {k: v for k, v in policies.items() if k != "mesh"})
         experts = set(expert_parameters([model], whole_only=True))
+        cast_left_out([m for m in model.modules() if any(p in experts for p in m.parameters(recurse=False))], memory)
         ignored = (apply_streamed_tables(tables, dp_mesh) or set()) | experts or None
         host = dist.get_backend(dp_mesh.get_group()) == "gloo"
         for block in transformer_blocks(model):

@@ -13,11 +13,12 @@ model's, so every layout still trains exactly as the single process does.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, cast
+from typing import Callable, Iterable
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from fitlm.memory import nf4
 from fitlm.models.hf import strip_wrappers
@@ -55,14 +56,8 @@ def _fill(param: torch.Tensor, full: torch.Tensor, name: str) -> None:
             f"weight {name}: the weights hold {list(full.shape)} but the model built from the "
             f"config needs {list(param.shape)}; the config does not match the weights"
         )
-    if nf4.is_nf4(local):  # QLoRA's 4-bit base: quantized here, this rank's rows kept (FSDP2 shards dim 0)
-        sharded = isinstance(param, DTensor) and any(pl.is_shard() for pl in param.placements)
-        nf4.fill(
-            local,
-            full,
-            cast(DTensor, param).device_mesh.size() if sharded else 1,  # (sharded: a DTensor)
-            cast(DTensor, param).device_mesh.get_local_rank() if sharded else 0,
-        )
+    if nf4.is_nf4(local):  # QLoRA's 4-bit base: quantized here, this rank's rows kept
+        nf4.fill(local, full, *_row_block(param))
         return
     full = full.to(param.dtype)
     if isinstance(param, DTensor):
@@ -73,6 +68,16 @@ def _fill(param: torch.Tensor, full: torch.Tensor, name: str) -> None:
         param.to_local().copy_(local)
     else:
         param.copy_(full)
+
+
+def _row_block(param: torch.Tensor) -> tuple[int, int]:
+    """(row blocks, this rank's block) of a parameter split by rows alone: FSDP2's Shard(0) over dp, expert
+    parallel's Shard(0) over ep, or both over (edp, ep) (each ep rank's rows split once more over edp); (1, 0)
+    whole. The blocks are even: QLoRA quantizes only weights whose rows divide (fitlm.finetune.qlora)."""
+    if not isinstance(param, DTensor):
+        return 1, 0
+    rows, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return param.shape[0] // rows[0], offset[0] // rows[0]
 
 
 @torch.no_grad()

@@ -230,22 +230,26 @@ def outside_bytes(s: Setup, tokens: float) -> float:
     return tokens * (a * s.h / (s.tp if s.sp else 1) + d * s.head_dim + 12 - ft.outside_savings(s))
 
 
-def model_states(s: Setup, n: float, trained: float | None = None) -> tuple[float, float, float, float]:
+def model_states(
+    s: Setup, n: float, trained: float | None = None, nf4: tuple[float, float] | None = None
+) -> tuple[float, float, float, float]:
     """(params, grads at rest, optimizer, host) bytes for `n` parameters on this rank, `trained` of them
-    trainable (default all), per ZeRO stage.
+    trainable (default all), per ZeRO stage; `nf4`: (QLoRA's NF4 parameters among the `n`, their bytes on this
+    rank), by default the whole model's (`ft.nf4_split`).
 
     fitlm's levels fix the per-parameter bytes: params and grads in the parameter dtype (fp32, or half
     at O3) and AdamW's two moments in it too; O2's half copies are transient (activations/other).
     Frozen parameters (LoRA, freeze) have neither gradients nor states, and O2 stores them in half; QLoRA's
-    NF4 weights (`ft.nf4_params` of the `n`) hold their 4-bit bytes, per shard as ZeRO-2/3 split them.
+    NF4 weights hold their 4-bit bytes, per shard as ZeRO-2/3 (and expert parallel) split them.
     """
     pb = param_bytes(s)
     trained = n if trained is None else trained
     frozen_pb = 2 if ft.frozen_in_half(s) else pb
     d = s.dims  # what the ZeRO stage shards (fitlm.parallel_dims.ZERO_STAGES)
     opt_shard = d.shard_factor("optimizer")
-    frozen = n - trained - ft.nf4_params(s)
-    params = (trained * pb + frozen * frozen_pb) / d.shard_factor("params") + ft.nf4_rank_bytes(s)
+    nf4_n, nf4_bytes = ft.nf4_split(s) if nf4 is None else nf4
+    frozen = n - trained - nf4_n
+    params = (trained * pb + frozen * frozen_pb) / d.shard_factor("params") + nf4_bytes
     grads, opt = trained * pb / d.shard_factor("grads"), 2 * trained * pb / opt_shard
     host = 0.0
     if s.offload:
@@ -353,9 +357,10 @@ def _stage_shape(s: Setup, first: bool) -> tuple[Stage, tuple[float, float, floa
     owned = [o for f in FEATURES if (o := f.owned(s, first)) is not None]
     n -= sum(o.dense for o in owned)
     trained -= sum(o.dense_trained for o in owned)
-    params, grads, opt, host = model_states(s, n, trained)
+    # QLoRA's 4-bit experts, when a feature counts the experts itself (expert parallel), are its own
+    params, grads, opt, host = model_states(s, n, trained, ft.nf4_split(s, experts=False) if owned else None)
     for o in owned:
-        p, g, m, h = model_states(o.as_setup, o.n, o.trained)
+        p, g, m, h = model_states(o.as_setup, o.n, o.trained, o.nf4)
         params, grads, opt, host = params + p, grads + g, opt + m, host + h
     tokens, layers, in_flight, has_logits = pipeline.shape(s, first)
     return Stage(s, first, tokens, layers, in_flight, has_logits, n, trained), (params, grads, opt, host)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from fitlm.plan import finetune as ft
 from fitlm.plan import pipeline
+from fitlm.plan.expert_parallel import stage_expert_params
 from fitlm.plan.grpo import grpo
 from fitlm.plan.setup import Setup, layer_params, param_bytes
 from fitlm.plan.terms import Feature, Stage, Term
@@ -40,14 +41,15 @@ def memory(st: Stage) -> list[Term]:
     if not s.dims.fsdp_sharded:
         return []
     pb = gathered_bytes(s)
-    unsharded = (st.dense - ft.nf4_params(s)) * pb + ft.nf4_rank_bytes(s, gathered=True)  # NF4: its codes
+    # under expert parallel the stage's count leaves the experts to it (fitlm.plan.expert_parallel), 4-bit ones too
+    part = False if s.ep > 1 else None
+    nf4_n, nf4_gathered = ft.nf4_params(s, part), ft.nf4_rank_bytes(s, gathered=True, experts=part)
+    unsharded = (st.dense - nf4_n) * pb + nf4_gathered  # NF4: its codes
     if s.zero == 2:  # (gathered at the first forward, GRPO's sampling's included, until backward)
         return [Term("other", ZERO2, unsharded)] + ([Term("other", ZERO2, unsharded, "rollout")] if grpo(s) else [])
-    if ft.nf4_params(s):
-        nf4_block = ft.nf4_params(s) / s.layers
-        staging = (layer_params(s) + ft.rank_block_adapters(s) - nf4_block) * pb + ft.nf4_rank_bytes(
-            s, gathered=True
-        ) / s.layers
+    if nf4_n:
+        dense_block = layer_params(s) - (stage_expert_params(s) / s.layers if s.ep > 1 else 0)
+        staging = (dense_block + ft.rank_block_adapters(s) - nf4_n / s.layers) * pb + nf4_gathered / s.layers
     elif s.device_kind == "cpu" and not s.cfg.memory.compile:
         staging = 3 * max(i * o for _, i, o in s.counts.linears) / s.tp * pb
     else:

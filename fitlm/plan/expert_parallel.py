@@ -21,7 +21,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from fitlm.parallel_dims import divisors
-from fitlm.plan.finetune import lora_targets
+from fitlm.plan.finetune import lora_targets, nf4_split, stage_expert_adapters
 from fitlm.plan.setup import Setup, act_bytes, param_bytes, stage_routed
 from fitlm.plan.terms import Axis, Feature, Owned, Stage, Term, TimeContext, Timed
 
@@ -79,18 +79,24 @@ def alltoall_seconds(
 def owned(s: Setup, first: bool) -> Owned | None:
     """A rank's experts, counted apart from the dense model: E/ep of every block's, 1/tp of each one's width,
     whole or sharded over edp (see the module docstring). Trained under full fine-tuning, frozen under LoRA (the
-    adapters of a rank's E/ep experts are counted by fitlm.plan.finetune), trained above the frozen bottom under
-    freeze. Without expert parallel the engine's own count holds: tensor parallel splits the experts as it splits
-    every other weight (fitlm.parallel.expert_tensor_parallel)."""
+    adapters of a rank's E/ep experts are counted with them), trained above the frozen bottom under freeze;
+    QLoRA's 4-bit experts by their bytes (fitlm.plan.finetune.nf4_split). Without expert parallel the engine's
+    own count holds: tensor parallel splits the experts as it splits every other weight
+    (fitlm.parallel.expert_tensor_parallel)."""
     if s.ep == 1:
         return None
     experts, local = stage_expert_params(s, first), local_expert_params(s, first)
     trained = {"full": local, "freeze": local * (1 - s.freeze_layers)}.get(s.method, 0.0)
     counted = experts / s.tp  # what the engine's tp share holds of them (fitlm.plan.analytic.tp_share)
-    # counted as a data-parallel group of edp ranks that the ZeRO stage shards, or at ZeRO 0 when it does not
+    # counted as a data-parallel group of edp ranks that the ZeRO stage shards, or at ZeRO 0 when it does not;
+    # LoRA's and QLoRA's expert adapters with them (the engine's count has them in its trainable ones)
     sharded = s.dims.expert_shard_factor("optimizer") > 1
     as_setup = replace(s, dp=s.dims.edp, ep=1, cp=1) if sharded else replace(s, zero=0)
-    return Owned(counted, counted if s.method == "full" else 0, local, trained, as_setup)
+    adapters = stage_expert_adapters(s, first)
+    dense_trained = counted if s.method == "full" else adapters
+    # QLoRA's 4-bit experts: this rank's E/ep experts' codes, split over edp as FSDP2 splits them
+    nf4 = nf4_split(s, experts=True)
+    return Owned(counted + adapters, dense_trained, local + adapters, trained + adapters, as_setup, nf4)
 
 
 def memory(st: Stage) -> list[Term]:

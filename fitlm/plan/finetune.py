@@ -12,7 +12,8 @@ It mirrors fitlm.finetune (apply.py, lora.py, freeze.py) and fitlm.step.pair_obj
   - Frozen parameters get no gradient and no AdamW state; O2 stores them in half, ZeRO-2/3's shards too
     (`stores_frozen_in_half`), so they need no half cast either.
   - QLoRA (fitlm.finetune.qlora) is LoRA, with every block Linear (targeted or not) stored as torchao's NF4
-    (`nf4.nf4_bytes` each; per ZeRO-2/3 shard when sharded, `nf4.scaler_block` as `quantize_base` picks it; a
+    (`nf4.nf4_bytes` each; per ZeRO-2/3 shard when sharded, the stacked experts per expert-parallel rank's E/ep
+    too, `nf4.scaler_block` as `quantize_base` picks it; a
     Linear whose shard would split a group stays in the base's storage). An NF4 matmul saves the NF4 weight,
     never a half cast (torchao's LinearNF4), so O1 keeps no cast of those weights; each matmul dequantizes its
     weight in forward and again in backward, whose temporaries (`DEQUANT_BYTES_PER_PARAM`) of the largest
@@ -44,6 +45,8 @@ frozen copy as DPO's (`reference_bytes`), under LoRA/QLoRA none (the adapters sw
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 from fitlm.memory import nf4
 from fitlm.plan.blocks import block_act_per_token
@@ -145,45 +148,88 @@ def _rank_block_adapters(s: Setup) -> float:
     )
 
 
+def stage_expert_adapters(s: Setup, first: bool = True) -> float:
+    """The part of `stage_trainable` that adapts the E/ep experts a rank of the first or last stage holds (their
+    stacked adapters split with them): under expert parallel they are sharded as their experts are, over edp or
+    not at all (fitlm.plan.expert_parallel.owned), not over dp as the rest."""
+    if not adapters(s):
+        return 0.0
+
+    def block(one: Setup) -> float:
+        shapes = linear_shapes(one)
+        return sum(adapter_size(one, n, *shapes[n], one.tp) / one.ep for n in lora_targets(one) if n in EXPERT_INPUT)
+
+    return len(stage_blocks(s, first)) * per_block(s, block)
+
+
 def nf4_shards(s: Setup) -> int:
-    """The row shards of each NF4 weight: the ZeRO-2/3 degree (fitlm.finetune.apply), else 1."""
+    """The row shards of each NF4 Linear: the ZeRO-2/3 degree (fitlm.finetune.apply), else 1."""
     return s.dims.param_shards
 
 
-def nf4_linears(s: Setup) -> tuple[tuple[int, int, int], ...]:
-    """(in, out, double-quantization group) of each block Linear QLoRA stores in NF4 (none unless qlora), and of
-    each stacked expert projection (E·I wide on one side), stored as [E·out, in] and sharded by rows like a
-    Linear when the ZeRO-2/3 shards divide E (`nf4.stacked_scaler_block`); never under expert parallel
-    (fitlm.finetune.qlora.quantize_base)."""
+class Nf4Weight(NamedTuple):
+    """One block weight QLoRA stores in NF4: (in, out) of the whole weight (a stacked expert projection's E·I wide
+    on one side), its double-quantization group, the row blocks ranks hold of it, and those left after FSDP2's
+    all-gather (1; under expert parallel each rank's E/ep experts)."""
+
+    i: int
+    o: int
+    scaler: int
+    shards: int
+    gathered: int
+
+
+def nf4_linears(s: Setup, experts: bool | None = None) -> tuple[Nf4Weight, ...]:
+    """Each block Linear QLoRA stores in NF4 (none unless qlora), and each stacked expert projection, stored as
+    [E·out, in] and split by rows: a Linear's over the ZeRO-2/3 shards, the experts' over expert parallel's ranks
+    and under ZeRO-2/3 their replicas (`ParallelDims.expert_param_shards`) when those divide E
+    (`nf4.stacked_scaler_block`); as fitlm.finetune.qlora.quantize_base picks them. `experts`: only the stacked
+    experts (True), only the rest (False), or all (None)."""
     if s.method != "qlora":
         return ()
     e = s.cfg.model.num_experts or 1
     out = []
     for name, (i, o) in linear_shapes(s).items():
+        if experts is not None and (name in EXPERT_INPUT) != experts:
+            continue
         if name in EXPERT_INPUT:  # [E, out, in] with E·I on `in` (down) or `out` (gate, up)
             shape = (e, o, i // e) if EXPERT_INPUT[name] else (e, o // e, i)
-            scaler = None if s.ep > 1 else nf4.stacked_scaler_block(shape, nf4_shards(s))
+            shards, gathered = s.dims.expert_param_shards, s.ep
+            scaler = nf4.stacked_scaler_block(shape, shards)
         else:
-            scaler = nf4.scaler_block((o, i), nf4_shards(s))
+            shards, gathered = nf4_shards(s), 1
+            scaler = nf4.scaler_block((o, i), shards)
         if scaler is not None:  # else quantize_base keeps it in the base's storage
-            out.append((i, o, scaler))
+            out.append(Nf4Weight(i, o, scaler, shards, gathered))
     return tuple(out)
 
 
-def nf4_params(s: Setup) -> int:
-    """Parameters of the whole model stored in NF4 (QLoRA refuses tensor and pipeline parallel)."""
-    return round(s.layers * per_block(s, lambda one: sum(i * o for i, o, _ in nf4_linears(one))))
+def nf4_params(s: Setup, experts: bool | None = None) -> int:
+    """Parameters of the whole model stored in NF4 (all E experts; QLoRA refuses tensor and pipeline parallel);
+    `experts` as `nf4_linears` takes it."""
+    return round(s.layers * per_block(s, lambda one: sum(w.i * w.o for w in nf4_linears(one, experts))))
 
 
-def nf4_rank_bytes(s: Setup, gathered: bool = False) -> float:
-    """Bytes of those NF4 weights on one rank: its rows' shard, or the whole of them (`gathered`: what FSDP2's
-    all-gather of the codes rebuilds); stacked experts as [E·out, in], by rows too."""
-    shards = 1 if gathered else nf4_shards(s)
+def nf4_rank_bytes(s: Setup, gathered: bool = False, experts: bool | None = None) -> float:
+    """Bytes of those NF4 weights on one rank: its rows' shard, or what FSDP2's all-gather of the codes rebuilds
+    (`gathered`: the whole weight; each rank's E/ep experts under expert parallel); stacked experts as
+    [E·out, in], by rows too. `experts` as `nf4_linears` takes it."""
 
     def block(one: Setup) -> float:
-        return sum(nf4.nf4_bytes(i * o // shards, scaler) for i, o, scaler in nf4_linears(one))
+        return sum(
+            nf4.nf4_bytes(w.i * w.o // (w.gathered if gathered else w.shards), w.scaler)
+            for w in nf4_linears(one, experts)
+        )
 
     return s.layers * per_block(s, block)
+
+
+def nf4_split(s: Setup, experts: bool | None = None) -> tuple[float, float]:
+    """(NF4 parameters a rank's count holds, their bytes on the rank): the dense part's whole (`experts` False),
+    each rank's E/ep experts' (True), or the whole model's (None, without expert parallel), for
+    fitlm.plan.analytic.model_states."""
+    local = nf4_params(s, experts) / (s.ep if experts else 1)
+    return local, nf4_rank_bytes(s, experts=experts)
 
 
 def dequant_bytes(s: Setup, tokens: float) -> float:
@@ -200,7 +246,7 @@ def dequant_bytes(s: Setup, tokens: float) -> float:
 
     kinds = [one_s for _, one_s in block_kinds(s)]
     experts = {linear_shapes(k)[n] for k in kinds for n in EXPERT_INPUT if n in linear_shapes(k)}
-    return max((one(i, o) for k in kinds for i, o, _ in nf4_linears(k)), default=0.0)
+    return max((one(w.i, w.o) for k in kinds for w in nf4_linears(k)), default=0.0)
 
 
 def stage_blocks(s: Setup, first: bool) -> range:

@@ -76,6 +76,7 @@ class Owned:
     n: float
     trained: float
     as_setup: Setup
+    nf4: tuple[float, float] = (0.0, 0.0)  # QLoRA's NF4 parameters among the `n`, and their bytes on the rank
 
 
 @dataclass(frozen=True)

@@ -68,10 +68,10 @@ SLOW_WORLDS = {
 def train_and_save(cfg: dict) -> dict:
     """STEPS steps of the real Trainer, then its final save (collective: the merge and the PEFT export of the
     gathered blocks on rank 0)."""
-    from fitlm.config import validate_dict
+    from fitlm.run_config import run_config
     from fitlm.train.trainer import Trainer
 
-    trainer = Trainer(validate_dict(cfg))
+    trainer = Trainer(run_config(cfg)[0])  # as the CLI reads it (a model section that is init_from alone too)
     batches = iter(trainer.loader)
     outs = (trainer.train_step(step, batches) for step in range(1, STEPS + 1))  # read as each step ends
     losses, norms = zip(*[(out.loss.item(), out.grad_norm.item()) for out in outs])
@@ -126,11 +126,11 @@ def adapter_placements(modules: list) -> dict[str, str]:
     out = {}
     for module in modules:
         for name, p in module.named_parameters():
-            if ".lora_" in name and isinstance(p, DTensor):
+            names = (p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else ()
+            if ".lora_" in name and isinstance(p, DTensor) and (p.device_mesh.ndim == 1 or "tp" in names):
+                # (an expert adapter over (edp, ep) has no tensor-parallel placement)
                 out[".".join(name.split(".")[-3:-1])] = str(
-                    p.placements[p.device_mesh.mesh_dim_names.index("tp")]
-                    if p.device_mesh.ndim > 1
-                    else p.placements[0]
+                    p.placements[names.index("tp")] if p.device_mesh.ndim > 1 else p.placements[0]
                 )
     return out
 

@@ -265,7 +265,6 @@ CONFIGS = [
         2,
     ),
     # LoRA on attention and experts under expert parallel: each rank holds E/ep experts and their adapters
-    # (QLoRA's NF4 experts are not split between expert ranks: refused by fitlm.rules).
     (
         "moe dense1 lora dp2 ep2 O2",
         {
@@ -276,6 +275,22 @@ CONFIGS = [
             "train": {"micro_batch_size": 2},
         },
         2,
+    ),
+    # and QLoRA: each rank holds its E/ep experts' 4-bit codes (ZeRO-3: the dense codes sharded over dp, gathered a
+    # block at a time; the experts whole per ep rank, edp 1)
+    *(
+        (
+            f"moe dense1 qlora dp2 ep2{zero} O2",
+            {
+                "model": MOE_DENSE1,
+                "finetune": {"method": "qlora", "lora": MOE_LORA},
+                "memory": {"mixed_precision": "O2"},
+                "parallel": {"data_parallel": 2, "expert_parallel": 2, "zero_stage": 3 if zero else 0},
+                "train": {"micro_batch_size": 2},
+            },
+            2,
+        )
+        for zero in ("", " zero3")
     ),
     # Tensor parallel splits each expert on its width (fitlm.parallel.expert_tensor_parallel), under sequence
     # parallel; with expert parallel and LoRA on attention and experts, a rank holds E/ep experts at I/tp each.

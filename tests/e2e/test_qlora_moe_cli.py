@@ -3,7 +3,8 @@ bf16 (16 experts, top 4, a dense block among the sparse ones, experts most of th
 config whose model section is `init_from` alone, with adapters on attention and on the experts, the stacked
 experts in 4-bit NF4. The loss falls; the adapter records the experts' recipe; `fitlm merge` of base + adapter
 gives the run's merged model; the exported model gives in transformers the greedy tokens `fitlm generate`
-gives; the 4-bit base holds 0.39× LoRA's parameter bytes, as the planner counts them."""
+gives; the 4-bit base holds 0.39× LoRA's parameter bytes, as the planner counts them. Under torchrun at dp2 × ep2
+(each rank 8 of the 4-bit experts) it trains as dp2 does, and `fitlm merge` of its adapter gives its merged model."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from tests.e2e.helpers import fitlm, hf_qwen3_moe, pack_chat, qlora_run_config, 
 from tests.e2e.test_qlora_cli import PROMPT, assert_same_greedy, exported_and_generated, merged_is_the_runs_model
 
 STEPS = 6
+EP_LOSS_REL = 2e-5  # dp2 x ep2 against dp2 in fp32 (the MoE QLoRA layouts' tolerance)
 TARGETS = ["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"]  # attention and the experts (and the dense MLP)
 
 
@@ -60,6 +62,32 @@ def test_merge_of_base_and_adapter_is_the_runs_model(run):
     # an expert's weight is the 4-bit base's value plus its adapter, not the bf16 original
     key = next(k for k in base if k.startswith("model.layers.2.mlp.experts.") and "down" in k)
     assert key in theirs and not torch.equal(theirs[key], base[key].float())
+
+
+def run_at(run: dict[str, Path], name: str, parallel: list[str]) -> dict[str, Path]:
+    """The same run under `parallel` (`fitlm train` starts torchrun itself) at half the micro batch on 2 ranks (the
+    same global batch), in fp32 (O0): at O2 the bf16 sums of another row order move these 6 steps at lr 2e-2 apart
+    by a few 1e-3 (measured: dp2 itself against one process too), which would hide a real difference."""
+    root = run["root"] / name
+    root.mkdir()
+    out = root / "run"
+    sets = [*parallel, "parallel.data_parallel=2", "train.micro_batch_size=2", "memory.mixed_precision=O0"]
+    sets.append(f"train.output_dir={out}")
+    r = fitlm("train", run["config"], *(a for kv in sets for a in ("--set", kv)))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return {**run, "root": root, "run": out}
+
+
+def test_dp2_ep2_under_torchrun_trains_as_dp2_does_and_merges_to_its_model(run):
+    """dp2 × ep2 (each rank 8 of the 16 4-bit experts) against dp2 (each rank all 16): the same micro batches on
+    each rank, so the same transformers aux loss (a mean per micro batch, which one process's 4-row micro batch
+    changes), the float sums of an expert's rows alone apart."""
+    dp2, ep2 = run_at(run, "dp2", []), run_at(run, "dp2-ep2", ["parallel.expert_parallel=2"])
+    want, got = ([m["loss"] for m in read_metrics(r["run"]) if "loss" in m] for r in (dp2, ep2))
+    assert got == pytest.approx(want, rel=EP_LOSS_REL), (want, got)
+    adapters = [load_file(str(r["run"] / "adapter" / "adapter_model.safetensors")) for r in (dp2, ep2)]
+    assert adapters[0].keys() == adapters[1].keys()
+    merged_is_the_runs_model(ep2)  # `fitlm merge` of base + the ep2 run's adapter is that run's merged model
 
 
 def test_exported_model_gives_in_transformers_the_greedy_tokens_of_fitlm_generate(run):

@@ -47,7 +47,6 @@ BREAKS = [
     {"model": MOE, "parallel": {"data_parallel": 4, "expert_parallel": 2, "context_parallel": 2, "zero_stage": 2}},
     {"model": MOE, "parallel": EP, "memory": {"cpu_offload": True}},
     {"model": MOE, "parallel": EP, "memory": {"compile": True}},
-    {"model": MOE, "parallel": EP, "finetune": {"method": "qlora"}},
     {"model": MOE, "parallel": EP, "finetune": {"objective": "dpo"}, "data": {"format": "preference"}},
     {"train": {"observe": {"guards": {"nonfinite": "rollback"}}}, "checkpoint": {"interval": 0}},
     {"train": {"observe": {"guards": {"spike": "rollback"}}}, "checkpoint": {"interval": 0}},
