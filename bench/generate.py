@@ -208,13 +208,13 @@ def main() -> None:
         print(json.dumps(result))
         return
     print(
-        "| contender | tokens/s | vs llama.cpp | vs single stream | decode tokens/s | vs llama.cpp |\n"
-        "| --- | ---: | ---: | ---: | ---: | ---: |"
+        "| contender | tokens/s | vs llama.cpp | vs single stream | decode tokens/s | vs llama.cpp | vs single stream |\n"
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"
     )
     for r in rows:
         print(
             f"| {r['contender']} | {r['tokens_per_s']} | {r['vs_llama_cpp']} | {r.get('vs_single_stream', '')} "
-            f"| {r['decode_tokens_per_s']} | {r['decode_vs_llama_cpp']} |"
+            f"| {r['decode_tokens_per_s']} | {r['decode_vs_llama_cpp']} | {r.get('decode_vs_single_stream', '')} |"
         )
     print(json.dumps({"checks": checks, "machine": result["machine"]}, indent=1))
 
