@@ -201,10 +201,11 @@ def _over_ep(p: torch.Tensor, ep_mesh: DeviceMesh, ep_tp_mesh: DeviceMesh | None
     if not isinstance(p, DTensor):
         return distribute_tensor(p.data, ep_mesh, [Shard(0)], src_data_rank=None)
     assert ep_tp_mesh is not None  # (the trainer passes it under tensor parallel)
-    local = p.to_local()
-    # the whole weight, from which every rank cuts its (ep, tp) block locally; a meta model's stays meta
-    full = torch.empty(p.shape, dtype=p.dtype, device="meta") if local.is_meta else p.full_tensor().detach()
-    return distribute_tensor(full, ep_tp_mesh, [Shard(0), *p.placements], src_data_rank=None)
+    # this rank's tp part [E, ...] already holds its (ep, tp) block: its ep-th of the experts, no communication;
+    # a copy, so the other experts' storage is freed with the tp part
+    mine = p.to_local().detach().chunk(ep_mesh.size(), dim=0)[ep_mesh.get_local_rank()].clone()
+    placements = [Shard(0), *p.placements]
+    return DTensor.from_local(mine, ep_tp_mesh, placements, run_check=False, shape=p.shape, stride=p.stride())
 
 
 def simulate_imbalance(modules: list[nn.Module], factor: float) -> None:
