@@ -74,9 +74,13 @@ def forget_measured_peaks(device: torch.device | None = None, dtype: torch.dtype
         _measured_peaks.pop(f"{device}:{dtype}", None)
 
 
+def cache_root() -> Path:
+    """Where fitlm keeps what it measured or built for this machine: $FITLM_CACHE_DIR, default ~/.cache/fitlm."""
+    return Path(os.environ.get("FITLM_CACHE_DIR") or Path.home() / ".cache" / "fitlm")
+
+
 def peak_cache_path() -> Path:
-    root = os.environ.get("FITLM_CACHE_DIR") or Path.home() / ".cache" / "fitlm"
-    return Path(root) / "peak_flops.json"
+    return cache_root() / "peak_flops.json"
 
 
 def machine_key(what: str) -> str:

@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 
 from fitlm.infer.generate import last_logits
+from fitlm.infer.native_decode import NativeDecoder
 from fitlm.infer.packed_linear import packed_linears
 from fitlm.models.layers import KVCache, SelfAttention
 
@@ -79,6 +80,7 @@ class SlotBatch:
         self.max_lens: list[int] = []
         self.cache: KVCache | None = None
         self.device = next(model.parameters()).device
+        self._native: tuple[KVCache, NativeDecoder | None] | None = None  # (the cache it writes, the C decoder)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -131,6 +133,12 @@ class SlotBatch:
         if any(n >= m for n, m in zip(self.lengths, self.max_lens)):
             raise ValueError("a slot reached its max_len; remove it before the next step")
         f = self.cache.length
+        native = self._native_decoder(self.cache)
+        if native is not None:  # one C call (fitlm.infer.native_decode): the same masks and positions as below
+            with self.grad_free():
+                logits = native.step(tokens, self.lengths, [f - n for n in self.lengths])  # [B,V]
+            self.lengths = [n + 1 for n in self.lengths]
+            return logits
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]  # [B,1]
         lengths = torch.tensor(self.lengths, device=self.device)  # [B]
         same = all(n == f for n in self.lengths)
@@ -145,6 +153,13 @@ class SlotBatch:
             logits = last_logits(self.model, ids, self.cache, positions)  # [B,V]
         self.lengths = [n + 1 for n in self.lengths]
         return logits
+
+    def _native_decoder(self, cache: KVCache) -> NativeDecoder | None:
+        """The C decoder of this cache (made again after each rebuild), None where it does not apply or where the
+        weights change between steps (`packed` False: a training process)."""
+        if self._native is None or self._native[0] is not cache:
+            self._native = (cache, NativeDecoder.for_model(self.model, cache) if self.packed else None)
+        return self._native[1]
 
     def _rebuild(self, rows: list[tuple[KVCache | None, int, int]]) -> None:
         """A new cache holding each (source cache, row, length) right-aligned at the longest length, sized

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Callable, Collection, cast
 import torch
 import torch.nn as nn
 
+from fitlm.infer.native_decode import NativeDecoder
 from fitlm.infer.packed_linear import packed_linears
 
 if TYPE_CHECKING:
@@ -117,9 +118,15 @@ def generate(
     out: list[int] = []
     with torch.inference_mode(), packed_linears(model, packed):  # (the weights read once per step, see packed_linear)
         cache = cast("CausalLM", model).new_kv_cache(1, len(prompt_ids) + max_new_tokens)  # (_max_seq_len: ours)
+        # Steps after the prompt in one C call each where the model allows (fitlm.infer.native_decode).
+        native = NativeDecoder.for_model(model, cache) if packed else None
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # [1,T]
-        for _ in range(max_new_tokens):
-            logits = last_logits(model, ids, cache)[0]  # [V]
+        token = -1
+        for step in range(max_new_tokens):
+            if native is not None and step > 0:
+                logits = native.step([token])[0]  # [V]
+            else:
+                logits = last_logits(model, ids, cache)[0]  # [V]
             token = sample_next(logits, temperature, top_p, generator)
             out.append(token)
             if stream is not None:

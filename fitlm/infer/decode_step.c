@@ -1,0 +1,316 @@
+/* One decode step of a Llama-architecture model in one call: embedding row -> blocks -> final norm -> logits.
+ *
+ * Why: at batch 1 on a CPU a step is the weights streaming through matrix-vector products plus ~20 small
+ * torch ops a layer (norms, RoPE, cache writes, attention, SwiGLU, residuals), each a few microseconds of
+ * dispatch for a few hundred numbers: a quarter of a 135M model's step. Here the whole step is one call.
+ *
+ * The numbers are the torch path's: every value is rounded to the model's dtype (fp32, bf16, fp16) where the
+ * torch forward materialises a tensor of that dtype, products accumulate in fp32 and round once, RMSNorm
+ * takes fp32 statistics and rounds before the weight (as Hugging Face does), RoPE rounds cos/sin, both
+ * products and the sum, attention runs in fp32 (as fitlm's half-precision decode step does) and rounds its
+ * output. Sums are taken in another order than oneDNN's and torch's, so values agree to float rounding.
+ *
+ * Built by fitlm/infer/native.py (-O3 -march=native -fopenmp -ffp-contract=off: no fused multiply-adds
+ * outside the explicit ones in the products, so RoPE and the norms round where torch does). Threads are torch's
+ * OpenMP threads (libgomp.so.1 resolves to the copy torch loaded), `nthreads` of them.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+enum { F32 = 0, BF16 = 1, F16 = 2 };
+
+/* the per-layer pointer slots, in the order native.py fills them */
+enum { IN_NORM, WQ, WK, WV, BQ, BK, BV, WO, BO, POST_NORM, WGATE, WUP, WDOWN, KCACHE, VCACHE, QNORM, KNORM, SLOTS };
+
+typedef struct {
+    int dtype, layers, hidden, heads, kv_heads, head_dim, ffn, vocab, max_len, window, nthreads;
+    float eps, scale;
+    const void* const* layer; /* layers x SLOTS pointers (NULL: absent bias / qk-norm) */
+    const void* embed;        /* [vocab, hidden] */
+    const void* final_norm;   /* [hidden] */
+    const void* head;         /* [vocab, hidden] */
+} Model;
+
+/* ---------------------------------------------------------------------------------------- dtype helpers */
+static inline float bf16_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static inline uint16_t f32_bf16(float f) { /* round to nearest even, as torch; NaN stays NaN */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+static inline float ld(const void* p, long i, int dt) {
+    if (dt == F32) return ((const float*)p)[i];
+    if (dt == BF16) return bf16_f32(((const uint16_t*)p)[i]);
+    return (float)((const _Float16*)p)[i];
+}
+static inline void st(void* p, long i, float v, int dt) {
+    if (dt == F32) ((float*)p)[i] = v;
+    else if (dt == BF16) ((uint16_t*)p)[i] = f32_bf16(v);
+    else ((_Float16*)p)[i] = (_Float16)v;
+}
+/* v rounded to the dtype and back: where torch would hold a tensor of that dtype */
+static inline float rnd(float v, int dt) {
+    if (dt == F32) return v;
+    if (dt == BF16) return bf16_f32(f32_bf16(v));
+    return (float)(_Float16)v;
+}
+
+/* ------------------------------------------------------------------------------------------ products */
+#if defined(__AVX512F__)
+#define VEC 16
+typedef __m512 vf;
+#define VZERO() _mm512_setzero_ps()
+#define VLOAD(p) _mm512_loadu_ps(p)
+#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VSUM(v) _mm512_reduce_add_ps(v)
+#define VLOAD_BF16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(p))), 16))
+#define VLOAD_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p)))
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define VEC 8
+typedef __m256 vf;
+#define VZERO() _mm256_setzero_ps()
+#define VLOAD(p) _mm256_loadu_ps(p)
+#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+static inline float vsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#define VSUM(v) vsum8(v)
+#define VLOAD_BF16(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p))), 16))
+#define VLOAD_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p)))
+#else
+#define VEC 0 /* no vector path: the scalar loop below does everything */
+#endif
+
+#define BLOCK 4 /* weight rows per pass: independent sums in flight, the input read once for them */
+
+/* out[r] = sum_i W[row0 + r, i] x[i] for r < rows (<= BLOCK) */
+static void dots(const void* w, long row0, int rows, const float* x, const uint16_t* xb, long n, int dt, float* out) {
+    long i = 0;
+#if VEC
+    vf acc[BLOCK];
+    for (int r = 0; r < BLOCK; r++) acc[r] = VZERO();
+    if (dt == F32) {
+        const float* w0 = (const float*)w + row0 * n;
+        for (; i + VEC <= n; i += VEC) {
+            vf xv = VLOAD(x + i);
+            for (int r = 0; r < rows; r++) acc[r] = VFMA(VLOAD(w0 + r * n + i), xv, acc[r]);
+        }
+    } else if (dt == BF16) {
+        const uint16_t* w0 = (const uint16_t*)w + row0 * n;
+#if defined(__AVX512BF16__)
+        /* bf16 pairs multiplied exactly and summed in fp32 (the instruction oneDNN uses); x is bf16-valued */
+        for (; i + 32 <= n; i += 32) {
+            __m512bh xv = (__m512bh)_mm512_loadu_si512((const void*)(xb + i));
+            for (int r = 0; r < rows; r++)
+                acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512((const void*)(w0 + r * n + i)), xv);
+        }
+#endif
+        (void)xb;
+        for (; i + VEC <= n; i += VEC) {
+            vf xv = VLOAD(x + i);
+            for (int r = 0; r < rows; r++) acc[r] = VFMA(VLOAD_BF16(w0 + r * n + i), xv, acc[r]);
+        }
+    } else {
+        const _Float16* w0 = (const _Float16*)w + row0 * n;
+        for (; i + VEC <= n; i += VEC) {
+            vf xv = VLOAD(x + i);
+            for (int r = 0; r < rows; r++) acc[r] = VFMA(VLOAD_F16(w0 + r * n + i), xv, acc[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) out[r] = VSUM(acc[r]);
+#else
+    (void)xb;
+    for (int r = 0; r < rows; r++) out[r] = 0;
+#endif
+    for (int r = 0; r < rows; r++) /* the tail past the vectors */
+        for (long k = i; k < n; k++) out[r] += ld(w, (row0 + r) * n + k, dt) * x[k];
+}
+
+/* y[b, o] = rnd(W[o] . x[b] + bias[o]) for b < batch, o < rows_out; W [rows_out, n], x [batch, n], y [batch,
+ * rows_out]. Each block of weight rows is read from memory once for every row of the batch. */
+static void matvec(const void* w, const void* bias, const float* x, const uint16_t* xb, long n, long rows_out,
+                   int dt, float* y, int batch, int nthreads) {
+    long blocks = (rows_out + BLOCK - 1) / BLOCK;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && rows_out * n > 32768)
+    for (long blk = 0; blk < blocks; blk++) {
+        long r0 = blk * BLOCK;
+        int rows = rows_out - r0 < BLOCK ? (int)(rows_out - r0) : BLOCK;
+        for (int b = 0; b < batch; b++) {
+            float s[BLOCK];
+            dots(w, r0, rows, x + b * n, xb + b * n, n, dt, s);
+            for (int r = 0; r < rows; r++)
+                y[b * rows_out + r0 + r] = rnd(s[r] + (bias ? ld(bias, r0 + r, dt) : 0.0f), dt);
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------------- the small ops */
+/* Hugging Face's RMSNorm: fp32 statistics, x * rsqrt(mean(x^2) + eps) rounded, then times the weight */
+static void rms_norm(const float* x, const void* w, long n, float eps, int dt, float* out) {
+    float ss = 0;
+    for (long i = 0; i < n; i++) ss += x[i] * x[i];
+    float r = 1.0f / sqrtf(ss / (float)n + eps);
+    for (long i = 0; i < n; i++) out[i] = rnd(ld(w, i, dt) * rnd(x[i] * r, dt), dt);
+}
+
+/* x [D] rotated in place: x * cos + rotate_half(x) * sin, cos and sin rounded to the dtype first */
+static void rope(float* x, const float* cos, const float* sin, int d, int dt) {
+    float tmp[d];
+    int half = d / 2;
+    for (int i = 0; i < d; i++) {
+        float rot = i < half ? -x[i + half] : x[i - half];
+        float a = rnd(x[i] * rnd(cos[i], dt), dt), b = rnd(rot * rnd(sin[i], dt), dt);
+        tmp[i] = rnd(a + b, dt);
+    }
+    memcpy(x, tmp, sizeof(float) * d);
+}
+
+/* one query head against keys/values [first, last] of its kv head (cache rows of D), softmax in fp32 */
+static void attend(const float* q, const void* kc, const void* vc, long first, long last, int d, float scale,
+                   int dt, float* scores, float* out) {
+    float mx = -INFINITY;
+    for (long j = first; j <= last; j++) {
+        float s = 0;
+        for (int i = 0; i < d; i++) s += q[i] * ld(kc, j * d + i, dt);
+        scores[j - first] = s * scale;
+        if (scores[j - first] > mx) mx = scores[j - first];
+    }
+    float sum = 0;
+    for (long j = first; j <= last; j++) sum += scores[j - first] = expf(scores[j - first] - mx);
+    for (int i = 0; i < d; i++) out[i] = 0;
+    for (long j = first; j <= last; j++) {
+        float p = scores[j - first];
+        for (int i = 0; i < d; i++) out[i] += p * ld(vc, j * d + i, dt);
+    }
+    for (int i = 0; i < d; i++) out[i] = rnd(out[i] / sum, dt);
+}
+
+/* ------------------------------------------------------------------------------------------ one layer */
+/* activations of the batch's rows, [batch, width] each, fp32 holding values of the model's dtype */
+typedef struct {
+    int batch;
+    float *h, *xn, *q, *k, *v, *att, *o, *gate, *up, *scores; /* q [batch, H*D], k and v [batch, K*D] */
+    uint16_t* xb; /* the product's input as bf16 (the bf16 pair products) */
+    const float *cos, *sin; /* [batch, head_dim] */
+    const long* first;      /* [batch]: each row's first cache cell */
+    long cell;              /* the cache cell this step writes (every row) */
+} Step;
+
+static void to_bf16(const float* x, uint16_t* xb, long n, int dt) {
+    if (dt == BF16)
+        for (long i = 0; i < n; i++) xb[i] = f32_bf16(x[i]); /* exact: x is bf16-valued */
+}
+
+static void norm_rows(const Model* m, const float* x, const void* w, long n, float* out, uint16_t* xb, int batch) {
+    for (int b = 0; b < batch; b++) rms_norm(x + b * n, w, n, m->eps, m->dtype, out + b * n);
+    to_bf16(out, xb, batch * n, m->dtype);
+}
+
+/* q and k heads of one row: per-head norm (Qwen3), RoPE; then its keys and values into the cache */
+static void position_row(const Model* m, const void* const* p, Step* s, int b) {
+    int dt = m->dtype, H = m->heads, K = m->kv_heads, D = m->head_dim;
+    float *q = s->q + (long)b * H * D, *k = s->k + (long)b * K * D, *v = s->v + (long)b * K * D;
+    for (int h = 0; h < H + K; h++) {
+        float* x = h < H ? q + (long)h * D : k + (long)(h - H) * D;
+        const void* norm = h < H ? p[QNORM] : p[KNORM];
+        if (norm) {
+            float tmp[D];
+            rms_norm(x, norm, D, m->eps, dt, tmp);
+            memcpy(x, tmp, sizeof(float) * D);
+        }
+        rope(x, s->cos + (long)b * D, s->sin + (long)b * D, D, dt);
+    }
+    long row = (long)b * K * m->max_len; /* cache [batch, K, max_len, D] */
+    for (int h = 0; h < K; h++)
+        for (int i = 0; i < D; i++) {
+            st((void*)p[KCACHE], ((row + (long)h * m->max_len) + s->cell) * D + i, k[(long)h * D + i], dt);
+            st((void*)p[VCACHE], ((row + (long)h * m->max_len) + s->cell) * D + i, v[(long)h * D + i], dt);
+        }
+}
+
+static void attention_block(const Model* m, const void* const* p, Step* s) {
+    int dt = m->dtype, C = m->hidden, H = m->heads, K = m->kv_heads, D = m->head_dim, nt = m->nthreads;
+    int B = s->batch, group = H / K;
+    long esize = dt == F32 ? 4 : 2, span_max = s->cell + 1;
+    norm_rows(m, s->h, p[IN_NORM], C, s->xn, s->xb, B);
+    matvec(p[WQ], p[BQ], s->xn, s->xb, C, (long)H * D, dt, s->q, B, nt);
+    matvec(p[WK], p[BK], s->xn, s->xb, C, (long)K * D, dt, s->k, B, nt);
+    matvec(p[WV], p[BV], s->xn, s->xb, C, (long)K * D, dt, s->v, B, nt);
+    for (int b = 0; b < B; b++) position_row(m, p, s, b);
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1 && span_max * B * H * D > 65536)
+    for (int bh = 0; bh < B * H; bh++) {
+        int b = bh / H, h = bh % H;
+        long first = s->first[b];
+        if (m->window > 0 && s->cell - m->window + 1 > first) first = s->cell - m->window + 1;
+        long off = (((long)b * K + h / group) * m->max_len) * D * esize;
+        attend(s->q + ((long)b * H + h) * D, (const char*)p[KCACHE] + off, (const char*)p[VCACHE] + off, first,
+               s->cell, D, m->scale, dt, s->scores + (long)bh * span_max, s->att + (long)bh * D);
+    }
+    to_bf16(s->att, s->xb, (long)B * H * D, dt);
+    matvec(p[WO], p[BO], s->att, s->xb, (long)H * D, C, dt, s->o, B, nt);
+    for (long i = 0; i < (long)B * C; i++) s->h[i] = rnd(s->h[i] + s->o[i], dt);
+}
+
+static float silu(float x) { return x / (1.0f + expf(-x)); }
+
+static void mlp_block(const Model* m, const void* const* p, Step* s) {
+    int dt = m->dtype, C = m->hidden, F = m->ffn, nt = m->nthreads, B = s->batch;
+    norm_rows(m, s->h, p[POST_NORM], C, s->xn, s->xb, B);
+    matvec(p[WGATE], NULL, s->xn, s->xb, C, F, dt, s->gate, B, nt);
+    matvec(p[WUP], NULL, s->xn, s->xb, C, F, dt, s->up, B, nt);
+    for (long i = 0; i < (long)B * F; i++) s->gate[i] = rnd(rnd(silu(s->gate[i]), dt) * s->up[i], dt);
+    to_bf16(s->gate, s->xb, (long)B * F, dt);
+    matvec(p[WDOWN], NULL, s->gate, s->xb, F, C, dt, s->o, B, nt);
+    for (long i = 0; i < (long)B * C; i++) s->h[i] = rnd(s->h[i] + s->o[i], dt);
+}
+
+/* Logits [batch, vocab] (in the model's dtype) of tokens[b] for each row b of the cache; their keys and values
+ * go into cache cell `cell`, and row b attends to cells first[b] .. cell. cos/sin [batch, head_dim] fp32 are
+ * the rotary tables' rows of each token's position. Returns 0, or -1 when out of memory. */
+int fitlm_decode_step(const Model* m, int batch, const long* tokens, const long* first, long cell, const float* cos,
+                      const float* sin, void* logits) {
+    int dt = m->dtype, C = m->hidden, H = m->heads, K = m->kv_heads, D = m->head_dim, F = m->ffn, B = batch;
+    long widest = C > F ? C : F, hd = (long)H * D;
+    if (hd > widest) widest = hd;
+    /* per row: h, xn, q, k, v, att, o, gate, up, scores; then the logits in fp32 */
+    long floats = (long)B * (2 * C + (long)(H + 2 * K) * D + hd + C + 2 * F + H * (cell + 1)) + (long)B * m->vocab;
+    float* buf = malloc(sizeof(float) * floats);
+    uint16_t* xb = malloc(sizeof(uint16_t) * (B * widest + 32));
+    if (!buf || !xb) {
+        free(buf);
+        free(xb);
+        return -1;
+    }
+    Step s = {.batch = B, .xb = xb, .cos = cos, .sin = sin, .first = first, .cell = cell};
+    s.h = buf, s.xn = s.h + (long)B * C, s.q = s.xn + (long)B * C, s.k = s.q + (long)B * hd;
+    s.v = s.k + (long)B * K * D, s.att = s.v + (long)B * K * D, s.o = s.att + (long)B * hd, s.gate = s.o + (long)B * C;
+    s.up = s.gate + (long)B * F, s.scores = s.up + (long)B * F;
+    for (int b = 0; b < B; b++)
+        for (int i = 0; i < C; i++) s.h[(long)b * C + i] = ld(m->embed, tokens[b] * C + i, dt);
+    for (int l = 0; l < m->layers; l++) {
+        const void* const* p = m->layer + (long)l * SLOTS;
+        attention_block(m, p, &s);
+        mlp_block(m, p, &s);
+    }
+    norm_rows(m, s.h, m->final_norm, C, s.xn, s.xb, B);
+    float* out = s.scores + (long)B * H * (cell + 1);
+    matvec(m->head, NULL, s.xn, s.xb, C, m->vocab, dt, out, B, m->nthreads);
+    for (long i = 0; i < (long)B * m->vocab; i++) st(logits, i, out[i], dt);
+    free(buf);
+    free(xb);
+    return 0;
+}

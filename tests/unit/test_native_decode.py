@@ -1,0 +1,164 @@
+"""fitlm.infer.native_decode: a decode step in one C call gives the torch step's logits and greedy tokens, for
+every family it takes (biases, q/k norms, fused projections, sliding windows, tied or untied heads), in one
+stream and in SlotBatch's right-aligned batches; the families and wrappers it does not take keep the torch
+step; without a compiler decoding still works."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from fitlm.config import ModelConfig
+from fitlm.infer import native
+from fitlm.infer.batched import SlotBatch
+from fitlm.infer.generate import generate, last_logits
+from fitlm.infer.native_decode import NativeDecoder, unsupported
+from fitlm.registry import build_model
+
+pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C compiler to build decode_step.c")
+
+# (name, ModelConfig fields): every model shape the C step takes
+SHAPES = {
+    "llama tied": dict(arch="llama", tie_embeddings=True),
+    "llama untied, MHA": dict(arch="llama", tie_embeddings=False, num_kv_heads=4),
+    "qwen2 (q/k/v biases)": dict(arch="qwen2"),
+    "qwen3 (q/k norms)": dict(arch="qwen3"),
+    "phi3 (fused q/k/v and gate/up)": dict(arch="phi3"),
+    "mistral-like window 5": dict(arch="llama", sliding_window=5),
+    "llama3 rope scaling": dict(arch="llama", rope_scaling={"type": "llama3", "factor": 8.0}),
+}
+
+
+def _model(dtype: torch.dtype, **fields) -> nn.Module:
+    base = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=96, max_seq_len=48)
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(**{**base, **fields})).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.normal_(1.0 if "norm" in name else 0.0, 0.5)  # (ones / zeros at init: a dropped one would go unseen)
+    return model.to(dtype)
+
+
+def _torch_steps(model: nn.Module, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """Logits [n, V] of feeding `tokens` one at a time after `prompt`, by the torch forward."""
+    cache = model.new_kv_cache(1, len(prompt) + len(tokens))
+    last_logits(model, torch.tensor([prompt]), cache)
+    return torch.stack([last_logits(model, torch.tensor([[t]]), cache)[0] for t in tokens])
+
+
+def _native_steps(model: nn.Module, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    cache = model.new_kv_cache(1, len(prompt) + len(tokens))
+    last_logits(model, torch.tensor([prompt]), cache)  # the prompt: torch's prefill, as generate runs it
+    decoder = NativeDecoder.for_model(model, cache)
+    assert decoder is not None, unsupported(model, cache)
+    return torch.stack([decoder.step([t])[0] for t in tokens])
+
+
+PROMPT, FED = [5, 17, 3, 88, 41, 9, 60], [12, 7, 95, 0, 33, 33, 71, 2, 50, 19]  # 17 positions: past the window of 5
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_c_step_gives_the_torch_steps_logits(shape, dtype):
+    model = _model(dtype, **SHAPES[shape])
+    with torch.inference_mode():
+        ref, out = _torch_steps(model, PROMPT, FED), _native_steps(model, PROMPT, FED)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)  # float rounding: another summation order
+    else:  # bf16 rounds at the same points; a sum's last bit may differ and carry through: a few bf16 steps
+        torch.testing.assert_close(out.float(), ref.float(), atol=0.05, rtol=0.02)
+        assert (out.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.parametrize("shape", ["llama tied", "qwen3 (q/k norms)", "phi3 (fused q/k/v and gate/up)"])
+def test_generate_runs_the_c_step_and_its_greedy_tokens_are_the_torch_steps(shape, monkeypatch):
+    model = _model(torch.float32, **SHAPES[shape])
+    calls = []
+    step = NativeDecoder.step
+    monkeypatch.setattr(NativeDecoder, "step", lambda self, *a: calls.append(1) or step(self, *a))
+    fast = generate(model, PROMPT, 20)
+    assert len(calls) == 19  # every token after the prompt's first
+    monkeypatch.setenv("FITLM_NATIVE", "0")
+    monkeypatch.setattr(native, "_loaded", {})
+    assert generate(model, PROMPT, 20) == fast
+    assert len(calls) == 19  # (the off switch: the torch step)
+
+
+def test_a_batch_of_right_aligned_rows_equals_each_rows_solo_run():
+    """SlotBatch's layout (each row right-aligned, its own position and first cell): every stream's greedy tokens
+    are its solo generate's, in bf16 too (each row's products round on their own, not as a batch)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        model = _model(dtype, **SHAPES["qwen2 (q/k/v biases)"])
+        prompts = [[3, 9, 27], [81, 5, 60, 22, 14, 70, 1], [44], [8, 8, 8, 8, 2]]
+        solo = [generate(model, p, 12) for p in prompts]
+        batch, out = SlotBatch(model), {i: [] for i in range(len(prompts))}
+        first = batch.add_many([(i, p, len(p) + 13) for i, p in enumerate(prompts)])
+        tokens = [int(row.float().argmax()) for row in first]
+        assert batch._native_decoder(batch.cache) is not None  # the C step runs the batch
+        for _ in range(11):
+            for i, t in enumerate(tokens):
+                out[i].append(t)
+            tokens = [int(row.float().argmax()) for row in batch.step(tokens)]
+        for i, t in enumerate(tokens):
+            out[i].append(t)
+        assert [out[i] for i in range(len(prompts))] == solo, dtype
+
+
+def test_the_batch_step_equals_the_torch_batch_step():
+    model = _model(torch.float32, **SHAPES["llama tied"])
+    prompts = [[3, 9, 27, 4], [81, 5], [44, 1, 2, 3, 4, 5, 6]]
+    runs = []
+    for use_c in (True, False):
+        batch = SlotBatch(model)
+        batch.add_many([(i, p, 30) for i, p in enumerate(prompts)])
+        if not use_c:
+            batch._native = (batch.cache, None)
+        runs.append(torch.stack([batch.step([7, 8, 9]), batch.step([10, 11, 12])]))
+    torch.testing.assert_close(runs[0], runs[1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fields", [dict(arch="gemma2"), dict(arch="gpt2"), dict(arch="qwen3_moe", num_experts=4)])
+def test_other_families_keep_the_torch_step(fields):
+    model = _model(torch.float32, **fields)
+    assert unsupported(model, model.new_kv_cache(1, 8)) is not None
+    assert NativeDecoder.for_model(model, model.new_kv_cache(1, 8)) is None
+    assert len(generate(model, PROMPT, 3)) == 3
+
+
+def test_wrapped_or_hooked_layers_and_big_batches_keep_the_torch_step():
+    from fitlm.finetune.lora import LoraSpec, inject_lora
+
+    model = _model(torch.float32, arch="llama")
+    cache = model.new_kv_cache(1, 8)
+    assert unsupported(model, cache) is None
+    assert "more than 8" in unsupported(model, model.new_kv_cache(9, 8))
+    handle = model.model.layers["1"].mlp.register_forward_hook(lambda *a: None)
+    assert "hooks" in unsupported(model, cache)
+    handle.remove()
+    inject_lora(model, LoraSpec(r=2, alpha=4, dropout=0.0, modules=("model.layers.0.self_attn.q_proj",)))
+    assert unsupported(model, cache) is not None  # (the adapter wraps or hooks q_proj: the torch step runs it)
+
+
+def test_without_a_compiler_decoding_keeps_the_torch_step(monkeypatch, tmp_path):
+    model = _model(torch.float32, arch="llama")
+    ref = generate(model, PROMPT, 6)
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setenv("FITLM_CACHE_DIR", str(tmp_path))  # (nothing built there: the build must run)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CC", raising=False)
+    with pytest.warns(UserWarning, match="no C compiler"):
+        assert NativeDecoder.for_model(model, model.new_kv_cache(1, 16)) is None
+    assert generate(model, PROMPT, 6) == ref
+
+
+def test_a_broken_build_says_why_and_keeps_the_torch_step(monkeypatch, tmp_path):
+    fake_cc = tmp_path / "cc"
+    fake_cc.write_text("#!/bin/sh\necho 'cc: error: unsupported option' >&2\nexit 1\n")
+    fake_cc.chmod(0o755)
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setenv("FITLM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", str(fake_cc))
+    with pytest.warns(UserWarning, match="unsupported option"):
+        assert native.library("decode_step") is None
