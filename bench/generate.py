@@ -12,7 +12,9 @@ Contenders, timed in turn within every repeat (interleaved, so load on a shared 
 medians reported): single-stream greedy decoding at fp32 (fitlm `generate`, transformers `generate`,
 llama.cpp on f32.gguf) and in half precision (fitlm and transformers in bf16, llama.cpp on f16.gguf), and
 fitlm's batched decoder (`SlotBatch`, what `fitlm serve` runs) with `--streams` sequences of different
-prompt lengths decoding together. tokens/s = new tokens / wall time of the whole call (the prompt's prefill
+prompt lengths decoding together; fitlm again, single and streams, with every step by the torch forward
+(`native=False`: no C decode step, fitlm/infer/native_decode.py), the peer that shows what the C step buys.
+tokens/s = new tokens / wall time of the whole call (the prompt's prefill
 included, for llama.cpp too: its KV cache is reset before each call); for the streams, all streams' new
 tokens. Decode tokens/s leaves the prefill out: the n - 1 tokens after the first over (the whole call's time
 minus a 1-token call's), each contender's 1-token call timed in the same repeat. Every contender sees
@@ -87,12 +89,12 @@ def llama_cpp_generate(llm, prompt: list[int], n: int) -> list[int]:
     return out
 
 
-def streams_generate(model, prompts: list[list[int]], n: int) -> list[list[int]]:
+def streams_generate(model, prompts: list[list[int]], n: int, native: bool = True) -> list[list[int]]:
     """Greedy decoding of every prompt together in one SlotBatch (joined at once, as a burst of requests)."""
     from fitlm.infer.batched import SlotBatch
     from fitlm.infer.generate import sample_next
 
-    batch = SlotBatch(model)
+    batch = SlotBatch(model, native=native)
     out = [[sample_next(batch.add(i, p, len(p) + n), 0.0, 1.0, None)] for i, p in enumerate(prompts)]
     for _ in range(n - 1):
         logits = batch.step([toks[-1] for toks in out])  # [B,V]
@@ -120,7 +122,7 @@ def table(times: dict[str, list[float]], prefill: dict[str, list[float]], n: int
             "decode_vs_llama_cpp": round(decode[name] / decode[ref], 2),
         }
         if "streams" in name:
-            single = f"fitlm {'fp32' if 'fp32' in name else 'half'}"
+            single = f"fitlm {'fp32' if 'fp32' in name else 'half'}" + (" torch steps" if "torch" in name else "")
             row["vs_single_stream"] = round(rate[name] / rate[single], 2)
             row["decode_vs_single_stream"] = round(decode[name] / decode[single], 2)
         rows.append(row)
@@ -167,6 +169,11 @@ def main() -> None:
         runs[f"transformers {prec}"] = lambda k, hm=hm: hf_generate(hm, prompt, k)
         runs[f"llama.cpp {prec}"] = lambda k, lm=lm: llama_cpp_generate(lm, prompt, k)
         runs[f"fitlm {prec} x{args.streams} streams"] = lambda k, fm=fm: streams_generate(fm, prompts, k)
+        # the same fitlm with every step by the torch forward (no C step): the peer that shows what the C step buys
+        runs[f"fitlm {prec} torch steps"] = lambda k, fm=fm: generate(fm, prompt, k, native=False)
+        runs[f"fitlm {prec} x{args.streams} streams torch steps"] = lambda k, fm=fm: streams_generate(
+            fm, prompts, k, native=False
+        )
     tokens = {}
     for name, fn in runs.items():  # also each one's warm-up
         tokens[name] = fn(n)

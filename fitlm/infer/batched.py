@@ -67,13 +67,14 @@ class SlotBatch:
     may reach (`max_len`, at most the model's context): the caller removes it before it goes further.
     """
 
-    def __init__(self, model: nn.Module, packed: bool = True, inference: bool = True):
+    def __init__(self, model: nn.Module, packed: bool = True, inference: bool = True, native: bool = True):
         """`packed`: decode through oneDNN-packed weights (fitlm.infer.packed_linear: faster on a CPU, a second
-        copy of the weights' bytes for as long as the model lives); False where the model trains in between.
+        copy of the weights' bytes for as long as the model lives) and steps of at most 8 slots in C (`native`,
+        fitlm.infer.native_decode); False where the model trains in between. `native` False: torch steps only.
         `inference`: under torch.inference_mode; False (no_grad) where decoding gathers sharded weights (ZeRO-2/3)
         whose buffers the training forward reuses, which tensors made in inference mode could not be."""
         self.model = cast("CausalLM", model)  # (a family's model)
-        self.packed = packed
+        self.packed, self.native = packed, native
         self.grad_free = torch.inference_mode if inference else torch.no_grad
         self.keys: list[Hashable] = []
         self.lengths: list[int] = []  # tokens of each slot in the cache
@@ -158,7 +159,8 @@ class SlotBatch:
         """The C decoder of this cache (made again after each rebuild), None where it does not apply or where the
         weights change between steps (`packed` False: a training process)."""
         if self._native is None or self._native[0] is not cache:
-            self._native = (cache, NativeDecoder.for_model(self.model, cache) if self.packed else None)
+            usable = self.packed and self.native
+            self._native = (cache, NativeDecoder.for_model(self.model, cache) if usable else None)
         return self._native[1]
 
     def _rebuild(self, rows: list[tuple[KVCache | None, int, int]]) -> None:

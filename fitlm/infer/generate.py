@@ -96,9 +96,11 @@ def generate(
     seed: int | None = None,
     stream: Callable[[int], None] | None = None,
     packed: bool = True,
+    native: bool = True,
 ) -> list[int]:
     """Continue `prompt_ids`; return only the new tokens (ending with EOS if it was produced). `packed`: decode
-    through oneDNN-packed weights (fitlm.infer.packed_linear); False in a training process.
+    through oneDNN-packed weights (fitlm.infer.packed_linear) and the C step (`native`, fitlm.infer.native_decode);
+    False in a training process. `native` False: every step by the torch forward.
 
     `eos_id` is one id or several (a model may end a text and a turn differently, e.g. Llama 3's
     <|end_of_text|> and <|eot_id|>: pass `Tokenizer.stop_ids`); generation stops at any of them.
@@ -119,12 +121,12 @@ def generate(
     with torch.inference_mode(), packed_linears(model, packed):  # (the weights read once per step, see packed_linear)
         cache = cast("CausalLM", model).new_kv_cache(1, len(prompt_ids) + max_new_tokens)  # (_max_seq_len: ours)
         # Steps after the prompt in one C call each where the model allows (fitlm.infer.native_decode).
-        native = NativeDecoder.for_model(model, cache) if packed else None
+        fast = NativeDecoder.for_model(model, cache) if packed and native else None
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # [1,T]
         token = -1
         for step in range(max_new_tokens):
-            if native is not None and step > 0:
-                logits = native.step([token])[0]  # [V]
+            if fast is not None and step > 0:
+                logits = fast.step([token])[0]  # [V]
             else:
                 logits = last_logits(model, ids, cache)[0]  # [V]
             token = sample_next(logits, temperature, top_p, generator)

@@ -24,9 +24,11 @@ SHAPES = {
     "llama untied, MHA": dict(arch="llama", tie_embeddings=False, num_kv_heads=4),
     "qwen2 (q/k/v biases)": dict(arch="qwen2"),
     "qwen3 (q/k norms)": dict(arch="qwen3"),
+    "qwen3 head_dim 32 (heads x head_dim != hidden)": dict(arch="qwen3", head_dim=32),
     "phi3 (fused q/k/v and gate/up)": dict(arch="phi3"),
     "mistral-like window 5": dict(arch="llama", sliding_window=5),
     "llama3 rope scaling": dict(arch="llama", rope_scaling={"type": "llama3", "factor": 8.0}),
+    "dynamic rope scaling": dict(arch="llama", rope_scaling={"type": "dynamic", "factor": 2.0}),
 }
 
 
@@ -80,10 +82,11 @@ def test_generate_runs_the_c_step_and_its_greedy_tokens_are_the_torch_steps(shap
     monkeypatch.setattr(NativeDecoder, "step", lambda self, *a: calls.append(1) or step(self, *a))
     fast = generate(model, PROMPT, 20)
     assert len(calls) == 19  # every token after the prompt's first
+    assert generate(model, PROMPT, 20, native=False) == fast
     monkeypatch.setenv("FITLM_NATIVE", "0")
     monkeypatch.setattr(native, "_loaded", {})
     assert generate(model, PROMPT, 20) == fast
-    assert len(calls) == 19  # (the off switch: the torch step)
+    assert len(calls) == 19  # (native=False and the off switch: the torch step)
 
 
 def test_a_batch_of_right_aligned_rows_equals_each_rows_solo_run():
@@ -111,10 +114,9 @@ def test_the_batch_step_equals_the_torch_batch_step():
     prompts = [[3, 9, 27, 4], [81, 5], [44, 1, 2, 3, 4, 5, 6]]
     runs = []
     for use_c in (True, False):
-        batch = SlotBatch(model)
+        batch = SlotBatch(model, native=use_c)
         batch.add_many([(i, p, 30) for i, p in enumerate(prompts)])
-        if not use_c:
-            batch._native = (batch.cache, None)
+        assert (batch._native_decoder(batch.cache) is not None) == use_c
         runs.append(torch.stack([batch.step([7, 8, 9]), batch.step([10, 11, 12])]))
     torch.testing.assert_close(runs[0], runs[1], atol=1e-5, rtol=1e-5)
 
