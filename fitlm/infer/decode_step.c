@@ -180,22 +180,39 @@ static void rope(float* x, const float* cos, const float* sin, int d, int dt) {
 }
 
 /* one query head against keys/values [first, last] of its kv head (cache rows of D), softmax in fp32 */
-static void attend(const float* q, const void* kc, const void* vc, long first, long last, int d, float scale,
-                   int dt, float* scores, float* out) {
+/* out[i] += p * v[i], i < d: one value row (dtype) weighted into the fp32 output */
+static void axpy(float* out, float p, const void* v, int d, int dt) {
+    if (dt == F32) {
+        const float* vf32 = v;
+        for (int i = 0; i < d; i++) out[i] += p * vf32[i];
+    } else if (dt == BF16) {
+        const uint16_t* vb = v;
+        for (int i = 0; i < d; i++) out[i] += p * bf16_f32(vb[i]);
+    } else {
+        const _Float16* vh = v;
+        for (int i = 0; i < d; i++) out[i] += p * (float)vh[i];
+    }
+}
+
+/* one query head against keys/values [first, last] of its kv head (cache rows of D), softmax in fp32; the
+ * scores by the products' kernel (BLOCK keys at a time), qb: q as bf16 (exact: q is bf16-valued there) */
+static void attend(const float* q, const uint16_t* qb, const void* kc, const void* vc, long first, long last, int d,
+                   float scale, int dt, float* scores, float* out) {
     float mx = -INFINITY;
-    for (long j = first; j <= last; j++) {
-        float s = 0;
-        for (int i = 0; i < d; i++) s += q[i] * ld(kc, j * d + i, dt);
-        scores[j - first] = s * scale;
-        if (scores[j - first] > mx) mx = scores[j - first];
+    for (long j = first; j <= last; j += BLOCK) {
+        int rows = last - j + 1 < BLOCK ? (int)(last - j + 1) : BLOCK;
+        float s[BLOCK];
+        dots(kc, j, rows, q, qb, d, dt, s);
+        for (int r = 0; r < rows; r++) {
+            scores[j - first + r] = s[r] * scale;
+            if (scores[j - first + r] > mx) mx = scores[j - first + r];
+        }
     }
     float sum = 0;
     for (long j = first; j <= last; j++) sum += scores[j - first] = expf(scores[j - first] - mx);
     for (int i = 0; i < d; i++) out[i] = 0;
-    for (long j = first; j <= last; j++) {
-        float p = scores[j - first];
-        for (int i = 0; i < d; i++) out[i] += p * ld(vc, j * d + i, dt);
-    }
+    long esize = dt == F32 ? 4 : 2;
+    for (long j = first; j <= last; j++) axpy(out, scores[j - first], (const char*)vc + j * d * esize, d, dt);
     for (int i = 0; i < d; i++) out[i] = rnd(out[i] / sum, dt);
 }
 
@@ -257,7 +274,10 @@ static void attention_block(const Model* m, const void* const* p, Step* s) {
         long first = s->first[b];
         if (m->window > 0 && s->cell - m->window + 1 > first) first = s->cell - m->window + 1;
         long off = (((long)b * K + h / group) * m->max_len) * D * esize;
-        attend(s->q + ((long)b * H + h) * D, (const char*)p[KCACHE] + off, (const char*)p[VCACHE] + off, first,
+        const float* q = s->q + ((long)b * H + h) * D;
+        uint16_t qb[D + 32];
+        to_bf16(q, qb, D, dt);
+        attend(q, qb, (const char*)p[KCACHE] + off, (const char*)p[VCACHE] + off, first,
                s->cell, D, m->scale, dt, s->scores + (long)bh * span_max, s->att + (long)bh * D);
     }
     to_bf16(s->att, s->xb, (long)B * H * D, dt);
