@@ -73,6 +73,7 @@ typedef __m512 vf;
 #define VZERO() _mm512_setzero_ps()
 #define VLOAD(p) _mm512_loadu_ps(p)
 #define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VADD(a, b) _mm512_add_ps(a, b)
 #define VSUM(v) _mm512_reduce_add_ps(v)
 #define VLOAD_BF16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(p))), 16))
 #define VLOAD_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p)))
@@ -82,6 +83,7 @@ typedef __m256 vf;
 #define VZERO() _mm256_setzero_ps()
 #define VLOAD(p) _mm256_loadu_ps(p)
 #define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VADD(a, b) _mm256_add_ps(a, b)
 static inline float vsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -95,49 +97,63 @@ static inline float vsum8(__m256 v) {
 #define VEC 0 /* no vector path: the scalar loop below does everything */
 #endif
 
-#define BLOCK 4 /* weight rows per pass: independent sums in flight, the input read once for them */
+#define BLOCK 4 /* weight rows per work item of a product (and per call of dots) */
 
-/* out[r] = sum_i W[row0 + r, i] x[i] for r < rows (<= BLOCK) */
-static void dots(const void* w, long row0, int rows, const float* x, const uint16_t* xb, long n, int dt, float* out) {
-    long i = 0;
+/* sum_i w[i] x[i] over one weight row: four partial sums over consecutive vectors (one sequential stream, four
+ * FMAs in flight), then one vector at a time, added in a fixed order, then the scalar tail. Every product of the
+ * step goes through here, so a row's sum is the same whatever batch or block it is computed in. */
+#define DOT_BODY(STEP, LOAD_W, LOAD_X, FMA)                                                  \
+    for (; i + 4 * (STEP) <= n; i += 4 * (STEP)) {                                           \
+        a0 = FMA(a0, LOAD_W(i), LOAD_X(i));                                                   \
+        a1 = FMA(a1, LOAD_W(i + (STEP)), LOAD_X(i + (STEP)));                                 \
+        a2 = FMA(a2, LOAD_W(i + 2 * (STEP)), LOAD_X(i + 2 * (STEP)));                         \
+        a3 = FMA(a3, LOAD_W(i + 3 * (STEP)), LOAD_X(i + 3 * (STEP)));                         \
+    }                                                                                         \
+    for (; i + (STEP) <= n; i += (STEP)) a0 = FMA(a0, LOAD_W(i), LOAD_X(i));
+
 #if VEC
-    vf acc[BLOCK];
-    for (int r = 0; r < BLOCK; r++) acc[r] = VZERO();
+#define ACC_FMA(acc, w, x) VFMA(w, x, acc)
+#define W_F32(k) VLOAD(wf + (k))
+#define W_BF16(k) VLOAD_BF16(wb + (k))
+#define W_F16(k) VLOAD_F16(wh + (k))
+#define X_F32(k) VLOAD(x + (k))
+#if defined(__AVX512BF16__)
+#define DP_FMA(acc, w, x) _mm512_dpbf16_ps(acc, w, x)
+#define W_BH(k) ((__m512bh)_mm512_loadu_si512((const void*)(wb + (k))))
+#define X_BH(k) ((__m512bh)_mm512_loadu_si512((const void*)(xb + (k))))
+#endif
+#endif
+
+static float dot(const void* w, const float* x, const uint16_t* xb, long n, int dt) {
+    long i = 0;
+    float s = 0;
+#if VEC
+    vf a0 = VZERO(), a1 = VZERO(), a2 = VZERO(), a3 = VZERO();
     if (dt == F32) {
-        const float* w0 = (const float*)w + row0 * n;
-        for (; i + VEC <= n; i += VEC) {
-            vf xv = VLOAD(x + i);
-            for (int r = 0; r < rows; r++) acc[r] = VFMA(VLOAD(w0 + r * n + i), xv, acc[r]);
-        }
+        const float* wf = w;
+        DOT_BODY(VEC, W_F32, X_F32, ACC_FMA)
     } else if (dt == BF16) {
-        const uint16_t* w0 = (const uint16_t*)w + row0 * n;
+        const uint16_t* wb = w;
 #if defined(__AVX512BF16__)
         /* bf16 pairs multiplied exactly and summed in fp32 (the instruction oneDNN uses); x is bf16-valued */
-        for (; i + 32 <= n; i += 32) {
-            __m512bh xv = (__m512bh)_mm512_loadu_si512((const void*)(xb + i));
-            for (int r = 0; r < rows; r++)
-                acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512((const void*)(w0 + r * n + i)), xv);
-        }
+        DOT_BODY(32, W_BH, X_BH, DP_FMA)
 #endif
-        (void)xb;
-        for (; i + VEC <= n; i += VEC) {
-            vf xv = VLOAD(x + i);
-            for (int r = 0; r < rows; r++) acc[r] = VFMA(VLOAD_BF16(w0 + r * n + i), xv, acc[r]);
-        }
+        DOT_BODY(VEC, W_BF16, X_F32, ACC_FMA)
     } else {
-        const _Float16* w0 = (const _Float16*)w + row0 * n;
-        for (; i + VEC <= n; i += VEC) {
-            vf xv = VLOAD(x + i);
-            for (int r = 0; r < rows; r++) acc[r] = VFMA(VLOAD_F16(w0 + r * n + i), xv, acc[r]);
-        }
+        const _Float16* wh = w;
+        DOT_BODY(VEC, W_F16, X_F32, ACC_FMA)
     }
-    for (int r = 0; r < rows; r++) out[r] = VSUM(acc[r]);
-#else
-    (void)xb;
-    for (int r = 0; r < rows; r++) out[r] = 0;
+    s = VSUM(VADD(VADD(a0, a1), VADD(a2, a3)));
 #endif
-    for (int r = 0; r < rows; r++) /* the tail past the vectors */
-        for (long k = i; k < n; k++) out[r] += ld(w, (row0 + r) * n + k, dt) * x[k];
+    (void)xb;
+    for (; i < n; i++) s += ld(w, i, dt) * x[i]; /* the tail past the vectors */
+    return s;
+}
+
+/* out[r] = sum_i W[row0 + r, i] x[i] for r < rows */
+static void dots(const void* w, long row0, int rows, const float* x, const uint16_t* xb, long n, int dt, float* out) {
+    long esize = dt == F32 ? 4 : 2;
+    for (int r = 0; r < rows; r++) out[r] = dot((const char*)w + (row0 + r) * n * esize, x, xb, n, dt);
 }
 
 /* y[b, o] = rnd(W[o] . x[b] + bias[o]) for b < batch, o < rows_out; W [rows_out, n], x [batch, n], y [batch,

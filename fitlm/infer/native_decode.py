@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fitlm.infer import native
+from fitlm.infer.file_backed import copy_file_backed
 from fitlm.models.decoder import DecoderModel, PreNormBlock
 from fitlm.models.layers import GatedMLP, KVCache, RMSNorm, SelfAttention, causal_attention
 
@@ -206,6 +207,7 @@ class NativeDecoder:
         lib.fitlm_decode_step.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
         lib.fitlm_decode_step.argtypes += [ctypes.c_long] + [ctypes.c_void_p] * 3
         lib.fitlm_decode_step.restype = ctypes.c_int
+        copy_file_backed(model)  # (weights still in their file's pages stream slower: fitlm.infer.file_backed)
         return cls(model, cache, lib)
 
     def step(

@@ -164,3 +164,29 @@ def test_a_broken_build_says_why_and_keeps_the_torch_step(monkeypatch, tmp_path)
     monkeypatch.setenv("CC", str(fake_cc))
     with pytest.warns(UserWarning, match="unsupported option"):
         assert native.library("decode_step") is None
+
+
+def test_weights_still_in_their_file_are_copied_once_and_the_model_still_trains(tmp_path):
+    """A model loaded from safetensors keeps its weights in the file's pages (copy-on-write), which stream slower
+    per token: the C decoder gives them process memory first; the values, the Parameters and training stay."""
+    from fitlm.infer.file_backed import copy_file_backed, file_ranges
+    from fitlm.models.io import load_model_dir, save_model_dir
+
+    model = _model(torch.float32, arch="llama", tie_embeddings=True)
+    save_model_dir(model, model.config, tmp_path / "m")
+    loaded = load_model_dir(tmp_path / "m").model
+
+    def in_files(m: nn.Module) -> int:
+        ranges = file_ranges()
+        return sum(any(a <= p.data_ptr() < b for a, b in ranges) for p in m.parameters())
+
+    if in_files(loaded) == 0:
+        pytest.skip("this safetensors build reads into process memory: nothing is file-backed")
+    params, values = list(loaded.parameters()), [p.detach().clone() for p in loaded.parameters()]
+    ref = generate(loaded, PROMPT, 8, native=False)
+    assert generate(loaded, PROMPT, 8) == ref  # (the C decoder: copies on its way)
+    assert in_files(loaded) == 0 and copy_file_backed(loaded) == 0
+    assert list(loaded.parameters()) == params and all(torch.equal(p, v) for p, v in zip(params, values))
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight  # (still tied)
+    loaded(torch.tensor([PROMPT])).sum().backward()  # plain tensors, not inference ones
+    assert loaded.model.layers["0"].mlp.down_proj.weight.grad is not None
