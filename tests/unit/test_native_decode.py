@@ -92,9 +92,9 @@ def test_generate_runs_the_c_step_and_its_greedy_tokens_are_the_torch_steps(shap
 def test_a_batch_of_right_aligned_rows_equals_each_rows_solo_run():
     """SlotBatch's layout (each row right-aligned, its own position and first cell): every stream's greedy tokens
     are its solo generate's, in bf16 too (each row's products round on their own, not as a batch)."""
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype, more in ((torch.float32, []), (torch.bfloat16, [[7, 7], [90, 1, 2], [11] * 9])):
         model = _model(dtype, **SHAPES["qwen2 (q/k/v biases)"])
-        prompts = [[3, 9, 27], [81, 5, 60, 22, 14, 70, 1], [44], [8, 8, 8, 8, 2]]
+        prompts = [[3, 9, 27], [81, 5, 60, 22, 14, 70, 1], [44], [8, 8, 8, 8, 2]] + more  # bf16: 7 streams
         solo = [generate(model, p, 12) for p in prompts]
         batch, out = SlotBatch(model), {i: [] for i in range(len(prompts))}
         first = batch.add_many([(i, p, len(p) + 13) for i, p in enumerate(prompts)])
@@ -135,7 +135,11 @@ def test_wrapped_or_hooked_layers_and_big_batches_keep_the_torch_step():
     model = _model(torch.float32, arch="llama")
     cache = model.new_kv_cache(1, 8)
     assert unsupported(model, cache) is None
-    assert "more than 8" in unsupported(model, model.new_kv_cache(9, 8))
+    assert "more than 4" in unsupported(model, model.new_kv_cache(5, 8))  # fp32: oneDNN's GEMM beyond 4 streams
+    half = _model(torch.bfloat16, arch="llama")
+    assert unsupported(half, half.new_kv_cache(8, 8)) is None and "more than 8" in unsupported(
+        half, half.new_kv_cache(9, 8)
+    )
     handle = model.model.layers["1"].mlp.register_forward_hook(lambda *a: None)
     assert "hooks" in unsupported(model, cache)
     handle.remove()
