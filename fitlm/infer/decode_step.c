@@ -239,7 +239,7 @@ typedef struct {
     float *h, *xn, *q, *k, *v, *att, *o, *gate, *up, *scores; /* q [batch, H*D], k and v [batch, K*D] */
     uint16_t* xb; /* the product's input as bf16 (the bf16 pair products) */
     const float *cos, *sin; /* [batch, head_dim] */
-    const long* first;      /* [batch]: each row's first cache cell */
+    const int64_t* first;   /* [batch]: each row's first cache cell */
     long cell;              /* the cache cell this step writes (every row) */
 } Step;
 
@@ -317,8 +317,8 @@ static void mlp_block(const Model* m, const void* const* p, Step* s) {
 /* Logits [batch, vocab] (in the model's dtype) of tokens[b] for each row b of the cache; their keys and values
  * go into cache cell `cell`, and row b attends to cells first[b] .. cell. cos/sin [batch, head_dim] fp32 are
  * the rotary tables' rows of each token's position. Returns 0, or -1 when out of memory. */
-int fitlm_decode_step(const Model* m, int batch, const long* tokens, const long* first, long cell, const float* cos,
-                      const float* sin, void* logits) {
+int fitlm_decode_step(const Model* m, int batch, const int64_t* tokens, const int64_t* first, int64_t cell,
+                      const float* cos, const float* sin, void* logits) {
     int dt = m->dtype, C = m->hidden, H = m->heads, K = m->kv_heads, D = m->head_dim, F = m->ffn, B = batch;
     long widest = C > F ? C : F, hd = (long)H * D;
     if (hd > widest) widest = hd;

@@ -11,14 +11,18 @@ trains. Linux only (/proc/self/maps); elsewhere nothing is copied.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
+_lock = threading.Lock()  # (a serving thread and a caller's generate may copy the same model at once)
+
 
 def file_ranges() -> list[tuple[int, int]]:
-    """[start, end) of every mapping of this process backed by a file (inode set, a path); empty off Linux."""
+    """[start, end) of every mapping of this process backed by a file on disk (inode set, a path; not shared
+    memory: /dev/shm, memfd); empty off Linux."""
     try:
         lines = Path("/proc/self/maps").read_text().splitlines()
     except OSError:
@@ -26,7 +30,8 @@ def file_ranges() -> list[tuple[int, int]]:
     ranges = []
     for line in lines:
         fields = line.split(maxsplit=5)
-        if len(fields) == 6 and fields[4] != "0" and fields[5].startswith("/"):
+        path = fields[5] if len(fields) == 6 else ""
+        if fields[4] != "0" and path.startswith("/") and not path.startswith(("/dev/shm/", "/memfd:")):
             start, end = (int(a, 16) for a in fields[0].split("-"))
             ranges.append((start, end))
     return ranges
@@ -34,19 +39,24 @@ def file_ranges() -> list[tuple[int, int]]:
 
 def copy_file_backed(model: nn.Module) -> int:
     """Give every parameter of `model` whose data lies in a file mapping its own copy in process memory; the
-    number copied (0 when none is file-backed)."""
-    ranges = file_ranges()
-    if not ranges:
-        return 0
-    backed = [
-        p
-        for p in {id(p): p for p in model.parameters()}.values()  # (a tied weight once)
-        if p.device.type == "cpu" and any(a <= p.data_ptr() < b for a, b in ranges)
-    ]
-    with torch.inference_mode(False), torch.no_grad():  # (a plain tensor: the model may train afterwards)
-        for p in backed:
-            p.data = p.data.clone()
-    return len(backed)
+    number copied (0 when none is file-backed). Left alone: inference tensors (a model loaded under inference
+    mode: a plain copy would not run there) and shared memory (`share_memory()`: other processes read it)."""
+    with _lock:
+        ranges = file_ranges()
+        if not ranges:
+            return 0
+        backed = [
+            p
+            for p in {id(p): p for p in model.parameters()}.values()  # (a tied weight once)
+            if p.device.type == "cpu"
+            and not p.is_inference()
+            and not p.is_shared()
+            and any(a <= p.data_ptr() < b for a, b in ranges)
+        ]
+        with torch.inference_mode(False), torch.no_grad():  # (a plain tensor: the model may train afterwards)
+            for p in backed:
+                p.data = p.data.clone()
+        return len(backed)
 
 
 __all__ = ["copy_file_backed", "file_ranges"]

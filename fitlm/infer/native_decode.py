@@ -146,8 +146,13 @@ def unsupported(model: nn.Module, cache: KVCache) -> str | None:
         return "forward hooks on the model"
     if not 1 <= cache.batch_size <= MAX_BATCH[dtype]:
         return f"a KV cache of more than {MAX_BATCH[dtype]} sequences in {dtype} (compute-bound products: oneDNN's)"
-    if any(t.dtype != dtype or not t.is_contiguous() for t in (*cache.k, *cache.v)):
-        return "a KV cache of another dtype"
+    cfg = cast("CausalLM", model).config
+    want = (cache.batch_size, cfg.kv_heads, cache.max_len, cfg.head_size)  # [B,K,max_len,D], what new_kv_cache makes
+    kv = (*cache.k, *cache.v)
+    if len(cache.k) != len(blocks) or any(
+        t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous() or tuple(t.shape) != want for t in kv
+    ):
+        return f"a KV cache other than the model's own (per layer [B,K,max_len,D] = {list(want)}, {dtype}, CPU)"
     return None
 
 
@@ -176,7 +181,11 @@ class NativeDecoder:
             layer=ctypes.cast(self.pointers, ctypes.c_void_p), embed=body.embed_tokens.weight.data_ptr(),
             final_norm=lm.model.norm.weight.data_ptr(), head=lm.lm_head.weight.data_ptr(),
         )  # fmt: skip
-        self.model = model  # (keeps every pointed-to tensor alive)
+        # The tensors the C struct points into, held so none is freed while it lives; `step` checks that the model
+        # and the cache still use them (a weight or cache buffer swapped for another would leave a dangling pointer).
+        self.kept = [*(p.data for p in model.parameters()), *cache.k, *cache.v]
+        self.pointed = [(p, p.data_ptr()) for p in (body.embed_tokens.weight, lm.lm_head.weight)]
+        self.pointed += [(t, t.data_ptr()) for t in (cache.k[0], cache.v[-1])]
 
     @staticmethod
     def _slots(block: Any, i: int, cache: KVCache, heads: int, kv: int, d: int, ffn: int) -> list[int | None]:
@@ -209,7 +218,7 @@ class NativeDecoder:
             return None
         # (model, batch, tokens, first cells, cell, cos, sin, logits)
         lib.fitlm_decode_step.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
-        lib.fitlm_decode_step.argtypes += [ctypes.c_long] + [ctypes.c_void_p] * 3
+        lib.fitlm_decode_step.argtypes += [ctypes.c_int64] + [ctypes.c_void_p] * 3
         lib.fitlm_decode_step.restype = ctypes.c_int
         copy_file_backed(model)  # (weights still in their file's pages stream slower: fitlm.infer.file_backed)
         return cls(model, cache, lib)
@@ -229,6 +238,10 @@ class NativeDecoder:
             raise ValueError(f"KV cache is full: its {self.cache.max_len} positions are taken; allocate a longer cache")
         if not all(0 <= t < self.vocab for t in tokens):
             raise ValueError(f"token ids {tokens} leave the vocabulary [0, {self.vocab})")
+        if not all(0 <= f <= cell for f in first) or not all(p >= 0 for p in positions):
+            raise ValueError(f"first cells {first} must lie in [0, {cell}] and positions {positions} be >= 0")
+        if any(t.data_ptr() != ptr for t, ptr in self.pointed) or self.cache.k[0] is not self.pointed[2][0]:
+            raise RuntimeError("the model's weights or the KV cache were replaced: make a new NativeDecoder")
         cos, sin = self.rotary(torch.tensor(positions)[:, None])  # [B,1,D] each: the model's own table (any scaling)
         cos, sin = cos.float().contiguous(), sin.float().contiguous()  # (a model cast whole has half tables)
         ids, starts = torch.tensor(tokens, dtype=torch.long), torch.tensor(first, dtype=torch.long)  # [B] each

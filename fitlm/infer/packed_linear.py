@@ -60,14 +60,20 @@ def packable_dtypes() -> set[torch.dtype]:
     return dtypes
 
 
+def _version(t: torch.Tensor) -> int:
+    """t's in-place update counter; inference tensors (a model loaded under inference mode) have none, and can
+    only change inside inference mode, where nothing else would see it either: their identity stands for them."""
+    return -1 if t.is_inference() else t._version
+
+
 def packed_weight(weight: torch.Tensor) -> torch.Tensor:
     """The oneDNN-packed copy of `weight` [out, in], packed again if the weight changed since."""
     cached = _PACKED.get(weight)
-    if cached is not None and cached[0] == weight._version:
+    if cached is not None and cached[0] == _version(weight):
         return cached[1]
     with torch.no_grad():
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())  # no batch-size hint (see the module doc)
-    _PACKED[weight] = (weight._version, packed)
+    _PACKED[weight] = (_version(weight), packed)
     return packed
 
 
@@ -75,7 +81,7 @@ def packed_rows(owner: nn.Module, linears: list[nn.Linear]) -> tuple[torch.Tenso
     """(packed weight, bias) of `linears` stacked by rows ([sum of outs, in], [sum of outs] or None), cached on
     `owner`; made again when any weight or bias changed (an in-place update, or another tensor put in its place)."""
     tensors = [t for m in linears for t in (m.weight, m.bias) if t is not None]
-    stamp = tuple((id(t), t._version) for t in tensors)
+    stamp = tuple((id(t), _version(t)) for t in tensors)
     cached = _PACKED.get(owner)
     if cached is not None and cached[0] == stamp:
         return cached[1]

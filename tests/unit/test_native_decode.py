@@ -62,14 +62,14 @@ PROMPT, FED = [5, 17, 3, 88, 41, 9, 60], [12, 7, 95, 0, 33, 33, 71, 2, 50, 19]  
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_a_c_step_gives_the_torch_steps_logits(shape, dtype):
     model = _model(dtype, **SHAPES[shape])
     with torch.inference_mode():
         ref, out = _torch_steps(model, PROMPT, FED), _native_steps(model, PROMPT, FED)
     if dtype == torch.float32:
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)  # float rounding: another summation order
-    else:  # bf16 rounds at the same points; a sum's last bit may differ and carry through: a few bf16 steps
+    else:  # half rounds at the same points; a sum's last bit may differ and carry through: a few half steps
         torch.testing.assert_close(out.float(), ref.float(), atol=0.05, rtol=0.02)
         assert (out.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
 
@@ -194,3 +194,41 @@ def test_weights_still_in_their_file_are_copied_once_and_the_model_still_trains(
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight  # (still tied)
     loaded(torch.tensor([PROMPT])).sum().backward()  # plain tensors, not inference ones
     assert loaded.model.layers["0"].mlp.down_proj.weight.grad is not None
+
+
+def test_bad_steps_and_replaced_tensors_are_refused_before_the_c_call():
+    from fitlm.models.layers import KVCache
+
+    model = _model(torch.float32, arch="llama")
+    cache = model.new_kv_cache(2, 16)
+    last_logits(model, torch.tensor([PROMPT[:3], PROMPT[3:6]]), cache)
+    decoder = NativeDecoder.for_model(model, cache)
+    assert decoder is not None
+    with pytest.raises(ValueError, match="first cells"):
+        decoder.step([1, 2], [3, 3], [0, -1])  # (a cell before the row: reads and writes out of it)
+    with pytest.raises(ValueError, match="first cells"):
+        decoder.step([1, 2], [3, 3], [0, 4])  # (past the cell written now: nothing to attend to)
+    with pytest.raises(ValueError, match="vocabulary"):
+        decoder.step([1, 96])
+    with torch.no_grad():
+        model.lm_head.weight.data = model.lm_head.weight.data.clone()  # (another tensor: the C struct's is stale)
+    with pytest.raises(RuntimeError, match="replaced"):
+        decoder.step([1, 2])
+    other = KVCache(2, 1, 16, 2, 8)  # head_dim 8, not the model's 16
+    assert "KV cache" in unsupported(model, other)
+
+
+def test_inference_and_shared_parameters_are_not_copied(tmp_path):
+    from fitlm.infer.file_backed import copy_file_backed
+    from fitlm.models.io import load_model_dir, save_model_dir
+
+    model = _model(torch.float32, arch="llama")
+    save_model_dir(model, model.config, tmp_path / "m")
+    with torch.inference_mode():
+        inference = load_model_dir(tmp_path / "m").model  # (its tensors: inference tensors)
+    assert copy_file_backed(inference) == 0
+    with torch.inference_mode():
+        assert len(generate(inference, PROMPT, 4)) == 4  # and it still decodes
+    shared = _model(torch.float32, arch="llama").share_memory()
+    pointers = [p.data_ptr() for p in shared.parameters()]
+    assert copy_file_backed(shared) == 0 and [p.data_ptr() for p in shared.parameters()] == pointers
