@@ -59,6 +59,8 @@ static inline void st(void* p, long i, float v, int dt) {
     else if (dt == BF16) ((uint16_t*)p)[i] = f32_bf16(v);
     else ((_Float16*)p)[i] = (_Float16)v;
 }
+/* bytes of one element of the dtype */
+static inline long esize(int dt) { return dt == F32 ? 4 : 2; }
 /* v rounded to the dtype and back: where torch would hold a tensor of that dtype */
 static inline float rnd(float v, int dt) {
     if (dt == F32) return v;
@@ -152,8 +154,7 @@ static float dot(const void* w, const float* x, const uint16_t* xb, long n, int 
 
 /* out[r] = sum_i W[row0 + r, i] x[i] for r < rows */
 static void dots(const void* w, long row0, int rows, const float* x, const uint16_t* xb, long n, int dt, float* out) {
-    long esize = dt == F32 ? 4 : 2;
-    for (int r = 0; r < rows; r++) out[r] = dot((const char*)w + (row0 + r) * n * esize, x, xb, n, dt);
+    for (int r = 0; r < rows; r++) out[r] = dot((const char*)w + (row0 + r) * n * esize(dt), x, xb, n, dt);
 }
 
 /* y[b, o] = rnd(W[o] . x[b] + bias[o]) for b < batch, o < rows_out; W [rows_out, n], x [batch, n], y [batch,
@@ -195,7 +196,6 @@ static void rope(float* x, const float* cos, const float* sin, int d, int dt) {
     memcpy(x, tmp, sizeof(float) * d);
 }
 
-/* one query head against keys/values [first, last] of its kv head (cache rows of D), softmax in fp32 */
 /* out[i] += p * v[i], i < d: one value row (dtype) weighted into the fp32 output */
 static void axpy(float* out, float p, const void* v, int d, int dt) {
     if (dt == F32) {
@@ -227,8 +227,7 @@ static void attend(const float* q, const uint16_t* qb, const void* kc, const voi
     float sum = 0;
     for (long j = first; j <= last; j++) sum += scores[j - first] = expf(scores[j - first] - mx);
     for (int i = 0; i < d; i++) out[i] = 0;
-    long esize = dt == F32 ? 4 : 2;
-    for (long j = first; j <= last; j++) axpy(out, scores[j - first], (const char*)vc + j * d * esize, d, dt);
+    for (long j = first; j <= last; j++) axpy(out, scores[j - first], (const char*)vc + j * d * esize(dt), d, dt);
     for (int i = 0; i < d; i++) out[i] = rnd(out[i] / sum, dt);
 }
 
@@ -240,7 +239,7 @@ typedef struct {
     uint16_t* xb; /* the product's input as bf16 (the bf16 pair products) */
     const float *cos, *sin; /* [batch, head_dim] */
     const int64_t* first;   /* [batch]: each row's first cache cell */
-    long cell;              /* the cache cell this step writes (every row) */
+    int64_t cell;           /* the cache cell this step writes (every row) */
 } Step;
 
 static void to_bf16(const float* x, uint16_t* xb, long n, int dt) {
@@ -278,7 +277,7 @@ static void position_row(const Model* m, const void* const* p, Step* s, int b) {
 static void attention_block(const Model* m, const void* const* p, Step* s) {
     int dt = m->dtype, C = m->hidden, H = m->heads, K = m->kv_heads, D = m->head_dim, nt = m->nthreads;
     int B = s->batch, group = H / K;
-    long esize = dt == F32 ? 4 : 2, span_max = s->cell + 1;
+    long span_max = s->cell + 1;
     norm_rows(m, s->h, p[IN_NORM], C, s->xn, s->xb, B);
     matvec(p[WQ], p[BQ], s->xn, s->xb, C, (long)H * D, dt, s->q, B, nt);
     matvec(p[WK], p[BK], s->xn, s->xb, C, (long)K * D, dt, s->k, B, nt);
@@ -289,7 +288,7 @@ static void attention_block(const Model* m, const void* const* p, Step* s) {
         int b = bh / H, h = bh % H;
         long first = s->first[b];
         if (m->window > 0 && s->cell - m->window + 1 > first) first = s->cell - m->window + 1;
-        long off = (((long)b * K + h / group) * m->max_len) * D * esize;
+        long off = (((long)b * K + h / group) * m->max_len) * D * esize(dt);
         const float* q = s->q + ((long)b * H + h) * D;
         uint16_t qb[D + 32];
         to_bf16(q, qb, D, dt);

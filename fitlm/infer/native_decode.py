@@ -130,8 +130,8 @@ def unsupported(model: nn.Module, cache: KVCache) -> str | None:
         return f"dtype {dtype} or a final norm other than RMSNorm"
     if body.embed_scale is not None or body.rotary_emb_local is not None:
         return "scaled embeddings or a second rotary table (Gemma)"
-    softcap = cast("CausalLM", model).config.final_logit_softcap
-    if softcap is not None or not _plain_linear(head, dtype) or head.bias is not None:
+    cfg = cast("CausalLM", model).config
+    if cfg.final_logit_softcap is not None or not _plain_linear(head, dtype) or head.bias is not None:
         return "a soft-capped, biased or wrapped output projection"
     if not (_plain_params(body.embed_tokens, dtype) and _plain_norm(body.norm, dtype, eps)):
         return "a wrapped embedding or final norm"
@@ -146,7 +146,6 @@ def unsupported(model: nn.Module, cache: KVCache) -> str | None:
         return "forward hooks on the model"
     if not 1 <= cache.batch_size <= MAX_BATCH[dtype]:
         return f"a KV cache of more than {MAX_BATCH[dtype]} sequences in {dtype} (compute-bound products: oneDNN's)"
-    cfg = cast("CausalLM", model).config
     want = (cache.batch_size, cfg.kv_heads, cache.max_len, cfg.head_size)  # [B,K,max_len,D], what new_kv_cache makes
     kv = (*cache.k, *cache.v)
     if len(cache.k) != len(blocks) or any(
@@ -184,8 +183,12 @@ class NativeDecoder:
         # The tensors the C struct points into, held so none is freed while it lives; `step` checks that the model
         # and the cache still use them (a weight or cache buffer swapped for another would leave a dangling pointer).
         self.kept = [*(p.data for p in model.parameters()), *cache.k, *cache.v]
-        self.pointed = [(p, p.data_ptr()) for p in (body.embed_tokens.weight, lm.lm_head.weight)]
-        self.pointed += [(t, t.data_ptr()) for t in (cache.k[0], cache.v[-1])]
+        self.anchors = (body.embed_tokens.weight, lm.lm_head.weight)
+        self.anchored = self._anchor_pointers()
+
+    def _anchor_pointers(self) -> tuple[int, ...]:
+        """Where the embedding, the head and the cache's first and last buffers are now."""
+        return (*(p.data_ptr() for p in self.anchors), self.cache.k[0].data_ptr(), self.cache.v[-1].data_ptr())
 
     @staticmethod
     def _slots(block: Any, i: int, cache: KVCache, heads: int, kv: int, d: int, ffn: int) -> list[int | None]:
@@ -216,10 +219,11 @@ class NativeDecoder:
         lib = native.library("decode_step")
         if lib is None:
             return None
-        # (model, batch, tokens, first cells, cell, cos, sin, logits)
-        lib.fitlm_decode_step.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
-        lib.fitlm_decode_step.argtypes += [ctypes.c_int64] + [ctypes.c_void_p] * 3
-        lib.fitlm_decode_step.restype = ctypes.c_int
+        if lib.fitlm_decode_step.argtypes is None:  # (once per process: the library is loaded once)
+            # (model, batch, tokens, first cells, cell, cos, sin, logits)
+            lib.fitlm_decode_step.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+            lib.fitlm_decode_step.argtypes += [ctypes.c_int64] + [ctypes.c_void_p] * 3
+            lib.fitlm_decode_step.restype = ctypes.c_int
         copy_file_backed(model)  # (weights still in their file's pages stream slower: fitlm.infer.file_backed)
         return cls(model, cache, lib)
 
@@ -240,7 +244,7 @@ class NativeDecoder:
             raise ValueError(f"token ids {tokens} leave the vocabulary [0, {self.vocab})")
         if not all(0 <= f <= cell for f in first) or not all(p >= 0 for p in positions):
             raise ValueError(f"first cells {first} must lie in [0, {cell}] and positions {positions} be >= 0")
-        if any(t.data_ptr() != ptr for t, ptr in self.pointed) or self.cache.k[0] is not self.pointed[2][0]:
+        if self._anchor_pointers() != self.anchored:
             raise RuntimeError("the model's weights or the KV cache were replaced: make a new NativeDecoder")
         cos, sin = self.rotary(torch.tensor(positions)[:, None])  # [B,1,D] each: the model's own table (any scaling)
         cos, sin = cos.float().contiguous(), sin.float().contiguous()  # (a model cast whole has half tables)
