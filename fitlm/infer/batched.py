@@ -69,7 +69,7 @@ class SlotBatch:
 
     def __init__(self, model: nn.Module, packed: bool = True, inference: bool = True, native: bool = True):
         """`packed`: decode through oneDNN-packed weights (fitlm.infer.packed_linear: faster on a CPU, a second
-        copy of the weights' bytes for as long as the model lives) and steps of up to 4 fp32 / 8 half slots in C
+        copy of the weights' bytes for as long as the model lives) and steps of up to 16 slots in C
         (`native`, fitlm.infer.native_decode); False where the model trains in between. `native` False: torch
         steps only.
         `inference`: under torch.inference_mode; False (no_grad) where decoding gathers sharded weights (ZeRO-2/3)

@@ -157,24 +157,162 @@ static void dots(const void* w, long row0, int rows, const float* x, const uint1
     for (int r = 0; r < rows; r++) out[r] = dot((const char*)w + (row0 + r) * n * esize(dt), x, xb, n, dt);
 }
 
-/* y[b, o] = rnd(W[o] . x[b] + bias[o]) for b < batch, o < rows_out; W [rows_out, n], x [batch, n], y [batch,
- * rows_out]. Each block of weight rows is read from memory once for every row of the batch. */
-static void matvec(const void* w, const void* bias, const float* x, const uint16_t* xb, long n, long rows_out,
+/* ------------------------------------------------------------------------------- the packed products */
+/* The weights of the step's products are packed (fitlm_pack) in panels of PW consecutive output rows, each
+ * panel [n][PW] (bf16: [ceil(n/2)][PW][2], the two inputs of a pair side by side), rows past the end zero.
+ * Why: with the outputs in the vector lanes, one weight vector load serves every row of the batch (a broadcast
+ * of that row's input and an FMA each), no horizontal sums: 8 rows run at the cores' multiply-add rate, where a
+ * dot product per weight row and batch row is bound by its loads. Each output is one fp32 sum over its inputs
+ * in order (bf16 pair products: pairs in order), the same for every row of a batch and every batch size. */
+#define PW 32
+
+static long packed_n(long n, int dt) { return dt == BF16 ? n + (n & 1) : n; }
+
+long fitlm_packed_bytes(long rows, long n, int dt) { return (rows + PW - 1) / PW * PW * packed_n(n, dt) * esize(dt); }
+
+/* w [rows, n] (dtype dt) into out (fitlm_packed_bytes of it) */
+void fitlm_pack(const void* w, long rows, long n, int dt, void* out) {
+    long np = packed_n(n, dt), es = esize(dt), panels = (rows + PW - 1) / PW;
+    memset(out, 0, panels * PW * np * es);
+    for (long o = 0; o < rows; o++)
+        for (long i = 0; i < n; i++) {
+            long at = (o / PW) * PW * np + (dt == BF16 ? ((i / 2) * PW + o % PW) * 2 + i % 2 : i * PW + o % PW);
+            memcpy((char*)out + at * es, (const char*)w + (o * n + i) * es, es);
+        }
+}
+
+#if VEC
+#define NV (PW / VEC) /* vectors of a panel's row */
+#ifndef PF
+#define PF 32
+#endif
+#define PREFETCH(p) (_mm_prefetch((const char*)(p), _MM_HINT_T0), _mm_prefetch((const char*)(p) + 64, _MM_HINT_T0))
+#if defined(__AVX512F__)
+#define RG 8 /* batch rows per pass over a panel: 8 x 2 accumulators of the 32 registers */
+#define VSET1(v) _mm512_set1_ps(v)
+#define VSTORE(p, v) _mm512_storeu_ps(p, v)
+#define PAIR_EVEN(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512((const void*)(p)), 16))
+#define PAIR_ODD(p) _mm512_castsi512_ps(_mm512_and_si512(_mm512_loadu_si512((const void*)(p)), _mm512_set1_epi32((int)0xffff0000)))
+#else
+#define RG 2 /* 2 x 4 accumulators of the 16 registers */
+#define VSET1(v) _mm256_set1_ps(v)
+#define VSTORE(p, v) _mm256_storeu_ps(p, v)
+#define PAIR_EVEN(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)(p)), 16))
+#define PAIR_ODD(p) _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256((const __m256i*)(p)), _mm256_set1_epi32((int)0xffff0000)))
+#endif
+
+/* acc[r][v] += x[r][k] * W[k][v lanes] for each input k: the inner loop of a panel, R rows (a constant) */
+#define PANEL_LOOP(K_END, W_AT, X_AT, LOAD)                          \
+    for (long k = 0; k < (K_END); k++) {                             \
+        vf wv[NV];                                                   \
+        for (int v = 0; v < NV; v++) wv[v] = LOAD((W_AT) + v * VEC); \
+        PREFETCH((W_AT) + PF * PW);                                  \
+        for (int r = 0; r < R; r++) {                                \
+            vf xv = VSET1(X_AT);                                     \
+            for (int v = 0; v < NV; v++) a[r][v] = VFMA(wv[v], xv, a[r][v]); \
+        }                                                            \
+    }
+
+/* y[r][0..PW) = sum_k x[r][k] W[k][..] for the R rows of x (and xb, bf16 copy) [R, n], one panel pw */
+static inline __attribute__((always_inline)) void panel(const void* pw, int dt, const float* x, const uint16_t* xb,
+                                                        long n, const int R, float* y) {
+    vf a[RG][NV];
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < NV; v++) a[r][v] = VZERO();
+    if (dt == F32) {
+        const float* w = pw;
+        PANEL_LOOP(n, w + k * PW, x[r * n + k], VLOAD)
+    } else if (dt == F16) {
+        const _Float16* w = pw;
+        PANEL_LOOP(n, w + k * PW, x[r * n + k], VLOAD_F16)
+    } else {
+        const uint16_t* w = pw;
+        long pairs = n / 2;
+#if defined(__AVX512BF16__)
+        /* bf16 pairs multiplied exactly and summed in fp32 (the instruction oneDNN uses); x is bf16-valued */
+        for (long k = 0; k < pairs; k++) {
+            __m512bh wv[NV];
+            for (int v = 0; v < NV; v++) wv[v] = (__m512bh)_mm512_loadu_si512((const void*)(w + (k * PW + v * VEC) * 2));
+            PREFETCH(w + (k + PF) * PW * 2);
+            for (int r = 0; r < R; r++) {
+                uint32_t two;
+                memcpy(&two, xb + r * n + 2 * k, 4);
+                __m512bh xv = (__m512bh)_mm512_set1_epi32((int)two);
+                for (int v = 0; v < NV; v++) a[r][v] = _mm512_dpbf16_ps(a[r][v], wv[v], xv);
+            }
+        }
+#else
+        for (long k = 0; k < pairs; k++) { /* the pair's first input, then its second */
+            vf ev[NV], od[NV];
+            for (int v = 0; v < NV; v++) ev[v] = PAIR_EVEN(w + (k * PW + v * VEC) * 2), od[v] = PAIR_ODD(w + (k * PW + v * VEC) * 2);
+            for (int r = 0; r < R; r++) {
+                vf x0 = VSET1(x[r * n + 2 * k]), x1 = VSET1(x[r * n + 2 * k + 1]);
+                for (int v = 0; v < NV; v++) a[r][v] = VFMA(od[v], x1, VFMA(ev[v], x0, a[r][v]));
+            }
+        }
+#endif
+        if (n & 1) { /* the last input alone: the first of a pair whose second is zero */
+            vf ev[NV];
+            for (int v = 0; v < NV; v++) ev[v] = PAIR_EVEN(w + (pairs * PW + v * VEC) * 2);
+            for (int r = 0; r < R; r++) {
+                vf xv = VSET1(x[r * n + n - 1]);
+                for (int v = 0; v < NV; v++) a[r][v] = VFMA(ev[v], xv, a[r][v]);
+            }
+        }
+        (void)xb;
+    }
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < NV; v++) VSTORE(y + r * PW + v * VEC, a[r][v]);
+}
+#endif
+
+#if !VEC
+#define RG 8
+/* the scalar twin of panel: the same sums in the same order, one output at a time */
+static void panel_scalar(const void* pw, int dt, const float* x, long n, int R, float* y) {
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < PW; j++) {
+            float acc = 0;
+            for (long k = 0; k < n; k++) {
+                long at = dt == BF16 ? ((k / 2) * PW + j) * 2 + k % 2 : k * PW + j;
+                acc += ld(pw, at, dt) * x[r * n + k];
+            }
+            y[r * PW + j] = acc;
+        }
+}
+#endif
+
+/* y[b, o] = rnd(W[o] . x[b] + bias[o]) for b < batch, o < rows_out: pw the packed W [rows_out, n], x [batch, n],
+ * y [batch, rows_out]. Each panel is read from memory once for every RG rows of the batch. */
+static void matvec(const void* pw, const void* bias, const float* x, const uint16_t* xb, long n, long rows_out,
                    int dt, float* y, int batch, int nthreads) {
-    long blocks = (rows_out + BLOCK - 1) / BLOCK;
+    long panels = (rows_out + PW - 1) / PW, panel_bytes = PW * packed_n(n, dt) * esize(dt);
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && rows_out * n > 32768)
-    for (long blk = 0; blk < blocks; blk++) {
-        long r0 = blk * BLOCK;
-        int rows = rows_out - r0 < BLOCK ? (int)(rows_out - r0) : BLOCK;
-        for (int b = 0; b < batch; b++) {
-            float s[BLOCK];
-            dots(w, r0, rows, x + b * n, xb + b * n, n, dt, s);
-            for (int r = 0; r < rows; r++)
-                y[b * rows_out + r0 + r] = rnd(s[r] + (bias ? ld(bias, r0 + r, dt) : 0.0f), dt);
+    for (long p = 0; p < panels; p++) {
+        const char* w = (const char*)pw + p * panel_bytes;
+        long o0 = p * PW, outs = rows_out - o0 < PW ? rows_out - o0 : PW;
+        for (int b0 = 0; b0 < batch; b0 += RG) {
+            int R = batch - b0 < RG ? batch - b0 : RG;
+            float acc[RG * PW];
+            const float* xr = x + (long)b0 * n;
+#if VEC
+            const uint16_t* xbr = xb + (long)b0 * n;
+            switch (R) { /* R a constant in each: the accumulators stay in registers */
+#define PANEL_CASE(k) case k: panel(w, dt, xr, xbr, n, k, acc); break;
+                PANEL_CASE(1) PANEL_CASE(2)
+#if RG > 2
+                PANEL_CASE(3) PANEL_CASE(4) PANEL_CASE(5) PANEL_CASE(6) PANEL_CASE(7) PANEL_CASE(8)
+#endif
+            }
+#else
+            panel_scalar(w, dt, xr, n, R, acc);
+#endif
+            for (int r = 0; r < R; r++)
+                for (long j = 0; j < outs; j++)
+                    y[(long)(b0 + r) * rows_out + o0 + j] = rnd(acc[r * PW + j] + (bias ? ld(bias, o0 + j, dt) : 0.0f), dt);
         }
     }
 }
-
 /* ------------------------------------------------------------------------------------- the small ops */
 /* Hugging Face's RMSNorm: fp32 statistics, x * rsqrt(mean(x^2) + eps) rounded, then times the weight */
 static void rms_norm(const float* x, const void* w, long n, float eps, int dt, float* out) {
@@ -282,6 +420,7 @@ static void attention_block(const Model* m, const void* const* p, Step* s) {
     matvec(p[WQ], p[BQ], s->xn, s->xb, C, (long)H * D, dt, s->q, B, nt);
     matvec(p[WK], p[BK], s->xn, s->xb, C, (long)K * D, dt, s->k, B, nt);
     matvec(p[WV], p[BV], s->xn, s->xb, C, (long)K * D, dt, s->v, B, nt);
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1 && B > 1)
     for (int b = 0; b < B; b++) position_row(m, p, s, b);
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1 && span_max * B * H * D > 65536)
     for (int bh = 0; bh < B * H; bh++) {
@@ -307,6 +446,7 @@ static void mlp_block(const Model* m, const void* const* p, Step* s) {
     norm_rows(m, s->h, p[POST_NORM], C, s->xn, s->xb, B);
     matvec(p[WGATE], NULL, s->xn, s->xb, C, F, dt, s->gate, B, nt);
     matvec(p[WUP], NULL, s->xn, s->xb, C, F, dt, s->up, B, nt);
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1 && B * F > 4096)
     for (long i = 0; i < (long)B * F; i++) s->gate[i] = rnd(rnd(silu(s->gate[i]), dt) * s->up[i], dt);
     to_bf16(s->gate, s->xb, (long)B * F, dt);
     matvec(p[WDOWN], NULL, s->gate, s->xb, F, C, dt, s->o, B, nt);
@@ -346,6 +486,31 @@ int fitlm_decode_step(const Model* m, int batch, const int64_t* tokens, const in
     matvec(m->head, NULL, s.xn, s.xb, C, m->vocab, dt, out, B, m->nthreads);
     for (long i = 0; i < (long)B * m->vocab; i++) st(logits, i, out[i], dt);
     free(buf);
+    free(xb);
+    return 0;
+}
+
+/* y [m, rows_out] = x [m, n] W^T + bias (dtype dt each, bias may be NULL) through the packed panels pw of W
+ * [rows_out, n]: a linear layer's product for m rows, RG at a time. Returns 0, or -1 when out of memory. */
+int fitlm_linear(const void* pw, const void* bias, const void* x, long m, long n, long rows_out, int dt, void* y,
+                 int nthreads) {
+    long tile = 64; /* rows converted per pass: the fp32 (and bf16) copies of the inputs, the fp32 outputs */
+    float* xf = malloc(sizeof(float) * (tile * n + tile * rows_out));
+    uint16_t* xb = malloc(sizeof(uint16_t) * (tile * n + 32));
+    if (!xf || !xb) {
+        free(xf);
+        free(xb);
+        return -1;
+    }
+    float* out = xf + tile * n;
+    for (long r0 = 0; r0 < m; r0 += tile) {
+        long rows = m - r0 < tile ? m - r0 : tile;
+        for (long i = 0; i < rows * n; i++) xf[i] = ld(x, r0 * n + i, dt);
+        to_bf16(xf, xb, rows * n, dt);
+        matvec(pw, bias, xf, xb, n, rows_out, dt, out, (int)rows, nthreads);
+        for (long i = 0; i < rows * rows_out; i++) st(y, r0 * rows_out + i, out[i], dt);
+    }
+    free(xf);
     free(xb);
     return 0;
 }

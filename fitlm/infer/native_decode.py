@@ -1,4 +1,4 @@
-"""Single-stream decode steps of Llama-architecture models in C (`decode_step.c`): one call a token.
+"""Decode steps of Llama-architecture models in C (`decode_step.c`): one call a token, for 1 to 16 streams.
 
 Why: a batch-1 decode step on a CPU is the weights streaming through matrix-vector products plus ~20 small
 torch ops a layer, each a few microseconds of dispatch for a few hundred numbers (a quarter of a 135M model's
@@ -10,33 +10,39 @@ Where it applies (`NativeDecoder.for_model`; otherwise None and `generate` keeps
 DecoderModel body of pre-norm blocks with RMSNorm, self-attention with RoPE (any scaling: the tables come from
 the model's own rotary embedding), optional q/k/v biases, Qwen3's q/k norms, a sliding window; a SwiGLU MLP;
 plain `nn.Linear`s (no LoRA wrappers, no quantized or sharded weights) without hooks; fp32, bf16 or fp16 on
-the CPU; one sequence. That is Llama, Mistral, Qwen2, Qwen3, Phi-3 and SmolLM; Gemma, GPT-2 and the MoE
+the CPU; up to MAX_BATCH cache rows. That is Llama, Mistral, Qwen2, Qwen3, Phi-3 and SmolLM; Gemma, GPT-2 and the MoE
 families keep the torch step. The prompt's prefill stays torch's (a matrix product, not dispatch-bound); the
 cache is the same `KVCache`. `FITLM_NATIVE=0` turns it off.
+
+The products read packed copies of the weights (`pack_panels`: panels of PW output rows, the outputs in the
+vector lanes), so one pass over a panel serves 8 rows at the cores' multiply-add rate and a row's sums never
+depend on the batch. The copies are cached per weight (`panels_of`) and made again when its version counter
+moves (an in-place update: an RL trainer's optimizer step between samplings); `step` checks before each call.
+Cost: one more copy of the linear weights while the model lives.
 """
 
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING, Any, Iterator, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 
 from fitlm.infer import native
-from fitlm.infer.file_backed import copy_file_backed
+from fitlm.infer.packed_linear import _version
 from fitlm.models.decoder import DecoderModel, PreNormBlock
 from fitlm.models.layers import GatedMLP, KVCache, RMSNorm, SelfAttention, causal_attention
 
 if TYPE_CHECKING:
     from fitlm.models.causal_lm import CausalLM
 
-# Rows a C step takes, by dtype. Beyond, the products are bound by the cores' multiply-adds, not by memory, and
-# oneDNN's GEMM is as fast or faster (fp32, 2 cores: 4 rows 20.5 against 24.6 ms a step, 8 rows 29.8 against
-# 28.5; 1 thread, 8 rows: 132 against 157 tokens/s). In half precision the AVX-512 BF16 pair products keep the
-# C step ahead up to 8 rows (8 bf16 rows: 17.5 against 20.7 ms), and each row rounds on its own there.
-MAX_BATCH = {torch.float32: 4, torch.bfloat16: 8, torch.float16: 8}
+# Rows a C step takes. Its products run 8 rows per pass over each packed weight panel, so 16 rows read the
+# weights once and multiply-add twice as much; it stays ahead of the torch step there (SmolLM2-135M, 2 cores, a
+# step at 16 rows: fp32 20.6 against 29.0 ms, bf16 15.2 against 23.7), and beyond, oneDNN's GEMM takes over.
+MAX_BATCH = {torch.float32: 16, torch.bfloat16: 16, torch.float16: 16}
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # decode_step.c's dtype codes
 # decode_step.c's per-layer slots, in its order
 SLOTS = "in_norm wq wk wv bq bk bv wo bo post_norm wgate wup wdown kcache vcache qnorm knorm".split()
@@ -83,15 +89,47 @@ def _no_hooks(module: nn.Module) -> bool:
     return not global_hooks and not any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
 
 
-def _rows(linear: nn.Linear, parts: list[int]) -> Iterator[tuple[int, int | None]]:
-    """(weight pointer, bias pointer or None) of consecutive row blocks of `linear` ([sum of parts, in])."""
-    w, b, row = linear.weight, linear.bias, 0
+def _projections(
+    fused: nn.Linear | None, separate: list[Any], parts: list[int]
+) -> list[tuple[tuple[torch.Tensor, torch.Tensor], int | None]]:
+    """((Parameter, its rows), bias pointer or None) of each projection: consecutive row blocks of `fused`
+    ([sum of parts, in], Phi-3's qkv_proj and gate_up_proj), else each of the `separate` Linears."""
+    if fused is None:
+        return [((m.weight, m.weight.data), None if m.bias is None else m.bias.data_ptr()) for m in separate]
+    w, b, row = fused.weight, fused.bias, 0
+    out: list[tuple[tuple[torch.Tensor, torch.Tensor], int | None]] = []
     for n in parts:
-        yield (
-            w.data_ptr() + row * w.stride(0) * w.element_size(),
-            None if b is None else b.data_ptr() + row * b.element_size(),
-        )
+        out.append(((w, w.data[row : row + n]), None if b is None else b.data_ptr() + row * b.element_size()))
         row += n
+    return out
+
+
+PW = 32  # decode_step.c's panel: output rows per packed panel
+# weight Parameter -> {(first row, rows): (its version when packed, the panels)}; weak, so a freed model frees them
+_PANELS = WeakIdKeyDictionary()
+
+
+def pack_panels(w: torch.Tensor) -> torch.Tensor:
+    """w [rows, n] in decode_step.c's packed layout: panels of PW output rows, [panels, n, PW] (bf16: [panels,
+    ceil(n/2), PW, 2], an input pair side by side for the pair products), rows past the end zero."""
+    rows, n = w.shape
+    panels, odd = -(-rows // PW), n % 2 if w.dtype == torch.bfloat16 else 0
+    padded = F.pad(w, (0, odd, 0, panels * PW - rows))  # [panels*PW, n (+1)]
+    if w.dtype == torch.bfloat16:
+        return padded.view(panels, PW, -1, 2).permute(0, 2, 1, 3).contiguous()  # [panels, n/2, PW, 2]
+    return padded.view(panels, PW, n).transpose(1, 2).contiguous()  # [panels, n, PW]
+
+
+def panels_of(param: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The packed panels of `rows` (a block of consecutive rows of `param`), cached on `param` and packed again
+    when it changed in place since (its version counter moved: an optimizer step between decodes)."""
+    key = ((rows.data_ptr() - param.data_ptr()) // max(1, param.stride(0) * param.element_size()), rows.shape[0])
+    cached = _PANELS.setdefault(param, {})
+    hit = cached.get(key)
+    if hit is None or hit[0] != _version(param):
+        with torch.no_grad():
+            hit = cached[key] = (_version(param), pack_panels(rows.detach()))
+    return hit[1]
 
 
 def _attention_ok(attn: object, dtype: torch.dtype, eps: float) -> bool:
@@ -171,43 +209,55 @@ class NativeDecoder:
         heads = attn0.o_proj.weight.shape[1] // d
         kv_heads = cache.k[0].shape[1]
         ffn = layers[0].mlp.down_proj.weight.shape[1]
-        slots = [self._slots(block, i, cache, heads, kv_heads, d, ffn) for i, block in enumerate(layers)]
-        self.pointers = (ctypes.c_void_p * (len(SLOTS) * len(layers)))(*[p for s in slots for p in s])
+        # per layer: pointers, and (Parameter, its rows) where a weight's packed panels go (see _pack)
+        self.slots = [self._slots(block, i, cache, heads, kv_heads, d, ffn) for i, block in enumerate(layers)]
+        self.head = (lm.lm_head.weight, lm.lm_head.weight.data)
         self.struct = _Model(
             dtype=DTYPES[self.dtype], layers=len(layers), hidden=cfg.hidden_size, heads=heads, kv_heads=kv_heads,
             head_dim=d, ffn=ffn, vocab=self.vocab, max_len=cache.max_len, window=attn0.window or 0,
             eps=lm.model.norm.eps, scale=attn0.scale if attn0.scale is not None else d**-0.5,
-            layer=ctypes.cast(self.pointers, ctypes.c_void_p), embed=body.embed_tokens.weight.data_ptr(),
-            final_norm=lm.model.norm.weight.data_ptr(), head=lm.lm_head.weight.data_ptr(),
+            embed=body.embed_tokens.weight.data_ptr(), final_norm=lm.model.norm.weight.data_ptr(),
         )  # fmt: skip
+        self.sources = [s[0] for slots in self.slots for s in slots if isinstance(s, tuple)] + [self.head[0]]
+        self.versions: tuple[int, ...] = ()
+        self._pack()
         # The tensors the C struct points into, held so none is freed while it lives; `step` checks that the model
         # and the cache still use them (a weight or cache buffer swapped for another would leave a dangling pointer).
         self.kept = [*(p.data for p in model.parameters()), *cache.k, *cache.v]
         self.anchors = (body.embed_tokens.weight, lm.lm_head.weight)
         self.anchored = self._anchor_pointers()
 
+    def _pack(self) -> None:
+        """Point the struct at the weights' packed panels (decode_step.c's products read those), packing the ones
+        that changed since; the versions they were packed at, for `step` to compare."""
+        self.versions = tuple(_version(p) for p in self.sources)
+        self.packs = [panels_of(*s) if isinstance(s, tuple) else s for slots in self.slots for s in slots]
+        self.pointers = (ctypes.c_void_p * len(self.packs))(
+            *[p.data_ptr() if isinstance(p, torch.Tensor) else p for p in self.packs]
+        )
+        self.head_panels = panels_of(*self.head)
+        self.struct.layer = ctypes.cast(self.pointers, ctypes.c_void_p)
+        self.struct.head = self.head_panels.data_ptr()
+
     def _anchor_pointers(self) -> tuple[int, ...]:
         """Where the embedding, the head and the cache's first and last buffers are now."""
         return (*(p.data_ptr() for p in self.anchors), self.cache.k[0].data_ptr(), self.cache.v[-1].data_ptr())
 
     @staticmethod
-    def _slots(block: Any, i: int, cache: KVCache, heads: int, kv: int, d: int, ffn: int) -> list[int | None]:
+    def _slots(block: Any, i: int, cache: KVCache, heads: int, kv: int, d: int, ffn: int) -> list[Any]:
+        """decode_step.c's slots of one layer: a pointer (or None), or a weight's (Parameter, rows) to pack."""
         attn, mlp = block.self_attn, block.mlp  # (a PreNormBlock's SelfAttention and GatedMLP)
-        if hasattr(attn, "qkv_proj"):
-            (wq, bq), (wk, bk), (wv, bv) = _rows(attn.qkv_proj, [heads * d, kv * d, kv * d])
-        else:
-            projections = (attn.q_proj, attn.k_proj, attn.v_proj)
-            (wq, bq), (wk, bk), (wv, bv) = (next(_rows(m, [m.out_features])) for m in projections)
-        if hasattr(mlp, "gate_up_proj"):
-            (wgate, _), (wup, _) = _rows(mlp.gate_up_proj, [ffn, ffn])
-        else:
-            wgate, wup = mlp.gate_proj.weight.data_ptr(), mlp.up_proj.weight.data_ptr()
+        qkv = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj")]
+        (wq, bq), (wk, bk), (wv, bv) = _projections(getattr(attn, "qkv_proj", None), qkv, [heads * d, kv * d, kv * d])
+        gate_up = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj")]
+        (wgate, _), (wup, _) = _projections(getattr(mlp, "gate_up_proj", None), gate_up, [ffn, ffn])
         o_bias = attn.o_proj.bias
         norm = {n: None if m is None else m.weight.data_ptr() for n, m in (("q", attn.q_norm), ("k", attn.k_norm))}
         return [
-            block.input_layernorm.weight.data_ptr(), wq, wk, wv, bq, bk, bv, attn.o_proj.weight.data_ptr(),
-            None if o_bias is None else o_bias.data_ptr(), block.post_attention_layernorm.weight.data_ptr(),
-            wgate, wup, mlp.down_proj.weight.data_ptr(), cache.k[i].data_ptr(), cache.v[i].data_ptr(),
+            block.input_layernorm.weight.data_ptr(), wq, wk, wv, bq, bk, bv,
+            (attn.o_proj.weight, attn.o_proj.weight.data), None if o_bias is None else o_bias.data_ptr(),
+            block.post_attention_layernorm.weight.data_ptr(), wgate, wup,
+            (mlp.down_proj.weight, mlp.down_proj.weight.data), cache.k[i].data_ptr(), cache.v[i].data_ptr(),
             norm["q"], norm["k"],
         ]  # fmt: skip
 
@@ -224,7 +274,6 @@ class NativeDecoder:
             lib.fitlm_decode_step.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
             lib.fitlm_decode_step.argtypes += [ctypes.c_int64] + [ctypes.c_void_p] * 3
             lib.fitlm_decode_step.restype = ctypes.c_int
-        copy_file_backed(model)  # (weights still in their file's pages stream slower: fitlm.infer.file_backed)
         return cls(model, cache, lib)
 
     def step(
@@ -246,6 +295,8 @@ class NativeDecoder:
             raise ValueError(f"first cells {first} must lie in [0, {cell}] and positions {positions} be >= 0")
         if self._anchor_pointers() != self.anchored:
             raise RuntimeError("the model's weights or the KV cache were replaced: make a new NativeDecoder")
+        if tuple(_version(p) for p in self.sources) != self.versions:
+            self._pack()  # (a weight changed in place since: an optimizer step between decodes)
         cos, sin = self.rotary(torch.tensor(positions)[:, None])  # [B,1,D] each: the model's own table (any scaling)
         cos, sin = cos.float().contiguous(), sin.float().contiguous()  # (a model cast whole has half tables)
         ids, starts = torch.tensor(tokens, dtype=torch.long), torch.tensor(first, dtype=torch.long)  # [B] each

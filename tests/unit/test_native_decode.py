@@ -92,9 +92,10 @@ def test_generate_runs_the_c_step_and_its_greedy_tokens_are_the_torch_steps(shap
 def test_a_batch_of_right_aligned_rows_equals_each_rows_solo_run():
     """SlotBatch's layout (each row right-aligned, its own position and first cell): every stream's greedy tokens
     are its solo generate's, in bf16 too (each row's products round on their own, not as a batch)."""
-    for dtype, more in ((torch.float32, []), (torch.bfloat16, [[7, 7], [90, 1, 2], [11] * 9])):
+    more = [[7, 7], [90, 1, 2], [11] * 9, [5, 4, 3, 2, 1], [60, 61], [2] * 4]  # 10 streams: 2 passes of 8 rows
+    for dtype in (torch.float32, torch.bfloat16):
         model = _model(dtype, **SHAPES["qwen2 (q/k/v biases)"])
-        prompts = [[3, 9, 27], [81, 5, 60, 22, 14, 70, 1], [44], [8, 8, 8, 8, 2]] + more  # bf16: 7 streams
+        prompts = [[3, 9, 27], [81, 5, 60, 22, 14, 70, 1], [44], [8, 8, 8, 8, 2]] + more
         solo = [generate(model, p, 12) for p in prompts]
         batch, out = SlotBatch(model), {i: [] for i in range(len(prompts))}
         first = batch.add_many([(i, p, len(p) + 13) for i, p in enumerate(prompts)])
@@ -135,11 +136,10 @@ def test_wrapped_or_hooked_layers_and_big_batches_keep_the_torch_step():
     model = _model(torch.float32, arch="llama")
     cache = model.new_kv_cache(1, 8)
     assert unsupported(model, cache) is None
-    assert "more than 4" in unsupported(model, model.new_kv_cache(5, 8))  # fp32: oneDNN's GEMM beyond 4 streams
-    half = _model(torch.bfloat16, arch="llama")
-    assert unsupported(half, half.new_kv_cache(8, 8)) is None and "more than 8" in unsupported(
-        half, half.new_kv_cache(9, 8)
-    )
+    for dtype in (torch.float32, torch.bfloat16):
+        m = _model(dtype, arch="llama")
+        assert unsupported(m, m.new_kv_cache(16, 8)) is None
+        assert "more than 16" in unsupported(m, m.new_kv_cache(17, 8))  # (oneDNN's GEMM beyond)
     handle = model.model.layers["1"].mlp.register_forward_hook(lambda *a: None)
     assert "hooks" in unsupported(model, cache)
     handle.remove()
@@ -170,30 +170,67 @@ def test_a_broken_build_says_why_and_keeps_the_torch_step(monkeypatch, tmp_path)
         assert native.library("decode_step") is None
 
 
-def test_weights_still_in_their_file_are_copied_once_and_the_model_still_trains(tmp_path):
-    """A model loaded from safetensors keeps its weights in the file's pages (copy-on-write), which stream slower
-    per token: the C decoder gives them process memory first; the values, the Parameters and training stay."""
-    from fitlm.infer.file_backed import copy_file_backed, file_ranges
-    from fitlm.models.io import load_model_dir, save_model_dir
+def _packed_linear(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """x [m, n] @ w [rows, n]^T by decode_step.c's packed products (fitlm_linear), in w's dtype."""
+    import ctypes
 
+    from fitlm.infer.native_decode import DTYPES, pack_panels
+
+    lib = native.library("decode_step")
+    assert lib is not None
+    lib.fitlm_linear.argtypes = (
+        [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    )
+    panels, y = pack_panels(w), torch.empty(x.shape[0], w.shape[0], dtype=w.dtype)
+    args = (x.shape[0], x.shape[1], w.shape[0], DTYPES[w.dtype], y.data_ptr(), torch.get_num_threads())
+    assert lib.fitlm_linear(panels.data_ptr(), None, x.contiguous().data_ptr(), *args) == 0
+    return y
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows, n", [(70, 33), (32, 64), (5, 7), (100, 130)])
+def test_the_packed_products_equal_torchs_linear_and_a_rows_sum_never_depends_on_the_batch(dtype, rows, n):
+    """Panels with rows past the weight's end, an odd number of inputs (bf16's unpaired last one), batches of 1
+    to 17 rows (8 at a time): torch's product to float rounding, and each row bit-equal to its own 1-row call."""
+    torch.manual_seed(rows + n)
+    w, x = torch.randn(rows, n).to(dtype), torch.randn(17, n).to(dtype)
+    ref = (x.double() @ w.double().T).to(dtype)  # [17, rows]
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
+    for m in (1, 3, 8, 9, 17):
+        got = _packed_linear(w, x[:m])
+        torch.testing.assert_close(got.float(), ref[:m].float(), rtol=tol, atol=tol * n**0.5)
+    solo = torch.cat([_packed_linear(w, x[i : i + 1]) for i in range(17)])
+    assert torch.equal(_packed_linear(w, x), solo)
+
+
+def test_weights_changed_in_place_between_steps_are_packed_again():
+    """The products read packed copies of the weights: an in-place update (an optimizer step between an RL
+    trainer's samplings) must reach the next step and the next decoder, never the stale copy."""
     model = _model(torch.float32, arch="llama", tie_embeddings=True)
-    save_model_dir(model, model.config, tmp_path / "m")
-    loaded = load_model_dir(tmp_path / "m").model
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
 
-    def in_files(m: nn.Module) -> int:
-        ranges = file_ranges()
-        return sum(any(a <= p.data_ptr() < b for a, b in ranges) for p in m.parameters())
+    def update() -> None:
+        with torch.no_grad():
+            model.model.layers["1"].mlp.down_proj.weight.mul_(-2.0)
+            model.model.embed_tokens.weight.add_(0.25)  # (also the tied head)
 
-    if in_files(loaded) == 0:
-        pytest.skip("this safetensors build reads into process memory: nothing is file-backed")
-    params, values = list(loaded.parameters()), [p.detach().clone() for p in loaded.parameters()]
-    ref = generate(loaded, PROMPT, 8, native=False)
-    assert generate(loaded, PROMPT, 8) == ref  # (the C decoder: copies on its way)
-    assert in_files(loaded) == 0 and copy_file_backed(loaded) == 0
-    assert list(loaded.parameters()) == params and all(torch.equal(p, v) for p, v in zip(params, values))
-    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight  # (still tied)
-    loaded(torch.tensor([PROMPT])).sum().backward()  # plain tensors, not inference ones
-    assert loaded.model.layers["0"].mlp.down_proj.weight.grad is not None
+    cache = model.new_kv_cache(1, 16)
+    last_logits(model, torch.tensor([PROMPT]), cache)
+    decoder = NativeDecoder.for_model(model, cache)
+    assert decoder is not None
+    decoder.step([12])
+    update()
+    got = decoder.step([7])[0]
+    model.load_state_dict(saved)
+    ref = _torch_steps(model, PROMPT, [12])  # (the first step before the update, the second after, as above)
+    torch_cache = model.new_kv_cache(1, 16)
+    last_logits(model, torch.tensor([PROMPT]), torch_cache)
+    last_logits(model, torch.tensor([[12]]), torch_cache)
+    update()
+    want = last_logits(model, torch.tensor([[7]]), torch_cache)[0]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(ref[0], want)  # (the update changed the logits: the check above can fail)
+    assert generate(model, PROMPT, 6) == generate(model, PROMPT, 6, native=False)  # (a new decoder: repacked too)
 
 
 def test_bad_steps_and_replaced_tensors_are_refused_before_the_c_call():
@@ -218,17 +255,44 @@ def test_bad_steps_and_replaced_tensors_are_refused_before_the_c_call():
     assert "KV cache" in unsupported(model, other)
 
 
-def test_inference_and_shared_parameters_are_not_copied(tmp_path):
-    from fitlm.infer.file_backed import copy_file_backed
+def test_a_model_loaded_under_inference_mode_decodes_in_c(tmp_path):
     from fitlm.models.io import load_model_dir, save_model_dir
 
     model = _model(torch.float32, arch="llama")
     save_model_dir(model, model.config, tmp_path / "m")
     with torch.inference_mode():
-        inference = load_model_dir(tmp_path / "m").model  # (its tensors: inference tensors)
-    assert copy_file_backed(inference) == 0
-    with torch.inference_mode():
-        assert len(generate(inference, PROMPT, 4)) == 4  # and it still decodes
-    shared = _model(torch.float32, arch="llama").share_memory()
-    pointers = [p.data_ptr() for p in shared.parameters()]
-    assert copy_file_backed(shared) == 0 and [p.data_ptr() for p in shared.parameters()] == pointers
+        inference = load_model_dir(tmp_path / "m").model  # (its tensors: inference tensors, without versions)
+        cache = inference.new_kv_cache(1, 16)
+        assert NativeDecoder.for_model(inference, cache) is not None
+        assert generate(inference, PROMPT, 4) == generate(inference, PROMPT, 4, native=False)
+
+
+def _cpu_has(*flags: str) -> bool:
+    from pathlib import Path
+
+    info = Path("/proc/cpuinfo")
+    have = set(info.read_text().split()) if info.exists() else set()
+    return all(f in have for f in flags)
+
+
+# the other vector paths of decode_step.c than this CPU's best: built for an older target and checked here
+TARGETS = {
+    "x86-64 (no vectors: the scalar loops)": ("x86-64", ()),
+    "x86-64-v3 (AVX2)": ("x86-64-v3", ("avx2", "fma", "f16c")),
+    "skylake-avx512 (AVX-512 without BF16 pair products)": ("skylake-avx512", ("avx512f", "avx512bw", "avx512vl")),
+}
+
+
+@pytest.mark.parametrize("target", sorted(TARGETS))
+def test_every_vector_path_gives_the_same_products_and_steps(target, monkeypatch):
+    import platform
+
+    march, flags = TARGETS[target]
+    if platform.machine() != "x86_64" or not _cpu_has(*flags):
+        pytest.skip(f"this CPU cannot run code built for {march}")
+    monkeypatch.setattr(native, "FLAGS", [f"-march={march}" if f == "-march=native" else f for f in native.FLAGS])
+    monkeypatch.setattr(native, "_loaded", {})
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        test_the_packed_products_equal_torchs_linear_and_a_rows_sum_never_depends_on_the_batch(dtype, 70, 33)
+        test_a_c_step_gives_the_torch_steps_logits("qwen2 (q/k/v biases)", dtype)
+    test_a_batch_of_right_aligned_rows_equals_each_rows_solo_run()
