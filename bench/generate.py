@@ -23,7 +23,9 @@ machine disturb far less.
 
 Checked, not timed: fitlm's greedy tokens equal transformers' at the same dtype, and each stream's tokens
 equal that prompt's single-stream `generate` (llama.cpp's are reported beside them: another kernel's rounding
-may pick a different token where two are close).
+may pick a different token where two are close). Where two runs part, "divergences" gives the step, both
+tokens and the fp32 model's logits of both there: a gap under the bf16 spacing of logits that size is a tie in
+half precision, which each implementation's summation order decides.
 """
 
 from __future__ import annotations
@@ -103,6 +105,28 @@ def streams_generate(model, prompts: list[list[int]], n: int, native: bool = Tru
     return out
 
 
+def divergence(reference, prompt: list[int], a: list[int], b: list[int]) -> dict | None:
+    """Where two greedy runs part (None: they do not): the step, each one's token, and the fp32 model's logits of
+    both there (a full forward over the prompt and the common prefix). A gap under the half-precision spacing of
+    logits that size is a tie at that precision, which summation order alone decides."""
+    import torch
+
+    i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    if i is None:
+        return None
+    with torch.no_grad():
+        logits = reference(torch.tensor([prompt + a[:i]]))[0, -1].float()  # [V]
+    la, lb = logits[a[i]].item(), logits[b[i]].item()
+    bf16_spacing = 2.0 ** (torch.frexp(torch.tensor(max(abs(la), abs(lb)))).exponent.item() - 8)
+    return {
+        "step": i,
+        "tokens": [a[i], b[i]],
+        "fp32_logits": [round(la, 4), round(lb, 4)],
+        "fp32_gap": round(abs(la - lb), 4),
+        "bf16_spacing": bf16_spacing,
+    }
+
+
 def table(times: dict[str, list[float]], prefill: dict[str, list[float]], n: int, streams: int) -> list[dict]:
     """One row per contender from its medians: tokens/s of the whole call (prefill included) and of the decode
     steps alone (the n - 1 tokens after the first: whole call minus the 1-token call), each beside llama.cpp's."""
@@ -178,9 +202,13 @@ def main() -> None:
     for name, fn in runs.items():  # also each one's warm-up
         tokens[name] = fn(n)
         log(f"warm: {name}")
-    checks = {}
+    checks, parted = {}, {}
     for prec, (fm, _, _) in models.items():
         checks[f"fitlm {prec} == transformers {prec}"] = tokens[f"fitlm {prec}"] == tokens[f"transformers {prec}"]
+        for peer in ("transformers", "llama.cpp"):
+            where = divergence(models["fp32"][0], prompt, tokens[f"fitlm {prec}"], tokens[f"{peer} {prec}"])
+            if where is not None:
+                parted[f"fitlm {prec} vs {peer} {prec}"] = where
         checks[f"llama.cpp {prec} == fitlm {prec}"] = tokens[f"llama.cpp {prec}"] == tokens[f"fitlm {prec}"]
         solo = [generate(fm, p, n) for p in prompts]
         checks[f"fitlm {prec} streams == single-stream"] = tokens[f"fitlm {prec} x{args.streams} streams"] == solo
@@ -205,6 +233,7 @@ def main() -> None:
         "clock": args.clock,
         "rows": rows,
         "checks": checks,
+        "divergences": parted,
         "greedy_tokens": {k: v for k, v in tokens.items() if "streams" not in k},
         "machine": {**machine(), "load_avg_1m_end": round(__import__("os").getloadavg()[0], 2)},
         "llama_cpp_python": __import__("llama_cpp").__version__,
@@ -223,7 +252,7 @@ def main() -> None:
             f"| {r['contender']} | {r['tokens_per_s']} | {r['vs_llama_cpp']} | {r.get('vs_single_stream', '')} "
             f"| {r['decode_tokens_per_s']} | {r['decode_vs_llama_cpp']} | {r.get('decode_vs_single_stream', '')} |"
         )
-    print(json.dumps({"checks": checks, "machine": result["machine"]}, indent=1))
+    print(json.dumps({"checks": checks, "divergences": parted, "machine": result["machine"]}, indent=1))
 
 
 if __name__ == "__main__":
