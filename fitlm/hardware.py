@@ -149,6 +149,24 @@ def host_peak_rss() -> int:
     return peak_memory_bytes(torch.device("cpu"))
 
 
+def available_host_memory() -> int | None:
+    """Bytes this process may still allocate on the host: the kernel's MemAvailable, or less where a cgroup
+    (a container's memory limit) leaves less; None where neither can be read (not Linux)."""
+    found: list[int] = []
+    try:
+        with open("/proc/meminfo") as f:
+            found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+    except OSError:
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            found.append(int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
 def reset_host_peak() -> bool:
     """Restart the peak resident set from the current one (Linux clear_refs); False where not supported."""
     try:

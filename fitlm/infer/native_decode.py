@@ -24,6 +24,7 @@ Cost: one more copy of the linear weights while the model lives.
 from __future__ import annotations
 
 import ctypes
+import warnings
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -31,6 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
+from fitlm.hardware import available_host_memory
 from fitlm.infer import native
 from fitlm.infer.packed_linear import _version
 from fitlm.models.decoder import DecoderModel, PreNormBlock
@@ -120,16 +122,27 @@ def pack_panels(w: torch.Tensor) -> torch.Tensor:
     return padded.view(panels, PW, n).transpose(1, 2).contiguous()  # [panels, n, PW]
 
 
-def panels_of(param: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """The packed panels of `rows` (a block of consecutive rows of `param`), cached on `param` and packed again
-    when it changed in place since (its version counter moved: an optimizer step between decodes)."""
+def _cached_panels(param: torch.Tensor, rows: torch.Tensor) -> tuple[dict, tuple[int, int], bool]:
+    """(param's cache, the key of `rows` in it, whether the cached panels are current)."""
     key = ((rows.data_ptr() - param.data_ptr()) // max(1, param.stride(0) * param.element_size()), rows.shape[0])
     cached = _PANELS.setdefault(param, {})
     hit = cached.get(key)
-    if hit is None or hit[0] != _version(param):
+    return cached, key, hit is not None and hit[0] == _version(param)
+
+
+def panels_of(param: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The packed panels of `rows` (a block of consecutive rows of `param`), cached on `param` and packed again
+    when it changed in place since (its version counter moved: an optimizer step between decodes)."""
+    cached, key, current = _cached_panels(param, rows)
+    if not current:
         with torch.no_grad():
-            hit = cached[key] = (_version(param), pack_panels(rows.detach()))
-    return hit[1]
+            cached[key] = (_version(param), pack_panels(rows.detach()))
+    return cached[key][1]
+
+
+def unpacked_bytes(weights: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    """Bytes `panels_of` would allocate for these (Parameter, rows) that have no current panels yet."""
+    return sum(rows.numel() * rows.element_size() for p, rows in weights if not _cached_panels(p, rows)[2])
 
 
 def _attention_ok(attn: object, dtype: torch.dtype, eps: float) -> bool:
@@ -218,9 +231,10 @@ class NativeDecoder:
             eps=lm.model.norm.eps, scale=attn0.scale if attn0.scale is not None else d**-0.5,
             embed=body.embed_tokens.weight.data_ptr(), final_norm=lm.model.norm.weight.data_ptr(),
         )  # fmt: skip
-        self.sources = [s[0] for slots in self.slots for s in slots if isinstance(s, tuple)] + [self.head[0]]
+        # every (Parameter, rows) packed, and the Parameters whose versions `step` compares with the packing's
+        self.weights = [s for slots in self.slots for s in slots if isinstance(s, tuple)] + [self.head]
+        self.sources = [p for p, _ in self.weights]
         self.versions: tuple[int, ...] = ()
-        self._pack()
         # The tensors the C struct points into, held so none is freed while it lives; `step` checks that the model
         # and the cache still use them (a weight or cache buffer swapped for another would leave a dangling pointer).
         self.kept = [*(p.data for p in model.parameters()), *cache.k, *cache.v]
@@ -274,7 +288,17 @@ class NativeDecoder:
             lib.fitlm_decode_step.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
             lib.fitlm_decode_step.argtypes += [ctypes.c_int64] + [ctypes.c_void_p] * 3
             lib.fitlm_decode_step.restype = ctypes.c_int
-        return cls(model, cache, lib)
+        decoder = cls(model, cache, lib)
+        need, free = unpacked_bytes(decoder.weights), available_host_memory()
+        if free is not None and need > free // 2:  # (the rest for the KV cache, activations, the prefill's copies)
+            warnings.warn(
+                f"fitlm: the C decode step would copy {need / 2**30:.2f} GiB of weights into its packed layout and "
+                f"{free / 2**30:.2f} GiB are free: keeping the torch step (FITLM_NATIVE=0 skips this check)",
+                stacklevel=2,
+            )
+            return None
+        decoder._pack()
+        return decoder
 
     def step(
         self, tokens: list[int], positions: list[int] | None = None, first: list[int] | None = None

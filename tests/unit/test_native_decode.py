@@ -296,3 +296,18 @@ def test_every_vector_path_gives_the_same_products_and_steps(target, monkeypatch
         test_the_packed_products_equal_torchs_linear_and_a_rows_sum_never_depends_on_the_batch(dtype, 70, 33)
         test_a_c_step_gives_the_torch_steps_logits("qwen2 (q/k/v biases)", dtype)
     test_a_batch_of_right_aligned_rows_equals_each_rows_solo_run()
+
+
+def test_without_memory_for_the_packed_copies_decoding_keeps_the_torch_step(monkeypatch):
+    import fitlm.infer.native_decode as native_decode
+
+    model = _model(torch.bfloat16, arch="llama", tie_embeddings=False)
+    ref = generate(model, PROMPT, 6, native=False)
+    monkeypatch.setattr(native_decode, "_PANELS", native_decode.WeakIdKeyDictionary())  # (nothing packed yet)
+    monkeypatch.setattr(native_decode, "available_host_memory", lambda: 2 * 64 * 64 * 2)  # (under 2 weights' bytes)
+    with pytest.warns(UserWarning, match="GiB of weights into its packed layout"):
+        assert NativeDecoder.for_model(model, model.new_kv_cache(1, 16)) is None
+    with pytest.warns(UserWarning):
+        assert generate(model, PROMPT, 6) == ref
+    monkeypatch.setattr(native_decode, "available_host_memory", lambda: None)  # (unknown: no check)
+    assert NativeDecoder.for_model(model, model.new_kv_cache(1, 16)) is not None
