@@ -34,7 +34,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from fitlm.hardware import available_host_memory
 from fitlm.infer import native
-from fitlm.infer.packed_linear import _version
+from fitlm.infer.packed_linear import stamp
 from fitlm.models.decoder import DecoderModel, PreNormBlock
 from fitlm.models.layers import GatedMLP, KVCache, RMSNorm, SelfAttention, causal_attention
 
@@ -127,7 +127,7 @@ def _cached_panels(param: torch.Tensor, rows: torch.Tensor) -> tuple[dict, tuple
     key = ((rows.data_ptr() - param.data_ptr()) // max(1, param.stride(0) * param.element_size()), rows.shape[0])
     cached = _PANELS.setdefault(param, {})
     hit = cached.get(key)
-    return cached, key, hit is not None and hit[0] == _version(param)
+    return cached, key, hit is not None and hit[0] == stamp(param)
 
 
 def panels_of(param: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -136,7 +136,7 @@ def panels_of(param: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     cached, key, current = _cached_panels(param, rows)
     if not current:
         with torch.no_grad():
-            cached[key] = (_version(param), pack_panels(rows.detach()))
+            cached[key] = (stamp(param), pack_panels(rows.detach()))
     return cached[key][1]
 
 
@@ -234,7 +234,7 @@ class NativeDecoder:
         # every (Parameter, rows) packed, and the Parameters whose versions `step` compares with the packing's
         self.weights = [s for slots in self.slots for s in slots if isinstance(s, tuple)] + [self.head]
         self.sources = [p for p, _ in self.weights]
-        self.versions: tuple[int, ...] = ()
+        self.versions: tuple[tuple[int, int, torch.dtype], ...] = ()
         # The tensors the C struct points into, held so none is freed while it lives; `step` checks that the model
         # and the cache still use them (a weight or cache buffer swapped for another would leave a dangling pointer).
         self.kept = [*(p.data for p in model.parameters()), *cache.k, *cache.v]
@@ -244,7 +244,7 @@ class NativeDecoder:
     def _pack(self) -> None:
         """Point the struct at the weights' packed panels (decode_step.c's products read those), packing the ones
         that changed since; the versions they were packed at, for `step` to compare."""
-        self.versions = tuple(_version(p) for p in self.sources)
+        self.versions = tuple(stamp(p) for p in self.sources)
         self.packs = [panels_of(*s) if isinstance(s, tuple) else s for slots in self.slots for s in slots]
         self.pointers = (ctypes.c_void_p * len(self.packs))(
             *[p.data_ptr() if isinstance(p, torch.Tensor) else p for p in self.packs]
@@ -319,7 +319,7 @@ class NativeDecoder:
             raise ValueError(f"first cells {first} must lie in [0, {cell}] and positions {positions} be >= 0")
         if self._anchor_pointers() != self.anchored:
             raise RuntimeError("the model's weights or the KV cache were replaced: make a new NativeDecoder")
-        if tuple(_version(p) for p in self.sources) != self.versions:
+        if tuple(stamp(p) for p in self.sources) != self.versions:
             self._pack()  # (a weight changed in place since: an optimizer step between decodes)
         cos, sin = self.rotary(torch.tensor(positions)[:, None])  # [B,1,D] each: the model's own table (any scaling)
         cos, sin = cos.float().contiguous(), sin.float().contiguous()  # (a model cast whole has half tables)

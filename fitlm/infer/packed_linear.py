@@ -66,14 +66,20 @@ def _version(t: torch.Tensor) -> int:
     return -1 if t.is_inference() else t._version
 
 
+def stamp(t: torch.Tensor) -> tuple[int, int, torch.dtype]:
+    """What a packed copy of `t` was made from: its version (in-place updates), its storage and dtype
+    (`param.data = ...` and `model.to(dtype)` keep the Parameter, and may keep a version of 0)."""
+    return _version(t), t.data_ptr(), t.dtype
+
+
 def packed_weight(weight: torch.Tensor) -> torch.Tensor:
     """The oneDNN-packed copy of `weight` [out, in], packed again if the weight changed since."""
     cached = _PACKED.get(weight)
-    if cached is not None and cached[0] == _version(weight):
+    if cached is not None and cached[0] == stamp(weight):
         return cached[1]
     with torch.no_grad():
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())  # no batch-size hint (see the module doc)
-    _PACKED[weight] = (_version(weight), packed)
+    _PACKED[weight] = (stamp(weight), packed)
     return packed
 
 
@@ -81,14 +87,14 @@ def packed_rows(owner: nn.Module, linears: list[nn.Linear]) -> tuple[torch.Tenso
     """(packed weight, bias) of `linears` stacked by rows ([sum of outs, in], [sum of outs] or None), cached on
     `owner`; made again when any weight or bias changed (an in-place update, or another tensor put in its place)."""
     tensors = [t for m in linears for t in (m.weight, m.bias) if t is not None]
-    stamp = tuple((id(t), _version(t)) for t in tensors)
+    made_from = tuple((id(t), *stamp(t)) for t in tensors)
     cached = _PACKED.get(owner)
-    if cached is not None and cached[0] == stamp:
+    if cached is not None and cached[0] == made_from:
         return cached[1]
     with torch.no_grad():
         packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat([m.weight.detach() for m in linears]))
         bias = None if linears[0].bias is None else torch.cat([m.bias.detach() for m in linears])
-    _PACKED[owner] = (stamp, (packed, bias))
+    _PACKED[owner] = (made_from, (packed, bias))
     return packed, bias
 
 

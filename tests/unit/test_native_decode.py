@@ -311,3 +311,16 @@ def test_without_memory_for_the_packed_copies_decoding_keeps_the_torch_step(monk
         assert generate(model, PROMPT, 6) == ref
     monkeypatch.setattr(native_decode, "available_host_memory", lambda: None)  # (unknown: no check)
     assert NativeDecoder.for_model(model, model.new_kv_cache(1, 16)) is not None
+
+
+def test_a_model_cast_or_given_new_weights_after_decoding_is_packed_again():
+    """model.to(dtype) and `param.data = ...` keep the Parameters (and may keep their version counters at 0):
+    the packed copies must follow the new tensors, not the Parameters' identities."""
+    model = _model(torch.float32, arch="llama", tie_embeddings=False)
+    generate(model, PROMPT, 4)  # (packs the fp32 weights)
+    model.to(torch.bfloat16)
+    assert generate(model, PROMPT, 8) == generate(model, PROMPT, 8, native=False)
+    with torch.no_grad():
+        for p in model.model.layers["0"].parameters():
+            p.data = torch.randn_like(p)
+    assert generate(model, PROMPT, 8) == generate(model, PROMPT, 8, native=False)

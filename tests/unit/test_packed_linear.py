@@ -125,3 +125,18 @@ def test_a_hooked_projection_keeps_its_own_call_and_weights_are_followed():
     handle.remove()
     layer = model.model.layers["1"]
     _check_packed_copies_follow(model, ids, [layer.self_attn.v_proj.weight, layer.mlp.up_proj.weight])
+
+
+@pytest.mark.skipif(torch.bfloat16 not in packable_dtypes(), reason="oneDNN packs no bf16 on this CPU")
+def test_a_model_cast_after_decoding_is_packed_again():
+    """model.to(dtype) keeps each Parameter and may leave its version at 0: the packed copies (single and fused)
+    must be made again from the new tensors, not reused from the old dtype's."""
+    model, ids = _llama(torch.float32, "qwen2"), torch.tensor([[3, 1, 4, 1, 5, 9, 2]])  # [1,T]
+    with torch.inference_mode(), packed_linears(model):
+        model(ids)  # (packs the fp32 weights)
+    model.to(torch.bfloat16)
+    with torch.inference_mode():
+        ref = model(ids)
+        with packed_linears(model):
+            out = model(ids)
+    torch.testing.assert_close(out, ref, atol=0.0, rtol=0.0)
