@@ -1,9 +1,9 @@
 """C kernels of `fitlm/infer/*.c`, built once per machine by its C compiler and loaded through ctypes.
 
 Built at first use as `$CC -O3 -march=native -fopenmp -ffp-contract=off -shared` (CC default `cc`) into
-`$FITLM_CACHE_DIR/kernels` (default ~/.cache/fitlm) under a hash of the source, the flags, the compiler and
-the CPU, so a cache copied to another machine never runs instructions its CPU lacks. The file is written
-atomically, so processes starting together do not load half a library. OpenMP's threads are torch's own:
+`$FITLM_CACHE_DIR/kernels` (default ~/.cache/fitlm) under a hash of the source (and the headers beside it), the
+flags, the compiler and the CPU, so a cache copied to another machine never runs instructions its CPU lacks. The
+file is written atomically, so processes starting together do not load half a library. OpenMP's threads are torch's own:
 the library links libgomp.so.1, which resolves to the copy torch has already loaded.
 
 Where there is no compiler or the build fails, `library(name)` is None and says why once (a warning);
@@ -49,7 +49,8 @@ def source(name: str) -> Path:
 
 def build(name: str, cc: str) -> Path:
     """The cached library of `name`.c for this compiler and CPU, compiled first if missing."""
-    text = source(name).read_text()
+    # the source and the headers beside it (what it may include): a change to either builds again
+    text = "\n".join(p.read_text() for p in [source(name), *sorted(source(name).parent.glob("*.h"))])
     key = hashlib.sha256("\n".join([text, " ".join(FLAGS), cc, _cpu_identity()]).encode()).hexdigest()[:16]
     out = cache_root() / "kernels" / f"{name}-{key}.so"
     if out.exists():
