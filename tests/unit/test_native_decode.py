@@ -324,3 +324,20 @@ def test_a_model_cast_or_given_new_weights_after_decoding_is_packed_again():
         for p in model.model.layers["0"].parameters():
             p.data = torch.randn_like(p)
     assert generate(model, PROMPT, 8) == generate(model, PROMPT, 8, native=False)
+
+
+def test_a_changed_header_builds_the_kernel_again(monkeypatch, tmp_path):
+    """The library's name hashes the source and the headers beside it: editing products.h alone must not load the
+    library built from the old one."""
+    (tmp_path / "k.c").write_text('#include "k.h"\nint fitlm_k(void) { return K; }\n')
+    (tmp_path / "k.h").write_text("#define K 1\n")
+    monkeypatch.setattr(native, "source", lambda name: tmp_path / f"{name}.c")
+    monkeypatch.setenv("FITLM_CACHE_DIR", str(tmp_path / "cache"))
+    cc = native.compiler()
+    first = native.build("k", cc)
+    (tmp_path / "k.h").write_text("#define K 2\n")
+    second = native.build("k", cc)
+    assert first != second and second.exists()
+    import ctypes
+
+    assert ctypes.CDLL(str(second)).fitlm_k() == 2
