@@ -16,9 +16,10 @@ cache is the same `KVCache`. `FITLM_NATIVE=0` turns it off.
 
 The products read packed copies of the weights (`pack_panels`: panels of PW output rows, the outputs in the
 vector lanes), so one pass over a panel serves 8 rows at the cores' multiply-add rate and a row's sums never
-depend on the batch. The copies are cached per weight (`panels_of`) and made again when its version counter
-moves (an in-place update: an RL trainer's optimizer step between samplings); `step` checks before each call.
-Cost: one more copy of the linear weights while the model lives.
+depend on the batch. The copies are cached per weight (`panels_of`) and made again when the weight changes (an
+in-place update such as an optimizer step between samplings, new data, a cast); `step` checks before each call.
+Cost: one more copy of the linear weights while the model lives; where it would take over half the free host
+memory, `for_model` keeps the torch step.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def _projections(
 
 
 PW = 32  # decode_step.c's panel: output rows per packed panel
-# weight Parameter -> {(first row, rows): (its version when packed, the panels)}; weak, so a freed model frees them
+# weight Parameter -> {(first row, rows): (its stamp when packed, the panels)}; weak, so a freed model frees them
 _PANELS = WeakIdKeyDictionary()
 
 
@@ -132,7 +133,7 @@ def _cached_panels(param: torch.Tensor, rows: torch.Tensor) -> tuple[dict, tuple
 
 def panels_of(param: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """The packed panels of `rows` (a block of consecutive rows of `param`), cached on `param` and packed again
-    when it changed in place since (its version counter moved: an optimizer step between decodes)."""
+    when it changed since (packed_linear.stamp: an in-place update such as an optimizer step, new data, a cast)."""
     cached, key, current = _cached_panels(param, rows)
     if not current:
         with torch.no_grad():
@@ -293,7 +294,7 @@ class NativeDecoder:
         if free is not None and need > free // 2:  # (the rest for the KV cache, activations, the prefill's copies)
             warnings.warn(
                 f"fitlm: the C decode step would copy {need / 2**30:.2f} GiB of weights into its packed layout and "
-                f"{free / 2**30:.2f} GiB are free: keeping the torch step (FITLM_NATIVE=0 skips this check)",
+                f"{free / 2**30:.2f} GiB are free: keeping the torch step (FITLM_NATIVE=0 turns the C step off)",
                 stacklevel=2,
             )
             return None
