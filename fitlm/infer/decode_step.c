@@ -29,6 +29,36 @@ typedef struct {
 } Model;
 
 /* ------------------------------------------------------------------------------------- the small ops */
+#if defined(__AVX512F__)
+/* e^x, 16 at a time: Cephes' expf (range reduction by ln 2 in two parts, a degree-7 polynomial, relative error
+ * ~1e-7, as glibc's and Sleef's within an ulp or two), 2^n applied by scalef so tiny results underflow smoothly */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-103.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(y, n);
+}
+
+/* v rounded to the dtype and back, 16 at a time (rnd's twin: bf16 to nearest even, NaN kept) */
+static inline __m512 rnd16(__m512 v, int dt) {
+    if (dt == F32) return v;
+    if (dt == F16) return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+    __m512 rounded = _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000)));
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), rounded, v);
+}
+#endif
+
 /* Hugging Face's RMSNorm: fp32 statistics, x * rsqrt(mean(x^2) + eps) rounded, then times the weight */
 static void rms_norm(const float* x, const void* w, long n, float eps, int dt, float* out) {
     float ss = 0;
@@ -63,6 +93,56 @@ static void axpy(float* out, float p, const void* v, int d, int dt) {
     }
 }
 
+#if defined(__AVX512F__)
+/* out[0..16*NVD) = sum_j p[j] v[first + j] for j < n: the accumulators in registers (NVD a constant) */
+static inline __attribute__((always_inline)) void weigh_values16(const float* p, const void* vc, long first, long n,
+                                                                 const int NVD, int dt, float* out) {
+    __m512 acc[8];
+    for (int c = 0; c < NVD; c++) acc[c] = _mm512_setzero_ps();
+    for (long j = 0; j < n; j++) {
+        __m512 pj = _mm512_set1_ps(p[j]);
+        const char* row = (const char*)vc + (first + j) * 16 * NVD * esize(dt);
+        for (int c = 0; c < NVD; c++) {
+            __m512 v = dt == F32 ? _mm512_loadu_ps((const float*)row + c * 16)
+                       : dt == BF16 ? VLOAD_BF16((const uint16_t*)row + c * 16)
+                                    : VLOAD_F16((const _Float16*)row + c * 16);
+            acc[c] = _mm512_fmadd_ps(pj, v, acc[c]);
+        }
+    }
+    for (int c = 0; c < NVD; c++) _mm512_storeu_ps(out + c * 16, acc[c]);
+}
+#endif
+
+/* out[i] = sum_j p[j] v[first + j][i], i < d: the values weighted by the softmax's numerators (fp32) */
+static void weigh_values(const float* p, const void* vc, long first, long n, int d, int dt, float* out) {
+#if defined(__AVX512F__)
+    if (d == 64 || d == 128) { /* (the head sizes of the families; others take the loop below) */
+        if (d == 64) weigh_values16(p, vc, first, n, 4, dt, out);
+        else weigh_values16(p, vc, first, n, 8, dt, out);
+        return;
+    }
+#endif
+    for (int i = 0; i < d; i++) out[i] = 0;
+    for (long j = 0; j < n; j++) axpy(out, p[j], (const char*)vc + (first + j) * d * esize(dt), d, dt);
+}
+
+/* scores[j] = e^(scores[j] - mx) for j < n; their sum */
+static float softmax_numerators(float* scores, long n, float mx) {
+    long j = 0;
+    float sum = 0;
+#if defined(__AVX512F__)
+    __m512 vs = _mm512_setzero_ps();
+    for (; j + 16 <= n; j += 16) {
+        __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(scores + j), _mm512_set1_ps(mx)));
+        _mm512_storeu_ps(scores + j, e);
+        vs = _mm512_add_ps(vs, e);
+    }
+    sum = _mm512_reduce_add_ps(vs);
+#endif
+    for (; j < n; j++) sum += scores[j] = expf(scores[j] - mx);
+    return sum;
+}
+
 /* one query head against keys/values [first, last] of its kv head (cache rows of D), softmax in fp32; the
  * scores by the products' kernel (BLOCK keys at a time), qb: q as bf16 (exact: q is bf16-valued there) */
 static void attend(const float* q, const uint16_t* qb, const void* kc, const void* vc, long first, long last, int d,
@@ -77,10 +157,8 @@ static void attend(const float* q, const uint16_t* qb, const void* kc, const voi
             if (scores[j - first + r] > mx) mx = scores[j - first + r];
         }
     }
-    float sum = 0;
-    for (long j = first; j <= last; j++) sum += scores[j - first] = expf(scores[j - first] - mx);
-    for (int i = 0; i < d; i++) out[i] = 0;
-    for (long j = first; j <= last; j++) axpy(out, scores[j - first], (const char*)vc + j * d * esize(dt), d, dt);
+    float sum = softmax_numerators(scores, last - first + 1, mx);
+    weigh_values(scores, vc, first, last - first + 1, d, dt, out);
     for (int i = 0; i < d; i++) out[i] = rnd(out[i] / sum, dt);
 }
 
@@ -156,35 +234,6 @@ static void attention_block(const Model* m, const void* const* p, Step* s) {
 
 static float silu(float x) { return x / (1.0f + expf(-x)); }
 
-#if defined(__AVX512F__)
-/* e^x, 16 at a time: Cephes' expf (range reduction by ln 2 in two parts, a degree-7 polynomial, relative error
- * ~1e-7, as glibc's and Sleef's within an ulp or two), 2^n applied by scalef so tiny results underflow smoothly */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-103.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
-    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(y, n);
-}
-
-/* v rounded to the dtype and back, 16 at a time (rnd's twin: bf16 to nearest even, NaN kept) */
-static inline __m512 rnd16(__m512 v, int dt) {
-    if (dt == F32) return v;
-    if (dt == F16) return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    __m512i u = _mm512_castps_si512(v);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
-    __m512 rounded = _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000)));
-    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), rounded, v);
-}
-#endif
 
 /* gate[i] = rnd(rnd(silu(gate[i])) * up[i]) for i < n: the SwiGLU product, rounded where torch rounds */
 static void silu_mul(float* gate, const float* up, long n, int dt) {

@@ -29,6 +29,8 @@ SHAPES = {
     "mistral-like window 5": dict(arch="llama", sliding_window=5),
     "llama3 rope scaling": dict(arch="llama", rope_scaling={"type": "llama3", "factor": 8.0}),
     "dynamic rope scaling": dict(arch="llama", rope_scaling={"type": "dynamic", "factor": 2.0}),
+    "head_dim 64 (registers hold a head's weighted values)": dict(arch="llama", hidden_size=256, num_heads=4),
+    "head_dim 128, window 20": dict(arch="qwen2", hidden_size=256, num_heads=2, sliding_window=20),
 }
 
 
