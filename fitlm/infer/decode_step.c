@@ -70,13 +70,39 @@ static void rms_norm(const float* x, const void* w, long n, float eps, int dt, f
 /* x [D] rotated in place: x * cos + rotate_half(x) * sin, cos and sin rounded to the dtype first */
 static void rope(float* x, const float* cos, const float* sin, int d, int dt) {
     float tmp[d];
-    int half = d / 2;
-    for (int i = 0; i < d; i++) {
+    int half = d / 2, i = 0;
+#if defined(__AVX512F__)
+    if (half % 16 == 0) /* 16 at a time, the same roundings */
+        for (; i < d; i += 16) {
+            __m512 rot = i < half ? _mm512_sub_ps(_mm512_setzero_ps(), _mm512_loadu_ps(x + i + half))
+                                  : _mm512_loadu_ps(x + i - half);
+            __m512 a = rnd16(_mm512_mul_ps(_mm512_loadu_ps(x + i), rnd16(_mm512_loadu_ps(cos + i), dt)), dt);
+            __m512 b = rnd16(_mm512_mul_ps(rot, rnd16(_mm512_loadu_ps(sin + i), dt)), dt);
+            _mm512_storeu_ps(tmp + i, rnd16(_mm512_add_ps(a, b), dt));
+        }
+#endif
+    for (; i < d; i++) {
         float rot = i < half ? -x[i + half] : x[i - half];
         float a = rnd(x[i] * rnd(cos[i], dt), dt), b = rnd(rot * rnd(sin[i], dt), dt);
         tmp[i] = rnd(a + b, dt);
     }
     memcpy(x, tmp, sizeof(float) * d);
+}
+
+/* out[i] = x[i] in the dtype, i < n (x holds values of the dtype: exact) */
+static void store_row(void* out, const float* x, long n, int dt) {
+    long i = 0;
+#if defined(__AVX512F__)
+    for (; dt != F32 && i + 16 <= n; i += 16) {
+        __m512 v = _mm512_loadu_ps(x + i);
+        __m256i h = dt == F16 ? _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+                              : _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16));
+        _mm256_storeu_si256((__m256i*)((uint16_t*)out + i), h);
+    }
+#endif
+    if (dt == F32) memcpy(out, x, sizeof(float) * n);
+    else
+        for (; i < n; i++) st(out, i, x[i], dt);
 }
 
 /* out[i] += p * v[i], i < d: one value row (dtype) weighted into the fp32 output */
@@ -198,11 +224,11 @@ static void position_row(const Model* m, const void* const* p, Step* s, int b) {
         rope(x, s->cos + (long)b * D, s->sin + (long)b * D, D, dt);
     }
     long row = (long)b * K * m->max_len; /* cache [batch, K, max_len, D] */
-    for (int h = 0; h < K; h++)
-        for (int i = 0; i < D; i++) {
-            st((void*)p[KCACHE], ((row + (long)h * m->max_len) + s->cell) * D + i, k[(long)h * D + i], dt);
-            st((void*)p[VCACHE], ((row + (long)h * m->max_len) + s->cell) * D + i, v[(long)h * D + i], dt);
-        }
+    for (int h = 0; h < K; h++) {
+        long at = ((row + (long)h * m->max_len) + s->cell) * D * esize(dt);
+        store_row((char*)p[KCACHE] + at, k + (long)h * D, D, dt);
+        store_row((char*)p[VCACHE] + at, v + (long)h * D, D, dt);
+    }
 }
 
 static void attention_block(const Model* m, const void* const* p, Step* s) {
