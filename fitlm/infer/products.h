@@ -81,11 +81,11 @@ static inline float vsum8(__m256 v) {
 #define VEC 0 /* no vector path: the scalar loop below does everything */
 #endif
 
-#define BLOCK 4 /* weight rows per work item of a product (and per call of dots) */
+#define BLOCK 4 /* rows per call of dots (attention's keys) */
 
 /* sum_i w[i] x[i] over one weight row: four partial sums over consecutive vectors (one sequential stream, four
- * FMAs in flight), then one vector at a time, added in a fixed order, then the scalar tail. Every product of the
- * step goes through here, so a row's sum is the same whatever batch or block it is computed in. */
+ * FMAs in flight), then one vector at a time, added in a fixed order, then the scalar tail. Attention's scores
+ * (a cached key row against a query) go through here, so a key's score is the same in every batch. */
 #define DOT_BODY(STEP, LOAD_W, LOAD_X, FMA)                                                  \
     for (; i + 4 * (STEP) <= n; i += 4 * (STEP)) {                                           \
         a0 = FMA(a0, LOAD_W(i), LOAD_X(i));                                                   \
