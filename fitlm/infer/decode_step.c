@@ -260,7 +260,6 @@ static void attention_block(const Model* m, const void* const* p, Step* s) {
 
 static float silu(float x) { return x / (1.0f + expf(-x)); }
 
-
 /* gate[i] = rnd(rnd(silu(gate[i])) * up[i]) for i < n: the SwiGLU product, rounded where torch rounds */
 static void silu_mul(float* gate, const float* up, long n, int dt) {
     long i = 0;
